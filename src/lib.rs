@@ -1,0 +1,1 @@
+//! outboxd: a transactional outbox relay.
