@@ -1,0 +1,508 @@
+#!/usr/bin/env bash
+# Configure the local PostgreSQL, MariaDB and RabbitMQ for outboxd's CDC tests:
+#   - PostgreSQL: wal_level=logical, replication slots/senders, replication lines in pg_hba.conf
+#   - MariaDB:    binary log in ROW format with FULL row image and FULL row metadata
+#   - RabbitMQ:   running, plugins rabbitmq_consistent_hash_exchange and rabbitmq_management
+#
+# For a Debian 12 machine with the distribution packages, run as root, no systemd.
+# Idempotent: every run checks everything (one line per check) and changes or restarts a service
+# only when something actually differs from what the tests need. A second run changes nothing.
+#
+# Environment (all optional):
+#   OUTBOXD_SERVICES_TIMEOUT  seconds to wait for a service to come up (default 120)
+#   OUTBOXD_PG_VERSION        PostgreSQL major version (default: newest in /etc/postgresql)
+#   OUTBOXD_PG_CLUSTER        cluster name (default main)
+set -euo pipefail
+
+TIMEOUT=${OUTBOXD_SERVICES_TIMEOUT:-120}
+PG_HOST=127.0.0.1
+PG_DB="test"
+MY_HOST=127.0.0.1
+MY_PORT=3306
+MY_DB="test"
+MY_CONF_DIR=/etc/mysql/mariadb.conf.d
+MY_CONF_FILE=$MY_CONF_DIR/60-outboxd.cnf
+MY_MAIN_CNF=/etc/mysql/my.cnf
+MARIADBD=/usr/sbin/mariadbd
+RMQ_PORT=5672
+RMQ_PLUGINS=(rabbitmq_consistent_hash_exchange rabbitmq_management)
+
+CHANGES=0
+PG_RESTARTED=no
+MY_RESTARTED=no
+RMQ_STARTED=no
+
+say() { printf '%-9s %s\n' "$1:" "$2"; }
+changed() { CHANGES=$((CHANGES + 1)); say "$1" "CHANGED: $2"; }
+die() {
+    printf 'services.sh: ERROR: %s\n' "$1" >&2
+    shift
+    local l
+    for l in "$@"; do printf 'services.sh:   %s\n' "$l" >&2; done
+    exit 1
+}
+
+# wait_until SECONDS CMD...: run CMD until it succeeds or the deadline passes.
+wait_until() {
+    local deadline=$((SECONDS + $1))
+    shift
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.5
+    done
+}
+
+preflight() {
+    if [[ $EUID -ne 0 ]]; then
+        die "scripts/services.sh configures system services and must run as root." \
+            "Run it once as root: sudo scripts/services.sh" \
+            "If your services are managed elsewhere (e.g. docker-compose up), run the tests with OUTBOXD_SKIP_SERVICES=1 scripts/test.sh"
+    fi
+    local missing=() c
+    for c in pg_lsclusters pg_ctlcluster pg_isready psql runuser mysql mysqladmin \
+        start-stop-daemon rabbitmqctl rabbitmq-plugins rabbitmq-server timeout; do
+        command -v "$c" >/dev/null 2>&1 || missing+=("$c")
+    done
+    [[ -x $MARIADBD ]] || missing+=("$MARIADBD")
+    if ((${#missing[@]})); then
+        die "missing commands: ${missing[*]}" \
+            "install the services: apt-get install -y postgresql mariadb-server mariadb-client rabbitmq-server"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# PostgreSQL
+# ---------------------------------------------------------------------------------------------
+
+# name | value for ALTER SYSTEM | pg_settings.setting when applied (wal_sender_timeout is in ms)
+PG_WANTED=(
+    "wal_level|logical|logical"
+    "max_replication_slots|20|20"
+    "max_wal_senders|20|20"
+    "wal_sender_timeout|60s|60000"
+)
+PG_HBA_LINES=(
+    "host replication all 127.0.0.1/32 trust"
+    "host replication all ::1/128 trust"
+)
+
+# Admin queries go through the Unix socket as the postgres OS user (works with Debian's default
+# peer authentication as well as with trust).
+pgq() {
+    runuser -u postgres -- psql -X -q -At -v ON_ERROR_STOP=1 \
+        -h /var/run/postgresql -p "$PG_PORT" -d postgres -c "$1"
+}
+
+pg_ready() { pg_isready -q -h "$PG_HOST" -p "$PG_PORT" && pgq "SELECT 1" >/dev/null; }
+
+pg_wait() {
+    wait_until "$TIMEOUT" pg_ready ||
+        die "PostgreSQL $PG_VERSION/$PG_CLUSTER did not accept connections on $PG_HOST:$PG_PORT within ${TIMEOUT}s" \
+            "see its log: tail -n 50 $PG_LOG" \
+            "start it by hand: pg_ctlcluster --skip-systemctl-redirect $PG_VERSION $PG_CLUSTER start"
+}
+
+pg_cluster_field() { # column number of `pg_lsclusters -h` for our cluster
+    pg_lsclusters -h | awk -v v="$PG_VERSION" -v c="$PG_CLUSTER" -v f="$1" '$1 == v && $2 == c { print $f }'
+}
+
+pg_setting() { pgq "SELECT setting FROM pg_settings WHERE name = '$1'"; }
+
+postgres_section() {
+    [[ -d /etc/postgresql ]] || die "no /etc/postgresql directory" "install PostgreSQL: apt-get install -y postgresql"
+    # shellcheck disable=SC2012 # version directories are plain numbers
+    PG_VERSION=${OUTBOXD_PG_VERSION:-$(ls /etc/postgresql | sort -V | tail -n 1)}
+    PG_CLUSTER=${OUTBOXD_PG_CLUSTER:-main}
+    [[ -n $PG_VERSION && -d /etc/postgresql/$PG_VERSION/$PG_CLUSTER ]] ||
+        die "no PostgreSQL cluster /etc/postgresql/$PG_VERSION/$PG_CLUSTER" \
+            "create one: pg_createcluster $PG_VERSION $PG_CLUSTER (or set OUTBOXD_PG_VERSION / OUTBOXD_PG_CLUSTER)"
+    PG_PORT=$(pg_cluster_field 3)
+    PG_LOG=$(pg_cluster_field 7)
+    [[ -n $PG_PORT ]] || die "pg_lsclusters does not list $PG_VERSION/$PG_CLUSTER"
+
+    local status
+    status=$(pg_cluster_field 4)
+    if [[ $status == online* ]]; then
+        say postgres "cluster $PG_VERSION/$PG_CLUSTER is running (port $PG_PORT)"
+    else
+        say postgres "cluster $PG_VERSION/$PG_CLUSTER is $status: starting it"
+        local t0=$SECONDS
+        pg_ctlcluster --skip-systemctl-redirect "$PG_VERSION" "$PG_CLUSTER" start ||
+            die "could not start PostgreSQL $PG_VERSION/$PG_CLUSTER" "see its log: tail -n 50 $PG_LOG"
+        pg_wait
+        changed postgres "started cluster $PG_VERSION/$PG_CLUSTER in $((SECONDS - t0))s"
+    fi
+    pg_wait
+
+    # Settings: ALTER SYSTEM only when the configuration files do not already say so.
+    local reload=no entry name value applied file_value
+    for entry in "${PG_WANTED[@]}"; do
+        IFS='|' read -r name value applied <<<"$entry"
+        file_value=$(pgq "SELECT setting FROM pg_file_settings WHERE name = '$name' AND error IS NULL ORDER BY seqno DESC LIMIT 1")
+        if [[ $file_value == "$value" ]]; then
+            say postgres "config $name = '$value' (ok)"
+        else
+            pgq "ALTER SYSTEM SET $name = '$value'"
+            changed postgres "ALTER SYSTEM SET $name = '$value' (config had '${file_value:-default}')"
+            reload=yes
+        fi
+    done
+
+    # pg_hba.conf: replication connections are matched only by `replication` lines.
+    local hba line re missing=()
+    hba=$(pgq "SHOW hba_file")
+    [[ -f $hba ]] || die "pg_hba.conf not found at '$hba' (SHOW hba_file)"
+    for line in "${PG_HBA_LINES[@]}"; do
+        re="^[[:space:]]*$(sed -e 's/[.]/[.]/g' -e 's/ /[[:space:]]+/g' <<<"$line")([[:space:]]|\$)"
+        if grep -Eq "$re" "$hba"; then
+            say postgres "pg_hba.conf has '$line' (ok)"
+        else
+            missing+=("$line")
+        fi
+    done
+    if ((${#missing[@]})); then
+        local tmp
+        tmp=$(mktemp)
+        {
+            echo "# added by outboxd scripts/services.sh: replication connections for the tests"
+            printf '%s\n' "${missing[@]}"
+            cat "$hba"
+        } >"$tmp"
+        cat "$tmp" >"$hba" # keeps the file's owner and mode
+        rm -f "$tmp"
+        for line in "${missing[@]}"; do changed postgres "added '$line' at the top of $hba"; done
+        reload=yes
+    fi
+
+    if [[ $reload == yes ]]; then
+        local errors
+        errors=$(pgq "SELECT count(*) FROM pg_hba_file_rules WHERE error IS NOT NULL")
+        [[ $errors == 0 ]] || die "$hba has errors; PostgreSQL would keep the old rules" \
+            "see: psql -h $PG_HOST -U postgres -c 'SELECT line_number, error FROM pg_hba_file_rules WHERE error IS NOT NULL'"
+        pgq "SELECT pg_reload_conf()" >/dev/null
+        say postgres "reloaded the configuration (pg_reload_conf)"
+        # the postmaster applies SIGHUP asynchronously: wait until new sessions see it
+        wait_until 10 pg_sighup_applied || true
+    fi
+
+    # Restart only when a setting that needs one differs from what the server runs with.
+    local restart_for=() context running
+    for entry in "${PG_WANTED[@]}"; do
+        IFS='|' read -r name value applied <<<"$entry"
+        context=$(pgq "SELECT context FROM pg_settings WHERE name = '$name'")
+        running=$(pg_setting "$name")
+        if [[ $running == "$applied" ]]; then
+            say postgres "running $name = $running (ok)"
+        elif [[ $context == postmaster ]]; then
+            say postgres "running $name = $running, wanted $applied: needs a restart"
+            restart_for+=("$name")
+        else
+            die "PostgreSQL runs with $name = $running after a reload, wanted $applied" \
+                "something overrides it (a -c option in /etc/postgresql/$PG_VERSION/$PG_CLUSTER/pg_ctl.conf, or a role/database setting)"
+        fi
+    done
+    if ((${#restart_for[@]})); then
+        local t0=$SECONDS
+        say postgres "restarting cluster $PG_VERSION/$PG_CLUSTER (for ${restart_for[*]})"
+        pg_ctlcluster --skip-systemctl-redirect "$PG_VERSION" "$PG_CLUSTER" restart ||
+            die "could not restart PostgreSQL $PG_VERSION/$PG_CLUSTER" "see its log: tail -n 50 $PG_LOG"
+        pg_wait
+        PG_RESTARTED="yes ($((SECONDS - t0))s)"
+        changed postgres "restarted cluster $PG_VERSION/$PG_CLUSTER in $((SECONDS - t0))s"
+        for entry in "${PG_WANTED[@]}"; do
+            IFS='|' read -r name value applied <<<"$entry"
+            running=$(pg_setting "$name")
+            [[ $running == "$applied" ]] ||
+                die "after the restart PostgreSQL still runs with $name = $running, wanted $applied" \
+                    "something overrides it: look for -c options in /etc/postgresql/$PG_VERSION/$PG_CLUSTER/pg_ctl.conf"
+        done
+    fi
+
+    if [[ $(pgq "SELECT count(*) FROM pg_database WHERE datname = '$PG_DB'") == 1 ]]; then
+        say postgres "database $PG_DB exists (ok)"
+    else
+        pgq "CREATE DATABASE $PG_DB"
+        changed postgres "created database $PG_DB"
+    fi
+}
+
+pg_sighup_applied() {
+    local entry name value applied context
+    for entry in "${PG_WANTED[@]}"; do
+        IFS='|' read -r name value applied <<<"$entry"
+        context=$(pgq "SELECT context FROM pg_settings WHERE name = '$name'")
+        [[ $context == postmaster || $(pg_setting "$name") == "$applied" ]] || return 1
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# MariaDB
+# ---------------------------------------------------------------------------------------------
+
+MY_CONF_CONTENT='# Written by outboxd scripts/services.sh: binary log for the CDC tests.
+# Changing it needs a server restart; scripts/services.sh does that when the values differ.
+[mariadbd]
+server_id=1
+log_bin=mariadb-bin
+binlog_format=ROW
+binlog_row_image=FULL
+binlog_row_metadata=FULL
+gtid_strict_mode=0
+expire_logs_days=7'
+
+# option (dashes) | value the server must read from its option files
+MY_WANTED_OPTS=(
+    "server-id|1"
+    "log-bin|mariadb-bin"
+    "binlog-format|ROW"
+    "binlog-row-image|FULL"
+    "binlog-row-metadata|FULL"
+)
+
+myq() { mysql -uroot -h"$MY_HOST" -P"$MY_PORT" --protocol=TCP --connect-timeout=5 -N -B -e "$1"; }
+my_ping() { mysqladmin -uroot -h"$MY_HOST" -P"$MY_PORT" --protocol=TCP --connect-timeout=2 ping; }
+my_ready() { my_ping && myq "SELECT 1"; }
+
+# The options mariadbd would start with, one `name=value` per line (last one wins), names with
+# dashes.
+my_effective_opts() {
+    "$MARIADBD" --print-defaults | tail -n +2 | tr ' ' '\n' | sed -n 's/^--//p' |
+        awk '{ i = index($0, "="); n = (i ? substr($0, 1, i - 1) : $0); v = (i ? substr($0, i + 1) : "");
+               gsub("_", "-", n); val[n] = v; if (!(n in seen)) { seen[n] = 1; order[++k] = n } }
+             END { for (j = 1; j <= k; j++) print order[j] "=" val[order[j]] }'
+}
+
+my_opts_mismatch() { # prints the wanted options mariadbd would not start with
+    local eff entry name value got
+    eff=$(my_effective_opts)
+    for entry in "${MY_WANTED_OPTS[@]}"; do
+        IFS='|' read -r name value <<<"$entry"
+        got=$(sed -n "s/^$name=//p" <<<"$eff")
+        [[ ${got^^} == "${value^^}" ]] || echo "$name=${got:-<unset>} (wanted $value)"
+    done
+}
+
+my_error_log() { my_effective_opts | sed -n 's/^log-error=//p'; }
+
+my_process_gone() { ! start-stop-daemon --status --exec "$MARIADBD"; }
+
+my_start() {
+    install -d -m 0755 -o mysql -g mysql /run/mysqld
+    start-stop-daemon --start --oknodo --background --exec "$MARIADBD" >/dev/null
+    wait_until "$TIMEOUT" my_ready ||
+        die "MariaDB did not answer on $MY_HOST:$MY_PORT within ${TIMEOUT}s" \
+            "see its log: tail -n 50 $(my_error_log)" \
+            "start it by hand: start-stop-daemon --start --oknodo --background --exec $MARIADBD"
+}
+
+my_running_values() {
+    myq "SELECT @@log_bin, @@binlog_format, @@binlog_row_image, @@binlog_row_metadata, @@server_id,
+                IFNULL(@@log_bin_basename, '-'), TRIM(TRAILING '/' FROM @@datadir)"
+}
+
+mariadb_section() {
+    # 1. our option file
+    if [[ ! -d $MY_CONF_DIR ]]; then
+        mkdir -p "$MY_CONF_DIR"
+        changed mariadb "created $MY_CONF_DIR"
+    fi
+    if [[ -f $MY_CONF_FILE ]] && [[ $(cat "$MY_CONF_FILE") == "$MY_CONF_CONTENT" ]]; then
+        say mariadb "$MY_CONF_FILE is up to date (ok)"
+    else
+        printf '%s\n' "$MY_CONF_CONTENT" >"$MY_CONF_FILE"
+        chmod 0644 "$MY_CONF_FILE"
+        changed mariadb "wrote $MY_CONF_FILE"
+    fi
+
+    # 2. does mariadbd read it? (Debian's /etc/mysql/mariadb.cnf includes mariadb.conf.d; a
+    #    hand-written /etc/mysql/my.cnf may not.)
+    local mismatch
+    mismatch=$(my_opts_mismatch)
+    if [[ -n $mismatch ]]; then
+        local main
+        main=$(readlink -f "$MY_MAIN_CNF" || true)
+        [[ -n $main && -f $main ]] ||
+            die "mariadbd does not read $MY_CONF_FILE and $MY_MAIN_CNF does not exist" \
+                "add '!includedir $MY_CONF_DIR/' to the option file mariadbd reads (see: $MARIADBD --help --verbose | head)"
+        if grep -Eq "^[[:space:]]*!includedir[[:space:]]+$MY_CONF_DIR/?[[:space:]]*$" "$main"; then
+            die "mariadbd reads $MY_CONF_DIR (included from $main) but something overrides $MY_CONF_FILE:" \
+                "$(tr '\n' ';' <<<"$mismatch")" "see: $MARIADBD --print-defaults"
+        fi
+        printf '\n# added by outboxd scripts/services.sh\n!includedir %s/\n' "$MY_CONF_DIR" >>"$main"
+        changed mariadb "added '!includedir $MY_CONF_DIR/' to $main"
+        mismatch=$(my_opts_mismatch)
+        [[ -z $mismatch ]] ||
+            die "mariadbd still does not start with the wanted options: $(tr '\n' ';' <<<"$mismatch")" \
+                "see: $MARIADBD --print-defaults"
+    fi
+    say mariadb "$MARIADBD --print-defaults has server-id=1 log-bin=mariadb-bin ROW/FULL/FULL (ok)"
+
+    # 3. running?
+    if my_ping >/dev/null 2>&1; then
+        say mariadb "server is running on $MY_HOST:$MY_PORT"
+    else
+        say mariadb "server is not running: starting it"
+        local t0=$SECONDS
+        my_start
+        changed mariadb "started the server in $((SECONDS - t0))s"
+    fi
+    wait_until "$TIMEOUT" my_ready ||
+        die "MariaDB answers ping but refuses 'mysql -uroot -h$MY_HOST' (root must log in over TCP with an empty password)"
+
+    # 4. restart when the running server differs
+    local log_bin format image metadata server_id basename datadir
+    IFS=$'\t' read -r log_bin format image metadata server_id basename datadir <<<"$(my_running_values)"
+    local want_basename="$datadir/mariadb-bin"
+    if [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL && $server_id == 1 &&
+        $basename == "$want_basename" ]]; then
+        say mariadb "running log_bin=1 binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL server_id=1 (ok)"
+    else
+        say mariadb "running log_bin=$log_bin ($basename) binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata server_id=$server_id: needs a restart"
+        local t0=$SECONDS pid_file pid
+        pid_file=$(myq "SELECT @@pid_file")
+        pid=$(cat "$pid_file" 2>/dev/null || true)
+        mysqladmin -uroot -h"$MY_HOST" -P"$MY_PORT" --protocol=TCP shutdown ||
+            die "mysqladmin shutdown failed" "stop MariaDB by hand, then run this script again"
+        if [[ -n $pid ]]; then
+            wait_until "$TIMEOUT" test ! -d "/proc/$pid" ||
+                die "MariaDB (pid $pid) did not exit within ${TIMEOUT}s after mysqladmin shutdown"
+        fi
+        wait_until "$TIMEOUT" my_process_gone ||
+            die "a $MARIADBD process is still running ${TIMEOUT}s after mysqladmin shutdown"
+        my_start
+        MY_RESTARTED="yes ($((SECONDS - t0))s)"
+        changed mariadb "restarted the server in $((SECONDS - t0))s"
+        IFS=$'\t' read -r log_bin format image metadata server_id basename datadir <<<"$(my_running_values)"
+        [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL && $server_id == 1 ]] ||
+            die "after the restart MariaDB runs with log_bin=$log_bin binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata server_id=$server_id" \
+                "see: $MARIADBD --print-defaults"
+    fi
+
+    # 5. dynamic settings (no restart needed)
+    if [[ $(myq "SELECT @@gtid_strict_mode = 0 AND @@expire_logs_days = 7") == 1 ]]; then
+        say mariadb "running gtid_strict_mode=0 expire_logs_days=7 (ok)"
+    else
+        myq "SET GLOBAL gtid_strict_mode = 0; SET GLOBAL expire_logs_days = 7"
+        changed mariadb "SET GLOBAL gtid_strict_mode = 0, expire_logs_days = 7"
+    fi
+
+    if [[ -n $(myq "SHOW DATABASES LIKE '$MY_DB'") ]]; then
+        say mariadb "database $MY_DB exists (ok)"
+    else
+        myq "CREATE DATABASE \`$MY_DB\`"
+        changed mariadb "created database $MY_DB"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# RabbitMQ
+# ---------------------------------------------------------------------------------------------
+
+rmq_running() { rabbitmqctl -q status >/dev/null 2>&1; }
+rmq_booted() { rabbitmqctl -q await_startup --timeout 10; }
+
+rabbitmq_section() {
+    if rmq_running; then
+        say rabbitmq "node is running"
+    else
+        say rabbitmq "node is not running: starting it (rabbitmq-server -detached)"
+        local t0=$SECONDS
+        rabbitmq-server -detached >/dev/null 2>&1 || true
+        wait_until "$TIMEOUT" rmq_booted ||
+            die "RabbitMQ did not start within ${TIMEOUT}s" \
+                "see /var/log/rabbitmq/ and try by hand: rabbitmq-server -detached && rabbitmqctl await_startup"
+        RMQ_STARTED="yes ($((SECONDS - t0))s)"
+        changed rabbitmq "started the node in $((SECONDS - t0))s"
+    fi
+
+    local list p
+    list=$(rabbitmq-plugins -q list)
+    for p in "${RMQ_PLUGINS[@]}"; do
+        if grep -Eq "^\[E\*\] $p " <<<"$list"; then
+            say rabbitmq "plugin $p enabled and running (ok)"
+        elif grep -Eq "^\[E \] $p " <<<"$list"; then
+            die "plugin $p is enabled but not running on the node" \
+                "restart RabbitMQ: rabbitmqctl stop && rabbitmq-server -detached && rabbitmqctl await_startup"
+        else
+            rabbitmq-plugins -q enable "$p" >/dev/null ||
+                die "could not enable RabbitMQ plugin $p" "try by hand: rabbitmq-plugins enable $p"
+            changed rabbitmq "enabled plugin $p"
+        fi
+    done
+}
+
+# Sends the AMQP 0-9-1 protocol header; a broker answers with a Connection.Start frame (type 1).
+amqp_answers() {
+    local first
+    first=$(timeout 5 bash -c "exec 3<>/dev/tcp/127.0.0.1/$RMQ_PORT && printf 'AMQP\\x00\\x00\\x09\\x01' >&3 && head -c 1 <&3" |
+        od -An -tx1 | tr -d ' \n')
+    [[ $first == 01 ]]
+}
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------
+
+verify() {
+    local failures=()
+    local wal_level ident
+    wal_level=$(psql -X -At -h "$PG_HOST" -p "$PG_PORT" -U postgres -d "$PG_DB" -c "SHOW wal_level" 2>&1) || true
+    if [[ $wal_level == logical ]]; then
+        say verify "postgres wal_level = logical (ok)"
+    else
+        failures+=("postgres: SHOW wal_level gave '$wal_level', wanted logical")
+    fi
+    if ident=$(psql -X -At "host=$PG_HOST port=$PG_PORT user=postgres dbname=$PG_DB replication=database" \
+        -c "IDENTIFY_SYSTEM" 2>&1); then
+        say verify "postgres replication connection: IDENTIFY_SYSTEM -> $ident (ok)"
+    else
+        failures+=("postgres: replication connection failed: $ident" "  check the 'replication' lines at the top of $(pgq 'SHOW hba_file')")
+    fi
+
+    local log_bin format image metadata server_id basename datadir
+    IFS=$'\t' read -r log_bin format image metadata server_id basename datadir <<<"$(my_running_values)"
+    if [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL ]]; then
+        say verify "mariadb log_bin=1 ($basename) binlog_format=ROW row_image=FULL row_metadata=FULL (ok)"
+    else
+        failures+=("mariadb: log_bin=$log_bin binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata")
+    fi
+
+    if amqp_answers; then
+        say verify "rabbitmq answers AMQP 0-9-1 on 127.0.0.1:$RMQ_PORT (ok)"
+    else
+        failures+=("rabbitmq: no AMQP answer on 127.0.0.1:$RMQ_PORT; see /var/log/rabbitmq/")
+    fi
+    if command -v curl >/dev/null 2>&1; then
+        if wait_until 30 curl -fsS -o /dev/null -u guest:guest http://127.0.0.1:15672/api/overview; then
+            say verify "rabbitmq management API answers on 127.0.0.1:15672 (ok)"
+        else
+            failures+=("rabbitmq: management API http://127.0.0.1:15672/api/overview does not answer")
+        fi
+    fi
+
+    if ((${#failures[@]})); then
+        die "verification failed:" "${failures[@]}"
+    fi
+
+    local pg_version my_version rmq_version
+    pg_version=$(pgq "SHOW server_version" | cut -d' ' -f1)
+    my_version=$(myq "SELECT VERSION()")
+    rmq_version=$(rabbitmqctl -q version 2>/dev/null || echo '?')
+    echo "== summary"
+    echo "postgres  $pg_version ($PG_VERSION/$PG_CLUSTER) $PG_HOST:$PG_PORT db=$PG_DB wal_level=logical slots=20 senders=20 replication=ok restarted=$PG_RESTARTED"
+    echo "mariadb   $my_version $MY_HOST:$MY_PORT db=$MY_DB log_bin=1 ROW/FULL/FULL server_id=1 restarted=$MY_RESTARTED"
+    echo "rabbitmq  $rmq_version 127.0.0.1:$RMQ_PORT plugins=${RMQ_PLUGINS[*]} started=$RMQ_STARTED"
+    echo "changes   $CHANGES"
+}
+
+main() {
+    local t0=$SECONDS
+    preflight
+    postgres_section
+    mariadb_section
+    rabbitmq_section
+    verify
+    echo "services.sh done in $((SECONDS - t0))s"
+}
+
+main "$@"
