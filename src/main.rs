@@ -1,1 +1,86 @@
-fn main() {}
+//! The `outboxd` binary: parses the command line, sets up logging and signals, runs the
+//! command, and maps its result to the contract's exit codes.
+
+use clap::{CommandFactory, FromArgMatches};
+use outboxd::cli::{Cli, LogFormat};
+use outboxd::ExitStatus;
+use std::process::ExitCode;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    match try_main() {
+        Ok(()) => ExitCode::from(ExitStatus::Done as u8),
+        Err(e) => {
+            let status = e
+                .downcast_ref::<outboxd::Error>()
+                .map(|e| e.exit_status())
+                .unwrap_or(ExitStatus::Failed);
+            eprintln!("outboxd: error: {e:#}");
+            ExitCode::from(status as u8)
+        }
+    }
+}
+
+fn try_main() -> anyhow::Result<()> {
+    let matches = match Cli::command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => {
+            // --help and --version print and exit 0; usage errors exit 2.
+            e.exit();
+        }
+    };
+    let cli = Cli::from_arg_matches(&matches)?;
+    init_logging(&cli.log_level, cli.log_format);
+    let shutdown_timeout = match &cli.command {
+        outboxd::cli::Command::Run(a) => a.shutdown_timeout,
+        _ => std::time::Duration::from_secs(30),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(watch_signals(shutdown.clone(), shutdown_timeout));
+        outboxd::cli::execute(cli, &matches, shutdown).await
+    })?;
+    Ok(())
+}
+
+fn init_logging(level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// First SIGINT/SIGTERM: graceful stop, bounded by the shutdown timeout. Second: exit at once.
+async fn watch_signals(shutdown: CancellationToken, timeout: std::time::Duration) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+    tracing::info!(timeout = ?timeout, "shutting down: finishing the open transaction and waiting for confirms (signal again to exit at once)");
+    shutdown.cancel();
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+        _ = tokio::time::sleep(timeout) => {
+            eprintln!("outboxd: error: graceful shutdown did not finish within {timeout:?}; exiting (unconfirmed events will be delivered again)");
+            std::process::exit(ExitStatus::Failed as i32);
+        }
+    }
+    eprintln!(
+        "outboxd: second signal: exiting at once (unconfirmed events will be delivered again)"
+    );
+    std::process::exit(ExitStatus::Failed as i32);
+}

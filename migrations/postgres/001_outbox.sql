@@ -1,0 +1,17 @@
+-- The outbox table (CONTRACT §3). Producers insert into it in the same transaction as their
+-- business rows; outboxd relays each INSERT. `aggregate_id` may also be bigint or uuid, and
+-- `payload` jsonb (json keeps the body byte for byte; jsonb re-renders it).
+CREATE TABLE IF NOT EXISTS outbox (
+    id            uuid         PRIMARY KEY,              -- event id = message id = idempotency key
+    aggregate_id  text         NOT NULL,                 -- ordering and partition key
+    topic         varchar(120) NOT NULL,                 -- routing key
+    payload       json         NOT NULL,
+    status        text         NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'published')),
+    created_at    timestamptz  NOT NULL DEFAULT now(),
+    published_at  timestamptz,
+    headers       jsonb,                                 -- optional, copied into message headers
+    version       bigint                                 -- optional aggregate version
+);
+-- Poll mode's scan (status, created_at), and a partial index that stays small.
+CREATE INDEX IF NOT EXISTS idx_dispatch ON outbox (status, created_at);
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (created_at) WHERE status = 'pending';

@@ -1,0 +1,214 @@
+//! `outboxd run`: wires one source, the relay and one sink together with the state store, and
+//! owns the order of a graceful stop — the source stops at a transaction boundary, the relay
+//! drains every confirmation, the final position reaches the server and the state table, and
+//! the lease is released.
+
+use crate::dsn::{DbDsn, SinkDsn};
+use crate::event::{format_lsn, Checkpoint};
+use crate::outbox::{ColumnMap, TableName};
+use crate::relay::{self, RelayOptions, RelayStats};
+use crate::sink::stdout::StdoutSink;
+use crate::sink::Sink;
+use crate::source::postgres::{self as pg, admin, PgSourceConfig};
+use crate::source::{Budget, Outlet, SourceLink};
+use crate::state::{self, Lease};
+use crate::Error;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+/// Everything `run` needs, already validated.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub name: String,
+    pub slot: String,
+    pub publication: String,
+    pub table: TableName,
+    pub columns: ColumnMap,
+    pub sink: SinkDsn,
+    pub commit_offsets: bool,
+    pub max_inflight_bytes: usize,
+    pub relay: RelayOptions,
+}
+
+/// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
+pub async fn run_postgres(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let app = format!("outboxd_{}", cfg.name);
+    let mut sql = pg::connect_sql(&dsn, &app).await?;
+    admin::require_logical(&sql).await?;
+    admin::require_table(&sql, &cfg.table).await?;
+    let holder = state::holder_id();
+    let lease =
+        state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder).await?;
+    tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
+
+    let start = match admin::slot(&sql, &cfg.slot).await? {
+        Some(slot) => {
+            if slot.wal_status.as_deref() == Some("lost") {
+                return Err(Error::PositionLost {
+                    problem: format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", cfg.slot),
+                    fix: admin::lost_slot_fix(&cfg.name, &cfg.slot),
+                });
+            }
+            if slot.plugin.as_deref() != Some("pgoutput") || slot.database.as_deref() != Some(dsn.database.as_str()) {
+                return Err(Error::config(
+                    format!("slot {:?} exists but is not a pgoutput slot of database {:?} (plugin {:?}, database {:?})", cfg.slot, dsn.database, slot.plugin, slot.database),
+                    format!("use another --slot, or SELECT pg_drop_replication_slot('{}'); if nothing else uses it", cfg.slot),
+                ));
+            }
+            if lease.first_start {
+                state::postgres::mark_initialized(&sql, &lease).await?;
+            }
+            slot.confirmed_flush_lsn.unwrap_or(0)
+        }
+        None if lease.first_start => {
+            let at = admin::create_slot(&sql, &cfg.slot).await?;
+            state::postgres::mark_initialized(&sql, &lease).await?;
+            at
+        }
+        None => {
+            return Err(Error::PositionLost {
+                problem: format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name),
+                fix: admin::lost_slot_fix(&cfg.name, &cfg.slot),
+            })
+        }
+    };
+    tracing::info!(slot = %cfg.slot, position = %format_lsn(start), "resuming");
+
+    let source_cfg = PgSourceConfig {
+        dsn: dsn.clone(),
+        name: cfg.name.clone(),
+        table: cfg.table.clone(),
+        columns: cfg.columns.clone(),
+        slot: cfg.slot.clone(),
+        publication: cfg.publication.clone(),
+        status_interval: Duration::from_secs(1),
+    };
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx.clone(),
+    };
+    let lease_stop = CancellationToken::new();
+    let mut lease_task = tokio::spawn(keep_lease(
+        dsn.clone(),
+        app.clone(),
+        lease.clone(),
+        ack_rx,
+        lease_stop.clone(),
+    ));
+    let source = pg::run(source_cfg, link, start, shutdown.clone());
+    let stats = Arc::new(RelayStats::default());
+
+    let work = async {
+        match &cfg.sink {
+            SinkDsn::Stdout => {
+                let mut sink = StdoutSink::new(cfg.commit_offsets);
+                relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
+            }
+            SinkDsn::Amqp(_) => Err(Error::config(
+                "the RabbitMQ sink is not built yet",
+                "use --sink stdout",
+            )),
+        }
+    };
+    let result = tokio::select! {
+        r = work => r,
+        r = &mut lease_task => {
+            // The lease keeper only ends early on a lost lease.
+            return Err(r.unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}")))).err().unwrap_or_else(|| Error::Other("lease keeper stopped".into())));
+        }
+    };
+    lease_stop.cancel();
+    let lease_result = lease_task
+        .await
+        .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
+    result?;
+    lease_result?;
+    Ok(stats)
+}
+
+async fn relay_and_source<S: Sink>(
+    sink: &mut S,
+    ev_rx: mpsc::Receiver<crate::source::SourceMsg>,
+    ack_tx: watch::Sender<Option<Checkpoint>>,
+    opts: &RelayOptions,
+    stats: &RelayStats,
+    source: impl std::future::Future<Output = Result<(), Error>>,
+) -> Result<(), Error> {
+    let relay = async move {
+        // ack_tx is dropped when the relay ends: that tells the source the last
+        // acknowledgement has been given.
+        relay::run(sink, ev_rx, ack_tx, opts, stats).await
+    };
+    tokio::try_join!(relay, source).map(|_| ())
+}
+
+/// Renews the lease about every second and stores the newest durable position with it; at
+/// the end, stores the final position and releases the lease.
+async fn keep_lease(
+    dsn: DbDsn,
+    app: String,
+    lease: Lease,
+    mut acks: watch::Receiver<Option<Checkpoint>>,
+    stop: CancellationToken,
+) -> Result<(), Error> {
+    let mut client: Option<tokio_postgres::Client> = None;
+    let mut written: Option<u64> = None;
+    let mut tick = tokio::time::interval(state::RENEW_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled(), if !stopping => stopping = true,
+        }
+        let _ = acks.has_changed();
+        let pos = match &*acks.borrow_and_update() {
+            Some(Checkpoint::Lsn(l)) if Some(*l) != written => Some(*l),
+            _ => None,
+        };
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = match pg::connect_sql(&dsn, &app).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "state store unreachable; lease renewal retries");
+                    if stopping {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+        }
+        let c = client.as_ref().expect("connected above");
+        match state::postgres::renew(c, &lease, pos).await {
+            Ok(()) => {
+                if pos.is_some() {
+                    written = pos;
+                }
+            }
+            Err(e @ Error::Leadership(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "lease renewal failed; retrying");
+                client = None;
+                continue;
+            }
+        }
+        if stopping {
+            if let Err(e) = state::postgres::release(c, &lease).await {
+                tracing::warn!(error = %e, "could not release the lease; it expires by itself");
+            }
+            return Ok(());
+        }
+    }
+}

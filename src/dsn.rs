@@ -1,0 +1,295 @@
+//! Connection strings: parsing the source and sink DSNs of CONTRACT §2, and rendering them
+//! with the password redacted, so no log line, error or `--help` ever shows a secret.
+
+use crate::Error;
+use std::fmt;
+use url::Url;
+
+/// TLS verification level, as libpq's `sslmode` (MySQL's `ssl-mode` maps onto it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    Disable,
+    #[default]
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+impl TlsMode {
+    fn parse(v: &str) -> Result<TlsMode, Error> {
+        Ok(match v.to_ascii_lowercase().replace('_', "-").as_str() {
+            "disable" | "disabled" => TlsMode::Disable,
+            "allow" | "prefer" | "preferred" => TlsMode::Prefer,
+            "require" | "required" => TlsMode::Require,
+            "verify-ca" => TlsMode::VerifyCa,
+            "verify-full" | "verify-identity" => TlsMode::VerifyFull,
+            other => {
+                return Err(Error::config(
+                    format!("unknown TLS mode {other:?}"),
+                    "use one of disable, prefer, require, verify-ca, verify-full",
+                ))
+            }
+        })
+    }
+}
+
+/// TLS settings shared by every client.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsSettings {
+    pub mode: TlsMode,
+    pub ca_file: Option<String>,
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+}
+
+/// A database server address with credentials.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DbDsn {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub password: Option<String>,
+    pub database: String,
+    pub tls: TlsSettings,
+}
+
+impl fmt::Debug for DbDsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DbDsn")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("database", &self.database)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceDsn {
+    Postgres(DbDsn),
+    Mysql(DbDsn),
+    /// Binlog files: one file or a directory read in order.
+    File(std::path::PathBuf),
+}
+
+impl SourceDsn {
+    pub fn parse(s: &str) -> Result<SourceDsn, Error> {
+        let url = Url::parse(s.trim()).map_err(|e| {
+            Error::config(
+                format!("cannot parse the source DSN {}: {e}", redact(s)),
+                "use postgres://user@host:5432/db, mysql://user@host:3306/db or file:///path/binlog.000001",
+            )
+        })?;
+        match url.scheme() {
+            "postgres" | "postgresql" => Ok(SourceDsn::Postgres(db_dsn(&url, 5432, "sslmode")?)),
+            "mysql" | "mariadb" => Ok(SourceDsn::Mysql(db_dsn(&url, 3306, "ssl-mode")?)),
+            "file" => Ok(SourceDsn::File(url.to_file_path().map_err(|_| {
+                Error::config(
+                    format!("{s} is not a local file path"),
+                    "use file:///absolute/path/to/binlog.000001",
+                )
+            })?)),
+            other => Err(Error::config(
+                format!("unsupported source scheme {other:?}"),
+                "use postgres://, postgresql://, mysql://, mariadb:// or file://",
+            )),
+        }
+    }
+
+    pub fn password(&self) -> Option<&str> {
+        match self {
+            SourceDsn::Postgres(d) | SourceDsn::Mysql(d) => d.password.as_deref(),
+            SourceDsn::File(_) => None,
+        }
+    }
+}
+
+fn db_dsn(url: &Url, default_port: u16, tls_key: &str) -> Result<DbDsn, Error> {
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let mut tls = TlsSettings::default();
+    let mut host = url.host_str().unwrap_or("").to_string();
+    for (k, v) in url.query_pairs() {
+        match k.as_ref() {
+            "sslmode" | "ssl-mode" | "ssl_mode" | "tls" => tls.mode = TlsMode::parse(&v)?,
+            "sslrootcert" | "ssl-ca" | "ssl_ca" => tls.ca_file = Some(v.into_owned()),
+            "sslcert" | "ssl-cert" | "ssl_cert" => tls.cert_file = Some(v.into_owned()),
+            "sslkey" | "ssl-key" | "ssl_key" => tls.key_file = Some(v.into_owned()),
+            "host" => host = v.into_owned(),
+            "application_name" | "connect_timeout" => {}
+            other => {
+                return Err(Error::config(
+                    format!("unknown DSN parameter {other:?}"),
+                    format!("remove it; supported: {tls_key}, sslrootcert/ssl-ca, sslcert/ssl-cert, sslkey/ssl-key, host"),
+                ))
+            }
+        }
+    }
+    if host.is_empty() {
+        host = "localhost".into();
+    }
+    // IPv6 literals arrive bracketed from the URL parser.
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let user = if url.username().is_empty() {
+        if default_port == 5432 {
+            "postgres".into()
+        } else {
+            "root".into()
+        }
+    } else {
+        decode(url.username())
+    };
+    let database = decode(url.path().trim_start_matches('/'));
+    Ok(DbDsn {
+        host,
+        port: url.port().unwrap_or(default_port),
+        user,
+        password: url.password().map(decode),
+        database: if database.is_empty() {
+            if default_port == 5432 {
+                "postgres".into()
+            } else {
+                String::new()
+            }
+        } else {
+            database
+        },
+        tls,
+    })
+}
+
+/// A sink address.
+#[derive(Clone, PartialEq, Eq)]
+pub enum SinkDsn {
+    Stdout,
+    /// `amqp://` or `amqps://`, kept whole for the client (it carries the vhost and options).
+    Amqp(String),
+}
+
+impl fmt::Debug for SinkDsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SinkDsn::Stdout => f.write_str("Stdout"),
+            SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
+        }
+    }
+}
+
+impl SinkDsn {
+    pub fn parse(s: &str) -> Result<SinkDsn, Error> {
+        let s = s.trim();
+        if s == "stdout" || s == "-" {
+            return Ok(SinkDsn::Stdout);
+        }
+        let url = Url::parse(s).map_err(|e| {
+            Error::config(
+                format!("cannot parse the sink {}: {e}", redact(s)),
+                "use stdout or amqp://user@host:5672/%2f",
+            )
+        })?;
+        match url.scheme() {
+            "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
+            other => Err(Error::config(
+                format!("unsupported sink scheme {other:?}"),
+                "use stdout, amqp:// or amqps://",
+            )),
+        }
+    }
+
+    pub fn password(&self) -> Option<String> {
+        match self {
+            SinkDsn::Stdout => None,
+            SinkDsn::Amqp(u) => Url::parse(u)
+                .ok()
+                .and_then(|u| u.password().map(str::to_string)),
+        }
+    }
+}
+
+/// The DSN with its password replaced by `***` (best effort on unparsable input: everything
+/// between `:` and `@` of the authority goes).
+pub fn redact(s: &str) -> String {
+    if let Ok(mut url) = Url::parse(s) {
+        if url.password().is_some() {
+            let _ = url.set_password(Some("***"));
+        }
+        return url.to_string();
+    }
+    match (s.find("://"), s.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let auth = &s[scheme_end + 3..at];
+            match auth.find(':') {
+                Some(colon) => format!("{}:***{}", &s[..scheme_end + 3 + colon], &s[at..]),
+                None => s.to_string(),
+            }
+        }
+        _ => s.to_string(),
+    }
+}
+
+/// Puts a password into a DSN that has none (passwords from `--source-file`/environment).
+pub fn with_password(dsn: &str, password: &str) -> Result<String, Error> {
+    let mut url = Url::parse(dsn.trim()).map_err(|e| {
+        Error::config(
+            format!("cannot parse {}: {e}", redact(dsn)),
+            "check the DSN syntax",
+        )
+    })?;
+    url.set_password(Some(password))
+        .map_err(|_| Error::config("this DSN cannot carry a password", "use a URL with a host"))?;
+    Ok(url.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_postgres_with_tls_and_redacts() {
+        let s = "postgres://app:s%40cret@db.example:6543/orders?sslmode=verify-full&sslrootcert=/ca.pem";
+        let SourceDsn::Postgres(d) = SourceDsn::parse(s).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.host, "db.example");
+        assert_eq!(d.port, 6543);
+        assert_eq!(d.user, "app");
+        assert_eq!(d.password.as_deref(), Some("s@cret"));
+        assert_eq!(d.database, "orders");
+        assert_eq!(d.tls.mode, TlsMode::VerifyFull);
+        assert_eq!(d.tls.ca_file.as_deref(), Some("/ca.pem"));
+        assert!(!format!("{d:?}").contains("cret"));
+        assert!(!redact(s).contains("cret"));
+        assert!(redact(s).contains("app:***@"));
+        assert!(!redact("postgres://u:pw@@bad url").contains("pw"));
+    }
+
+    #[test]
+    fn parses_other_schemes_and_refuses_unknown() {
+        assert!(matches!(
+            SourceDsn::parse("mariadb://root@127.0.0.1/test").unwrap(),
+            SourceDsn::Mysql(DbDsn { port: 3306, .. })
+        ));
+        assert!(matches!(
+            SourceDsn::parse("file:///var/lib/mysql/bin.000001").unwrap(),
+            SourceDsn::File(_)
+        ));
+        assert!(SourceDsn::parse("redis://x").is_err());
+        assert!(SourceDsn::parse("postgres://x/db?sslmode=bogus").is_err());
+        assert_eq!(SinkDsn::parse("stdout").unwrap(), SinkDsn::Stdout);
+        assert!(SinkDsn::parse("kafka://x").is_err());
+        let with = with_password("postgres://u@h/db", "p@ss").unwrap();
+        let SourceDsn::Postgres(d) = SourceDsn::parse(&with).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.password.as_deref(), Some("p@ss"));
+    }
+}

@@ -1,0 +1,213 @@
+//! What flows down the data path: one outbox row as an [`OutboxEvent`], the source position it
+//! came from, and the [`Checkpoint`] a source can resume from once every event before it is
+//! durable in the sink.
+
+use bytes::Bytes;
+use chrono::{DateTime, SecondsFormat, Utc};
+use std::cmp::Ordering;
+use std::fmt;
+use uuid::Uuid;
+
+/// Where an event sits in the source's commit order. Rendered as the `x-source-position`
+/// header; the rendering is zero-padded so that comparing the strings gives commit order too.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourcePosition {
+    /// Postgres: the commit LSN of the event's transaction and its index in that transaction.
+    Pg { commit_lsn: u64, index: u32 },
+    /// MySQL/MariaDB: binlog file, end position of the transaction, index in the transaction.
+    Binlog {
+        file: String,
+        end_pos: u64,
+        index: u32,
+    },
+    /// Poll mode: no log position; the row's `created_at` order within one batch.
+    Poll { batch: u64, index: u32 },
+}
+
+impl fmt::Display for SourcePosition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourcePosition::Pg { commit_lsn, index } => {
+                write!(f, "{}:{index:010}", format_lsn_padded(*commit_lsn))
+            }
+            SourcePosition::Binlog {
+                file,
+                end_pos,
+                index,
+            } => write!(f, "{file}:{end_pos:010}:{index:010}"),
+            SourcePosition::Poll { batch, index } => write!(f, "poll:{batch:016}:{index:010}"),
+        }
+    }
+}
+
+/// `0/16B3748` (how Postgres prints an LSN).
+pub fn format_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
+}
+
+/// `00000000/016B3748`: sortable as a string.
+pub fn format_lsn_padded(lsn: u64) -> String {
+    format!("{:08X}/{:08X}", lsn >> 32, lsn & 0xffff_ffff)
+}
+
+/// Parses `16/B374D848` (Postgres' form, padded or not).
+pub fn parse_lsn(s: &str) -> Option<u64> {
+    let (hi, lo) = s.trim().split_once('/')?;
+    let hi = u64::from_str_radix(hi, 16).ok()?;
+    let lo = u64::from_str_radix(lo, 16).ok()?;
+    if hi > u32::MAX as u64 || lo > u32::MAX as u64 {
+        return None;
+    }
+    Some((hi << 32) | lo)
+}
+
+/// One outbox row, decoded. `payload` holds the JSON text exactly as the server rendered it:
+/// it becomes the message body byte for byte.
+#[derive(Debug, Clone)]
+pub struct OutboxEvent {
+    pub id: Uuid,
+    pub aggregate_id: String,
+    pub topic: String,
+    pub payload: Bytes,
+    pub created_at: DateTime<Utc>,
+    pub position: SourcePosition,
+    /// The row's optional `headers` JSON object, copied into message headers.
+    pub headers: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The row's optional aggregate version.
+    pub version: Option<i64>,
+    /// The server's GTID of the event's transaction, where it has one.
+    pub gtid: Option<String>,
+    /// Commit time of the event's transaction, where the source knows it (latency metrics).
+    pub committed_at: Option<DateTime<Utc>>,
+    /// Set when the row cannot be published as a message (NULL in a required column, invalid
+    /// JSON, …): the sink sends a dead-letter record with this reason instead of the body.
+    pub poison: Option<String>,
+}
+
+impl OutboxEvent {
+    /// Bytes this event holds in memory, for the in-flight byte budget.
+    pub fn size(&self) -> usize {
+        self.payload.len() + self.aggregate_id.len() + self.topic.len() + 128
+    }
+
+    /// `created_at` as RFC 3339 with microseconds in UTC (`x-outbox-created-at`).
+    pub fn created_at_rfc3339(&self) -> String {
+        self.created_at.to_rfc3339_opts(SecondsFormat::Micros, true)
+    }
+}
+
+/// A position a source can resume from. Sent by the source after the last event of a
+/// transaction (or on an idle keepalive), acknowledged back by the relay only when every event
+/// sent before it is durable in the sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checkpoint {
+    /// Postgres: an LSN to confirm to the slot (a commit's end LSN or an idle keepalive's
+    /// `wal_end`).
+    Lsn(u64),
+    /// MySQL/MariaDB: the binlog coordinates after a transaction, and the GTID state there.
+    Binlog {
+        file: String,
+        pos: u64,
+        gtid_state: Option<String>,
+    },
+}
+
+impl Checkpoint {
+    /// Order of two checkpoints of the same source; `None` across kinds.
+    pub fn compare(&self, other: &Checkpoint) -> Option<Ordering> {
+        match (self, other) {
+            (Checkpoint::Lsn(a), Checkpoint::Lsn(b)) => Some(a.cmp(b)),
+            (
+                Checkpoint::Binlog {
+                    file: fa, pos: pa, ..
+                },
+                Checkpoint::Binlog {
+                    file: fb, pos: pb, ..
+                },
+            ) => Some(
+                binlog_file_seq(fa)
+                    .cmp(&binlog_file_seq(fb))
+                    .then(pa.cmp(pb)),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Whether `self` is strictly after `other`.
+    pub fn is_after(&self, other: &Checkpoint) -> bool {
+        self.compare(other) == Some(Ordering::Greater)
+    }
+}
+
+impl fmt::Display for Checkpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Checkpoint::Lsn(lsn) => f.write_str(&format_lsn(*lsn)),
+            Checkpoint::Binlog {
+                file,
+                pos,
+                gtid_state,
+            } => match gtid_state {
+                Some(g) if !g.is_empty() => write!(f, "{file}:{pos} gtid={g}"),
+                _ => write!(f, "{file}:{pos}"),
+            },
+        }
+    }
+}
+
+/// The numeric suffix of a binlog file name (`mariadb-bin.000042` → 42); files compare by it.
+pub fn binlog_file_seq(file: &str) -> u64 {
+    file.rsplit('.')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lsn_round_trips_and_sorts_as_text() {
+        let a = parse_lsn("0/16B3748").unwrap();
+        let b = parse_lsn("1/0").unwrap();
+        assert_eq!(format_lsn(a), "0/16B3748");
+        assert_eq!(parse_lsn(&format_lsn_padded(b)), Some(b));
+        let pa = SourcePosition::Pg {
+            commit_lsn: a,
+            index: 9,
+        }
+        .to_string();
+        let pb = SourcePosition::Pg {
+            commit_lsn: b,
+            index: 0,
+        }
+        .to_string();
+        let pa10 = SourcePosition::Pg {
+            commit_lsn: a,
+            index: 10,
+        }
+        .to_string();
+        assert!(pa < pa10 && pa10 < pb, "{pa} {pa10} {pb}");
+        assert_eq!(parse_lsn("x/1"), None);
+        assert_eq!(parse_lsn("1"), None);
+    }
+
+    #[test]
+    fn checkpoints_order_within_a_kind_only() {
+        let a = Checkpoint::Binlog {
+            file: "b.000009".into(),
+            pos: 900,
+            gtid_state: None,
+        };
+        let b = Checkpoint::Binlog {
+            file: "b.000010".into(),
+            pos: 4,
+            gtid_state: None,
+        };
+        assert!(b.is_after(&a));
+        assert!(!a.is_after(&b));
+        assert_eq!(Checkpoint::Lsn(1).compare(&a), None);
+        assert!(Checkpoint::Lsn(2).is_after(&Checkpoint::Lsn(1)));
+    }
+}

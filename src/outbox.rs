@@ -1,0 +1,306 @@
+//! The outbox table as both sides see it: the mapping from the contract's column names to a
+//! user's table (`--column` renames, CONTRACT §3), and the producer helper [`Outbox`] that
+//! writes an event row inside the caller's own transaction — the whole point of the pattern.
+
+use crate::Error;
+use std::collections::BTreeMap;
+use uuid::Uuid;
+
+/// Logical columns the relay knows, in the contract's names.
+pub const REQUIRED: [&str; 5] = ["id", "aggregate_id", "topic", "payload", "created_at"];
+pub const OPTIONAL: [&str; 5] = [
+    "status",
+    "published_at",
+    "headers",
+    "version",
+    "aggregate_type",
+];
+
+/// Logical column name → the table's column name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnMap {
+    names: BTreeMap<&'static str, String>,
+}
+
+impl Default for ColumnMap {
+    fn default() -> Self {
+        let names = REQUIRED
+            .iter()
+            .chain(OPTIONAL.iter())
+            .map(|&k| (k, k.to_string()))
+            .collect();
+        ColumnMap { names }
+    }
+}
+
+impl ColumnMap {
+    /// Parses `id=event_id,aggregate_id=aggregateid` (repeatable flag values are joined), or the
+    /// preset `debezium` (Debezium's outbox router columns: `aggregateid`, `type` as topic).
+    pub fn parse(specs: &[String]) -> Result<ColumnMap, Error> {
+        let mut map = ColumnMap::default();
+        for spec in specs.iter().flat_map(|s| s.split(',')) {
+            let spec = spec.trim();
+            if spec.is_empty() {
+                continue;
+            }
+            if spec == "debezium" {
+                map.set("aggregate_id", "aggregateid")?;
+                map.set("topic", "type")?;
+                map.set("aggregate_type", "aggregatetype")?;
+                continue;
+            }
+            let (logical, actual) = spec.split_once('=').ok_or_else(|| {
+                Error::config(
+                    format!("--column {spec:?} is not NAME=COLUMN"),
+                    "write e.g. --column id=event_id,aggregate_id=aggregateid",
+                )
+            })?;
+            map.set(logical.trim(), actual.trim())?;
+        }
+        Ok(map)
+    }
+
+    fn set(&mut self, logical: &str, actual: &str) -> Result<(), Error> {
+        let key = REQUIRED
+            .iter()
+            .chain(OPTIONAL.iter())
+            .find(|&&k| k == logical)
+            .ok_or_else(|| {
+                Error::config(
+                    format!("--column: unknown column {logical:?}"),
+                    format!(
+                        "use one of {}",
+                        REQUIRED
+                            .iter()
+                            .chain(OPTIONAL.iter())
+                            .copied()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                )
+            })?;
+        if actual.is_empty()
+            || !actual
+                .chars()
+                .all(|c| c.is_alphanumeric() || c == '_' || c == '$')
+        {
+            return Err(Error::config(
+                format!("--column {logical}={actual:?}: not a plain column name"),
+                "name the column without quotes or spaces",
+            ));
+        }
+        self.names.insert(key, actual.to_string());
+        Ok(())
+    }
+
+    /// The table's name for a logical column.
+    pub fn get<'a>(&'a self, logical: &'a str) -> &'a str {
+        self.names
+            .get(logical)
+            .map(String::as_str)
+            .unwrap_or(logical)
+    }
+}
+
+/// A table reference `schema.table` (Postgres) or `db.table` (MySQL).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    pub schema: Option<String>,
+    pub name: String,
+}
+
+impl TableName {
+    pub fn parse(s: &str) -> Result<TableName, Error> {
+        let valid = |p: &str| {
+            !p.is_empty()
+                && p.chars()
+                    .all(|c| c.is_alphanumeric() || c == '_' || c == '$')
+        };
+        let (schema, name) = match s.split_once('.') {
+            Some((a, b)) => (Some(a.to_string()), b.to_string()),
+            None => (None, s.to_string()),
+        };
+        if !valid(&name) || schema.as_deref().is_some_and(|s| !valid(s)) {
+            return Err(Error::config(
+                format!("--table {s:?} is not a plain [schema.]table name"),
+                "write e.g. --table outbox or --table public.outbox",
+            ));
+        }
+        Ok(TableName { schema, name })
+    }
+
+    /// Postgres: `"schema"."table"` with `public` as the default schema.
+    pub fn pg_quoted(&self) -> String {
+        format!(
+            "{}.{}",
+            pg_ident(self.schema.as_deref().unwrap_or("public")),
+            pg_ident(&self.name)
+        )
+    }
+
+    pub fn pg_schema(&self) -> &str {
+        self.schema.as_deref().unwrap_or("public")
+    }
+}
+
+/// Quotes a Postgres identifier.
+pub fn pg_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// Quotes a Postgres string literal.
+pub fn pg_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// One event to write.
+#[derive(Debug, Clone)]
+pub struct NewEvent<'a> {
+    pub topic: &'a str,
+    pub aggregate_id: &'a str,
+    pub payload: &'a serde_json::Value,
+    pub headers: Option<&'a serde_json::Value>,
+    pub version: Option<i64>,
+}
+
+/// The producer helper: writes outbox rows inside the caller's transaction.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    table: TableName,
+    columns: ColumnMap,
+}
+
+impl Outbox {
+    pub fn new(table: &str) -> Result<Outbox, Error> {
+        Ok(Outbox {
+            table: TableName::parse(table)?,
+            columns: ColumnMap::default(),
+        })
+    }
+
+    pub fn with_columns(mut self, columns: ColumnMap) -> Self {
+        self.columns = columns;
+        self
+    }
+
+    /// Writes one event in `tx` and returns its id (UUID v7). `created_at` comes from the
+    /// database clock. Commit `tx` and the event exists; roll it back and it never did.
+    pub async fn write(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        topic: &str,
+        aggregate_id: &str,
+        payload: &serde_json::Value,
+    ) -> Result<Uuid, Error> {
+        self.write_event(
+            tx,
+            &NewEvent {
+                topic,
+                aggregate_id,
+                payload,
+                headers: None,
+                version: None,
+            },
+        )
+        .await
+    }
+
+    /// [`Outbox::write`] with the optional headers and version.
+    pub async fn write_event(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        ev: &NewEvent<'_>,
+    ) -> Result<Uuid, Error> {
+        use tokio_postgres::types::{ToSql, Type};
+        let id = Uuid::now_v7();
+        let c = |k| pg_ident(self.columns.get(k));
+        let mut cols = vec![
+            c("id"),
+            c("aggregate_id"),
+            c("topic"),
+            c("payload"),
+            c("created_at"),
+        ];
+        let mut vals = vec!["$1", "$2", "$3", "$4", "now()"];
+        if ev.headers.is_some() {
+            cols.push(c("headers"));
+            vals.push("$5");
+        }
+        if ev.version.is_some() {
+            cols.push(c("version"));
+            vals.push(if ev.headers.is_some() { "$6" } else { "$5" });
+        }
+        let sql = format!(
+            "INSERT INTO {} ({}) VALUES ({})",
+            self.table.pg_quoted(),
+            cols.join(", "),
+            vals.join(", ")
+        );
+        let stmt = tx.prepare(&sql).await?;
+        // The aggregate id column may be bigint, uuid or text: convert to what it is.
+        let agg_i64;
+        let agg_uuid;
+        let agg: &(dyn ToSql + Sync) = match stmt.params().get(1) {
+            Some(&Type::INT8) | Some(&Type::INT4) => {
+                agg_i64 = ev.aggregate_id.parse::<i64>().map_err(|_| {
+                    Error::config(
+                        format!("aggregate id {:?} is not an integer", ev.aggregate_id),
+                        "the aggregate_id column is an integer: pass a number",
+                    )
+                })?;
+                &agg_i64
+            }
+            Some(&Type::UUID) => {
+                agg_uuid = Uuid::parse_str(ev.aggregate_id).map_err(|_| {
+                    Error::config(
+                        format!("aggregate id {:?} is not a UUID", ev.aggregate_id),
+                        "the aggregate_id column is a uuid: pass a UUID",
+                    )
+                })?;
+                &agg_uuid
+            }
+            _ => &ev.aggregate_id,
+        };
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&id, agg, &ev.topic, ev.payload];
+        if let Some(h) = ev.headers {
+            params.push(h);
+        }
+        if let Some(v) = ev.version.as_ref() {
+            params.push(v);
+        }
+        tx.execute(&stmt, &params).await?;
+        Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_renames_and_presets() {
+        let m = ColumnMap::parse(&["id=event_id, aggregate_id=aggregateid".into()]).unwrap();
+        assert_eq!(m.get("id"), "event_id");
+        assert_eq!(m.get("aggregate_id"), "aggregateid");
+        assert_eq!(m.get("topic"), "topic");
+        let d = ColumnMap::parse(&["debezium".into()]).unwrap();
+        assert_eq!(d.get("topic"), "type");
+        assert!(ColumnMap::parse(&["nope=x".into()]).is_err());
+        assert!(ColumnMap::parse(&["id".into()]).is_err());
+        assert!(ColumnMap::parse(&["id=a b".into()]).is_err());
+    }
+
+    #[test]
+    fn table_names() {
+        assert_eq!(
+            TableName::parse("outbox").unwrap().pg_quoted(),
+            "\"public\".\"outbox\""
+        );
+        assert_eq!(
+            TableName::parse("app.outbox").unwrap().pg_quoted(),
+            "\"app\".\"outbox\""
+        );
+        assert!(TableName::parse("a;drop").is_err());
+        assert!(TableName::parse("").is_err());
+    }
+}

@@ -1,0 +1,247 @@
+//! The relay core: takes events from a source in commit order, hands them to a sink with a
+//! bounded window of unconfirmed events, and acknowledges a source checkpoint only once every
+//! event before it is durable — in the order received, never backwards. On a retryable sink
+//! failure (nack, return, confirm timeout, lost connection) it reconnects with backoff and
+//! republishes every unconfirmed event in the original order: duplicates are possible, loss and
+//! reordering of first deliveries are not.
+
+use crate::backoff::Backoff;
+use crate::event::{Checkpoint, OutboxEvent};
+use crate::sink::{Delivery, Sink, SinkError};
+use crate::source::{BudgetPermit, SourceMsg};
+use futures::future::BoxFuture;
+use futures::stream::FuturesOrdered;
+use futures::{FutureExt, StreamExt};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+
+#[derive(Debug, Clone)]
+pub struct RelayOptions {
+    /// Most events handed to the sink and not yet confirmed.
+    pub window: usize,
+    /// A confirmation that takes longer is a failure: reconnect and republish.
+    pub confirm_timeout: Duration,
+    /// Longest time a durable checkpoint waits before it is acknowledged while events keep
+    /// arriving (when the input is idle it is acknowledged at once).
+    pub ack_interval: Duration,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        RelayOptions {
+            window: 1000,
+            confirm_timeout: Duration::from_secs(30),
+            ack_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Counters of what went through the relay (the metrics endpoint reads them).
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    pub published: AtomicU64,
+    pub confirmed: AtomicU64,
+    pub republished: AtomicU64,
+    pub recoveries: AtomicU64,
+    pub poison: AtomicU64,
+    pub acked_checkpoints: AtomicU64,
+}
+
+enum Entry {
+    Event {
+        event: Box<OutboxEvent>,
+        _permit: BudgetPermit,
+    },
+    Checkpoint(Checkpoint),
+}
+
+type Confirm = BoxFuture<'static, Result<(), SinkError>>;
+
+/// Runs until the source closes its channel and every event is confirmed and acknowledged.
+/// Graceful shutdown is therefore the source's decision (it stops at a transaction boundary);
+/// the caller bounds the wait with its shutdown timeout.
+pub async fn run<S: Sink>(
+    sink: &mut S,
+    mut rx: mpsc::Receiver<SourceMsg>,
+    acks: watch::Sender<Option<Checkpoint>>,
+    opts: &RelayOptions,
+    stats: &RelayStats,
+) -> Result<(), crate::Error> {
+    let store = sink.stores_position();
+    let mut queue: VecDeque<Entry> = VecDeque::new();
+    let mut confirms: FuturesOrdered<Confirm> = FuturesOrdered::new();
+    let mut durable: Option<Checkpoint> = None;
+    let mut acked: Option<Checkpoint> = None;
+    let mut input_open = true;
+    let mut last_ack = Instant::now();
+
+    connect_with_backoff(sink).await?;
+
+    loop {
+        if !input_open && queue.is_empty() {
+            break;
+        }
+        let ack_due = durable.is_some() && durable != acked;
+        tokio::select! {
+            biased;
+            res = confirms.next(), if !confirms.is_empty() => {
+                match res.expect("checked non-empty") {
+                    Ok(()) => {
+                        stats.confirmed.fetch_add(1, Ordering::Relaxed);
+                        pop_confirmed(&mut queue, &mut durable);
+                    }
+                    Err(e) if e.is_retryable() => {
+                        recover(sink, &queue, &mut confirms, e, opts, stats).await?;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            msg = rx.recv(), if input_open && confirms.len() < opts.window => {
+                match msg {
+                    None => input_open = false,
+                    Some(SourceMsg::Checkpoint(cp)) => {
+                        if queue.is_empty() {
+                            advance(&mut durable, cp);
+                        } else {
+                            queue.push_back(Entry::Checkpoint(cp));
+                        }
+                    }
+                    Some(SourceMsg::Event(event, permit)) => {
+                        if event.poison.is_some() {
+                            stats.poison.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let published = publish_one(sink, &event, opts.confirm_timeout).await;
+                        queue.push_back(Entry::Event { event, _permit: permit });
+                        stats.published.fetch_add(1, Ordering::Relaxed);
+                        match published {
+                            Ok(confirm) => confirms.push_back(confirm),
+                            Err(e) if e.is_retryable() => {
+                                recover(sink, &queue, &mut confirms, e, opts, stats).await?;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                }
+            }
+            _ = tokio::time::sleep(opts.ack_interval), if ack_due => {}
+        }
+
+        if durable.is_some()
+            && durable != acked
+            && (!input_open || rx.is_empty() || last_ack.elapsed() >= opts.ack_interval)
+        {
+            // Accepted-but-buffered events become durable only with this flush, so it must
+            // come before the acknowledgement that covers them.
+            sink.flush().await?;
+            if store {
+                acks.send_replace(durable.clone());
+            }
+            stats.acked_checkpoints.fetch_add(1, Ordering::Relaxed);
+            acked = durable.clone();
+            last_ack = Instant::now();
+        }
+    }
+    sink.flush().await?;
+    Ok(())
+}
+
+/// The front event was confirmed: drop it, then every checkpoint it was holding back.
+fn pop_confirmed(queue: &mut VecDeque<Entry>, durable: &mut Option<Checkpoint>) {
+    let front = queue.pop_front();
+    debug_assert!(matches!(front, Some(Entry::Event { .. })));
+    while let Some(Entry::Checkpoint(_)) = queue.front() {
+        if let Some(Entry::Checkpoint(cp)) = queue.pop_front() {
+            advance(durable, cp);
+        }
+    }
+}
+
+/// Moves the durable checkpoint forward, never backwards (a source that reconnects may repeat
+/// an older one).
+fn advance(durable: &mut Option<Checkpoint>, cp: Checkpoint) {
+    match durable {
+        Some(cur) if !cp.is_after(cur) => {}
+        _ => *durable = Some(cp),
+    }
+}
+
+async fn publish_one<S: Sink>(
+    sink: &mut S,
+    event: &OutboxEvent,
+    confirm_timeout: Duration,
+) -> Result<Confirm, SinkError> {
+    Ok(match sink.publish(event).await? {
+        Delivery::Accepted => futures::future::ready(Ok(())).boxed(),
+        Delivery::Pending(confirm) => tokio::time::timeout(confirm_timeout, confirm)
+            .map(move |r| r.unwrap_or(Err(SinkError::ConfirmTimeout(confirm_timeout))))
+            .boxed(),
+    })
+}
+
+async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error> {
+    let mut backoff = Backoff::standard();
+    loop {
+        match sink.connect().await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_retryable() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(sink = sink.name(), error = %e, retry_in = ?delay, "sink unavailable");
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Reconnects and republishes every unconfirmed event, in order, until that succeeds or a
+/// non-retryable error says it never will.
+async fn recover<S: Sink>(
+    sink: &mut S,
+    queue: &VecDeque<Entry>,
+    confirms: &mut FuturesOrdered<Confirm>,
+    cause: SinkError,
+    opts: &RelayOptions,
+    stats: &RelayStats,
+) -> Result<(), crate::Error> {
+    let unconfirmed = queue
+        .iter()
+        .filter(|e| matches!(e, Entry::Event { .. }))
+        .count();
+    tracing::warn!(sink = sink.name(), error = %cause, unconfirmed, "sink failed; reconnecting to republish unconfirmed events in order");
+    stats.recoveries.fetch_add(1, Ordering::Relaxed);
+    let mut backoff = Backoff::standard();
+    loop {
+        // Old confirmations belong to the broken channel: drop them before republishing.
+        *confirms = FuturesOrdered::new();
+        let attempt: Result<(), SinkError> = async {
+            sink.connect().await?;
+            for entry in queue {
+                if let Entry::Event { event, .. } = entry {
+                    let c = publish_one(sink, event, opts.confirm_timeout).await?;
+                    confirms.push_back(c);
+                    stats.republished.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        }
+        .await;
+        match attempt {
+            Ok(()) => {
+                tracing::info!(
+                    sink = sink.name(),
+                    republished = unconfirmed,
+                    "sink recovered"
+                );
+                return Ok(());
+            }
+            Err(e) if e.is_retryable() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(sink = sink.name(), error = %e, retry_in = ?delay, "sink still unavailable");
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}

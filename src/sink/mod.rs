@@ -1,0 +1,68 @@
+//! Where events go. A sink says, for every event, whether it is merely accepted (durable once
+//! the sink is flushed) or pending a broker confirmation; only durable events let the relay
+//! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
+//! so every sink gets it the same way.
+
+pub mod stdout;
+
+use crate::event::OutboxEvent;
+use futures::future::BoxFuture;
+
+/// How an event was taken by a sink.
+pub enum Delivery {
+    /// Written; durable after the next successful [`Sink::flush`].
+    Accepted,
+    /// Handed to a broker; durable when the future resolves `Ok`.
+    Pending(BoxFuture<'static, Result<(), SinkError>>),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The connection is gone or unusable; reconnect and republish.
+    #[error("sink connection: {0}")]
+    Connection(String),
+    /// The broker refused the message (nack) or returned it as unroutable.
+    #[error("sink rejected the message: {0}")]
+    Rejected(String),
+    /// No confirmation within the confirm timeout.
+    #[error("no confirmation within {0:?}")]
+    ConfirmTimeout(std::time::Duration),
+    /// Configuration or permission problem: retrying cannot help.
+    #[error("{problem}\n  fix: {fix}")]
+    Config { problem: String, fix: String },
+    /// Writing to a local stream failed (stdout closed).
+    #[error("sink io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl SinkError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            SinkError::Connection(_) | SinkError::Rejected(_) | SinkError::ConfirmTimeout(_)
+        )
+    }
+}
+
+/// A destination for outbox events. Not object-safe on purpose: the relay is generic over it.
+pub trait Sink: Send {
+    /// Short name for logs (`stdout`, `rabbitmq`).
+    fn name(&self) -> &'static str;
+
+    /// Whether positions acknowledged through this sink may be stored. The stdout sink stores
+    /// none unless asked (`--commit-offsets`), so trying it never moves a production position.
+    fn stores_position(&self) -> bool;
+
+    /// (Re)establish the connection. Called before the first publish and after a retryable
+    /// failure, before the unconfirmed events are republished in order.
+    fn connect(&mut self) -> impl std::future::Future<Output = Result<(), SinkError>> + Send;
+
+    /// Hand one event to the sink.
+    fn publish(
+        &mut self,
+        event: &OutboxEvent,
+    ) -> impl std::future::Future<Output = Result<Delivery, SinkError>> + Send;
+
+    /// Make every `Accepted` event durable.
+    fn flush(&mut self) -> impl std::future::Future<Output = Result<(), SinkError>> + Send;
+}

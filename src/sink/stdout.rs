@@ -1,0 +1,99 @@
+//! The stdout sink (CONTRACT §5): one JSON object per event per line, logs stay on stderr.
+//! Lines are buffered and flushed before any position that covers them is acknowledged.
+
+use super::{Delivery, Sink, SinkError};
+use crate::event::OutboxEvent;
+use serde::Serialize;
+use serde_json::value::RawValue;
+use std::io::Write;
+
+pub struct StdoutSink<W: Write + Send = std::io::Stdout> {
+    out: std::io::BufWriter<W>,
+    commit_offsets: bool,
+}
+
+impl StdoutSink {
+    pub fn new(commit_offsets: bool) -> Self {
+        Self::with_writer(std::io::stdout(), commit_offsets)
+    }
+}
+
+impl<W: Write + Send> StdoutSink<W> {
+    pub fn with_writer(writer: W, commit_offsets: bool) -> Self {
+        StdoutSink {
+            out: std::io::BufWriter::with_capacity(256 * 1024, writer),
+            commit_offsets,
+        }
+    }
+
+    pub fn into_inner(self) -> W {
+        match self.out.into_inner() {
+            Ok(w) => w,
+            Err(e) => e.into_inner().into_parts().0,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Line<'a> {
+    id: String,
+    aggregate_id: &'a str,
+    topic: &'a str,
+    payload: &'a RawValue,
+    created_at: String,
+    position: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    poison: Option<&'a str>,
+}
+
+/// Renders the stdout line of an event (without the newline).
+pub fn render_line(event: &OutboxEvent) -> Result<Vec<u8>, SinkError> {
+    let null = RawValue::from_string("null".into()).expect("null is JSON");
+    // The payload goes out as a JSON value: it was validated when decoded, and a poison event
+    // (invalid JSON) prints `null` with its reason instead of breaking the line format.
+    let payload_str = std::str::from_utf8(&event.payload).ok();
+    let raw: Option<&RawValue> = match (&event.poison, payload_str) {
+        (None, Some(s)) => serde_json::from_str(s).ok(),
+        _ => None,
+    };
+    let line = Line {
+        id: event.id.hyphenated().to_string(),
+        aggregate_id: &event.aggregate_id,
+        topic: &event.topic,
+        payload: raw.unwrap_or(&null),
+        created_at: event.created_at_rfc3339(),
+        position: event.position.to_string(),
+        poison: event.poison.as_deref().or(if raw.is_none() {
+            Some("payload is not valid JSON")
+        } else {
+            None
+        }),
+    };
+    serde_json::to_vec(&line).map_err(|e| SinkError::Io(std::io::Error::other(e)))
+}
+
+impl<W: Write + Send> Sink for StdoutSink<W> {
+    fn name(&self) -> &'static str {
+        "stdout"
+    }
+
+    fn stores_position(&self) -> bool {
+        self.commit_offsets
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
+        let mut line = render_line(event)?;
+        line.push(b'\n');
+        self.out.write_all(&line)?;
+        Ok(Delivery::Accepted)
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        self.out.flush()?;
+        Ok(())
+    }
+}

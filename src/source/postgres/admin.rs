@@ -1,0 +1,171 @@
+//! What the Postgres source needs to exist before it streams, and how it is created, inspected
+//! and removed: the publication on the outbox table, the logical slot, and the checks that tell
+//! an operator the exact SQL to run when something is missing.
+
+use crate::event::parse_lsn;
+use crate::outbox::{pg_ident, pg_literal, TableName};
+use crate::Error;
+use tokio_postgres::Client;
+
+/// The replication slot as the server sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub database: Option<String>,
+    pub active: bool,
+    pub active_pid: Option<i32>,
+    pub confirmed_flush_lsn: Option<u64>,
+    pub restart_lsn: Option<u64>,
+    pub wal_status: Option<String>,
+}
+
+pub async fn slot(client: &Client, slot: &str) -> Result<Option<SlotInfo>, Error> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, database::text, active, active_pid, confirmed_flush_lsn::text,
+                    restart_lsn::text, wal_status
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        database: r.get(1),
+        active: r.get(2),
+        active_pid: r.get(3),
+        confirmed_flush_lsn: r.get::<_, Option<String>>(4).and_then(|s| parse_lsn(&s)),
+        restart_lsn: r.get::<_, Option<String>>(5).and_then(|s| parse_lsn(&s)),
+        wal_status: r.get(6),
+    }))
+}
+
+pub async fn wal_level(client: &Client) -> Result<String, Error> {
+    Ok(client.query_one("SHOW wal_level", &[]).await?.get(0))
+}
+
+/// Fails with the fix when logical decoding is off.
+pub async fn require_logical(client: &Client) -> Result<(), Error> {
+    let level = wal_level(client).await?;
+    if level != "logical" {
+        return Err(Error::config(
+            format!("wal_level is {level}, logical replication needs logical"),
+            "ALTER SYSTEM SET wal_level = logical; then restart Postgres",
+        ));
+    }
+    Ok(())
+}
+
+/// Fails with the fix when the outbox table does not exist.
+pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Error> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+        .await?
+        .get(0);
+    if !exists {
+        return Err(Error::config(
+            format!("the outbox table {} does not exist", table.pg_quoted()),
+            format!(
+                "create it (migrations/postgres/001_outbox.sql) or run `outboxd setup --create-table --table {}`",
+                table.pg_quoted()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates the publication when missing; checks an existing one covers the table with
+/// inserts.
+pub async fn ensure_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<bool, Error> {
+    let row = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?;
+    match row {
+        None => {
+            client
+                .batch_execute(&format!(
+                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+                    pg_ident(publication),
+                    table.pg_quoted()
+                ))
+                .await?;
+            tracing::info!(publication, table = %table.pg_quoted(), "created publication");
+            Ok(true)
+        }
+        Some(r) => {
+            let inserts: bool = r.get(0);
+            let covers: bool = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                                     WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+                    &[&publication, &table.pg_schema(), &table.name],
+                )
+                .await?
+                .get(0);
+            if !inserts || !covers {
+                return Err(Error::config(
+                    format!(
+                        "publication {publication:?} exists but does not publish inserts of {}",
+                        table.pg_quoted()
+                    ),
+                    format!(
+                        "ALTER PUBLICATION {} SET TABLE {} ; ALTER PUBLICATION {} SET (publish = 'insert');",
+                        pg_ident(publication),
+                        table.pg_quoted(),
+                        pg_ident(publication)
+                    ),
+                ));
+            }
+            Ok(false)
+        }
+    }
+}
+
+/// Creates the logical slot; returns its consistent point.
+pub async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
+    let row = client
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await?;
+    let lsn: String = row.get(0);
+    tracing::info!(slot, at = %lsn, "created replication slot");
+    parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("slot LSN {lsn:?}")))
+}
+
+pub async fn drop_slot(client: &Client, slot: &str) -> Result<bool, Error> {
+    if self::slot(client, slot).await?.is_none() {
+        return Ok(false);
+    }
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await?;
+    Ok(true)
+}
+
+pub async fn drop_publication(client: &Client, publication: &str) -> Result<(), Error> {
+    client
+        .batch_execute(&format!(
+            "DROP PUBLICATION IF EXISTS {}",
+            pg_ident(publication)
+        ))
+        .await?;
+    Ok(())
+}
+
+/// The fix text for a lost slot.
+pub fn lost_slot_fix(name: &str, slot: &str) -> String {
+    format!(
+        "events written while the slot was missing may not be relayed. Either start over from now \
+         (`outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered event> ...`), \
+         or re-create the slot and accept the gap: SELECT pg_create_logical_replication_slot({}, 'pgoutput');",
+        pg_literal(slot)
+    )
+}

@@ -1,0 +1,393 @@
+//! The Postgres source: a logical replication slot with the pgoutput plugin and a publication
+//! on the outbox table only (`publish = 'insert'`), read with `pgwire-replication`, decoded by
+//! our own [`pgoutput`] module, plain SQL with `tokio-postgres`.
+//!
+//! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
+//! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
+//! them). A reconnect resumes from the slot and skips transactions this process already
+//! forwarded, so a dropped connection adds neither gaps nor duplicates.
+
+pub mod admin;
+pub mod pgoutput;
+mod rows;
+
+use crate::backoff::Backoff;
+use crate::dsn::{DbDsn, TlsMode};
+use crate::event::{format_lsn, Checkpoint};
+use crate::outbox::{ColumnMap, TableName};
+use crate::source::SourceLink;
+use crate::Error;
+use pgwire_replication::{
+    Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
+};
+use rows::RowMapper;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Everything the Postgres source needs to run.
+#[derive(Debug, Clone)]
+pub struct PgSourceConfig {
+    pub dsn: DbDsn,
+    pub name: String,
+    pub table: TableName,
+    pub columns: ColumnMap,
+    pub slot: String,
+    pub publication: String,
+    /// How often the applied position is reported to the server at most.
+    pub status_interval: Duration,
+}
+
+/// Whether a Postgres error is worth a reconnect.
+pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        Some(code) => {
+            let c = code.code();
+            // connection exceptions, operator intervention (shutdown, restart), resource
+            // limits, serialization failures and deadlocks, and "object in use" (a slot still
+            // held by a dead relay's walsender).
+            c.starts_with("08")
+                || c.starts_with("57")
+                || c.starts_with("53")
+                || c == "40001"
+                || c == "40P01"
+                || c == "55006"
+        }
+        // No SQLSTATE: an I/O error underneath.
+        None => true,
+    }
+}
+
+pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(h) = db.hint() {
+                s.push_str("; hint: ");
+                s.push_str(h);
+            }
+            s
+        }
+        None => e.to_string(),
+    }
+}
+
+/// Connects an ordinary SQL session (TLS per the DSN) and drives it in the background.
+pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgres::Client, Error> {
+    let mut cfg = tokio_postgres::Config::new();
+    if dsn.host.starts_with('/') {
+        cfg.host_path(&dsn.host);
+    } else {
+        cfg.host(&dsn.host);
+    }
+    cfg.port(dsn.port)
+        .user(&dsn.user)
+        .dbname(&dsn.database)
+        .application_name(application)
+        .connect_timeout(Duration::from_secs(10))
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(30));
+    if let Some(p) = &dsn.password {
+        cfg.password(p);
+    }
+    cfg.ssl_mode(match dsn.tls.mode {
+        TlsMode::Disable => tokio_postgres::config::SslMode::Disable,
+        TlsMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        _ => tokio_postgres::config::SslMode::Require,
+    });
+    let client = match crate::tls::client_config(&dsn.tls)? {
+        None => {
+            let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "postgres connection ended");
+                }
+            });
+            client
+        }
+        Some(tls) => {
+            let (client, conn) = cfg
+                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+                .await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "postgres connection ended");
+                }
+            });
+            client
+        }
+    };
+    Ok(client)
+}
+
+fn replication_config(cfg: &PgSourceConfig, start: u64) -> ReplicationConfig {
+    let mut tls = TlsConfig {
+        mode: match cfg.dsn.tls.mode {
+            TlsMode::Disable => SslMode::Disable,
+            TlsMode::Prefer => SslMode::Prefer,
+            TlsMode::Require => SslMode::Require,
+            TlsMode::VerifyCa => SslMode::VerifyCa,
+            TlsMode::VerifyFull => SslMode::VerifyFull,
+        },
+        ..Default::default()
+    };
+    tls.ca_pem_path = cfg.dsn.tls.ca_file.clone().map(Into::into);
+    tls.client_cert_pem_path = cfg.dsn.tls.cert_file.clone().map(Into::into);
+    tls.client_key_pem_path = cfg.dsn.tls.key_file.clone().map(Into::into);
+    ReplicationConfig::new(
+        cfg.dsn.host.clone(),
+        cfg.dsn.user.clone(),
+        cfg.dsn.password.clone().unwrap_or_default(),
+        cfg.dsn.database.clone(),
+        cfg.slot.clone(),
+        cfg.publication.clone(),
+    )
+    .with_port(cfg.dsn.port)
+    .with_tls(tls)
+    .with_start_lsn(Lsn::from_u64(start))
+    // Report exactly what is durable until the relay says more.
+    .with_ack_lsn(Lsn::from_u64(start))
+    .with_status_interval(cfg.status_interval)
+    .with_wakeup_interval(Duration::from_secs(1))
+    .with_buffer_size(2048)
+    // Timestamps are parsed with their offset, but pinning the style keeps the text format
+    // one we parse, whatever the server's defaults.
+    .with_options("-c datestyle=ISO -c timezone=UTC -c intervalstyle=postgres")
+    .with_application_name(format!("outboxd_{}", cfg.name))
+}
+
+fn wire_error(e: PgWireError, slot: &str, name: &str) -> Error {
+    let text = e.to_string();
+    if text.contains("42704") || text.contains("does not exist") && text.contains("slot") {
+        return Error::PositionLost {
+            problem: format!("replication slot {slot:?} does not exist: {text}"),
+            fix: format!(
+                "the events since the last stored position may be gone from the WAL. To start over from now: \
+                 `outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered event> ...`"
+            ),
+        };
+    }
+    let retryable = match &e {
+        PgWireError::Io(_) | PgWireError::Task(_) => true,
+        PgWireError::Server(m) => {
+            m.contains("55006")
+                || m.contains("57P01")
+                || m.contains("57P03")
+                || m.contains("53300")
+                || m.contains("08")
+                || m.contains("is active for PID")
+                || m.contains("the database system is")
+        }
+        PgWireError::Protocol(m) => m.contains("EOF") || m.contains("closed"),
+        _ => false,
+    };
+    Error::source(format!("replication stream: {text}"), retryable)
+}
+
+/// Streams from the slot until `shutdown`, then stops at a transaction boundary, waits for the
+/// relay to confirm everything, and makes sure the final position reached the server.
+pub async fn run(
+    cfg: PgSourceConfig,
+    link: SourceLink,
+    start: u64,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let SourceLink { outlet, mut acks } = link;
+    let mut outlet = Some(outlet);
+    let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());
+    // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
+    // repeated by the server and skipped here.
+    let mut forwarded_commit: u64 = 0;
+    let mut acked: u64 = start;
+    let mut backoff = Backoff::standard();
+
+    'connect: loop {
+        let mut client = match ReplicationClient::connect(replication_config(&cfg, acked)).await {
+            Ok(c) => c,
+            Err(e) => {
+                let err = wire_error(e, &cfg.slot, &cfg.name);
+                if !err.is_retryable() {
+                    return Err(err);
+                }
+                let d = backoff.next_delay();
+                tracing::warn!(error = %err, retry_in = ?d, "replication connect failed");
+                tokio::time::sleep(d).await;
+                continue;
+            }
+        };
+        let started = tokio::select! {
+            r = client.wait_started() => r,
+            _ = shutdown.cancelled() => {
+                client.abort();
+                return Ok(());
+            }
+        };
+        if let Err(e) = started {
+            let err = wire_error(e, &cfg.slot, &cfg.name);
+            if !err.is_retryable() {
+                return Err(err);
+            }
+            let d = backoff.next_delay();
+            tracing::warn!(error = %err, retry_in = ?d, "replication start refused; retrying");
+            tokio::time::sleep(d).await;
+            continue;
+        }
+        tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
+        let mut in_txn: Option<Txn> = None;
+        let mut last_idle_checkpoint: u64 = 0;
+
+        loop {
+            let Some(out) = outlet.as_ref() else {
+                break 'connect;
+            };
+            let mut stop = false;
+            tokio::select! {
+                biased;
+                changed = acks.changed() => {
+                    if changed.is_err() {
+                        // The relay ended before we stopped: it failed, and says why.
+                        client.abort();
+                        return Ok(());
+                    }
+                    if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
+                        if l > acked {
+                            acked = l;
+                            client.update_applied_lsn(Lsn::from_u64(l));
+                        }
+                    }
+                }
+                _ = shutdown.cancelled(), if in_txn.is_none() => stop = true,
+                ev = client.recv() => {
+                    let ev = match ev {
+                        Ok(Some(ev)) => ev,
+                        Ok(None) => {
+                            let err = Error::source("replication stream ended", true);
+                            tracing::warn!(error = %err, "reconnecting");
+                            continue 'connect;
+                        }
+                        Err(e) => {
+                            let err = wire_error(e, &cfg.slot, &cfg.name);
+                            if !err.is_retryable() {
+                                return Err(err);
+                            }
+                            let d = backoff.next_delay();
+                            tracing::warn!(error = %err, retry_in = ?d, "replication stream broke; resuming from the slot");
+                            tokio::time::sleep(d).await;
+                            continue 'connect;
+                        }
+                    };
+                    backoff.reset();
+                    match ev {
+                        ReplicationEvent::Begin { final_lsn, commit_time_micros, .. } => {
+                            let commit_lsn = final_lsn.as_u64();
+                            in_txn = Some(Txn {
+                                commit_lsn,
+                                commit_time_micros,
+                                index: 0,
+                                skip: commit_lsn <= forwarded_commit,
+                            });
+                        }
+                        ReplicationEvent::XLogData { data, .. } => {
+                            let msg = pgoutput::decode(data).map_err(|e| Error::Decode(e.to_string()))?;
+                            match msg {
+                                pgoutput::Message::Relation(rel) => mapper.relation(rel)?,
+                                pgoutput::Message::Insert { relation_id, tuple } => {
+                                    let Some(txn) = in_txn.as_mut() else {
+                                        return Err(Error::Decode("insert outside a transaction".into()));
+                                    };
+                                    if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
+                                        txn.index += 1;
+                                        if !txn.skip {
+                                            out.send_event(event).await?;
+                                        }
+                                    }
+                                }
+                                // publish = 'insert' keeps these away; other messages are
+                                // not ours.
+                                _ => {}
+                            }
+                        }
+                        ReplicationEvent::Commit { end_lsn, .. } => {
+                            if let Some(txn) = in_txn.take() {
+                                if !txn.skip {
+                                    out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
+                                    forwarded_commit = txn.commit_lsn;
+                                }
+                            }
+                        }
+                        ReplicationEvent::KeepAlive { wal_end, .. } => {
+                            let w = wal_end.as_u64();
+                            // Everything before a keepalive has been sent to us, so once the
+                            // events before it are durable the slot may move here: an idle
+                            // outbox beside busy tables keeps the slot near the head.
+                            if in_txn.is_none() && w > last_idle_checkpoint && w > acked {
+                                last_idle_checkpoint = w;
+                                out.send_checkpoint(Checkpoint::Lsn(w)).await?;
+                            }
+                        }
+                        ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+                    }
+                }
+            }
+            if stop {
+                tracing::info!("stopping at a transaction boundary");
+                // Closing the channel tells the relay that no more events come.
+                drop(outlet.take());
+                drain_and_confirm(&mut client, &mut acks, &mut acked).await;
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+struct Txn {
+    commit_lsn: u64,
+    commit_time_micros: i64,
+    index: u32,
+    skip: bool,
+}
+
+/// After the last event was handed over: take every acknowledgement until the relay ends, then
+/// make sure the final one reached the server before the stream closes (the library sends no
+/// final status update on stop).
+async fn drain_and_confirm(
+    client: &mut ReplicationClient,
+    acks: &mut tokio::sync::watch::Receiver<Option<Checkpoint>>,
+    acked: &mut u64,
+) {
+    loop {
+        let changed = acks.changed().await;
+        if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
+            if l > *acked {
+                *acked = l;
+                client.update_applied_lsn(Lsn::from_u64(l));
+            }
+        }
+        if changed.is_err() {
+            break;
+        }
+    }
+    let metrics = client.metrics();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metrics.last_applied_lsn().as_u64() < *acked && Instant::now() < deadline {
+        // Keep the stream's events flowing so the worker is not blocked on a full channel.
+        let _ = tokio::time::timeout(Duration::from_millis(50), client.recv()).await;
+    }
+    if metrics.last_applied_lsn().as_u64() < *acked {
+        tracing::warn!(
+            acked = %format_lsn(*acked),
+            reported = %format_lsn(metrics.last_applied_lsn().as_u64()),
+            "the final position did not reach the server in time: the last transactions will be delivered again"
+        );
+    } else {
+        tracing::info!(position = %format_lsn(*acked), "final position confirmed to the server");
+    }
+    client.stop();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(_)) = client.recv().await {}
+    })
+    .await;
+}

@@ -1,0 +1,310 @@
+//! Turns pgoutput rows of the outbox table into events: columns found by name (with the
+//! `--column` renames), types checked when the relation is announced, values parsed from the
+//! text format. A row that cannot be a message becomes a poison event with the reason; a table
+//! that lost or changed a mapped column stops the relay with the fix.
+
+use super::pgoutput::{Relation, Value};
+use crate::event::{OutboxEvent, SourcePosition};
+use crate::outbox::{ColumnMap, TableName};
+use crate::Error;
+use bytes::Bytes;
+use chrono::{DateTime, NaiveDateTime, TimeZone, Utc};
+use std::collections::HashMap;
+use uuid::Uuid;
+
+// Type OIDs from pg_type.
+const INT_OIDS: [u32; 3] = [20, 21, 23];
+const TEXT_OIDS: [u32; 3] = [25, 1043, 1042];
+const UUID_OID: u32 = 2950;
+const JSON_OID: u32 = 114;
+const JSONB_OID: u32 = 3802;
+const TIMESTAMPTZ_OID: u32 = 1184;
+const TIMESTAMP_OID: u32 = 1114;
+
+/// Microseconds between 1970-01-01 and 2000-01-01 (Postgres' epoch).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Uuid,
+    Text,
+    Int,
+    Json,
+    Jsonb,
+    Timestamptz,
+    Timestamp,
+}
+
+#[derive(Debug, Clone)]
+struct Mapping {
+    id: (usize, Kind),
+    aggregate_id: (usize, Kind),
+    topic: (usize, Kind),
+    payload: (usize, Kind),
+    created_at: (usize, Kind),
+    headers: Option<(usize, Kind)>,
+    version: Option<(usize, Kind)>,
+}
+
+pub struct RowMapper {
+    table: TableName,
+    columns: ColumnMap,
+    relations: HashMap<u32, Option<Mapping>>,
+}
+
+fn kind_of(oid: u32) -> Option<Kind> {
+    Some(match oid {
+        UUID_OID => Kind::Uuid,
+        JSON_OID => Kind::Json,
+        JSONB_OID => Kind::Jsonb,
+        TIMESTAMPTZ_OID => Kind::Timestamptz,
+        TIMESTAMP_OID => Kind::Timestamp,
+        o if INT_OIDS.contains(&o) => Kind::Int,
+        o if TEXT_OIDS.contains(&o) => Kind::Text,
+        _ => return None,
+    })
+}
+
+impl RowMapper {
+    pub fn new(table: TableName, columns: ColumnMap) -> Self {
+        RowMapper {
+            table,
+            columns,
+            relations: HashMap::new(),
+        }
+    }
+
+    /// Learns (or re-learns after an ALTER TABLE) a relation's columns.
+    pub fn relation(&mut self, rel: Relation) -> Result<(), Error> {
+        if rel.namespace != self.table.pg_schema() || rel.name != self.table.name {
+            self.relations.insert(rel.id, None);
+            return Ok(());
+        }
+        let table = self.table.pg_quoted();
+        let find = |logical: &str,
+                    allowed: &[Kind],
+                    required: bool|
+         -> Result<Option<(usize, Kind)>, Error> {
+            let actual = self.columns.get(logical);
+            let Some((i, col)) = rel
+                .columns
+                .iter()
+                .enumerate()
+                .find(|(_, c)| c.name == actual)
+            else {
+                if required {
+                    return Err(Error::config(
+                        format!("the outbox table {table} has no column {actual:?} (the {logical} column); the relay stops rather than publish half a row"),
+                        format!("ALTER TABLE {table} ADD COLUMN ... or map it with --column {logical}=<column>"),
+                    ));
+                }
+                return Ok(None);
+            };
+            match kind_of(col.type_oid).filter(|k| allowed.contains(k)) {
+                Some(k) => Ok(Some((i, k))),
+                None => Err(Error::config(
+                    format!("column {actual:?} of {table} has type oid {} which cannot hold the {logical} column", col.type_oid),
+                    format!("use one of the types CONTRACT §3 lists for {logical} (e.g. ALTER TABLE {table} ALTER COLUMN {actual} TYPE {} USING ...)", match logical {
+                        "id" => "uuid",
+                        "payload" | "headers" => "jsonb",
+                        "created_at" => "timestamptz",
+                        "version" => "bigint",
+                        _ => "text",
+                    }),
+                )),
+            }
+        };
+        use Kind::*;
+        let mapping = Mapping {
+            id: find("id", &[Uuid, Text], true)?.expect("required"),
+            aggregate_id: find("aggregate_id", &[Int, Text, Uuid], true)?.expect("required"),
+            topic: find("topic", &[Text], true)?.expect("required"),
+            payload: find("payload", &[Json, Jsonb, Text], true)?.expect("required"),
+            created_at: find("created_at", &[Timestamptz, Timestamp], true)?.expect("required"),
+            headers: find("headers", &[Json, Jsonb, Text], false)?,
+            version: find("version", &[Int], false)?,
+        };
+        self.relations.insert(rel.id, Some(mapping));
+        Ok(())
+    }
+
+    /// The event of an inserted row; `None` when the row is not in the outbox table.
+    pub fn insert(
+        &self,
+        relation_id: u32,
+        tuple: &[Value],
+        commit_lsn: u64,
+        index: u32,
+        commit_time_micros: i64,
+    ) -> Result<Option<OutboxEvent>, Error> {
+        let mapping = match self.relations.get(&relation_id) {
+            Some(Some(m)) => m,
+            Some(None) => return Ok(None),
+            None => {
+                return Err(Error::Decode(format!(
+                    "insert for relation {relation_id} before its Relation message"
+                )))
+            }
+        };
+        let mut poison: Vec<String> = Vec::new();
+        let text = |(i, _): (usize, Kind), what: &str, poison: &mut Vec<String>| -> Option<Bytes> {
+            match tuple.get(i) {
+                Some(Value::Text(b)) => Some(b.clone()),
+                Some(Value::Null) => {
+                    poison.push(format!("{what} is NULL"));
+                    None
+                }
+                Some(other) => {
+                    poison.push(format!("{what}: unexpected value {other:?}"));
+                    None
+                }
+                None => {
+                    poison.push(format!("{what}: missing from the row"));
+                    None
+                }
+            }
+        };
+        let utf8 = |b: &Bytes, what: &str, poison: &mut Vec<String>| -> Option<String> {
+            match std::str::from_utf8(b) {
+                Ok(s) => Some(s.to_string()),
+                Err(_) => {
+                    poison.push(format!("{what} is not UTF-8"));
+                    None
+                }
+            }
+        };
+
+        let id = text(mapping.id, "id", &mut poison)
+            .and_then(|b| utf8(&b, "id", &mut poison))
+            .and_then(|s| match Uuid::parse_str(s.trim()) {
+                Ok(u) => Some(u),
+                Err(_) => {
+                    poison.push(format!("id {s:?} is not a UUID"));
+                    None
+                }
+            })
+            .unwrap_or(Uuid::nil());
+        let aggregate_id = text(mapping.aggregate_id, "aggregate_id", &mut poison)
+            .and_then(|b| utf8(&b, "aggregate_id", &mut poison))
+            .unwrap_or_default();
+        let topic = text(mapping.topic, "topic", &mut poison)
+            .and_then(|b| utf8(&b, "topic", &mut poison))
+            .unwrap_or_default();
+        if topic.is_empty() && !poison.iter().any(|p| p.starts_with("topic")) {
+            poison.push("topic is empty: not a routing key".into());
+        } else if topic.len() > 255 {
+            poison.push(format!(
+                "topic is {} bytes: a routing key holds at most 255",
+                topic.len()
+            ));
+        }
+        let payload = text(mapping.payload, "payload", &mut poison).unwrap_or_default();
+        if mapping.payload.1 == Kind::Text
+            && !payload.is_empty()
+            && serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err()
+        {
+            poison.push("payload is not valid JSON".into());
+        }
+        let created_at = text(mapping.created_at, "created_at", &mut poison)
+            .and_then(|b| utf8(&b, "created_at", &mut poison))
+            .and_then(
+                |s| match parse_timestamp(&s, mapping.created_at.1 == Kind::Timestamptz) {
+                    Some(t) => Some(t),
+                    None => {
+                        poison.push(format!("created_at {s:?} is not a timestamp"));
+                        None
+                    }
+                },
+            )
+            .unwrap_or_default();
+        let headers = match mapping.headers.and_then(|(i, _)| tuple.get(i)) {
+            Some(Value::Text(b)) => match serde_json::from_slice::<serde_json::Value>(b) {
+                Ok(serde_json::Value::Object(m)) => Some(m),
+                Ok(serde_json::Value::Null) => None,
+                _ => {
+                    poison.push("headers is not a JSON object".into());
+                    None
+                }
+            },
+            _ => None,
+        };
+        let version = match mapping.version.and_then(|(i, _)| tuple.get(i)) {
+            Some(Value::Text(b)) => match std::str::from_utf8(b)
+                .ok()
+                .and_then(|s| s.parse::<i64>().ok())
+            {
+                Some(v) => Some(v),
+                None => {
+                    poison.push("version is not an integer".into());
+                    None
+                }
+            },
+            _ => None,
+        };
+        let committed_at = Utc
+            .timestamp_micros(commit_time_micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
+            .single();
+        Ok(Some(OutboxEvent {
+            id,
+            aggregate_id,
+            topic,
+            payload,
+            created_at,
+            position: SourcePosition::Pg { commit_lsn, index },
+            headers,
+            version,
+            gtid: None,
+            committed_at,
+            poison: if poison.is_empty() {
+                None
+            } else {
+                Some(poison.join("; "))
+            },
+        }))
+    }
+}
+
+/// Parses Postgres' ISO timestamp text. With `with_offset`, the offset in the text is used
+/// (`+00`, `+05:30`, `-03:00:00`); without, the value is taken as UTC.
+pub fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
+    let s = s.trim();
+    if with_offset {
+        // chrono wants the offset as +HH:MM; Postgres prints +HH, +HH:MM or +HH:MM:SS.
+        let split = s.rfind(['+', '-']).filter(|&i| i > 10)?;
+        let (dt, off) = s.split_at(split);
+        let sign = if off.starts_with('-') { -1 } else { 1 };
+        let mut parts = off[1..].split(':').map(|p| p.parse::<i32>());
+        let h = parts.next()?.ok()?;
+        let m = parts.next().transpose().ok()?.unwrap_or(0);
+        let sec = parts.next().transpose().ok()?.unwrap_or(0);
+        let offset = chrono::FixedOffset::east_opt(sign * (h * 3600 + m * 60 + sec))?;
+        let naive = NaiveDateTime::parse_from_str(dt, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+        offset
+            .from_local_datetime(&naive)
+            .single()
+            .map(|t| t.with_timezone(&Utc))
+    } else {
+        NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f")
+            .ok()
+            .map(|n| n.and_utc())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_keep_their_offset() {
+        let utc = parse_timestamp("2026-06-22 10:00:00.123456+00", true).unwrap();
+        let ist = parse_timestamp("2026-06-22 15:30:00.123456+05:30", true).unwrap();
+        let neg = parse_timestamp("2026-06-22 07:00:00.123456-03", true).unwrap();
+        assert_eq!(utc, ist);
+        assert_eq!(utc, neg);
+        assert_eq!(utc.timestamp_subsec_micros(), 123456);
+        let naive = parse_timestamp("2026-06-22 10:00:00.123456", false).unwrap();
+        assert_eq!(naive, utc);
+        assert!(parse_timestamp("infinity", true).is_none());
+        assert!(parse_timestamp("2026-06-22 10:00:00", true).is_none());
+    }
+}

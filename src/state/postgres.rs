@@ -1,0 +1,226 @@
+//! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
+//! can never move backwards or come from a relay that lost its lease.
+
+use super::{holder_is_dead_locally, Lease, LEASE_TTL};
+use crate::event::{format_lsn, parse_lsn};
+use crate::Error;
+use tokio_postgres::Client;
+
+pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
+    name              text PRIMARY KEY,
+    source            text NOT NULL,
+    slot              text,
+    publication       text,
+    epoch             bigint NOT NULL DEFAULT 0,
+    lease_holder      text,
+    lease_renewed_at  timestamptz,
+    lease_expires_at  timestamptz,
+    position          text,
+    position_lsn      pg_lsn,
+    binlog_file       text,
+    binlog_pos        bigint,
+    gtid_state        text,
+    commit_gap_ms     bigint,
+    initialized_at    timestamptz,
+    created_at        timestamptz NOT NULL DEFAULT now(),
+    updated_at        timestamptz NOT NULL DEFAULT now()
+)";
+
+/// What the state row says about a relay name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateRow {
+    pub name: String,
+    pub slot: Option<String>,
+    pub publication: Option<String>,
+    pub epoch: i64,
+    pub lease_holder: Option<String>,
+    pub lease_live: bool,
+    pub position_lsn: Option<u64>,
+    pub initialized: bool,
+}
+
+pub async fn ensure_table(client: &Client) -> Result<(), Error> {
+    client.batch_execute(DDL).await?;
+    Ok(())
+}
+
+pub async fn table_exists(client: &Client) -> Result<bool, Error> {
+    let row = client
+        .query_one("SELECT to_regclass('outboxd_state') IS NOT NULL", &[])
+        .await?;
+    Ok(row.get(0))
+}
+
+pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error> {
+    if !table_exists(client).await? {
+        return Ok(None);
+    }
+    let row = client
+        .query_opt(
+            "SELECT name, slot, publication, epoch, lease_holder,
+                    coalesce(lease_expires_at > now(), false), position_lsn::text,
+                    initialized_at IS NOT NULL
+               FROM outboxd_state WHERE name = $1",
+            &[&name],
+        )
+        .await?;
+    Ok(row.map(|r| StateRow {
+        name: r.get(0),
+        slot: r.get(1),
+        publication: r.get(2),
+        epoch: r.get(3),
+        lease_holder: r.get(4),
+        lease_live: r.get(5),
+        position_lsn: r.get::<_, Option<String>>(6).and_then(|s| parse_lsn(&s)),
+        initialized: r.get(7),
+    }))
+}
+
+/// Takes the lease for `name`, creating the state row on first use. Refused while another
+/// live process holds it.
+pub async fn acquire(
+    client: &mut Client,
+    name: &str,
+    slot: &str,
+    publication: &str,
+    holder: &str,
+) -> Result<Lease, Error> {
+    ensure_table(client).await?;
+    let tx = client.transaction().await?;
+    tx.execute(
+        "INSERT INTO outboxd_state (name, source, slot, publication) VALUES ($1, 'postgres', $2, $3)
+         ON CONFLICT (name) DO NOTHING",
+        &[&name, &slot, &publication],
+    )
+    .await?;
+    let row = tx
+        .query_one(
+            "SELECT lease_holder, coalesce(lease_expires_at > now(), false), initialized_at IS NOT NULL,
+                    source, slot
+               FROM outboxd_state WHERE name = $1 FOR UPDATE",
+            &[&name],
+        )
+        .await?;
+    let current: Option<String> = row.get(0);
+    let live: bool = row.get(1);
+    let initialized: bool = row.get(2);
+    let source: String = row.get(3);
+    let stored_slot: Option<String> = row.get(4);
+    if source != "postgres" {
+        return Err(Error::config(
+            format!("relay name {name:?} belongs to a {source} source in this database"),
+            "choose another --name",
+        ));
+    }
+    if let Some(s) = &stored_slot {
+        if s != slot {
+            return Err(Error::config(
+                format!("relay {name:?} uses slot {s:?}, not {slot:?}"),
+                format!("run with --slot {s}, or `outboxd teardown --name {name}` to start over"),
+            ));
+        }
+    }
+    if let Some(h) = current.as_deref() {
+        if live && h != holder && !holder_is_dead_locally(h) {
+            return Err(Error::Leadership(format!(
+                "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
+                 stop that relay, or run this one with another --name)",
+                LEASE_TTL.as_secs()
+            )));
+        }
+        if h != holder {
+            tracing::info!(name, previous_holder = h, live, "taking over the lease");
+        }
+    }
+    let epoch: i64 = tx
+        .query_one(
+            "UPDATE outboxd_state SET epoch = epoch + 1, lease_holder = $2, lease_renewed_at = now(),
+                    lease_expires_at = now() + make_interval(secs => $3), updated_at = now()
+              WHERE name = $1 RETURNING epoch",
+            &[&name, &holder, &(LEASE_TTL.as_secs_f64())],
+        )
+        .await?
+        .get(0);
+    tx.commit().await?;
+    Ok(Lease {
+        name: name.to_string(),
+        holder: holder.to_string(),
+        epoch,
+        first_start: !initialized,
+    })
+}
+
+/// Marks the first start as done (slot created, snapshot published).
+pub async fn mark_initialized(client: &Client, lease: &Lease) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET initialized_at = now() WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+fn lost(lease: &Lease) -> Error {
+    Error::Leadership(format!(
+        "lease of relay {:?} lost: another relay took epoch {} over",
+        lease.name, lease.epoch
+    ))
+}
+
+/// Renews the lease and, when given, stores a newer position. A position older than the stored
+/// one is ignored by the statement itself, so the row can never move backwards.
+pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Result<(), Error> {
+    let pos_text = position.map(format_lsn);
+    let n = client
+        .execute(
+            "UPDATE outboxd_state
+                SET lease_renewed_at = now(),
+                    lease_expires_at = now() + make_interval(secs => $4),
+                    position_lsn = CASE WHEN $3::text IS NOT NULL
+                                         AND (position_lsn IS NULL OR $3::pg_lsn > position_lsn)
+                                        THEN $3::pg_lsn ELSE position_lsn END,
+                    position = CASE WHEN $3::text IS NOT NULL
+                                     AND (position_lsn IS NULL OR $3::pg_lsn > position_lsn)
+                                    THEN $3::text ELSE position END,
+                    updated_at = now()
+              WHERE name = $1 AND epoch = $2 AND lease_holder = $5",
+            &[
+                &lease.name,
+                &lease.epoch,
+                &pos_text,
+                &(LEASE_TTL.as_secs_f64()),
+                &lease.holder,
+            ],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+/// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
+pub async fn release(client: &Client, lease: &Lease) -> Result<(), Error> {
+    client
+        .execute(
+            "UPDATE outboxd_state SET lease_holder = NULL, lease_expires_at = NULL, updated_at = now()
+              WHERE name = $1 AND epoch = $2 AND lease_holder = $3",
+            &[&lease.name, &lease.epoch, &lease.holder],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Deletes the state of `name` (teardown).
+pub async fn delete(client: &Client, name: &str) -> Result<u64, Error> {
+    if !table_exists(client).await? {
+        return Ok(0);
+    }
+    Ok(client
+        .execute("DELETE FROM outboxd_state WHERE name = $1", &[&name])
+        .await?)
+}
