@@ -25,9 +25,13 @@ pub enum Error {
     #[error("stored position lost: {problem}\n  fix: {fix}")]
     PositionLost { problem: String, fix: String },
 
-    /// Another relay holds (or took over) this relay's lease.
+    /// Another relay took this relay's lease over while it ran.
     #[error("{0}")]
     Leadership(String),
+
+    /// Another live relay holds the lease of this name: this one does not start.
+    #[error("{0}")]
+    LeaseHeld(String),
 
     /// A source connection or query failed.
     #[error("source: {message}")]

@@ -122,7 +122,7 @@ pub async fn acquire(
     }
     if let Some(h) = current.as_deref() {
         if live && h != holder && !holder_is_dead_locally(h) {
-            return Err(Error::Leadership(format!(
+            return Err(Error::LeaseHeld(format!(
                 "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
                  stop that relay, or run this one with another --name)",
                 LEASE_TTL.as_secs()

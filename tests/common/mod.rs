@@ -98,11 +98,12 @@ impl PgDb {
         pg_connect(&self.conninfo()).await
     }
 
-    /// Slot `outboxd_<name>` exists and is held by a walsender.
+    /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
     pub async fn slot_active(&self, slot: &str) -> bool {
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.confirmed_flush_lsn IS NOT NULL",
             &[&slot],
         )
         .await
@@ -192,6 +193,7 @@ pub struct Relay {
     pub child: Child,
     pub lines: Arc<Mutex<Vec<String>>>,
     pub stderr: Arc<Mutex<String>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Relay {
@@ -214,14 +216,14 @@ impl Relay {
         let stderr = Arc::new(Mutex::new(String::new()));
         let out = child.stdout.take().unwrap();
         let l = lines.clone();
-        std::thread::spawn(move || {
+        let r1 = std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 l.lock().unwrap().push(line);
             }
         });
         let err = child.stderr.take().unwrap();
         let e = stderr.clone();
-        std::thread::spawn(move || {
+        let r2 = std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 if std::env::var_os("OUTBOXD_TEST_VERBOSE").is_some() {
                     eprintln!("[outboxd] {line}");
@@ -235,6 +237,7 @@ impl Relay {
             child,
             lines,
             stderr,
+            readers: vec![r1, r2],
         }
     }
 
@@ -259,9 +262,17 @@ impl Relay {
         assert!(ok, "kill -{sig} failed");
     }
 
+    /// SIGKILL, then wait until every line the process wrote has been read.
     pub fn sigkill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+        self.join_readers();
+    }
+
+    fn join_readers(&mut self) {
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
     }
 
     /// Waits for the exit code (panics after `timeout`, showing stderr).
@@ -269,10 +280,7 @@ impl Relay {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the reader threads take the last lines.
-                for _ in 0..40 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                self.join_readers();
                 return status.code().unwrap_or(-1);
             }
             if Instant::now() > deadline {

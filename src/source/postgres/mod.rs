@@ -255,6 +255,7 @@ pub async fn run(
                         if l > acked {
                             acked = l;
                             client.update_applied_lsn(Lsn::from_u64(l));
+                            tracing::debug!(position = %format_lsn(l), reported = %client.metrics().last_applied_lsn(), "durable; confirming to the server");
                         }
                     }
                 }

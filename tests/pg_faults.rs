@@ -1,0 +1,339 @@
+//! Faults on the Postgres → stdout path that need no server restart: SIGKILL, a cut or stalled
+//! connection (through the TCP fault proxy), a dropped slot, a second relay with the same name,
+//! and an idle outbox beside busy tables. Postgres restarts live in `pg_restart.rs`.
+
+mod common;
+
+use common::proxy::FaultProxy;
+use common::*;
+use std::collections::HashSet;
+use std::time::Duration;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(90);
+
+fn ids_of(lines: &[String]) -> Vec<Uuid> {
+    parse_lines(lines)
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Every expected id is in `got` (at least once).
+fn assert_none_lost(expected: &[Uuid], got: &[Uuid]) {
+    let set: HashSet<_> = got.iter().collect();
+    let lost: Vec<_> = expected.iter().filter(|i| !set.contains(i)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} events lost, first {:?}",
+        lost.len(),
+        expected.len(),
+        lost.first()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_stream_then_restart_loses_nothing() {
+    let db = PgDb::create("kill").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let args = ["run", "--source", &dsn, "--name", &name, "--commit-offsets"];
+    let mut relay = Relay::start(&args);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let created = db.slot_confirmed(&slot).await.unwrap();
+
+    let writer = {
+        let mut client = db.client().await;
+        tokio::spawn(async move { write_events(&mut client, 200, 100, "kill.test").await })
+    };
+    wait_for("some events relayed", T, || {
+        let n = relay.line_count();
+        async move { n >= 3000 }
+    })
+    .await;
+    // Kill only once a position was stored, so the restart must resume mid-stream.
+    wait_for("the slot to move", T, || async {
+        let c = db.slot_confirmed(&slot).await.unwrap();
+        c != created
+    })
+    .await;
+    relay.sigkill();
+    let first = ids_of(&relay.lines());
+    let expected = writer.await.unwrap();
+    assert!(
+        first.len() < expected.len(),
+        "killed mid-stream ({} of {})",
+        first.len(),
+        expected.len()
+    );
+
+    // The restart takes the dead relay's lease at once (same host, dead pid) and resumes.
+    let relay2 = Relay::start(&args);
+    let seen: HashSet<Uuid> = first.iter().copied().collect();
+    let missing: usize = expected.iter().filter(|i| !seen.contains(i)).count();
+    wait_for("the rest after restart", T, || {
+        let got: HashSet<Uuid> = ids_of(&relay2.lines()).into_iter().collect();
+        let all = expected.iter().all(|i| seen.contains(i) || got.contains(i));
+        async move { all }
+    })
+    .await;
+    let mut all = first.clone();
+    all.extend(ids_of(&relay2.lines()));
+    assert_none_lost(&expected, &all);
+    let dups = all.len() - all.iter().collect::<HashSet<_>>().len();
+    assert!(missing > 0);
+    // Duplicates are bounded by what was in flight: far fewer than the events relayed.
+    assert!(dups < first.len(), "{dups} duplicates");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_and_stalled_connections_lose_nothing() {
+    let db = PgDb::create("proxy").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+
+    let mut expected = write_events(&mut client, 20, 100, "before.cut").await;
+    wait_for("first batch", T, || {
+        let n = relay.line_count();
+        async move { n >= 1000 }
+    })
+    .await;
+    // Cut every connection while more events are written: the relay reconnects and resumes.
+    proxy.cut();
+    expected.extend(write_events(&mut client, 20, 100, "during.cut").await);
+    proxy.cut();
+    expected.extend(write_events(&mut client, 20, 100, "after.cut").await);
+    wait_for("everything after the cuts", T, || {
+        let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
+        let all = expected.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+    let accepted_before_stall = proxy.accepted();
+    assert!(accepted_before_stall > 2, "the relay reconnected");
+
+    // Stall: nothing moves while stalled; after resume, everything arrives.
+    proxy.stall();
+    let stalled = write_events(&mut client, 10, 100, "during.stall").await;
+    let before = relay.line_count();
+    tokio::time::timeout(Duration::from_millis(1500), std::future::pending::<()>())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        relay.line_count(),
+        before,
+        "nothing passes a stalled connection"
+    );
+    proxy.resume();
+    expected.extend(stalled);
+    wait_for("everything after the stall", T, || {
+        let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
+        let all = expected.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+    assert_none_lost(&expected, &ids_of(&relay.lines()));
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_dropped_while_stopped_is_a_lost_position() {
+    let db = PgDb::create("lost").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let args = ["run", "--source", &dsn, "--name", &name, "--commit-offsets"];
+    let mut relay = Relay::start(&args);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let admin = pg_connect(PG_ADMIN).await;
+    admin
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+
+    let mut again = Relay::start(&args);
+    let code = again.wait_exit(T).await;
+    let err = again.stderr();
+    assert_eq!(code, 3, "exit 3 = stored position lost; stderr:\n{err}");
+    assert!(
+        err.contains("does not exist") && err.contains("fix:"),
+        "{err}"
+    );
+    assert!(err.contains("teardown"), "the fix says what to do: {err}");
+    assert!(
+        db.slot_confirmed(&slot).await.is_none(),
+        "no slot silently re-created"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_relay_with_the_same_name_is_refused() {
+    let db = PgDb::create("dup").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let args = ["run", "--source", &dsn, "--name", &name, "--commit-offsets"];
+    let mut first = Relay::start(&args);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut second = Relay::start(&args);
+    let code = second.wait_exit(T).await;
+    let err = second.stderr();
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("already running") && err.contains(&format!(":{}:", first.child.id())),
+        "names the holder: {err}"
+    );
+    // The first one is unaffected.
+    let mut client = db.client().await;
+    let ids = write_events(&mut client, 1, 5, "still.running").await;
+    wait_for("events through the first relay", T, || {
+        let n = first.line_count();
+        async move { n >= 5 }
+    })
+    .await;
+    assert_eq!(ids_of(&first.lines()), ids);
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(T).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_outbox_beside_busy_tables_keeps_the_slot_near_the_head() {
+    let db = PgDb::create("idle").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE busy (id bigserial primary key, v text)")
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        let client = db.client().await;
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                client
+                    .execute(
+                        "INSERT INTO busy (v) SELECT repeat('x', 200) FROM generate_series(1, 50)",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    // While the other table keeps the WAL moving, the slot catches up with a head position
+    // taken mid-load, without any outbox event to acknowledge.
+    tokio::task::yield_now().await;
+    let head: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let head = outboxd::event::parse_lsn(&head).unwrap();
+    wait_for(
+        "the slot to pass the head taken under load",
+        Duration::from_secs(15),
+        || async {
+            db.slot_confirmed(&slot)
+                .await
+                .and_then(|s| outboxd::event::parse_lsn(&s))
+                .is_some_and(|c| c >= head)
+        },
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.await.unwrap();
+    assert_eq!(relay.line_count(), 0, "no outbox events were written");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgoutput_bytes_from_the_server_decode() {
+    use outboxd::source::postgres::pgoutput::{decode, Message, Value};
+    let db = PgDb::create("wire").await;
+    let client = db.client().await;
+    let slot = unique("cap");
+    client
+        .batch_execute("CREATE PUBLICATION cap FOR TABLE outbox WITH (publish = 'insert')")
+        .await
+        .unwrap();
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    let mut c2 = db.client().await;
+    let ids = write_events(&mut c2, 2, 3, "wire.test").await;
+    let rows = client
+        .query(
+            &format!("SELECT data FROM pg_logical_slot_get_binary_changes('{slot}', NULL, NULL, 'proto_version', '1', 'publication_names', 'cap')"),
+            &[],
+        )
+        .await
+        .unwrap();
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    let msgs: Vec<Message> = rows
+        .iter()
+        .map(|r| decode(bytes::Bytes::from(r.get::<_, Vec<u8>>(0))).expect("server bytes decode"))
+        .collect();
+    let begins = msgs
+        .iter()
+        .filter(|m| matches!(m, Message::Begin { .. }))
+        .count();
+    let commits = msgs
+        .iter()
+        .filter(|m| matches!(m, Message::Commit { .. }))
+        .count();
+    assert_eq!((begins, commits), (2, 2));
+    let rel = msgs
+        .iter()
+        .find_map(|m| match m {
+            Message::Relation(r) => Some(r.clone()),
+            _ => None,
+        })
+        .expect("a Relation message");
+    assert_eq!(
+        (rel.namespace.as_str(), rel.name.as_str()),
+        ("public", "outbox")
+    );
+    let id_col = rel.columns.iter().position(|c| c.name == "id").unwrap();
+    let inserted: Vec<Uuid> = msgs
+        .iter()
+        .filter_map(|m| match m {
+            Message::Insert { tuple, .. } => match &tuple[id_col] {
+                Value::Text(b) => Some(std::str::from_utf8(b).unwrap().parse().unwrap()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert_eq!(inserted, ids);
+    // Every truncation of every captured message is an error, not a panic.
+    for r in &rows {
+        let data: Vec<u8> = r.get(0);
+        for n in 0..data.len() {
+            assert!(decode(bytes::Bytes::copy_from_slice(&data[..n])).is_err());
+        }
+    }
+}
