@@ -265,8 +265,29 @@ impl Outbox {
         if let Some(h) = ev.headers {
             params.push(h);
         }
-        if let Some(v) = ev.version.as_ref() {
-            params.push(v);
+        // The version column may be smallint, integer or bigint.
+        let (v16, v32, v64);
+        if let Some(v) = ev.version {
+            let out_of_range = || {
+                Error::config(
+                    format!("version {v} does not fit the version column"),
+                    "make the version column bigint",
+                )
+            };
+            match stmt.params().get(params.len()) {
+                Some(&Type::INT2) => {
+                    v16 = i16::try_from(v).map_err(|_| out_of_range())?;
+                    params.push(&v16);
+                }
+                Some(&Type::INT4) => {
+                    v32 = i32::try_from(v).map_err(|_| out_of_range())?;
+                    params.push(&v32);
+                }
+                _ => {
+                    v64 = v;
+                    params.push(&v64);
+                }
+            }
         }
         tx.execute(&stmt, &params).await?;
         Ok(id)

@@ -19,7 +19,14 @@ fn pg_ctl(action: &str) {
         .next()
         .expect("a Postgres version directory");
     let ok = Command::new("pg_ctlcluster")
-        .args(["--skip-systemctl-redirect", &version, "main", action, "-m", "fast"])
+        .args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            action,
+            "-m",
+            "fast",
+        ])
         .status()
         .expect("pg_ctlcluster")
         .success();
@@ -41,7 +48,9 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     // Restart while the relay is still working through the backlog.
     pg_ctl("restart");
     wait_for("Postgres back", T, || async {
-        tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls).await.is_ok()
+        tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls)
+            .await
+            .is_ok()
     })
     .await;
     let mut client = db.client().await;
@@ -51,14 +60,23 @@ async fn postgres_restart_mid_stream_loses_nothing() {
         let got: HashSet<Uuid> = relay
             .lines()
             .iter()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["id"].as_str().unwrap().parse().unwrap())
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["id"]
+                    .as_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            })
             .collect();
         let all = expected.iter().all(|i| got.contains(i));
         async move { all }
     })
     .await;
-    assert!(relay.stderr().contains("resuming from the slot") || relay.stderr().contains("reconnect"),
-        "the relay saw the restart and resumed: {}", relay.stderr());
+    assert!(
+        relay.stderr().contains("resuming from the slot") || relay.stderr().contains("reconnect"),
+        "the relay saw the restart and resumed: {}",
+        relay.stderr()
+    );
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
 }

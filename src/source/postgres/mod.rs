@@ -55,8 +55,18 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
                 || c == "40P01"
                 || c == "55006"
         }
-        // No SQLSTATE: an I/O error underneath.
-        None => true,
+        // No SQLSTATE: retryable only when an I/O error is underneath (not, say, a value that
+        // cannot be serialized).
+        None => {
+            let mut src = std::error::Error::source(e);
+            while let Some(s) = src {
+                if s.is::<std::io::Error>() {
+                    return true;
+                }
+                src = s.source();
+            }
+            false
+        }
     }
 }
 
@@ -70,7 +80,10 @@ pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
             }
             s
         }
-        None => e.to_string(),
+        None => match std::error::Error::source(e) {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        },
     }
 }
 

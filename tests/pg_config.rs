@@ -1,0 +1,272 @@
+//! What users configure: variant outbox tables (renamed columns, bigint/uuid aggregate ids,
+//! jsonb, headers and version), bad input with a clear error and the contract's exit codes,
+//! and secrets that never reach the logs.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renamed_columns_bigint_ids_jsonb_headers_and_version() {
+    let db = PgDb::create("variant").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE app_events (
+                event_id uuid PRIMARY KEY, aggregateid bigint NOT NULL, event_type text NOT NULL,
+                body jsonb NOT NULL, occurred_at timestamptz NOT NULL, headers json, version int);
+             -- The server's time zone must not matter.
+             ALTER DATABASE {} SET timezone TO 'Asia/Kolkata';",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let columns =
+        "id=event_id,aggregate_id=aggregateid,topic=event_type,payload=body,created_at=occurred_at";
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--table",
+        "public.app_events",
+        "--column",
+        columns,
+    ]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+
+    let mut client = db.client().await;
+    let outbox = outboxd::Outbox::new("app_events")
+        .unwrap()
+        .with_columns(outboxd::ColumnMap::parse(&[columns.to_string()]).unwrap());
+    let tx = client.transaction().await.unwrap();
+    let headers = serde_json::json!({"tenant": "acme"});
+    let payload = serde_json::json!({"b": 1, "a": [true, null]});
+    let id_min = outbox
+        .write_event(
+            &tx,
+            &outboxd::NewEvent {
+                topic: "order.created",
+                aggregate_id: &i64::MIN.to_string(),
+                payload: &payload,
+                headers: Some(&headers),
+                version: Some(7),
+            },
+        )
+        .await
+        .unwrap();
+    let id_max = outbox
+        .write(&tx, "order.created", &i64::MAX.to_string(), &payload)
+        .await
+        .unwrap();
+    assert!(
+        outbox
+            .write(&tx, "x", "not-a-number", &payload)
+            .await
+            .is_err(),
+        "a bigint column refuses text ids"
+    );
+    tx.rollback().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let id_min2 = outbox
+        .write_event(
+            &tx,
+            &outboxd::NewEvent {
+                topic: "order.created",
+                aggregate_id: &i64::MIN.to_string(),
+                payload: &payload,
+                headers: Some(&headers),
+                version: Some(7),
+            },
+        )
+        .await
+        .unwrap();
+    let id_max2 = outbox
+        .write(&tx, "order.created", &i64::MAX.to_string(), &payload)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_ne!(id_min, id_min2);
+    let _ = id_max;
+
+    wait_for("2 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 2 }
+    })
+    .await;
+    let lines = parse_lines(&relay.lines());
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["id"], id_min2.to_string());
+    assert_eq!(lines[0]["aggregate_id"], i64::MIN.to_string());
+    assert_eq!(lines[1]["id"], id_max2.to_string());
+    assert_eq!(lines[1]["aggregate_id"], i64::MAX.to_string());
+    assert_eq!(lines[0]["payload"], payload);
+    let created: String = client
+        .query_one(
+            "SELECT to_char(occurred_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') FROM app_events WHERE event_id = $1",
+            &[&id_min2],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        lines[0]["created_at"], created,
+        "UTC whatever the server's zone"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_mapped_column_stops_the_relay_with_the_fix() {
+    let db = PgDb::create("dropcol").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "ALTER TABLE outbox DROP COLUMN topic;
+             INSERT INTO outbox (id, aggregate_id, payload) VALUES (gen_random_uuid(), 'a', '{}');",
+        )
+        .await
+        .unwrap();
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no column \"topic\"") && err.contains("fix:"),
+        "{err}"
+    );
+    assert_eq!(relay.line_count(), 0, "never half a row");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_a_clear_error_with_the_contracts_exit_code() {
+    let db = PgDb::create("badin").await;
+    let dsn = db.dsn();
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["run", "--source", &dsn, "--name", "Bad-Name"],
+            2,
+            "--name",
+        ),
+        (
+            vec!["run", "--source", "redis://x", "--name", "x"],
+            2,
+            "unsupported source scheme",
+        ),
+        (
+            vec![
+                "run", "--source", &dsn, "--name", "nosuch", "--table", "nosuch",
+            ],
+            2,
+            "does not exist",
+        ),
+        (
+            vec!["run", "--source", &dsn, "--column", "bogus=x"],
+            2,
+            "unknown column",
+        ),
+        (
+            vec!["run", "--source", &dsn, "--sink", "kafka://x"],
+            2,
+            "unsupported sink scheme",
+        ),
+        (
+            vec!["run", "--source", &dsn, "--confirm-timeout", "5 parsecs"],
+            2,
+            "unknown unit",
+        ),
+        (vec!["run"], 2, "no source given"),
+        (vec!["frobnicate"], 2, "unrecognized subcommand"),
+        (
+            vec!["teardown", "--source", &dsn, "--name", "x"],
+            2,
+            "--yes",
+        ),
+    ];
+    for (args, code, needle) in cases {
+        let mut r = Relay::start(&args);
+        let got = r.wait_exit(T).await;
+        let err = r.stderr();
+        assert_eq!(got, code, "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?} should say {needle:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_never_reach_logs_or_help() {
+    let db = PgDb::create("secret").await;
+    let secret = "s3cr3t-Pw-77";
+    // Trust auth accepts any password: the relay runs, and must warn about argv.
+    let dsn = format!("postgres://postgres:{secret}@127.0.0.1:5432/{}", db.name);
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--log-level",
+        "debug",
+    ]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0);
+    let err = relay.stderr();
+    assert!(
+        err.contains("carries a password"),
+        "argv password warned about: {err}"
+    );
+    assert!(!err.contains(secret), "password leaked into the log");
+
+    // An error path with the password in the environment and a missing table.
+    let mut failing = Relay::start_with_env(
+        &["run", "--name", "x", "--table", "missing_table"],
+        &[("OUTBOXD_SOURCE", &dsn)],
+    );
+    assert_eq!(failing.wait_exit(T).await, 2);
+    let err = failing.stderr();
+    assert!(
+        !err.contains(secret) && !err.contains("carries a password"),
+        "{err}"
+    );
+
+    // --source-file with only the password, and --help with the DSN in the environment.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pw");
+    std::fs::write(&file, format!("{secret}\n")).unwrap();
+    let mut from_file = Relay::start(&[
+        "run",
+        "--source",
+        &format!("postgres://postgres@127.0.0.1:5432/{}", db.name),
+        "--source-file",
+        file.to_str().unwrap(),
+        "--name",
+        "y",
+        "--table",
+        "missing_table",
+    ]);
+    assert_eq!(from_file.wait_exit(T).await, 2);
+    assert!(!from_file.stderr().contains(secret));
+    let mut help = Relay::start_with_env(&["run", "--help"], &[("OUTBOXD_SOURCE", &dsn)]);
+    assert_eq!(help.wait_exit(T).await, 0);
+    let out = help.lines().join("\n");
+    assert!(out.contains("--source") && !out.contains(secret), "{out}");
+}
