@@ -43,6 +43,55 @@ pub enum Command {
     Setup(SetupArgs),
     /// Drop the relay's slot, publication and state (an abandoned slot fills the disk).
     Teardown(TeardownArgs),
+    /// Preflight: one line per check, each failure with its fix; exit 0 when ready, 1 otherwise.
+    Check(CheckArgs),
+    /// Stored position, server head, lag, slot state and lease holder.
+    Status(StatusArgs),
+    /// Read or deliberately move the stored position.
+    #[command(subcommand)]
+    Offset(OffsetCommand),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Print the checks as JSON lines.
+    #[arg(long, env = "OUTBOXD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Print one JSON object (for scripts).
+    #[arg(long, env = "OUTBOXD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum OffsetCommand {
+    /// Show the stored position and the slot's.
+    Show(StatusArgs),
+    /// Move the position: forward to an LSN (skips events), or replay rows from the table.
+    Set(OffsetSetArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct OffsetSetArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Skip forward to this LSN (e.g. 0/16B3748). Slots cannot move backwards.
+    #[arg(
+        long,
+        conflicts_with = "replay_since",
+        required_unless_present = "replay_since"
+    )]
+    pub lsn: Option<String>,
+    /// On the next start, publish again every row created since this RFC 3339 time, then stream.
+    #[arg(long)]
+    pub replay_since: Option<String>,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -108,6 +157,11 @@ pub struct RunArgs {
     /// A broker confirmation that takes longer is a failure (reconnect, republish).
     #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub confirm_timeout: Duration,
+    /// First start: which rows already in the table to publish (auto, all, never,
+    /// since=RFC3339). With `auto`, a status column selects pending rows; without one, a
+    /// non-empty table needs a choice.
+    #[arg(long, env = "OUTBOXD_SNAPSHOT", default_value = "auto")]
+    pub snapshot: String,
     /// Bound on the graceful stop after SIGINT/SIGTERM.
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub shutdown_timeout: Duration,
@@ -270,6 +324,97 @@ pub async fn execute(
         Command::Run(args) => run(args, sub, shutdown).await,
         Command::Setup(args) => setup(args, sub).await,
         Command::Teardown(args) => teardown(args, sub).await,
+        Command::Check(args) => check(args, sub).await,
+        Command::Status(args) => status(args, sub).await,
+        Command::Offset(cmd) => {
+            let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
+            offset(cmd, sub).await
+        }
+    }
+}
+
+fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, Error> {
+    match source {
+        SourceDsn::Postgres(d) => Ok(d),
+        _ => Err(Error::config(
+            format!("{command} supports Postgres sources in this build"),
+            "use a postgres:// source",
+        )),
+    }
+}
+
+async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = postgres_only(r.source, "check")?;
+    let lines = crate::operator::check_postgres(&crate::operator::PgTarget {
+        dsn: &dsn,
+        name: &r.name,
+        table: &r.table,
+        columns: &r.columns,
+        slot: &r.slot,
+        publication: &r.publication,
+    })
+    .await;
+    for l in &lines {
+        if args.json {
+            println!("{}", serde_json::to_string(l).unwrap_or_default());
+        } else {
+            println!("{l}");
+        }
+    }
+    let failed = lines
+        .iter()
+        .filter(|l| l.level == crate::operator::Level::Fail)
+        .count();
+    if failed > 0 {
+        return Err(Error::Other(format!(
+            "{failed} check{} failed",
+            if failed == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(())
+}
+
+async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = postgres_only(r.source, "status")?;
+    let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&st).unwrap_or_default());
+    } else {
+        println!("{st}");
+    }
+    Ok(())
+}
+
+async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
+    match cmd {
+        OffsetCommand::Show(args) => status(args, m).await,
+        OffsetCommand::Set(args) => {
+            let r = resolve_source(&args.source, m)?;
+            let dsn = postgres_only(r.source, "offset set")?;
+            if let Some(lsn) = args.lsn {
+                let end = crate::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn).await?;
+                println!("ok   slot {} moved to {end}", r.slot);
+            } else if let Some(since) = args.replay_since {
+                let since = chrono::DateTime::parse_from_rfc3339(since.trim())
+                    .map_err(|e| {
+                        Error::config(
+                            format!("--replay-since {since}: {e}"),
+                            "write e.g. 2026-06-22T10:00:00Z",
+                        )
+                    })?
+                    .with_timezone(&chrono::Utc);
+                let client = pg::connect_sql(&dsn, "outboxd_offset").await?;
+                crate::state::postgres::request_replay(&client, &r.name, since).await?;
+                println!(
+                    "ok   the next start of {} publishes rows created since {} again, then streams",
+                    r.name,
+                    since.to_rfc3339()
+                );
+            }
+            Ok(())
+        }
     }
 }
 
@@ -310,6 +455,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             confirm_timeout: args.confirm_timeout,
             ..RelayOptions::default()
         },
+        snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {

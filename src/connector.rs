@@ -9,6 +9,7 @@ use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
 use crate::sink::stdout::StdoutSink;
 use crate::sink::Sink;
+use crate::source::postgres::snapshot::{self, SnapshotMode, SnapshotPlan};
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::{Budget, Outlet, SourceLink};
 use crate::state::{self, Lease};
@@ -30,6 +31,8 @@ pub struct RunConfig {
     pub commit_offsets: bool,
     pub max_inflight_bytes: usize,
     pub relay: RelayOptions,
+    /// What a first start publishes of the rows already in the table.
+    pub snapshot: SnapshotMode,
 }
 
 /// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
@@ -48,6 +51,15 @@ pub async fn run_postgres(
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
+    // Decided before the slot exists, so `auto` on a non-empty table without a status column
+    // refuses without leaving a slot behind.
+    let plan = match (&lease.replay_since, lease.first_start) {
+        (Some(since), _) => {
+            snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(*since)).await?
+        }
+        (None, true) => snapshot::plan(&sql, &cfg.table, &cfg.columns, &cfg.snapshot).await?,
+        (None, false) => SnapshotPlan::Nothing,
+    };
     let start = match admin::slot(&sql, &cfg.slot).await? {
         Some(slot) => {
             if slot.wal_status.as_deref() == Some("lost") {
@@ -62,16 +74,10 @@ pub async fn run_postgres(
                     format!("use another --slot, or SELECT pg_drop_replication_slot('{}'); if nothing else uses it", cfg.slot),
                 ));
             }
-            if lease.first_start {
-                state::postgres::mark_initialized(&sql, &lease).await?;
-            }
             slot.confirmed_flush_lsn.unwrap_or(0)
         }
-        None if lease.first_start => {
-            let at = admin::create_slot(&sql, &cfg.slot).await?;
-            state::postgres::mark_initialized(&sql, &lease).await?;
-            at
-        }
+        // The slot first, the table read after: overlap gives duplicates, never a gap.
+        None if lease.first_start => admin::create_slot(&sql, &cfg.slot).await?,
         None => {
             return Err(Error::PositionLost {
                 problem: format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name),
@@ -89,6 +95,7 @@ pub async fn run_postgres(
         slot: cfg.slot.clone(),
         publication: cfg.publication.clone(),
         status_interval: Duration::from_secs(1),
+        snapshot: plan,
     };
     let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
     let (ev_tx, ev_rx) = mpsc::channel(4096);
@@ -165,6 +172,9 @@ async fn keep_lease(
 ) -> Result<(), Error> {
     let mut client: Option<tokio_postgres::Client> = None;
     let mut written: Option<u64> = None;
+    // Until the first acknowledgement, the first start's snapshot (or a requested replay) is
+    // not known to be durable: only then is it marked done.
+    let mut needs_init = lease.first_start || lease.replay_since.is_some();
     let mut tick = tokio::time::interval(state::RENEW_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stopping = false;
@@ -195,6 +205,15 @@ async fn keep_lease(
             Ok(()) => {
                 if pos.is_some() {
                     written = pos;
+                }
+                if needs_init && written.is_some() {
+                    match state::postgres::mark_initialized(c, &lease).await {
+                        Ok(()) => needs_init = false,
+                        Err(e @ Error::Leadership(_)) => return Err(e),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not mark the first start done; retrying")
+                        }
+                    }
                 }
             }
             Err(e @ Error::Leadership(_)) => return Err(e),

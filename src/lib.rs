@@ -11,6 +11,7 @@ pub mod connector;
 pub mod dsn;
 pub mod error;
 pub mod event;
+pub mod operator;
 pub mod outbox;
 pub mod relay;
 pub mod sink;

@@ -47,8 +47,10 @@ pub struct Lease {
     pub name: String,
     pub holder: String,
     pub epoch: i64,
-    /// No earlier run of this name finished its first start (no slot was created yet).
+    /// No earlier run of this name finished its first start (its snapshot is not yet durable).
     pub first_start: bool,
+    /// A replay from the table was requested (`offset set --replay-since`).
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 #[cfg(test)]

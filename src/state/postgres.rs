@@ -21,6 +21,7 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     binlog_pos        bigint,
     gtid_state        text,
     commit_gap_ms     bigint,
+    replay_since      timestamptz,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -37,10 +38,20 @@ pub struct StateRow {
     pub lease_live: bool,
     pub position_lsn: Option<u64>,
     pub initialized: bool,
+    /// A replay from the table asked for with `offset set --replay-since`.
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    pub lease_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub updated_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     client.batch_execute(DDL).await?;
+    // Columns added after the first release, for state tables created before them.
+    client
+        .batch_execute(
+            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz",
+        )
+        .await?;
     Ok(())
 }
 
@@ -59,7 +70,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         .query_opt(
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
-                    initialized_at IS NOT NULL
+                    initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -73,6 +84,9 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         lease_live: r.get(5),
         position_lsn: r.get::<_, Option<String>>(6).and_then(|s| parse_lsn(&s)),
         initialized: r.get(7),
+        replay_since: r.get(8),
+        lease_expires_at: r.get(9),
+        updated_at: r.get(10),
     }))
 }
 
@@ -96,7 +110,7 @@ pub async fn acquire(
     let row = tx
         .query_one(
             "SELECT lease_holder, coalesce(lease_expires_at > now(), false), initialized_at IS NOT NULL,
-                    source, slot
+                    source, slot, replay_since
                FROM outboxd_state WHERE name = $1 FOR UPDATE",
             &[&name],
         )
@@ -106,6 +120,7 @@ pub async fn acquire(
     let initialized: bool = row.get(2);
     let source: String = row.get(3);
     let stored_slot: Option<String> = row.get(4);
+    let replay_since: Option<chrono::DateTime<chrono::Utc>> = row.get(5);
     if source != "postgres" {
         return Err(Error::config(
             format!("relay name {name:?} belongs to a {source} source in this database"),
@@ -147,14 +162,17 @@ pub async fn acquire(
         holder: holder.to_string(),
         epoch,
         first_start: !initialized,
+        replay_since,
     })
 }
 
-/// Marks the first start as done (slot created, snapshot published).
+/// Marks the first start (or a requested replay) as done: the snapshot it published is
+/// durable, so a later start streams only.
 pub async fn mark_initialized(client: &Client, lease: &Lease) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET initialized_at = now() WHERE name = $1 AND epoch = $2",
+            "UPDATE outboxd_state SET initialized_at = coalesce(initialized_at, now()), replay_since = NULL
+              WHERE name = $1 AND epoch = $2",
             &[&lease.name, &lease.epoch],
         )
         .await?;
@@ -212,6 +230,29 @@ pub async fn release(client: &Client, lease: &Lease) -> Result<(), Error> {
             &[&lease.name, &lease.epoch, &lease.holder],
         )
         .await?;
+    Ok(())
+}
+
+/// Asks the next start to publish the table's rows created since `since` before streaming
+/// (`offset set --replay-since`). Refused while a live relay holds the lease.
+pub async fn request_replay(
+    client: &Client,
+    name: &str,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET replay_since = $2, updated_at = now()
+              WHERE name = $1 AND (lease_holder IS NULL OR lease_expires_at < now())",
+            &[&name, &since],
+        )
+        .await?;
+    if n == 0 {
+        return Err(Error::config(
+            format!("relay {name:?} has no state, or is running"),
+            "stop the relay first (or check --name)",
+        ));
+    }
     Ok(())
 }
 

@@ -99,7 +99,8 @@ impl PgDb {
     }
 
     /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
-    pub async fn slot_active(&self, slot: &str) -> bool {
+    pub async fn slot_active(&self, slot: impl AsRef<str>) -> bool {
+        let slot = slot.as_ref();
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
             "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid

@@ -9,7 +9,8 @@
 
 pub mod admin;
 pub mod pgoutput;
-mod rows;
+pub mod rows;
+pub mod snapshot;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
@@ -35,6 +36,8 @@ pub struct PgSourceConfig {
     pub publication: String,
     /// How often the applied position is reported to the server at most.
     pub status_interval: Duration,
+    /// Existing rows to publish before streaming (first start, or a requested replay).
+    pub snapshot: snapshot::SnapshotPlan,
 }
 
 /// Whether a Postgres error is worth a reconnect.
@@ -208,6 +211,21 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, mut acks } = link;
+    if cfg.snapshot != snapshot::SnapshotPlan::Nothing {
+        let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
+        snapshot::publish(
+            &mut sql,
+            &cfg.table,
+            &cfg.columns,
+            &cfg.snapshot,
+            start,
+            &outlet,
+        )
+        .await?;
+        // Acknowledging this means every snapshot row is durable: the lease keeper then marks
+        // the first start done.
+        outlet.send_checkpoint(Checkpoint::Lsn(start)).await?;
+    }
     let mut outlet = Some(outlet);
     let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());
     // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
