@@ -36,6 +36,8 @@ pub enum LogFormat {
     Json,
 }
 
+// Parsed once per process: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay outbox events from the source to the sink until SIGINT/SIGTERM.
@@ -191,7 +193,11 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         "mib" => 1 << 20,
         "g" | "gb" => 1_000_000_000,
         "gib" => 1 << 30,
-        other => return Err(format!("{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)")),
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)"
+            ))
+        }
     };
     n.checked_mul(mult)
         .filter(|&b| b > 0)

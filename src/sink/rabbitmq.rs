@@ -35,7 +35,9 @@ use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPScheme, AMQPUri};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -179,7 +181,10 @@ impl RabbitSink {
         })?;
         let mut uri: AMQPUri = cfg.url.parse().map_err(|e: String| {
             crate::Error::config(
-                format!("cannot parse the sink {redacted}: {}", e.replace(&cfg.url, &redacted)),
+                format!(
+                    "cannot parse the sink {redacted}: {}",
+                    e.replace(&cfg.url, &redacted)
+                ),
                 "use amqp://user@host:5672/vhost (amqps:// for TLS)",
             )
         })?;
@@ -228,14 +233,10 @@ impl RabbitSink {
             .map_err(|e| SinkError::Connection(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default()
             .with_connection_name(self.cfg.connection_name.clone().into());
-        let conn = Connection::connect_uri_with_config(
-            self.uri.clone(),
-            props,
-            self.tls.clone(),
-            runtime,
-        )
-        .await
-        .map_err(|e| self.classify_connect(e))?;
+        let conn =
+            Connection::connect_uri_with_config(self.uri.clone(), props, self.tls.clone(), runtime)
+                .await
+                .map_err(|e| self.classify_connect(e))?;
 
         let (state_tx, state_rx) = watch::channel(LinkState::default());
         let mut tasks = vec![tokio::spawn(watch_events(
@@ -327,7 +328,7 @@ impl RabbitSink {
         );
         let what = |kind: &'static str, name: &str| (kind, name.to_string());
         // The alternate exchange first, so the main exchange never exists without it.
-        let steps: Vec<((&str, String), BoxFuture<'_, lapin::Result<()>>)> = vec![
+        let steps: Vec<DeclareStep<'_>> = vec![
             (
                 what("exchange", &unrouted),
                 ch.exchange_declare(
@@ -415,10 +416,7 @@ impl RabbitSink {
         if let Some(h) = &event.headers {
             for (k, v) in h {
                 let key = ShortString::try_new(k.as_str()).map_err(|_| {
-                    format!(
-                        "header name of {} bytes: AMQP allows at most 255",
-                        k.len()
-                    )
+                    format!("header name of {} bytes: AMQP allows at most 255", k.len())
                 })?;
                 t.insert(key, json_to_amqp(v)?);
             }
@@ -535,6 +533,9 @@ impl RabbitSink {
     }
 }
 
+/// One declaration: what it declares (kind, name) and the call.
+type DeclareStep<'a> = ((&'static str, String), BoxFuture<'a, lapin::Result<()>>);
+
 /// One message ready to go out.
 struct Outgoing {
     exchange: String,
@@ -631,26 +632,19 @@ impl Sink for RabbitSink {
         // lapin (so they go out in the relay's order) and registers the delivery tag, and the
         // confirmation is tracked before anything can settle it. The socket write and the
         // confirmation then complete in the tracker's task, so publishing is pipelined.
-        let started = {
+        {
             let t = lock(&link.tracker);
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-            match fut.poll_unpin(&mut cx) {
-                Poll::Ready(outcome) => Some(outcome),
-                Poll::Pending => {
-                    t.pending.push(fut);
-                    if let Some(w) = &t.waker {
-                        w.wake_by_ref();
-                    }
-                    None
-                }
+            // On a busy machine the whole round trip can finish inside this first poll; the
+            // outcome is then settled by the tracker like any other, after the returns that
+            // came before it.
+            if let Poll::Ready(outcome) = fut.poll_unpin(&mut cx) {
+                fut = futures::future::ready(outcome).boxed();
             }
-        };
-        if let Some(outcome) = started {
-            // Refused at once (channel closed): nothing was sent.
-            return Err(match outcome.result {
-                Err(e) => SinkError::Connection(format!("publish: {e}")),
-                Ok(_) => SinkError::Connection("publish settled before it was sent".into()),
-            });
+            t.pending.push(fut);
+            if let Some(w) = &t.waker {
+                w.wake_by_ref();
+            }
         }
 
         // A write that does not finish is caught by the relay's confirm timeout; while the
@@ -784,7 +778,7 @@ async fn watch_events(
                 state.send_modify(|s| s.blocked = false);
             }
             lapin::Event::Error(e) => {
-                tracing::warn!(error = %e, "RabbitMQ connection failed");
+                tracing::warn!(error = %e, "RabbitMQ connection or channel failed");
                 blocked.store(false, Ordering::Relaxed);
                 state.send_modify(|s| {
                     s.blocked = false;
@@ -898,7 +892,13 @@ fn value_size(v: &AMQPValue) -> usize {
         AMQPValue::ShortString(s) => 1 + s.as_str().len(),
         AMQPValue::LongString(s) => 4 + s.len(),
         AMQPValue::ByteArray(b) => 4 + b.len(),
-        AMQPValue::FieldArray(a) => 4 + a.as_slice().iter().map(|v| 1 + value_size(v)).sum::<usize>(),
+        AMQPValue::FieldArray(a) => {
+            4 + a
+                .as_slice()
+                .iter()
+                .map(|v| 1 + value_size(v))
+                .sum::<usize>()
+        }
         AMQPValue::FieldTable(t) => table_size(t),
         AMQPValue::Void => 0,
     }
@@ -1108,7 +1108,11 @@ mod tests {
         let s = sink(DEFAULT_MAX_MESSAGE_BYTES);
         let mut ev = event();
         ev.topic = "t".repeat(300);
-        assert!(s.render(&ev, MAX_HEADER_BYTES).dead.unwrap().contains("300 bytes"));
+        assert!(s
+            .render(&ev, MAX_HEADER_BYTES)
+            .dead
+            .unwrap()
+            .contains("300 bytes"));
         let mut ev = event();
         ev.headers = Some(
             serde_json::json!({ "k".repeat(256): 1 })
@@ -1116,7 +1120,11 @@ mod tests {
                 .unwrap()
                 .clone(),
         );
-        assert!(s.render(&ev, MAX_HEADER_BYTES).dead.unwrap().contains("header name"));
+        assert!(s
+            .render(&ev, MAX_HEADER_BYTES)
+            .dead
+            .unwrap()
+            .contains("header name"));
         let mut ev = event();
         ev.headers = Some(
             serde_json::json!({ "big": "v".repeat(200_000) })
@@ -1124,7 +1132,11 @@ mod tests {
                 .unwrap()
                 .clone(),
         );
-        assert!(s.render(&ev, MAX_HEADER_BYTES).dead.unwrap().contains("headers encode"));
+        assert!(s
+            .render(&ev, MAX_HEADER_BYTES)
+            .dead
+            .unwrap()
+            .contains("headers encode"));
         let mut ev = event();
         ev.poison = Some("aggregate_id is NULL".into());
         assert_eq!(
@@ -1146,7 +1158,10 @@ mod tests {
     fn mismatch_text_names_the_argument() {
         let t = "PRECONDITION_FAILED - inequivalent arg 'alternate-exchange' for exchange 'outbox' in vhost '/': received the value 'outbox.unrouted' of type 'longstr' but current is none";
         let d = describe_mismatch(t);
-        assert!(d.starts_with("argument \"alternate-exchange\" differs:"), "{d}");
+        assert!(
+            d.starts_with("argument \"alternate-exchange\" differs:"),
+            "{d}"
+        );
         assert!(d.contains("current is none"));
         assert!(validate_exchange("outbox").is_ok());
         assert!(validate_exchange("amq.topic").is_err());
