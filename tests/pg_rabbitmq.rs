@@ -726,3 +726,86 @@ async fn declaration_mismatch_and_missing_topology_stop_with_the_fix() {
     assert!(err.contains("refused the login"), "{err}");
     assert!(!err.contains("wrong-s3cret"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_messages_fail_and_are_republished_until_they_route() {
+    let db = PgDb::create("rmqr").await;
+    let mut topo = Topology::new("xr").await;
+    // The user's own topology, without the alternate exchange: unroutable topics come back.
+    let ch = topo.channel().await;
+    ch.exchange_declare(
+        topo.exchange.clone().into(),
+        lapin::ExchangeKind::Topic,
+        lapin::options::ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let routed_q = topo.bind_queue("routed", "routed.#").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let mut relay = start_relay(
+        &db,
+        &name,
+        &topo.exchange,
+        &amqp::url(),
+        &["--declare", "off"],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+
+    // Routed and unroutable events interleaved in the same transactions.
+    let mut client = db.client().await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let (mut routed, mut orphans) = (Vec::new(), Vec::new());
+    let mut first_tx_end = 0;
+    for t in 0..5 {
+        let tx = client.transaction().await.unwrap();
+        for i in 0..20 {
+            let orphan = i % 3 == 1;
+            let topic = if orphan { "orphan.b" } else { "routed.a" };
+            let id = outbox
+                .write(&tx, topic, "agg", &serde_json::json!({"t": t, "i": i}))
+                .await
+                .unwrap();
+            if orphan { &mut orphans } else { &mut routed }.push(id);
+        }
+        tx.commit().await.unwrap();
+        if t == 0 {
+            first_tx_end = wal_end(&client).await;
+        }
+    }
+    wait_for("a returned message to be reported and retried", T, || {
+        let err = relay.stderr();
+        async move {
+            err.contains("returned a message as unroutable")
+                && err.contains("was returned as unroutable")
+                && err.contains("sink recovered")
+        }
+    })
+    .await;
+    let confirmed = db
+        .slot_confirmed(&slot)
+        .await
+        .and_then(|s| outboxd::event::parse_lsn(&s))
+        .unwrap();
+    assert!(
+        confirmed < first_tx_end,
+        "the position stays before the first transaction holding a returned event"
+    );
+    assert_eq!(
+        topo.queue_len(&topo.dead()).await,
+        0,
+        "nothing was declared (--declare off)"
+    );
+
+    let orphan_q = topo.bind_queue("orphans", "orphan.#").await;
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_none_lost(&ids(&topo.take_all(&orphan_q).await), &orphans);
+    assert_none_lost(&ids(&topo.take_all(&routed_q).await), &routed);
+}
