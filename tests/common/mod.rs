@@ -360,7 +360,8 @@ pub mod amqp {
 
     pub struct Topology {
         pub exchange: String,
-        conn: Connection,
+        /// Reopened when the broker was restarted.
+        conn: tokio::sync::Mutex<Connection>,
         queues: Vec<String>,
     }
 
@@ -370,7 +371,7 @@ pub mod amqp {
             Topology {
                 queues: vec![format!("{exchange}.unrouted"), format!("{exchange}.dead")],
                 exchange,
-                conn: connect().await,
+                conn: tokio::sync::Mutex::new(connect().await),
             }
         }
 
@@ -383,7 +384,11 @@ pub mod amqp {
         }
 
         pub async fn channel(&self) -> Channel {
-            self.conn.create_channel().await.expect("channel")
+            let mut conn = self.conn.lock().await;
+            if !conn.status().connected() {
+                *conn = connect().await;
+            }
+            conn.create_channel().await.expect("channel")
         }
 
         /// Waits until the relay has declared the exchange (a passive declaration succeeds).
