@@ -809,3 +809,104 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
     assert_none_lost(&ids(&topo.take_all(&orphan_q).await), &orphans);
     assert_none_lost(&ids(&topo.take_all(&routed_q).await), &routed);
 }
+
+const TLS_DIR: &str = "/etc/rabbitmq/outboxd-tls";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_verifies_the_broker_and_presents_a_client_certificate() {
+    let ca = format!("{TLS_DIR}/ca.pem");
+    assert!(
+        std::path::Path::new(&ca).exists(),
+        "{ca} is missing: run `sudo scripts/services.sh` (it gives RabbitMQ a TLS listener on 5671)"
+    );
+    let db = PgDb::create("rmqtls").await;
+    let mut topo = Topology::new("xtls").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let exchange = topo.exchange.clone();
+    let base = [
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--exchange",
+        &exchange,
+    ];
+    let tls_url = "amqps://guest:guest@127.0.0.1:5671/%2f";
+
+    // CA and client certificate from the environment.
+    let (cert, key) = (
+        format!("{TLS_DIR}/client.pem"),
+        format!("{TLS_DIR}/client.key"),
+    );
+    let mut relay = Relay::start_with_env(
+        &base,
+        &[
+            ("OUTBOXD_SINK", tls_url),
+            ("OUTBOXD_SINK_CA", &ca),
+            ("OUTBOXD_SINK_CERT", &cert),
+            ("OUTBOXD_SINK_KEY", &key),
+        ],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+    let conn_name = format!("outboxd {name}");
+    wait_for(
+        "the broker to list the relay's TLS connection with its client certificate",
+        T,
+        || {
+            let conn_name = conn_name.clone();
+            async move {
+                let out = std::process::Command::new("rabbitmqctl")
+                    .args([
+                        "-q",
+                        "list_connections",
+                        "client_properties",
+                        "ssl",
+                        "peer_cert_subject",
+                    ])
+                    .output()
+                    .unwrap();
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                text.lines().any(|l| {
+                    l.contains(&conn_name) && l.contains("true") && l.contains("CN=outboxd-client")
+                })
+            }
+        },
+    )
+    .await;
+    let mut client = db.client().await;
+    let mut expected = write_events(&mut client, 1, 50, "tls.one").await;
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+
+    // The CA as RabbitMQ's URI query parameter, no client certificate.
+    let with_query = format!("{tls_url}?cacertfile={ca}");
+    let mut relay = Relay::start_with_env(&base, &[("OUTBOXD_SINK", &with_query)]);
+    wait_for("the restarted relay's slot to be active", T, || {
+        db.slot_active(&slot)
+    })
+    .await;
+    expected.extend(write_events(&mut client, 1, 50, "tls.two").await);
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_same_ids(
+        &ids(&topo.take_all(&all).await),
+        &expected,
+        "both runs delivered",
+    );
+
+    // Without the CA the broker's certificate is not trusted: a configuration error.
+    let mut relay = Relay::start_with_env(&base, &[("OUTBOXD_SINK", tls_url)]);
+    assert_eq!(relay.wait_exit(T).await, 2, "stderr:\n{}", relay.stderr());
+    let err = relay.stderr();
+    assert!(err.contains("TLS") && err.contains("--sink-ca"), "{err}");
+    assert!(!err.contains("guest:guest"), "{err}");
+}
