@@ -5,6 +5,7 @@ use crate::connector::{self, RunConfig};
 use crate::dsn::{self, SinkDsn, SourceDsn};
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::RelayOptions;
+use crate::sink::rabbitmq::{self, DeclareMode};
 use crate::source::postgres::{self as pg, admin};
 use crate::Error;
 use clap::parser::ValueSource;
@@ -35,6 +36,8 @@ pub enum LogFormat {
     Json,
 }
 
+// Parsed once per process: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay outbox events from the source to the sink until SIGINT/SIGTERM.
@@ -165,6 +168,31 @@ pub struct RunArgs {
     /// Bound on the graceful stop after SIGINT/SIGTERM.
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub shutdown_timeout: Duration,
+    #[command(flatten)]
+    pub rabbit: RabbitArgs,
+}
+
+/// RabbitMQ sink settings (CONTRACT §4).
+#[derive(Debug, Clone, Args)]
+pub struct RabbitArgs {
+    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead).
+    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
+    /// auto: declare the topology; passive: only check it exists; off: check nothing.
+    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
+    pub declare: DeclareMode,
+    /// Larger payloads go to <exchange>.dead as a record without the body (e.g. 16MiB, 512KiB, 4096).
+    #[arg(long, env = "OUTBOXD_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "16MiB")]
+    pub max_message_bytes: usize,
+    /// PEM CA certificate trusted for an amqps:// sink (in addition to the public roots).
+    #[arg(long, env = "OUTBOXD_SINK_CA")]
+    pub sink_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for an amqps:// sink (needs --sink-key).
+    #[arg(long, env = "OUTBOXD_SINK_CERT")]
+    pub sink_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --sink-cert.
+    #[arg(long, env = "OUTBOXD_SINK_KEY")]
+    pub sink_key: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -201,6 +229,33 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h, d)")),
     };
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 16MiB or 4096"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{s:?} is out of range"))
 }
 
 /// Checks `--name` (CONTRACT §1).
@@ -441,7 +496,16 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             "use --window 1000",
         ));
     }
+    rabbitmq::validate_exchange(&args.rabbit.exchange)?;
     let cfg = RunConfig {
+        rabbit: connector::RabbitOptions {
+            exchange: args.rabbit.exchange.clone(),
+            declare: args.rabbit.declare,
+            max_message_bytes: args.rabbit.max_message_bytes,
+            ca_file: args.rabbit.sink_ca.clone(),
+            cert_file: args.rabbit.sink_cert.clone(),
+            key_file: args.rabbit.sink_key.clone(),
+        },
         name: r.name,
         slot: r.slot,
         publication: r.publication,
@@ -581,5 +645,11 @@ mod tests {
         assert!(validate_name("Billing").is_err());
         assert!(validate_name("").is_err());
         assert!(validate_name(&"a".repeat(41)).is_err());
+        assert_eq!(parse_bytes("16MiB").unwrap(), 16 * 1024 * 1024);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("2 KiB").unwrap(), 2048);
+        assert_eq!(parse_bytes("1MB").unwrap(), 1_000_000);
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
     }
 }

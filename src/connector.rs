@@ -7,6 +7,7 @@ use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
+use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
 use crate::sink::stdout::StdoutSink;
 use crate::sink::Sink;
 use crate::source::postgres::snapshot::{self, SnapshotMode, SnapshotPlan};
@@ -33,6 +34,18 @@ pub struct RunConfig {
     pub relay: RelayOptions,
     /// What a first start publishes of the rows already in the table.
     pub snapshot: SnapshotMode,
+    pub rabbit: RabbitOptions,
+}
+
+/// RabbitMQ sink settings from the command line (the URL is in [`RunConfig::sink`]).
+#[derive(Debug, Clone, Default)]
+pub struct RabbitOptions {
+    pub exchange: String,
+    pub declare: DeclareMode,
+    pub max_message_bytes: usize,
+    pub ca_file: Option<std::path::PathBuf>,
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 /// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
@@ -123,10 +136,20 @@ pub async fn run_postgres(
                 let mut sink = StdoutSink::new(cfg.commit_offsets);
                 relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
             }
-            SinkDsn::Amqp(_) => Err(Error::config(
-                "the RabbitMQ sink is not built yet",
-                "use --sink stdout",
-            )),
+            SinkDsn::Amqp(url) => {
+                let mut sink = RabbitSink::new(RabbitConfig {
+                    url: url.clone(),
+                    exchange: cfg.rabbit.exchange.clone(),
+                    declare: cfg.rabbit.declare,
+                    max_message_bytes: cfg.rabbit.max_message_bytes,
+                    op_timeout: cfg.relay.confirm_timeout,
+                    ca_file: cfg.rabbit.ca_file.clone(),
+                    cert_file: cfg.rabbit.cert_file.clone(),
+                    key_file: cfg.rabbit.key_file.clone(),
+                    connection_name: format!("outboxd {}", cfg.name),
+                })?;
+                relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
+            }
         }
     };
     let result = tokio::select! {

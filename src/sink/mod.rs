@@ -3,6 +3,7 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod rabbitmq;
 pub mod stdout;
 
 use crate::event::OutboxEvent;
