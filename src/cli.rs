@@ -160,6 +160,16 @@ pub struct RunArgs {
     /// A broker confirmation that takes longer is a failure (reconnect, republish).
     #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub confirm_timeout: Duration,
+    /// Poll mode: how long to wait before polling again after a batch that was not full.
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
+    pub poll_interval: Duration,
+    /// Poll mode: most rows claimed per batch (one short transaction each).
+    #[arg(long, env = "OUTBOXD_POLL_BATCH", default_value_t = 500)]
+    pub poll_batch: i64,
+    /// Poll mode on Postgres: LISTEN for the trigger `setup --notify` installs and poll at once
+    /// when rows are committed.
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
     /// First start: which rows already in the table to publish (auto, all, never,
     /// since=RFC3339). With `auto`, a status column selects pending rows; without one, a
     /// non-empty table needs a choice.
@@ -199,6 +209,15 @@ pub struct RabbitArgs {
 pub struct SetupArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    /// Also create the outbox table (the seed's columns) when it does not exist.
+    #[arg(long, env = "OUTBOXD_CREATE_TABLE")]
+    pub create_table: bool,
+    /// Install the trigger that wakes poll-mode relays (`run --mode poll --notify`).
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
+    /// Poll mode only: create the table (and trigger) but no slot or publication.
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -484,12 +503,6 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     )?
     .unwrap_or_else(|| "stdout".into());
     let sink = SinkDsn::parse(&sink)?;
-    if args.mode == Mode::Poll {
-        return Err(Error::config(
-            "--mode poll is not available in this build",
-            "use --mode cdc",
-        ));
-    }
     if args.window == 0 {
         return Err(Error::config(
             "--window 0 would never publish",
@@ -523,7 +536,23 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {
-            let stats = connector::run_postgres(dsn, cfg, shutdown).await?;
+            let stats = match args.mode {
+                Mode::Cdc => connector::run_postgres(dsn, cfg, shutdown).await?,
+                Mode::Poll => {
+                    if args.poll_batch < 1 {
+                        return Err(Error::config(
+                            "--poll-batch must be at least 1",
+                            "use --poll-batch 500",
+                        ));
+                    }
+                    let poll = crate::source::poll::PollOptions {
+                        batch: args.poll_batch,
+                        interval: args.poll_interval,
+                        notify: args.notify,
+                    };
+                    connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+                }
+            };
             tracing::info!(
                 published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
                 confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
@@ -547,8 +576,29 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
         ));
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
-    admin::require_logical(&client).await?;
+    if args.create_table {
+        let created = admin::create_outbox_table(&client, &r.table).await?;
+        println!(
+            "ok   outbox table {} ({})",
+            r.table.pg_quoted(),
+            if created { "created" } else { "exists" }
+        );
+    }
     admin::require_table(&client, &r.table).await?;
+    if args.notify {
+        client
+            .batch_execute(&crate::source::poll::notify_trigger_sql(&r.table))
+            .await?;
+        println!(
+            "ok   notify trigger on {} (channel {})",
+            r.table.pg_quoted(),
+            crate::source::poll::notify_channel(&r.table)
+        );
+    }
+    if args.mode == Mode::Poll {
+        return Ok(());
+    }
+    admin::require_logical(&client).await?;
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
     let created = admin::ensure_publication(&client, &r.publication, &r.table).await?;

@@ -9,7 +9,7 @@ use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
 use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
 use crate::sink::stdout::StdoutSink;
-use crate::sink::Sink;
+use crate::sink::{AnySink, Sink};
 use crate::source::postgres::snapshot::{self, SnapshotMode, SnapshotPlan};
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::{Budget, Outlet, SourceLink};
@@ -130,28 +130,8 @@ pub async fn run_postgres(
     let source = pg::run(source_cfg, link, start, shutdown.clone());
     let stats = Arc::new(RelayStats::default());
 
-    let work = async {
-        match &cfg.sink {
-            SinkDsn::Stdout => {
-                let mut sink = StdoutSink::new(cfg.commit_offsets);
-                relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
-            }
-            SinkDsn::Amqp(url) => {
-                let mut sink = RabbitSink::new(RabbitConfig {
-                    url: url.clone(),
-                    exchange: cfg.rabbit.exchange.clone(),
-                    declare: cfg.rabbit.declare,
-                    max_message_bytes: cfg.rabbit.max_message_bytes,
-                    op_timeout: cfg.relay.confirm_timeout,
-                    ca_file: cfg.rabbit.ca_file.clone(),
-                    cert_file: cfg.rabbit.cert_file.clone(),
-                    key_file: cfg.rabbit.key_file.clone(),
-                    connection_name: format!("outboxd {}", cfg.name),
-                })?;
-                relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
-            }
-        }
-    };
+    let mut sink = make_sink(&cfg)?;
+    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
     let result = tokio::select! {
         r = work => r,
         r = &mut lease_task => {
@@ -165,6 +145,71 @@ pub async fn run_postgres(
         .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
     result?;
     lease_result?;
+    Ok(stats)
+}
+
+/// Builds the sink named by `--sink`.
+pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
+    Ok(match &cfg.sink {
+        SinkDsn::Stdout => AnySink::Stdout(StdoutSink::new(cfg.commit_offsets)),
+        SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(RabbitConfig {
+            url: url.clone(),
+            exchange: cfg.rabbit.exchange.clone(),
+            declare: cfg.rabbit.declare,
+            max_message_bytes: cfg.rabbit.max_message_bytes,
+            op_timeout: cfg.relay.confirm_timeout,
+            ca_file: cfg.rabbit.ca_file.clone(),
+            cert_file: cfg.rabbit.cert_file.clone(),
+            key_file: cfg.rabbit.key_file.clone(),
+            connection_name: format!("outboxd {}", cfg.name),
+        })?)),
+    })
+}
+
+/// Runs poll mode on a Postgres table until `shutdown`. No lease: several relays may poll one
+/// table, `SKIP LOCKED` keeps their batches apart.
+pub async fn run_poll_postgres(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    poll: crate::source::poll::PollOptions,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let mut sink = make_sink(&cfg)?;
+    if !sink.stores_position() {
+        return Err(Error::config(
+            "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
+            "add --commit-offsets (or use an amqp:// sink)",
+        ));
+    }
+    {
+        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
+        admin::require_table(&sql, &cfg.table).await?;
+    }
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx,
+    };
+    let poll_cfg = crate::source::poll::PollConfig {
+        dsn,
+        name: cfg.name.clone(),
+        table: cfg.table.clone(),
+        columns: cfg.columns.clone(),
+        batch: poll.batch,
+        interval: poll.interval,
+        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
+        deadline: cfg.relay.confirm_timeout.max(Duration::from_secs(1)),
+        notify_channel: poll
+            .notify
+            .then(|| crate::source::poll::notify_channel(&cfg.table)),
+    };
+    let stats = Arc::new(RelayStats::default());
+    let source = crate::source::poll::run(poll_cfg, link, shutdown);
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
 }
 

@@ -4,19 +4,27 @@
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.
 //! Several relays on one table take disjoint batches; they need no lease.
 
+use crate::dsn::DbDsn;
 use crate::event::Checkpoint;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::postgres::pgoutput::Value;
 use crate::source::postgres::rows::RowMapper;
 use crate::source::postgres::{connect_sql, snapshot};
 use crate::source::SourceLink;
-use crate::dsn::DbDsn;
 use crate::Error;
 use futures::StreamExt;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+/// The command line's poll settings.
+#[derive(Debug, Clone)]
+pub struct PollOptions {
+    pub batch: i64,
+    pub interval: Duration,
+    pub notify: bool,
+}
 
 #[derive(Debug, Clone)]
 pub struct PollConfig {
@@ -92,7 +100,11 @@ async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<
 }
 
 /// Runs the poll loop until `shutdown`; the batch in flight is finished first.
-pub async fn run(cfg: PollConfig, link: SourceLink, shutdown: CancellationToken) -> Result<(), Error> {
+pub async fn run(
+    cfg: PollConfig,
+    link: SourceLink,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     let SourceLink { outlet, mut acks } = link;
     let mut client = connect_sql(&cfg.dsn, &format!("outboxd_{}_poll", cfg.name)).await?;
     let rel = snapshot::table_relation(&client, &cfg.table).await?;
@@ -101,7 +113,11 @@ pub async fn run(cfg: PollConfig, link: SourceLink, shutdown: CancellationToken)
     let status = pg_ident(cfg.columns.get("status"));
     let published_at = pg_ident(cfg.columns.get("published_at"));
     let id = pg_ident(cfg.columns.get("id"));
-    if !rel.columns.iter().any(|c| c.name == cfg.columns.get("status")) {
+    if !rel
+        .columns
+        .iter()
+        .any(|c| c.name == cfg.columns.get("status"))
+    {
         return Err(Error::config(
             format!("poll mode needs a status column on {}", cfg.table.pg_quoted()),
             format!(
@@ -203,7 +219,11 @@ pub async fn run(cfg: PollConfig, link: SourceLink, shutdown: CancellationToken)
             Ok(true) => {
                 tx.execute(&mark, &[&ids]).await?;
                 tx.commit().await?;
-                tracing::debug!(batch = batch_no, rows = ids.len(), "batch published and marked");
+                tracing::debug!(
+                    batch = batch_no,
+                    rows = ids.len(),
+                    "batch published and marked"
+                );
             }
             Ok(false) => return Ok(()),
             Err(_) => {
