@@ -160,6 +160,19 @@ pub struct RunArgs {
     /// A broker confirmation that takes longer is a failure (reconnect, republish).
     #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub confirm_timeout: Duration,
+    /// When the log position cannot be resumed (slot dropped or invalidated): fail (exit 3) or
+    /// poll (open a fresh position and publish again from the table every row committed after
+    /// the last confirmed event).
+    #[arg(long, env = "OUTBOXD_ON_POSITION_LOST", value_enum, default_value_t = connector::PositionLostPolicy::Fail)]
+    pub on_position_lost: connector::PositionLostPolicy,
+    /// Recovery through the table: replay rows created since this RFC 3339 time instead of the
+    /// computed one.
+    #[arg(long, env = "OUTBOXD_REPLAY_SINCE")]
+    pub replay_since: Option<String>,
+    /// Recovery through the table: the smallest margin subtracted from the last confirmed
+    /// commit time (the largest commit-vs-created_at gap seen is used when larger).
+    #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
+    pub recovery_margin: Duration,
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
@@ -533,6 +546,21 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ..RelayOptions::default()
         },
         snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,
+        on_position_lost: args.on_position_lost,
+        replay_since: match &args.replay_since {
+            None => None,
+            Some(t) => Some(
+                chrono::DateTime::parse_from_rfc3339(t.trim())
+                    .map_err(|e| {
+                        Error::config(
+                            format!("--replay-since {t}: {e}"),
+                            "write e.g. 2026-06-22T10:00:00Z",
+                        )
+                    })?
+                    .with_timezone(&chrono::Utc),
+            ),
+        },
+        recovery_margin: args.recovery_margin,
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {

@@ -34,6 +34,12 @@ pub struct RunConfig {
     pub relay: RelayOptions,
     /// What a first start publishes of the rows already in the table.
     pub snapshot: SnapshotMode,
+    /// What to do when the log position cannot be resumed.
+    pub on_position_lost: PositionLostPolicy,
+    /// Recovery replays rows created since this time instead of the computed one.
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Smallest margin recovery subtracts from the last durable commit time.
+    pub recovery_margin: Duration,
     pub rabbit: RabbitOptions,
 }
 
@@ -46,6 +52,37 @@ pub struct RabbitOptions {
     pub ca_file: Option<std::path::PathBuf>,
     pub cert_file: Option<std::path::PathBuf>,
     pub key_file: Option<std::path::PathBuf>,
+}
+
+/// `--on-position-lost`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PositionLostPolicy {
+    /// Stop with exit 3 and the fix.
+    #[default]
+    Fail,
+    /// Open a fresh position and publish again, from the table, every row that may have been
+    /// committed after the last confirmed one; then stream.
+    Poll,
+}
+
+/// Where a replay through the table starts after a lost position: the last durable commit
+/// time minus a margin no smaller than the largest commit-vs-`created_at` gap seen (so a long
+/// producer transaction's row is not missed), or `--replay-since`.
+pub fn recovery_since(
+    row: &state::postgres::StateRow,
+    replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    margin: Duration,
+) -> chrono::DateTime<chrono::Utc> {
+    if let Some(s) = replay_since {
+        return s;
+    }
+    let gap = Duration::from_millis(row.commit_gap_ms.unwrap_or(0).max(0) as u64 + 1000);
+    let margin = chrono::Duration::from_std(margin.max(gap)).unwrap_or(chrono::Duration::days(1));
+    let base = row
+        .position_commit_at
+        .or(row.created_at)
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC + chrono::Duration::days(1));
+    base - margin
 }
 
 /// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
@@ -73,7 +110,48 @@ pub async fn run_postgres(
         (None, true) => snapshot::plan(&sql, &cfg.table, &cfg.columns, &cfg.snapshot).await?,
         (None, false) => SnapshotPlan::Nothing,
     };
-    let start = match admin::slot(&sql, &cfg.slot).await? {
+    let mut plan = plan;
+    let mut lease = lease;
+    let mut slot_info = admin::slot(&sql, &cfg.slot).await?;
+    let lost = match &slot_info {
+        None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name)),
+        Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", cfg.slot)),
+        _ => None,
+    };
+    if let (Some(problem), PositionLostPolicy::Poll) = (&lost, cfg.on_position_lost) {
+        let row = state::postgres::load(&sql, &cfg.name)
+            .await?
+            .ok_or_else(|| Error::Other("state row vanished".into()))?;
+        let since = recovery_since(&row, cfg.replay_since, cfg.recovery_margin);
+        if slot_info.is_some() {
+            admin::drop_slot(&sql, &cfg.slot).await?;
+            slot_info = None;
+        }
+        // Recorded first: if this run dies before the replay is durable, the next one
+        // replays again.
+        state::postgres::set_replay(&sql, &lease, since).await?;
+        lease.replay_since = Some(since);
+        lease.first_start = true;
+        plan = snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(since)).await?;
+        let rows: i64 = sql
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {} WHERE {} >= $1",
+                    cfg.table.pg_quoted(),
+                    crate::outbox::pg_ident(cfg.columns.get("created_at"))
+                ),
+                &[&since],
+            )
+            .await?
+            .get(0);
+        tracing::error!(
+            problem = %problem,
+            replay_since = %since.to_rfc3339(),
+            rows,
+            "POSITION LOST: recovering through the table (--on-position-lost poll): opening a fresh slot and publishing again every row created since then; expect duplicates"
+        );
+    }
+    let start = match slot_info {
         Some(slot) => {
             if slot.wal_status.as_deref() == Some("lost") {
                 return Err(Error::PositionLost {
@@ -120,14 +198,16 @@ pub async fn run_postgres(
         acks: ack_rx.clone(),
     };
     let lease_stop = CancellationToken::new();
+    let (commits_tx, commits_rx) = watch::channel(state::postgres::DurableCommit::default());
     let mut lease_task = tokio::spawn(keep_lease(
         dsn.clone(),
         app.clone(),
         lease.clone(),
         ack_rx,
+        commits_rx,
         lease_stop.clone(),
     ));
-    let source = pg::run(source_cfg, link, start, shutdown.clone());
+    let source = pg::run(source_cfg, link, start, commits_tx, shutdown.clone());
     let stats = Arc::new(RelayStats::default());
 
     let mut sink = make_sink(&cfg)?;
@@ -236,6 +316,7 @@ async fn keep_lease(
     app: String,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
+    commits: watch::Receiver<state::postgres::DurableCommit>,
     stop: CancellationToken,
 ) -> Result<(), Error> {
     let mut client: Option<tokio_postgres::Client> = None;
@@ -269,7 +350,8 @@ async fn keep_lease(
             };
         }
         let c = client.as_ref().expect("connected above");
-        match state::postgres::renew(c, &lease, pos).await {
+        let commit = commits.borrow().clone();
+        match state::postgres::renew(c, &lease, pos, &commit).await {
             Ok(()) => {
                 if pos.is_some() {
                     written = pos;

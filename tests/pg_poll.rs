@@ -184,13 +184,17 @@ async fn one_relays_broker_cut_the_others_carry_on() {
         pending(&db).await == 0
     })
     .await;
+    // Duplicates are allowed (a batch released by the cut relay is published by another), so
+    // take everything there is once all rows are marked.
+    wait_for("at least every event in the queue", T, || async { topo.queue_len(&q).await as usize >= expected.len() }).await;
     let got: HashSet<Uuid> = topo
-        .take(&q, expected.len(), T)
+        .take_all(&q)
         .await
         .iter()
         .map(common::amqp::message_id)
         .collect();
-    assert!(expected.iter().all(|i| got.contains(i)), "nothing lost");
+    let lost: Vec<_> = expected.iter().filter(|i| !got.contains(i)).collect();
+    assert!(lost.is_empty(), "{} of {} lost", lost.len(), expected.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

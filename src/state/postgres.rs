@@ -22,6 +22,7 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     gtid_state        text,
     commit_gap_ms     bigint,
     replay_since      timestamptz,
+    position_commit_at timestamptz,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -42,6 +43,11 @@ pub struct StateRow {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     pub lease_expires_at: Option<chrono::DateTime<chrono::Utc>>,
     pub updated_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Commit time of the last transaction whose events were all confirmed.
+    pub position_commit_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Largest commit-minus-created_at gap seen (long producer transactions), in ms.
+    pub commit_gap_ms: Option<i64>,
+    pub created_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
@@ -70,7 +76,8 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         .query_opt(
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
-                    initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at
+                    initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at,
+                    position_commit_at, commit_gap_ms, created_at
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -87,6 +94,9 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         replay_since: r.get(8),
         lease_expires_at: r.get(9),
         updated_at: r.get(10),
+        position_commit_at: r.get(11),
+        commit_gap_ms: r.get(12),
+        created_at: r.get(13),
     }))
 }
 
@@ -191,7 +201,12 @@ fn lost(lease: &Lease) -> Error {
 
 /// Renews the lease and, when given, stores a newer position. A position older than the stored
 /// one is ignored by the statement itself, so the row can never move backwards.
-pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Result<(), Error> {
+pub async fn renew(
+    client: &Client,
+    lease: &Lease,
+    position: Option<u64>,
+    commit: &DurableCommit,
+) -> Result<(), Error> {
     let pos_text = position.map(format_lsn);
     let n = client
         .execute(
@@ -204,6 +219,8 @@ pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Res
                     position = CASE WHEN $3::text IS NOT NULL
                                      AND (position_lsn IS NULL OR $3::pg_lsn > position_lsn)
                                     THEN $3::text ELSE position END,
+                    position_commit_at = greatest(position_commit_at, $6),
+                    commit_gap_ms = greatest(commit_gap_ms, $7),
                     updated_at = now()
               WHERE name = $1 AND epoch = $2 AND lease_holder = $5",
             &[
@@ -212,7 +229,36 @@ pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Res
                 &pos_text,
                 &(LEASE_TTL.as_secs_f64()),
                 &lease.holder,
+                &commit.commit_at,
+                &commit.max_gap_ms,
             ],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+/// What the source knows about the newest durable transaction: its commit time and the
+/// largest commit-vs-`created_at` gap seen so far. Recovery through the table replays from
+/// there, minus at least that gap.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DurableCommit {
+    pub commit_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub max_gap_ms: Option<i64>,
+}
+
+/// Records a replay the next start must perform (recovery), while holding the lease.
+pub async fn set_replay(
+    client: &Client,
+    lease: &Lease,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET replay_since = $3, updated_at = now() WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch, &since],
         )
         .await?;
     if n == 0 {
