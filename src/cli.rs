@@ -53,6 +53,8 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Delete old processed_messages or outbox rows in small batches.
+    Prune(crate::consumer::cli::PruneArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -317,7 +319,7 @@ fn read_secret_file(path: &std::path::Path) -> Result<String, Error> {
 }
 
 /// The DSN from flag, environment or file; warns when a password came in argv.
-fn resolve_dsn(
+pub(crate) fn resolve_dsn(
     value: Option<&str>,
     file: Option<&std::path::Path>,
     from_argv: bool,
@@ -417,6 +419,7 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
     }
 }
 
