@@ -173,6 +173,9 @@ pub struct ConsumeArgs {
     /// With --exchange: declare the queue single-active-consumer (ordered).
     #[arg(long, env = "OUTBOXD_SINGLE_ACTIVE")]
     pub single_active: bool,
+    /// Stop once the queue is empty and nothing is in hand (a batch run).
+    #[arg(long, env = "OUTBOXD_UNTIL_EMPTY")]
+    pub until_empty: bool,
 }
 
 /// The database a consumer writes to.
@@ -204,6 +207,7 @@ impl ConsumeArgs {
         o.on_poison = self.on_poison;
         o.retry_min = self.retry_min;
         o.retry_max = self.retry_max.max(self.retry_min);
+        o.until_empty = self.until_empty;
         o.connection_name = format!("outboxd consumer {} on {}", self.consumer, self.queue);
         o.declare = self.exchange.as_ref().map(|x| Declare {
             exchange: x.clone(),

@@ -4,7 +4,7 @@
 //! stays as it is.
 #![allow(dead_code)]
 
-use crate::common::{unique, wait_for};
+use crate::common::unique;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation};
@@ -440,45 +440,84 @@ pub fn invoice_body(invoice: i64, customer: &str, cents: i64) -> Vec<u8> {
         .into_bytes()
 }
 
-/// Messages ready in `queue` right now.
-pub async fn ready(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map(|q| q.message_count())
-    .unwrap_or(0)
+/// Messages ready in `queue` right now (0 when it does not exist). A channel per call: a
+/// failed passive declaration closes its channel.
+pub async fn ready(conn: &lapin::Connection, queue: &str) -> u32 {
+    let Ok(ch) = conn.create_channel().await else {
+        panic!("the test's broker connection is gone");
+    };
+    let n = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or(0);
+    let _ = ch.close(200, "OK".into()).await;
+    n
 }
 
-/// Waits until `queue` has nothing ready, then stops `consumer` gracefully and checks that
-/// nothing came back (prefetched, unstarted messages return to the queue when it stops);
-/// restarts it with `restart` until the queue stays empty. Returns the stopped processes.
-pub async fn drain_and_stop(
-    ch: &Channel,
+/// Takes exactly `n` messages from `queue` (auto-ack), panicking after a minute.
+pub async fn take(
+    conn: &lapin::Connection,
     queue: &str,
-    mut consumer: Proc,
-    restart: impl Fn() -> Proc,
+    n: usize,
+) -> Vec<lapin::message::Delivery> {
+    use futures::StreamExt;
+    let ch = conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            unique("take").into(),
+            lapin::options::BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while out.len() < n {
+        match tokio::time::timeout(Duration::from_secs(60), consumer.next()).await {
+            Ok(Some(Ok(d))) => out.push(d),
+            other => panic!("{} of {n} messages from {queue}: {other:?}", out.len()),
+        }
+    }
+    let _ = ch.close(200, "OK".into()).await;
+    out
+}
+
+/// Runs consumers started by `start` (which must pass `--until-empty`) one after the other
+/// until one exits with the queue empty behind it: every copy and requeued message has then
+/// been settled. Returns the exited processes (their stats).
+pub async fn drain(
+    conn: &lapin::Connection,
+    queue: &str,
+    start: impl Fn() -> Proc,
     timeout: Duration,
 ) -> Vec<Proc> {
     let mut done = Vec::new();
     for _ in 0..10 {
-        wait_for(&format!("{queue} to be empty"), timeout, || async {
-            ready(ch, queue).await == 0
-        })
-        .await;
-        consumer.signal("TERM");
-        let code = consumer.wait_exit(timeout).await;
-        assert_eq!(code, 0, "consumer stderr:\n{}", consumer.stderr());
-        done.push(consumer);
-        if ready(ch, queue).await == 0 {
+        let mut p = start();
+        let code = p.wait_exit(timeout).await;
+        assert_eq!(code, 0, "consumer stderr:\n{}", p.stderr());
+        done.push(p);
+        if ready(conn, queue).await == 0 {
             return done;
         }
-        consumer = restart();
     }
     panic!("{queue} did not stay empty");
+}
+
+/// SIGTERM, then the exit code must be 0 (graceful stop).
+pub async fn stop(p: &mut Proc, timeout: Duration) {
+    p.signal("TERM");
+    let code = p.wait_exit(timeout).await;
+    assert_eq!(code, 0, "consumer stderr:\n{}", p.stderr());
 }
