@@ -330,15 +330,16 @@ pub async fn prune_postgres(
         });
     }
 
-    // ORDER BY the time column only when an index leads with it (poll mode: (status, time)
-    // also serves); without one, a sort per batch would read every candidate each time.
+    // ORDER BY the time column only when a full (not partial) index leads with it (poll mode:
+    // (status, time) also serves); without one, a sort per batch would read every candidate
+    // each time.
     let indexed: bool = client
         .query_one(
             "SELECT EXISTS (
                SELECT 1 FROM pg_index i
                  JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
                  LEFT JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
-                WHERE i.indrelid = $1::regclass
+                WHERE i.indrelid = $1::text::regclass AND i.indpred IS NULL
                   AND (a0.attname = $2 OR ($3 AND a0.attname = $4 AND a1.attname = $2)))",
             &[
                 &shown,

@@ -138,6 +138,8 @@ pub struct Proc {
     pub stderr: Arc<Mutex<String>>,
     readers: Vec<std::thread::JoinHandle<()>>,
     label: String,
+    /// The exit code once [`Proc::wait_exit`] saw it (-1 for a signal).
+    pub exit: Option<i32>,
 }
 
 impl Proc {
@@ -186,6 +188,7 @@ impl Proc {
             stderr,
             readers: vec![r1, r2],
             label,
+            exit: None,
         }
     }
 
@@ -228,7 +231,9 @@ impl Proc {
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 self.join_readers();
-                return status.code().unwrap_or(-1);
+                let code = status.code().unwrap_or(-1);
+                self.exit = Some(code);
+                return code;
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
