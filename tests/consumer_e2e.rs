@@ -564,6 +564,117 @@ async fn poison_messages_are_parked_skipped_or_halt_in_order() {
     }
 }
 
+/// Connections cut under the consumer: the broker's (it reconnects; what it had not acked
+/// comes again) and the database's (the transaction fails, is retried in place on a new
+/// connection; a commit whose answer was lost comes back as a duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cut_broker_and_database_connections_change_nothing() {
+    use common::proxy::FaultProxy;
+    let db = PgDb::create("cuts").await;
+    setup_projection(&db.dsn()).await;
+    let conn = amqp::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = OwnQueue::declare(&ch, &unique("cuts"), "", "", false).await;
+    let publisher = publisher().await;
+    let mut events = Vec::new();
+    for i in 0..3000 {
+        let (customer, topic, invoices, cents, body) = invoice_event(i);
+        let e = Written {
+            id: Uuid::now_v7(),
+            customer,
+            topic,
+            invoices,
+            cents,
+            body: body.to_string(),
+        };
+        publish(
+            &publisher,
+            "",
+            &q.name,
+            invoice_props(e.id, topic, &e.customer, None),
+            e.body.as_bytes(),
+        )
+        .await;
+        events.push(e);
+    }
+    let broker = FaultProxy::start(([127, 0, 0, 1], amqp::HOST_PORT).into())
+        .await
+        .unwrap();
+    let pg = FaultProxy::start(([127, 0, 0, 1], 5432).into())
+        .await
+        .unwrap();
+    let mut consumer = start_consumer_via(
+        &amqp::url_via(broker.port()),
+        &db.dsn_via(pg.port()),
+        &q.name,
+        "cuts",
+        &["--prefetch", "20"],
+    );
+    let client = db.client().await;
+    let applied = |n: i64| {
+        let client = &client;
+        async move {
+            pg_count(
+                client,
+                "SELECT count(DISTINCT event_id) FROM invoice_ledger",
+            )
+            .await
+                >= n
+        }
+    };
+    for (k, at) in [(1, 500), (2, 1500)] {
+        wait_for(&format!("{at} events before broker cut {k}"), T, || {
+            applied(at)
+        })
+        .await;
+        let before = broker.accepted();
+        broker.cut();
+        wait_for("the consumer to reconnect to the broker", T, || {
+            let now = broker.accepted();
+            async move { now > before }
+        })
+        .await;
+    }
+    for (k, at) in [(1, 2000), (2, 2500)] {
+        wait_for(&format!("{at} events before database cut {k}"), T, || {
+            applied(at)
+        })
+        .await;
+        let before = pg.accepted();
+        pg.cut();
+        wait_for("the consumer to reconnect to the database", T, || {
+            let now = pg.accepted();
+            async move { now > before }
+        })
+        .await;
+    }
+    wait_for("3,000 events in the projection", T, || applied(3000)).await;
+    stop(&mut consumer, T).await;
+    let mut stopped = vec![consumer];
+    if ready(&conn, &q.name).await > 0 {
+        stopped.extend(
+            drain(
+                &conn,
+                &q.name,
+                || start_consumer(&db.dsn(), &q.name, "cuts", &["--until-empty"]),
+                T,
+            )
+            .await,
+        );
+    }
+    assert!(
+        stopped[0].stderr().contains("broker connection lost"),
+        "{}",
+        stopped[0].stderr()
+    );
+    assert!(
+        stat(&stopped[0], "retries") >= 1,
+        "{:?}",
+        stopped[0].stats()
+    );
+    assert_exactly_once_pg(&client, &events).await;
+}
+
 /// The MySQL/MariaDB side with the same example: events published directly (copies
 /// included), the consumer killed between commit and ack, exactly once in the projection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

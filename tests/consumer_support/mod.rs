@@ -268,6 +268,17 @@ impl Drop for Proc {
 /// The example consumer on `db` (a DSN) reading `queue`; broker and database through the
 /// environment, as passwords should travel.
 pub fn start_consumer(db: &str, queue: &str, consumer: &str, extra: &[&str]) -> Proc {
+    start_consumer_via(&crate::common::amqp::url(), db, queue, consumer, extra)
+}
+
+/// [`start_consumer`] with another broker URL (a fault proxy).
+pub fn start_consumer_via(
+    broker: &str,
+    db: &str,
+    queue: &str,
+    consumer: &str,
+    extra: &[&str],
+) -> Proc {
     let mut args = vec![
         "--queue",
         queue,
@@ -282,10 +293,7 @@ pub fn start_consumer(db: &str, queue: &str, consumer: &str, extra: &[&str]) -> 
     Proc::start(
         &example_bin(),
         &args,
-        &[
-            ("OUTBOXD_BROKER", &crate::common::amqp::url()),
-            ("OUTBOXD_DB", db),
-        ],
+        &[("OUTBOXD_BROKER", broker), ("OUTBOXD_DB", db)],
     )
 }
 
