@@ -92,10 +92,10 @@ pub async fn prune(
     let mut progress = move |r: &PruneReport| {
         if printed.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
             println!(
-                "progress: {} rows deleted from {} in {} batches, {:.0} rows/s",
+                "progress: {} rows deleted from {} in {}, {:.0} rows/s",
                 r.rows,
                 r.table,
-                r.batches,
+                prune::batches_text(r.batches),
                 r.rows_per_sec()
             );
             printed = Some(Instant::now());

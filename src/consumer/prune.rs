@@ -89,18 +89,27 @@ impl PruneReport {
     }
 }
 
+/// "1 batch", "30 batches".
+pub fn batches_text(n: u64) -> String {
+    format!("{n} batch{}", if n == 1 { "" } else { "es" })
+}
+
 impl fmt::Display for PruneReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.dry_run {
             return write!(
                 f,
-                "dry run: would delete {} rows from {} ({}) older than {} in {} batches; nothing deleted",
-                self.rows, self.table, self.kind, self.cutoff, self.batches
+                "dry run: would delete {} rows from {} ({}) older than {} in {}; nothing deleted",
+                self.rows,
+                self.table,
+                self.kind,
+                self.cutoff,
+                batches_text(self.batches)
             );
         }
         write!(
             f,
-            "{}: deleted {} rows from {} ({}) older than {} in {} batches, {:.1}s, {:.0} rows/s",
+            "{}: deleted {} rows from {} ({}) older than {} in {}, {:.1}s, {:.0} rows/s",
             if self.interrupted {
                 "interrupted"
             } else {
@@ -110,7 +119,7 @@ impl fmt::Display for PruneReport {
             self.table,
             self.kind,
             self.cutoff,
-            self.batches,
+            batches_text(self.batches),
             self.elapsed.as_secs_f64(),
             self.rows_per_sec()
         )

@@ -280,6 +280,7 @@ pub fn start_consumer_via(
     extra: &[&str],
 ) -> Proc {
     let mut args = vec![
+        "run",
         "--queue",
         queue,
         "--consumer",
@@ -297,16 +298,9 @@ pub fn start_consumer_via(
     )
 }
 
-/// Creates the inbox and projection tables through the example (`--setup`).
+/// Creates the inbox and projection tables through the example (`setup`).
 pub async fn setup_projection(db: &str) {
-    let mut p = Proc::start(
-        &example_bin(),
-        &["--setup", "--queue", "-", "--consumer", "-"],
-        &[
-            ("OUTBOXD_BROKER", &crate::common::amqp::url()),
-            ("OUTBOXD_DB", db),
-        ],
-    );
+    let mut p = Proc::start(&example_bin(), &["setup"], &[("OUTBOXD_DB", db)]);
     let code = p.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(code, 0, "setup failed: {}", p.stderr());
 }
