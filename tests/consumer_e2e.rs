@@ -564,6 +564,39 @@ async fn poison_messages_are_parked_skipped_or_halt_in_order() {
     }
 }
 
+/// A queue that is not there, and a database without the inbox tables: the consumer stops
+/// with exit 2 and the fix, and the message stays in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn misconfiguration_stops_with_the_fix() {
+    let db = PgDb::create("misconf").await;
+    let conn = amqp::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+
+    let mut p = start_consumer(&db.dsn(), &unique("nowhere"), "c", &[]);
+    assert_eq!(p.wait_exit(T).await, 2, "{}", p.stderr());
+    assert!(p.stderr().contains("does not exist"), "{}", p.stderr());
+    assert!(p.stderr().contains("--bind"), "{}", p.stderr());
+
+    // No migrations applied: the first message halts the consumer, whatever --on-poison says.
+    let q = OwnQueue::declare(&ch, &unique("misconf"), "", "", false).await;
+    publish(
+        &publisher().await,
+        "",
+        &q.name,
+        invoice_props(Uuid::now_v7(), "invoice.issued", "c", None),
+        &invoice_body(1, "c", 1),
+    )
+    .await;
+    let mut p = start_consumer(&db.dsn(), &q.name, "c", &["--on-poison", "skip"]);
+    assert_eq!(p.wait_exit(T).await, 2, "{}", p.stderr());
+    assert!(
+        p.stderr().contains("003_processed_messages.sql"),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(ready(&conn, &q.name).await, 1, "the message stays queued");
+}
+
 /// Connections cut under the consumer: the broker's (it reconnects; what it had not acked
 /// comes again) and the database's (the transaction fails, is retried in place on a new
 /// connection; a commit whose answer was lost comes back as a duplicate).
