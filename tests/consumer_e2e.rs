@@ -196,7 +196,12 @@ async fn relay_and_consumer_apply_ten_thousand_events_exactly_once_through_every
     let code = first.wait_exit(T).await;
     assert_ne!(code, 0);
     let crashed_id = crashed_message(&first, 1500);
-    let mut second = start_consumer(&dsn, &queue, consumer, &["--prefetch", "50"]);
+    let mut second = start_consumer(
+        &dsn,
+        &queue,
+        consumer,
+        &["--prefetch", "50", "--batch-size", "20"],
+    );
 
     // A rogue consumer on the same queue nacks 300 deliveries back into it and leaves 20
     // more unacked (within its prefetch of 25) when its channel closes: all of them come
@@ -357,15 +362,25 @@ async fn two_consumer_processes_racing_on_duplicated_ids_apply_each_once() {
         events.push(e);
     }
     let dsn = db.dsn();
-    let start = || {
+    let start_with = |batch: &'static str| {
         start_consumer(
             &dsn,
             &q.name,
             "racer",
-            &["--prefetch", "4", "--concurrency", "2", "--until-empty"],
+            &[
+                "--prefetch",
+                "8",
+                "--concurrency",
+                "2",
+                "--batch-size",
+                batch,
+                "--until-empty",
+            ],
         )
     };
-    let (mut a, mut b) = (start(), start());
+    let start = || start_with("1");
+    // One process commits message by message, the other four at a time.
+    let (mut a, mut b) = (start_with("1"), start_with("4"));
     let client = db.client().await;
     wait_for("2,000 events in the projection", T, || async {
         pg_count(
@@ -457,12 +472,19 @@ async fn poison_messages_are_parked_skipped_or_halt_in_order() {
     let ch = conn.create_channel().await.unwrap();
     let publisher = publisher().await;
 
-    for policy in ["park", "skip", "halt"] {
+    for (policy, batch) in [
+        ("park", "1"),
+        ("skip", "1"),
+        ("halt", "1"),
+        ("park", "10"),
+        ("halt", "10"),
+    ] {
         client
             .batch_execute("TRUNCATE invoice_totals, invoice_ledger")
             .await
             .unwrap();
         let q = OwnQueue::declare(&ch, &unique(&format!("poison_{policy}")), "", "", true).await;
+        let consumer_name = format!("{policy}_{batch}");
         let good1 = Uuid::now_v7();
         let bad = Uuid::now_v7();
         let good2 = Uuid::now_v7();
@@ -497,9 +519,11 @@ async fn poison_messages_are_parked_skipped_or_halt_in_order() {
             "3",
             "--prefetch",
             "10",
+            "--batch-size",
+            batch,
             "--until-empty",
         ];
-        let start = || start_consumer(&db.dsn(), &q.name, policy, &args);
+        let start = || start_consumer(&db.dsn(), &q.name, &consumer_name, &args);
         let ledger = |id: Uuid| {
             let client = &client;
             async move {
@@ -641,7 +665,7 @@ async fn cut_broker_and_database_connections_change_nothing() {
         &db.dsn_via(pg.port()),
         &q.name,
         "cuts",
-        &["--prefetch", "20"],
+        &["--prefetch", "20", "--batch-size", "10"],
     );
     let client = db.client().await;
     let applied = |n: i64| {
@@ -668,19 +692,36 @@ async fn cut_broker_and_database_connections_change_nothing() {
         })
         .await;
     }
-    for (k, at) in [(1, 2000), (2, 2500)] {
-        wait_for(&format!("{at} events before database cut {k}"), T, || {
-            applied(at)
-        })
-        .await;
-        let before = pg.accepted();
-        pg.cut();
-        wait_for("the consumer to reconnect to the database", T, || {
-            let now = pg.accepted();
-            async move { now > before }
-        })
-        .await;
-    }
+    // The database goes away for a while (connections cut, new ones refused): the consumer's
+    // transaction or reconnect fails, and it retries in place until the database is back.
+    wait_for("2,000 events before the database outage", T, || {
+        applied(2000)
+    })
+    .await;
+    let refused = pg.refused();
+    pg.block();
+    pg.cut();
+    wait_for("the consumer to find the database away", T, || {
+        let now = pg.refused();
+        async move { now > refused }
+    })
+    .await;
+    let before = pg.accepted();
+    pg.unblock();
+    wait_for("the consumer to reconnect to the database", T, || {
+        let now = pg.accepted();
+        async move { now > before }
+    })
+    .await;
+    // And once more, cut wherever it is.
+    wait_for("2,500 events before the database cut", T, || applied(2500)).await;
+    let before = pg.accepted();
+    pg.cut();
+    wait_for("the consumer to reconnect to the database", T, || {
+        let now = pg.accepted();
+        async move { now > before }
+    })
+    .await;
     wait_for("3,000 events in the projection", T, || applied(3000)).await;
     stop(&mut consumer, T).await;
     let mut stopped = vec![consumer];
@@ -702,7 +743,7 @@ async fn cut_broker_and_database_connections_change_nothing() {
     );
     assert!(
         stat(&stopped[0], "retries") >= 1,
-        "{:?}",
+        "the outage was retried in place: {:?}",
         stopped[0].stats()
     );
     assert_exactly_once_pg(&client, &events).await;
@@ -757,7 +798,15 @@ async fn mariadb_consumer_applies_every_event_exactly_once() {
             &dsn,
             &q.name,
             "projection",
-            &["--prefetch", "50", "--concurrency", "2", "--until-empty"],
+            &[
+                "--prefetch",
+                "50",
+                "--concurrency",
+                "2",
+                "--batch-size",
+                "25",
+                "--until-empty",
+            ],
         )
     };
     let stopped = drain(&conn, &q.name, restart, T).await;

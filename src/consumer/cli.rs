@@ -176,6 +176,10 @@ pub struct ConsumeArgs {
     /// Stop once the queue is empty and nothing is in hand (a batch run).
     #[arg(long, env = "OUTBOXD_UNTIL_EMPTY")]
     pub until_empty: bool,
+    /// Most messages committed in one transaction (of those already delivered; 1 = one
+    /// transaction per message). A failing message is retried alone; order holds.
+    #[arg(long, env = "OUTBOXD_BATCH_SIZE", default_value_t = 1)]
+    pub batch_size: usize,
 }
 
 /// The database a consumer writes to.
@@ -208,6 +212,7 @@ impl ConsumeArgs {
         o.retry_min = self.retry_min;
         o.retry_max = self.retry_max.max(self.retry_min);
         o.until_empty = self.until_empty;
+        o.batch_size = self.batch_size.max(1);
         o.connection_name = format!("outboxd consumer {} on {}", self.consumer, self.queue);
         o.declare = self.exchange.as_ref().map(|x| Declare {
             exchange: x.clone(),

@@ -341,10 +341,14 @@ impl<H: MyHandler> MyProcessor<H> {
     }
 }
 
-impl<H: MyHandler> super::Processor for MyProcessor<H> {
-    async fn process(&mut self, msg: &Message) -> Result<Claim<()>, ConsumerError> {
+impl<H: MyHandler> MyProcessor<H> {
+    /// `msgs` in one transaction (see `PgProcessor`).
+    async fn transaction(
+        &mut self,
+        msgs: &[Message],
+    ) -> Result<Vec<Claim<()>>, (usize, ConsumerError)> {
         if self.conn.is_none() {
-            self.conn = Some(connect(&self.dsn).await?);
+            self.conn = Some(connect(&self.dsn).await.map_err(|e| (0, e))?);
         }
         let Some(conn) = self.conn.as_mut() else {
             unreachable!("connected above")
@@ -354,29 +358,68 @@ impl<H: MyHandler> super::Processor for MyProcessor<H> {
             if let Some(level) = self.isolation {
                 opts.with_isolation_level(level);
             }
-            let mut tx = conn.start_transaction(opts).await?;
-            let claim = if self.bare {
-                self.handler
-                    .handle(&mut tx, msg)
-                    .await
-                    .map(Claim::Applied)?
-            } else {
-                let handler = &self.handler;
-                self.inbox
-                    .run_mysql(&mut tx, msg, |tx| handler.handle(tx, msg))
-                    .await?
-            };
-            tx.commit().await?;
-            Ok::<_, ConsumerError>(claim)
+            let mut tx = conn
+                .start_transaction(opts)
+                .await
+                .map_err(|e| (0, e.into()))?;
+            let mut claims = Vec::with_capacity(msgs.len());
+            for (i, msg) in msgs.iter().enumerate() {
+                let claim = if self.bare {
+                    self.handler.handle(&mut tx, msg).await.map(Claim::Applied)
+                } else {
+                    let handler = &self.handler;
+                    self.inbox
+                        .run_mysql(&mut tx, msg, |tx| handler.handle(tx, msg))
+                        .await
+                };
+                claims.push(claim.map_err(|e| (i, e))?);
+            }
+            tx.commit().await.map_err(|e| (0, e.into()))?;
+            Ok(claims)
         }
         .await;
-        if let Err(e) = &result {
+        if let Err((_, e)) = &result {
             if e.session_lost() {
                 // Dropping the connection also ends a transaction left open by the error.
                 self.conn = None;
             }
         }
         result
+    }
+}
+
+impl<H: MyHandler> super::Processor for MyProcessor<H> {
+    async fn process(&mut self, msg: &Message) -> Result<Claim<()>, ConsumerError> {
+        self.transaction(std::slice::from_ref(msg))
+            .await
+            .map(|mut c| c.remove(0))
+            .map_err(|(_, e)| e)
+    }
+
+    /// One transaction for the batch; when message `i` fails, the first `i` are committed in a
+    /// new transaction and `i` is reported.
+    async fn process_batch(&mut self, msgs: &[Message]) -> super::runner::BatchResult {
+        use super::runner::BatchResult;
+        match self.transaction(msgs).await {
+            Ok(committed) => BatchResult {
+                committed,
+                failed: None,
+            },
+            Err((i, e)) if i > 0 => match self.transaction(&msgs[..i]).await {
+                Ok(committed) => BatchResult {
+                    committed,
+                    failed: Some(e),
+                },
+                Err((_, e)) => BatchResult {
+                    committed: Vec::new(),
+                    failed: Some(e),
+                },
+            },
+            Err((_, e)) => BatchResult {
+                committed: Vec::new(),
+                failed: Some(e),
+            },
+        }
     }
 }
 

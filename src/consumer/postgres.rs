@@ -189,10 +189,18 @@ impl<H: PgHandler> PgProcessor<H> {
     }
 }
 
-impl<H: PgHandler> super::Processor for PgProcessor<H> {
-    async fn process(&mut self, msg: &Message) -> Result<Claim<()>, ConsumerError> {
+impl<H: PgHandler> PgProcessor<H> {
+    /// `msgs` in one transaction: all committed, or nothing and the index of the message that
+    /// failed (0 when begin or commit failed: a failed commit's outcome is unknown, and the
+    /// claims sort it out on the retry).
+    async fn transaction(
+        &mut self,
+        msgs: &[Message],
+    ) -> Result<Vec<Claim<()>>, (usize, ConsumerError)> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            let c = crate::source::postgres::connect_sql(&self.dsn, &self.application).await?;
+            let c = crate::source::postgres::connect_sql(&self.dsn, &self.application)
+                .await
+                .map_err(|e| (0, e.into()))?;
             self.client = Some(c);
         }
         let Some(client) = self.client.as_mut() else {
@@ -203,27 +211,66 @@ impl<H: PgHandler> super::Processor for PgProcessor<H> {
             if let Some(level) = self.isolation {
                 b = b.isolation_level(level);
             }
-            let tx = b.start().await?;
-            let claim = if self.bare {
-                self.handler.handle(&tx, msg).await.map(Claim::Applied)?
-            } else {
-                let handler = &self.handler;
-                self.inbox
-                    .run_pg(&tx, msg, |tx| handler.handle(tx, msg))
-                    .await?
-            };
-            // A failed commit leaves the outcome unknown to us; the message is not acked, so
-            // it comes again, and the claim (if it did commit) turns it into a duplicate.
-            tx.commit().await?;
-            Ok::<_, ConsumerError>(claim)
+            let tx = b.start().await.map_err(|e| (0, e.into()))?;
+            let mut claims = Vec::with_capacity(msgs.len());
+            for (i, msg) in msgs.iter().enumerate() {
+                let claim = if self.bare {
+                    self.handler.handle(&tx, msg).await.map(Claim::Applied)
+                } else {
+                    let handler = &self.handler;
+                    self.inbox
+                        .run_pg(&tx, msg, |tx| handler.handle(tx, msg))
+                        .await
+                };
+                claims.push(claim.map_err(|e| (i, e))?);
+            }
+            // A failed commit leaves the outcome unknown to us; the messages are not acked, so
+            // they come again, and the claims (if it did commit) make them duplicates.
+            tx.commit().await.map_err(|e| (0, e.into()))?;
+            Ok(claims)
         }
         .await;
-        if let Err(e) = &result {
+        if let Err((_, e)) = &result {
             if e.session_lost() {
                 self.client = None;
             }
         }
         result
+    }
+}
+
+impl<H: PgHandler> super::Processor for PgProcessor<H> {
+    async fn process(&mut self, msg: &Message) -> Result<Claim<()>, ConsumerError> {
+        self.transaction(std::slice::from_ref(msg))
+            .await
+            .map(|mut c| c.remove(0))
+            .map_err(|(_, e)| e)
+    }
+
+    /// One transaction for the batch; when message `i` fails, the first `i` are committed in a
+    /// new transaction (a failed statement aborts a Postgres transaction) and `i` is reported.
+    async fn process_batch(&mut self, msgs: &[Message]) -> super::runner::BatchResult {
+        use super::runner::BatchResult;
+        match self.transaction(msgs).await {
+            Ok(committed) => BatchResult {
+                committed,
+                failed: None,
+            },
+            Err((i, e)) if i > 0 => match self.transaction(&msgs[..i]).await {
+                Ok(committed) => BatchResult {
+                    committed,
+                    failed: Some(e),
+                },
+                Err((_, e)) => BatchResult {
+                    committed: Vec::new(),
+                    failed: Some(e),
+                },
+            },
+            Err((_, e)) => BatchResult {
+                committed: Vec::new(),
+                failed: Some(e),
+            },
+        }
     }
 }
 

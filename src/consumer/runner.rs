@@ -25,7 +25,7 @@
 use super::{Claim, ConsumerError, Message};
 use crate::backoff::Backoff;
 use crate::dsn::redact;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -52,6 +52,44 @@ pub trait Processor: Send + 'static {
         &mut self,
         msg: &Message,
     ) -> impl Future<Output = Result<Claim<()>, ConsumerError>> + Send;
+
+    /// Several messages, in order, as few transactions as possible (`--batch-size`): one
+    /// commit's flush shared by many messages. The result says how many *leading* messages are
+    /// committed, and why the next one stopped the batch; the runner acks the committed ones
+    /// and retries the stopping message alone, so a failure never lets a later message overtake
+    /// an earlier one. The default runs [`Processor::process`] message by message.
+    fn process_batch(&mut self, msgs: &[Message]) -> impl Future<Output = BatchResult> + Send
+    where
+        Self: Sized,
+    {
+        async move {
+            let mut committed = Vec::with_capacity(msgs.len());
+            for m in msgs {
+                match self.process(m).await {
+                    Ok(c) => committed.push(c),
+                    Err(e) => {
+                        return BatchResult {
+                            committed,
+                            failed: Some(e),
+                        }
+                    }
+                }
+            }
+            BatchResult {
+                committed,
+                failed: None,
+            }
+        }
+    }
+}
+
+/// What [`Processor::process_batch`] committed.
+#[derive(Debug)]
+pub struct BatchResult {
+    /// Claims of the leading messages that are committed (`committed.len()` of them).
+    pub committed: Vec<Claim<()>>,
+    /// Why the message after them was not: it is retried alone.
+    pub failed: Option<ConsumerError>,
 }
 
 /// What happens to a message that failed `max_failures` times (`--on-poison`).
@@ -93,6 +131,9 @@ pub struct RunnerOptions {
     /// Stop (gracefully) once the queue has nothing ready and nothing is in hand: for batch
     /// runs, drains and benchmarks.
     pub until_empty: bool,
+    /// Most messages a worker commits in one transaction (of those already delivered; it
+    /// never waits to fill a batch). 1 = a transaction per message.
+    pub batch_size: usize,
     /// Shown in the broker's connection list.
     pub connection_name: String,
 }
@@ -107,6 +148,7 @@ impl std::fmt::Debug for RunnerOptions {
             .field("on_poison", &self.on_poison)
             .field("declare", &self.declare)
             .field("until_empty", &self.until_empty)
+            .field("batch_size", &self.batch_size)
             .finish()
     }
 }
@@ -123,6 +165,7 @@ impl RunnerOptions {
             retry_max: Duration::from_secs(30),
             declare: None,
             until_empty: false,
+            batch_size: 1,
             connection_name: format!("outboxd consumer {queue}"),
         }
     }
@@ -289,7 +332,17 @@ impl<P: Processor> Runner<P> {
         let mut backoff = Backoff::new(self.opts.retry_min, self.opts.retry_max);
         let mut last: Option<Arc<Session>> = None;
         while !shared.stop.is_cancelled() {
-            match open_session(&self.opts).await {
+            // Bounded: a broker that accepts the connection and then stops answering must not
+            // hold the consumer forever.
+            let opened = match tokio::time::timeout(SESSION_TIMEOUT, open_session(&self.opts)).await
+            {
+                Ok(r) => r,
+                Err(_) => Err(ConsumerError::Broker {
+                    message: format!("opening the session took longer than {SESSION_TIMEOUT:?}"),
+                    retryable: true,
+                }),
+            };
+            match opened {
                 Ok((session, consumer)) => {
                     backoff.reset();
                     tracing::info!(queue = %self.opts.queue, prefetch = self.opts.prefetch, workers = senders.len(), "consuming");
@@ -320,8 +373,11 @@ impl<P: Processor> Runner<P> {
             }
         }
         if let Some(s) = last {
-            let _ = s.channel.close(200, "OK".into()).await;
-            let _ = s.conn.close(200, "OK".into()).await;
+            let _ = tokio::time::timeout(ACK_TIMEOUT, async {
+                let _ = s.channel.close(200, "OK".into()).await;
+                let _ = s.conn.close(200, "OK".into()).await;
+            })
+            .await;
         }
         let halted = shared
             .halted
@@ -334,6 +390,9 @@ impl<P: Processor> Runner<P> {
         }
     }
 }
+
+/// Connecting, declaring and starting the consumer together take at most this long.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Connects to the broker. The host is used as written (lapin would take `localhost` for an
 /// IP address) and an empty vhost means the default one, as in the relay's sink.
@@ -572,10 +631,13 @@ async fn dispatch(
                 continue;
             }
             _ = shared.stop.cancelled() => {
-                let _ = session
-                    .channel
-                    .basic_cancel(session.tag.clone().into(), BasicCancelOptions::default())
-                    .await;
+                let _ = tokio::time::timeout(
+                    ACK_TIMEOUT,
+                    session
+                        .channel
+                        .basic_cancel(session.tag.clone().into(), BasicCancelOptions::default()),
+                )
+                .await;
                 return Ok(());
             }
         };
@@ -607,6 +669,13 @@ async fn dispatch(
         tokio::select! {
             r = workers[idx].send(job) => {
                 if r.is_err() {
+                    // Workers end only when the runner stops; otherwise one panicked.
+                    if !shared.stop.is_cancelled() {
+                        shared.halt(ConsumerError::Handler {
+                            message: "a consumer worker ended unexpectedly".into(),
+                            retryable: false,
+                        });
+                    }
                     return Ok(());
                 }
             }
@@ -656,47 +725,144 @@ fn worker_for(props: &BasicProperties, n: usize) -> usize {
     (h.finish() % n as u64) as usize
 }
 
-async fn worker<P: Processor>(mut p: P, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
-    while let Some(job) = rx.recv().await {
-        // Stopping: what is not in hand yet stays unacked and goes back to the queue.
-        if !shared.stop.is_cancelled() {
-            handle(&mut p, job, &shared).await;
-        }
-        shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-async fn handle<P: Processor>(p: &mut P, job: Job, shared: &Shared) {
-    let opts = &shared.opts;
-    let stats = &shared.stats;
-    let msg = match Message::from_parts(
+fn parse(job: &Job) -> Result<Message, ConsumerError> {
+    Message::from_parts(
         &job.exchange,
         &job.routing_key,
         job.redelivered,
         job.properties.clone(),
         job.body.clone(),
-    ) {
+    )
+}
+
+async fn worker<P: Processor>(mut p: P, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
+    let max = shared.opts.batch_size.max(1);
+    let mut pending: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
+    // The next message goes alone: it stopped a batch.
+    let mut alone = false;
+    loop {
+        if pending.is_empty() {
+            match rx.recv().await {
+                Some(j) => pending.push_back(j),
+                None => break,
+            }
+        }
+        // Stopping: what is not in hand yet stays unacked and goes back to the queue.
+        if shared.stop.is_cancelled() {
+            shared
+                .in_flight
+                .fetch_sub(pending.len() as u64, Ordering::SeqCst);
+            pending.clear();
+            continue;
+        }
+        while pending.len() < max {
+            match rx.try_recv() {
+                Ok(j) => pending.push_back(j),
+                Err(_) => break,
+            }
+        }
+        // The longest run of readable messages at the front makes the batch; an unreadable
+        // one goes alone (to the poison path).
+        let mut jobs = Vec::new();
+        let mut msgs = Vec::new();
+        if max > 1 && !alone {
+            while jobs.len() < max {
+                let Some(Ok(m)) = pending.front().map(parse) else {
+                    break;
+                };
+                msgs.push(m);
+                jobs.extend(pending.pop_front());
+            }
+        }
+        alone = false;
+        if jobs.len() <= 1 {
+            let job = match jobs.pop() {
+                Some(j) => j,
+                None => match pending.pop_front() {
+                    Some(j) => j,
+                    None => continue,
+                },
+            };
+            handle(&mut p, job, &shared).await;
+            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        }
+        let result = match std::panic::AssertUnwindSafe(p.process_batch(&msgs))
+            .catch_unwind()
+            .await
+        {
+            Ok(r) => r,
+            Err(panic) => BatchResult {
+                committed: Vec::new(),
+                failed: Some(panicked(panic)),
+            },
+        };
+        let done = result.committed.len().min(jobs.len());
+        for ((job, msg), claim) in jobs.iter().zip(&msgs).zip(&result.committed) {
+            settle(job, msg, claim, &shared).await;
+        }
+        shared.in_flight.fetch_sub(done as u64, Ordering::SeqCst);
+        if let Some(e) = result.failed {
+            if let Some(m) = msgs.get(done) {
+                tracing::debug!(id = %m.id, error = %e, "batch stopped here; retrying this message alone");
+            }
+            for job in jobs.into_iter().skip(done).rev() {
+                pending.push_front(job);
+            }
+            alone = true;
+        }
+    }
+}
+
+/// A handler that panicked failed its message (the transaction was dropped, so rolled back):
+/// the panic counts towards `--max-failures` instead of taking the worker down.
+fn panicked(panic: Box<dyn std::any::Any + Send>) -> ConsumerError {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into());
+    ConsumerError::Handler {
+        message: format!("panicked: {what}"),
+        retryable: false,
+    }
+}
+
+/// After the commit: the hook, the counters, the ack.
+async fn settle(job: &Job, msg: &Message, claim: &Claim<()>, shared: &Shared) {
+    if let Some(hook) = &shared.on_commit {
+        hook(msg, claim);
+    }
+    let stats = &shared.stats;
+    let counter = match claim {
+        Claim::Applied(()) => &stats.applied,
+        Claim::Duplicate => &stats.duplicates,
+        Claim::Stale { .. } => &stats.stale,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(id = %msg.id, outcome = claim.kind(), redelivered = msg.redelivered, "committed");
+    ack(job, &msg.id.to_string(), stats).await;
+}
+
+async fn handle<P: Processor>(p: &mut P, job: Job, shared: &Shared) {
+    let opts = &shared.opts;
+    let stats = &shared.stats;
+    let msg = match parse(&job) {
         Ok(m) => m,
         Err(e) => return poison(&job, "<no id>", &e, 1, shared).await,
     };
     let mut failures = 0u32;
     let mut backoff = Backoff::new(opts.retry_min, opts.retry_max);
     loop {
-        match p.process(&msg).await {
-            Ok(claim) => {
-                if let Some(hook) = &shared.on_commit {
-                    hook(&msg, &claim);
-                }
-                let counter = match &claim {
-                    Claim::Applied(()) => &stats.applied,
-                    Claim::Duplicate => &stats.duplicates,
-                    Claim::Stale { .. } => &stats.stale,
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(id = %msg.id, outcome = claim.kind(), redelivered = msg.redelivered, "committed");
-                ack(&job, &msg.id.to_string(), stats).await;
-                return;
-            }
+        let outcome = match std::panic::AssertUnwindSafe(p.process(&msg))
+            .catch_unwind()
+            .await
+        {
+            Ok(r) => r,
+            Err(panic) => Err(panicked(panic)),
+        };
+        match outcome {
+            Ok(claim) => return settle(&job, &msg, &claim, shared).await,
             Err(e @ ConsumerError::Config { .. }) => {
                 tracing::error!(id = %msg.id, error = %e, "configuration error: stopping (the message stays in the queue)");
                 shared.halt(e);
@@ -731,10 +897,14 @@ async fn handle<P: Processor>(p: &mut P, job: Job, shared: &Shared) {
     }
 }
 
+/// An ack is handed to the connection's I/O loop; when the connection dies at that moment
+/// the promise may never resolve, so it is bounded.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
 async fn ack(job: &Job, id: &str, stats: &Stats) {
-    match job.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
+    match tokio::time::timeout(ACK_TIMEOUT, job.acker.ack(BasicAckOptions::default())).await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false) | Err(_)) | Err(_) => {
             stats.acks_lost.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 id,
@@ -784,6 +954,9 @@ async fn poison(job: &Job, id: &str, error: &ConsumerError, failures: u32, share
     }
 }
 
+/// A parked message not confirmed within this is published again (the ack waits).
+const PARK_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Header values stay below this, so a parked message always fits its frame.
 const ERROR_HEADER_MAX: usize = 1024;
 
@@ -832,19 +1005,25 @@ async fn park(
             "this is a bug: --on-poison park opens one",
         ));
     };
-    let confirm = ch
-        .basic_publish(
-            ShortString::from(""),
-            dead.to_string().into(),
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            &job.body,
-            props,
-        )
-        .await?
-        .await?;
+    let publish = ch.basic_publish(
+        ShortString::from(""),
+        dead.to_string().into(),
+        BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        },
+        &job.body,
+        props,
+    );
+    let confirm = match tokio::time::timeout(PARK_TIMEOUT, async { publish.await?.await }).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(ConsumerError::Broker {
+                message: format!("no confirmation of the parked message within {PARK_TIMEOUT:?}"),
+                retryable: true,
+            })
+        }
+    };
     match confirm {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(_)) => Err(ConsumerError::Broker {
