@@ -5,8 +5,9 @@
 //!
 //! Throughput: `OUTBOXD_BENCH_MESSAGES` (default 20,000) invoice events are published to a
 //! fresh queue, then the runner drains it (`until_empty`) with the invoice projection's effect
-//! (an upsert of the customer's total and a ledger insert) in one transaction per message,
-//! with the claim (inbox) or without it. Time runs from the runner's start to its return.
+//! (an upsert of the customer's total and a ledger insert), one transaction per message or 20
+//! (`--batch-size`), with the claim (inbox) or without it. Time runs from the runner's start
+//! to its return.
 //!
 //! Prune: `OUTBOXD_BENCH_PRUNE_ROWS` (default 500,000) `processed_messages` rows older than
 //! the window plus as many younger ones, pruned with `--batch 10000 --pause 0s`.
@@ -22,6 +23,9 @@ use outboxd::consumer::runner::{Runner, RunnerOptions};
 use outboxd::consumer::{ConsumerError, Inbox, Message, Processor};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+
+/// (workers, messages per transaction) for each throughput run.
+const RUNS: [(usize, usize); 3] = [(1, 1), (4, 1), (1, 20)];
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
@@ -175,11 +179,12 @@ async fn delete_queue(queue: &str) {
 }
 
 /// Drains a queue of `n` fresh events with `processors`; messages per second.
-async fn drain<P: Processor>(queue: &str, n: usize, processors: Vec<P>) -> f64 {
+async fn drain<P: Processor>(queue: &str, n: usize, processors: Vec<P>, batch: usize) -> f64 {
     fill(queue, n).await;
     let mut o = RunnerOptions::new(AMQP, queue);
     o.prefetch = 200;
     o.until_empty = true;
+    o.batch_size = batch;
     let runner = Runner::new(o, processors);
     let stats = runner.stats();
     let start = Instant::now();
@@ -258,9 +263,9 @@ async fn main() {
     .unwrap();
     c.batch_execute(PG_TABLES).await.unwrap();
     let dsn = pg_dsn(&db);
-    for workers in [1, 4] {
+    for (workers, batch) in RUNS {
         for with_inbox in [true, false] {
-            let q = format!("bench_consumer_{tag}_pg_{workers}_{with_inbox}");
+            let q = format!("bench_consumer_{tag}_pg_{workers}_{batch}_{with_inbox}");
             let ps: Vec<_> = (0..workers)
                 .map(|_| {
                     let p = PgProcessor::new(dsn.clone(), Inbox::new("bench").unwrap(), Projection);
@@ -271,10 +276,10 @@ async fn main() {
                     }
                 })
                 .collect();
-            let rate = drain(&q, n, ps).await;
+            let rate = drain(&q, n, ps, batch).await;
             delete_queue(&q).await;
             table.push(format!(
-                "| Postgres | {workers} | {} | {n} | {rate:.0} msg/s |",
+                "| Postgres | {workers} | {batch} | {} | {n} | {rate:.0} msg/s |",
                 if with_inbox { "yes" } else { "no" }
             ));
             eprintln!("{}", table.last().unwrap());
@@ -333,9 +338,9 @@ async fn main() {
         .unwrap();
         c.query_drop(MY_TABLES).await.unwrap();
         let dsn = my_dsn(&db);
-        for workers in [1, 4] {
+        for (workers, batch) in RUNS {
             for with_inbox in [true, false] {
-                let q = format!("bench_consumer_{tag}_my_{workers}_{with_inbox}");
+                let q = format!("bench_consumer_{tag}_my_{workers}_{batch}_{with_inbox}");
                 let ps: Vec<_> = (0..workers)
                     .map(|_| {
                         let p =
@@ -347,10 +352,10 @@ async fn main() {
                         }
                     })
                     .collect();
-                let rate = drain(&q, n, ps).await;
+                let rate = drain(&q, n, ps, batch).await;
                 delete_queue(&q).await;
                 table.push(format!(
-                    "| MariaDB | {workers} | {} | {n} | {rate:.0} msg/s |",
+                    "| MariaDB | {workers} | {batch} | {} | {n} | {rate:.0} msg/s |",
                     if with_inbox { "yes" } else { "no" }
                 ));
                 eprintln!("{}", table.last().unwrap());
@@ -391,7 +396,7 @@ async fn main() {
             .await
             .unwrap();
 
-        println!("\n| database | workers | inbox | messages | throughput |\n|---|---|---|---|---|");
+        println!("\n| database | workers | batch | inbox | messages | throughput |\n|---|---|---|---|---|---|");
         for l in &table {
             println!("{l}");
         }
