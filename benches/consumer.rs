@@ -242,6 +242,17 @@ async fn main() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(d)
     };
+    // The figures depend on what else runs on the machine: say so next to them.
+    let load = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let load_start = load();
+    let started = Instant::now();
     let n = env("OUTBOXD_BENCH_MESSAGES", 20_000);
     let prune_rows = env("OUTBOXD_BENCH_PRUNE_ROWS", 500_000);
     let tag = std::process::id();
@@ -403,5 +414,11 @@ async fn main() {
         println!("\n| database | rows pruned | batches | time | speed |\n|---|---|---|---|---|");
         println!("{pg_prune}");
         println!("{my_prune}");
+        println!(
+            "\nload average {load_start} at the start, {} at the end; {:.0} s in all; {} CPUs",
+            load(),
+            started.elapsed().as_secs_f64(),
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
     }
 }
