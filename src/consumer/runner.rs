@@ -802,8 +802,8 @@ async fn worker<P: Processor>(mut p: P, mut rx: mpsc::Receiver<Job>, shared: Arc
             settle(job, msg, claim, &shared).await;
         }
         shared.in_flight.fetch_sub(done as u64, Ordering::SeqCst);
-        if let Some(e) = result.failed {
-            if let Some(m) = msgs.get(done) {
+        if done < jobs.len() {
+            if let (Some(m), Some(e)) = (msgs.get(done), &result.failed) {
                 tracing::debug!(id = %m.id, error = %e, "batch stopped here; retrying this message alone");
             }
             for job in jobs.into_iter().skip(done).rev() {
