@@ -43,6 +43,15 @@ pub enum Command {
     Setup(SetupArgs),
     /// Drop the relay's slot, publication and state (an abandoned slot fills the disk).
     Teardown(TeardownArgs),
+    /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
+    #[command(subcommand)]
+    Keys(crate::crypto::cli::KeysCommand),
+    /// Encrypt the schema's x-gdpr-sensitive fields of the JSON payload on stdin.
+    Encrypt(crate::crypto::cli::EncryptArgs),
+    /// Decrypt every encrypted field of the JSON payload on stdin.
+    Decrypt(crate::crypto::cli::DecryptArgs),
+    /// Rewrite outbox rows under the current key, in small batches (resumable).
+    Reencrypt(crate::crypto::cli::ReencryptArgs),
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -176,7 +185,7 @@ fn read_secret_file(path: &std::path::Path) -> Result<String, Error> {
 }
 
 /// The DSN from flag, environment or file; warns when a password came in argv.
-fn resolve_dsn(
+pub(crate) fn resolve_dsn(
     value: Option<&str>,
     file: Option<&std::path::Path>,
     from_argv: bool,
@@ -270,6 +279,10 @@ pub async fn execute(
         Command::Run(args) => run(args, sub, shutdown).await,
         Command::Setup(args) => setup(args, sub).await,
         Command::Teardown(args) => teardown(args, sub).await,
+        Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
     }
 }
 
