@@ -53,6 +53,15 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
+    #[command(subcommand)]
+    Keys(crate::crypto::cli::KeysCommand),
+    /// Encrypt the schema's x-gdpr-sensitive fields of the JSON payload on stdin.
+    Encrypt(crate::crypto::cli::EncryptArgs),
+    /// Decrypt every encrypted field of the JSON payload on stdin.
+    Decrypt(crate::crypto::cli::DecryptArgs),
+    /// Rewrite outbox rows under the current key, in small batches (resumable).
+    Reencrypt(crate::crypto::cli::ReencryptArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -317,7 +326,7 @@ fn read_secret_file(path: &std::path::Path) -> Result<String, Error> {
 }
 
 /// The DSN from flag, environment or file; warns when a password came in argv.
-fn resolve_dsn(
+pub(crate) fn resolve_dsn(
     value: Option<&str>,
     file: Option<&std::path::Path>,
     from_argv: bool,
@@ -417,6 +426,10 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
     }
 }
 
