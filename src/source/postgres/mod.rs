@@ -526,6 +526,7 @@ mod tests {
             slot: "outboxd_billing".into(),
             publication: "outboxd_billing".into(),
             status_interval: Duration::from_secs(1),
+            snapshot: snapshot::SnapshotPlan::Nothing,
         }
     }
 
