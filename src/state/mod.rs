@@ -3,9 +3,14 @@
 //! all confirmed by the sink. The stored position moves only forward and is written only by
 //! the lease holder of the current epoch.
 
+pub mod mysql;
 pub mod postgres;
 
+use crate::event::Checkpoint;
+use crate::Error;
 use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 /// How long a lease lasts without renewal; a relay renews it about every second.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
@@ -49,6 +54,74 @@ pub struct Lease {
     pub epoch: i64,
     /// No earlier run of this name finished its first start (no slot was created yet).
     pub first_start: bool,
+}
+
+/// What the lease keeper needs from a state store: renew the lease (storing a newer position
+/// with it, never an older one) and give it up. A store reconnects by itself on the next call
+/// after a failure.
+pub trait StateStore: Send {
+    fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+
+    fn release(
+        &mut self,
+        lease: &Lease,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+}
+
+/// Renews the lease about every second and stores the newest durable position with it (only
+/// when it changed); at the end, stores the final position and releases the lease. Ends early
+/// only when the lease was lost.
+pub async fn keep_lease<S: StateStore>(
+    mut store: S,
+    lease: Lease,
+    mut acks: watch::Receiver<Option<Checkpoint>>,
+    stop: CancellationToken,
+) -> Result<(), Error> {
+    let mut written: Option<Checkpoint> = None;
+    let mut tick = tokio::time::interval(RENEW_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stopping = false;
+    let mut failures_while_stopping = 0;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled(), if !stopping => stopping = true,
+        }
+        let _ = acks.has_changed();
+        let pos = acks
+            .borrow_and_update()
+            .clone()
+            .filter(|p| Some(p) != written.as_ref());
+        match store.renew(&lease, pos.as_ref()).await {
+            Ok(()) => {
+                if pos.is_some() {
+                    written = pos;
+                }
+            }
+            Err(e @ Error::Leadership(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "lease renewal failed; retrying");
+                if stopping {
+                    failures_while_stopping += 1;
+                    if failures_while_stopping >= 3 {
+                        tracing::warn!("giving up on storing the final position: the next start resumes from the last stored one");
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+        }
+        if stopping {
+            if let Err(e) = store.release(&lease).await {
+                tracing::warn!(error = %e, "could not release the lease; it expires by itself");
+            }
+            return Ok(());
+        }
+    }
 }
 
 #[cfg(test)]
