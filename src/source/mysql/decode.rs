@@ -328,10 +328,12 @@ impl Decoder {
                         }
                     }
                     Some(TableKind::Other) => txn.other = true,
-                    None => return Err(Error::Decode(format!(
+                    None => {
+                        return Err(Error::Decode(format!(
                         "rows event at {}:{start} for table id {table_id} without its table map",
                         self.file
-                    ))),
+                    )))
+                    }
                 }
             }
             k if (MARIA_ROWS_COMPRESSED_FIRST..=MARIA_ROWS_COMPRESSED_LAST).contains(&k) => {
