@@ -228,11 +228,16 @@ pub async fn run_mysql(
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
-        Some(resume) => {
+        Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
             // position, the file must still be there.
-            if !(settings.mariadb && resume.gtid.as_ref().is_some_and(|g| !g.is_empty())) {
+            if !resume.by_gtid(settings.mariadb) {
                 my_admin::require_position(&mut sql, &cfg.name, &resume.file).await?;
+                if settings.mariadb && resume.gtid.is_none() {
+                    // Track the GTID state from here on, complete in every domain.
+                    resume.gtid =
+                        Some(my_admin::gtid_at(&mut sql, &resume.file, resume.pos).await?);
+                }
             }
             resume
         }

@@ -315,9 +315,22 @@ impl MyStateStore {
     }
 }
 
+/// A renewal that takes longer than this failed (a stalled connection would otherwise hold the
+/// keeper until the lease expired); the session is replaced.
+const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
 impl StateStore for MyStateStore {
     async fn renew(&mut self, lease: &Lease, position: Option<&Checkpoint>) -> Result<(), Error> {
-        let r = renew(self.conn().await?, lease, position).await;
+        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            renew(self.conn().await?, lease, position).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::source(
+                format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
+                true,
+            ))
+        });
         if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
             self.conn = None;
         }
@@ -325,7 +338,11 @@ impl StateStore for MyStateStore {
     }
 
     async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
-        let r = release(self.conn().await?, lease).await;
+        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            release(self.conn().await?, lease).await
+        })
+        .await
+        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
         if r.is_err() {
             self.conn = None;
         }

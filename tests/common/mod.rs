@@ -253,6 +253,25 @@ impl Relay {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// stderr without terminal colour codes (for matching `key=value` log fields).
+    pub fn stderr_plain(&self) -> String {
+        let s = self.stderr();
+        let mut out = String::with_capacity(s.len());
+        let mut chars = s.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill")
             .args([&format!("-{sig}"), &self.child.id().to_string()])

@@ -234,6 +234,9 @@ pub struct Resume {
     pub pos: u64,
     /// MariaDB: the GTID state at that boundary (every domain).
     pub gtid: Option<GtidState>,
+    /// Open the stream by file and position even where a GTID state is known (the stored
+    /// position had none, e.g. after `offset set` by position).
+    pub by_position: bool,
 }
 
 impl Resume {
@@ -247,9 +250,15 @@ impl Resume {
                 file: file.clone(),
                 pos: *pos,
                 gtid: gtid_state.as_deref().and_then(GtidState::parse),
+                by_position: gtid_state.as_deref().is_none_or(str::is_empty),
             }),
             _ => None,
         }
+    }
+
+    /// Whether the stream opens by GTID: on MariaDB, with a known state, unless told otherwise.
+    pub fn by_gtid(&self, mariadb: bool) -> bool {
+        mariadb && !self.by_position && self.gtid.as_ref().is_some_and(|g| !g.is_empty())
     }
 
     pub fn checkpoint(&self) -> Checkpoint {
@@ -274,7 +283,12 @@ pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, 
     } else {
         None
     };
-    Ok(Resume { file, pos, gtid })
+    Ok(Resume {
+        file,
+        pos,
+        gtid,
+        by_position: false,
+    })
 }
 
 /// Opens the dump stream at `from`: by GTID where the state has one, else by file/position.
@@ -295,7 +309,7 @@ async fn open_stream(
         Ok::<_, mysql_async::Error>(())
     };
     setup.await?;
-    let by_gtid = cfg.mariadb && from.gtid.as_ref().is_some_and(|g| !g.is_empty());
+    let by_gtid = from.by_gtid(cfg.mariadb);
     let request = BinlogStreamRequest::new(cfg.server_id);
     let stream = if by_gtid {
         let state = from.gtid.as_ref().expect("checked").to_string();
@@ -398,6 +412,7 @@ pub async fn run(
         tracing::info!(
             file = %resume.file, pos = resume.pos,
             gtid = %resume.gtid.as_ref().map(|g| g.to_string()).unwrap_or_default(),
+            by = if resume.by_gtid(cfg.mariadb) { "gtid" } else { "position" },
             server_id = cfg.server_id, "streaming the binlog"
         );
         let mut dec = Decoder::new(
@@ -537,6 +552,7 @@ pub async fn run(
                             file: dec.file().to_string(),
                             pos: end,
                             gtid: dec.gtid_state().cloned(),
+                            by_position: resume.by_position,
                         };
                         if had_events {
                             outlet.send_checkpoint(checkpoint).await?;
