@@ -500,14 +500,7 @@ async fn an_outbox_transaction_larger_than_the_buffer_arrives_once_in_order() {
     let lines = parse_lines(&raw);
     let ends: HashSet<&str> = lines[3..2003]
         .iter()
-        .map(|l| {
-            l["position"]
-                .as_str()
-                .unwrap()
-                .rsplitn(2, ':')
-                .nth(1)
-                .unwrap()
-        })
+        .map(|l| l["position"].as_str().unwrap().rsplit_once(':').unwrap().0)
         .collect();
     assert_eq!(ends.len(), 1, "one transaction, one end position: {ends:?}");
     assert!(!ends.iter().next().unwrap().ends_with(":0000000000"));
