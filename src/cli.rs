@@ -202,6 +202,8 @@ pub struct RunArgs {
     pub shutdown_timeout: Duration,
     #[command(flatten)]
     pub rabbit: RabbitArgs,
+    #[command(flatten)]
+    pub mysql: MySqlArgs,
 }
 
 /// RabbitMQ sink settings (CONTRACT §4).
@@ -225,6 +227,18 @@ pub struct RabbitArgs {
     /// PEM private key of --sink-cert.
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<std::path::PathBuf>,
+}
+
+/// MySQL/MariaDB source settings.
+#[derive(Debug, Clone, Args)]
+pub struct MySqlArgs {
+    /// Zone of the outbox's DATETIME values (UTC, +02:00, Europe/Berlin); TIMESTAMP needs none.
+    #[arg(long, env = "OUTBOXD_SOURCE_TIME_ZONE", default_value = "UTC")]
+    pub source_time_zone: String,
+    /// Largest transaction (bytes of outbox rows) held until its commit; a larger one is read
+    /// twice (once to find its end position, once to stream it).
+    #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
+    pub txn_buffer: usize,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -574,6 +588,11 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ),
         },
         recovery_margin: args.recovery_margin,
+        mysql: connector::MySqlOptions {
+            time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
+            txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            ..Default::default()
+        },
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {
@@ -601,20 +620,31 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             );
             Ok(())
         }
-        SourceDsn::Mysql(_) | SourceDsn::File(_) => Err(Error::config(
-            "the MySQL/MariaDB and binlog-file sources are not available in this build",
-            "use a postgres:// source",
+        SourceDsn::Mysql(dsn) => {
+            let stats = connector::run_mysql(dsn, cfg, shutdown).await?;
+            tracing::info!(
+                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+                "stopped"
+            );
+            Ok(())
+        }
+        SourceDsn::File(_) => Err(Error::config(
+            "the binlog-file source is not available in this build",
+            "use a postgres://, mysql:// or mariadb:// source",
         )),
     }
 }
 
 async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "setup supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r).await,
+        SourceDsn::File(_) => return Err(Error::config(
+            "a binlog-file source needs no setup",
+            "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
+        )),
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
     if args.create_table {
@@ -671,11 +701,15 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "teardown supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return teardown_mysql(dsn, &r, args.yes).await,
+        SourceDsn::File(_) => {
+            return Err(Error::config(
+                "a binlog-file source keeps no state",
+                "nothing to tear down",
+            ))
+        }
     };
     if !args.yes {
         return Err(Error::config(
@@ -709,6 +743,75 @@ async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     admin::drop_publication(&client, &r.publication).await?;
     println!("ok   publication {} (dropped)", r.publication);
     let n = crate::state::postgres::delete(&client, &r.name).await?;
+    println!(
+        "ok   state of {} ({} row{})",
+        r.name,
+        n,
+        if n == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
+/// created. (There is no slot or publication: the binlog is read from a position.)
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    let mut conn = my::connect_sql(&dsn).await?;
+    let settings = my_admin::require_binlog(&mut conn).await?;
+    println!(
+        "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
+        settings.version
+    );
+    let cfg_table = connector::mysql_table(
+        &dsn,
+        &RunConfig {
+            name: r.name.clone(),
+            slot: r.slot.clone(),
+            publication: r.publication.clone(),
+            table: r.table.clone(),
+            columns: r.columns.clone(),
+            mysql: Default::default(),
+            sink: SinkDsn::Stdout,
+            commit_offsets: false,
+            max_inflight_bytes: 0,
+            relay: RelayOptions::default(),
+            snapshot: crate::source::postgres::snapshot::SnapshotMode::Auto,
+            on_position_lost: Default::default(),
+            replay_since: None,
+            recovery_margin: Duration::from_secs(600),
+            rabbit: Default::default(),
+        },
+    )?;
+    my_admin::require_table(&mut conn, &cfg_table).await?;
+    println!("ok   outbox table {}", cfg_table.quoted());
+    crate::state::mysql::ensure_table(&mut conn).await?;
+    println!("ok   state table outboxd_state");
+    Ok(())
+}
+
+/// `teardown` for MySQL/MariaDB: the relay's state row (its stored position) goes.
+async fn teardown_mysql(dsn: dsn::DbDsn, r: &Resolved, yes: bool) -> Result<(), Error> {
+    if !yes {
+        return Err(Error::config(
+            format!("teardown drops the stored position of relay {:?}", r.name),
+            "add --yes to confirm",
+        ));
+    }
+    let mut conn = crate::source::mysql::connect_sql(&dsn).await?;
+    if let Some(state) = crate::state::mysql::load(&mut conn, &r.name).await? {
+        if state.lease_live {
+            if let Some(h) = state
+                .lease_holder
+                .filter(|h| !crate::state::holder_is_dead_locally(h))
+            {
+                return Err(Error::config(
+                    format!("relay {:?} is running (lease held by {h})", r.name),
+                    "stop it first",
+                ));
+            }
+        }
+    }
+    let n = crate::state::mysql::delete(&mut conn, &r.name).await?;
     println!(
         "ok   state of {} ({} row{})",
         r.name,

@@ -186,7 +186,10 @@ async fn one_relays_broker_cut_the_others_carry_on() {
     .await;
     // Duplicates are allowed (a batch released by the cut relay is published by another), so
     // take everything there is once all rows are marked.
-    wait_for("at least every event in the queue", T, || async { topo.queue_len(&q).await as usize >= expected.len() }).await;
+    wait_for("at least every event in the queue", T, || async {
+        topo.queue_len(&q).await as usize >= expected.len()
+    })
+    .await;
     let got: HashSet<Uuid> = topo
         .take_all(&q)
         .await
