@@ -449,7 +449,25 @@ impl RabbitSink {
                 }
             }
         }
-        let expected = format!("outboxd expects: {}", l.describe());
+        let declare = match (l.group, l.routing) {
+            (true, _) => format!(
+                "outboxd topology --exchange {} --group {} --partitions {}",
+                l.source, l.prefix, l.partitions
+            ),
+            (false, PartitionRouting::Headers) => format!(
+                "outboxd topology --exchange {} --partitions {}",
+                l.source, l.partitions
+            ),
+            (false, PartitionRouting::ConsistentHash) => format!(
+                "outboxd topology --exchange {} --partitions {} --partition-routing consistent-hash",
+                l.source, l.partitions
+            ),
+        };
+        let expected = format!(
+            "outboxd expects: {} (`{declare} --queue-type {}` declares it)",
+            l.describe(),
+            l.queue_type.as_str()
+        );
         self.declare_error(f.error, f.kind, &f.name, &expected)
     }
 

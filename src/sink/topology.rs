@@ -218,13 +218,16 @@ fn fail(kind: &'static str, name: &str) -> impl FnOnce(lapin::Error) -> StepFail
     move |error| StepFailure { kind, name, error }
 }
 
-/// What exists of a layout before it is declared: tells whether N changed since the last
-/// declaration (which moves aggregates between queues).
+/// What exists of a layout before it is declared: tells whether N grew since the last
+/// declaration (which moves most aggregates to another queue).
+///
+/// Only `p<N-1>` is looked up in the steady state, and it exists: every failed passive
+/// declaration makes lapin log an error, so the relay does not probe for `p<N>` on every
+/// connect. A smaller N than before is therefore not detected (see docs/configuration.md).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Probe {
-    pub first: bool,
     pub last: bool,
-    pub beyond: bool,
+    pub first: bool,
 }
 
 async fn queue_exists(conn: &Connection, name: &str) -> Result<bool, lapin::Error> {
@@ -255,35 +258,29 @@ fn is_not_found(e: &lapin::Error) -> bool {
         if matches!(p.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::NOTFOUND)))
 }
 
-/// Looks for `p0`, `p<N-1>` and `p<N>` of a layout.
+/// Looks for `p<N-1>` and, when it is missing, `p0` of a layout.
 pub(crate) async fn probe(conn: &Connection, l: &Layout) -> Result<Probe, lapin::Error> {
-    Ok(Probe {
-        first: queue_exists(conn, &l.queue(0)).await?,
-        last: queue_exists(conn, &l.queue(l.partitions - 1)).await?,
-        beyond: queue_exists(conn, &l.queue(l.partitions)).await?,
-    })
+    let last = queue_exists(conn, &l.queue(l.partitions - 1)).await?;
+    let first = if last || l.partitions == 1 {
+        last
+    } else {
+        queue_exists(conn, &l.queue(0)).await?
+    };
+    Ok(Probe { last, first })
 }
 
 impl Probe {
-    /// A warning when the queues found say another N was declared before.
+    /// A warning when the queues found say a smaller N was declared before.
     pub fn changed_count(&self, l: &Layout) -> Option<String> {
         let n = l.partitions;
-        if self.beyond {
-            Some(format!(
-                "queue {} exists: {} was declared with more than {n} partitions before; aggregates that hashed to the higher partitions now go to others, and their old queues get nothing new",
-                l.queue(n),
-                l.exchange()
-            ))
-        } else if self.first && !self.last {
-            Some(format!(
-                "queue {} exists but {} does not: {} was declared with fewer than {n} partitions before; most aggregates move to another queue now, so order across the change holds only if the old queues were drained first",
+        (self.first && !self.last).then(|| {
+            format!(
+                "queue {} exists but {} does not: {} was declared with fewer than {n} partitions before; most aggregates move to another queue now, so their order across the change holds only if the old queues were drained first",
                 l.queue(0),
                 l.queue(n - 1),
                 l.exchange()
-            ))
-        } else {
-            None
-        }
+            )
+        })
     }
 }
 
@@ -691,21 +688,13 @@ mod tests {
     #[test]
     fn probe_reports_a_changed_count() {
         let l = args(None, 4, &[]).layout().unwrap();
-        let p = |first, last, beyond| Probe {
-            first,
-            last,
-            beyond,
-        };
-        assert!(p(false, false, false).changed_count(&l).is_none());
-        assert!(p(true, true, false).changed_count(&l).is_none());
-        assert!(p(true, false, false)
+        let p = |first, last| Probe { last, first };
+        assert!(p(false, false).changed_count(&l).is_none());
+        assert!(p(true, true).changed_count(&l).is_none());
+        assert!(p(true, false)
             .changed_count(&l)
             .unwrap()
             .contains("fewer than 4"));
-        assert!(p(true, true, true)
-            .changed_count(&l)
-            .unwrap()
-            .contains("more than 4"));
         assert!(is_unknown_exchange_type(
             "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'"
         ));
