@@ -239,7 +239,7 @@ mod tests {
                 b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
                 -58_897_971,
             ),
-            (&[b'a', b'b', b'c'], 479_470_107),
+            (b"abc", 479_470_107),
         ];
         for (input, expected) in cases {
             assert_eq!(

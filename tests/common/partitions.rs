@@ -64,7 +64,7 @@ pub struct Written {
 
 /// The aggregate ids of the workload: ASCII ones and, every tenth, one with multi-byte UTF-8.
 pub fn aggregate_id(a: usize) -> String {
-    if a % 10 == 0 {
+    if a.is_multiple_of(10) {
         format!("müşteri-🧾-{a}")
     } else {
         format!("customer-{a:04}")
