@@ -81,6 +81,19 @@ pub async fn write_interleaved(
     seed: u64,
     topic: impl Fn(usize, usize) -> String,
 ) -> Vec<Written> {
+    write_interleaved_paced(client, aggregates, per_aggregate, seed, topic, None).await
+}
+
+/// [`write_interleaved`] with a pause after every transaction (a producer that keeps writing
+/// for a while).
+pub async fn write_interleaved_paced(
+    client: &mut tokio_postgres::Client,
+    aggregates: usize,
+    per_aggregate: usize,
+    seed: u64,
+    topic: impl Fn(usize, usize) -> String,
+    pause: Option<std::time::Duration>,
+) -> Vec<Written> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     // Every aggregate's slots, shuffled: the n-th occurrence of an aggregate is its n-th event.
     let mut slots: Vec<usize> = (0..aggregates)
@@ -127,6 +140,9 @@ pub async fn write_interleaved(
         .unwrap();
         tx.commit().await.unwrap();
         i += size;
+        if let Some(p) = pause {
+            tokio::time::sleep(p).await;
+        }
     }
     all
 }
