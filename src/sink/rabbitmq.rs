@@ -240,7 +240,7 @@ impl RabbitSink {
         self.blocked.clone()
     }
 
-    async fn connection(&self) -> Result<Connection, SinkError> {
+    pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SinkError::Connection(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default()
