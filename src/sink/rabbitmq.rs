@@ -673,6 +673,7 @@ impl Sink for RabbitSink {
             sink = %self.redacted,
             exchange = %self.cfg.exchange,
             declare = ?self.cfg.declare,
+            partitions = self.cfg.partitioning.partitions,
             frame_max = link.conn.configuration().frame_max(),
             "connected to RabbitMQ"
         );
@@ -1187,6 +1188,38 @@ mod tests {
         assert!(matches!(get("list"), AMQPValue::FieldArray(_)));
         assert!(matches!(get("nested"), AMQPValue::FieldTable(_)));
         assert!(!h.contains_key("x-source-gtid"));
+    }
+
+    #[test]
+    fn partition_headers_with_partitions_on() {
+        let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
+        s.cfg.partitioning = crate::sink::partition::PartitionArgs {
+            partitions: 4,
+            group_partitions: vec![3],
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        let p4 = crate::sink::partition::partition_of("agg-1", 4).to_string();
+        let p3 = crate::sink::partition::partition_of("agg-1", 3).to_string();
+        assert_eq!(
+            h.get("x-partition"),
+            Some(&AMQPValue::LongString(p4.clone().into()))
+        );
+        assert_eq!(
+            h.get("x-partition-4"),
+            Some(&AMQPValue::LongString(p4.into()))
+        );
+        assert_eq!(
+            h.get("x-partition-3"),
+            Some(&AMQPValue::LongString(p3.into()))
+        );
+        // Off: no partition header at all.
+        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        assert!(h.keys().all(|k| !k.as_str().starts_with("x-partition")));
     }
 
     #[test]
