@@ -268,14 +268,30 @@ impl RabbitSink {
         let _ = ch.close(200, "OK".into()).await;
         let passive = self.cfg.declare == DeclareMode::Passive;
         let mut warnings = Vec::new();
-        for l in layouts {
-            if !passive {
-                let probe = topology::probe(conn, l).await.map_err(io_or_protocol)?;
-                if let Some(w) = probe.changed_count(l) {
-                    tracing::warn!(layout = %l.exchange(), "{w}");
-                    warnings.push(w);
+        if !passive && !layouts.is_empty() {
+            // A probe that finds nothing closes its channel with NOT_FOUND, which lapin reports
+            // as an error event of the whole connection (the relay would take the publishing
+            // connection for broken): probe on a connection of its own.
+            let probing = self.connection().await?;
+            let mut result = Ok(());
+            for l in layouts {
+                match topology::probe(&probing, l).await {
+                    Ok(probe) => {
+                        if let Some(w) = probe.changed_count(l) {
+                            tracing::warn!(layout = %l.exchange(), "{w}");
+                            warnings.push(w);
+                        }
+                    }
+                    Err(e) => {
+                        result = Err(io_or_protocol(e));
+                        break;
+                    }
                 }
             }
+            let _ = probing.close(200, "OK".into()).await;
+            result?;
+        }
+        for l in layouts {
             topology::declare_layout(conn, l, passive)
                 .await
                 .map_err(|f| self.layout_error(f, l))?;
