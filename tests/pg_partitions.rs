@@ -140,6 +140,12 @@ async fn two_hundred_aggregates_keep_commit_order_in_four_partitions() {
     assert_eq!(written.len(), 10_000);
     drain_and_stop(&db, &slot, &mut relay).await;
 
+    // Declaring (and probing for an earlier N) left the publishing connection alone.
+    assert!(
+        !relay.stderr().contains("NOT_FOUND"),
+        "stderr:\n{}",
+        relay.stderr()
+    );
     let got = take_all_queues(&topo, &queues).await;
     let expected = by_aggregate(&written);
     let report = check_layout("--partitions 4", &got, Some("x-partition"), true, &expected);
