@@ -182,6 +182,9 @@ pub struct RunArgs {
     /// commit time (the largest commit-vs-created_at gap seen is used when larger).
     #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
     pub recovery_margin: Duration,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
@@ -534,6 +537,9 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
 
 async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let Some(addr) = &args.metrics_addr {
+        crate::telemetry::serve(addr).await?;
+    }
     let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let sink = resolve_dsn(
         Some(&args.sink),

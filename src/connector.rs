@@ -258,6 +258,10 @@ pub async fn run_poll_postgres(
             .then(|| crate::source::poll::notify_channel(&cfg.table)),
     };
     let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    // Poll mode has no stream: it is "streaming" while it can poll.
+    t.source_streaming.set(1);
     let source = crate::source::poll::run(poll_cfg, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
@@ -432,6 +436,7 @@ where
     ));
     let source = source(link);
     let stats = Arc::new(RelayStats::default());
+    crate::telemetry::get().mark_started();
     let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
     let result = tokio::select! {
         r = work => r,

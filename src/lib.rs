@@ -18,6 +18,7 @@ pub mod relay;
 pub mod sink;
 pub mod source;
 pub mod state;
+pub mod telemetry;
 pub mod tls;
 
 pub use error::{Error, ExitStatus, Result};

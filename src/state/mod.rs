@@ -124,8 +124,11 @@ pub async fn keep_lease<S: StateStore>(
         let commit = commits.borrow().clone();
         match store.renew(&lease, pos.as_ref(), &commit).await {
             Ok(()) => {
+                let t = crate::telemetry::get();
+                t.leader.set(1);
                 if pos.is_some() {
                     written = pos;
+                    t.position_stored();
                 }
                 if needs_init && written.is_some() {
                     match store.mark_initialized(&lease).await {
@@ -137,7 +140,10 @@ pub async fn keep_lease<S: StateStore>(
                     }
                 }
             }
-            Err(e @ Error::Leadership(_)) => return Err(e),
+            Err(e @ Error::Leadership(_)) => {
+                crate::telemetry::get().leader.set(0);
+                return Err(e);
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "lease renewal failed; retrying");
                 if stopping {
@@ -154,6 +160,7 @@ pub async fn keep_lease<S: StateStore>(
             if let Err(e) = store.release(&lease).await {
                 tracing::warn!(error = %e, "could not release the lease; it expires by itself");
             }
+            crate::telemetry::get().leader.set(0);
             return Ok(());
         }
     }
