@@ -182,6 +182,10 @@ pub struct RunArgs {
     /// commit time (the largest commit-vs-created_at gap seen is used when larger).
     #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
     pub recovery_margin: Duration,
+    /// High availability: relays with the same --name share one lease; the others wait as
+    /// standbys and take over when it expires.
+    #[arg(long, env = "OUTBOXD_HA")]
+    pub ha: bool,
     /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
     #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
     pub metrics_addr: Option<String>,
@@ -594,6 +598,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ),
         },
         recovery_margin: args.recovery_margin,
+        ha: args.ha,
         mysql: connector::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
@@ -786,6 +791,7 @@ async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
             replay_since: None,
             recovery_margin: Duration::from_secs(600),
             rabbit: Default::default(),
+            ha: false,
         },
     )?;
     my_admin::require_table(&mut conn, &cfg_table).await?;

@@ -42,6 +42,9 @@ pub struct RunConfig {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     /// Smallest margin recovery subtracts from the last durable commit time.
     pub recovery_margin: Duration,
+    /// High availability: wait as a standby while another relay holds the lease, and stop
+    /// publishing by our own clock before our lease can expire.
+    pub ha: bool,
     pub rabbit: RabbitOptions,
 }
 
@@ -98,9 +101,34 @@ pub async fn run_postgres(
     admin::require_logical(&sql).await?;
     admin::require_table(&sql, &cfg.table).await?;
     let holder = state::holder_id();
-    let lease =
-        state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder).await?;
+    let lease = loop {
+        match state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder)
+            .await
+        {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                tracing::info!(held = %who, "standby: waiting for the lease");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
+                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    if cfg.ha {
+        // A paused old leader's walsender may still hold the slot: end it, or the stream
+        // cannot start. Its relay has stopped publishing by its own clock already.
+        let ended = sql
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
+                &[&cfg.slot],
+            )
+            .await?;
+        if ended > 0 {
+            tracing::warn!(slot = %cfg.slot, "took over: ended the previous leader's walsender");
+        }
+    }
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
     // Decided before the slot exists, so `auto` on a non-empty table without a status column
@@ -432,6 +460,7 @@ where
         lease,
         ack_rx,
         commits,
+        cfg.ha,
         lease_stop.clone(),
     ));
     let source = source(link);
