@@ -219,7 +219,7 @@ pub async fn run_postgres(
         snapshot: plan,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone());
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
     drive(&cfg, store, lease, commits_rx, move |link| {
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
