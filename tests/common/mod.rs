@@ -98,11 +98,15 @@ impl PgDb {
         pg_connect(&self.conninfo()).await
     }
 
-    /// Slot `outboxd_<name>` exists and is held by a walsender.
+    /// Slot `outboxd_<name>` exists and is held by a walsender. (`active` alone is not enough:
+    /// `pg_create_logical_replication_slot` holds the slot too, from an ordinary backend, until
+    /// the slot's consistent point, and a transaction committed before that point is never
+    /// decoded.)
     pub async fn slot_active(&self, slot: &str) -> bool {
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.active",
             &[&slot],
         )
         .await
