@@ -98,15 +98,13 @@ impl PgDb {
         pg_connect(&self.conninfo()).await
     }
 
-    /// Slot `outboxd_<name>` exists and is held by a walsender. (`active` alone is not enough:
-    /// `pg_create_logical_replication_slot` holds the slot too, from an ordinary backend, until
-    /// the slot's consistent point, and a transaction committed before that point is never
-    /// decoded.)
-    pub async fn slot_active(&self, slot: &str) -> bool {
+    /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
+    pub async fn slot_active(&self, slot: impl AsRef<str>) -> bool {
+        let slot = slot.as_ref();
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
             "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
-              WHERE s.slot_name = $1 AND s.active",
+              WHERE s.slot_name = $1 AND s.confirmed_flush_lsn IS NOT NULL",
             &[&slot],
         )
         .await
