@@ -651,6 +651,9 @@ async fn sigterm_mid_stream_gives_no_duplicates_after_restart() {
     .await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let first_stderr = relay.stderr();
+    let stopped_at = db.slot_confirmed(&slot).await;
+    let delivered_before = topo.queue_len(&all).await;
     let mut relay = start_relay(&db, &name, &topo.exchange, &amqp::url(), &[]);
     let expected = writer.await.unwrap();
     let client = db.client().await;
@@ -660,6 +663,12 @@ async fn sigterm_mid_stream_gives_no_duplicates_after_restart() {
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
 
     let got = ids(&topo.take_all(&all).await);
+    if got != expected {
+        eprintln!(
+            "first run delivered {delivered_before}, slot after its stop: {stopped_at:?}\n--- first run:\n{first_stderr}\n--- second run:\n{}",
+            relay.stderr()
+        );
+    }
     assert_same_ids(&got, &expected, "exactly once, in commit order");
 }
 
@@ -777,15 +786,16 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
             first_tx_end = wal_end(&client).await;
         }
     }
-    wait_for("a returned message to be reported and retried", T, || {
-        let err = relay.stderr();
-        async move {
-            err.contains("returned a message as unroutable")
-                && err.contains("was returned as unroutable")
-                && err.contains("sink recovered")
-        }
-    })
-    .await;
+    relay
+        .wait_for_stderr(
+            &[
+                "returned a message as unroutable",
+                "was returned as unroutable",
+                "sink recovered",
+            ],
+            T,
+        )
+        .await;
     let confirmed = db
         .slot_confirmed(&slot)
         .await

@@ -315,6 +315,24 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
+    pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let err = self.stderr();
+            if needles.iter().all(|n| err.contains(n)) {
+                return;
+            }
+            if Instant::now() > deadline {
+                let missing: Vec<&&str> = needles.iter().filter(|n| !err.contains(**n)).collect();
+                panic!("timed out after {timeout:?} waiting for {missing:?} in the relay's stderr:\n{err}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 impl Drop for Relay {
     fn drop(&mut self) {
         let _ = self.child.kill();
