@@ -210,11 +210,13 @@ async fn main() {
         .status();
     let _ = child.wait();
     let _ = reader.join();
-    let arrivals = arrivals.lock().unwrap();
-    let mut lat: Vec<Duration> = committed
-        .iter()
-        .filter_map(|(id, at)| arrivals.get(id).map(|a| a.saturating_duration_since(*at)))
-        .collect();
+    let mut lat: Vec<Duration> = {
+        let arrivals = arrivals.lock().unwrap();
+        committed
+            .iter()
+            .filter_map(|(id, at)| arrivals.get(id).map(|a| a.saturating_duration_since(*at)))
+            .collect()
+    };
     lat.sort_unstable();
     println!(
         "| latency, MariaDB commit → stdout line | {} of {latency_events} events | p50 {:.2} ms | p99 {:.2} ms | max {:.2} ms |",
