@@ -45,6 +45,10 @@ pub enum Error {
     #[error(transparent)]
     Sink(#[from] crate::sink::SinkError),
 
+    /// Field-level encryption: keyring, schema, or a value that does not decrypt.
+    #[error(transparent)]
+    Crypto(#[from] crate::crypto::CryptoError),
+
     #[error("{0}")]
     Other(String),
 }
@@ -75,9 +79,12 @@ impl Error {
 
     pub fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::Config { .. } => ExitStatus::Config,
+            Error::Config { .. } | Error::Sink(crate::sink::SinkError::Config { .. }) => {
+                ExitStatus::Config
+            }
             Error::PositionLost { .. } => ExitStatus::PositionLost,
             Error::Leadership(_) => ExitStatus::LeadershipLost,
+            Error::Crypto(e) if e.is_config() => ExitStatus::Config,
             _ => ExitStatus::Failed,
         }
     }

@@ -8,9 +8,11 @@
 pub mod backoff;
 pub mod cli;
 pub mod connector;
+pub mod crypto;
 pub mod dsn;
 pub mod error;
 pub mod event;
+pub mod operator;
 pub mod outbox;
 pub mod relay;
 pub mod sink;

@@ -173,6 +173,7 @@ pub struct NewEvent<'a> {
 pub struct Outbox {
     table: TableName,
     columns: ColumnMap,
+    encryptor: Option<crate::crypto::Encryptor>,
     /// MySQL: the id and aggregate id column types, looked up once.
     my_types: std::sync::Arc<std::sync::OnceLock<MyTypes>>,
 }
@@ -192,8 +193,17 @@ impl Outbox {
         Ok(Outbox {
             table: TableName::parse(table)?,
             columns: ColumnMap::default(),
+            encryptor: None,
             my_types: Default::default(),
         })
+    }
+
+    /// Encrypts the fields the encryptor's schema marks `x-gdpr-sensitive` in every payload,
+    /// bound to the event's own id, before the INSERT: their plaintext never reaches the table
+    /// (nor the WAL, nor the broker). Headers are not encrypted: keep personal data out of them.
+    pub fn with_encryption(mut self, encryptor: crate::crypto::Encryptor) -> Self {
+        self.encryptor = Some(encryptor);
+        self
     }
 
     pub fn with_columns(mut self, columns: ColumnMap) -> Self {
@@ -231,6 +241,15 @@ impl Outbox {
     ) -> Result<Uuid, Error> {
         use tokio_postgres::types::{ToSql, Type};
         let id = Uuid::now_v7();
+        // Encrypt with the id the row will carry: the ciphertext is bound to it.
+        let encrypted;
+        let payload = match &self.encryptor {
+            Some(enc) => {
+                encrypted = enc.encrypt_payload(id, ev.payload)?;
+                &encrypted
+            }
+            None => ev.payload,
+        };
         let c = |k| pg_ident(self.columns.get(k));
         let mut cols = vec![
             c("id"),
@@ -279,7 +298,7 @@ impl Outbox {
             }
             _ => &ev.aggregate_id,
         };
-        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&id, agg, &ev.topic, ev.payload];
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&id, agg, &ev.topic, payload];
         if let Some(h) = ev.headers {
             params.push(h);
         }

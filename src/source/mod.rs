@@ -4,6 +4,7 @@
 //! table) that it may forget what came before.
 
 pub mod mysql;
+pub mod poll;
 pub mod postgres;
 
 use crate::event::{Checkpoint, OutboxEvent};

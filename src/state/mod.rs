@@ -46,25 +46,46 @@ pub fn holder_is_dead_locally(holder: &str) -> bool {
     }
 }
 
+/// What the source knows about the newest durable transaction: its commit time and the
+/// largest commit-vs-`created_at` gap seen so far. Recovery through the table replays from
+/// there, minus at least that gap.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DurableCommit {
+    pub commit_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub max_gap_ms: Option<i64>,
+}
+
 /// A lease this process holds.
 #[derive(Debug, Clone)]
 pub struct Lease {
     pub name: String,
     pub holder: String,
     pub epoch: i64,
-    /// No earlier run of this name finished its first start (no slot was created yet).
+    /// No earlier run of this name finished its first start (its snapshot is not yet durable).
     pub first_start: bool,
+    /// A replay from the table was requested (`offset set --replay-since`).
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// What the lease keeper needs from a state store: renew the lease (storing a newer position
 /// with it, never an older one) and give it up. A store reconnects by itself on the next call
 /// after a failure.
 pub trait StateStore: Send {
+    /// Renews the lease; stores `position` (and what is known of its commit) when given.
     fn renew(
         &mut self,
         lease: &Lease,
         position: Option<&Checkpoint>,
+        commit: &DurableCommit,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+
+    /// Records that the first start's snapshot (or a requested replay) is durable.
+    fn mark_initialized(
+        &mut self,
+        _lease: &Lease,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
 
     fn release(
         &mut self,
@@ -79,9 +100,13 @@ pub async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
+    commits: watch::Receiver<DurableCommit>,
     stop: CancellationToken,
 ) -> Result<(), Error> {
     let mut written: Option<Checkpoint> = None;
+    // Until the first acknowledgement, the first start's snapshot (or a requested replay) is
+    // not known to be durable: only then is it marked done.
+    let mut needs_init = lease.first_start || lease.replay_since.is_some();
     let mut tick = tokio::time::interval(RENEW_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stopping = false;
@@ -96,10 +121,20 @@ pub async fn keep_lease<S: StateStore>(
             .borrow_and_update()
             .clone()
             .filter(|p| Some(p) != written.as_ref());
-        match store.renew(&lease, pos.as_ref()).await {
+        let commit = commits.borrow().clone();
+        match store.renew(&lease, pos.as_ref(), &commit).await {
             Ok(()) => {
                 if pos.is_some() {
                     written = pos;
+                }
+                if needs_init && written.is_some() {
+                    match store.mark_initialized(&lease).await {
+                        Ok(()) => needs_init = false,
+                        Err(e @ Error::Leadership(_)) => return Err(e),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not mark the first start done; retrying")
+                        }
+                    }
                 }
             }
             Err(e @ Error::Leadership(_)) => return Err(e),

@@ -172,6 +172,7 @@ pub async fn acquire(
             holder: holder.to_string(),
             epoch,
             first_start: !row.initialized,
+            replay_since: None,
         },
         if row.initialized { row.position } else { None },
     ))
@@ -320,7 +321,12 @@ impl MyStateStore {
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
 
 impl StateStore for MyStateStore {
-    async fn renew(&mut self, lease: &Lease, position: Option<&Checkpoint>) -> Result<(), Error> {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        _commit: &super::DurableCommit,
+    ) -> Result<(), Error> {
         let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
             renew(self.conn().await?, lease, position).await
         })

@@ -99,7 +99,8 @@ impl PgDb {
     }
 
     /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
-    pub async fn slot_active(&self, slot: &str) -> bool {
+    pub async fn slot_active(&self, slot: impl AsRef<str>) -> bool {
+        let slot = slot.as_ref();
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
             "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
@@ -327,6 +328,256 @@ pub fn parse_lines(lines: &[String]) -> Vec<serde_json::Value> {
         .iter()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
         .collect()
+}
+
+/// RabbitMQ helpers: each test names its own exchange (and so its own `.unrouted`/`.dead`
+/// queues) with [`amqp::Topology`], which deletes everything it named when dropped.
+pub mod amqp {
+    use futures::StreamExt;
+    use lapin::message::Delivery;
+    use lapin::options::{
+        BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+        ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+    use std::time::{Duration, Instant};
+
+    pub const HOST_PORT: u16 = 5672;
+
+    /// The sink URL for the local broker, optionally through another port (a proxy).
+    pub fn url_via(port: u16) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+
+    pub fn url() -> String {
+        url_via(HOST_PORT)
+    }
+
+    pub async fn connect() -> Connection {
+        match Connection::connect(&url(), ConnectionProperties::default()).await {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
+            ),
+        }
+    }
+
+    /// A header value as a string (long strings only).
+    pub fn header_str(d: &Delivery, key: &str) -> Option<String> {
+        match d.properties.headers().as_ref()?.inner().get(key)? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.to_string()),
+            _ => None,
+        }
+    }
+
+    pub fn header(d: &Delivery, key: &str) -> Option<AMQPValue> {
+        d.properties.headers().as_ref()?.inner().get(key).cloned()
+    }
+
+    pub fn message_id(d: &Delivery) -> uuid::Uuid {
+        d.properties
+            .message_id()
+            .as_ref()
+            .expect("message_id")
+            .as_str()
+            .parse()
+            .expect("message_id is a UUID")
+    }
+
+    pub struct Topology {
+        pub exchange: String,
+        /// Reopened when the broker was restarted.
+        conn: tokio::sync::Mutex<Connection>,
+        queues: Vec<String>,
+    }
+
+    impl Topology {
+        pub async fn new(prefix: &str) -> Topology {
+            let exchange = super::unique(prefix);
+            Topology {
+                queues: vec![format!("{exchange}.unrouted"), format!("{exchange}.dead")],
+                exchange,
+                conn: tokio::sync::Mutex::new(connect().await),
+            }
+        }
+
+        pub fn unrouted(&self) -> String {
+            format!("{}.unrouted", self.exchange)
+        }
+
+        pub fn dead(&self) -> String {
+            format!("{}.dead", self.exchange)
+        }
+
+        pub async fn channel(&self) -> Channel {
+            let mut conn = self.conn.lock().await;
+            if !conn.status().connected() {
+                *conn = connect().await;
+            }
+            conn.create_channel().await.expect("channel")
+        }
+
+        /// Waits until the relay has declared the exchange (a passive declaration succeeds).
+        pub async fn wait_declared(&self, timeout: Duration) {
+            let x = self.exchange.clone();
+            super::wait_for(&format!("exchange {x} to be declared"), timeout, || {
+                let x = x.clone();
+                async move {
+                    // A failed passive declaration closes the channel: a new one each time.
+                    let ch = self.channel().await;
+                    ch.exchange_declare(
+                        x.into(),
+                        ExchangeKind::Topic,
+                        ExchangeDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .is_ok()
+                }
+            })
+            .await;
+        }
+
+        /// Declares a durable queue `<exchange>.<suffix>` bound with `pattern`; deleted on drop.
+        pub async fn bind_queue(&mut self, suffix: &str, pattern: &str) -> String {
+            let q = format!("{}.{suffix}", self.exchange);
+            let ch = self.channel().await;
+            ch.queue_declare(
+                q.clone().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue.declare");
+            ch.queue_bind(
+                q.clone().into(),
+                self.exchange.clone().into(),
+                pattern.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue.bind");
+            self.queues.push(q.clone());
+            q
+        }
+
+        /// Messages ready in `queue` (0 when it does not exist).
+        pub async fn queue_len(&self, queue: &str) -> u32 {
+            let ch = self.channel().await;
+            match ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(q) => q.message_count(),
+                Err(_) => 0,
+            }
+        }
+
+        /// Consumes exactly `n` messages from `queue` (auto-ack), panicking at the deadline.
+        pub async fn take(&self, queue: &str, n: usize, timeout: Duration) -> Vec<Delivery> {
+            let ch = self.channel().await;
+            ch.basic_qos(2000, BasicQosOptions::default())
+                .await
+                .expect("basic.qos");
+            let tag = super::unique("c");
+            let mut consumer = ch
+                .basic_consume(
+                    queue.into(),
+                    tag.clone().into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .expect("basic.consume");
+            let deadline = Instant::now() + timeout;
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, consumer.next()).await {
+                    Ok(Some(Ok(d))) => out.push(d),
+                    Ok(other) => panic!("consumer on {queue} ended: {other:?}"),
+                    Err(_) => panic!(
+                        "timed out after {timeout:?}: {} of {n} messages from {queue}",
+                        out.len()
+                    ),
+                }
+            }
+            let _ = ch
+                .basic_cancel(tag.into(), BasicCancelOptions::default())
+                .await;
+            out
+        }
+
+        /// Everything in `queue` now (use when nothing publishes any more).
+        pub async fn take_all(&self, queue: &str) -> Vec<Delivery> {
+            let n = self.queue_len(queue).await as usize;
+            let got = self.take(queue, n, Duration::from_secs(60)).await;
+            assert_eq!(
+                self.queue_len(queue).await,
+                0,
+                "{queue} is empty after taking {n}"
+            );
+            got
+        }
+    }
+
+    impl Drop for Topology {
+        fn drop(&mut self) {
+            let x = self.exchange.clone();
+            let queues = std::mem::take(&mut self.queues);
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let Ok(Ok(conn)) = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        Connection::connect(&url(), ConnectionProperties::default()),
+                    )
+                    .await
+                    else {
+                        return;
+                    };
+                    for q in queues {
+                        if let Ok(ch) = conn.create_channel().await {
+                            let _ = ch
+                                .queue_delete(q.into(), QueueDeleteOptions::default())
+                                .await;
+                        }
+                    }
+                    for e in [format!("{x}.unrouted"), x] {
+                        if let Ok(ch) = conn.create_channel().await {
+                            let _ = ch
+                                .exchange_delete(e.into(), ExchangeDeleteOptions::default())
+                                .await;
+                        }
+                    }
+                    let _ = conn.close(200, "OK".into()).await;
+                });
+            })
+            .join();
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
