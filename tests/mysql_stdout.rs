@@ -554,3 +554,42 @@ fn hex(s: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_required_but_not_offered_is_a_configuration_error() {
+    let db = MyDb::create("my_tls").await;
+    let mut admin = my_connect(None).await;
+    let have_ssl = my_value(&mut admin, "SELECT @@have_ssl")
+        .await
+        .unwrap_or_default();
+    let dsn = format!("{}?ssl-mode=require", db.dsn());
+    let name = unique("r");
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name]);
+    if have_ssl == "YES" {
+        // A server with TLS: the relay streams over it.
+        wait_for("the relay's binlog dump to be connected", T, || {
+            db.streaming()
+        })
+        .await;
+        relay.signal("TERM");
+        assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    } else {
+        let code = relay.wait_exit(T).await;
+        let err = relay.stderr();
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains("does not offer TLS") && err.contains("fix:"),
+            "{err}"
+        );
+    }
+    // A CA file that does not exist is refused before connecting, naming the file.
+    let dsn = format!(
+        "{}?ssl-mode=verify-full&ssl-ca=/nonexistent/ca.pem",
+        db.dsn()
+    );
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &unique("r")]);
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+}

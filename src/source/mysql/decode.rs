@@ -212,12 +212,12 @@ impl Decoder {
                 let g = gtid::parse_gtid_event(ev.data(), header.server_id()).ok_or_else(|| {
                     Error::Decode(format!("GTID event at {}:{start} is too short", self.file))
                 })?;
-                self.no_open_group(start)?;
+                self.no_open_group(start, &mut steps)?;
                 self.track_gtid = true;
                 steps.push(self.begin(start, Some(g.gtid), !g.standalone, header.timestamp()));
             }
             MYSQL_GTID | MYSQL_ANONYMOUS_GTID | MYSQL_GTID_TAGGED => {
-                self.no_open_group(start)?;
+                self.no_open_group(start, &mut steps)?;
                 steps.push(self.begin(start, None, false, header.timestamp()));
             }
             MARIA_GTID_LIST => {
@@ -369,12 +369,22 @@ impl Decoder {
         Ok(steps)
     }
 
-    fn no_open_group(&self, start: u64) -> Result<(), Error> {
-        match &self.txn {
-            Some(t) => Err(Error::Decode(format!(
-                "a new event group starts at {}:{start} while the group at {}:{} is still open",
+    /// A new group begins: one still open never ended. Without outbox rows that is only
+    /// noted (and the group dropped); with outbox rows the relay stops rather than guess.
+    fn no_open_group(&mut self, start: u64, steps: &mut Vec<Step>) -> Result<(), Error> {
+        match self.txn.take() {
+            Some(t) if t.index > 0 => Err(Error::Decode(format!(
+                "a new event group starts at {}:{start} while the group at {}:{} (with outbox rows) never ended",
                 self.file, t.start_file, t.start_pos
             ))),
+            Some(t) => {
+                tracing::warn!(file = %t.start_file, pos = t.start_pos, next = start, "an event group without outbox rows never ended; skipping it");
+                steps.push(Step::Abort {
+                    start_file: t.start_file,
+                    start_pos: t.start_pos,
+                });
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -374,6 +374,11 @@ struct Partial {
 /// How often a checkpoint for transactions without outbox events is sent at most.
 const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 
+/// When only the relay's own state writes follow the last checkpoint for this long, one of
+/// them becomes a checkpoint anyway: on a quiet server the stored position would otherwise
+/// stay behind until its binlog file is purged. One write per interval is no loop.
+const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
+
 /// Streams from `start` until `shutdown`, then stops at a transaction boundary.
 pub async fn run(
     cfg: MySqlSourceConfig,
@@ -424,9 +429,17 @@ pub async fn run(
         let mut open: Option<Open> = None;
 
         loop {
+            let flush_at = tokio::time::Instant::from_std(last_sent + IDLE_CHECKPOINT_INTERVAL);
             let item = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
+                // A checkpoint held back by the rate limit goes out once the stream pauses.
+                _ = tokio::time::sleep_until(flush_at), if pending.is_some() => {
+                    outlet.send_checkpoint(pending.take().expect("checked")).await?;
+                    last_sent = Instant::now();
+                    continue;
+                }
+                // `next()` keeps its partial read in the stream: dropping it is safe.
                 r = tokio::time::timeout(cfg.read_timeout, stream.next()) => r,
             };
             let ev: Event = match item {
@@ -565,6 +578,11 @@ pub async fn run(
                                 outlet.send_checkpoint(pending.take().expect("set")).await?;
                                 last_sent = Instant::now();
                             }
+                        } else if pending.is_none()
+                            && last_sent.elapsed() >= OWN_CHECKPOINT_INTERVAL
+                        {
+                            outlet.send_checkpoint(checkpoint).await?;
+                            last_sent = Instant::now();
                         }
                     }
                     Step::Heartbeat => {
