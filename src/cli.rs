@@ -280,8 +280,8 @@ pub async fn execute(
         Command::Setup(args) => setup(args, sub).await,
         Command::Teardown(args) => teardown(args, sub).await,
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
-        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
-        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
     }
 }

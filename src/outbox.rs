@@ -227,7 +227,7 @@ impl Outbox {
         let encrypted;
         let payload = match &self.encryptor {
             Some(enc) => {
-                encrypted = enc.encrypt_payload(id, ev.payload)?;
+                encrypted = enc.encrypt_event(id, ev.aggregate_id, ev.payload).await?;
                 &encrypted
             }
             None => ev.payload,

@@ -46,6 +46,17 @@ pub fn validate_key_id(id: &str) -> Result<(), CryptoError> {
     Ok(())
 }
 
+/// `d-…` names per-aggregate data keys (crypto-shredding), never keyring keys.
+fn reserved(id: &str) -> Result<(), CryptoError> {
+    if super::shred::is_data_key_id(id) {
+        return Err(CryptoError::invalid(
+            format!("key id {id:?} starts with \"d-\", which names per-aggregate data keys"),
+            "rename the key (ids as outboxd keys generate makes them: k1f3a9c0d)",
+        ));
+    }
+    Ok(())
+}
+
 fn now() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
@@ -405,6 +416,7 @@ impl Keyring {
         let mut keys = Vec::with_capacity(file.keys.len());
         for k in file.keys {
             validate_key_id(&k.id)?;
+            reserved(&k.id)?;
             let material = match &k.key {
                 Some(b64) => Some(decode_key(&k.id, b64)?),
                 None => None,
@@ -435,6 +447,7 @@ impl Keyring {
         let mut blind = Vec::with_capacity(file.blind_index.keys.len());
         for k in file.blind_index.keys {
             validate_key_id(&k.id)?;
+            reserved(&k.id)?;
             validate_blind_length(k.length)?;
             let material = decode_key(&k.id, &k.key)?;
             if blind::check_value(&material, &k.id) != k.check {
