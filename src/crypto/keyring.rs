@@ -398,9 +398,8 @@ impl Keyring {
     /// Parses and checks a keyring (structure, ids, material, every canary).
     pub fn from_json(text: &str) -> Result<Keyring, CryptoError> {
         let file: FileV1 = serde_json::from_str(text).map_err(|e| {
-            // serde_json's message names the position, never the content.
             CryptoError::invalid(
-                format!("not an outboxd keyring: {e}"),
+                format!("not an outboxd keyring: {}", describe_json_error(&e)),
                 "create one with outboxd keys generate --keys PATH",
             )
         })?;
@@ -616,6 +615,25 @@ impl Keyring {
     }
 }
 
+/// A serde_json error without the content it quotes: "invalid type: string \"…\"" would
+/// print whatever string sat in the wrong place, which in a keyring may be key material. Field
+/// names (unknown or missing field) are safe and help most, so they are kept.
+fn describe_json_error(e: &serde_json::Error) -> String {
+    let msg = e.to_string();
+    let safe = msg.starts_with("unknown field") || msg.starts_with("missing field");
+    let what = if safe {
+        msg.split(" at line ").next().unwrap_or("").to_string()
+    } else {
+        match e.classify() {
+            serde_json::error::Category::Syntax => "JSON syntax error".into(),
+            serde_json::error::Category::Eof => "unexpected end of the file".into(),
+            serde_json::error::Category::Data => "a value of the wrong type or form".into(),
+            serde_json::error::Category::Io => "read error".into(),
+        }
+    };
+    format!("{what} at line {} column {}", e.line(), e.column())
+}
+
 fn tmp_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".tmp-{}", std::process::id()));
@@ -749,11 +767,34 @@ mod tests {
     }
 
     #[test]
+    fn parse_errors_never_quote_values() {
+        let secret = "c2VjcmV0LWtleS1tYXRlcmlhbC10aGF0LW11c3Qtbm90LWxlYWs";
+        for text in [
+            format!(r#"{{"outboxd_keyring": "{secret}"}}"#),
+            format!(r#"{{"outboxd_keyring": 1, "current": ["{secret}"]}}"#),
+            format!(
+                r#"{{"outboxd_keyring": 1, "current": "k1", "keys": [{{"id": "k1", "created_at": "x", "key": 5, "canary": "{secret}"}}]}}"#
+            ),
+        ] {
+            let e = Keyring::from_json(&text).unwrap_err().to_string();
+            assert!(!e.contains(secret), "{e}");
+            assert!(e.contains("line 1"), "{e}");
+        }
+        let e = Keyring::from_json(r#"{"outboxd_keyring": 1, "curent": "k1"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `curent`"), "{e}");
+    }
+
+    #[test]
     fn key_ids() {
         assert!(validate_key_id("k1f3a9c0d").is_ok());
         assert!(validate_key_id("a_b-C9").is_ok());
         assert!(validate_key_id("").is_err());
         assert!(validate_key_id("a:b").is_err());
         assert!(validate_key_id(&"a".repeat(33)).is_err());
+        // `d-` is reserved for per-aggregate data keys.
+        let k = Keyring::generate(8).unwrap();
+        let text = k.to_json().replace(k.current_id(), "d-0011223344556677");
+        let e = Keyring::from_json(&text).unwrap_err();
+        assert!(e.to_string().contains("per-aggregate data keys"), "{e}");
     }
 }
