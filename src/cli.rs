@@ -5,6 +5,7 @@ use crate::connector::{self, RunConfig};
 use crate::dsn::{self, SinkDsn, SourceDsn};
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::RelayOptions;
+use crate::sink::rabbitmq::{self, DeclareMode};
 use crate::source::postgres::{self as pg, admin};
 use crate::Error;
 use clap::parser::ValueSource;
@@ -35,6 +36,8 @@ pub enum LogFormat {
     Json,
 }
 
+// Parsed once per process: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay outbox events from the source to the sink until SIGINT/SIGTERM.
@@ -43,6 +46,13 @@ pub enum Command {
     Setup(SetupArgs),
     /// Drop the relay's slot, publication and state (an abandoned slot fills the disk).
     Teardown(TeardownArgs),
+    /// Preflight: one line per check, each failure with its fix; exit 0 when ready, 1 otherwise.
+    Check(CheckArgs),
+    /// Stored position, server head, lag, slot state and lease holder.
+    Status(StatusArgs),
+    /// Read or deliberately move the stored position.
+    #[command(subcommand)]
+    Offset(OffsetCommand),
     /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
     #[command(subcommand)]
     Keys(crate::crypto::cli::KeysCommand),
@@ -52,6 +62,48 @@ pub enum Command {
     Decrypt(crate::crypto::cli::DecryptArgs),
     /// Rewrite outbox rows under the current key, in small batches (resumable).
     Reencrypt(crate::crypto::cli::ReencryptArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Print the checks as JSON lines.
+    #[arg(long, env = "OUTBOXD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Print one JSON object (for scripts).
+    #[arg(long, env = "OUTBOXD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum OffsetCommand {
+    /// Show the stored position and the slot's.
+    Show(StatusArgs),
+    /// Move the position: forward to an LSN (skips events), or replay rows from the table.
+    Set(OffsetSetArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct OffsetSetArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Skip forward to this LSN (e.g. 0/16B3748). Slots cannot move backwards.
+    #[arg(
+        long,
+        conflicts_with = "replay_since",
+        required_unless_present = "replay_since"
+    )]
+    pub lsn: Option<String>,
+    /// On the next start, publish again every row created since this RFC 3339 time, then stream.
+    #[arg(long)]
+    pub replay_since: Option<String>,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -117,15 +169,91 @@ pub struct RunArgs {
     /// A broker confirmation that takes longer is a failure (reconnect, republish).
     #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub confirm_timeout: Duration,
+    /// When the log position cannot be resumed (slot dropped or invalidated): fail (exit 3) or
+    /// poll (open a fresh position and publish again from the table every row committed after
+    /// the last confirmed event).
+    #[arg(long, env = "OUTBOXD_ON_POSITION_LOST", value_enum, default_value_t = connector::PositionLostPolicy::Fail)]
+    pub on_position_lost: connector::PositionLostPolicy,
+    /// Recovery through the table: replay rows created since this RFC 3339 time instead of the
+    /// computed one.
+    #[arg(long, env = "OUTBOXD_REPLAY_SINCE")]
+    pub replay_since: Option<String>,
+    /// Recovery through the table: the smallest margin subtracted from the last confirmed
+    /// commit time (the largest commit-vs-created_at gap seen is used when larger).
+    #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
+    pub recovery_margin: Duration,
+    /// Poll mode: how long to wait before polling again after a batch that was not full.
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
+    pub poll_interval: Duration,
+    /// Poll mode: most rows claimed per batch (one short transaction each).
+    #[arg(long, env = "OUTBOXD_POLL_BATCH", default_value_t = 500)]
+    pub poll_batch: i64,
+    /// Poll mode on Postgres: LISTEN for the trigger `setup --notify` installs and poll at once
+    /// when rows are committed.
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
+    /// First start: which rows already in the table to publish (auto, all, never,
+    /// since=RFC3339). With `auto`, a status column selects pending rows; without one, a
+    /// non-empty table needs a choice.
+    #[arg(long, env = "OUTBOXD_SNAPSHOT", default_value = "auto")]
+    pub snapshot: String,
     /// Bound on the graceful stop after SIGINT/SIGTERM.
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub shutdown_timeout: Duration,
+    #[command(flatten)]
+    pub rabbit: RabbitArgs,
+    #[command(flatten)]
+    pub mysql: MySqlArgs,
+}
+
+/// RabbitMQ sink settings (CONTRACT §4).
+#[derive(Debug, Clone, Args)]
+pub struct RabbitArgs {
+    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead).
+    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
+    /// auto: declare the topology; passive: only check it exists; off: check nothing.
+    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
+    pub declare: DeclareMode,
+    /// Larger payloads go to <exchange>.dead as a record without the body (e.g. 16MiB, 512KiB, 4096).
+    #[arg(long, env = "OUTBOXD_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "16MiB")]
+    pub max_message_bytes: usize,
+    /// PEM CA certificate trusted for an amqps:// sink (in addition to the public roots).
+    #[arg(long, env = "OUTBOXD_SINK_CA")]
+    pub sink_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for an amqps:// sink (needs --sink-key).
+    #[arg(long, env = "OUTBOXD_SINK_CERT")]
+    pub sink_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --sink-cert.
+    #[arg(long, env = "OUTBOXD_SINK_KEY")]
+    pub sink_key: Option<std::path::PathBuf>,
+}
+
+/// MySQL/MariaDB source settings.
+#[derive(Debug, Clone, Args)]
+pub struct MySqlArgs {
+    /// Zone of the outbox's DATETIME values (UTC, +02:00, Europe/Berlin); TIMESTAMP needs none.
+    #[arg(long, env = "OUTBOXD_SOURCE_TIME_ZONE", default_value = "UTC")]
+    pub source_time_zone: String,
+    /// Largest transaction (bytes of outbox rows) held until its commit; a larger one is read
+    /// twice (once to find its end position, once to stream it).
+    #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
+    pub txn_buffer: usize,
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct SetupArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    /// Also create the outbox table (the seed's columns) when it does not exist.
+    #[arg(long, env = "OUTBOXD_CREATE_TABLE")]
+    pub create_table: bool,
+    /// Install the trigger that wakes poll-mode relays (`run --mode poll --notify`).
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
+    /// Poll mode only: create the table (and trigger) but no slot or publication.
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -156,6 +284,33 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h, d)")),
     };
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 16MiB or 4096"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{s:?} is out of range"))
 }
 
 /// Checks `--name` (CONTRACT §1).
@@ -279,10 +434,101 @@ pub async fn execute(
         Command::Run(args) => run(args, sub, shutdown).await,
         Command::Setup(args) => setup(args, sub).await,
         Command::Teardown(args) => teardown(args, sub).await,
+        Command::Check(args) => check(args, sub).await,
+        Command::Status(args) => status(args, sub).await,
+        Command::Offset(cmd) => {
+            let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
+            offset(cmd, sub).await
+        }
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
         Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
         Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
+    }
+}
+
+fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, Error> {
+    match source {
+        SourceDsn::Postgres(d) => Ok(d),
+        _ => Err(Error::config(
+            format!("{command} supports Postgres sources in this build"),
+            "use a postgres:// source",
+        )),
+    }
+}
+
+async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = postgres_only(r.source, "check")?;
+    let lines = crate::operator::check_postgres(&crate::operator::PgTarget {
+        dsn: &dsn,
+        name: &r.name,
+        table: &r.table,
+        columns: &r.columns,
+        slot: &r.slot,
+        publication: &r.publication,
+    })
+    .await;
+    for l in &lines {
+        if args.json {
+            println!("{}", serde_json::to_string(l).unwrap_or_default());
+        } else {
+            println!("{l}");
+        }
+    }
+    let failed = lines
+        .iter()
+        .filter(|l| l.level == crate::operator::Level::Fail)
+        .count();
+    if failed > 0 {
+        return Err(Error::Other(format!(
+            "{failed} check{} failed",
+            if failed == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(())
+}
+
+async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = postgres_only(r.source, "status")?;
+    let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&st).unwrap_or_default());
+    } else {
+        println!("{st}");
+    }
+    Ok(())
+}
+
+async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
+    match cmd {
+        OffsetCommand::Show(args) => status(args, m).await,
+        OffsetCommand::Set(args) => {
+            let r = resolve_source(&args.source, m)?;
+            let dsn = postgres_only(r.source, "offset set")?;
+            if let Some(lsn) = args.lsn {
+                let end = crate::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn).await?;
+                println!("ok   slot {} moved to {end}", r.slot);
+            } else if let Some(since) = args.replay_since {
+                let since = chrono::DateTime::parse_from_rfc3339(since.trim())
+                    .map_err(|e| {
+                        Error::config(
+                            format!("--replay-since {since}: {e}"),
+                            "write e.g. 2026-06-22T10:00:00Z",
+                        )
+                    })?
+                    .with_timezone(&chrono::Utc);
+                let client = pg::connect_sql(&dsn, "outboxd_offset").await?;
+                crate::state::postgres::request_replay(&client, &r.name, since).await?;
+                println!(
+                    "ok   the next start of {} publishes rows created since {} again, then streams",
+                    r.name,
+                    since.to_rfc3339()
+                );
+            }
+            Ok(())
+        }
     }
 }
 
@@ -297,19 +543,22 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     )?
     .unwrap_or_else(|| "stdout".into());
     let sink = SinkDsn::parse(&sink)?;
-    if args.mode == Mode::Poll {
-        return Err(Error::config(
-            "--mode poll is not available in this build",
-            "use --mode cdc",
-        ));
-    }
     if args.window == 0 {
         return Err(Error::config(
             "--window 0 would never publish",
             "use --window 1000",
         ));
     }
+    rabbitmq::validate_exchange(&args.rabbit.exchange)?;
     let cfg = RunConfig {
+        rabbit: connector::RabbitOptions {
+            exchange: args.rabbit.exchange.clone(),
+            declare: args.rabbit.declare,
+            max_message_bytes: args.rabbit.max_message_bytes,
+            ca_file: args.rabbit.sink_ca.clone(),
+            cert_file: args.rabbit.sink_cert.clone(),
+            key_file: args.rabbit.sink_key.clone(),
+        },
         name: r.name,
         slot: r.slot,
         publication: r.publication,
@@ -323,10 +572,47 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             confirm_timeout: args.confirm_timeout,
             ..RelayOptions::default()
         },
+        snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,
+        on_position_lost: args.on_position_lost,
+        replay_since: match &args.replay_since {
+            None => None,
+            Some(t) => Some(
+                chrono::DateTime::parse_from_rfc3339(t.trim())
+                    .map_err(|e| {
+                        Error::config(
+                            format!("--replay-since {t}: {e}"),
+                            "write e.g. 2026-06-22T10:00:00Z",
+                        )
+                    })?
+                    .with_timezone(&chrono::Utc),
+            ),
+        },
+        recovery_margin: args.recovery_margin,
+        mysql: connector::MySqlOptions {
+            time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
+            txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            ..Default::default()
+        },
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {
-            let stats = connector::run_postgres(dsn, cfg, shutdown).await?;
+            let stats = match args.mode {
+                Mode::Cdc => connector::run_postgres(dsn, cfg, shutdown).await?,
+                Mode::Poll => {
+                    if args.poll_batch < 1 {
+                        return Err(Error::config(
+                            "--poll-batch must be at least 1",
+                            "use --poll-batch 500",
+                        ));
+                    }
+                    let poll = crate::source::poll::PollOptions {
+                        batch: args.poll_batch,
+                        interval: args.poll_interval,
+                        notify: args.notify,
+                    };
+                    connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+                }
+            };
             tracing::info!(
                 published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
                 confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
@@ -334,24 +620,56 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             );
             Ok(())
         }
-        SourceDsn::Mysql(_) | SourceDsn::File(_) => Err(Error::config(
-            "the MySQL/MariaDB and binlog-file sources are not available in this build",
-            "use a postgres:// source",
+        SourceDsn::Mysql(dsn) => {
+            let stats = connector::run_mysql(dsn, cfg, shutdown).await?;
+            tracing::info!(
+                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+                "stopped"
+            );
+            Ok(())
+        }
+        SourceDsn::File(_) => Err(Error::config(
+            "the binlog-file source is not available in this build",
+            "use a postgres://, mysql:// or mariadb:// source",
         )),
     }
 }
 
 async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "setup supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r).await,
+        SourceDsn::File(_) => return Err(Error::config(
+            "a binlog-file source needs no setup",
+            "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
+        )),
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
-    admin::require_logical(&client).await?;
+    if args.create_table {
+        let created = admin::create_outbox_table(&client, &r.table).await?;
+        println!(
+            "ok   outbox table {} ({})",
+            r.table.pg_quoted(),
+            if created { "created" } else { "exists" }
+        );
+    }
     admin::require_table(&client, &r.table).await?;
+    if args.notify {
+        client
+            .batch_execute(&crate::source::poll::notify_trigger_sql(&r.table))
+            .await?;
+        println!(
+            "ok   notify trigger on {} (channel {})",
+            r.table.pg_quoted(),
+            crate::source::poll::notify_channel(&r.table)
+        );
+    }
+    if args.mode == Mode::Poll {
+        return Ok(());
+    }
+    admin::require_logical(&client).await?;
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
     let created = admin::ensure_publication(&client, &r.publication, &r.table).await?;
@@ -383,11 +701,15 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "teardown supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return teardown_mysql(dsn, &r, args.yes).await,
+        SourceDsn::File(_) => {
+            return Err(Error::config(
+                "a binlog-file source keeps no state",
+                "nothing to tear down",
+            ))
+        }
     };
     if !args.yes {
         return Err(Error::config(
@@ -430,6 +752,75 @@ async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     Ok(())
 }
 
+/// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
+/// created. (There is no slot or publication: the binlog is read from a position.)
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    let mut conn = my::connect_sql(&dsn).await?;
+    let settings = my_admin::require_binlog(&mut conn).await?;
+    println!(
+        "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
+        settings.version
+    );
+    let cfg_table = connector::mysql_table(
+        &dsn,
+        &RunConfig {
+            name: r.name.clone(),
+            slot: r.slot.clone(),
+            publication: r.publication.clone(),
+            table: r.table.clone(),
+            columns: r.columns.clone(),
+            mysql: Default::default(),
+            sink: SinkDsn::Stdout,
+            commit_offsets: false,
+            max_inflight_bytes: 0,
+            relay: RelayOptions::default(),
+            snapshot: crate::source::postgres::snapshot::SnapshotMode::Auto,
+            on_position_lost: Default::default(),
+            replay_since: None,
+            recovery_margin: Duration::from_secs(600),
+            rabbit: Default::default(),
+        },
+    )?;
+    my_admin::require_table(&mut conn, &cfg_table).await?;
+    println!("ok   outbox table {}", cfg_table.quoted());
+    crate::state::mysql::ensure_table(&mut conn).await?;
+    println!("ok   state table outboxd_state");
+    Ok(())
+}
+
+/// `teardown` for MySQL/MariaDB: the relay's state row (its stored position) goes.
+async fn teardown_mysql(dsn: dsn::DbDsn, r: &Resolved, yes: bool) -> Result<(), Error> {
+    if !yes {
+        return Err(Error::config(
+            format!("teardown drops the stored position of relay {:?}", r.name),
+            "add --yes to confirm",
+        ));
+    }
+    let mut conn = crate::source::mysql::connect_sql(&dsn).await?;
+    if let Some(state) = crate::state::mysql::load(&mut conn, &r.name).await? {
+        if state.lease_live {
+            if let Some(h) = state
+                .lease_holder
+                .filter(|h| !crate::state::holder_is_dead_locally(h))
+            {
+                return Err(Error::config(
+                    format!("relay {:?} is running (lease held by {h})", r.name),
+                    "stop it first",
+                ));
+            }
+        }
+    }
+    let n = crate::state::mysql::delete(&mut conn, &r.name).await?;
+    println!(
+        "ok   state of {} ({} row{})",
+        r.name,
+        n,
+        if n == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -448,5 +839,11 @@ mod tests {
         assert!(validate_name("Billing").is_err());
         assert!(validate_name("").is_err());
         assert!(validate_name(&"a".repeat(41)).is_err());
+        assert_eq!(parse_bytes("16MiB").unwrap(), 16 * 1024 * 1024);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("2 KiB").unwrap(), 2048);
+        assert_eq!(parse_bytes("1MB").unwrap(), 1_000_000);
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
     }
 }

@@ -7,11 +7,13 @@ use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
+use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
 use crate::sink::stdout::StdoutSink;
-use crate::sink::Sink;
+use crate::sink::{AnySink, Sink};
+use crate::source::postgres::snapshot::{self, SnapshotMode, SnapshotPlan};
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::{Budget, Outlet, SourceLink};
-use crate::state::{self, Lease};
+use crate::state;
 use crate::Error;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,10 +28,63 @@ pub struct RunConfig {
     pub publication: String,
     pub table: TableName,
     pub columns: ColumnMap,
+    /// MySQL/MariaDB source settings (ignored by other sources).
+    pub mysql: MySqlOptions,
     pub sink: SinkDsn,
     pub commit_offsets: bool,
     pub max_inflight_bytes: usize,
     pub relay: RelayOptions,
+    /// What a first start publishes of the rows already in the table.
+    pub snapshot: SnapshotMode,
+    /// What to do when the log position cannot be resumed.
+    pub on_position_lost: PositionLostPolicy,
+    /// Recovery replays rows created since this time instead of the computed one.
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Smallest margin recovery subtracts from the last durable commit time.
+    pub recovery_margin: Duration,
+    pub rabbit: RabbitOptions,
+}
+
+/// RabbitMQ sink settings from the command line (the URL is in [`RunConfig::sink`]).
+#[derive(Debug, Clone, Default)]
+pub struct RabbitOptions {
+    pub exchange: String,
+    pub declare: DeclareMode,
+    pub max_message_bytes: usize,
+    pub ca_file: Option<std::path::PathBuf>,
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+/// `--on-position-lost`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PositionLostPolicy {
+    /// Stop with exit 3 and the fix.
+    #[default]
+    Fail,
+    /// Open a fresh position and publish again, from the table, every row that may have been
+    /// committed after the last confirmed one; then stream.
+    Poll,
+}
+
+/// Where a replay through the table starts after a lost position: the last durable commit
+/// time minus a margin no smaller than the largest commit-vs-`created_at` gap seen (so a long
+/// producer transaction's row is not missed), or `--replay-since`.
+pub fn recovery_since(
+    row: &state::postgres::StateRow,
+    replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    margin: Duration,
+) -> chrono::DateTime<chrono::Utc> {
+    if let Some(s) = replay_since {
+        return s;
+    }
+    let gap = Duration::from_millis(row.commit_gap_ms.unwrap_or(0).max(0) as u64 + 1000);
+    let margin = chrono::Duration::from_std(margin.max(gap)).unwrap_or(chrono::Duration::days(1));
+    let base = row
+        .position_commit_at
+        .or(row.created_at)
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC + chrono::Duration::days(1));
+    base - margin
 }
 
 /// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
@@ -48,7 +103,57 @@ pub async fn run_postgres(
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
-    let start = match admin::slot(&sql, &cfg.slot).await? {
+    // Decided before the slot exists, so `auto` on a non-empty table without a status column
+    // refuses without leaving a slot behind.
+    let plan = match (&lease.replay_since, lease.first_start) {
+        (Some(since), _) => {
+            snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(*since)).await?
+        }
+        (None, true) => snapshot::plan(&sql, &cfg.table, &cfg.columns, &cfg.snapshot).await?,
+        (None, false) => SnapshotPlan::Nothing,
+    };
+    let mut plan = plan;
+    let mut lease = lease;
+    let mut slot_info = admin::slot(&sql, &cfg.slot).await?;
+    let lost = match &slot_info {
+        None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name)),
+        Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", cfg.slot)),
+        _ => None,
+    };
+    if let (Some(problem), PositionLostPolicy::Poll) = (&lost, cfg.on_position_lost) {
+        let row = state::postgres::load(&sql, &cfg.name)
+            .await?
+            .ok_or_else(|| Error::Other("state row vanished".into()))?;
+        let since = recovery_since(&row, cfg.replay_since, cfg.recovery_margin);
+        if slot_info.is_some() {
+            admin::drop_slot(&sql, &cfg.slot).await?;
+            slot_info = None;
+        }
+        // Recorded first: if this run dies before the replay is durable, the next one
+        // replays again.
+        state::postgres::set_replay(&sql, &lease, since).await?;
+        lease.replay_since = Some(since);
+        lease.first_start = true;
+        plan = snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(since)).await?;
+        let rows: i64 = sql
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {} WHERE {} >= $1",
+                    cfg.table.pg_quoted(),
+                    crate::outbox::pg_ident(cfg.columns.get("created_at"))
+                ),
+                &[&since],
+            )
+            .await?
+            .get(0);
+        tracing::error!(
+            problem = %problem,
+            replay_since = %since.to_rfc3339(),
+            rows,
+            "POSITION LOST: recovering through the table (--on-position-lost poll): opening a fresh slot and publishing again every row created since then; expect duplicates"
+        );
+    }
+    let start = match slot_info {
         Some(slot) => {
             if slot.wal_status.as_deref() == Some("lost") {
                 return Err(Error::PositionLost {
@@ -62,16 +167,10 @@ pub async fn run_postgres(
                     format!("use another --slot, or SELECT pg_drop_replication_slot('{}'); if nothing else uses it", cfg.slot),
                 ));
             }
-            if lease.first_start {
-                state::postgres::mark_initialized(&sql, &lease).await?;
-            }
             slot.confirmed_flush_lsn.unwrap_or(0)
         }
-        None if lease.first_start => {
-            let at = admin::create_slot(&sql, &cfg.slot).await?;
-            state::postgres::mark_initialized(&sql, &lease).await?;
-            at
-        }
+        // The slot first, the table read after: overlap gives duplicates, never a gap.
+        None if lease.first_start => admin::create_slot(&sql, &cfg.slot).await?,
         None => {
             return Err(Error::PositionLost {
                 problem: format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name),
@@ -89,7 +188,53 @@ pub async fn run_postgres(
         slot: cfg.slot.clone(),
         publication: cfg.publication.clone(),
         status_interval: Duration::from_secs(1),
+        snapshot: plan,
     };
+    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone());
+    drive(&cfg, store, lease, commits_rx, move |link| {
+        pg::run(source_cfg, link, start, commits_tx, shutdown)
+    })
+    .await
+}
+
+/// Builds the sink named by `--sink`.
+pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
+    Ok(match &cfg.sink {
+        SinkDsn::Stdout => AnySink::Stdout(StdoutSink::new(cfg.commit_offsets)),
+        SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(RabbitConfig {
+            url: url.clone(),
+            exchange: cfg.rabbit.exchange.clone(),
+            declare: cfg.rabbit.declare,
+            max_message_bytes: cfg.rabbit.max_message_bytes,
+            op_timeout: cfg.relay.confirm_timeout,
+            ca_file: cfg.rabbit.ca_file.clone(),
+            cert_file: cfg.rabbit.cert_file.clone(),
+            key_file: cfg.rabbit.key_file.clone(),
+            connection_name: format!("outboxd {}", cfg.name),
+        })?)),
+    })
+}
+
+/// Runs poll mode on a Postgres table until `shutdown`. No lease: several relays may poll one
+/// table, `SKIP LOCKED` keeps their batches apart.
+pub async fn run_poll_postgres(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    poll: crate::source::poll::PollOptions,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let mut sink = make_sink(&cfg)?;
+    if !sink.stores_position() {
+        return Err(Error::config(
+            "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
+            "add --commit-offsets (or use an amqp:// sink)",
+        ));
+    }
+    {
+        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
+        admin::require_table(&sql, &cfg.table).await?;
+    }
     let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
     let (ev_tx, ev_rx) = mpsc::channel(4096);
     let link = SourceLink {
@@ -97,44 +242,24 @@ pub async fn run_postgres(
             events: ev_tx,
             budget: Budget::new(cfg.max_inflight_bytes),
         },
-        acks: ack_rx.clone(),
+        acks: ack_rx,
     };
-    let lease_stop = CancellationToken::new();
-    let mut lease_task = tokio::spawn(keep_lease(
-        dsn.clone(),
-        app.clone(),
-        lease.clone(),
-        ack_rx,
-        lease_stop.clone(),
-    ));
-    let source = pg::run(source_cfg, link, start, shutdown.clone());
+    let poll_cfg = crate::source::poll::PollConfig {
+        dsn,
+        name: cfg.name.clone(),
+        table: cfg.table.clone(),
+        columns: cfg.columns.clone(),
+        batch: poll.batch,
+        interval: poll.interval,
+        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
+        deadline: cfg.relay.confirm_timeout.max(Duration::from_secs(1)),
+        notify_channel: poll
+            .notify
+            .then(|| crate::source::poll::notify_channel(&cfg.table)),
+    };
     let stats = Arc::new(RelayStats::default());
-
-    let work = async {
-        match &cfg.sink {
-            SinkDsn::Stdout => {
-                let mut sink = StdoutSink::new(cfg.commit_offsets);
-                relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await
-            }
-            SinkDsn::Amqp(_) => Err(Error::config(
-                "the RabbitMQ sink is not built yet",
-                "use --sink stdout",
-            )),
-        }
-    };
-    let result = tokio::select! {
-        r = work => r,
-        r = &mut lease_task => {
-            // The lease keeper only ends early on a lost lease.
-            return Err(r.unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}")))).err().unwrap_or_else(|| Error::Other("lease keeper stopped".into())));
-        }
-    };
-    lease_stop.cancel();
-    let lease_result = lease_task
-        .await
-        .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
-    result?;
-    lease_result?;
+    let source = crate::source::poll::run(poll_cfg, link, shutdown);
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
 }
 
@@ -154,61 +279,172 @@ async fn relay_and_source<S: Sink>(
     tokio::try_join!(relay, source).map(|_| ())
 }
 
-/// Renews the lease about every second and stores the newest durable position with it; at
-/// the end, stores the final position and releases the lease.
-async fn keep_lease(
-    dsn: DbDsn,
-    app: String,
-    lease: Lease,
-    mut acks: watch::Receiver<Option<Checkpoint>>,
-    stop: CancellationToken,
-) -> Result<(), Error> {
-    let mut client: Option<tokio_postgres::Client> = None;
-    let mut written: Option<u64> = None;
-    let mut tick = tokio::time::interval(state::RENEW_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stopping = false;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled(), if !stopping => stopping = true,
-        }
-        let _ = acks.has_changed();
-        let pos = match &*acks.borrow_and_update() {
-            Some(Checkpoint::Lsn(l)) if Some(*l) != written => Some(*l),
-            _ => None,
-        };
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = match pg::connect_sql(&dsn, &app).await {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    tracing::warn!(error = %e, "state store unreachable; lease renewal retries");
-                    if stopping {
-                        return Ok(());
-                    }
-                    continue;
-                }
-            };
-        }
-        let c = client.as_ref().expect("connected above");
-        match state::postgres::renew(c, &lease, pos).await {
-            Ok(()) => {
-                if pos.is_some() {
-                    written = pos;
-                }
-            }
-            Err(e @ Error::Leadership(_)) => return Err(e),
-            Err(e) => {
-                tracing::warn!(error = %e, "lease renewal failed; retrying");
-                client = None;
-                continue;
-            }
-        }
-        if stopping {
-            if let Err(e) = state::postgres::release(c, &lease).await {
-                tracing::warn!(error = %e, "could not release the lease; it expires by itself");
-            }
-            return Ok(());
+// ---------------------------------------------------------------------------------------------
+// MySQL / MariaDB
+// ---------------------------------------------------------------------------------------------
+
+/// MySQL/MariaDB source settings from the command line.
+#[derive(Debug, Clone)]
+pub struct MySqlOptions {
+    /// The zone `DATETIME` values are written in (`--source-time-zone`).
+    pub time_zone: crate::source::mysql::rows::SourceTz,
+    /// Largest transaction held until its commit (`--txn-buffer`).
+    pub txn_buffer_bytes: usize,
+    /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
+    pub heartbeat: Duration,
+}
+
+impl Default for MySqlOptions {
+    fn default() -> Self {
+        MySqlOptions {
+            time_zone: Default::default(),
+            txn_buffer_bytes: 16 * 1024 * 1024,
+            heartbeat: Duration::from_secs(1),
         }
     }
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_table(
+    dsn: &DbDsn,
+    cfg: &RunConfig,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    if dsn.database.is_empty() {
+        return Err(Error::config(
+            "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
+            "add the database to the DSN, e.g. mysql://user@host:3306/app",
+        ));
+    }
+    if let Some(db) = &cfg.table.schema {
+        if *db != dsn.database {
+            return Err(Error::config(
+                format!(
+                    "--table {db}.{} is not in the DSN's database {:?}",
+                    cfg.table.name, dsn.database
+                ),
+                format!(
+                    "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
+                    cfg.table.name
+                ),
+            ));
+        }
+    }
+    Ok(crate::source::mysql::rows::OutboxTable {
+        database: dsn.database.clone(),
+        table: cfg.table.name.clone(),
+        columns: cfg.columns.clone(),
+        tz: cfg.mysql.time_zone,
+    })
+}
+
+/// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
+pub async fn run_mysql(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    let table = mysql_table(&dsn, &cfg)?;
+    let mut sql = my::connect_state(&dsn).await?;
+    let settings = my_admin::require_binlog(&mut sql).await?;
+    my_admin::require_table(&mut sql, &table).await?;
+    let holder = state::holder_id();
+    let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
+    tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
+        Some(mut resume) => {
+            // By GTID the server itself says whether it still has what follows; by file and
+            // position, the file must still be there.
+            if !resume.by_gtid(settings.mariadb) {
+                my_admin::require_position(&mut sql, &cfg.name, &resume.file).await?;
+                if settings.mariadb && resume.gtid.is_none() {
+                    // Track the GTID state from here on, complete in every domain.
+                    resume.gtid =
+                        Some(my_admin::gtid_at(&mut sql, &resume.file, resume.pos).await?);
+                }
+            }
+            resume
+        }
+        None => {
+            // First start: stream from the server's current position. Rows already in the
+            // table are the first-start snapshot's job (CONTRACT §3, `--snapshot`): it will
+            // take a consistent snapshot here and return the position it was taken at.
+            let resume = my::current_position(&mut sql, settings.mariadb).await?;
+            state::mysql::mark_initialized(&mut sql, &lease, &resume.checkpoint()).await?;
+            resume
+        }
+    };
+    tracing::info!(position = %start.checkpoint(), "resuming");
+    let _ = sql.disconnect().await;
+
+    let source_cfg = my::MySqlSourceConfig {
+        dsn: dsn.clone(),
+        name: cfg.name.clone(),
+        table,
+        server_id: my::server_id_for(&cfg.name),
+        heartbeat: cfg.mysql.heartbeat,
+        read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),
+        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        mariadb: settings.mariadb,
+    };
+    let store = state::mysql::MyStateStore::new(dsn.clone());
+    // The binlog source reports no commit times yet: recovery through the table is
+    // Postgres-only for now.
+    let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    drive(&cfg, store, lease, commits_rx, move |link| {
+        my::run(source_cfg, link, start, shutdown)
+    })
+    .await
+}
+
+/// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
+/// source ends (graceful stop) or something fails; then stores the final position and releases
+/// the lease.
+async fn drive<St, F, Fut>(
+    cfg: &RunConfig,
+    store: St,
+    lease: state::Lease,
+    commits: watch::Receiver<state::DurableCommit>,
+    source: F,
+) -> Result<Arc<RelayStats>, Error>
+where
+    St: state::StateStore + 'static,
+    F: FnOnce(SourceLink) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx.clone(),
+    };
+    let lease_stop = CancellationToken::new();
+    let mut sink = make_sink(cfg)?;
+    let mut lease_task = tokio::spawn(state::keep_lease(
+        store,
+        lease,
+        ack_rx,
+        commits,
+        lease_stop.clone(),
+    ));
+    let source = source(link);
+    let stats = Arc::new(RelayStats::default());
+    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
+    let result = tokio::select! {
+        r = work => r,
+        r = &mut lease_task => {
+            // The lease keeper only ends early on a lost lease.
+            return Err(r.unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}")))).err().unwrap_or_else(|| Error::Other("lease keeper stopped".into())));
+        }
+    };
+    lease_stop.cancel();
+    let lease_result = lease_task
+        .await
+        .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
+    result?;
+    lease_result?;
+    Ok(stats)
 }

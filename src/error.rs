@@ -79,7 +79,9 @@ impl Error {
 
     pub fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::Config { .. } => ExitStatus::Config,
+            Error::Config { .. } | Error::Sink(crate::sink::SinkError::Config { .. }) => {
+                ExitStatus::Config
+            }
             Error::PositionLost { .. } => ExitStatus::PositionLost,
             Error::Leadership(_) => ExitStatus::LeadershipLost,
             Error::Crypto(e) if e.is_config() => ExitStatus::Config,

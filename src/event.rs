@@ -104,6 +104,9 @@ pub enum Checkpoint {
     /// Postgres: an LSN to confirm to the slot (a commit's end LSN or an idle keepalive's
     /// `wal_end`).
     Lsn(u64),
+    /// Poll mode: a batch of rows this process handed over; acknowledged, the batch's rows
+    /// may be marked published.
+    Batch(u64),
     /// MySQL/MariaDB: the binlog coordinates after a transaction, and the GTID state there.
     Binlog {
         file: String,
@@ -117,6 +120,7 @@ impl Checkpoint {
     pub fn compare(&self, other: &Checkpoint) -> Option<Ordering> {
         match (self, other) {
             (Checkpoint::Lsn(a), Checkpoint::Lsn(b)) => Some(a.cmp(b)),
+            (Checkpoint::Batch(a), Checkpoint::Batch(b)) => Some(a.cmp(b)),
             (
                 Checkpoint::Binlog {
                     file: fa, pos: pa, ..
@@ -143,6 +147,7 @@ impl fmt::Display for Checkpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Checkpoint::Lsn(lsn) => f.write_str(&format_lsn(*lsn)),
+            Checkpoint::Batch(b) => write!(f, "batch {b}"),
             Checkpoint::Binlog {
                 file,
                 pos,

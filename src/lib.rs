@@ -12,6 +12,7 @@ pub mod crypto;
 pub mod dsn;
 pub mod error;
 pub mod event;
+pub mod operator;
 pub mod outbox;
 pub mod relay;
 pub mod sink;

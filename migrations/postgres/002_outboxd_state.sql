@@ -15,6 +15,7 @@ CREATE TABLE IF NOT EXISTS outboxd_state (
     binlog_pos        bigint,
     gtid_state        text,
     commit_gap_ms     bigint,
+    replay_since      timestamptz,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()

@@ -3,6 +3,7 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod rabbitmq;
 pub mod stdout;
 
 use crate::event::OutboxEvent;
@@ -65,4 +66,48 @@ pub trait Sink: Send {
 
     /// Make every `Accepted` event durable.
     fn flush(&mut self) -> impl std::future::Future<Output = Result<(), SinkError>> + Send;
+}
+
+/// The sink chosen on the command line. Dispatching here keeps the relay generic and the
+/// connector free of one copy of its wiring per sink.
+pub enum AnySink {
+    Stdout(stdout::StdoutSink),
+    Rabbit(Box<rabbitmq::RabbitSink>),
+}
+
+impl Sink for AnySink {
+    fn name(&self) -> &'static str {
+        match self {
+            AnySink::Stdout(s) => s.name(),
+            AnySink::Rabbit(s) => s.name(),
+        }
+    }
+
+    fn stores_position(&self) -> bool {
+        match self {
+            AnySink::Stdout(s) => s.stores_position(),
+            AnySink::Rabbit(s) => s.stores_position(),
+        }
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        match self {
+            AnySink::Stdout(s) => s.connect().await,
+            AnySink::Rabbit(s) => s.connect().await,
+        }
+    }
+
+    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
+        match self {
+            AnySink::Stdout(s) => s.publish(event).await,
+            AnySink::Rabbit(s) => s.publish(event).await,
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        match self {
+            AnySink::Stdout(s) => s.flush().await,
+            AnySink::Rabbit(s) => s.flush().await,
+        }
+    }
 }

@@ -3,6 +3,8 @@
 //! newest checkpoint whose events are all durable, and only then tell the server (or the state
 //! table) that it may forget what came before.
 
+pub mod mysql;
+pub mod poll;
 pub mod postgres;
 
 use crate::event::{Checkpoint, OutboxEvent};

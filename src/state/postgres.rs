@@ -1,10 +1,62 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
-use super::{holder_is_dead_locally, Lease, LEASE_TTL};
-use crate::event::{format_lsn, parse_lsn};
+use super::{holder_is_dead_locally, Lease, StateStore, LEASE_TTL};
+use crate::dsn::DbDsn;
+use crate::event::{format_lsn, parse_lsn, Checkpoint};
 use crate::Error;
 use tokio_postgres::Client;
+
+/// The lease keeper's view of a Postgres state table: one session, reconnected on demand.
+pub struct PgStateStore {
+    dsn: DbDsn,
+    app: String,
+    client: Option<Client>,
+}
+
+impl PgStateStore {
+    pub fn new(dsn: DbDsn, app: String) -> Self {
+        PgStateStore {
+            dsn,
+            app,
+            client: None,
+        }
+    }
+
+    async fn client(&mut self) -> Result<&Client, Error> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = Some(crate::source::postgres::connect_sql(&self.dsn, &self.app).await?);
+        }
+        Ok(self.client.as_ref().expect("connected above"))
+    }
+}
+
+impl StateStore for PgStateStore {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let lsn = match position {
+            Some(Checkpoint::Lsn(l)) => Some(*l),
+            _ => None,
+        };
+        let r = renew(self.client().await?, lease, lsn, commit).await;
+        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
+            self.client = None;
+        }
+        r
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        release(self.client().await?, lease).await
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        mark_initialized(self.client().await?, lease).await
+    }
+}
 
 pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     name              text PRIMARY KEY,
@@ -21,6 +73,8 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     binlog_pos        bigint,
     gtid_state        text,
     commit_gap_ms     bigint,
+    replay_since      timestamptz,
+    position_commit_at timestamptz,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -37,10 +91,25 @@ pub struct StateRow {
     pub lease_live: bool,
     pub position_lsn: Option<u64>,
     pub initialized: bool,
+    /// A replay from the table asked for with `offset set --replay-since`.
+    pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    pub lease_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub updated_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Commit time of the last transaction whose events were all confirmed.
+    pub position_commit_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Largest commit-minus-created_at gap seen (long producer transactions), in ms.
+    pub commit_gap_ms: Option<i64>,
+    pub created_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     client.batch_execute(DDL).await?;
+    // Columns added after the first release, for state tables created before them.
+    client
+        .batch_execute(
+            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz",
+        )
+        .await?;
     Ok(())
 }
 
@@ -59,7 +128,8 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         .query_opt(
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
-                    initialized_at IS NOT NULL
+                    initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at,
+                    position_commit_at, commit_gap_ms, created_at
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -73,6 +143,12 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         lease_live: r.get(5),
         position_lsn: r.get::<_, Option<String>>(6).and_then(|s| parse_lsn(&s)),
         initialized: r.get(7),
+        replay_since: r.get(8),
+        lease_expires_at: r.get(9),
+        updated_at: r.get(10),
+        position_commit_at: r.get(11),
+        commit_gap_ms: r.get(12),
+        created_at: r.get(13),
     }))
 }
 
@@ -96,7 +172,7 @@ pub async fn acquire(
     let row = tx
         .query_one(
             "SELECT lease_holder, coalesce(lease_expires_at > now(), false), initialized_at IS NOT NULL,
-                    source, slot
+                    source, slot, replay_since
                FROM outboxd_state WHERE name = $1 FOR UPDATE",
             &[&name],
         )
@@ -106,6 +182,7 @@ pub async fn acquire(
     let initialized: bool = row.get(2);
     let source: String = row.get(3);
     let stored_slot: Option<String> = row.get(4);
+    let replay_since: Option<chrono::DateTime<chrono::Utc>> = row.get(5);
     if source != "postgres" {
         return Err(Error::config(
             format!("relay name {name:?} belongs to a {source} source in this database"),
@@ -147,14 +224,17 @@ pub async fn acquire(
         holder: holder.to_string(),
         epoch,
         first_start: !initialized,
+        replay_since,
     })
 }
 
-/// Marks the first start as done (slot created, snapshot published).
+/// Marks the first start (or a requested replay) as done: the snapshot it published is
+/// durable, so a later start streams only.
 pub async fn mark_initialized(client: &Client, lease: &Lease) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET initialized_at = now() WHERE name = $1 AND epoch = $2",
+            "UPDATE outboxd_state SET initialized_at = coalesce(initialized_at, now()), replay_since = NULL
+              WHERE name = $1 AND epoch = $2",
             &[&lease.name, &lease.epoch],
         )
         .await?;
@@ -173,7 +253,12 @@ fn lost(lease: &Lease) -> Error {
 
 /// Renews the lease and, when given, stores a newer position. A position older than the stored
 /// one is ignored by the statement itself, so the row can never move backwards.
-pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Result<(), Error> {
+pub async fn renew(
+    client: &Client,
+    lease: &Lease,
+    position: Option<u64>,
+    commit: &DurableCommit,
+) -> Result<(), Error> {
     let pos_text = position.map(format_lsn);
     let n = client
         .execute(
@@ -186,6 +271,8 @@ pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Res
                     position = CASE WHEN $3::text IS NOT NULL
                                      AND (position_lsn IS NULL OR $3::pg_lsn > position_lsn)
                                     THEN $3::text ELSE position END,
+                    position_commit_at = greatest(position_commit_at, $6),
+                    commit_gap_ms = greatest(commit_gap_ms, $7),
                     updated_at = now()
               WHERE name = $1 AND epoch = $2 AND lease_holder = $5",
             &[
@@ -194,7 +281,29 @@ pub async fn renew(client: &Client, lease: &Lease, position: Option<u64>) -> Res
                 &pos_text,
                 &(LEASE_TTL.as_secs_f64()),
                 &lease.holder,
+                &commit.commit_at,
+                &commit.max_gap_ms,
             ],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+pub use super::DurableCommit;
+
+/// Records a replay the next start must perform (recovery), while holding the lease.
+pub async fn set_replay(
+    client: &Client,
+    lease: &Lease,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET replay_since = $3, updated_at = now() WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch, &since],
         )
         .await?;
     if n == 0 {
@@ -212,6 +321,29 @@ pub async fn release(client: &Client, lease: &Lease) -> Result<(), Error> {
             &[&lease.name, &lease.epoch, &lease.holder],
         )
         .await?;
+    Ok(())
+}
+
+/// Asks the next start to publish the table's rows created since `since` before streaming
+/// (`offset set --replay-since`). Refused while a live relay holds the lease.
+pub async fn request_replay(
+    client: &Client,
+    name: &str,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET replay_since = $2, updated_at = now()
+              WHERE name = $1 AND (lease_holder IS NULL OR lease_expires_at < now())",
+            &[&name, &since],
+        )
+        .await?;
+    if n == 0 {
+        return Err(Error::config(
+            format!("relay {name:?} has no state, or is running"),
+            "stop the relay first (or check --name)",
+        ));
+    }
     Ok(())
 }
 

@@ -99,7 +99,8 @@ impl PgDb {
     }
 
     /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
-    pub async fn slot_active(&self, slot: &str) -> bool {
+    pub async fn slot_active(&self, slot: impl AsRef<str>) -> bool {
+        let slot = slot.as_ref();
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(
             "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
@@ -253,6 +254,25 @@ impl Relay {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// stderr without terminal colour codes (for matching `key=value` log fields).
+    pub fn stderr_plain(&self) -> String {
+        let s = self.stderr();
+        let mut out = String::with_capacity(s.len());
+        let mut chars = s.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill")
             .args([&format!("-{sig}"), &self.child.id().to_string()])
@@ -308,4 +328,476 @@ pub fn parse_lines(lines: &[String]) -> Vec<serde_json::Value> {
         .iter()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
         .collect()
+}
+
+/// RabbitMQ helpers: each test names its own exchange (and so its own `.unrouted`/`.dead`
+/// queues) with [`amqp::Topology`], which deletes everything it named when dropped.
+pub mod amqp {
+    use futures::StreamExt;
+    use lapin::message::Delivery;
+    use lapin::options::{
+        BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+        ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+    use std::time::{Duration, Instant};
+
+    pub const HOST_PORT: u16 = 5672;
+
+    /// The sink URL for the local broker, optionally through another port (a proxy).
+    pub fn url_via(port: u16) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+
+    pub fn url() -> String {
+        url_via(HOST_PORT)
+    }
+
+    pub async fn connect() -> Connection {
+        match Connection::connect(&url(), ConnectionProperties::default()).await {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
+            ),
+        }
+    }
+
+    /// A header value as a string (long strings only).
+    pub fn header_str(d: &Delivery, key: &str) -> Option<String> {
+        match d.properties.headers().as_ref()?.inner().get(key)? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.to_string()),
+            _ => None,
+        }
+    }
+
+    pub fn header(d: &Delivery, key: &str) -> Option<AMQPValue> {
+        d.properties.headers().as_ref()?.inner().get(key).cloned()
+    }
+
+    pub fn message_id(d: &Delivery) -> uuid::Uuid {
+        d.properties
+            .message_id()
+            .as_ref()
+            .expect("message_id")
+            .as_str()
+            .parse()
+            .expect("message_id is a UUID")
+    }
+
+    pub struct Topology {
+        pub exchange: String,
+        /// Reopened when the broker was restarted.
+        conn: tokio::sync::Mutex<Connection>,
+        queues: Vec<String>,
+    }
+
+    impl Topology {
+        pub async fn new(prefix: &str) -> Topology {
+            let exchange = super::unique(prefix);
+            Topology {
+                queues: vec![format!("{exchange}.unrouted"), format!("{exchange}.dead")],
+                exchange,
+                conn: tokio::sync::Mutex::new(connect().await),
+            }
+        }
+
+        pub fn unrouted(&self) -> String {
+            format!("{}.unrouted", self.exchange)
+        }
+
+        pub fn dead(&self) -> String {
+            format!("{}.dead", self.exchange)
+        }
+
+        pub async fn channel(&self) -> Channel {
+            let mut conn = self.conn.lock().await;
+            if !conn.status().connected() {
+                *conn = connect().await;
+            }
+            conn.create_channel().await.expect("channel")
+        }
+
+        /// Waits until the relay has declared the exchange (a passive declaration succeeds).
+        pub async fn wait_declared(&self, timeout: Duration) {
+            let x = self.exchange.clone();
+            super::wait_for(&format!("exchange {x} to be declared"), timeout, || {
+                let x = x.clone();
+                async move {
+                    // A failed passive declaration closes the channel: a new one each time.
+                    let ch = self.channel().await;
+                    ch.exchange_declare(
+                        x.into(),
+                        ExchangeKind::Topic,
+                        ExchangeDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .is_ok()
+                }
+            })
+            .await;
+        }
+
+        /// Declares a durable queue `<exchange>.<suffix>` bound with `pattern`; deleted on drop.
+        pub async fn bind_queue(&mut self, suffix: &str, pattern: &str) -> String {
+            let q = format!("{}.{suffix}", self.exchange);
+            let ch = self.channel().await;
+            ch.queue_declare(
+                q.clone().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue.declare");
+            ch.queue_bind(
+                q.clone().into(),
+                self.exchange.clone().into(),
+                pattern.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue.bind");
+            self.queues.push(q.clone());
+            q
+        }
+
+        /// Messages ready in `queue` (0 when it does not exist).
+        pub async fn queue_len(&self, queue: &str) -> u32 {
+            let ch = self.channel().await;
+            match ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(q) => q.message_count(),
+                Err(_) => 0,
+            }
+        }
+
+        /// Consumes exactly `n` messages from `queue` (auto-ack), panicking at the deadline.
+        pub async fn take(&self, queue: &str, n: usize, timeout: Duration) -> Vec<Delivery> {
+            let ch = self.channel().await;
+            ch.basic_qos(2000, BasicQosOptions::default())
+                .await
+                .expect("basic.qos");
+            let tag = super::unique("c");
+            let mut consumer = ch
+                .basic_consume(
+                    queue.into(),
+                    tag.clone().into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .expect("basic.consume");
+            let deadline = Instant::now() + timeout;
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, consumer.next()).await {
+                    Ok(Some(Ok(d))) => out.push(d),
+                    Ok(other) => panic!("consumer on {queue} ended: {other:?}"),
+                    Err(_) => panic!(
+                        "timed out after {timeout:?}: {} of {n} messages from {queue}",
+                        out.len()
+                    ),
+                }
+            }
+            let _ = ch
+                .basic_cancel(tag.into(), BasicCancelOptions::default())
+                .await;
+            out
+        }
+
+        /// Everything in `queue` now (use when nothing publishes any more).
+        pub async fn take_all(&self, queue: &str) -> Vec<Delivery> {
+            let n = self.queue_len(queue).await as usize;
+            let got = self.take(queue, n, Duration::from_secs(60)).await;
+            assert_eq!(
+                self.queue_len(queue).await,
+                0,
+                "{queue} is empty after taking {n}"
+            );
+            got
+        }
+    }
+
+    impl Drop for Topology {
+        fn drop(&mut self) {
+            let x = self.exchange.clone();
+            let queues = std::mem::take(&mut self.queues);
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let Ok(Ok(conn)) = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        Connection::connect(&url(), ConnectionProperties::default()),
+                    )
+                    .await
+                    else {
+                        return;
+                    };
+                    for q in queues {
+                        if let Ok(ch) = conn.create_channel().await {
+                            let _ = ch
+                                .queue_delete(q.into(), QueueDeleteOptions::default())
+                                .await;
+                        }
+                    }
+                    for e in [format!("{x}.unrouted"), x] {
+                        if let Ok(ch) = conn.create_channel().await {
+                            let _ = ch
+                                .exchange_delete(e.into(), ExchangeDeleteOptions::default())
+                                .await;
+                        }
+                    }
+                    let _ = conn.close(200, "OK".into()).await;
+                });
+            })
+            .join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MariaDB
+// ---------------------------------------------------------------------------------------------
+
+pub const MY_HOST: &str = "127.0.0.1";
+pub const MY_PORT: u16 = 3306;
+pub const MY_OUTBOX_DDL: &str = include_str!("../../migrations/mysql/001_outbox.sql");
+
+fn my_opts(db: Option<&str>, port: u16) -> mysql_async::OptsBuilder {
+    mysql_async::OptsBuilder::default()
+        .ip_or_hostname(MY_HOST)
+        .tcp_port(port)
+        .user(Some("root"))
+        .db_name(db)
+        .prefer_socket(false)
+}
+
+/// A session as root (the database may be `None`); panics with the way to start the server.
+pub async fn my_connect(db: Option<&str>) -> mysql_async::Conn {
+    match tokio::time::timeout(
+        Duration::from_secs(20),
+        mysql_async::Conn::new(my_opts(db, MY_PORT)),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => panic!(
+            "MariaDB is not reachable ({MY_HOST}:{MY_PORT}, root): {e}. Start and configure it with `sudo scripts/services.sh`"
+        ),
+        Err(_) => panic!(
+            "MariaDB did not answer within 20s ({MY_HOST}:{MY_PORT}). Start and configure it with `sudo scripts/services.sh`"
+        ),
+    }
+}
+
+/// Runs statements (several allowed, `;`-separated) and drops their results.
+pub async fn my_exec(conn: &mut mysql_async::Conn, sql: &str) {
+    use mysql_async::prelude::Queryable;
+    conn.query_drop(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// One value of a single-row query, as text.
+pub async fn my_value(conn: &mut mysql_async::Conn, sql: &str) -> Option<String> {
+    use mysql_async::prelude::Queryable;
+    let row: Option<mysql_async::Row> = conn
+        .query_first(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    row.and_then(|r| match r.as_ref(0) {
+        Some(mysql_async::Value::Bytes(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+        Some(mysql_async::Value::Int(i)) => Some(i.to_string()),
+        Some(mysql_async::Value::UInt(u)) => Some(u.to_string()),
+        Some(mysql_async::Value::NULL) | None => None,
+        Some(other) => Some(format!("{other:?}")),
+    })
+}
+
+/// A fresh database holding the contract's outbox table; dropped at the end of the test.
+pub struct MyDb {
+    pub name: String,
+}
+
+impl MyDb {
+    pub async fn create(prefix: &str) -> MyDb {
+        let mut admin = my_connect(None).await;
+        let settings = my_value(
+            &mut admin,
+            "SELECT CONCAT_WS(' ', @@log_bin, @@binlog_format, @@binlog_row_image, @@binlog_row_metadata)",
+        )
+        .await
+        .unwrap_or_default();
+        assert!(
+            settings == "1 ROW FULL FULL" || settings == "ON ROW FULL FULL",
+            "MariaDB runs with log_bin binlog_format binlog_row_image binlog_row_metadata = {settings}: run `sudo scripts/services.sh` to configure it"
+        );
+        let name = unique(prefix);
+        my_exec(&mut admin, &format!("CREATE DATABASE `{name}`")).await;
+        let db = MyDb { name };
+        let mut c = db.conn().await;
+        my_exec(&mut c, MY_OUTBOX_DDL).await;
+        db
+    }
+
+    pub fn dsn(&self) -> String {
+        format!("mysql://root@{MY_HOST}:{MY_PORT}/{}", self.name)
+    }
+
+    pub fn dsn_via(&self, port: u16) -> String {
+        format!("mariadb://root@{MY_HOST}:{port}/{}", self.name)
+    }
+
+    pub async fn conn(&self) -> mysql_async::Conn {
+        my_connect(Some(&self.name)).await
+    }
+
+    /// The stored position of relay `name`: (file, pos, gtid state).
+    pub async fn stored(&self, name: &str) -> Option<(String, u64, Option<String>)> {
+        use mysql_async::prelude::Queryable;
+        let mut c = self.conn().await;
+        let exists = my_value(
+            &mut c,
+            &format!(
+                "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '{}' AND TABLE_NAME = 'outboxd_state'",
+                self.name
+            ),
+        )
+        .await;
+        if exists.as_deref() != Some("1") {
+            return None;
+        }
+        let row: Option<(Option<String>, Option<u64>, Option<String>)> = c
+            .exec_first(
+                "SELECT binlog_file, binlog_pos, gtid_state FROM outboxd_state WHERE name = ?",
+                (name,),
+            )
+            .await
+            .unwrap();
+        row.and_then(|(f, p, g)| Some((f?, p?, g)))
+    }
+
+    /// The processlist id of a binlog dump thread serving this database (the relay's stream).
+    pub async fn dump_thread(&self) -> Option<u64> {
+        let mut c = my_connect(None).await;
+        my_value(
+            &mut c,
+            &format!(
+                "SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%' AND DB = '{}' ORDER BY ID DESC LIMIT 1",
+                self.name
+            ),
+        )
+        .await
+        .and_then(|s| s.parse().ok())
+    }
+
+    pub async fn streaming(&self) -> bool {
+        self.dump_thread().await.is_some()
+    }
+}
+
+impl Drop for MyDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                use mysql_async::prelude::Queryable;
+                let Ok(Ok(mut c)) = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    mysql_async::Conn::new(my_opts(None, MY_PORT)),
+                )
+                .await
+                else {
+                    return;
+                };
+                let _ = c
+                    .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
+                    .await;
+                let _ = c.disconnect().await;
+            });
+        })
+        .join();
+    }
+}
+
+/// The server's current binlog head: (file, pos).
+pub async fn my_head() -> (String, u64) {
+    use mysql_async::prelude::Queryable;
+    let mut c = my_connect(None).await;
+    let row: mysql_async::Row = c.query_first("SHOW MASTER STATUS").await.unwrap().unwrap();
+    let file: String = row.get(0).unwrap();
+    let pos: u64 = row.get(1).unwrap();
+    (file, pos)
+}
+
+/// Orders binlog coordinates like the server does (file sequence, then position).
+pub fn binlog_ge(a: &(String, u64), b: &(String, u64)) -> bool {
+    let seq = |f: &str| -> u64 {
+        f.rsplit('.')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    };
+    (seq(&a.0), a.1) >= (seq(&b.0), b.1)
+}
+
+/// Writes `n_tx` transactions of `per_tx` events with the producer helper; returns the ids in
+/// commit order.
+pub async fn my_write_events(
+    conn: &mut mysql_async::Conn,
+    n_tx: usize,
+    per_tx: usize,
+    topic: &str,
+) -> Vec<uuid::Uuid> {
+    use mysql_async::prelude::Queryable;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut ids = Vec::with_capacity(n_tx * per_tx);
+    for t in 0..n_tx {
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .unwrap();
+        for i in 0..per_tx {
+            let n = t * per_tx + i;
+            let payload =
+                serde_json::json!({"invoice": n, "total": "12.50", "customer": "Ayşe 🧾"});
+            let id = outbox
+                .write_mysql(&mut tx, topic, &format!("{}", n % 97), &payload)
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    let _ = conn.ping().await;
+    ids
 }

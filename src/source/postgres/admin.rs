@@ -73,6 +73,28 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
+/// Creates the contract's outbox table (the seed's columns, Postgres types) when missing;
+/// returns whether it did.
+pub async fn create_outbox_table(client: &Client, table: &TableName) -> Result<bool, Error> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+        .await?
+        .get(0);
+    if exists {
+        return Ok(false);
+    }
+    let ddl = include_str!("../../../migrations/postgres/001_outbox.sql")
+        .replace(
+            "IF NOT EXISTS outbox ",
+            &format!("IF NOT EXISTS {} ", table.pg_quoted()),
+        )
+        .replace(" ON outbox ", &format!(" ON {} ", table.pg_quoted()))
+        .replace("idx_dispatch", &format!("{}_dispatch", table.name))
+        .replace("outbox_pending", &format!("{}_pending", table.name));
+    client.batch_execute(&ddl).await?;
+    Ok(true)
+}
+
 /// Creates the publication when missing; checks an existing one covers the table with
 /// inserts.
 pub async fn ensure_publication(

@@ -9,16 +9,19 @@
 
 pub mod admin;
 pub mod pgoutput;
-mod rows;
+pub mod rows;
+pub mod snapshot;
+pub mod tls_bridge;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
 use crate::source::SourceLink;
+use crate::state::postgres::DurableCommit;
 use crate::Error;
 use pgwire_replication::{
-    Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
+    Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
 };
 use rows::RowMapper;
 use std::time::{Duration, Instant};
@@ -35,6 +38,8 @@ pub struct PgSourceConfig {
     pub publication: String,
     /// How often the applied position is reported to the server at most.
     pub status_interval: Duration,
+    /// Existing rows to publish before streaming (first start, or a requested replay).
+    pub snapshot: snapshot::SnapshotPlan,
 }
 
 /// Whether a Postgres error is worth a reconnect.
@@ -80,10 +85,18 @@ pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
             }
             s
         }
-        None => match std::error::Error::source(e) {
-            Some(cause) => format!("{e}: {cause}"),
-            None => e.to_string(),
-        },
+        None => {
+            // tokio-postgres keeps the cause out of its message ("error performing TLS
+            // handshake", "error connecting to server"): add it.
+            let mut s = e.to_string();
+            let mut cause = std::error::Error::source(e);
+            while let Some(c) = cause {
+                s.push_str(": ");
+                s.push_str(&c.to_string());
+                cause = c.source();
+            }
+            s
+        }
     }
 }
 
@@ -105,12 +118,20 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
     if let Some(p) = &dsn.password {
         cfg.password(p);
     }
+    // As in libpq, sslmode is ignored on Unix sockets.
+    let unix = dsn.host.starts_with('/');
     cfg.ssl_mode(match dsn.tls.mode {
+        _ if unix => tokio_postgres::config::SslMode::Disable,
         TlsMode::Disable => tokio_postgres::config::SslMode::Disable,
         TlsMode::Prefer => tokio_postgres::config::SslMode::Prefer,
         _ => tokio_postgres::config::SslMode::Require,
     });
-    let client = match crate::tls::client_config(&dsn.tls)? {
+    let tls = if unix {
+        None
+    } else {
+        crate::tls::client_config(&dsn.tls)?
+    };
+    let client = match tls {
         None => {
             let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
             tokio::spawn(async move {
@@ -123,7 +144,8 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
         Some(tls) => {
             let (client, conn) = cfg
                 .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                .await?;
+                .await
+                .map_err(|e| tls_connect_error(e, dsn))?;
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!(error = %e, "postgres connection ended");
@@ -135,22 +157,43 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
     Ok(client)
 }
 
-fn replication_config(cfg: &PgSourceConfig, start: u64) -> ReplicationConfig {
-    let mut tls = TlsConfig {
-        mode: match cfg.dsn.tls.mode {
-            TlsMode::Disable => SslMode::Disable,
-            TlsMode::Prefer => SslMode::Prefer,
-            TlsMode::Require => SslMode::Require,
-            TlsMode::VerifyCa => SslMode::VerifyCa,
-            TlsMode::VerifyFull => SslMode::VerifyFull,
-        },
-        ..Default::default()
+/// A failed TLS connection: a refused certificate or a server without TLS is a configuration
+/// error (exit status 2, not retried); anything else is what it is.
+fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
+    let what = format!("Postgres {}:{}", dsn.host, dsn.port);
+    if let Some(r) = crate::tls::rustls_cause(&e) {
+        return crate::tls::handshake_refused(&what, &dsn.tls, r);
+    }
+    if describe_pg_error(&e).contains("server does not support TLS") {
+        return Error::config(
+            format!("TLS: {what} does not accept TLS connections"),
+            "turn TLS on in the server (ssl = on, ssl_cert_file, ssl_key_file), \
+             or set sslmode=prefer or disable in the DSN",
+        );
+    }
+    Error::from(e)
+}
+
+/// Starts the replication stream. With TLS (any `sslmode` but `disable`, over TCP) the
+/// connection is made and verified here and handed to pgwire-replication through a private
+/// Unix socket (see [`tls_bridge`]); Unix-socket hosts never use TLS, as in libpq.
+async fn connect_replication(cfg: &PgSourceConfig, start: u64) -> Result<ReplicationClient, Error> {
+    let via = if cfg.dsn.tls.mode == TlsMode::Disable || cfg.dsn.host.starts_with('/') {
+        None
+    } else {
+        let upstream = tls_bridge::connect(&cfg.dsn).await?;
+        Some(tls_bridge::serve(upstream, cfg.dsn.port)?)
     };
-    tls.ca_pem_path = cfg.dsn.tls.ca_file.clone().map(Into::into);
-    tls.client_cert_pem_path = cfg.dsn.tls.cert_file.clone().map(Into::into);
-    tls.client_key_pem_path = cfg.dsn.tls.key_file.clone().map(Into::into);
+    ReplicationClient::connect(replication_config(cfg, start, via))
+        .await
+        .map_err(|e| wire_error(e, &cfg.slot, &cfg.name))
+}
+
+/// The pgwire-replication settings; `via` is the socket directory of a TLS bridge, which then
+/// replaces the host (pgwire-replication itself always speaks plain protocol).
+fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> ReplicationConfig {
     ReplicationConfig::new(
-        cfg.dsn.host.clone(),
+        via.unwrap_or_else(|| cfg.dsn.host.clone()),
         cfg.dsn.user.clone(),
         cfg.dsn.password.clone().unwrap_or_default(),
         cfg.dsn.database.clone(),
@@ -158,7 +201,7 @@ fn replication_config(cfg: &PgSourceConfig, start: u64) -> ReplicationConfig {
         cfg.publication.clone(),
     )
     .with_port(cfg.dsn.port)
-    .with_tls(tls)
+    .with_tls(TlsConfig::disabled())
     .with_start_lsn(Lsn::from_u64(start))
     // Report exactly what is durable until the relay says more.
     .with_ack_lsn(Lsn::from_u64(start))
@@ -205,9 +248,26 @@ pub async fn run(
     cfg: PgSourceConfig,
     link: SourceLink,
     start: u64,
+    durable_commits: tokio::sync::watch::Sender<DurableCommit>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let mut commits = CommitLog::default();
     let SourceLink { outlet, mut acks } = link;
+    if cfg.snapshot != snapshot::SnapshotPlan::Nothing {
+        let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
+        snapshot::publish(
+            &mut sql,
+            &cfg.table,
+            &cfg.columns,
+            &cfg.snapshot,
+            start,
+            &outlet,
+        )
+        .await?;
+        // Acknowledging this means every snapshot row is durable: the lease keeper then marks
+        // the first start done.
+        outlet.send_checkpoint(Checkpoint::Lsn(start)).await?;
+    }
     let mut outlet = Some(outlet);
     let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());
     // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
@@ -217,10 +277,9 @@ pub async fn run(
     let mut backoff = Backoff::standard();
 
     'connect: loop {
-        let mut client = match ReplicationClient::connect(replication_config(&cfg, acked)).await {
+        let mut client = match connect_replication(&cfg, acked).await {
             Ok(c) => c,
-            Err(e) => {
-                let err = wire_error(e, &cfg.slot, &cfg.name);
+            Err(err) => {
                 if !err.is_retryable() {
                     return Err(err);
                 }
@@ -268,6 +327,7 @@ pub async fn run(
                         if l > acked {
                             acked = l;
                             client.update_applied_lsn(Lsn::from_u64(l));
+                            commits.durable_up_to(l, &durable_commits);
                             tracing::debug!(position = %format_lsn(l), reported = %client.metrics().last_applied_lsn(), "durable; confirming to the server");
                         }
                     }
@@ -313,6 +373,7 @@ pub async fn run(
                                     };
                                     if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
                                         txn.index += 1;
+                                        commits.observe(&event);
                                         if !txn.skip {
                                             out.send_event(event).await?;
                                         }
@@ -326,6 +387,7 @@ pub async fn run(
                         ReplicationEvent::Commit { end_lsn, .. } => {
                             if let Some(txn) = in_txn.take() {
                                 if !txn.skip {
+                                    commits.forwarded(end_lsn.as_u64(), txn.commit_time_micros);
                                     out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
                                     forwarded_commit = txn.commit_lsn;
                                 }
@@ -355,6 +417,47 @@ pub async fn run(
         }
     }
     Ok(())
+}
+
+/// Commit times of forwarded transactions until they are durable, and the largest
+/// commit-vs-`created_at` gap seen: what recovery through the table needs.
+#[derive(Default)]
+struct CommitLog {
+    pending: std::collections::VecDeque<(u64, i64)>,
+    max_gap_ms: Option<i64>,
+}
+
+impl CommitLog {
+    fn observe(&mut self, event: &crate::OutboxEvent) {
+        if let Some(committed) = event.committed_at {
+            let gap = (committed - event.created_at).num_milliseconds().max(0);
+            self.max_gap_ms = Some(self.max_gap_ms.map_or(gap, |g| g.max(gap)));
+        }
+    }
+
+    fn forwarded(&mut self, end_lsn: u64, commit_time_micros: i64) {
+        self.pending.push_back((end_lsn, commit_time_micros));
+    }
+
+    fn durable_up_to(&mut self, lsn: u64, out: &tokio::sync::watch::Sender<DurableCommit>) {
+        let mut last = None;
+        while let Some(&(end, t)) = self.pending.front() {
+            if end > lsn {
+                break;
+            }
+            last = Some(t);
+            self.pending.pop_front();
+        }
+        let commit_at = last.and_then(rows::pg_time);
+        if commit_at.is_some() || self.max_gap_ms != out.borrow().max_gap_ms {
+            out.send_modify(|d| {
+                if commit_at.is_some() {
+                    d.commit_at = commit_at;
+                }
+                d.max_gap_ms = self.max_gap_ms;
+            });
+        }
+    }
 }
 
 struct Txn {
@@ -404,4 +507,79 @@ async fn drain_and_confirm(
         while let Ok(Some(_)) = client.recv().await {}
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dsn::SourceDsn;
+
+    fn cfg(dsn: &str) -> PgSourceConfig {
+        let SourceDsn::Postgres(dsn) = SourceDsn::parse(dsn).unwrap() else {
+            panic!("not postgres")
+        };
+        PgSourceConfig {
+            dsn,
+            name: "billing".into(),
+            table: TableName::parse("outbox").unwrap(),
+            columns: ColumnMap::parse(&[]).unwrap(),
+            slot: "outboxd_billing".into(),
+            publication: "outboxd_billing".into(),
+            status_interval: Duration::from_secs(1),
+            snapshot: snapshot::SnapshotPlan::Nothing,
+        }
+    }
+
+    #[test]
+    fn replication_speaks_plain_protocol_to_the_tls_bridge() {
+        let c =
+            cfg("postgres://app:pw@db.example:6543/orders?sslmode=verify-full&sslrootcert=/ca.pem");
+        let bridged = replication_config(&c, 0, Some("/tmp/outboxd-x".into()));
+        assert_eq!(bridged.host, "/tmp/outboxd-x");
+        assert_eq!(bridged.port, 6543);
+        assert_eq!(bridged.tls, TlsConfig::disabled());
+        let direct = replication_config(&c, 0, None);
+        assert_eq!(direct.host, "db.example");
+        assert_eq!(direct.tls, TlsConfig::disabled());
+    }
+
+    /// A server that answers every TLS request with `N`, as Postgres with `ssl = off` does.
+    async fn server_without_tls() -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 8];
+                    if s.read_exact(&mut request).await.is_ok() {
+                        let _ = s.write_all(b"N").await;
+                        let _ = s.read(&mut [0u8; 64]).await;
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn a_server_without_tls_is_a_configuration_error_for_both_connections() {
+        let port = server_without_tls().await;
+        let c = cfg(&format!(
+            "postgres://app@127.0.0.1:{port}/orders?sslmode=require"
+        ));
+        let sql = connect_sql(&c.dsn, "outboxd_test").await.err().unwrap();
+        let Err(replication) = tls_bridge::connect(&c.dsn).await else {
+            panic!("the replication connection went through without TLS")
+        };
+        for e in [sql, replication] {
+            assert_eq!(e.exit_status(), crate::ExitStatus::Config, "{e}");
+            assert!(e.to_string().contains("does not accept TLS"), "{e}");
+        }
+        // prefer takes the plain connection.
+        let c = cfg(&format!(
+            "postgres://app@127.0.0.1:{port}/orders?sslmode=prefer"
+        ));
+        assert!(tls_bridge::connect(&c.dsn).await.is_ok());
+    }
 }

@@ -241,9 +241,10 @@ impl RowMapper {
             },
             _ => None,
         };
-        let committed_at = Utc
-            .timestamp_micros(commit_time_micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
-            .single();
+        // Snapshot rows have no commit time (0 stands for none).
+        let committed_at = (commit_time_micros != 0)
+            .then(|| pg_time(commit_time_micros))
+            .flatten();
         Ok(Some(OutboxEvent {
             id,
             aggregate_id,
@@ -262,6 +263,12 @@ impl RowMapper {
             },
         }))
     }
+}
+
+/// A pgoutput timestamp (microseconds since 2000-01-01) as UTC.
+pub fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
+    Utc.timestamp_micros(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
+        .single()
 }
 
 /// Parses Postgres' ISO timestamp text. With `with_offset`, the offset in the text is used

@@ -1,0 +1,504 @@
+//! The operator's commands for a Postgres source: `check` (a preflight with one line per check
+//! and the exact fix for each failure), `status` (position, head, lag, slot, lease) and
+//! `offset show|set`. They print to stdout; failures that stop them are errors as usual.
+
+use crate::dsn::DbDsn;
+use crate::event::{format_lsn, parse_lsn};
+use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
+use crate::source::postgres::{self as pg, admin, rows::RowMapper, snapshot};
+use crate::state;
+use crate::Error;
+use serde::Serialize;
+use tokio_postgres::Client;
+
+/// One preflight result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckLine {
+    pub level: Level,
+    pub check: String,
+    pub detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl std::fmt::Display for CheckLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tag = match self.level {
+            Level::Ok => "ok  ",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        };
+        write!(f, "{tag} {}: {}", self.check, self.detail)?;
+        if let Some(fix) = &self.fix {
+            write!(f, "\n     fix: {fix}")?;
+        }
+        Ok(())
+    }
+}
+
+fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String>) -> CheckLine {
+    CheckLine {
+        level,
+        check: check.into(),
+        detail: detail.into(),
+        fix,
+    }
+}
+
+/// Everything `check` looks at for a Postgres source.
+pub struct PgTarget<'a> {
+    pub dsn: &'a DbDsn,
+    pub name: &'a str,
+    pub table: &'a TableName,
+    pub columns: &'a ColumnMap,
+    pub slot: &'a str,
+    pub publication: &'a str,
+}
+
+/// Runs every Postgres check; never stops at the first failure.
+pub async fn check_postgres(t: &PgTarget<'_>) -> Vec<CheckLine> {
+    let mut out = Vec::new();
+    let client = match pg::connect_sql(t.dsn, "outboxd_check").await {
+        Ok(c) => {
+            out.push(line(
+                Level::Ok,
+                "connect",
+                format!("{}:{} database {}", t.dsn.host, t.dsn.port, t.dsn.database),
+                None,
+            ));
+            c
+        }
+        Err(e) => {
+            out.push(line(
+                Level::Fail,
+                "connect",
+                e.to_string(),
+                Some(format!(
+                    "make Postgres reachable at {}:{} for user {} (pg_hba.conf, password, sslmode)",
+                    t.dsn.host, t.dsn.port, t.dsn.user
+                )),
+            ));
+            return out;
+        }
+    };
+    if let Err(e) = check_server(&client, t, &mut out).await {
+        out.push(line(Level::Fail, "query", e.to_string(), None));
+    }
+    out
+}
+
+async fn setting(client: &Client, name: &str) -> Result<String, Error> {
+    Ok(client
+        .query_one("SELECT setting FROM pg_settings WHERE name = $1", &[&name])
+        .await?
+        .get(0))
+}
+
+async fn check_server(
+    client: &Client,
+    t: &PgTarget<'_>,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let level = admin::wal_level(client).await?;
+    out.push(if level == "logical" {
+        line(Level::Ok, "wal_level", "logical", None)
+    } else {
+        line(
+            Level::Fail,
+            "wal_level",
+            format!("{level}, logical decoding needs logical"),
+            Some("ALTER SYSTEM SET wal_level = logical; then restart Postgres".into()),
+        )
+    });
+
+    let max_slots: i64 = setting(client, "max_replication_slots")
+        .await?
+        .parse()
+        .unwrap_or(0);
+    let used: i64 = client
+        .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+        .await?
+        .get(0);
+    let ours_exists = admin::slot(client, t.slot).await?.is_some();
+    let needed = used + if ours_exists { 0 } else { 1 };
+    out.push(if needed <= max_slots {
+        line(
+            Level::Ok,
+            "max_replication_slots",
+            format!("{max_slots} ({used} in use)"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "max_replication_slots",
+            format!("{max_slots}, all {used} in use"),
+            Some(format!(
+                "ALTER SYSTEM SET max_replication_slots = {}; then restart Postgres",
+                used + 10
+            )),
+        )
+    });
+
+    let senders: i64 = setting(client, "max_wal_senders")
+        .await?
+        .parse()
+        .unwrap_or(0);
+    let active: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_replication", &[])
+        .await?
+        .get(0);
+    out.push(if senders > active {
+        line(
+            Level::Ok,
+            "max_wal_senders",
+            format!("{senders} ({active} in use)"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "max_wal_senders",
+            format!("{senders}, all in use"),
+            Some(format!(
+                "ALTER SYSTEM SET max_wal_senders = {}; then restart Postgres",
+                active + 10
+            )),
+        )
+    });
+
+    let keep = setting(client, "max_slot_wal_keep_size").await?;
+    out.push(if keep == "-1" {
+        line(Level::Warn, "max_slot_wal_keep_size", "unlimited: an abandoned slot can fill the disk", Some("ALTER SYSTEM SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf();  -- or monitor `outboxd status`".into()))
+    } else {
+        line(Level::Ok, "max_slot_wal_keep_size", format!("{keep} MB"), None)
+    });
+
+    let role = client
+        .query_one("SELECT rolname::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user", &[])
+        .await?;
+    let (user, can): (String, bool) = (role.get(0), role.get(1));
+    out.push(if can {
+        line(
+            Level::Ok,
+            "replication privilege",
+            format!("role {user}"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "replication privilege",
+            format!("role {user} lacks REPLICATION"),
+            Some(format!("ALTER ROLE {} WITH REPLICATION;", pg_ident(&user))),
+        )
+    });
+
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&t.table.pg_quoted()],
+        )
+        .await?
+        .get(0);
+    if !exists {
+        out.push(line(
+            Level::Fail,
+            "outbox table",
+            format!("{} does not exist", t.table.pg_quoted()),
+            Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", t.table.pg_quoted())),
+        ));
+    } else {
+        let rel = snapshot::table_relation(client, t.table).await?;
+        let mut mapper = RowMapper::new(t.table.clone(), t.columns.clone());
+        out.push(match mapper.relation(rel) {
+            Ok(()) => line(
+                Level::Ok,
+                "outbox table",
+                format!(
+                    "{} has the mapped columns with usable types",
+                    t.table.pg_quoted()
+                ),
+                None,
+            ),
+            Err(Error::Config { problem, fix }) => {
+                line(Level::Fail, "outbox table", problem, Some(fix))
+            }
+            Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
+        });
+        let privileged: bool = client
+            .query_one(
+                "SELECT has_table_privilege($1, 'SELECT')",
+                &[&t.table.pg_quoted()],
+            )
+            .await?
+            .get(0);
+        if !privileged {
+            out.push(line(
+                Level::Fail,
+                "table privilege",
+                format!("{user} cannot SELECT {}", t.table.pg_quoted()),
+                Some(format!(
+                    "GRANT SELECT ON {} TO {};",
+                    t.table.pg_quoted(),
+                    pg_ident(&user)
+                )),
+            ));
+        }
+    }
+
+    let publication = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            &[&t.publication],
+        )
+        .await?;
+    let covers: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+            &[&t.publication, &t.table.pg_schema(), &t.table.name],
+        )
+        .await?
+        .get(0);
+    let create_pub = format!(
+        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert');  -- or `outboxd setup`",
+        pg_ident(t.publication),
+        t.table.pg_quoted()
+    );
+    out.push(match publication {
+        None => line(Level::Fail, "publication", format!("{} does not exist", t.publication), Some(create_pub)),
+        Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", t.publication, t.table.pg_quoted()), None),
+        Some(_) => line(
+            Level::Fail,
+            "publication",
+            format!("{} does not publish inserts of {}", t.publication, t.table.pg_quoted()),
+            Some(format!("ALTER PUBLICATION {0} SET TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');", pg_ident(t.publication), t.table.pg_quoted())),
+        ),
+    });
+
+    let state_row = state::postgres::load(client, t.name).await?;
+    match admin::slot(client, t.slot).await? {
+        None if state_row.as_ref().is_some_and(|s| s.initialized) => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!(
+                "{} is gone but relay {} has a stored position: events may be lost",
+                t.slot, t.name
+            ),
+            Some(admin::lost_slot_fix(t.name, t.slot)),
+        )),
+        None => out.push(line(
+            Level::Warn,
+            "replication slot",
+            format!(
+                "{} does not exist yet (the first `outboxd run` creates it)",
+                t.slot
+            ),
+            Some(format!(
+                "outboxd setup --name {}  -- creates it now",
+                t.name
+            )),
+        )),
+        Some(s) if s.wal_status.as_deref() == Some("lost") => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!("{} was invalidated (wal_status lost)", t.slot),
+            Some(admin::lost_slot_fix(t.name, t.slot)),
+        )),
+        Some(s) if s.plugin.as_deref() != Some("pgoutput") => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!("{} uses plugin {:?}, not pgoutput", t.slot, s.plugin),
+            Some(format!(
+                "SELECT pg_drop_replication_slot({}); then `outboxd setup`",
+                pg_literal(t.slot)
+            )),
+        )),
+        Some(s) => out.push(line(
+            if s.wal_status.as_deref() == Some("unreserved") {
+                Level::Warn
+            } else {
+                Level::Ok
+            },
+            "replication slot",
+            format!(
+                "{} (wal_status {}, {})",
+                t.slot,
+                s.wal_status.as_deref().unwrap_or("?"),
+                if s.active { "active" } else { "inactive" }
+            ),
+            None,
+        )),
+    }
+    Ok(())
+}
+
+/// What `status` shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub name: String,
+    pub slot: String,
+    pub stored_position: Option<String>,
+    pub slot_confirmed: Option<String>,
+    pub server_head: String,
+    pub lag_bytes: Option<i64>,
+    pub lag_seconds: Option<f64>,
+    pub slot_active: Option<bool>,
+    pub wal_status: Option<String>,
+    pub retained_wal_bytes: Option<i64>,
+    pub lease_holder: Option<String>,
+    pub lease_live: bool,
+    pub epoch: Option<i64>,
+    pub replay_requested_since: Option<String>,
+}
+
+pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Status, Error> {
+    let client = pg::connect_sql(dsn, "outboxd_status").await?;
+    let head: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let s = client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text, active, wal_status,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8,
+                    (SELECT extract(epoch FROM r.flush_lag)::float8 FROM pg_stat_replication r WHERE r.pid = s.active_pid)
+               FROM pg_replication_slots s WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let row = state::postgres::load(&client, name).await?;
+    Ok(Status {
+        name: name.to_string(),
+        slot: slot.to_string(),
+        stored_position: row.as_ref().and_then(|r| r.position_lsn).map(format_lsn),
+        slot_confirmed: s.as_ref().and_then(|s| s.get(0)),
+        server_head: head,
+        lag_bytes: s.as_ref().and_then(|s| s.get(3)),
+        lag_seconds: s.as_ref().and_then(|s| s.get(5)),
+        slot_active: s.as_ref().map(|s| s.get(1)),
+        wal_status: s.as_ref().and_then(|s| s.get(2)),
+        retained_wal_bytes: s.as_ref().and_then(|s| s.get(4)),
+        lease_holder: row.as_ref().and_then(|r| r.lease_holder.clone()),
+        lease_live: row.as_ref().is_some_and(|r| r.lease_live),
+        epoch: row.as_ref().map(|r| r.epoch),
+        replay_requested_since: row
+            .as_ref()
+            .and_then(|r| r.replay_since)
+            .map(|t| t.to_rfc3339()),
+    })
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let o = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        writeln!(f, "relay            {}", self.name)?;
+        writeln!(f, "stored position  {}", o(&self.stored_position))?;
+        writeln!(
+            f,
+            "slot             {} (confirmed {}, {}, wal_status {})",
+            self.slot,
+            o(&self.slot_confirmed),
+            match self.slot_active {
+                Some(true) => "active",
+                Some(false) => "inactive",
+                None => "missing",
+            },
+            o(&self.wal_status)
+        )?;
+        writeln!(f, "server head      {}", self.server_head)?;
+        writeln!(
+            f,
+            "lag              {} bytes, {} s",
+            self.lag_bytes.map(|b| b.to_string()).unwrap_or("-".into()),
+            self.lag_seconds
+                .map(|s| format!("{s:.3}"))
+                .unwrap_or("-".into())
+        )?;
+        writeln!(
+            f,
+            "retained WAL     {} bytes",
+            self.retained_wal_bytes
+                .map(|b| b.to_string())
+                .unwrap_or("-".into())
+        )?;
+        write!(
+            f,
+            "lease            {}{}",
+            o(&self.lease_holder),
+            if self.lease_live {
+                " (live)"
+            } else {
+                " (expired or free)"
+            }
+        )?;
+        if let Some(s) = &self.replay_requested_since {
+            write!(f, "\nreplay requested since {s}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `offset set --lsn`: moves the slot forward (skipping events). A logical slot cannot move
+/// backwards; replays go through the table (`--replay-since`).
+pub async fn advance_slot(dsn: &DbDsn, name: &str, slot: &str, lsn: &str) -> Result<String, Error> {
+    let target = parse_lsn(lsn).ok_or_else(|| {
+        Error::config(
+            format!("{lsn:?} is not an LSN"),
+            "write it as Postgres does, e.g. 0/16B3748",
+        )
+    })?;
+    let client = pg::connect_sql(dsn, "outboxd_offset").await?;
+    if let Some(row) = state::postgres::load(&client, name).await? {
+        if row.lease_live
+            && row
+                .lease_holder
+                .as_deref()
+                .is_some_and(|h| !state::holder_is_dead_locally(h))
+        {
+            return Err(Error::config(
+                format!(
+                    "relay {name:?} is running (lease held by {})",
+                    row.lease_holder.unwrap_or_default()
+                ),
+                "stop it first",
+            ));
+        }
+    }
+    let info = admin::slot(&client, slot).await?.ok_or_else(|| {
+        Error::config(
+            format!("slot {slot:?} does not exist"),
+            format!("outboxd setup --name {name}"),
+        )
+    })?;
+    let current = info.confirmed_flush_lsn.unwrap_or(0);
+    if target < current {
+        return Err(Error::config(
+            format!("{lsn} is before the slot's position {}: a logical slot cannot move backwards", format_lsn(current)),
+            format!("to publish again, replay from the table: outboxd offset set --name {name} --replay-since <RFC 3339 time>"),
+        ));
+    }
+    let row = client
+        .query_one(
+            "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+            &[&slot, &lsn],
+        )
+        .await?;
+    let end: String = row.get(0);
+    client
+        .execute(
+            "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2, updated_at = now() WHERE name = $1",
+            &[&name, &end],
+        )
+        .await?;
+    Ok(end)
+}

@@ -1,0 +1,212 @@
+//! The first-start snapshot (CONTRACT §3): rows already in the outbox table when a relay first
+//! starts must not be lost. The slot is created first, then the table is read in a new
+//! REPEATABLE READ transaction, then the slot is streamed: a row committed in between is in
+//! both (a duplicate), never in neither (a gap). The same path replays rows after a deliberate
+//! `offset set --replay-since`.
+
+use super::pgoutput::{Column, Relation, Value};
+use super::rows::RowMapper;
+use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::source::Outlet;
+use crate::Error;
+use chrono::{DateTime, Utc};
+use futures::{pin_mut, TryStreamExt};
+use tokio_postgres::Client;
+
+/// Which existing rows a first start publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SnapshotMode {
+    /// With a `status` column: pending rows; without: nothing if empty, else refuse.
+    Auto,
+    All,
+    Never,
+    Since(DateTime<Utc>),
+}
+
+impl SnapshotMode {
+    pub fn parse(s: &str) -> Result<SnapshotMode, Error> {
+        let fix = "use --snapshot auto, all, never or since=2026-06-22T10:00:00Z";
+        Ok(match s.trim() {
+            "auto" => SnapshotMode::Auto,
+            "all" => SnapshotMode::All,
+            "never" => SnapshotMode::Never,
+            other => match other.strip_prefix("since=") {
+                Some(ts) => SnapshotMode::Since(
+                    DateTime::parse_from_rfc3339(ts.trim())
+                        .map_err(|e| Error::config(format!("--snapshot since={ts}: {e}"), fix))?
+                        .with_timezone(&Utc),
+                ),
+                None => {
+                    return Err(Error::config(
+                        format!("--snapshot {other:?} is not a mode"),
+                        fix,
+                    ))
+                }
+            },
+        })
+    }
+}
+
+/// What the snapshot will read, decided before the slot is created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SnapshotPlan {
+    Nothing,
+    /// A WHERE clause on the table (empty = every row) and why.
+    Rows {
+        filter: String,
+        what: String,
+    },
+}
+
+/// The table's columns as a pgoutput Relation would announce them, so the snapshot maps and
+/// validates rows exactly as the stream does.
+pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relation, Error> {
+    let rows = client
+        .query(
+            "SELECT a.attname::text, a.atttypid::int8, a.atttypmod
+               FROM pg_attribute a
+              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+              ORDER BY a.attnum",
+            &[&table.pg_quoted()],
+        )
+        .await?;
+    Ok(Relation {
+        id: 0,
+        namespace: table.pg_schema().to_string(),
+        name: table.name.clone(),
+        replica_identity: b'd',
+        columns: rows
+            .iter()
+            .map(|r| Column {
+                flags: 0,
+                name: r.get(0),
+                type_oid: r.get::<_, i64>(1) as u32,
+                type_modifier: r.get(2),
+            })
+            .collect(),
+    })
+}
+
+/// Decides what a first start publishes. `auto` on a table without a status column refuses
+/// (exit 2) when rows exist, saying how many and which options there are.
+pub async fn plan(
+    client: &Client,
+    table: &TableName,
+    columns: &ColumnMap,
+    mode: &SnapshotMode,
+) -> Result<SnapshotPlan, Error> {
+    let rel = table_relation(client, table).await?;
+    let created = pg_ident(columns.get("created_at"));
+    let status = columns.get("status");
+    Ok(match mode {
+        SnapshotMode::Never => SnapshotPlan::Nothing,
+        SnapshotMode::All => SnapshotPlan::Rows {
+            filter: String::new(),
+            what: "every row".into(),
+        },
+        SnapshotMode::Since(ts) => SnapshotPlan::Rows {
+            filter: format!("WHERE {created} >= '{}'::timestamptz", ts.to_rfc3339()),
+            what: format!("rows created since {}", ts.to_rfc3339()),
+        },
+        SnapshotMode::Auto if rel.columns.iter().any(|c| c.name == status) => SnapshotPlan::Rows {
+            filter: format!("WHERE {}::text = 'pending'", pg_ident(status)),
+            what: "pending rows".into(),
+        },
+        SnapshotMode::Auto => {
+            let n: i64 = client
+                .query_one(&format!("SELECT count(*) FROM {}", table.pg_quoted()), &[])
+                .await?
+                .get(0);
+            if n == 0 {
+                SnapshotPlan::Nothing
+            } else {
+                return Err(Error::config(
+                    format!(
+                        "first start: {} already holds {n} row{} and has no status column to tell which were published",
+                        table.pg_quoted(),
+                        if n == 1 { "" } else { "s" }
+                    ),
+                    "choose: --snapshot all (publish them all), --snapshot never (publish none), \
+                     or --snapshot since=<RFC 3339 time> (publish rows created since then)",
+                ));
+            }
+        }
+    })
+}
+
+/// Reads the planned rows in a REPEATABLE READ transaction, in `created_at` order, a batch at a
+/// time (memory stays bounded), and sends them as events positioned at `at` (the slot's
+/// position: every streamed commit comes after it). Returns how many rows were sent.
+pub async fn publish(
+    client: &mut Client,
+    table: &TableName,
+    columns: &ColumnMap,
+    plan: &SnapshotPlan,
+    at: u64,
+    outlet: &Outlet,
+) -> Result<u64, Error> {
+    let SnapshotPlan::Rows { filter, what } = plan else {
+        return Ok(0);
+    };
+    let rel = table_relation(client, table).await?;
+    let mut mapper = RowMapper::new(table.clone(), columns.clone());
+    mapper.relation(rel.clone())?;
+    let select: Vec<String> = rel
+        .columns
+        .iter()
+        .map(|c| format!("{}::text", pg_ident(&c.name)))
+        .collect();
+    let sql = format!(
+        "SELECT {} FROM {} {filter} ORDER BY {}, {}",
+        select.join(", "),
+        table.pg_quoted(),
+        pg_ident(columns.get("created_at")),
+        pg_ident(columns.get("id"))
+    );
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
+    // The text forms must be the ones the stream carries: ISO dates in UTC.
+    tx.batch_execute("SET LOCAL datestyle = ISO; SET LOCAL timezone = 'UTC'")
+        .await?;
+    tracing::info!(table = %table.pg_quoted(), what = %what, "first start: publishing existing rows");
+    let stream = tx.query_raw(&sql, std::iter::empty::<i32>()).await?;
+    pin_mut!(stream);
+    let mut n: u64 = 0;
+    while let Some(row) = stream.try_next().await? {
+        let tuple: Vec<Value> = (0..row.len())
+            .map(|i| match row.get::<_, Option<String>>(i) {
+                Some(s) => Value::Text(bytes::Bytes::from(s)),
+                None => Value::Null,
+            })
+            .collect();
+        if let Some(mut event) = mapper.insert(0, &tuple, at, n as u32, 0)? {
+            event.committed_at = None;
+            outlet.send_event(event).await?;
+            n += 1;
+        }
+    }
+    tx.commit().await?;
+    tracing::info!(rows = n, "first start: existing rows handed to the sink");
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(SnapshotMode::parse("auto").unwrap(), SnapshotMode::Auto);
+        assert_eq!(SnapshotMode::parse("never").unwrap(), SnapshotMode::Never);
+        assert!(matches!(
+            SnapshotMode::parse("since=2026-06-22T10:00:00+03:00").unwrap(),
+            SnapshotMode::Since(t) if t.to_rfc3339() == "2026-06-22T07:00:00+00:00"
+        ));
+        assert!(SnapshotMode::parse("since=yesterday").is_err());
+        assert!(SnapshotMode::parse("some").is_err());
+    }
+}
