@@ -588,3 +588,72 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
         payload(i1)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_rabbitmq_the_body_is_the_stored_ciphertext_and_the_consumer_reads_it() {
+    use common::amqp::{self, message_id, Topology};
+    let db = PgDb::create("crypt_rmq").await;
+    let mut topo = Topology::new("xc").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let sink = amqp::url();
+    let _relay = Relay::start_with_env(
+        &[
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--exchange",
+            &topo.exchange,
+            "--log-level",
+            "info,lapin=warn",
+        ],
+        &[("OUTBOXD_SINK", &sink)],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("all", "#").await;
+
+    let keyring = Keyring::generate(8).unwrap();
+    let outbox = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(Encryptor::new(keyring.clone(), schema()));
+    let mut client = db.client().await;
+    let mut ids = Vec::new();
+    let tx = client.transaction().await.unwrap();
+    for i in 0..20 {
+        ids.push(
+            outbox
+                .write(&tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
+                .await
+                .unwrap(),
+        );
+    }
+    tx.commit().await.unwrap();
+    let stored: BTreeMap<Uuid, String> = client
+        .query("SELECT id, payload::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    let deliveries = topo.take(&queue, 20, T).await;
+    for d in &deliveries {
+        let id = message_id(d);
+        let i = ids.iter().position(|x| *x == id).unwrap();
+        let body = std::str::from_utf8(&d.data).unwrap();
+        assert_eq!(
+            body, stored[&id],
+            "the body is the stored text byte for byte"
+        );
+        assert_sealed(body, i);
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(
+            crypto::decrypt_payload(&keyring, id, &v).unwrap(),
+            payload(i)
+        );
+    }
+}
