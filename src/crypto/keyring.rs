@@ -577,7 +577,7 @@ impl Keyring {
 
     /// Writes a new keyring file with mode 0600; refuses to overwrite anything.
     pub fn save_new(&self, path: &Path) -> Result<(), CryptoError> {
-        write_private(path, &self.to_json(), true)
+        write_private(path, &self.to_json())
     }
 
     /// Replaces a keyring file atomically (temporary file, fsync, rename, fsync of the
@@ -592,7 +592,7 @@ impl Keyring {
         check_private(path, &meta)?;
         let tmp = tmp_path(path);
         let _ = std::fs::remove_file(&tmp);
-        write_private(&tmp, &self.to_json(), true)?;
+        write_private(&tmp, &self.to_json())?;
         std::fs::rename(&tmp, path).map_err(|e| CryptoError::KeyringIo {
             path: path.display().to_string(),
             problem: format!("cannot replace it: {e}"),
@@ -684,13 +684,12 @@ fn check_private(_path: &Path, _meta: &std::fs::Metadata) -> Result<(), CryptoEr
     Ok(())
 }
 
-fn write_private(path: &Path, text: &str, new: bool) -> Result<(), CryptoError> {
+/// Creates `path` with mode 0600 from the start (never chmod after the fact: the key would be
+/// readable in between) and refuses an existing file.
+fn write_private(path: &Path, text: &str) -> Result<(), CryptoError> {
     use std::io::Write;
     let mut opts = std::fs::OpenOptions::new();
-    opts.write(true);
-    if new {
-        opts.create_new(true);
-    }
+    opts.write(true).create_new(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
