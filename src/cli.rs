@@ -448,8 +448,8 @@ pub async fn execute(
             offset(cmd, sub).await
         }
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
-        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
-        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
     }
 }
