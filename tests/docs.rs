@@ -33,11 +33,22 @@ fn every_flag_is_documented() {
         .filter(|e| e.path().extension().is_some_and(|x| x == "md"))
         .map(|e| std::fs::read_to_string(e.path()).unwrap())
         .collect();
-    let commands: &[&[&str]] = &[&["run"], &["setup"], &["check"], &["status"], &["teardown"], &["offset", "set"], &["offset", "show"]];
+    let commands: &[&[&str]] = &[
+        &["run"],
+        &["setup"],
+        &["check"],
+        &["status"],
+        &["teardown"],
+        &["offset", "set"],
+        &["offset", "show"],
+    ];
     let mut missing = Vec::new();
     for cmd in commands {
         let text = help(cmd);
-        assert!(!text.contains("hunter2-secret"), "{cmd:?} --help shows a secret");
+        assert!(
+            !text.contains("hunter2-secret"),
+            "{cmd:?} --help shows a secret"
+        );
         for f in flags(&text) {
             if f == "--help" || f == "--version" {
                 continue;

@@ -106,7 +106,10 @@ async fn metrics_and_health_follow_the_pipeline() {
     assert!(metric(&body, "outboxd_events_published_total") >= 200.0);
     assert_eq!(metric(&body, "outboxd_leader"), 1.0);
     assert_eq!(metric(&body, "outboxd_source_streaming"), 1.0);
-    assert!(metric(&body, "outboxd_slot_retained_wal_bytes") >= 0.0, "{body}");
+    assert!(
+        metric(&body, "outboxd_slot_retained_wal_bytes") >= 0.0,
+        "{body}"
+    );
     assert!(
         body.contains("outboxd_commit_confirm_seconds_bucket"),
         "{body}"
