@@ -351,6 +351,7 @@ pub async fn run_mysql(
     let holder = state::holder_id();
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    let mut first = my::FirstStart::No;
     let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
         Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
@@ -366,12 +367,21 @@ pub async fn run_mysql(
             resume
         }
         None => {
-            // First start: stream from the server's current position. Rows already in the
-            // table are the first-start snapshot's job (CONTRACT §3, `--snapshot`): it will
-            // take a consistent snapshot here and return the position it was taken at.
-            let resume = my::current_position(&mut sql, settings.mariadb).await?;
-            state::mysql::mark_initialized(&mut sql, &lease, &resume.checkpoint()).await?;
-            resume
+            // First start (CONTRACT §3): the rows already in the table come from a consistent
+            // snapshot whose binlog position is where streaming starts. The position and the
+            // first start's end are stored once the snapshot is durable.
+            let plan = my::snapshot::plan(&mut sql, &table, &cfg.snapshot).await?;
+            if plan == SnapshotPlan::Nothing {
+                first = my::FirstStart::Empty;
+                my::current_position(&mut sql, settings.mariadb).await?
+            } else {
+                let snap =
+                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan)
+                        .await?;
+                let at = snap.at.clone();
+                first = my::FirstStart::Snapshot(snap);
+                at
+            }
         }
     };
     tracing::info!(position = %start.checkpoint(), "resuming");
@@ -392,7 +402,7 @@ pub async fn run_mysql(
     // Postgres-only for now.
     let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, shutdown)
+        my::run(source_cfg, link, start, first, shutdown)
     })
     .await
 }

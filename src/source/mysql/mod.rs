@@ -20,6 +20,7 @@ pub mod admin;
 pub mod decode;
 pub mod gtid;
 pub mod rows;
+pub mod snapshot;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
@@ -379,14 +380,36 @@ const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// stay behind until its binlog file is purged. One write per interval is no loop.
 const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
 
-/// Streams from `start` until `shutdown`, then stops at a transaction boundary.
+/// What a first start does before streaming.
+#[derive(Debug)]
+pub enum FirstStart {
+    /// Not a first start.
+    No,
+    /// A first start with nothing to publish from the table.
+    Empty,
+    /// Publish the rows of this open snapshot (taken at the start position) first.
+    Snapshot(snapshot::Snapshot),
+}
+
+/// Streams from `start` until `shutdown`, then stops at a transaction boundary. A first start
+/// publishes its snapshot first and then acknowledges the start position, which tells the
+/// lease keeper that the first start is done.
 pub async fn run(
     cfg: MySqlSourceConfig,
     link: SourceLink,
     start: Resume,
+    first: FirstStart,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
+    match first {
+        FirstStart::No => {}
+        FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
+        FirstStart::Snapshot(snap) => {
+            snap.publish(&cfg.table, &outlet).await?;
+            outlet.send_checkpoint(start.checkpoint()).await?;
+        }
+    }
     let mut resume = start;
     let mut backoff = Backoff::standard();
     // A transaction whose end position was learnt by scanning: (file, start, end).
