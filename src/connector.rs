@@ -309,31 +309,41 @@ pub fn mysql_table(
     dsn: &DbDsn,
     cfg: &RunConfig,
 ) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    mysql_outbox_table(dsn, &cfg.table, &cfg.columns, cfg.mysql.time_zone)
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_outbox_table(
+    dsn: &DbDsn,
+    table: &TableName,
+    columns: &ColumnMap,
+    tz: crate::source::mysql::rows::SourceTz,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
     if dsn.database.is_empty() {
         return Err(Error::config(
             "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
             "add the database to the DSN, e.g. mysql://user@host:3306/app",
         ));
     }
-    if let Some(db) = &cfg.table.schema {
+    if let Some(db) = &table.schema {
         if *db != dsn.database {
             return Err(Error::config(
                 format!(
                     "--table {db}.{} is not in the DSN's database {:?}",
-                    cfg.table.name, dsn.database
+                    table.name, dsn.database
                 ),
                 format!(
                     "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
-                    cfg.table.name
+                    table.name
                 ),
             ));
         }
     }
     Ok(crate::source::mysql::rows::OutboxTable {
         database: dsn.database.clone(),
-        table: cfg.table.name.clone(),
-        columns: cfg.columns.clone(),
-        tz: cfg.mysql.time_zone,
+        table: table.name.clone(),
+        columns: columns.clone(),
+        tz,
     })
 }
 

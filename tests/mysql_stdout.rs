@@ -737,3 +737,86 @@ async fn first_start_modes_without_a_status_column() {
         );
     }
 }
+
+fn outboxd(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_setup_status_and_teardown() {
+    let db = MyDb::create("my_ops").await;
+    let dsn = db.dsn();
+    let name = unique("r");
+
+    let (code, out, err) = outboxd(&["check", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "ok   binlog_row_metadata: FULL",
+        "ok   grants",
+        "ok   outbox table",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    // A mapping that cannot work: one FAIL line with its fix, exit 1.
+    let (code, out, _) = outboxd(&[
+        "check",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--column",
+        "topic=nope",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL outbox table") && out.contains("fix:"),
+        "{out}"
+    );
+
+    let (code, out, err) = outboxd(&["setup", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("state table outboxd_state"), "{out}");
+
+    let mut relay = Relay::start(&run_args(&dsn, &name));
+    wait_for("the binlog dump", T, || db.streaming()).await;
+    let mut c = db.conn().await;
+    my_write_events(&mut c, 2, 5, "ops").await;
+    wait_for("10 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 10 }
+    })
+    .await;
+    let (code, out, _) = outboxd(&["status", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("binlog dump      connected") && out.contains("(live)"),
+        "{out}"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    let (code, out, _) = outboxd(&[
+        "offset", "show", "--source", &dsn, "--name", &name, "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let st: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let (file, pos, gtid) = db.stored(&name).await.unwrap();
+    assert_eq!(st["stored_position"], format!("{file}:{pos}"));
+    assert_eq!(st["stored_gtid"].as_str(), gtid.as_deref());
+    assert_eq!(st["lease_live"], false, "released at the clean stop");
+    assert!(st["lag_bytes"].as_u64().is_some());
+
+    let (code, _, err) = outboxd(&["teardown", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 2, "--yes is required: {err}");
+    let (code, out, err) = outboxd(&["teardown", "--source", &dsn, "--name", &name, "--yes"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(db.stored(&name).await.is_none());
+}

@@ -19,6 +19,7 @@
 pub mod admin;
 pub mod decode;
 pub mod gtid;
+pub mod operator;
 pub mod rows;
 pub mod snapshot;
 
