@@ -150,6 +150,8 @@ fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
             .with_disable_built_in_roots(true);
     }
     opts = match tls.mode {
+        // As libpq: `require` with a CA file checks the chain like verify-ca.
+        TlsMode::Require if tls.ca_file.is_some() => opts.with_danger_skip_domain_validation(true),
         TlsMode::Prefer | TlsMode::Require => opts.with_danger_accept_invalid_certs(true),
         TlsMode::VerifyCa => opts.with_danger_skip_domain_validation(true),
         _ => opts,
