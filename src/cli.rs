@@ -466,16 +466,21 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 
 async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let dsn = postgres_only(r.source, "check")?;
-    let lines = crate::operator::check_postgres(&crate::operator::PgTarget {
-        dsn: &dsn,
-        name: &r.name,
-        table: &r.table,
-        columns: &r.columns,
-        slot: &r.slot,
-        publication: &r.publication,
-    })
-    .await;
+    let lines = if let SourceDsn::Mysql(dsn) = &r.source {
+        let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
+        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
+    } else {
+        let dsn = postgres_only(r.source, "check")?;
+        crate::operator::check_postgres(&crate::operator::PgTarget {
+            dsn: &dsn,
+            name: &r.name,
+            table: &r.table,
+            columns: &r.columns,
+            slot: &r.slot,
+            publication: &r.publication,
+        })
+        .await
+    };
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -498,6 +503,15 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let SourceDsn::Mysql(dsn) = &r.source {
+        let st = crate::source::mysql::operator::status_mysql(dsn, &r.name).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&st).unwrap_or_default());
+        } else {
+            println!("{st}");
+        }
+        return Ok(());
+    }
     let dsn = postgres_only(r.source, "status")?;
     let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
     if args.json {
@@ -773,27 +787,7 @@ async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
         "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
         settings.version
     );
-    let cfg_table = connector::mysql_table(
-        &dsn,
-        &RunConfig {
-            name: r.name.clone(),
-            slot: r.slot.clone(),
-            publication: r.publication.clone(),
-            table: r.table.clone(),
-            columns: r.columns.clone(),
-            mysql: Default::default(),
-            sink: SinkDsn::Stdout,
-            commit_offsets: false,
-            max_inflight_bytes: 0,
-            relay: RelayOptions::default(),
-            snapshot: crate::source::postgres::snapshot::SnapshotMode::Auto,
-            on_position_lost: Default::default(),
-            replay_since: None,
-            recovery_margin: Duration::from_secs(600),
-            rabbit: Default::default(),
-            ha: false,
-        },
-    )?;
+    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
     my_admin::require_table(&mut conn, &cfg_table).await?;
     println!("ok   outbox table {}", cfg_table.quoted());
     crate::state::mysql::ensure_table(&mut conn).await?;

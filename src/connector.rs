@@ -341,31 +341,41 @@ pub fn mysql_table(
     dsn: &DbDsn,
     cfg: &RunConfig,
 ) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    mysql_outbox_table(dsn, &cfg.table, &cfg.columns, cfg.mysql.time_zone)
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_outbox_table(
+    dsn: &DbDsn,
+    table: &TableName,
+    columns: &ColumnMap,
+    tz: crate::source::mysql::rows::SourceTz,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
     if dsn.database.is_empty() {
         return Err(Error::config(
             "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
             "add the database to the DSN, e.g. mysql://user@host:3306/app",
         ));
     }
-    if let Some(db) = &cfg.table.schema {
+    if let Some(db) = &table.schema {
         if *db != dsn.database {
             return Err(Error::config(
                 format!(
                     "--table {db}.{} is not in the DSN's database {:?}",
-                    cfg.table.name, dsn.database
+                    table.name, dsn.database
                 ),
                 format!(
                     "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
-                    cfg.table.name
+                    table.name
                 ),
             ));
         }
     }
     Ok(crate::source::mysql::rows::OutboxTable {
         database: dsn.database.clone(),
-        table: cfg.table.name.clone(),
-        columns: cfg.columns.clone(),
-        tz: cfg.mysql.time_zone,
+        table: table.name.clone(),
+        columns: columns.clone(),
+        tz,
     })
 }
 
@@ -383,6 +393,7 @@ pub async fn run_mysql(
     let holder = state::holder_id();
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    let mut first = my::FirstStart::No;
     let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
         Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
@@ -398,12 +409,21 @@ pub async fn run_mysql(
             resume
         }
         None => {
-            // First start: stream from the server's current position. Rows already in the
-            // table are the first-start snapshot's job (CONTRACT §3, `--snapshot`): it will
-            // take a consistent snapshot here and return the position it was taken at.
-            let resume = my::current_position(&mut sql, settings.mariadb).await?;
-            state::mysql::mark_initialized(&mut sql, &lease, &resume.checkpoint()).await?;
-            resume
+            // First start (CONTRACT §3): the rows already in the table come from a consistent
+            // snapshot whose binlog position is where streaming starts. The position and the
+            // first start's end are stored once the snapshot is durable.
+            let plan = my::snapshot::plan(&mut sql, &table, &cfg.snapshot).await?;
+            if plan == SnapshotPlan::Nothing {
+                first = my::FirstStart::Empty;
+                my::current_position(&mut sql, settings.mariadb).await?
+            } else {
+                let snap =
+                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan)
+                        .await?;
+                let at = snap.at.clone();
+                first = my::FirstStart::Snapshot(snap);
+                at
+            }
         }
     };
     tracing::info!(position = %start.checkpoint(), "resuming");
@@ -424,7 +444,7 @@ pub async fn run_mysql(
     // Postgres-only for now.
     let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, shutdown)
+        my::run(source_cfg, link, start, first, shutdown)
     })
     .await
 }

@@ -1,7 +1,8 @@
 //! What touches the whole MariaDB server: a restart mid-stream, purged binlogs (a lost
-//! position, exit 3) and a global `binlog_row_metadata` change. Other MariaDB tests would fail
-//! under these, so they live in this binary alone (cargo runs test binaries one at a time) and
-//! take turns through a lock.
+//! position, exit 3), a global `binlog_row_metadata` change, and the idle-outbox test that
+//! needs a binlog no other test writes to (every other database's transaction rightly moves the
+//! position). Other MariaDB tests would fail under these or disturb them, so they live in this
+//! binary alone (cargo runs test binaries one at a time) and take turns through a lock.
 
 mod common;
 
@@ -141,8 +142,12 @@ async fn purged_binlogs_are_a_lost_position() {
     let dsn = db.dsn();
     let mut c = db.conn().await;
 
+    // After the teardown the next run is a first start again: the rows already published
+    // stay pending in the table (CDC never updates them), so publish none of them.
+    let mut run = args(&dsn, &name);
+    run.push("--snapshot=never");
     for by_position in [false, true] {
-        let mut relay = start_streaming(&db, &args(&dsn, &name)).await;
+        let mut relay = start_streaming(&db, &run).await;
         let ids = my_write_events(&mut c, 1, 3, "kept").await;
         wait_for("the events", T, || {
             let n = relay.line_count();
@@ -183,7 +188,7 @@ async fn purged_binlogs_are_a_lost_position() {
         })
         .await;
 
-        let mut again = Relay::start(&args(&dsn, &name));
+        let mut again = Relay::start(&run);
         let code = again.wait_exit(T).await;
         let err = again.stderr();
         assert_eq!(
@@ -265,4 +270,84 @@ async fn minimal_row_metadata_is_refused_with_the_fix() {
         err.contains("binlog_row_metadata is MINIMAL") && err.contains("fix:"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_outbox_beside_busy_tables_keeps_the_position_near_the_head_without_a_write_loop() {
+    let _turn = SERVER.lock().await;
+    let db = MyDb::create("my_idle").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = start_streaming(&db, &args(&dsn, &name)).await;
+    let mut c = db.conn().await;
+    my_exec(
+        &mut c,
+        "CREATE TABLE busy (id BIGINT AUTO_INCREMENT PRIMARY KEY, v TEXT)",
+    )
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        let mut c = db.conn().await;
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.query_drop("INSERT INTO busy (v) SELECT REPEAT('x', 200) FROM seq_1_to_50")
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    // While the other table keeps the binlog moving, the stored position passes a head taken
+    // mid-load, without any outbox event.
+    let head = my_head().await;
+    wait_for(
+        "the stored position to pass the head taken under load",
+        Duration::from_secs(20),
+        || async {
+            db.stored(&name)
+                .await
+                .is_some_and(|(f, p, _)| binlog_ge(&(f, p), &head))
+        },
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.await.unwrap();
+
+    // Idle now: the position settles and then stays put while the lease is renewed (each
+    // renewal is a binlog transaction of its own that must not move it).
+    let renewed = || async {
+        let mut c = db.conn().await;
+        my_value(
+            &mut c,
+            &format!("SELECT lease_renewed_at FROM outboxd_state WHERE name = '{name}'"),
+        )
+        .await
+        .unwrap()
+    };
+    let mut settled = db.stored(&name).await.unwrap();
+    let mut stable_renewals = 0;
+    let mut last_renewal = renewed().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while stable_renewals < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stored position keeps moving while idle: a write loop"
+        );
+        let r = renewed().await;
+        if r != last_renewal {
+            last_renewal = r;
+            let now = db.stored(&name).await.unwrap();
+            if now == settled {
+                stable_renewals += 1;
+            } else {
+                settled = now;
+                stable_renewals = 0;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(binlog_ge(&(settled.0.clone(), settled.1), &head));
+    assert_eq!(relay.line_count(), 0, "no outbox events were written");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
 }

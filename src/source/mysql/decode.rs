@@ -73,7 +73,7 @@ pub enum Step {
 
 #[derive(Debug)]
 enum TableKind {
-    Outbox(Box<Mapping>),
+    Outbox(Box<(TableMapEvent<'static>, Mapping)>),
     State,
     Other,
 }
@@ -282,7 +282,8 @@ impl Decoder {
                     .map_err(|e| self.decode_err("table map event", start, e))?;
                 let id = tme.table_id();
                 let kind = if self.table.matches(&tme) {
-                    TableKind::Outbox(Box::new(self.table.map(&tme)?))
+                    let mapping = self.table.map(&tme)?;
+                    TableKind::Outbox(Box::new((tme.into_owned(), mapping)))
                 } else if tme.database_name_raw() == self.table.database.as_bytes()
                     && tme.table_name_raw() == STATE_TABLE.as_bytes()
                 {
@@ -308,20 +309,21 @@ impl Decoder {
                 let txn = self.txn.as_mut().expect("opened above");
                 match self.tables.get(&table_id) {
                     Some(TableKind::State) => txn.state_rows = true,
-                    Some(TableKind::Outbox(mapping)) => {
+                    Some(TableKind::Outbox(outbox)) => {
+                        let (tme, mapping) = &**outbox;
                         txn.other = true;
                         if let RowsEventData::WriteRowsEventV1(_)
                         | RowsEventData::WriteRowsEvent(_) = data
                         {
                             let events =
-                                decode_inserts(&self.table, mapping, &data, &self.file, txn)
+                                decode_inserts(&self.table, tme, mapping, &data, &self.file, txn)
                                     .map_err(|e| match e {
-                                        Error::Decode(m) => Error::Decode(format!(
-                                            "rows event at {}:{start}: {m}",
-                                            self.file
-                                        )),
-                                        other => other,
-                                    })?;
+                                    Error::Decode(m) => Error::Decode(format!(
+                                        "rows event at {}:{start}: {m}",
+                                        self.file
+                                    )),
+                                    other => other,
+                                })?;
                             if !events.is_empty() {
                                 steps.push(Step::Rows(events));
                             }
@@ -443,6 +445,7 @@ fn statement_insert(table: &OutboxTable, text: &str) -> Error {
 
 fn decode_inserts(
     table: &OutboxTable,
+    tme: &TableMapEvent<'static>,
     mapping: &Mapping,
     data: &RowsEventData<'_>,
     file: &str,
@@ -453,7 +456,7 @@ fn decode_inserts(
         .ok_or_else(|| Error::Decode("write rows event without an after image".into()))?;
     mapping.check_image(present, table)?;
     let mut out = Vec::new();
-    for row in data.rows(&mapping.tme) {
+    for row in data.rows(tme) {
         let (_, after) = row.map_err(|e| Error::Decode(e.to_string()))?;
         let Some(after) = after else {
             return Err(Error::Decode("write rows event row without values".into()));

@@ -19,7 +19,9 @@
 pub mod admin;
 pub mod decode;
 pub mod gtid;
+pub mod operator;
 pub mod rows;
+pub mod snapshot;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
@@ -148,6 +150,8 @@ fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
             .with_disable_built_in_roots(true);
     }
     opts = match tls.mode {
+        // As libpq: `require` with a CA file checks the chain like verify-ca.
+        TlsMode::Require if tls.ca_file.is_some() => opts.with_danger_skip_domain_validation(true),
         TlsMode::Prefer | TlsMode::Require => opts.with_danger_accept_invalid_certs(true),
         TlsMode::VerifyCa => opts.with_danger_skip_domain_validation(true),
         _ => opts,
@@ -379,14 +383,36 @@ const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// stay behind until its binlog file is purged. One write per interval is no loop.
 const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
 
-/// Streams from `start` until `shutdown`, then stops at a transaction boundary.
+/// What a first start does before streaming.
+#[derive(Debug)]
+pub enum FirstStart {
+    /// Not a first start.
+    No,
+    /// A first start with nothing to publish from the table.
+    Empty,
+    /// Publish the rows of this open snapshot (taken at the start position) first.
+    Snapshot(snapshot::Snapshot),
+}
+
+/// Streams from `start` until `shutdown`, then stops at a transaction boundary. A first start
+/// publishes its snapshot first and then acknowledges the start position, which tells the
+/// lease keeper that the first start is done.
 pub async fn run(
     cfg: MySqlSourceConfig,
     link: SourceLink,
     start: Resume,
+    first: FirstStart,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
+    match first {
+        FirstStart::No => {}
+        FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
+        FirstStart::Snapshot(snap) => {
+            snap.publish(&cfg.table, &outlet).await?;
+            outlet.send_checkpoint(start.checkpoint()).await?;
+        }
+    }
     let mut resume = start;
     let mut backoff = Backoff::standard();
     // A transaction whose end position was learnt by scanning: (file, start, end).
