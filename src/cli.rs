@@ -53,6 +53,8 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Declare a consumer group's partition queues (or the relay's own), idempotently.
+    Topology(crate::sink::topology::TopologyArgs),
     /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
     #[command(subcommand)]
     Keys(crate::crypto::cli::KeysCommand),
@@ -234,6 +236,8 @@ pub struct RabbitArgs {
     /// PEM private key of --sink-cert.
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub partitions: crate::sink::partition::PartitionArgs,
 }
 
 /// MySQL/MariaDB source settings.
@@ -447,6 +451,7 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Topology(args) => crate::sink::topology::run(args, sub).await,
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
         Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
         Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
@@ -582,6 +587,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ca_file: args.rabbit.sink_ca.clone(),
             cert_file: args.rabbit.sink_cert.clone(),
             key_file: args.rabbit.sink_key.clone(),
+            partitioning: args.rabbit.partitions.validate()?,
         },
         name: r.name,
         slot: r.slot,

@@ -57,6 +57,8 @@ pub struct RabbitOptions {
     pub ca_file: Option<std::path::PathBuf>,
     pub cert_file: Option<std::path::PathBuf>,
     pub key_file: Option<std::path::PathBuf>,
+    /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
+    pub partitioning: crate::sink::partition::Partitioning,
 }
 
 /// `--on-position-lost`.
@@ -240,6 +242,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             cert_file: cfg.rabbit.cert_file.clone(),
             key_file: cfg.rabbit.key_file.clone(),
             connection_name: format!("outboxd {}", cfg.name),
+            partitioning: cfg.rabbit.partitioning.clone(),
         })?)),
     })
 }

@@ -3,8 +3,10 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
+pub mod topology;
 
 use crate::event::OutboxEvent;
 use futures::future::BoxFuture;
