@@ -64,6 +64,8 @@ pub enum Command {
     Decrypt(crate::crypto::cli::DecryptArgs),
     /// Rewrite outbox rows under the current key, in small batches (resumable).
     Reencrypt(crate::crypto::cli::ReencryptArgs),
+    /// Delete old processed_messages or outbox rows in small batches.
+    Prune(crate::consumer::cli::PruneArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -456,6 +458,7 @@ pub async fn execute(
         Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
         Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
+        Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
     }
 }
 

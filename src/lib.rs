@@ -8,6 +8,7 @@
 pub mod backoff;
 pub mod cli;
 pub mod connector;
+pub mod consumer;
 pub mod crypto;
 pub mod dsn;
 pub mod error;
