@@ -64,6 +64,8 @@ pub enum Command {
     Decrypt(crate::crypto::cli::DecryptArgs),
     /// Rewrite outbox rows under the current key, in small batches (resumable).
     Reencrypt(crate::crypto::cli::ReencryptArgs),
+    /// Delete old processed_messages or outbox rows in small batches.
+    Prune(crate::consumer::cli::PruneArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -186,6 +188,13 @@ pub struct RunArgs {
     /// commit time (the largest commit-vs-created_at gap seen is used when larger).
     #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
     pub recovery_margin: Duration,
+    /// High availability: relays with the same --name share one lease; the others wait as
+    /// standbys and take over when it expires.
+    #[arg(long, env = "OUTBOXD_HA")]
+    pub ha: bool,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
@@ -448,9 +457,10 @@ pub async fn execute(
         }
         Command::Topology(args) => crate::sink::topology::run(args, sub).await,
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
-        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
-        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
+        Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
     }
 }
 
@@ -466,17 +476,21 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 
 async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let dsn = postgres_only(r.source, "check")?;
-    let lines = crate::operator::check_postgres(&crate::operator::PgTarget {
-        dsn: &dsn,
-        name: &r.name,
-        table: &r.table,
-        columns: &r.columns,
-        slot: &r.slot,
-        publication: &r.publication,
-    })
-    .await;
-    let mut lines = lines;
+    let mut lines = if let SourceDsn::Mysql(dsn) = &r.source {
+        let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
+        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
+    } else {
+        let dsn = postgres_only(r.source, "check")?;
+        crate::operator::check_postgres(&crate::operator::PgTarget {
+            dsn: &dsn,
+            name: &r.name,
+            table: &r.table,
+            columns: &r.columns,
+            slot: &r.slot,
+            publication: &r.publication,
+        })
+        .await
+    };
     lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
     for l in &lines {
         if args.json {
@@ -500,6 +514,15 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let SourceDsn::Mysql(dsn) = &r.source {
+        let st = crate::source::mysql::operator::status_mysql(dsn, &r.name).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&st).unwrap_or_default());
+        } else {
+            println!("{st}");
+        }
+        return Ok(());
+    }
     let dsn = postgres_only(r.source, "status")?;
     let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
     if args.json {
@@ -543,6 +566,9 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
 
 async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let Some(addr) = &args.metrics_addr {
+        crate::telemetry::serve(addr).await?;
+    }
     let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let sink = resolve_dsn(
         Some(&args.sink),
@@ -598,6 +624,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ),
         },
         recovery_margin: args.recovery_margin,
+        ha: args.ha,
         mysql: connector::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
@@ -772,26 +799,7 @@ async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
         "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
         settings.version
     );
-    let cfg_table = connector::mysql_table(
-        &dsn,
-        &RunConfig {
-            name: r.name.clone(),
-            slot: r.slot.clone(),
-            publication: r.publication.clone(),
-            table: r.table.clone(),
-            columns: r.columns.clone(),
-            mysql: Default::default(),
-            sink: SinkDsn::Stdout,
-            commit_offsets: false,
-            max_inflight_bytes: 0,
-            relay: RelayOptions::default(),
-            snapshot: crate::source::postgres::snapshot::SnapshotMode::Auto,
-            on_position_lost: Default::default(),
-            replay_since: None,
-            recovery_margin: Duration::from_secs(600),
-            rabbit: Default::default(),
-        },
-    )?;
+    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
     my_admin::require_table(&mut conn, &cfg_table).await?;
     println!("ok   outbox table {}", cfg_table.quoted());
     crate::state::mysql::ensure_table(&mut conn).await?;

@@ -42,6 +42,9 @@ pub struct RunConfig {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     /// Smallest margin recovery subtracts from the last durable commit time.
     pub recovery_margin: Duration,
+    /// High availability: wait as a standby while another relay holds the lease, and stop
+    /// publishing by our own clock before our lease can expire.
+    pub ha: bool,
     pub rabbit: RabbitOptions,
 }
 
@@ -100,9 +103,34 @@ pub async fn run_postgres(
     admin::require_logical(&sql).await?;
     admin::require_table(&sql, &cfg.table).await?;
     let holder = state::holder_id();
-    let lease =
-        state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder).await?;
+    let lease = loop {
+        match state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder)
+            .await
+        {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                tracing::info!(held = %who, "standby: waiting for the lease");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
+                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    if cfg.ha {
+        // A paused old leader's walsender may still hold the slot: end it, or the stream
+        // cannot start. Its relay has stopped publishing by its own clock already.
+        let ended = sql
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
+                &[&cfg.slot],
+            )
+            .await?;
+        if ended > 0 {
+            tracing::warn!(slot = %cfg.slot, "took over: ended the previous leader's walsender");
+        }
+    }
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
     // Decided before the slot exists, so `auto` on a non-empty table without a status column
@@ -193,7 +221,7 @@ pub async fn run_postgres(
         snapshot: plan,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone());
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
     drive(&cfg, store, lease, commits_rx, move |link| {
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
@@ -267,6 +295,10 @@ pub async fn run_poll_postgres(
             .then(|| crate::source::poll::notify_channel(&cfg.table)),
     };
     let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    // Poll mode has no stream: it is "streaming" while it can poll.
+    t.source_streaming.set(1);
     let source = crate::source::poll::run(poll_cfg, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
@@ -318,31 +350,41 @@ pub fn mysql_table(
     dsn: &DbDsn,
     cfg: &RunConfig,
 ) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    mysql_outbox_table(dsn, &cfg.table, &cfg.columns, cfg.mysql.time_zone)
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_outbox_table(
+    dsn: &DbDsn,
+    table: &TableName,
+    columns: &ColumnMap,
+    tz: crate::source::mysql::rows::SourceTz,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
     if dsn.database.is_empty() {
         return Err(Error::config(
             "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
             "add the database to the DSN, e.g. mysql://user@host:3306/app",
         ));
     }
-    if let Some(db) = &cfg.table.schema {
+    if let Some(db) = &table.schema {
         if *db != dsn.database {
             return Err(Error::config(
                 format!(
                     "--table {db}.{} is not in the DSN's database {:?}",
-                    cfg.table.name, dsn.database
+                    table.name, dsn.database
                 ),
                 format!(
                     "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
-                    cfg.table.name
+                    table.name
                 ),
             ));
         }
     }
     Ok(crate::source::mysql::rows::OutboxTable {
         database: dsn.database.clone(),
-        table: cfg.table.name.clone(),
-        columns: cfg.columns.clone(),
-        tz: cfg.mysql.time_zone,
+        table: table.name.clone(),
+        columns: columns.clone(),
+        tz,
     })
 }
 
@@ -360,6 +402,7 @@ pub async fn run_mysql(
     let holder = state::holder_id();
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    let mut first = my::FirstStart::No;
     let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
         Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
@@ -375,12 +418,21 @@ pub async fn run_mysql(
             resume
         }
         None => {
-            // First start: stream from the server's current position. Rows already in the
-            // table are the first-start snapshot's job (CONTRACT §3, `--snapshot`): it will
-            // take a consistent snapshot here and return the position it was taken at.
-            let resume = my::current_position(&mut sql, settings.mariadb).await?;
-            state::mysql::mark_initialized(&mut sql, &lease, &resume.checkpoint()).await?;
-            resume
+            // First start (CONTRACT §3): the rows already in the table come from a consistent
+            // snapshot whose binlog position is where streaming starts. The position and the
+            // first start's end are stored once the snapshot is durable.
+            let plan = my::snapshot::plan(&mut sql, &table, &cfg.snapshot).await?;
+            if plan == SnapshotPlan::Nothing {
+                first = my::FirstStart::Empty;
+                my::current_position(&mut sql, settings.mariadb).await?
+            } else {
+                let snap =
+                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan)
+                        .await?;
+                let at = snap.at.clone();
+                first = my::FirstStart::Snapshot(snap);
+                at
+            }
         }
     };
     tracing::info!(position = %start.checkpoint(), "resuming");
@@ -401,7 +453,7 @@ pub async fn run_mysql(
     // Postgres-only for now.
     let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, shutdown)
+        my::run(source_cfg, link, start, first, shutdown)
     })
     .await
 }
@@ -437,10 +489,12 @@ where
         lease,
         ack_rx,
         commits,
+        cfg.ha,
         lease_stop.clone(),
     ));
     let source = source(link);
     let stats = Arc::new(RelayStats::default());
+    crate::telemetry::get().mark_started();
     let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
     let result = tokio::select! {
         r = work => r,

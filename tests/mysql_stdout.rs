@@ -554,3 +554,269 @@ fn hex(s: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_required_but_not_offered_is_a_configuration_error() {
+    let db = MyDb::create("my_tls").await;
+    let mut admin = my_connect(None).await;
+    let have_ssl = my_value(&mut admin, "SELECT @@have_ssl")
+        .await
+        .unwrap_or_default();
+    let dsn = format!("{}?ssl-mode=require", db.dsn());
+    let name = unique("r");
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name]);
+    if have_ssl == "YES" {
+        // A server with TLS: the relay streams over it.
+        wait_for("the relay's binlog dump to be connected", T, || {
+            db.streaming()
+        })
+        .await;
+        relay.signal("TERM");
+        assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    } else {
+        let code = relay.wait_exit(T).await;
+        let err = relay.stderr();
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains("does not offer TLS") && err.contains("fix:"),
+            "{err}"
+        );
+    }
+    // A CA file that does not exist is refused before connecting, naming the file.
+    let dsn = format!(
+        "{}?ssl-mode=verify-full&ssl-ca=/nonexistent/ca.pem",
+        db.dsn()
+    );
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &unique("r")]);
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+}
+
+/// Writes `n` rows directly (not through a relay), with a chosen status and created_at.
+async fn seed_rows(
+    c: &mut mysql_async::Conn,
+    n: usize,
+    status: &str,
+    created_at: &str,
+) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = Uuid::now_v7();
+        c.exec_drop(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload, status, created_at) VALUES (?, ?, 'seed', '{}', ?, ?)",
+            (id.as_bytes().to_vec(), i as i64, status, created_at),
+        )
+        .await
+        .unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_start_publishes_pending_rows_from_a_consistent_snapshot_then_streams() {
+    let db = MyDb::create("my_snap").await;
+    let mut c = db.conn().await;
+    let _published = seed_rows(&mut c, 2, "published", "2026-01-01 00:00:00.000001").await;
+    let pending = seed_rows(&mut c, 3, "pending", "2026-01-01 00:00:01.000002").await;
+
+    // Producers keep writing while the relay takes its snapshot: every row arrives exactly once
+    // (MariaDB gives the snapshot's exact binlog position).
+    let writer = {
+        let mut c = db.conn().await;
+        tokio::spawn(async move { my_write_events(&mut c, 100, 10, "during.start").await })
+    };
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&run_args(&dsn, &name));
+    let during = writer.await.unwrap();
+    let mut expected = pending.clone();
+    expected.extend(during.iter().copied());
+    wait_for("every pending and new row", T, || {
+        let got: HashSet<Uuid> = ids_of(&parse_lines(&relay.lines())).into_iter().collect();
+        let all = expected.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+    let after = my_write_events(&mut c, 1, 2, "after.start").await;
+    expected.extend(after.iter().copied());
+    wait_for("the rows after", T, || {
+        let n = relay.line_count();
+        let want = expected.len();
+        async move { n >= want }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let lines = parse_lines(&relay.lines());
+    let got = ids_of(&lines);
+    assert_eq!(
+        got.len(),
+        got.iter().collect::<HashSet<_>>().len(),
+        "no duplicates"
+    );
+    assert_eq!(
+        got.iter().collect::<HashSet<_>>(),
+        expected.iter().collect::<HashSet<_>>()
+    );
+    assert_eq!(
+        &got[..3],
+        &pending[..],
+        "the snapshot first, in created_at order"
+    );
+    let positions: Vec<&str> = lines
+        .iter()
+        .map(|l| l["position"].as_str().unwrap())
+        .collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "snapshot positions sort before streamed ones"
+    );
+    assert!(
+        relay.stderr_plain().contains("consistent snapshot"),
+        "{}",
+        relay.stderr_plain()
+    );
+
+    // Later starts never snapshot again.
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    let more = my_write_events(&mut c, 1, 1, "later").await;
+    wait_for("the later row", T, || {
+        let n = relay.line_count();
+        async move { n >= 1 }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert_eq!(ids_of(&parse_lines(&relay.lines())), more);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_start_modes_without_a_status_column() {
+    let db = MyDb::create("my_snap_modes").await;
+    let mut c = db.conn().await;
+    let old = seed_rows(&mut c, 2, "pending", "2026-01-01 00:00:00").await;
+    let new = seed_rows(&mut c, 2, "pending", "2026-03-01 12:00:00.5").await;
+    my_exec(&mut c, "ALTER TABLE outbox DROP COLUMN status").await;
+    let dsn = db.dsn();
+
+    // auto: rows exist and nothing tells which were published: refuse, with the choices.
+    let mut relay = Relay::start(&run_args(&dsn, &unique("r")));
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("already holds 4 rows") && err.contains("--snapshot all"),
+        "{err}"
+    );
+
+    for (mode, want) in [
+        ("all", [old.clone(), new.clone()].concat()),
+        ("never", vec![]),
+        // In a zone where 2026-03-01 12:00:00.5 local is 11:00:00.5Z.
+        ("since=2026-03-01T11:00:00.5Z", new.clone()),
+    ] {
+        let name = unique("r");
+        let mut args = run_args(&dsn, &name);
+        let m = format!("--snapshot={mode}");
+        args.push(&m);
+        args.extend_from_slice(&["--source-time-zone", "Europe/Berlin"]);
+        let mut relay = start_streaming(&db, &args).await;
+        wait_for("the first start to be stored", T, || async {
+            db.stored(&name).await.is_some()
+        })
+        .await;
+        relay.signal("TERM");
+        assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+        assert_eq!(
+            ids_of(&parse_lines(&relay.lines())),
+            want,
+            "--snapshot {mode}"
+        );
+    }
+}
+
+fn outboxd(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_setup_status_and_teardown() {
+    let db = MyDb::create("my_ops").await;
+    let dsn = db.dsn();
+    let name = unique("r");
+
+    let (code, out, err) = outboxd(&["check", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "ok   binlog_row_metadata: FULL",
+        "ok   grants",
+        "ok   outbox table",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    // A mapping that cannot work: one FAIL line with its fix, exit 1.
+    let (code, out, _) = outboxd(&[
+        "check",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--column",
+        "topic=nope",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL outbox table") && out.contains("fix:"),
+        "{out}"
+    );
+
+    let (code, out, err) = outboxd(&["setup", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("state table outboxd_state"), "{out}");
+
+    let mut relay = Relay::start(&run_args(&dsn, &name));
+    wait_for("the binlog dump", T, || db.streaming()).await;
+    let mut c = db.conn().await;
+    my_write_events(&mut c, 2, 5, "ops").await;
+    wait_for("10 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 10 }
+    })
+    .await;
+    let (code, out, _) = outboxd(&["status", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("binlog dump      connected") && out.contains("(live)"),
+        "{out}"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    let (code, out, _) = outboxd(&[
+        "offset", "show", "--source", &dsn, "--name", &name, "--json",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let st: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let (file, pos, gtid) = db.stored(&name).await.unwrap();
+    assert_eq!(st["stored_position"], format!("{file}:{pos}"));
+    assert_eq!(st["stored_gtid"].as_str(), gtid.as_deref());
+    assert_eq!(st["lease_live"], false, "released at the clean stop");
+    assert!(st["lag_bytes"].as_u64().is_some());
+
+    let (code, _, err) = outboxd(&["teardown", "--source", &dsn, "--name", &name]);
+    assert_eq!(code, 2, "--yes is required: {err}");
+    let (code, out, err) = outboxd(&["teardown", "--source", &dsn, "--name", &name, "--yes"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(db.stored(&name).await.is_none());
+}

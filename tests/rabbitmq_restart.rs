@@ -34,6 +34,21 @@ fn rabbitmqctl(args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// Retries a restoring command for up to a minute: a guard must not give up on a busy machine.
+fn restore(what: &str, f: impl Fn() -> Result<(), String>) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match f() {
+            Ok(()) => return,
+            Err(e) if Instant::now() > deadline => {
+                eprintln!("could not {what}: {e}; run scripts/services.sh");
+                return;
+            }
+            Err(_) => std::thread::sleep(Duration::from_secs(1)),
+        }
+    }
+}
+
 fn start_broker() -> Result<(), String> {
     rabbitmqctl(&["start_app"])?;
     rabbitmqctl(&["await_startup", "--timeout", "120"]).map(|_| ())
@@ -59,11 +74,7 @@ impl BrokerStopped {
 impl Drop for BrokerStopped {
     fn drop(&mut self) {
         if !self.running {
-            if let Err(e) = start_broker() {
-                eprintln!(
-                    "could not restart RabbitMQ after the test: {e}; run scripts/services.sh"
-                );
-            }
+            restore("restart RabbitMQ after the test", start_broker);
         }
     }
 }
@@ -90,12 +101,9 @@ impl MemoryAlarm {
 
 impl Drop for MemoryAlarm {
     fn drop(&mut self) {
-        if let Err(e) = rabbitmqctl(&["set_vm_memory_high_watermark", &self.watermark]) {
-            eprintln!(
-                "could not restore the memory watermark {}: {e}",
-                self.watermark
-            );
-        }
+        restore("restore the memory watermark", || {
+            rabbitmqctl(&["set_vm_memory_high_watermark", &self.watermark]).map(|_| ())
+        });
     }
 }
 
@@ -149,18 +157,32 @@ impl Drop for WalSenderTimeout {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let Ok((c, conn)) = tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls).await
-                else {
-                    eprintln!("could not restore wal_sender_timeout: Postgres unreachable");
-                    return;
-                };
-                tokio::spawn(conn);
-                let sql = match previous {
+                let sql = match &previous {
                     Some(v) => format!("ALTER SYSTEM SET wal_sender_timeout = '{v}'"),
                     None => "ALTER SYSTEM RESET wal_sender_timeout".into(),
                 };
-                let _ = c.simple_query(&sql).await;
-                let _ = c.simple_query("SELECT pg_reload_conf()").await;
+                // Other tests on this machine may restart Postgres: keep trying for a minute
+                // rather than leave a 5 s timeout behind for everyone.
+                let deadline = Instant::now() + Duration::from_secs(60);
+                loop {
+                    let done = async {
+                        let (c, conn) =
+                            tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls).await?;
+                        tokio::spawn(conn);
+                        c.simple_query(&sql).await?;
+                        c.simple_query("SELECT pg_reload_conf()").await?;
+                        Ok::<_, tokio_postgres::Error>(())
+                    }
+                    .await;
+                    match done {
+                        Ok(()) => return,
+                        Err(e) if Instant::now() > deadline => {
+                            eprintln!("could not restore wal_sender_timeout ({sql}): {e}");
+                            return;
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+                    }
+                }
             });
         })
         .join();

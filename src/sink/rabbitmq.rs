@@ -671,6 +671,12 @@ impl Sink for RabbitSink {
         true
     }
 
+    fn is_broken(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_none_or(|l| l.state.borrow().error.is_some())
+    }
+
     async fn connect(&mut self) -> Result<(), SinkError> {
         // Always a fresh connection: the old one (if any) is closed by dropping it, and its
         // unsettled confirmations with it.
@@ -887,16 +893,21 @@ async fn watch_events(
             lapin::Event::ConnectionBlocked(reason) => {
                 tracing::warn!(%reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
                 blocked.store(true, Ordering::Relaxed);
+                crate::telemetry::get().sink_blocked.set(1);
                 state.send_modify(|s| s.blocked = true);
             }
             lapin::Event::ConnectionUnblocked => {
                 tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
                 blocked.store(false, Ordering::Relaxed);
+                crate::telemetry::get().sink_blocked.set(0);
                 state.send_modify(|s| s.blocked = false);
             }
             lapin::Event::Error(e) => {
                 tracing::warn!(error = %e, "RabbitMQ connection or channel failed");
                 blocked.store(false, Ordering::Relaxed);
+                let t = crate::telemetry::get();
+                t.sink_blocked.set(0);
+                t.sink_connected.set(0);
                 state.send_modify(|s| {
                     s.blocked = false;
                     s.error = Some(e.to_string());

@@ -198,26 +198,13 @@ fn parts(cp: &Checkpoint) -> Result<(String, u64, Option<String>), Error> {
     }
 }
 
-/// Marks the first start as done and stores the position it starts from.
-pub async fn mark_initialized(
-    conn: &mut Conn,
-    lease: &Lease,
-    start: &Checkpoint,
-) -> Result<(), Error> {
-    let (file, pos, gtid) = parts(start)?;
+/// Marks the first start as done: its snapshot (if any) is durable and a position is stored.
+pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
-        "UPDATE outboxd_state SET initialized_at = UTC_TIMESTAMP(6), binlog_file = ?, binlog_pos = ?,
-                gtid_state = ?, position = ?, updated_at = UTC_TIMESTAMP(6)
+        "UPDATE outboxd_state SET initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)),
+                updated_at = UTC_TIMESTAMP(6)
           WHERE name = ? AND epoch = ? AND lease_holder = ?",
-        (
-            &file,
-            pos,
-            &gtid,
-            format!("{file}:{pos}"),
-            &lease.name,
-            lease.epoch,
-            &lease.holder,
-        ),
+        (&lease.name, lease.epoch, &lease.holder),
     )
     .await?;
     if conn.affected_rows() == 0 {
@@ -337,6 +324,18 @@ impl StateStore for MyStateStore {
                 true,
             ))
         });
+        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
+            self.conn = None;
+        }
+        r
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            mark_initialized(self.conn().await?, lease).await
+        })
+        .await
+        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
         if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
             self.conn = None;
         }

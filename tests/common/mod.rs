@@ -316,6 +316,24 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
+    pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let err = self.stderr();
+            if needles.iter().all(|n| err.contains(n)) {
+                return;
+            }
+            if Instant::now() > deadline {
+                let missing: Vec<&&str> = needles.iter().filter(|n| !err.contains(**n)).collect();
+                panic!("timed out after {timeout:?} waiting for {missing:?} in the relay's stderr:\n{err}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 impl Drop for Relay {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -355,12 +373,18 @@ pub mod amqp {
         url_via(HOST_PORT)
     }
 
+    /// Connects to the local broker, waiting up to a minute: other tests on the machine may be
+    /// restarting it.
     pub async fn connect() -> Connection {
-        match Connection::connect(&url(), ConnectionProperties::default()).await {
-            Ok(c) => c,
-            Err(e) => panic!(
-                "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
-            ),
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Connection::connect(&url(), ConnectionProperties::default()).await {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > deadline => panic!(
+                    "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
+                ),
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
         }
     }
 

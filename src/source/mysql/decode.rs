@@ -73,7 +73,7 @@ pub enum Step {
 
 #[derive(Debug)]
 enum TableKind {
-    Outbox(Box<Mapping>),
+    Outbox(Box<(TableMapEvent<'static>, Mapping)>),
     State,
     Other,
 }
@@ -212,12 +212,12 @@ impl Decoder {
                 let g = gtid::parse_gtid_event(ev.data(), header.server_id()).ok_or_else(|| {
                     Error::Decode(format!("GTID event at {}:{start} is too short", self.file))
                 })?;
-                self.no_open_group(start)?;
+                self.no_open_group(start, &mut steps)?;
                 self.track_gtid = true;
                 steps.push(self.begin(start, Some(g.gtid), !g.standalone, header.timestamp()));
             }
             MYSQL_GTID | MYSQL_ANONYMOUS_GTID | MYSQL_GTID_TAGGED => {
-                self.no_open_group(start)?;
+                self.no_open_group(start, &mut steps)?;
                 steps.push(self.begin(start, None, false, header.timestamp()));
             }
             MARIA_GTID_LIST => {
@@ -282,7 +282,8 @@ impl Decoder {
                     .map_err(|e| self.decode_err("table map event", start, e))?;
                 let id = tme.table_id();
                 let kind = if self.table.matches(&tme) {
-                    TableKind::Outbox(Box::new(self.table.map(&tme)?))
+                    let mapping = self.table.map(&tme)?;
+                    TableKind::Outbox(Box::new((tme.into_owned(), mapping)))
                 } else if tme.database_name_raw() == self.table.database.as_bytes()
                     && tme.table_name_raw() == STATE_TABLE.as_bytes()
                 {
@@ -308,20 +309,21 @@ impl Decoder {
                 let txn = self.txn.as_mut().expect("opened above");
                 match self.tables.get(&table_id) {
                     Some(TableKind::State) => txn.state_rows = true,
-                    Some(TableKind::Outbox(mapping)) => {
+                    Some(TableKind::Outbox(outbox)) => {
+                        let (tme, mapping) = &**outbox;
                         txn.other = true;
                         if let RowsEventData::WriteRowsEventV1(_)
                         | RowsEventData::WriteRowsEvent(_) = data
                         {
                             let events =
-                                decode_inserts(&self.table, mapping, &data, &self.file, txn)
+                                decode_inserts(&self.table, tme, mapping, &data, &self.file, txn)
                                     .map_err(|e| match e {
-                                        Error::Decode(m) => Error::Decode(format!(
-                                            "rows event at {}:{start}: {m}",
-                                            self.file
-                                        )),
-                                        other => other,
-                                    })?;
+                                    Error::Decode(m) => Error::Decode(format!(
+                                        "rows event at {}:{start}: {m}",
+                                        self.file
+                                    )),
+                                    other => other,
+                                })?;
                             if !events.is_empty() {
                                 steps.push(Step::Rows(events));
                             }
@@ -369,12 +371,22 @@ impl Decoder {
         Ok(steps)
     }
 
-    fn no_open_group(&self, start: u64) -> Result<(), Error> {
-        match &self.txn {
-            Some(t) => Err(Error::Decode(format!(
-                "a new event group starts at {}:{start} while the group at {}:{} is still open",
+    /// A new group begins: one still open never ended. Without outbox rows that is only
+    /// noted (and the group dropped); with outbox rows the relay stops rather than guess.
+    fn no_open_group(&mut self, start: u64, steps: &mut Vec<Step>) -> Result<(), Error> {
+        match self.txn.take() {
+            Some(t) if t.index > 0 => Err(Error::Decode(format!(
+                "a new event group starts at {}:{start} while the group at {}:{} (with outbox rows) never ended",
                 self.file, t.start_file, t.start_pos
             ))),
+            Some(t) => {
+                tracing::warn!(file = %t.start_file, pos = t.start_pos, next = start, "an event group without outbox rows never ended; skipping it");
+                steps.push(Step::Abort {
+                    start_file: t.start_file,
+                    start_pos: t.start_pos,
+                });
+                Ok(())
+            }
             None => Ok(()),
         }
     }
@@ -433,6 +445,7 @@ fn statement_insert(table: &OutboxTable, text: &str) -> Error {
 
 fn decode_inserts(
     table: &OutboxTable,
+    tme: &TableMapEvent<'static>,
     mapping: &Mapping,
     data: &RowsEventData<'_>,
     file: &str,
@@ -443,7 +456,7 @@ fn decode_inserts(
         .ok_or_else(|| Error::Decode("write rows event without an after image".into()))?;
     mapping.check_image(present, table)?;
     let mut out = Vec::new();
-    for row in data.rows(&mapping.tme) {
+    for row in data.rows(tme) {
         let (_, after) = row.map_err(|e| Error::Decode(e.to_string()))?;
         let Some(after) = after else {
             return Err(Error::Decode("write rows event row without values".into()));

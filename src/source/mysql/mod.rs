@@ -19,7 +19,9 @@
 pub mod admin;
 pub mod decode;
 pub mod gtid;
+pub mod operator;
 pub mod rows;
+pub mod snapshot;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
@@ -148,6 +150,8 @@ fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
             .with_disable_built_in_roots(true);
     }
     opts = match tls.mode {
+        // As libpq: `require` with a CA file checks the chain like verify-ca.
+        TlsMode::Require if tls.ca_file.is_some() => opts.with_danger_skip_domain_validation(true),
         TlsMode::Prefer | TlsMode::Require => opts.with_danger_accept_invalid_certs(true),
         TlsMode::VerifyCa => opts.with_danger_skip_domain_validation(true),
         _ => opts,
@@ -374,14 +378,41 @@ struct Partial {
 /// How often a checkpoint for transactions without outbox events is sent at most.
 const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 
-/// Streams from `start` until `shutdown`, then stops at a transaction boundary.
+/// When only the relay's own state writes follow the last checkpoint for this long, one of
+/// them becomes a checkpoint anyway: on a quiet server the stored position would otherwise
+/// stay behind until its binlog file is purged. One write per interval is no loop.
+const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
+
+/// What a first start does before streaming.
+#[derive(Debug)]
+pub enum FirstStart {
+    /// Not a first start.
+    No,
+    /// A first start with nothing to publish from the table.
+    Empty,
+    /// Publish the rows of this open snapshot (taken at the start position) first.
+    Snapshot(snapshot::Snapshot),
+}
+
+/// Streams from `start` until `shutdown`, then stops at a transaction boundary. A first start
+/// publishes its snapshot first and then acknowledges the start position, which tells the
+/// lease keeper that the first start is done.
 pub async fn run(
     cfg: MySqlSourceConfig,
     link: SourceLink,
     start: Resume,
+    first: FirstStart,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
+    match first {
+        FirstStart::No => {}
+        FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
+        FirstStart::Snapshot(snap) => {
+            snap.publish(&cfg.table, &outlet).await?;
+            outlet.send_checkpoint(start.checkpoint()).await?;
+        }
+    }
     let mut resume = start;
     let mut backoff = Backoff::standard();
     // A transaction whose end position was learnt by scanning: (file, start, end).
@@ -415,6 +446,7 @@ pub async fn run(
             by = if resume.by_gtid(cfg.mariadb) { "gtid" } else { "position" },
             server_id = cfg.server_id, "streaming the binlog"
         );
+        crate::telemetry::get().source_streaming.set(1);
         let mut dec = Decoder::new(
             cfg.table.clone(),
             &resume.file,
@@ -423,9 +455,17 @@ pub async fn run(
         let mut open: Option<Open> = None;
 
         loop {
+            let flush_at = tokio::time::Instant::from_std(last_sent + IDLE_CHECKPOINT_INTERVAL);
             let item = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
+                // A checkpoint held back by the rate limit goes out once the stream pauses.
+                _ = tokio::time::sleep_until(flush_at), if pending.is_some() => {
+                    outlet.send_checkpoint(pending.take().expect("checked")).await?;
+                    last_sent = Instant::now();
+                    continue;
+                }
+                // `next()` keeps its partial read in the stream: dropping it is safe.
                 r = tokio::time::timeout(cfg.read_timeout, stream.next()) => r,
             };
             let ev: Event = match item {
@@ -564,6 +604,11 @@ pub async fn run(
                                 outlet.send_checkpoint(pending.take().expect("set")).await?;
                                 last_sent = Instant::now();
                             }
+                        } else if pending.is_none()
+                            && last_sent.elapsed() >= OWN_CHECKPOINT_INTERVAL
+                        {
+                            outlet.send_checkpoint(checkpoint).await?;
+                            last_sent = Instant::now();
                         }
                     }
                     Step::Heartbeat => {

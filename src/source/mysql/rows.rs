@@ -57,6 +57,15 @@ impl SourceTz {
         ))
     }
 
+    /// The wall-clock time in this zone at an instant.
+    pub fn from_utc(&self, t: DateTime<Utc>) -> NaiveDateTime {
+        match self {
+            SourceTz::Utc => t.naive_utc(),
+            SourceTz::Fixed(off) => t.with_timezone(off).naive_local(),
+            SourceTz::Named(tz) => t.with_timezone(tz).naive_local(),
+        }
+    }
+
     /// The instant a wall-clock `DATETIME` value in this zone stands for. A time that repeats
     /// (the hour a DST change turns back) is taken as its first occurrence; a time that never
     /// existed (the hour skipped) gives `None`.
@@ -105,11 +114,22 @@ struct Col {
     len: usize,
 }
 
-/// What the relay knows about one table map of the outbox table.
+/// One column of the table as the relay sees it: from a table map (binlog) or from
+/// `information_schema.COLUMNS` (the first-start snapshot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnInfo {
+    pub name: String,
+    /// `None`: a type the relay has no use for.
+    pub ty: Option<ColumnType>,
+    /// Binary collation (BINARY, VARBINARY, BLOB).
+    pub binary: bool,
+    /// Byte length of CHAR/BINARY and VARCHAR/VARBINARY columns.
+    pub len: usize,
+}
+
+/// How the logical columns sit in one version of the outbox table.
 #[derive(Debug, Clone)]
 pub struct Mapping {
-    pub table_id: u64,
-    pub tme: TableMapEvent<'static>,
     columns: usize,
     id: Col,
     aggregate_id: Col,
@@ -166,8 +186,8 @@ impl OutboxTable {
         }
         // Per-column type, charset (character columns) and length.
         let mut charsets = meta.iter_charset();
-        let mut cols: Vec<(Option<ColumnType>, Option<u16>, usize)> = Vec::with_capacity(ncols);
-        for i in 0..ncols {
+        let mut infos = Vec::with_capacity(ncols);
+        for (i, name) in names.into_iter().enumerate() {
             let ty = tme.get_column_type(i).ok().flatten();
             let charset = match ty {
                 Some(t) if t.is_character_type() => charsets.next().and_then(|c| c.ok()),
@@ -184,15 +204,29 @@ impl OutboxTable {
                 }
                 _ => 0,
             };
-            cols.push((ty, charset, len));
+            infos.push(ColumnInfo {
+                name,
+                ty,
+                binary: charset == Some(BINARY_CHARSET),
+                len,
+            });
         }
+        self.map_columns(&infos)
+    }
 
+    /// Maps the logical columns onto the table's columns, by name (case-insensitive, as MySQL
+    /// compares column names).
+    pub fn map_columns(&self, infos: &[ColumnInfo]) -> Result<Mapping, Error> {
+        let table = self.quoted();
         let find = |logical: &str,
                     allowed: &[Kind],
                     required: bool|
          -> Result<Option<Col>, Error> {
             let actual = self.columns.get(logical);
-            let Some(index) = names.iter().position(|n| n.eq_ignore_ascii_case(actual)) else {
+            let Some(index) = infos
+                .iter()
+                .position(|c| c.name.eq_ignore_ascii_case(actual))
+            else {
                 if required {
                     return Err(Error::config(
                         format!("the outbox table {table} has no column {actual:?} (the {logical} column); the relay stops rather than publish half a row"),
@@ -201,14 +235,15 @@ impl OutboxTable {
                 }
                 return Ok(None);
             };
-            let (ty, charset, len) = cols[index];
+            let info = &infos[index];
+            let ty = info.ty;
             let kind = ty.and_then(kind_of);
             match kind.filter(|k| allowed.contains(k)) {
                 Some(kind) => Ok(Some(Col {
                     index,
                     kind,
-                    binary: charset == Some(BINARY_CHARSET),
-                    len,
+                    binary: info.binary,
+                    len: info.len,
                 })),
                 None => Err(Error::config(
                     format!(
@@ -239,9 +274,7 @@ impl OutboxTable {
         let headers = find("headers", &[Json, Blob, Var], false)?;
         let version = find("version", &[Int], false)?;
         Ok(Mapping {
-            table_id: tme.table_id(),
-            tme: tme.clone().into_owned(),
-            columns: ncols,
+            columns: infos.len(),
             id,
             aggregate_id,
             topic,
@@ -339,13 +372,26 @@ impl Mapping {
         tz: SourceTz,
     ) -> OutboxEvent {
         // A row holds values only for the columns in the image, in table order.
-        let slot = |c: Col| -> Option<&BinlogValue<'_>> {
-            if c.index >= self.columns {
-                return None;
-            }
-            let before = present[..c.index].count_ones();
-            row.as_ref(before)
-        };
+        self.event_from(
+            |index| {
+                if index >= self.columns || index >= present.len() {
+                    return None;
+                }
+                row.as_ref(present[..index].count_ones())
+            },
+            ctx,
+            tz,
+        )
+    }
+
+    /// The event of one row whose value for table column `i` is `value(i)`.
+    pub fn event_from<'v>(
+        &self,
+        value: impl Fn(usize) -> Option<&'v BinlogValue<'v>>,
+        ctx: RowContext<'_>,
+        tz: SourceTz,
+    ) -> OutboxEvent {
+        let slot = |c: Col| -> Option<&'v BinlogValue<'v>> { value(c.index) };
         let mut poison: Vec<String> = Vec::new();
 
         let id = match slot(self.id) {
@@ -442,6 +488,13 @@ impl Mapping {
             }
         };
 
+        // DATETIME is wall-clock time in the source zone; a TIMESTAMP read as a date (the
+        // snapshot reads with the session zone at UTC) is UTC.
+        let tz = if self.created_at.kind == Kind::Timestamp {
+            SourceTz::Utc
+        } else {
+            tz
+        };
         let created_at = match slot(self.created_at) {
             Some(BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us))) => {
                 let naive = NaiveDate::from_ymd_opt(*y as i32, *mo as u32, *d as u32)
