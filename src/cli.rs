@@ -72,6 +72,12 @@ pub enum Command {
 pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    /// Also check this sink: amqp://user@host:5672/vhost (reachable, login, topology).
+    #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
+    pub sink: Option<String>,
+    /// With --sink: the exchange the relay publishes to.
+    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -489,6 +495,10 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         })
         .await
     };
+    let mut lines = lines;
+    if let Some(sink) = &args.sink {
+        lines.push(crate::operator::check_sink(sink, &args.exchange).await);
+    }
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());

@@ -502,3 +502,40 @@ pub async fn advance_slot(dsn: &DbDsn, name: &str, slot: &str, lsn: &str) -> Res
         .await?;
     Ok(end)
 }
+
+/// The broker check: connect, log in, and find the relay's topology (passively: `check`
+/// changes nothing). One line, with the fix the sink's own error gives.
+pub async fn check_sink(url: &str, exchange: &str) -> CheckLine {
+    use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
+    use crate::sink::Sink;
+    let redacted = crate::dsn::redact(url);
+    if url.trim() == "stdout" {
+        return line(Level::Ok, "sink", "stdout", None);
+    }
+    let cfg = RabbitConfig {
+        url: url.to_string(),
+        exchange: exchange.to_string(),
+        declare: DeclareMode::Passive,
+        max_message_bytes: 16 * 1024 * 1024,
+        op_timeout: std::time::Duration::from_secs(10),
+        ca_file: None,
+        cert_file: None,
+        key_file: None,
+        connection_name: "outboxd check".into(),
+        partitioning: Default::default(),
+    };
+    let mut sink = match RabbitSink::new(cfg) {
+        Ok(s) => s,
+        Err(e) => return line(Level::Fail, "sink", e.to_string(), None),
+    };
+    match sink.connect().await {
+        Ok(()) => line(Level::Ok, "sink", format!("{redacted}: reachable, logged in, exchange {exchange} and its queues exist"), None),
+        Err(crate::sink::SinkError::Config { problem, fix }) => line(Level::Fail, "sink", problem, Some(fix)),
+        Err(e) => line(
+            Level::Fail,
+            "sink",
+            format!("{redacted}: {e}"),
+            Some("start RabbitMQ or fix the host/port in --sink (and the vhost's permissions for the user)".into()),
+        ),
+    }
+}
