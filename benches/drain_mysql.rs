@@ -55,6 +55,12 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 #[tokio::main]
 async fn main() {
+    // `cargo test --all-targets` runs bench targets too: minutes of load, so only under
+    // `cargo bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("drain_mysql: skipped (run it with `cargo bench --bench drain_mysql`)");
+        return;
+    }
     let events = env_usize("OUTBOXD_BENCH_EVENTS", 200_000);
     let latency_events = env_usize("OUTBOXD_BENCH_LATENCY_EVENTS", 2_000);
     let bin = env!("CARGO_BIN_EXE_outboxd");

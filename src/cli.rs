@@ -53,6 +53,8 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Declare a consumer group's partition queues (or the relay's own), idempotently.
+    Topology(crate::sink::topology::TopologyArgs),
     /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
     #[command(subcommand)]
     Keys(crate::crypto::cli::KeysCommand),
@@ -62,6 +64,8 @@ pub enum Command {
     Decrypt(crate::crypto::cli::DecryptArgs),
     /// Rewrite outbox rows under the current key, in small batches (resumable).
     Reencrypt(crate::crypto::cli::ReencryptArgs),
+    /// Delete old processed_messages or outbox rows in small batches.
+    Prune(crate::consumer::cli::PruneArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -186,6 +190,13 @@ pub struct RunArgs {
     /// commit time (the largest commit-vs-created_at gap seen is used when larger).
     #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
     pub recovery_margin: Duration,
+    /// High availability: relays with the same --name share one lease; the others wait as
+    /// standbys and take over when it expires.
+    #[arg(long, env = "OUTBOXD_HA")]
+    pub ha: bool,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
@@ -231,6 +242,8 @@ pub struct RabbitArgs {
     /// PEM private key of --sink-cert.
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub partitions: crate::sink::partition::PartitionArgs,
 }
 
 /// MySQL/MariaDB source settings.
@@ -444,10 +457,12 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Topology(args) => crate::sink::topology::run(args, sub).await,
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
-        Command::Encrypt(args) => crate::crypto::cli::encrypt(args),
-        Command::Decrypt(args) => crate::crypto::cli::decrypt(args),
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
+        Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
     }
 }
 
@@ -569,6 +584,9 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
 
 async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let Some(addr) = &args.metrics_addr {
+        crate::telemetry::serve(addr).await?;
+    }
     let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let sink = resolve_dsn(
         Some(&args.sink),
@@ -593,6 +611,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ca_file: args.rabbit.sink_ca.clone(),
             cert_file: args.rabbit.sink_cert.clone(),
             key_file: args.rabbit.sink_key.clone(),
+            partitioning: args.rabbit.partitions.validate()?,
         },
         name: r.name,
         slot: r.slot,
@@ -623,6 +642,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ),
         },
         recovery_margin: args.recovery_margin,
+        ha: args.ha,
         mysql: connector::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),

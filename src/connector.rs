@@ -42,6 +42,9 @@ pub struct RunConfig {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     /// Smallest margin recovery subtracts from the last durable commit time.
     pub recovery_margin: Duration,
+    /// High availability: wait as a standby while another relay holds the lease, and stop
+    /// publishing by our own clock before our lease can expire.
+    pub ha: bool,
     pub rabbit: RabbitOptions,
 }
 
@@ -54,6 +57,8 @@ pub struct RabbitOptions {
     pub ca_file: Option<std::path::PathBuf>,
     pub cert_file: Option<std::path::PathBuf>,
     pub key_file: Option<std::path::PathBuf>,
+    /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
+    pub partitioning: crate::sink::partition::Partitioning,
 }
 
 /// `--on-position-lost`.
@@ -98,9 +103,34 @@ pub async fn run_postgres(
     admin::require_logical(&sql).await?;
     admin::require_table(&sql, &cfg.table).await?;
     let holder = state::holder_id();
-    let lease =
-        state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder).await?;
+    let lease = loop {
+        match state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder)
+            .await
+        {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                tracing::info!(held = %who, "standby: waiting for the lease");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
+                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    if cfg.ha {
+        // A paused old leader's walsender may still hold the slot: end it, or the stream
+        // cannot start. Its relay has stopped publishing by its own clock already.
+        let ended = sql
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
+                &[&cfg.slot],
+            )
+            .await?;
+        if ended > 0 {
+            tracing::warn!(slot = %cfg.slot, "took over: ended the previous leader's walsender");
+        }
+    }
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
     // Decided before the slot exists, so `auto` on a non-empty table without a status column
@@ -191,7 +221,7 @@ pub async fn run_postgres(
         snapshot: plan,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone());
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
     drive(&cfg, store, lease, commits_rx, move |link| {
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
@@ -212,6 +242,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             cert_file: cfg.rabbit.cert_file.clone(),
             key_file: cfg.rabbit.key_file.clone(),
             connection_name: format!("outboxd {}", cfg.name),
+            partitioning: cfg.rabbit.partitioning.clone(),
         })?)),
     })
 }
@@ -258,6 +289,10 @@ pub async fn run_poll_postgres(
             .then(|| crate::source::poll::notify_channel(&cfg.table)),
     };
     let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    // Poll mode has no stream: it is "streaming" while it can poll.
+    t.source_streaming.set(1);
     let source = crate::source::poll::run(poll_cfg, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
@@ -448,10 +483,12 @@ where
         lease,
         ack_rx,
         commits,
+        cfg.ha,
         lease_stop.clone(),
     ));
     let source = source(link);
     let stats = Arc::new(RelayStats::default());
+    crate::telemetry::get().mark_started();
     let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
     let result = tokio::select! {
         r = work => r,

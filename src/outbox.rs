@@ -245,7 +245,7 @@ impl Outbox {
         let encrypted;
         let payload = match &self.encryptor {
             Some(enc) => {
-                encrypted = enc.encrypt_payload(id, ev.payload)?;
+                encrypted = enc.encrypt_event(id, ev.aggregate_id, ev.payload).await?;
                 &encrypted
             }
             None => ev.payload,
@@ -411,6 +411,14 @@ impl Outbox {
         use mysql_async::Value;
         let types = self.my_types(tx).await?;
         let id = Uuid::now_v7();
+        // As for Postgres: sealed for the row's own id before the INSERT.
+        let payload_text = match &self.encryptor {
+            Some(enc) => enc
+                .encrypt_event(id, ev.aggregate_id, ev.payload)
+                .await?
+                .to_string(),
+            None => ev.payload.to_string(),
+        };
         let c = |k| my_ident(self.columns.get(k));
         let mut cols = vec![
             c("id"),
@@ -450,7 +458,7 @@ impl Outbox {
             id_value,
             aggregate,
             Value::Bytes(ev.topic.as_bytes().to_vec()),
-            Value::Bytes(ev.payload.to_string().into_bytes()),
+            Value::Bytes(payload_text.into_bytes()),
         ];
         if let Some(h) = ev.headers {
             cols.push(c("headers"));

@@ -362,3 +362,298 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
         "{list}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
+    let db = PgDb::create("shred").await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.json");
+    let mut keyring = Keyring::generate(8).unwrap();
+    keyring.save_new(&keys).unwrap();
+    let dsn = db.dsn();
+    let enc = Encryptor::new(keyring.clone(), schema())
+        .with_keystore(crypto::shred::Keystore::connect(&dsn).await.unwrap());
+    let outbox = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(enc.clone());
+    let mut client = db.client().await;
+    let mut events = Vec::new(); // (id, aggregate, i)
+    let tx = client.transaction().await.unwrap();
+    for i in 0..6 {
+        let agg = if i % 2 == 0 { "cust-A" } else { "cust-B" };
+        let id = outbox.write(&tx, "t", agg, &payload(i)).await.unwrap();
+        events.push((id, agg, i));
+    }
+    tx.commit().await.unwrap();
+    let stored = |rows: Vec<tokio_postgres::Row>| -> BTreeMap<Uuid, Value> {
+        rows.iter()
+            .map(|r| {
+                (
+                    r.get(0),
+                    serde_json::from_str(&r.get::<_, String>(1)).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let rows = stored(
+        client
+            .query("SELECT id, payload::text FROM outbox", &[])
+            .await
+            .unwrap(),
+    );
+    // One data key per aggregate, none of them a keyring key.
+    let mut data_keys = BTreeMap::new();
+    for (id, agg, i) in &events {
+        assert_sealed(&rows[id].to_string(), *i);
+        let ids = crypto::key_ids_in(&rows[id]);
+        assert_eq!(ids.len(), 1);
+        let kid = ids.keys().next().unwrap().clone();
+        assert!(kid.starts_with("d-"), "{kid}");
+        assert_eq!(*data_keys.entry(*agg).or_insert(kid.clone()), kid);
+        let d = enc.decrypt_event(*id, &rows[id]).await.unwrap();
+        assert_eq!((d.payload, d.erased.len()), (payload(*i), 0));
+    }
+    assert_ne!(data_keys["cust-A"], data_keys["cust-B"]);
+
+    // Without the keystore: a clear error, not "unknown key".
+    let k = keys.to_str().unwrap();
+    let (id0, _, _) = events[0];
+    let (code, _, err) = outboxd_cli(
+        &["decrypt", "--keys", k, "--event-id", &id0.to_string()],
+        &rows[&id0].to_string(),
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("--keystore"), "{err}");
+
+    // Forget A.
+    let (code, _, err) = outboxd_cli(
+        &[
+            "keys",
+            "forget",
+            "--aggregate",
+            "cust-A",
+            "--keystore",
+            &dsn,
+        ],
+        "",
+    );
+    assert_eq!(code, 2, "asks for --yes: {err}");
+    let (code, out, err) = outboxd_cli(
+        &[
+            "keys",
+            "forget",
+            "--aggregate",
+            "cust-A",
+            "--keystore",
+            &dsn,
+            "--yes",
+        ],
+        "",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&data_keys["cust-A"]), "{out}");
+    assert!(err.contains("rolled off"), "{err}");
+
+    for (id, agg, i) in &events {
+        let d = enc.decrypt_event(*id, &rows[id]).await.unwrap();
+        if *agg == "cust-A" {
+            let mut want = payload(*i);
+            want["customer"]["name"] = Value::Null;
+            want["customer"]["tax_id"] = Value::Null;
+            want["lines"][0]["note"] = Value::Null;
+            want["lines"][1]["note"] = Value::Null;
+            assert_eq!(
+                d.payload, want,
+                "clear fields survive, sensitive ones are erased"
+            );
+            assert_eq!(
+                d.erased,
+                vec![
+                    "/customer/name",
+                    "/customer/tax_id",
+                    "/lines/0/note",
+                    "/lines/1/note"
+                ]
+            );
+        } else {
+            assert_eq!((d.payload, d.erased.len()), (payload(*i), 0));
+        }
+    }
+    // The command: exit 0, null on stdout, the erased fields on stderr.
+    let (code, out, err) = outboxd_cli(
+        &[
+            "decrypt",
+            "--keys",
+            k,
+            "--keystore",
+            &dsn,
+            "--event-id",
+            &id0.to_string(),
+        ],
+        &rows[&id0].to_string(),
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["customer"]["name"], Value::Null);
+    assert_eq!(v["customer"]["country"], "TR");
+    assert!(err.contains("/customer/tax_id: erased"), "{err}");
+
+    // A later event of A gets a new key and is readable.
+    let tx = client.transaction().await.unwrap();
+    let later = outbox.write(&tx, "t", "cust-A", &payload(9)).await.unwrap();
+    tx.commit().await.unwrap();
+    let row: String = client
+        .query_one("SELECT payload::text FROM outbox WHERE id = $1", &[&later])
+        .await
+        .unwrap()
+        .get(0);
+    let row: Value = serde_json::from_str(&row).unwrap();
+    assert_ne!(
+        crypto::key_ids_in(&row).keys().next().unwrap(),
+        &data_keys["cust-A"]
+    );
+    assert_eq!(
+        enc.decrypt_event(later, &row).await.unwrap().payload,
+        payload(9)
+    );
+
+    // Rotating the keyring: reencrypt re-wraps the data keys, then the old key can go.
+    let old = keyring.current_id().to_string();
+    keyring.rotate();
+    keyring.save_replace(&keys).unwrap();
+    let schema_path = dir.path().join("schema.json");
+    std::fs::write(
+        &schema_path,
+        r#"{"customer": {"properties": {"name": {"x-gdpr-sensitive": true}}}}"#,
+    )
+    .unwrap();
+    let (code, _, err) = outboxd_cli(
+        &[
+            "keys",
+            "retire",
+            &old,
+            "--keys",
+            k,
+            "--keystore",
+            &dsn,
+            "--yes",
+        ],
+        "",
+    );
+    assert_eq!(code, 1, "data keys still wrapped by it: {err}");
+    assert!(err.contains("still wrapped by key"), "{err}");
+    let (code, out, err) = outboxd_cli(
+        &[
+            "reencrypt",
+            "--source",
+            &dsn,
+            "--keys",
+            k,
+            "--schema",
+            schema_path.to_str().unwrap(),
+            "--keystore",
+            &dsn,
+        ],
+        "",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("re-wrapped 2 data keys"), "{err}");
+    assert!(out.contains("per-aggregate data keys"), "{out}");
+    assert!(
+        out.contains("rewrote 0"),
+        "data-key values stay as they are: {out}"
+    );
+    let (code, _, err) = outboxd_cli(
+        &[
+            "keys",
+            "retire",
+            &old,
+            "--keys",
+            k,
+            "--keystore",
+            &dsn,
+            "--source",
+            &dsn,
+            "--yes",
+        ],
+        "",
+    );
+    assert_eq!(code, 0, "{err}");
+    let keyring = Keyring::load(&keys).unwrap();
+    let enc = Encryptor::new(keyring, Schema::default())
+        .with_keystore(crypto::shred::Keystore::connect(&dsn).await.unwrap());
+    let (id1, _, i1) = events[1];
+    assert_eq!(
+        enc.decrypt_event(id1, &rows[&id1]).await.unwrap().payload,
+        payload(i1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_rabbitmq_the_body_is_the_stored_ciphertext_and_the_consumer_reads_it() {
+    use common::amqp::{self, message_id, Topology};
+    let db = PgDb::create("crypt_rmq").await;
+    let mut topo = Topology::new("xc").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let sink = amqp::url();
+    let _relay = Relay::start_with_env(
+        &[
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--exchange",
+            &topo.exchange,
+            "--log-level",
+            "info,lapin=warn",
+        ],
+        &[("OUTBOXD_SINK", &sink)],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("all", "#").await;
+
+    let keyring = Keyring::generate(8).unwrap();
+    let outbox = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(Encryptor::new(keyring.clone(), schema()));
+    let mut client = db.client().await;
+    let mut ids = Vec::new();
+    let tx = client.transaction().await.unwrap();
+    for i in 0..20 {
+        ids.push(
+            outbox
+                .write(&tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
+                .await
+                .unwrap(),
+        );
+    }
+    tx.commit().await.unwrap();
+    let stored: BTreeMap<Uuid, String> = client
+        .query("SELECT id, payload::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    let deliveries = topo.take(&queue, 20, T).await;
+    for d in &deliveries {
+        let id = message_id(d);
+        let i = ids.iter().position(|x| *x == id).unwrap();
+        let body = std::str::from_utf8(&d.data).unwrap();
+        assert_eq!(
+            body, stored[&id],
+            "the body is the stored text byte for byte"
+        );
+        assert_sealed(body, i);
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(
+            crypto::decrypt_payload(&keyring, id, &v).unwrap(),
+            payload(i)
+        );
+    }
+}

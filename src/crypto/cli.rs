@@ -3,6 +3,7 @@
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
+use super::shred::Keystore;
 use super::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
@@ -32,6 +33,34 @@ pub enum KeysCommand {
     Retire(RetireArgs),
     /// Print the blind index of the value read on stdin: `<index key id> <hex>`.
     BlindIndex(BlindIndexArgs),
+    /// Crypto-shredding: forget an aggregate's data key, erasing its encrypted fields
+    /// everywhere they were copied (complete once WAL, binlogs and backups holding the key
+    /// have rolled off).
+    Forget(ForgetArgs),
+}
+
+/// The key table of per-aggregate data keys (crypto-shredding).
+#[derive(Debug, Clone, Args)]
+pub struct KeystoreArgs {
+    /// Database holding the per-aggregate data keys (postgres://…); table outboxd_data_keys,
+    /// created on first use.
+    #[arg(long, env = "OUTBOXD_KEYSTORE", hide_env_values = true)]
+    pub keystore: Option<String>,
+    /// File holding the keystore DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_KEYSTORE_FILE")]
+    pub keystore_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ForgetArgs {
+    /// The aggregate whose data key is deleted.
+    #[arg(long, env = "OUTBOXD_AGGREGATE")]
+    pub aggregate: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+    /// Confirm: the aggregate's encrypted fields become unreadable for good.
+    #[arg(long, env = "OUTBOXD_YES")]
+    pub yes: bool,
 }
 
 /// The keyring: a file, or (when not given) the JSON in OUTBOXD_KEYRING.
@@ -95,6 +124,9 @@ pub struct RetireArgs {
     /// Confirm: the key material is removed from the keyring file.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
+    /// Also count the per-aggregate data keys this key still wraps.
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -130,6 +162,11 @@ pub struct EncryptArgs {
     /// The event id (UUID) the payload belongs to: the values are bound to it.
     #[arg(long, env = "OUTBOXD_EVENT_ID")]
     pub event_id: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+    /// With --keystore: the event's aggregate, whose data key seals the fields.
+    #[arg(long, env = "OUTBOXD_AGGREGATE")]
+    pub aggregate: Option<String>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -139,6 +176,8 @@ pub struct DecryptArgs {
     /// The event id (UUID) the payload belongs to.
     #[arg(long, env = "OUTBOXD_EVENT_ID")]
     pub event_id: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -166,6 +205,9 @@ pub struct ReencryptArgs {
     /// Resume after this id (printed with every progress line).
     #[arg(long, env = "OUTBOXD_AFTER")]
     pub after: Option<Uuid>,
+    /// Also re-wrap the per-aggregate data keys of this keystore under the current key.
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
 }
 
 fn read_stdin(what: &str) -> Result<Zeroizing<Vec<u8>>, Error> {
@@ -215,6 +257,7 @@ pub async fn keys(cmd: KeysCommand, m: &ArgMatches) -> Result<(), Error> {
         KeysCommand::List(a) => list(a),
         KeysCommand::Retire(a) => retire(a, sub).await,
         KeysCommand::BlindIndex(a) => blind_index(a),
+        KeysCommand::Forget(a) => forget(a, sub).await,
     }
 }
 
@@ -322,6 +365,21 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
             a.id
         );
     }
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        let n = ks
+            .count_wrapped_by()
+            .await?
+            .get(&a.id)
+            .copied()
+            .unwrap_or(0);
+        if n > 0 && !a.force {
+            return Err(Error::Other(format!(
+                "{n} data key{} of the keystore are still wrapped by key {}; run `outboxd reencrypt --keystore …` first (or add --force)",
+                if n == 1 { "" } else { "s" },
+                a.id
+            )));
+        }
+    }
     if !a.yes {
         return Err(Error::config(
             format!(
@@ -378,20 +436,89 @@ fn blind_index(a: BlindIndexArgs) -> Result<(), Error> {
     Ok(())
 }
 
-/// `outboxd encrypt`
-pub fn encrypt(a: EncryptArgs) -> Result<(), Error> {
-    let event = parse_event_id(&a.event_id)?;
-    let enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
-    let payload = read_payload()?;
-    print_json(&enc.encrypt_payload(event, &payload)?)
+async fn keystore(a: &KeystoreArgs, m: &ArgMatches) -> Result<Option<Keystore>, Error> {
+    let from_argv = m.value_source("keystore") == Some(ValueSource::CommandLine);
+    match crate::cli::resolve_dsn(
+        a.keystore.as_deref(),
+        a.keystore_file.as_deref(),
+        from_argv,
+        "keystore",
+    )? {
+        Some(dsn) => Ok(Some(Keystore::connect(&dsn).await?)),
+        None => Ok(None),
+    }
 }
 
-/// `outboxd decrypt`
-pub fn decrypt(a: DecryptArgs) -> Result<(), Error> {
+async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
+    let ks = keystore(&a.keystore, m).await?.ok_or_else(|| {
+        Error::config(
+            "keys forget needs the keystore",
+            "pass --keystore postgres://user@host:5432/db",
+        )
+    })?;
+    if !a.yes {
+        return Err(Error::config(
+            format!(
+                "forgetting the data key of aggregate {:?} makes its encrypted fields unreadable for good, wherever they were copied",
+                a.aggregate
+            ),
+            "add --yes to confirm",
+        ));
+    }
+    match ks.forget(&a.aggregate).await? {
+        Some(id) => {
+            println!("forgot data key {id} of aggregate {:?}", a.aggregate);
+            eprintln!(
+                "outboxd: erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
+                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach"
+            );
+            Ok(())
+        }
+        None => Err(Error::Other(format!(
+            "aggregate {:?} has no live data key (never had one, or already forgotten)",
+            a.aggregate
+        ))),
+    }
+}
+
+/// `outboxd encrypt`
+pub async fn encrypt(a: EncryptArgs, m: &ArgMatches) -> Result<(), Error> {
     let event = parse_event_id(&a.event_id)?;
-    let k = Keyring::resolve(a.keyring.keys.as_deref())?;
+    let mut enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        enc = enc.with_keystore(ks);
+    }
     let payload = read_payload()?;
-    print_json(&super::decrypt_payload(&k, event, &payload)?)
+    let out = match (enc.keystore().is_some(), &a.aggregate) {
+        (true, Some(agg)) => enc.encrypt_event(event, agg, &payload).await?,
+        (true, None) => {
+            return Err(Error::config(
+                "--keystore seals with the aggregate's data key, but no aggregate was given",
+                "add --aggregate ID",
+            ))
+        }
+        (false, _) => enc.encrypt_payload(event, &payload)?,
+    };
+    print_json(&out)
+}
+
+/// `outboxd decrypt`: fields whose data key was forgotten print as `null` and are listed on
+/// stderr.
+pub async fn decrypt(a: DecryptArgs, m: &ArgMatches) -> Result<(), Error> {
+    let event = parse_event_id(&a.event_id)?;
+    let mut enc = Encryptor::new(
+        Keyring::resolve(a.keyring.keys.as_deref())?,
+        Schema::default(),
+    );
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        enc = enc.with_keystore(ks);
+    }
+    let payload = read_payload()?;
+    let d = enc.decrypt_event(event, &payload).await?;
+    for p in &d.erased {
+        eprintln!("outboxd: {p}: erased (its aggregate's data key was forgotten)");
+    }
+    print_json(&d.payload)
 }
 
 async fn connect(
@@ -444,7 +571,12 @@ fn print_counts(
         shown.insert(id.to_string());
     }
     for (id, n) in counts.iter().filter(|(id, _)| !shown.contains(*id)) {
-        println!("  {:<12} {:<8} {}", id, "unknown", n);
+        let what = if id == "d-*" {
+            "per-aggregate data keys"
+        } else {
+            "unknown"
+        };
+        println!("  {:<12} {:<8} {}", id, what, n);
     }
 }
 
@@ -461,6 +593,14 @@ pub async fn reencrypt(
         ));
     }
     let enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        let n = ks.rewrap(enc.keyring()).await?;
+        eprintln!(
+            "outboxd: re-wrapped {n} data key{} under {}",
+            if n == 1 { "" } else { "s" },
+            enc.keyring().current_id()
+        );
+    }
     let (mut client, table, columns) = connect(
         a.source.as_deref(),
         a.source_file.as_deref(),

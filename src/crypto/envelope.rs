@@ -121,22 +121,36 @@ pub fn seal(
     plaintext: &[u8],
 ) -> String {
     use chacha20poly1305::aead::rand_core::RngCore;
-    let key = field_key(material, key_id, pointer);
-    let cipher = XChaCha20Poly1305::new(key.as_ref().into());
     // A random 192-bit nonce: no counter to persist or coordinate between producers, and the
     // chance of a repeat stays negligible far beyond any realistic number of values per key.
     let mut nonce = [0u8; NONCE_LEN];
     chacha20poly1305::aead::OsRng.fill_bytes(&mut nonce);
+    seal_with_nonce(material, key_id, event_id, pointer, plaintext, &nonce)
+}
+
+/// [`seal`] with a given nonce: for the known-answer vector of docs/encryption.md only. A nonce
+/// must never be used twice with one field key; production code calls [`seal`].
+#[doc(hidden)]
+pub fn seal_with_nonce(
+    material: &[u8; 32],
+    key_id: &str,
+    event_id: Uuid,
+    pointer: &str,
+    plaintext: &[u8],
+    nonce: &[u8; NONCE_LEN],
+) -> String {
+    let key = field_key(material, key_id, pointer);
+    let cipher = XChaCha20Poly1305::new(key.as_ref().into());
     let ad = associated_data(key_id, event_id, pointer);
 
     let mut buf = Vec::with_capacity(NONCE_LEN + CHECK_LEN + 4 + plaintext.len() + TAG_LEN);
-    buf.extend_from_slice(&nonce);
+    buf.extend_from_slice(nonce);
     buf.extend_from_slice(&checks(event_id, pointer));
     put_varint(&mut buf, plaintext.len());
     let body_start = buf.len();
     buf.extend_from_slice(plaintext);
     let tag = cipher
-        .encrypt_in_place_detached(XNonce::from_slice(&nonce), &ad, &mut buf[body_start..])
+        .encrypt_in_place_detached(XNonce::from_slice(nonce), &ad, &mut buf[body_start..])
         .expect("XChaCha20-Poly1305 accepts any message below 256 GiB");
     buf.extend_from_slice(&tag);
 
@@ -267,6 +281,37 @@ pub fn open(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The known-answer vector printed in docs/encryption.md.
+    #[test]
+    fn known_answer_vector() {
+        let material: [u8; 32] = std::array::from_fn(|i| i as u8);
+        let nonce: [u8; NONCE_LEN] = std::array::from_fn(|i| 0x40 + i as u8);
+        let ev = Uuid::parse_str("0192f3a4-5b6c-7d8e-9f00-112233445566").unwrap();
+        let key = field_key(&material, "k1f3a9c0d", "/customer/tax_id");
+        let s = seal_with_nonce(
+            &material,
+            "k1f3a9c0d",
+            ev,
+            "/customer/tax_id",
+            b"\"1234567890\"",
+            &nonce,
+        );
+        println!("field key {}", super::super::blind::hex(key.as_ref()));
+        println!("value {s}");
+        println!(
+            "bytes {}",
+            super::super::blind::hex(&parse(&s, "").unwrap().bytes)
+        );
+        assert_eq!(s, KAT_VALUE);
+        let p = parse(&s, "/customer/tax_id").unwrap();
+        assert_eq!(
+            &open(&material, &p, ev, "/customer/tax_id").unwrap()[..],
+            b"\"1234567890\""
+        );
+    }
+
+    const KAT_VALUE: &str = "enc:v1:k1f3a9c0d:QEFCQ0RFRkdISUpLTE1OT1BRUlNUVVZXZkdK7Ayc7erOn7bi-oIwl-eP93c7HoH8pXYwk27JPo_T";
 
     #[test]
     fn varints_are_canonical() {

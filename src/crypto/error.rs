@@ -16,6 +16,10 @@ pub enum CryptoError {
         known: String,
     },
 
+    /// The value is sealed with a per-aggregate data key, and no keystore was given.
+    #[error("{pointer}: encrypted with the per-aggregate data key {key_id:?}; decrypt with the keystore that holds it (--keystore DSN)")]
+    NeedKeystore { pointer: String, key_id: String },
+
     /// The keyring knows the key id but its material is gone (`keys retire`): the value can
     /// only be read again with a backup of the keyring from before the key was retired.
     #[error("{pointer}: key {key_id:?} was retired on {retired_at} and its material removed; restore the keyring from a backup taken before then to read this value")]

@@ -46,6 +46,17 @@ pub fn validate_key_id(id: &str) -> Result<(), CryptoError> {
     Ok(())
 }
 
+/// `d-…` names per-aggregate data keys (crypto-shredding), never keyring keys.
+fn reserved(id: &str) -> Result<(), CryptoError> {
+    if super::shred::is_data_key_id(id) {
+        return Err(CryptoError::invalid(
+            format!("key id {id:?} starts with \"d-\", which names per-aggregate data keys"),
+            "rename the key (ids as outboxd keys generate makes them: k1f3a9c0d)",
+        ));
+    }
+    Ok(())
+}
+
 fn now() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
 }
@@ -387,9 +398,8 @@ impl Keyring {
     /// Parses and checks a keyring (structure, ids, material, every canary).
     pub fn from_json(text: &str) -> Result<Keyring, CryptoError> {
         let file: FileV1 = serde_json::from_str(text).map_err(|e| {
-            // serde_json's message names the position, never the content.
             CryptoError::invalid(
-                format!("not an outboxd keyring: {e}"),
+                format!("not an outboxd keyring: {}", describe_json_error(&e)),
                 "create one with outboxd keys generate --keys PATH",
             )
         })?;
@@ -405,6 +415,7 @@ impl Keyring {
         let mut keys = Vec::with_capacity(file.keys.len());
         for k in file.keys {
             validate_key_id(&k.id)?;
+            reserved(&k.id)?;
             let material = match &k.key {
                 Some(b64) => Some(decode_key(&k.id, b64)?),
                 None => None,
@@ -435,6 +446,7 @@ impl Keyring {
         let mut blind = Vec::with_capacity(file.blind_index.keys.len());
         for k in file.blind_index.keys {
             validate_key_id(&k.id)?;
+            reserved(&k.id)?;
             validate_blind_length(k.length)?;
             let material = decode_key(&k.id, &k.key)?;
             if blind::check_value(&material, &k.id) != k.check {
@@ -565,7 +577,7 @@ impl Keyring {
 
     /// Writes a new keyring file with mode 0600; refuses to overwrite anything.
     pub fn save_new(&self, path: &Path) -> Result<(), CryptoError> {
-        write_private(path, &self.to_json(), true)
+        write_private(path, &self.to_json())
     }
 
     /// Replaces a keyring file atomically (temporary file, fsync, rename, fsync of the
@@ -580,7 +592,7 @@ impl Keyring {
         check_private(path, &meta)?;
         let tmp = tmp_path(path);
         let _ = std::fs::remove_file(&tmp);
-        write_private(&tmp, &self.to_json(), true)?;
+        write_private(&tmp, &self.to_json())?;
         std::fs::rename(&tmp, path).map_err(|e| CryptoError::KeyringIo {
             path: path.display().to_string(),
             problem: format!("cannot replace it: {e}"),
@@ -601,6 +613,25 @@ impl Keyring {
         }
         Ok(())
     }
+}
+
+/// A serde_json error without the content it quotes: "invalid type: string \"…\"" would
+/// print whatever string sat in the wrong place, which in a keyring may be key material. Field
+/// names (unknown or missing field) are safe and help most, so they are kept.
+fn describe_json_error(e: &serde_json::Error) -> String {
+    let msg = e.to_string();
+    let safe = msg.starts_with("unknown field") || msg.starts_with("missing field");
+    let what = if safe {
+        msg.split(" at line ").next().unwrap_or("").to_string()
+    } else {
+        match e.classify() {
+            serde_json::error::Category::Syntax => "JSON syntax error".into(),
+            serde_json::error::Category::Eof => "unexpected end of the file".into(),
+            serde_json::error::Category::Data => "a value of the wrong type or form".into(),
+            serde_json::error::Category::Io => "read error".into(),
+        }
+    };
+    format!("{what} at line {} column {}", e.line(), e.column())
 }
 
 fn tmp_path(path: &Path) -> PathBuf {
@@ -653,13 +684,12 @@ fn check_private(_path: &Path, _meta: &std::fs::Metadata) -> Result<(), CryptoEr
     Ok(())
 }
 
-fn write_private(path: &Path, text: &str, new: bool) -> Result<(), CryptoError> {
+/// Creates `path` with mode 0600 from the start (never chmod after the fact: the key would be
+/// readable in between) and refuses an existing file.
+fn write_private(path: &Path, text: &str) -> Result<(), CryptoError> {
     use std::io::Write;
     let mut opts = std::fs::OpenOptions::new();
-    opts.write(true);
-    if new {
-        opts.create_new(true);
-    }
+    opts.write(true).create_new(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
@@ -736,11 +766,34 @@ mod tests {
     }
 
     #[test]
+    fn parse_errors_never_quote_values() {
+        let secret = "c2VjcmV0LWtleS1tYXRlcmlhbC10aGF0LW11c3Qtbm90LWxlYWs";
+        for text in [
+            format!(r#"{{"outboxd_keyring": "{secret}"}}"#),
+            format!(r#"{{"outboxd_keyring": 1, "current": ["{secret}"]}}"#),
+            format!(
+                r#"{{"outboxd_keyring": 1, "current": "k1", "keys": [{{"id": "k1", "created_at": "x", "key": 5, "canary": "{secret}"}}]}}"#
+            ),
+        ] {
+            let e = Keyring::from_json(&text).unwrap_err().to_string();
+            assert!(!e.contains(secret), "{e}");
+            assert!(e.contains("line 1"), "{e}");
+        }
+        let e = Keyring::from_json(r#"{"outboxd_keyring": 1, "curent": "k1"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `curent`"), "{e}");
+    }
+
+    #[test]
     fn key_ids() {
         assert!(validate_key_id("k1f3a9c0d").is_ok());
         assert!(validate_key_id("a_b-C9").is_ok());
         assert!(validate_key_id("").is_err());
         assert!(validate_key_id("a:b").is_err());
         assert!(validate_key_id(&"a".repeat(33)).is_err());
+        // `d-` is reserved for per-aggregate data keys.
+        let k = Keyring::generate(8).unwrap();
+        let text = k.to_json().replace(k.current_id(), "d-0011223344556677");
+        let e = Keyring::from_json(&text).unwrap_err();
+        assert!(e.to_string().contains("per-aggregate data keys"), "{e}");
     }
 }

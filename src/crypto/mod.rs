@@ -15,6 +15,7 @@ pub mod error;
 pub mod keyring;
 pub mod reencrypt;
 pub mod schema;
+pub mod shred;
 
 pub use blind::{BlindIndex, Normalize};
 pub use error::CryptoError;
@@ -55,9 +56,7 @@ pub fn encrypt_value(
     pointer: &str,
     value: &Value,
 ) -> Result<String, CryptoError> {
-    let (id, material) = keyring.current();
-    let plain = Zeroizing::new(serde_json::to_vec(value).expect("a JSON value serialises"));
-    Ok(envelope::seal(material, id, event_id, pointer, &plain))
+    Ok(SealingKey::current(keyring).seal(event_id, pointer, value))
 }
 
 /// Decrypts one `enc:v1:` string found at `pointer` of event `event_id`.
@@ -68,7 +67,9 @@ pub fn decrypt_value(
     s: &str,
 ) -> Result<Value, CryptoError> {
     let parsed = envelope::parse(s, pointer)?;
-    let material = keyring.material(parsed.key_id, pointer)?;
+    let Resolved::Key(material) = keyring.resolve(parsed.key_id, pointer)? else {
+        unreachable!("a keyring never erases")
+    };
     let plain = envelope::open(material, &parsed, event_id, pointer)?;
     serde_json::from_slice(&plain).map_err(|_| {
         // Authenticated but not JSON: only a writer bug can do this.
@@ -76,8 +77,27 @@ pub fn decrypt_value(
     })
 }
 
+/// The key new values are sealed with: the keyring's current key, or an aggregate's data key.
+#[derive(Clone, Copy)]
+pub struct SealingKey<'a> {
+    pub id: &'a str,
+    pub material: &'a [u8; 32],
+}
+
+impl<'a> SealingKey<'a> {
+    pub fn current(keyring: &'a Keyring) -> Self {
+        let (id, material) = keyring.current();
+        SealingKey { id, material }
+    }
+
+    fn seal(&self, event_id: Uuid, pointer: &str, value: &Value) -> String {
+        let plain = Zeroizing::new(serde_json::to_vec(value).expect("a JSON value serialises"));
+        envelope::seal(self.material, self.id, event_id, pointer, &plain)
+    }
+}
+
 fn encrypt_walk(
-    keyring: &Keyring,
+    key: SealingKey<'_>,
     event_id: Uuid,
     node: Option<&Node>,
     value: &mut Value,
@@ -91,7 +111,7 @@ fn encrypt_walk(
                 });
             }
         }
-        let sealed = encrypt_value(keyring, event_id, pointer, value)?;
+        let sealed = key.seal(event_id, pointer, value);
         // Overwrite the clear string's buffer before dropping it.
         if let Value::String(s) = value {
             zeroize::Zeroize::zeroize(s);
@@ -108,7 +128,7 @@ fn encrypt_walk(
                 let child = node.and_then(|n| n.props.get(k));
                 let len = pointer.len();
                 push_segment(pointer, k);
-                encrypt_walk(keyring, event_id, child, v, pointer)?;
+                encrypt_walk(key, event_id, child, v, pointer)?;
                 pointer.truncate(len);
             }
             Ok(())
@@ -119,7 +139,7 @@ fn encrypt_walk(
                 let len = pointer.len();
                 pointer.push('/');
                 pointer.push_str(&i.to_string());
-                encrypt_walk(keyring, event_id, child, v, pointer)?;
+                encrypt_walk(key, event_id, child, v, pointer)?;
                 pointer.truncate(len);
             }
             Ok(())
@@ -128,16 +148,41 @@ fn encrypt_walk(
     }
 }
 
-/// What decryption found at one field.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Decrypted {
-    Value(Value),
-    /// The field's data key was forgotten (crypto-shredding): the value is gone for good.
+/// Where the material of a key id comes from when decrypting.
+pub enum Resolved<'a> {
+    Key(&'a [u8; 32]),
+    /// The key was deliberately destroyed (crypto-shredding): the value is gone for good.
     Erased,
 }
 
+/// Finds the material for a key id. The keyring is one; [`shred::DataKeys`] adds the
+/// per-aggregate data keys of a keystore.
+pub trait KeyResolver {
+    fn resolve(&self, key_id: &str, pointer: &str) -> Result<Resolved<'_>, CryptoError>;
+}
+
+impl KeyResolver for Keyring {
+    fn resolve(&self, key_id: &str, pointer: &str) -> Result<Resolved<'_>, CryptoError> {
+        if shred::is_data_key_id(key_id) {
+            return Err(CryptoError::NeedKeystore {
+                pointer: pointer.to_string(),
+                key_id: key_id.to_string(),
+            });
+        }
+        self.material(key_id, pointer).map(Resolved::Key)
+    }
+}
+
+/// A decrypted payload: erased fields (their data key forgotten) are `null` in `payload` and
+/// listed by pointer in `erased`, so a consumer can tell erased from a real null.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decrypted {
+    pub payload: Value,
+    pub erased: Vec<String>,
+}
+
 fn decrypt_walk(
-    keyring: &Keyring,
+    keys: &dyn KeyResolver,
     event_id: Uuid,
     value: &mut Value,
     pointer: &mut String,
@@ -145,18 +190,28 @@ fn decrypt_walk(
 ) -> Result<(), CryptoError> {
     match value {
         Value::String(s) if looks_encrypted(s) => {
-            let clear = decrypt_value(keyring, event_id, pointer, s)?;
-            stats.fields += 1;
-            // Values decrypted here are not walked again: an `enc:` string inside a sensitive
-            // object was clear text when it was sealed.
-            *value = clear;
+            let parsed = envelope::parse(s, pointer)?;
+            match keys.resolve(parsed.key_id, pointer)? {
+                Resolved::Key(material) => {
+                    let plain = envelope::open(material, &parsed, event_id, pointer)?;
+                    // Values decrypted here are not walked again: an `enc:` string inside a
+                    // sensitive object was clear text when it was sealed.
+                    *value = serde_json::from_slice(&plain).map_err(|_| {
+                        CryptoError::malformed(pointer, "the decrypted value is not JSON")
+                    })?;
+                }
+                Resolved::Erased => {
+                    *value = Value::Null;
+                    stats.erased.push(pointer.clone());
+                }
+            }
             Ok(())
         }
         Value::Object(map) => {
             for (k, v) in map.iter_mut() {
                 let len = pointer.len();
                 push_segment(pointer, k);
-                decrypt_walk(keyring, event_id, v, pointer, stats)?;
+                decrypt_walk(keys, event_id, v, pointer, stats)?;
                 pointer.truncate(len);
             }
             Ok(())
@@ -166,7 +221,7 @@ fn decrypt_walk(
                 let len = pointer.len();
                 pointer.push('/');
                 pointer.push_str(&i.to_string());
-                decrypt_walk(keyring, event_id, v, pointer, stats)?;
+                decrypt_walk(keys, event_id, v, pointer, stats)?;
                 pointer.truncate(len);
             }
             Ok(())
@@ -177,7 +232,7 @@ fn decrypt_walk(
 
 #[derive(Debug, Default)]
 struct WalkStats {
-    fields: usize,
+    erased: Vec<String>,
 }
 
 /// Encrypts the fields `schema` marks, under the keyring's current key, for event `event_id`.
@@ -189,15 +244,19 @@ pub fn encrypt_payload(
     event_id: Uuid,
     payload: &Value,
 ) -> Result<Value, CryptoError> {
+    encrypt_payload_with(SealingKey::current(keyring), schema, event_id, payload)
+}
+
+/// [`encrypt_payload`] under a given key (an aggregate's data key).
+pub fn encrypt_payload_with(
+    key: SealingKey<'_>,
+    schema: &Schema,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Value, CryptoError> {
     let mut out = payload.clone();
     let mut pointer = String::new();
-    encrypt_walk(
-        keyring,
-        event_id,
-        Some(&schema.root),
-        &mut out,
-        &mut pointer,
-    )?;
+    encrypt_walk(key, event_id, Some(&schema.root), &mut out, &mut pointer)?;
     Ok(out)
 }
 
@@ -208,16 +267,24 @@ pub fn decrypt_payload(
     event_id: Uuid,
     payload: &Value,
 ) -> Result<Value, CryptoError> {
+    let d = decrypt_payload_with(keyring, event_id, payload)?;
+    debug_assert!(d.erased.is_empty(), "a keyring alone never erases");
+    Ok(d.payload)
+}
+
+/// [`decrypt_payload`] with any key source; erased fields are reported, not failed.
+pub fn decrypt_payload_with(
+    keys: &dyn KeyResolver,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Decrypted, CryptoError> {
     let mut out = payload.clone();
-    let mut pointer = String::new();
-    decrypt_walk(
-        keyring,
-        event_id,
-        &mut out,
-        &mut pointer,
-        &mut WalkStats::default(),
-    )?;
-    Ok(out)
+    let mut stats = WalkStats::default();
+    decrypt_walk(keys, event_id, &mut out, &mut String::new(), &mut stats)?;
+    Ok(Decrypted {
+        payload: out,
+        erased: stats.erased,
+    })
 }
 
 /// Brings one stored payload up to date: values under an older key are opened and sealed again
@@ -241,7 +308,9 @@ pub fn reencrypt_payload(
         match value {
             Value::String(s) if looks_encrypted(s) => {
                 let parsed = envelope::parse(s, pointer)?;
-                if parsed.key_id != keyring.current_id() {
+                // Data-key values stay under their aggregate's key (its wrapping is what
+                // rotates: Keystore::rewrap).
+                if parsed.key_id != keyring.current_id() && !shred::is_data_key_id(parsed.key_id) {
                     let clear = decrypt_value(keyring, event_id, pointer, s)?;
                     *value = Value::String(encrypt_value(keyring, event_id, pointer, &clear)?);
                     *changed = true;
@@ -314,6 +383,7 @@ pub fn key_ids_in(payload: &Value) -> std::collections::BTreeMap<String, usize> 
 pub struct Encryptor {
     keyring: Arc<Keyring>,
     schema: Arc<Schema>,
+    keystore: Option<Arc<shred::Keystore>>,
 }
 
 impl Encryptor {
@@ -321,6 +391,55 @@ impl Encryptor {
         Encryptor {
             keyring: Arc::new(keyring),
             schema: Arc::new(schema),
+            keystore: None,
+        }
+    }
+
+    /// Seals each event's fields with its aggregate's data key from `keystore` (created on
+    /// first use), so `keys forget --aggregate ID` can later erase them (crypto-shredding).
+    pub fn with_keystore(mut self, keystore: shred::Keystore) -> Encryptor {
+        self.keystore = Some(Arc::new(keystore));
+        self
+    }
+
+    pub fn keystore(&self) -> Option<&shred::Keystore> {
+        self.keystore.as_deref()
+    }
+
+    /// Encrypts an event's payload: under the aggregate's data key when there is a keystore,
+    /// else under the keyring's current key.
+    pub async fn encrypt_event(
+        &self,
+        event_id: Uuid,
+        aggregate_id: &str,
+        payload: &Value,
+    ) -> Result<Value, crate::Error> {
+        match &self.keystore {
+            None => Ok(self.encrypt_payload(event_id, payload)?),
+            Some(ks) => {
+                let (id, material) = ks.data_key_for(&self.keyring, aggregate_id).await?;
+                let key = SealingKey {
+                    id: &id,
+                    material: &material,
+                };
+                Ok(encrypt_payload_with(key, &self.schema, event_id, payload)?)
+            }
+        }
+    }
+
+    /// Decrypts an event's payload, looking data keys up in the keystore when there is one;
+    /// fields whose data key was forgotten come back erased.
+    pub async fn decrypt_event(
+        &self,
+        event_id: Uuid,
+        payload: &Value,
+    ) -> Result<Decrypted, crate::Error> {
+        match &self.keystore {
+            None => Ok(decrypt_payload_with(&*self.keyring, event_id, payload)?),
+            Some(ks) => {
+                let keys = ks.resolver(&self.keyring, payload).await?;
+                Ok(decrypt_payload_with(&keys, event_id, payload)?)
+            }
         }
     }
 

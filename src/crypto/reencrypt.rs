@@ -125,14 +125,14 @@ pub async fn run(
 }
 
 /// How many rows hold at least one value under each key id (whether or not the keyring knows
-/// it). One scan of the table; the pattern is that of the value format, quotes included.
+/// it); values under per-aggregate data keys are counted together as `d-*`. One scan of the table; the pattern is that of the value format, quotes included.
 pub async fn count_by_key(
     client: &tokio_postgres::Client,
     table: &TableName,
     columns: &ColumnMap,
 ) -> Result<BTreeMap<String, i64>, Error> {
     let sql = format!(
-        "SELECT m[1], count(DISTINCT {id}) FROM {t}, \
+        "SELECT CASE WHEN m[1] LIKE 'd-%' THEN 'd-*' ELSE m[1] END, count(DISTINCT {id}) FROM {t}, \
          LATERAL regexp_matches({payload}::text, '\"enc:v1:([A-Za-z0-9_-]{{1,32}}):', 'g') AS m \
          GROUP BY 1",
         t = table.pg_quoted(),

@@ -61,6 +61,7 @@ pub struct Outlet {
 impl Outlet {
     /// Sends an event after reserving its bytes. Errors when the relay is gone.
     pub async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
+        crate::telemetry::get().events_read.inc();
         let permit = self.budget.acquire(event.size()).await;
         self.events
             .send(SourceMsg::Event(Box::new(event), permit))

@@ -13,7 +13,12 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// How long a lease lasts without renewal; a relay renews it about every second.
-pub const LEASE_TTL: Duration = Duration::from_secs(10);
+pub const LEASE_TTL: Duration = Duration::from_secs(5);
+/// With `--ha`, a leader that could not renew for this long stops publishing: before its
+/// lease can expire and a standby take over, so two relays never publish at once.
+pub const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
+/// One renewal may take this long; a stalled connection must not stall the lease keeper.
+pub const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
 pub const RENEW_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Identifies this process as a lease holder: `host:pid:nonce`.
@@ -101,8 +106,10 @@ pub async fn keep_lease<S: StateStore>(
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
     commits: watch::Receiver<DurableCommit>,
+    self_fence: bool,
     stop: CancellationToken,
 ) -> Result<(), Error> {
+    let mut renewed = std::time::Instant::now();
     let mut written: Option<Checkpoint> = None;
     // Until the first acknowledgement, the first start's snapshot (or a requested replay) is
     // not known to be durable: only then is it marked done.
@@ -122,10 +129,26 @@ pub async fn keep_lease<S: StateStore>(
             .clone()
             .filter(|p| Some(p) != written.as_ref());
         let commit = commits.borrow().clone();
-        match store.renew(&lease, pos.as_ref(), &commit).await {
+        let attempt =
+            tokio::time::timeout(RENEW_TIMEOUT, store.renew(&lease, pos.as_ref(), &commit))
+                .await
+                .unwrap_or_else(|_| Err(Error::source("lease renewal timed out", true)));
+        if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {
+            crate::telemetry::get().leader.set(0);
+            return Err(Error::Leadership(format!(
+                "could not renew the lease of {:?} for {:.1}s: stopping before it can expire (a standby takes over)",
+                lease.name,
+                renewed.elapsed().as_secs_f64()
+            )));
+        }
+        match attempt {
             Ok(()) => {
+                renewed = std::time::Instant::now();
+                let t = crate::telemetry::get();
+                t.leader.set(1);
                 if pos.is_some() {
                     written = pos;
+                    t.position_stored();
                 }
                 if needs_init && written.is_some() {
                     match store.mark_initialized(&lease).await {
@@ -137,7 +160,10 @@ pub async fn keep_lease<S: StateStore>(
                     }
                 }
             }
-            Err(e @ Error::Leadership(_)) => return Err(e),
+            Err(e @ Error::Leadership(_)) => {
+                crate::telemetry::get().leader.set(0);
+                return Err(e);
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "lease renewal failed; retrying");
                 if stopping {
@@ -154,6 +180,7 @@ pub async fn keep_lease<S: StateStore>(
             if let Err(e) = store.release(&lease).await {
                 tracing::warn!(error = %e, "could not release the lease; it expires by itself");
             }
+            crate::telemetry::get().leader.set(0);
             return Ok(());
         }
     }

@@ -12,6 +12,9 @@ pub struct PgStateStore {
     dsn: DbDsn,
     app: String,
     client: Option<Client>,
+    /// The slot whose retained WAL is reported as a metric, every few renewals.
+    slot: Option<String>,
+    renewals: u64,
 }
 
 impl PgStateStore {
@@ -20,7 +23,14 @@ impl PgStateStore {
             dsn,
             app,
             client: None,
+            slot: None,
+            renewals: 0,
         }
+    }
+
+    pub fn with_slot(mut self, slot: &str) -> Self {
+        self.slot = Some(slot.to_string());
+        self
     }
 
     async fn client(&mut self) -> Result<&Client, Error> {
@@ -43,6 +53,23 @@ impl StateStore for PgStateStore {
             _ => None,
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
+        self.renewals += 1;
+        if r.is_ok() && self.renewals % 5 == 1 {
+            if let (Some(slot), Some(c)) = (&self.slot, &self.client) {
+                let retained: Option<i64> = c
+                    .query_opt(
+                        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = $1",
+                        &[slot],
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|row| row.get(0));
+                if let Some(b) = retained {
+                    crate::telemetry::get().slot_retained_wal_bytes.set(b);
+                }
+            }
+        }
         if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
             self.client = None;
         }

@@ -1,6 +1,7 @@
 //! Shared test harness: real services (each test gets its own database, slot and names), the
 //! outboxd binary as a child process, and polling with deadlines instead of sleeps.
 #![allow(dead_code)]
+pub mod partitions;
 pub mod proxy;
 
 use std::io::{BufRead, BufReader};
@@ -315,6 +316,24 @@ impl Relay {
     }
 }
 
+impl Relay {
+    /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
+    pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let err = self.stderr();
+            if needles.iter().all(|n| err.contains(n)) {
+                return;
+            }
+            if Instant::now() > deadline {
+                let missing: Vec<&&str> = needles.iter().filter(|n| !err.contains(**n)).collect();
+                panic!("timed out after {timeout:?} waiting for {missing:?} in the relay's stderr:\n{err}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 impl Drop for Relay {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -354,12 +373,18 @@ pub mod amqp {
         url_via(HOST_PORT)
     }
 
+    /// Connects to the local broker, waiting up to a minute: other tests on the machine may be
+    /// restarting it.
     pub async fn connect() -> Connection {
-        match Connection::connect(&url(), ConnectionProperties::default()).await {
-            Ok(c) => c,
-            Err(e) => panic!(
-                "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
-            ),
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Connection::connect(&url(), ConnectionProperties::default()).await {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > deadline => panic!(
+                    "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
+                ),
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
         }
     }
 
@@ -391,6 +416,8 @@ pub mod amqp {
         /// Reopened when the broker was restarted.
         conn: tokio::sync::Mutex<Connection>,
         queues: Vec<String>,
+        /// Further exchanges to delete on drop (partition layouts).
+        exchanges: Vec<String>,
     }
 
     impl Topology {
@@ -400,7 +427,27 @@ pub mod amqp {
                 queues: vec![format!("{exchange}.unrouted"), format!("{exchange}.dead")],
                 exchange,
                 conn: tokio::sync::Mutex::new(connect().await),
+                exchanges: Vec::new(),
             }
+        }
+
+        /// Deletes these queues and exchanges too when dropped (declared by the relay or by
+        /// `outboxd topology`).
+        pub fn adopt(&mut self, queues: &[String], exchanges: &[String]) {
+            self.queues.extend_from_slice(queues);
+            self.exchanges.extend_from_slice(exchanges);
+        }
+
+        /// Adopts a partition layout: `<prefix>.p0 … p<n-1>` and `<prefix>.partitioned`, and for
+        /// a consumer group its `<prefix>.unrouted`; returns the queue names in partition order.
+        pub fn adopt_partitions(&mut self, prefix: &str, n: u32, group: bool) -> Vec<String> {
+            let queues: Vec<String> = (0..n).map(|k| format!("{prefix}.p{k}")).collect();
+            self.adopt(&queues, &[format!("{prefix}.partitioned")]);
+            if group {
+                let u = format!("{prefix}.unrouted");
+                self.adopt(std::slice::from_ref(&u), std::slice::from_ref(&u));
+            }
+            queues
         }
 
         pub fn unrouted(&self) -> String {
@@ -544,6 +591,7 @@ pub mod amqp {
         fn drop(&mut self) {
             let x = self.exchange.clone();
             let queues = std::mem::take(&mut self.queues);
+            let mut exchanges = std::mem::take(&mut self.exchanges);
             let _ = std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -565,7 +613,8 @@ pub mod amqp {
                                 .await;
                         }
                     }
-                    for e in [format!("{x}.unrouted"), x] {
+                    exchanges.extend([format!("{x}.unrouted"), x]);
+                    for e in exchanges {
                         if let Ok(ch) = conn.create_channel().await {
                             let _ = ch
                                 .exchange_delete(e.into(), ExchangeDeleteOptions::default())

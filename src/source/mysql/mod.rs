@@ -446,6 +446,7 @@ pub async fn run(
             by = if resume.by_gtid(cfg.mariadb) { "gtid" } else { "position" },
             server_id = cfg.server_id, "streaming the binlog"
         );
+        crate::telemetry::get().source_streaming.set(1);
         let mut dec = Decoder::new(
             cfg.table.clone(),
             &resume.file,

@@ -307,6 +307,7 @@ pub async fn run(
             continue;
         }
         tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
+        crate::telemetry::get().source_streaming.set(1);
         let mut in_txn: Option<Txn> = None;
         let mut last_idle_checkpoint: u64 = 0;
 
@@ -347,6 +348,9 @@ pub async fn run(
                                 return Err(err);
                             }
                             let d = backoff.next_delay();
+                            let t = crate::telemetry::get();
+                            t.source_streaming.set(0);
+                            t.reconnect("source");
                             tracing::warn!(error = %err, retry_in = ?d, "replication stream broke; resuming from the slot");
                             tokio::time::sleep(d).await;
                             continue 'connect;
@@ -395,6 +399,7 @@ pub async fn run(
                         }
                         ReplicationEvent::KeepAlive { wal_end, .. } => {
                             let w = wal_end.as_u64();
+                            crate::telemetry::get().source_lag_bytes.set(w.saturating_sub(acked) as i64);
                             // Everything before a keepalive has been sent to us, so once the
                             // events before it are durable the slot may move here: an idle
                             // outbox beside busy tables keeps the slot near the head.

@@ -1,0 +1,21 @@
+-- The consumer side of effectively-once for MySQL 8 / MariaDB (docs/consumer.md). A consumer
+-- records every event id it has processed in the same transaction as the effect, claim first:
+--   INSERT IGNORE INTO processed_messages (consumer, message_id) VALUES (?, ?)
+-- 0 affected rows with only a duplicate-key warning = a repeat, run nothing (any other warning
+-- is an error: INSERT IGNORE turns errors such as truncation into warnings).
+CREATE TABLE IF NOT EXISTS processed_messages (
+    consumer      VARCHAR(100) NOT NULL,                          -- the consumer's name
+    message_id    BINARY(16)   NOT NULL,                          -- event id, RFC 4122 byte order
+    processed_at  DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, message_id),
+    KEY idx_processed_at (processed_at)   -- outboxd prune: DELETE … ORDER BY processed_at LIMIT n
+) ENGINE = InnoDB;
+
+-- The optional stale gate: the last applied x-aggregate-version per consumer and aggregate.
+CREATE TABLE IF NOT EXISTS consumer_aggregate_versions (
+    consumer      VARCHAR(100) NOT NULL,
+    aggregate_id  VARCHAR(255) NOT NULL,
+    version       BIGINT       NOT NULL,
+    updated_at    DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, aggregate_id)
+) ENGINE = InnoDB;

@@ -1,0 +1,24 @@
+-- The consumer side of effectively-once (docs/consumer.md). A consumer records every event id
+-- it has processed in the same transaction as the effect, claim first:
+--   INSERT INTO processed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING
+-- 0 rows = a repeat, run nothing. One table serves many consumers: the key starts with the
+-- consumer's name, so each consumer sees every event once.
+CREATE TABLE IF NOT EXISTS processed_messages (
+    consumer      varchar(100) NOT NULL,               -- the consumer's name (Inbox::new)
+    message_id    uuid         NOT NULL,               -- the event id = AMQP message_id
+    processed_at  timestamptz  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, message_id)
+);
+-- `outboxd prune --table processed_messages --older-than 7d` walks this index oldest first.
+CREATE INDEX IF NOT EXISTS processed_messages_processed_at ON processed_messages (processed_at);
+
+-- The optional stale gate: the last applied x-aggregate-version per consumer and aggregate.
+-- A message whose version is not newer is dropped (in the same transaction as the claim).
+-- One row per aggregate, kept as long as the aggregate may still receive events: not pruned.
+CREATE TABLE IF NOT EXISTS consumer_aggregate_versions (
+    consumer      varchar(100) NOT NULL,
+    aggregate_id  text         NOT NULL,
+    version       bigint       NOT NULL,
+    updated_at    timestamptz  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, aggregate_id)
+);

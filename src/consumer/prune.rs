@@ -1,0 +1,605 @@
+//! `outboxd prune`: deletes `processed_messages` or outbox rows older than a window, in small
+//! batches, on Postgres and MySQL/MariaDB.
+//!
+//! Why batches: one `DELETE` of millions of rows holds its locks and its undo for the whole
+//! statement, bloats the replication stream in one burst and stalls replicas. Each batch here
+//! is one short statement (its own transaction), followed by a pause. The cutoff is computed
+//! once, from the database clock, so rows written while the prune runs are never candidates.
+//!
+//! - Postgres: `DELETE … WHERE ctid = ANY(ARRAY(SELECT ctid … LIMIT n)) AND <condition>`; the
+//!   condition is checked again on the row being deleted, so a row changed meanwhile (a poll
+//!   relay marking it) is never deleted on stale information.
+//! - MySQL: `DELETE … WHERE <condition> [ORDER BY time] LIMIT n`.
+//!
+//! One pruner per table at a time: `pg_try_advisory_lock` / `GET_LOCK` on a name derived from
+//! the table; a second one stops with the holder's session.
+//!
+//! Which rows: for a dedupe table (columns `consumer`, `message_id`, `processed_at`) those
+//! processed before the cutoff (optionally of one consumer); for an outbox table those created
+//! before it — in poll mode only rows already `published` (a pending one is still to be sent).
+
+use super::ConsumerError;
+use crate::cli::Mode;
+use crate::dsn::DbDsn;
+use crate::outbox::{pg_ident, ColumnMap, TableName};
+use std::fmt;
+use std::time::{Duration, Instant};
+use tokio_postgres::types::Type;
+use tokio_util::sync::CancellationToken;
+
+/// The shortest window pruned without `--force`: the relay's replay horizon.
+pub const MIN_WINDOW: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Debug, Clone)]
+pub struct PruneOptions {
+    pub table: TableName,
+    /// Column renames of an outbox table (`--column`).
+    pub columns: ColumnMap,
+    pub older_than: Duration,
+    pub batch: u64,
+    pub pause: Duration,
+    pub dry_run: bool,
+    pub force: bool,
+    /// Poll mode: only `published` outbox rows are deleted.
+    pub mode: Mode,
+    /// Only this consumer's `processed_messages` rows.
+    pub consumer: Option<String>,
+}
+
+/// What kind of table is pruned, found from its columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableKind {
+    Processed,
+    Outbox,
+}
+
+impl fmt::Display for TableKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TableKind::Processed => "processed_messages",
+            TableKind::Outbox => "outbox",
+        })
+    }
+}
+
+/// Progress so far, and at the end the summary.
+#[derive(Debug, Clone)]
+pub struct PruneReport {
+    pub table: String,
+    pub kind: TableKind,
+    /// The cutoff as the database printed it: rows older than this are deleted.
+    pub cutoff: String,
+    /// Rows deleted (with `--dry-run`: rows that would be).
+    pub rows: u64,
+    pub batches: u64,
+    pub elapsed: Duration,
+    pub dry_run: bool,
+    /// Stopped by SIGINT/SIGTERM between batches.
+    pub interrupted: bool,
+}
+
+impl PruneReport {
+    pub fn rows_per_sec(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.rows as f64 / s
+        } else {
+            0.0
+        }
+    }
+}
+
+impl fmt::Display for PruneReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.dry_run {
+            return write!(
+                f,
+                "dry run: would delete {} rows from {} ({}) older than {} in {} batches; nothing deleted",
+                self.rows, self.table, self.kind, self.cutoff, self.batches
+            );
+        }
+        write!(
+            f,
+            "{}: deleted {} rows from {} ({}) older than {} in {} batches, {:.1}s, {:.0} rows/s",
+            if self.interrupted {
+                "interrupted"
+            } else {
+                "done"
+            },
+            self.rows,
+            self.table,
+            self.kind,
+            self.cutoff,
+            self.batches,
+            self.elapsed.as_secs_f64(),
+            self.rows_per_sec()
+        )
+    }
+}
+
+/// Refuses a window shorter than [`MIN_WINDOW`] unless forced, saying why.
+pub fn check_window(
+    kind: TableKind,
+    older_than: Duration,
+    force: bool,
+) -> Result<(), ConsumerError> {
+    if older_than >= MIN_WINDOW || force {
+        return Ok(());
+    }
+    let shown = humanize(older_than);
+    let replay = "the relay can deliver an event again long after the first time: after a crash it republishes what the broker had not confirmed, recovery through the table (--on-position-lost poll) republishes rows created since the last confirmed commit minus --recovery-margin (or the largest commit gap seen), --snapshot since=TIME and `offset set --replay-since TIME` republish every row since TIME, and the broker redelivers whatever was unacked";
+    let problem = match kind {
+        TableKind::Processed => format!(
+            "--older-than {shown} is shorter than the 1 day replay horizon: refusing to prune processed_messages rows this young. A message redelivered after its row is pruned runs its effect twice, and {replay}"
+        ),
+        TableKind::Outbox => format!(
+            "--older-than {shown} is shorter than the 1 day replay horizon: refusing to prune outbox rows this young. Recovery through the table and replays read these rows; pruned, an event cannot be published again, and one republished after the consumers pruned its processed_messages row runs its effect twice ({replay})"
+        ),
+    };
+    Err(ConsumerError::config(
+        problem,
+        "keep rows longer than any redelivery can come, e.g. --older-than 7d; add --force only if no replay or redelivery can reach back that far",
+    ))
+}
+
+fn humanize(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 86400 && s.is_multiple_of(86400) {
+        format!("{}d", s / 86400)
+    } else if s >= 3600 && s.is_multiple_of(3600) {
+        format!("{}h", s / 3600)
+    } else if s >= 60 && s.is_multiple_of(60) {
+        format!("{}m", s / 60)
+    } else if d.subsec_millis() == 0 {
+        format!("{s}s")
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+/// The kind from the table's columns (lowercase names).
+fn kind_of(cols: &[String], opts: &PruneOptions, shown: &str) -> Result<TableKind, ConsumerError> {
+    let has = |c: &str| cols.iter().any(|x| x.eq_ignore_ascii_case(c));
+    if cols.is_empty() {
+        return Err(ConsumerError::config(
+            format!("table {shown} does not exist"),
+            "name an existing table: --table processed_messages or --table outbox (schema- or database-qualified if needed)",
+        ));
+    }
+    let kind = if has("consumer") && has("message_id") && has("processed_at") {
+        TableKind::Processed
+    } else if has(opts.columns.get("created_at")) {
+        TableKind::Outbox
+    } else {
+        return Err(ConsumerError::config(
+            format!("table {shown} is neither a processed_messages table (consumer, message_id, processed_at) nor an outbox table (created_at)"),
+            "name the dedupe table or the outbox table; map a renamed outbox column with --column created_at=…",
+        ));
+    };
+    if kind == TableKind::Outbox && opts.consumer.is_some() {
+        return Err(ConsumerError::config(
+            "--consumer applies to processed_messages tables",
+            "drop --consumer when pruning the outbox",
+        ));
+    }
+    if kind == TableKind::Outbox && opts.mode == Mode::Poll && !has(opts.columns.get("status")) {
+        return Err(ConsumerError::config(
+            format!("--mode poll prunes only published rows, but {shown} has no status column"),
+            "map it with --column status=…, or use --mode cdc (the relay never updates rows in CDC mode)",
+        ));
+    }
+    Ok(kind)
+}
+
+/// The time column and the extra condition for `kind`.
+fn time_column(kind: TableKind, opts: &PruneOptions) -> &str {
+    match kind {
+        TableKind::Processed => "processed_at",
+        TableKind::Outbox => opts.columns.get("created_at"),
+    }
+}
+
+fn batches_for(rows: u64, batch: u64) -> u64 {
+    rows.div_ceil(batch.max(1))
+}
+
+/// Sleeps `d` unless the shutdown comes first (then `false`).
+async fn pause(d: Duration, shutdown: &CancellationToken) -> bool {
+    if d.is_zero() {
+        return !shutdown.is_cancelled();
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = shutdown.cancelled() => false,
+    }
+}
+
+fn lock_name(qualified: &str) -> String {
+    let name = format!("outboxd_prune:{qualified}");
+    // MySQL lock names are at most 64 characters.
+    if name.len() <= 64 {
+        return name;
+    }
+    let k = super::IdempotencyKey::derive(uuid::Uuid::nil(), "outboxd_prune", qualified);
+    format!("outboxd_prune:{}", &k.hex()[..40])
+}
+
+/// Prunes a Postgres table. `progress` sees the report after every batch.
+pub async fn prune_postgres(
+    dsn: &DbDsn,
+    opts: &PruneOptions,
+    progress: &mut (dyn FnMut(&PruneReport) + Send),
+    shutdown: &CancellationToken,
+) -> Result<PruneReport, ConsumerError> {
+    let client = crate::source::postgres::connect_sql(dsn, "outboxd_prune").await?;
+    let shown = opts.table.pg_quoted();
+    let schema = opts.table.pg_schema().to_string();
+    let cols: Vec<String> = client
+        .query(
+            "SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2",
+            &[&schema, &opts.table.name],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get::<_, String>(0).to_lowercase())
+        .collect();
+    let kind = kind_of(&cols, opts, &shown)?;
+    if !opts.dry_run {
+        check_window(kind, opts.older_than, opts.force)?;
+    }
+    let time = pg_ident(time_column(kind, opts));
+    let mut cond = format!("{time} < $1");
+    if opts.consumer.is_some() {
+        cond.push_str(" AND consumer = $2");
+    }
+    if kind == TableKind::Outbox && opts.mode == Mode::Poll {
+        cond.push_str(&format!(
+            " AND {} = 'published'",
+            pg_ident(opts.columns.get("status"))
+        ));
+    }
+    let cutoff: chrono::DateTime<chrono::Utc> = client
+        .query_one(
+            "SELECT now() - $1::float8 * interval '1 second'",
+            &[&opts.older_than.as_secs_f64()],
+        )
+        .await?
+        .get(0);
+    let mut report = PruneReport {
+        table: shown.clone(),
+        kind,
+        cutoff: cutoff.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        rows: 0,
+        batches: 0,
+        elapsed: Duration::ZERO,
+        dry_run: opts.dry_run,
+        interrupted: false,
+    };
+    let batch = opts.batch as i64;
+    let consumer = opts.consumer.clone().unwrap_or_default();
+    type Param<'a> = (&'a (dyn tokio_postgres::types::ToSql + Sync), Type);
+    let mut params: Vec<Param<'_>> = vec![(&cutoff, Type::TIMESTAMPTZ)];
+    if opts.consumer.is_some() {
+        params.push((&consumer, Type::TEXT));
+    }
+    let start = Instant::now();
+    if opts.dry_run {
+        let sql = format!("SELECT count(*) FROM {shown} WHERE {cond}");
+        let n: i64 = client.query_typed(&sql, &params).await?[0].get(0);
+        report.rows = n as u64;
+        report.batches = batches_for(report.rows, opts.batch);
+        report.elapsed = start.elapsed();
+        return Ok(report);
+    }
+    // The batch size is the last parameter of the DELETE.
+    let limit = format!("${}", params.len() + 1);
+    params.push((&batch, Type::INT8));
+
+    let key = lock_name(&format!("{schema}.{}", opts.table.name));
+    let locked: bool = client
+        .query_one(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+            &[&key],
+        )
+        .await?
+        .get(0);
+    if !locked {
+        let holder = client
+            .query_opt(
+                "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.client_addr::text, 'local')
+                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'advisory' AND l.granted
+                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended($1, 0)
+                  LIMIT 1",
+                &[&key],
+            )
+            .await?
+            .map(|r| {
+                format!(
+                    "backend pid {} ({}, from {})",
+                    r.get::<_, i32>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, String>(2)
+                )
+            })
+            .unwrap_or_else(|| "another session".into());
+        return Err(ConsumerError::Database {
+            message: format!("another outboxd prune of {shown} is running: {holder} holds the advisory lock {key:?}; one pruner at a time"),
+            retryable: false,
+        });
+    }
+
+    // ORDER BY the time column only when an index leads with it (poll mode: (status, time)
+    // also serves); without one, a sort per batch would read every candidate each time.
+    let indexed: bool = client
+        .query_one(
+            "SELECT EXISTS (
+               SELECT 1 FROM pg_index i
+                 JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
+                 LEFT JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
+                WHERE i.indrelid = $1::regclass
+                  AND (a0.attname = $2 OR ($3 AND a0.attname = $4 AND a1.attname = $2)))",
+            &[
+                &shown,
+                &time_column(kind, opts),
+                &(kind == TableKind::Outbox && opts.mode == Mode::Poll),
+                &opts.columns.get("status"),
+            ],
+        )
+        .await?
+        .get(0);
+    if !indexed {
+        tracing::warn!(
+            "{shown} has no index on {time}: every batch scans for candidates; CREATE INDEX CONCURRENTLY ON {shown} ({time}) makes pruning cheaper"
+        );
+    }
+    let order = if indexed {
+        format!(" ORDER BY {time}")
+    } else {
+        String::new()
+    };
+    let sql = format!(
+        "DELETE FROM {shown} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {shown} WHERE {cond}{order} LIMIT {limit})) AND {cond}"
+    );
+    let result = async {
+        loop {
+            let n = client.execute_typed(&sql, &params).await?;
+            if n == 0 {
+                break;
+            }
+            report.rows += n;
+            report.batches += 1;
+            report.elapsed = start.elapsed();
+            progress(&report);
+            if !pause(opts.pause, shutdown).await {
+                report.interrupted = true;
+                break;
+            }
+        }
+        Ok::<_, ConsumerError>(())
+    }
+    .await;
+    let _ = client
+        .execute(
+            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+            &[&key],
+        )
+        .await;
+    result?;
+    report.elapsed = start.elapsed();
+    Ok(report)
+}
+
+/// Prunes a MySQL/MariaDB table (see [`prune_postgres`]).
+pub async fn prune_mysql(
+    dsn: &DbDsn,
+    opts: &PruneOptions,
+    progress: &mut (dyn FnMut(&PruneReport) + Send),
+    shutdown: &CancellationToken,
+) -> Result<PruneReport, ConsumerError> {
+    use mysql_async::prelude::Queryable;
+    let mut conn = super::mysql::connect(dsn).await?;
+    let shown = super::mysql::quoted(&opts.table);
+    let db: Option<String> = match &opts.table.schema {
+        Some(s) => Some(s.clone()),
+        None => conn.query_first("SELECT DATABASE()").await?.flatten(),
+    };
+    let Some(db) = db else {
+        return Err(ConsumerError::config(
+            "no database: the DSN names none and --table is not qualified",
+            "write mysql://user@host:3306/app or --table app.processed_messages",
+        ));
+    };
+    let cols: Vec<String> = conn
+        .exec::<String, _, _>(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
+            (db.as_str(), opts.table.name.as_str()),
+        )
+        .await?
+        .into_iter()
+        .map(|c| c.to_lowercase())
+        .collect();
+    let kind = kind_of(&cols, opts, &shown)?;
+    if !opts.dry_run {
+        check_window(kind, opts.older_than, opts.force)?;
+    }
+    let q = |s: &str| format!("`{}`", s.replace('`', "``"));
+    let time_name = time_column(kind, opts).to_string();
+    let time = q(&time_name);
+    let mut cond = format!("{time} < ?");
+    if opts.consumer.is_some() {
+        cond.push_str(" AND consumer = ?");
+    }
+    let status_name = opts.columns.get("status").to_string();
+    let poll = kind == TableKind::Outbox && opts.mode == Mode::Poll;
+    if poll {
+        cond.push_str(&format!(" AND {} = 'published'", q(&status_name)));
+    }
+    let micros = opts.older_than.as_micros() as u64;
+    let (cutoff, cutoff_text): (mysql_async::Value, String) = conn
+        .exec_first(
+            "SELECT NOW(6) - INTERVAL ? MICROSECOND, CAST(NOW(6) - INTERVAL ? MICROSECOND AS CHAR)",
+            (micros, micros),
+        )
+        .await?
+        .ok_or_else(|| ConsumerError::Database {
+            message: "the server returned no clock".into(),
+            retryable: true,
+        })?;
+    let mut params = vec![cutoff];
+    if let Some(c) = &opts.consumer {
+        params.push(c.clone().into());
+    }
+    let mut report = PruneReport {
+        table: shown.clone(),
+        kind,
+        cutoff: cutoff_text,
+        rows: 0,
+        batches: 0,
+        elapsed: Duration::ZERO,
+        dry_run: opts.dry_run,
+        interrupted: false,
+    };
+    let start = Instant::now();
+    if opts.dry_run {
+        let n: Option<u64> = conn
+            .exec_first(
+                format!("SELECT COUNT(*) FROM {shown} WHERE {cond}"),
+                params.clone(),
+            )
+            .await?;
+        report.rows = n.unwrap_or(0);
+        report.batches = batches_for(report.rows, opts.batch);
+        report.elapsed = start.elapsed();
+        return Ok(report);
+    }
+
+    let key = lock_name(&format!("{db}.{}", opts.table.name));
+    let got: Option<Option<i64>> = conn
+        .exec_first("SELECT GET_LOCK(?, 0)", (key.as_str(),))
+        .await?;
+    if got.flatten() != Some(1) {
+        let holder: Option<Option<u64>> = conn
+            .exec_first("SELECT IS_USED_LOCK(?)", (key.as_str(),))
+            .await?;
+        let holder = match holder.flatten() {
+            Some(id) => format!("connection {id}"),
+            None => "another session".into(),
+        };
+        return Err(ConsumerError::Database {
+            message: format!("another outboxd prune of {shown} is running: {holder} holds GET_LOCK({key:?}); one pruner at a time"),
+            retryable: false,
+        });
+    }
+    let indexed: Option<u64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.STATISTICS s
+              WHERE s.TABLE_SCHEMA = ? AND s.TABLE_NAME = ?
+                AND ((s.SEQ_IN_INDEX = 1 AND s.COLUMN_NAME = ?)
+                  OR (? AND s.SEQ_IN_INDEX = 2 AND s.COLUMN_NAME = ? AND EXISTS (
+                        SELECT 1 FROM information_schema.STATISTICS f
+                         WHERE f.TABLE_SCHEMA = s.TABLE_SCHEMA AND f.TABLE_NAME = s.TABLE_NAME
+                           AND f.INDEX_NAME = s.INDEX_NAME AND f.SEQ_IN_INDEX = 1 AND f.COLUMN_NAME = ?)))",
+            (
+                db.as_str(),
+                opts.table.name.as_str(),
+                time_name.as_str(),
+                poll,
+                time_name.as_str(),
+                status_name.as_str(),
+            ),
+        )
+        .await?;
+    let indexed = indexed.unwrap_or(0) > 0;
+    if !indexed {
+        tracing::warn!(
+            "{shown} has no index on {time}: every batch scans for candidates; ALTER TABLE {shown} ADD INDEX ({time}) makes pruning cheaper"
+        );
+    }
+    let order = if indexed {
+        format!(" ORDER BY {time}")
+    } else {
+        String::new()
+    };
+    let sql = format!(
+        "DELETE FROM {shown} WHERE {cond}{order} LIMIT {}",
+        opts.batch
+    );
+    let result = async {
+        loop {
+            conn.exec_drop(&sql, params.clone()).await?;
+            let n = conn.affected_rows();
+            if n == 0 {
+                break;
+            }
+            report.rows += n;
+            report.batches += 1;
+            report.elapsed = start.elapsed();
+            progress(&report);
+            if !pause(opts.pause, shutdown).await {
+                report.interrupted = true;
+                break;
+            }
+        }
+        Ok::<_, ConsumerError>(())
+    }
+    .await;
+    let _ = conn
+        .exec_drop("SELECT RELEASE_LOCK(?)", (key.as_str(),))
+        .await;
+    let _ = conn.disconnect().await;
+    result?;
+    report.elapsed = start.elapsed();
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_windows_are_refused_with_the_reason() {
+        let day = Duration::from_secs(86400);
+        assert!(check_window(TableKind::Processed, day * 7, false).is_ok());
+        assert!(check_window(TableKind::Processed, day, false).is_ok());
+        let e = check_window(TableKind::Processed, Duration::from_secs(3600), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--older-than 1h"), "{e}");
+        assert!(e.contains("runs its effect twice"), "{e}");
+        assert!(
+            e.contains("--recovery-margin") && e.contains("--snapshot since"),
+            "{e}"
+        );
+        assert!(e.contains("--force"), "{e}");
+        let e = check_window(TableKind::Outbox, Duration::from_secs(60), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("outbox rows"), "{e}");
+        assert!(check_window(TableKind::Outbox, Duration::from_secs(60), true).is_ok());
+    }
+
+    #[test]
+    fn summaries() {
+        let r = PruneReport {
+            table: "\"public\".\"processed_messages\"".into(),
+            kind: TableKind::Processed,
+            cutoff: "2026-01-01T00:00:00Z".into(),
+            rows: 20_000,
+            batches: 2,
+            elapsed: Duration::from_secs(2),
+            dry_run: false,
+            interrupted: false,
+        };
+        let s = r.to_string();
+        assert!(s.starts_with("done: deleted 20000 rows"), "{s}");
+        assert!(s.contains("10000 rows/s"), "{s}");
+        let d = PruneReport { dry_run: true, ..r };
+        assert!(d.to_string().contains("nothing deleted"));
+        assert_eq!(batches_for(20_001, 10_000), 3);
+        assert_eq!(humanize(Duration::from_secs(7 * 86400)), "7d");
+        assert_eq!(humanize(Duration::from_millis(1500)), "1500ms");
+        assert!(lock_name(&"x".repeat(100)).len() <= 64);
+    }
+}
