@@ -263,6 +263,55 @@ pub async fn renew(
     Ok(())
 }
 
+/// Moves the stored position by hand (`offset set`), backwards or forwards; refused while a
+/// live relay holds the lease. The first start counts as done: the next start resumes there.
+pub async fn set_position(
+    conn: &mut Conn,
+    name: &str,
+    file: &str,
+    pos: u64,
+    gtid: Option<&str>,
+) -> Result<(), Error> {
+    ensure_table(conn).await?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
+        (name,),
+    )
+    .await?;
+    let row: Raw = tx
+        .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
+        .await?
+        .ok_or_else(|| Error::Other(format!("state row of {name:?} vanished")))?;
+    let row = to_row(row);
+    if row.source != "mysql" {
+        return Err(Error::config(
+            format!(
+                "relay name {name:?} belongs to a {} source in this database",
+                row.source
+            ),
+            "choose another --name",
+        ));
+    }
+    if let Some(h) = row.lease_holder.as_deref() {
+        if row.lease_live && !holder_is_dead_locally(h) {
+            return Err(Error::config(
+                format!("relay {name:?} is running (lease held by {h})"),
+                "stop it first",
+            ));
+        }
+    }
+    tx.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,
+                initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)), updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ?",
+        (file, pos, gtid, format!("{file}:{pos}"), name),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
 pub async fn release(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
