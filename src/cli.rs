@@ -72,12 +72,8 @@ pub enum Command {
 pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Also check this sink: amqp://user@host:5672/vhost (reachable, login, topology).
-    #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
-    pub sink: Option<String>,
-    /// With --sink: the exchange the relay publishes to.
-    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
-    pub exchange: String,
+    #[command(flatten)]
+    pub sink: crate::sink::topology::SinkCheckArgs,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -500,9 +496,7 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         .await
     };
     let mut lines = lines;
-    if let Some(sink) = &args.sink {
-        lines.push(crate::operator::check_sink(sink, &args.exchange).await);
-    }
+    lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
