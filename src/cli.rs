@@ -72,6 +72,8 @@ pub enum Command {
 pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    #[command(flatten)]
+    pub sink: crate::sink::topology::SinkCheckArgs,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -493,6 +495,8 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         })
         .await
     };
+    let mut lines = lines;
+    lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());

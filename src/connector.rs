@@ -231,7 +231,13 @@ pub async fn run_postgres(
 /// Builds the sink named by `--sink`.
 pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
     Ok(match &cfg.sink {
-        SinkDsn::Stdout => AnySink::Stdout(StdoutSink::new(cfg.commit_offsets)),
+        SinkDsn::Stdout => {
+            let p = &cfg.rabbit.partitioning;
+            if p.partitions > 0 || p.sends_headers() {
+                tracing::warn!("--partitions and --group-partitions apply to a RabbitMQ sink: the stdout sink ignores them");
+            }
+            AnySink::Stdout(StdoutSink::new(cfg.commit_offsets))
+        }
         SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(RabbitConfig {
             url: url.clone(),
             exchange: cfg.rabbit.exchange.clone(),

@@ -140,6 +140,12 @@ async fn two_hundred_aggregates_keep_commit_order_in_four_partitions() {
     assert_eq!(written.len(), 10_000);
     drain_and_stop(&db, &slot, &mut relay).await;
 
+    // Declaring (and probing for an earlier N) left the publishing connection alone.
+    assert!(
+        !relay.stderr().contains("NOT_FOUND"),
+        "stderr:\n{}",
+        relay.stderr()
+    );
     let got = take_all_queues(&topo, &queues).await;
     let expected = by_aggregate(&written);
     let report = check_layout("--partitions 4", &got, Some("x-partition"), true, &expected);
@@ -420,4 +426,53 @@ async fn consistent_hash_routing_keeps_each_aggregate_in_one_queue() {
         .iter()
         .flatten()
         .all(|d| amqp::header(d, "x-partition").is_none()));
+
+    // `check` looks for the plugin when consistent-hash is asked for.
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args([
+            "check",
+            "--source",
+            &db.dsn(),
+            "--name",
+            &name,
+            "--exchange",
+            &x,
+        ])
+        .args([
+            "--partitions",
+            "3",
+            "--partition-routing",
+            "consistent-hash",
+        ])
+        .env("OUTBOXD_SINK", amqp::url())
+        .env("OUTBOXD_LOG_LEVEL", "warn,lapin=off")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("ok   rabbitmq consistent-hash"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ok   rabbitmq topology"), "{stdout}");
+    // Without the plugin the broker answers as for any unknown exchange type; that answer is
+    // what `check` and the relay turn into "enable rabbitmq_consistent_hash_exchange".
+    let ch = topo.channel().await;
+    let e = ch
+        .exchange_declare(
+            unique("outboxd_no_such_type").into(),
+            lapin::ExchangeKind::Custom("x-outboxd-no-such-type".into()),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    let text = match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) => p.get_message().to_string(),
+        _ => e.to_string(),
+    };
+    assert!(
+        outboxd::sink::topology::is_unknown_exchange_type(&text),
+        "{text}"
+    );
 }

@@ -240,7 +240,7 @@ impl RabbitSink {
         self.blocked.clone()
     }
 
-    async fn connection(&self) -> Result<Connection, SinkError> {
+    pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SinkError::Connection(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default()
@@ -268,14 +268,30 @@ impl RabbitSink {
         let _ = ch.close(200, "OK".into()).await;
         let passive = self.cfg.declare == DeclareMode::Passive;
         let mut warnings = Vec::new();
-        for l in layouts {
-            if !passive {
-                let probe = topology::probe(conn, l).await.map_err(io_or_protocol)?;
-                if let Some(w) = probe.changed_count(l) {
-                    tracing::warn!(layout = %l.exchange(), "{w}");
-                    warnings.push(w);
+        if !passive && !layouts.is_empty() {
+            // A probe that finds nothing closes its channel with NOT_FOUND, which lapin reports
+            // as an error event of the whole connection (the relay would take the publishing
+            // connection for broken): probe on a connection of its own.
+            let probing = self.connection().await?;
+            let mut result = Ok(());
+            for l in layouts {
+                match topology::probe(&probing, l).await {
+                    Ok(probe) => {
+                        if let Some(w) = probe.changed_count(l) {
+                            tracing::warn!(layout = %l.exchange(), "{w}");
+                            warnings.push(w);
+                        }
+                    }
+                    Err(e) => {
+                        result = Err(io_or_protocol(e));
+                        break;
+                    }
                 }
             }
+            let _ = probing.close(200, "OK".into()).await;
+            result?;
+        }
+        for l in layouts {
             topology::declare_layout(conn, l, passive)
                 .await
                 .map_err(|f| self.layout_error(f, l))?;
@@ -679,6 +695,7 @@ impl Sink for RabbitSink {
             sink = %self.redacted,
             exchange = %self.cfg.exchange,
             declare = ?self.cfg.declare,
+            partitions = self.cfg.partitioning.partitions,
             frame_max = link.conn.configuration().frame_max(),
             "connected to RabbitMQ"
         );
@@ -1198,6 +1215,38 @@ mod tests {
         assert!(matches!(get("list"), AMQPValue::FieldArray(_)));
         assert!(matches!(get("nested"), AMQPValue::FieldTable(_)));
         assert!(!h.contains_key("x-source-gtid"));
+    }
+
+    #[test]
+    fn partition_headers_with_partitions_on() {
+        let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
+        s.cfg.partitioning = crate::sink::partition::PartitionArgs {
+            partitions: 4,
+            group_partitions: vec![3],
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        let p4 = crate::sink::partition::partition_of("agg-1", 4).to_string();
+        let p3 = crate::sink::partition::partition_of("agg-1", 3).to_string();
+        assert_eq!(
+            h.get("x-partition"),
+            Some(&AMQPValue::LongString(p4.clone().into()))
+        );
+        assert_eq!(
+            h.get("x-partition-4"),
+            Some(&AMQPValue::LongString(p4.into()))
+        );
+        assert_eq!(
+            h.get("x-partition-3"),
+            Some(&AMQPValue::LongString(p3.into()))
+        );
+        // Off: no partition header at all.
+        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        assert!(h.keys().all(|k| !k.as_str().starts_with("x-partition")));
     }
 
     #[test]

@@ -601,8 +601,249 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
     Ok(())
 }
 
+/// The RabbitMQ part of `outboxd check` (flattened into its flags): the same sink flags as
+/// `run`. Without `--sink` (or with `stdout`) no sink is checked.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SinkCheckArgs {
+    /// Also check this RabbitMQ sink: amqp://user@host:5672/vhost (amqps:// for TLS).
+    #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
+    pub sink: Option<String>,
+    /// File holding the sink URL, or only its password.
+    #[arg(long, env = "OUTBOXD_SINK_FILE")]
+    pub sink_file: Option<PathBuf>,
+    /// The relay's topic exchange.
+    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
+    /// How the relay treats the topology: with auto, a missing exchange or queue is declared
+    /// by the relay (a warning here); with passive it must exist (a failure).
+    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
+    pub declare: DeclareMode,
+    /// PEM CA certificate trusted for an amqps:// sink.
+    #[arg(long, env = "OUTBOXD_SINK_CA")]
+    pub sink_ca: Option<PathBuf>,
+    /// PEM client certificate for an amqps:// sink (needs --sink-key).
+    #[arg(long, env = "OUTBOXD_SINK_CERT")]
+    pub sink_cert: Option<PathBuf>,
+    /// PEM private key of --sink-cert.
+    #[arg(long, env = "OUTBOXD_SINK_KEY")]
+    pub sink_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub partitions: partition::PartitionArgs,
+}
+
+fn check_line(
+    level: crate::operator::Level,
+    check: &str,
+    detail: impl Into<String>,
+    fix: Option<String>,
+) -> crate::operator::CheckLine {
+    crate::operator::CheckLine {
+        level,
+        check: check.into(),
+        detail: detail.into(),
+        fix,
+    }
+}
+
+/// The RabbitMQ checks of `outboxd check`: connect, the topology the relay uses (its partition
+/// queues included), and the consistent-hash plugin when `--partition-routing
+/// consistent-hash` asks for it. Never stops at the first failure.
+pub async fn check_rabbitmq(
+    args: &SinkCheckArgs,
+    m: &ArgMatches,
+) -> Vec<crate::operator::CheckLine> {
+    use crate::operator::Level;
+    let mut out = Vec::new();
+    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    let url = match crate::cli::resolve_dsn(
+        args.sink.as_deref(),
+        args.sink_file.as_deref(),
+        from_argv,
+        "sink",
+    ) {
+        Ok(Some(u)) => u,
+        Ok(None) => return out,
+        Err(e) => {
+            out.push(check_line(Level::Fail, "sink", e.to_string(), None));
+            return out;
+        }
+    };
+    let url = match SinkDsn::parse(&url) {
+        Ok(SinkDsn::Amqp(u)) => u,
+        Ok(SinkDsn::Stdout) => return out,
+        Err(e) => {
+            out.push(check_line(Level::Fail, "sink", e.to_string(), None));
+            return out;
+        }
+    };
+    let partitioning = match args
+        .partitions
+        .validate()
+        .and_then(|p| rabbitmq::validate_exchange(&args.exchange).map(|_| p))
+    {
+        Ok(p) => p,
+        Err(e) => {
+            out.push(check_line(
+                Level::Fail,
+                "rabbitmq settings",
+                e.to_string(),
+                None,
+            ));
+            return out;
+        }
+    };
+    let cfg = RabbitConfig {
+        url,
+        exchange: args.exchange.clone(),
+        declare: DeclareMode::Passive,
+        max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
+        op_timeout: Duration::from_secs(15),
+        ca_file: args.sink_ca.clone(),
+        cert_file: args.sink_cert.clone(),
+        key_file: args.sink_key.clone(),
+        connection_name: "outboxd check".into(),
+        partitioning: partitioning.clone(),
+    };
+    let sink = match RabbitSink::new(cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            out.push(check_line(
+                Level::Fail,
+                "rabbitmq settings",
+                e.to_string(),
+                None,
+            ));
+            return out;
+        }
+    };
+    let conn = match tokio::time::timeout(Duration::from_secs(15), sink.connection()).await {
+        Ok(Ok(c)) => {
+            out.push(check_line(Level::Ok, "rabbitmq connect", "connected", None));
+            c
+        }
+        Ok(Err(e)) => {
+            let (detail, fix) = split_fix(&e);
+            out.push(check_line(Level::Fail, "rabbitmq connect", detail, fix));
+            return out;
+        }
+        Err(_) => {
+            out.push(check_line(
+                Level::Fail,
+                "rabbitmq connect",
+                "no answer within 15s",
+                Some("check the host and port of --sink and that RabbitMQ runs".into()),
+            ));
+            return out;
+        }
+    };
+    if partitioning.routing == PartitionRouting::ConsistentHash {
+        out.push(consistent_hash_plugin(&conn).await);
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    if args.declare != DeclareMode::Off {
+        let layouts: Vec<Layout> = Layout::relay(&args.exchange, &partitioning)
+            .into_iter()
+            .collect();
+        let what = match layouts.first() {
+            Some(l) => format!(
+                "exchange {x}, {x}.unrouted, {x}.dead, {} and queues {} … {}",
+                l.exchange(),
+                l.queue(0),
+                l.queue(l.partitions - 1),
+                x = args.exchange
+            ),
+            None => format!("exchange {x}, {x}.unrouted, {x}.dead", x = args.exchange),
+        };
+        match sink.declare_layouts(&layouts).await {
+            Ok(_) => out.push(check_line(
+                Level::Ok,
+                "rabbitmq topology",
+                format!("{what} exist"),
+                None,
+            )),
+            Err(e) => {
+                let (detail, fix) = split_fix(&e);
+                let level = match (&e, args.declare) {
+                    // The relay declares what is missing itself.
+                    (SinkError::Config { .. }, DeclareMode::Auto) => Level::Warn,
+                    _ => Level::Fail,
+                };
+                let detail = if level == Level::Warn {
+                    format!("{detail} (the relay declares it with --declare auto)")
+                } else {
+                    detail
+                };
+                out.push(check_line(level, "rabbitmq topology", detail, fix));
+            }
+        }
+    }
+    out
+}
+
+fn split_fix(e: &SinkError) -> (String, Option<String>) {
+    match e {
+        SinkError::Config { problem, fix } => (problem.clone(), Some(fix.clone())),
+        other => (other.to_string(), None),
+    }
+}
+
+/// Declares and deletes a scratch exchange of type `x-consistent-hash`: the only way AMQP
+/// tells whether the plugin is enabled.
+async fn consistent_hash_plugin(conn: &Connection) -> crate::operator::CheckLine {
+    use crate::operator::Level;
+    let name = format!("outboxd.check.{}", uuid::Uuid::new_v4().simple());
+    let r = async {
+        let ch = conn.create_channel().await?;
+        ch.exchange_declare(
+            name.clone().into(),
+            ExchangeKind::Custom(CONSISTENT_HASH.into()),
+            ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        let _ = ch
+            .exchange_delete(name.clone().into(), Default::default())
+            .await;
+        let _ = ch.close(200, "OK".into()).await;
+        Ok::<(), lapin::Error>(())
+    }
+    .await;
+    match r {
+        Ok(()) => check_line(
+            Level::Ok,
+            "rabbitmq consistent-hash",
+            format!(
+                "exchange type {CONSISTENT_HASH} is available (plugin {CONSISTENT_HASH_PLUGIN})"
+            ),
+            None,
+        ),
+        Err(e) => {
+            let text = match e.kind() {
+                lapin::ErrorKind::ProtocolError(p) => p.get_message().to_string(),
+                _ => e.to_string(),
+            };
+            if is_unknown_exchange_type(&text) {
+                let SinkError::Config { problem, fix } = missing_plugin() else {
+                    unreachable!()
+                };
+                check_line(Level::Fail, "rabbitmq consistent-hash", problem, Some(fix))
+            } else {
+                check_line(
+                    Level::Warn,
+                    "rabbitmq consistent-hash",
+                    format!("could not tell whether the plugin {CONSISTENT_HASH_PLUGIN} is enabled: {text}"),
+                    Some(format!("rabbitmq-plugins list {CONSISTENT_HASH_PLUGIN} (on the broker)")),
+                )
+            }
+        }
+    }
+}
+
 /// The text RabbitMQ uses when an exchange type is unknown (the plugin is not enabled).
-pub(crate) fn is_unknown_exchange_type(text: &str) -> bool {
+pub fn is_unknown_exchange_type(text: &str) -> bool {
     let t = text.to_ascii_lowercase();
     t.contains("exchange type") && (t.contains("unknown") || t.contains("invalid"))
 }
