@@ -532,6 +532,11 @@ async fn a_statement_based_insert_stops_the_relay_with_the_fix() {
     let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
     let mut c = db.conn().await;
     let before = my_write_events(&mut c, 1, 1, "row.format").await;
+    wait_for("the row-format event", T, || {
+        let n = relay.line_count();
+        async move { n >= 1 }
+    })
+    .await;
     my_exec(
         &mut c,
         "SET SESSION binlog_format = 'STATEMENT';

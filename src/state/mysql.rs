@@ -344,17 +344,32 @@ impl MyStateStore {
         MyStateStore { dsn, conn: None }
     }
 
-    async fn conn(&mut self) -> Result<&mut Conn, Error> {
-        if self.conn.is_none() {
-            self.conn = Some(crate::source::mysql::connect_state(&self.dsn).await?);
+    /// The session, taken out of the store for one call: a call that fails, or that is
+    /// cancelled half-way (the keeper times renewals out), drops it with whatever state it was
+    /// left in, and the next call starts on a fresh one.
+    async fn take_conn(&mut self) -> Result<Conn, Error> {
+        match self.conn.take() {
+            Some(c) => Ok(c),
+            None => crate::source::mysql::connect_state(&self.dsn).await,
         }
-        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    fn put_back<T>(&mut self, conn: Conn, r: &Result<T, Error>) {
+        if matches!(r, Ok(_) | Err(Error::Leadership(_))) {
+            self.conn = Some(conn);
+        }
     }
 }
 
-/// A renewal that takes longer than this failed (a stalled connection would otherwise hold the
-/// keeper until the lease expired); the session is replaced.
+/// A call that takes longer than this failed (a stalled connection must not hold the keeper).
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
+fn no_answer() -> Error {
+    Error::source(
+        format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
+        true,
+    )
+}
 
 impl StateStore for MyStateStore {
     async fn renew(
@@ -363,44 +378,36 @@ impl StateStore for MyStateStore {
         position: Option<&Checkpoint>,
         _commit: &super::DurableCommit,
     ) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            renew(self.conn().await?, lease, position).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = renew(&mut conn, lease, position).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| {
-            Err(Error::source(
-                format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
-                true,
-            ))
-        });
-        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 
     async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            mark_initialized(self.conn().await?, lease).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = mark_initialized(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
-        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 
     async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            release(self.conn().await?, lease).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = release(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
-        if r.is_err() {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 }
 
