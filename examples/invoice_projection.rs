@@ -9,8 +9,8 @@
 //! ```text
 //! export OUTBOXD_BROKER=amqp://guest:guest@127.0.0.1:5672/%2f
 //! export OUTBOXD_DB=postgres://postgres@127.0.0.1:5432/app
-//! cargo run --example invoice_projection -- --setup            # tables, then exit
-//! cargo run --example invoice_projection -- --consumer invoice_projection \
+//! cargo run --example invoice_projection -- setup             # tables, then exit
+//! cargo run --example invoice_projection -- run --consumer invoice_projection \
 //!     --queue invoices --exchange outbox --bind 'invoice.#' --on-poison park
 //! ```
 //!
@@ -30,14 +30,34 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Parser)]
 #[command(about = "Invoice totals per customer from outboxd's invoice events, effectively once")]
 struct Cli {
+    /// Log level filter.
+    #[arg(
+        long,
+        global = true,
+        env = "OUTBOXD_LOG_LEVEL",
+        default_value = "info,lapin=warn"
+    )]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Create the inbox tables (migrations/) and the projection tables, then exit.
+    Setup {
+        /// postgres://… or mysql://…
+        #[arg(long, env = "OUTBOXD_DB", hide_env_values = true)]
+        db: String,
+    },
+    /// Consume until SIGINT/SIGTERM (or, with --until-empty, until the queue is drained).
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
     #[command(flatten)]
     consume: ConsumeArgs,
-    /// Create the inbox tables (migrations/) and the projection tables, then exit.
-    #[arg(long, env = "OUTBOXD_SETUP")]
-    setup: bool,
-    /// Log level filter.
-    #[arg(long, env = "OUTBOXD_LOG_LEVEL", default_value = "info,lapin=warn")]
-    log_level: String,
     /// Fault injection for tests: abort right after the Nth commit, before its ack (the crash
     /// the inbox exists for).
     #[arg(long, env = "OUTBOXD_CRASH_AFTER_COMMITS", hide = true)]
@@ -211,11 +231,8 @@ async fn watch_signals(shutdown: CancellationToken) {
     std::process::exit(1);
 }
 
-async fn run(cli: Cli) -> Result<(), ConsumerError> {
+async fn run(cli: RunArgs) -> Result<(), ConsumerError> {
     let db = cli.consume.database()?;
-    if cli.setup {
-        return setup(&db).await;
-    }
     let opts = cli.consume.runner_options()?;
     let inbox = cli.consume.inbox()?;
     let workers = cli.consume.concurrency;
@@ -276,7 +293,25 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(cli)) {
+    let result = rt.block_on(async {
+        match cli.command {
+            Command::Setup { db } => {
+                let db = match outboxd::dsn::SourceDsn::parse(&db)? {
+                    outboxd::dsn::SourceDsn::Postgres(d) => Database::Postgres(d),
+                    outboxd::dsn::SourceDsn::Mysql(d) => Database::Mysql(d),
+                    outboxd::dsn::SourceDsn::File(_) => {
+                        return Err(ConsumerError::config(
+                            "--db is a binlog file",
+                            "use postgres://… or mysql://…",
+                        ))
+                    }
+                };
+                setup(&db).await
+            }
+            Command::Run(args) => run(args).await,
+        }
+    });
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("invoice_projection: error: {e}");

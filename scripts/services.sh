@@ -547,6 +547,23 @@ rabbitmq_section() {
         changed rabbitmq "started the node in $((SECONDS - t0))s"
     fi
 
+    # A broker test interrupted half-way can leave the application stopped or a memory alarm
+    # raised (watermark 0): undo both, or every publish would wait.
+    if ! rabbitmqctl -q eval 'rabbit:is_running().' 2>/dev/null | grep -q true; then
+        rabbitmqctl -q start_app >/dev/null 2>&1 ||
+            die "the RabbitMQ application does not start" "try by hand: rabbitmqctl start_app"
+        changed rabbitmq "started the rabbit application (it was stopped)"
+    fi
+    local wm
+    wm=$(rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' 2>/dev/null || echo '?')
+    if [[ $wm == 0 || $wm == 0.0 ]]; then
+        rabbitmqctl -q set_vm_memory_high_watermark 0.4 >/dev/null ||
+            die "could not reset the memory watermark" "rabbitmqctl set_vm_memory_high_watermark 0.4"
+        changed rabbitmq "reset the memory high watermark from $wm to 0.4"
+    else
+        say rabbitmq "memory high watermark $wm (ok)"
+    fi
+
     local list p
     list=$(rabbitmq-plugins -q list)
     for p in "${RMQ_PLUGINS[@]}"; do

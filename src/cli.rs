@@ -103,13 +103,17 @@ pub struct OffsetSetArgs {
     /// Skip forward to this LSN (e.g. 0/16B3748). Slots cannot move backwards.
     #[arg(
         long,
-        conflicts_with = "replay_since",
-        required_unless_present = "replay_since"
+        conflicts_with_all = ["replay_since", "binlog_position"],
+        required_unless_present_any = ["replay_since", "binlog_position"]
     )]
     pub lsn: Option<String>,
     /// On the next start, publish again every row created since this RFC 3339 time, then stream.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "binlog_position")]
     pub replay_since: Option<String>,
+    /// MySQL/MariaDB: resume from this binlog position, FILE:POS — a transaction boundary, such
+    /// as the end position in an event's x-source-position. Earlier replays, later skips.
+    #[arg(long)]
+    pub binlog_position: Option<String>,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -476,7 +480,7 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 
 async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let mut lines = if let SourceDsn::Mysql(dsn) = &r.source {
+    let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
         crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
     } else {
@@ -491,6 +495,7 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         })
         .await
     };
+    let mut lines = lines;
     lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
     for l in &lines {
         if args.json {
@@ -538,6 +543,23 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
         OffsetCommand::Show(args) => status(args, m).await,
         OffsetCommand::Set(args) => {
             let r = resolve_source(&args.source, m)?;
+            if let SourceDsn::Mysql(dsn) = &r.source {
+                let Some(at) = args.binlog_position.as_deref() else {
+                    return Err(Error::config(
+                        "a MySQL source's position is a binlog position",
+                        "use offset set --binlog-position FILE:POS",
+                    ));
+                };
+                let stored = crate::source::mysql::operator::set_position(dsn, &r.name, at).await?;
+                println!("ok   the next start of {} resumes from {stored}", r.name);
+                return Ok(());
+            }
+            if args.binlog_position.is_some() {
+                return Err(Error::config(
+                    "--binlog-position is for MySQL/MariaDB sources",
+                    "use --lsn or --replay-since with a Postgres source",
+                ));
+            }
             let dsn = postgres_only(r.source, "offset set")?;
             if let Some(lsn) = args.lsn {
                 let end = crate::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn).await?;

@@ -428,3 +428,27 @@ async fn an_outbox_transaction_larger_than_the_buffer_arrives_once_in_order() {
     assert_eq!(ends.len(), 1, "one transaction, one end position: {ends:?}");
     assert!(!ends.iter().next().unwrap().ends_with(":0000000000"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_lease_was_taken_over_stops_with_exit_4() {
+    let db = MyDb::create("my_lease").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = start_streaming(&db, &args(&dsn, &name)).await;
+    wait_for("the first start to store its position", T, || async {
+        db.stored(&name).await.is_some()
+    })
+    .await;
+    // Another relay's takeover, as `acquire` does it: a new epoch and holder.
+    let mut c = db.conn().await;
+    c.exec_drop(
+        "UPDATE outboxd_state SET epoch = epoch + 1, lease_holder = 'elsewhere:1:x' WHERE name = ?",
+        (&name,),
+    )
+    .await
+    .unwrap();
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 4, "exit 4 = leadership lost: {err}");
+    assert!(err.contains("lease of relay"), "{err}");
+}

@@ -532,6 +532,11 @@ async fn a_statement_based_insert_stops_the_relay_with_the_fix() {
     let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
     let mut c = db.conn().await;
     let before = my_write_events(&mut c, 1, 1, "row.format").await;
+    wait_for("the row-format event", T, || {
+        let n = relay.line_count();
+        async move { n >= 1 }
+    })
+    .await;
     my_exec(
         &mut c,
         "SET SESSION binlog_format = 'STATEMENT';
@@ -819,4 +824,110 @@ async fn check_setup_status_and_teardown() {
     let (code, out, err) = outboxd(&["teardown", "--source", &dsn, "--name", &name, "--yes"]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(db.stored(&name).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offset_set_moves_the_binlog_position_back_and_forth() {
+    let db = MyDb::create("my_offset").await;
+    let dsn = db.dsn();
+    let name = unique("r");
+    let mut c = db.conn().await;
+
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    let first = my_write_events(&mut c, 3, 1, "a").await;
+    wait_for("3 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 3 }
+    })
+    .await;
+    // Refused while the relay runs.
+    let head = my_head().await;
+    let at = format!("{}:{}", head.0, head.1);
+    let (code, _, err) = outboxd(&[
+        "offset",
+        "set",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--binlog-position",
+        &at,
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("is running"), "{err}");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let lines = parse_lines(&relay.lines());
+    // Back to the end of the first transaction: the second and third come again.
+    let pos: Vec<&str> = lines[0]["position"].as_str().unwrap().split(':').collect();
+    let end_of_first = format!("{}:{}", pos[0], pos[1].parse::<u64>().unwrap());
+    let (code, out, err) = outboxd(&[
+        "offset",
+        "set",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--binlog-position",
+        &end_of_first,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&end_of_first) && out.contains("gtid"), "{out}");
+    let second = my_write_events(&mut c, 1, 2, "b").await;
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    let mut want = first[1..].to_vec();
+    want.extend(second.iter().copied());
+    wait_for("the replayed and new events", T, || {
+        let n = relay.line_count();
+        async move { n >= 4 }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert_eq!(ids_of(&parse_lines(&relay.lines())), want);
+
+    // Forward to the head: what was written in between is skipped.
+    my_write_events(&mut c, 1, 2, "skipped").await;
+    let head = my_head().await;
+    let (code, _, err) = outboxd(&[
+        "offset",
+        "set",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--binlog-position",
+        &format!("{}:{}", head.0, head.1),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    let third = my_write_events(&mut c, 1, 1, "c").await;
+    wait_for("the new event", T, || {
+        let n = relay.line_count();
+        async move { n >= 1 }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert_eq!(ids_of(&parse_lines(&relay.lines())), third);
+
+    // Positions that cannot be: refused with the form to use.
+    for bad in [
+        "nonsense",
+        "mariadb-bin.999999:4",
+        &format!("{}:{}", head.0, head.1 + 10_000_000),
+    ] {
+        let (code, _, err) = outboxd(&[
+            "offset",
+            "set",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--binlog-position",
+            bad,
+        ]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("fix:"), "{err}");
+    }
 }

@@ -92,10 +92,10 @@ pub async fn prune(
     let mut progress = move |r: &PruneReport| {
         if printed.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
             println!(
-                "progress: {} rows deleted from {} in {} batches, {:.0} rows/s",
+                "progress: {} rows deleted from {} in {}, {:.0} rows/s",
                 r.rows,
                 r.table,
-                r.batches,
+                prune::batches_text(r.batches),
                 r.rows_per_sec()
             );
             printed = Some(Instant::now());
@@ -173,6 +173,9 @@ pub struct ConsumeArgs {
     /// With --exchange: declare the queue single-active-consumer (ordered).
     #[arg(long, env = "OUTBOXD_SINGLE_ACTIVE")]
     pub single_active: bool,
+    /// Stop once the queue is empty and nothing is in hand (a batch run).
+    #[arg(long, env = "OUTBOXD_UNTIL_EMPTY")]
+    pub until_empty: bool,
 }
 
 /// The database a consumer writes to.
@@ -204,6 +207,7 @@ impl ConsumeArgs {
         o.on_poison = self.on_poison;
         o.retry_min = self.retry_min;
         o.retry_max = self.retry_max.max(self.retry_min);
+        o.until_empty = self.until_empty;
         o.connection_name = format!("outboxd consumer {} on {}", self.consumer, self.queue);
         o.declare = self.exchange.as_ref().map(|x| Declare {
             exchange: x.clone(),

@@ -89,18 +89,27 @@ impl PruneReport {
     }
 }
 
+/// "1 batch", "30 batches".
+pub fn batches_text(n: u64) -> String {
+    format!("{n} batch{}", if n == 1 { "" } else { "es" })
+}
+
 impl fmt::Display for PruneReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.dry_run {
             return write!(
                 f,
-                "dry run: would delete {} rows from {} ({}) older than {} in {} batches; nothing deleted",
-                self.rows, self.table, self.kind, self.cutoff, self.batches
+                "dry run: would delete {} rows from {} ({}) older than {} in {}; nothing deleted",
+                self.rows,
+                self.table,
+                self.kind,
+                self.cutoff,
+                batches_text(self.batches)
             );
         }
         write!(
             f,
-            "{}: deleted {} rows from {} ({}) older than {} in {} batches, {:.1}s, {:.0} rows/s",
+            "{}: deleted {} rows from {} ({}) older than {} in {}, {:.1}s, {:.0} rows/s",
             if self.interrupted {
                 "interrupted"
             } else {
@@ -110,7 +119,7 @@ impl fmt::Display for PruneReport {
             self.table,
             self.kind,
             self.cutoff,
-            self.batches,
+            batches_text(self.batches),
             self.elapsed.as_secs_f64(),
             self.rows_per_sec()
         )
@@ -330,15 +339,16 @@ pub async fn prune_postgres(
         });
     }
 
-    // ORDER BY the time column only when an index leads with it (poll mode: (status, time)
-    // also serves); without one, a sort per batch would read every candidate each time.
+    // ORDER BY the time column only when a full (not partial) index leads with it (poll mode:
+    // (status, time) also serves); without one, a sort per batch would read every candidate
+    // each time.
     let indexed: bool = client
         .query_one(
             "SELECT EXISTS (
                SELECT 1 FROM pg_index i
                  JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
                  LEFT JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
-                WHERE i.indrelid = $1::regclass
+                WHERE i.indrelid = $1::text::regclass AND i.indpred IS NULL
                   AND (a0.attname = $2 OR ($3 AND a0.attname = $4 AND a1.attname = $2)))",
             &[
                 &shown,

@@ -90,6 +90,9 @@ pub struct RunnerOptions {
     pub retry_min: Duration,
     pub retry_max: Duration,
     pub declare: Option<Declare>,
+    /// Stop (gracefully) once the queue has nothing ready and nothing is in hand: for batch
+    /// runs, drains and benchmarks.
+    pub until_empty: bool,
     /// Shown in the broker's connection list.
     pub connection_name: String,
 }
@@ -103,6 +106,7 @@ impl std::fmt::Debug for RunnerOptions {
             .field("max_failures", &self.max_failures)
             .field("on_poison", &self.on_poison)
             .field("declare", &self.declare)
+            .field("until_empty", &self.until_empty)
             .finish()
     }
 }
@@ -118,6 +122,7 @@ impl RunnerOptions {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(30),
             declare: None,
+            until_empty: false,
             connection_name: format!("outboxd consumer {queue}"),
         }
     }
@@ -201,6 +206,9 @@ struct Job {
 struct Session {
     conn: Connection,
     channel: Channel,
+    /// For `until_empty`: passive declarations of the queue (a failed one closes its channel,
+    /// which must not be the consuming one).
+    probe: Option<Channel>,
     park: tokio::sync::Mutex<Option<Channel>>,
     tag: String,
 }
@@ -212,6 +220,8 @@ struct Shared {
     on_commit: Option<CommitHook>,
     stop: CancellationToken,
     halted: Mutex<Option<ConsumerError>>,
+    /// Deliveries received and not yet settled or abandoned (for `until_empty`).
+    in_flight: AtomicU64,
 }
 
 impl Shared {
@@ -265,6 +275,7 @@ impl<P: Processor> Runner<P> {
             on_commit: self.on_commit.clone(),
             stop: shutdown.child_token(),
             halted: Mutex::new(None),
+            in_flight: AtomicU64::new(0),
         });
         let capacity = usize::from(self.opts.prefetch.max(1));
         let mut senders = Vec::new();
@@ -523,10 +534,16 @@ async fn open_session(opts: &RunnerOptions) -> Result<(Session, lapin::Consumer)
                 "check the user's read permission on the queue",
             )
         })?;
+    let probe = if opts.until_empty {
+        Some(conn.create_channel().await?)
+    } else {
+        None
+    };
     Ok((
         Session {
             conn,
             channel,
+            probe,
             park: tokio::sync::Mutex::new(park),
             tag,
         },
@@ -542,9 +559,18 @@ async fn dispatch(
     workers: &[mpsc::Sender<Job>],
     shared: &Shared,
 ) -> Result<(), ConsumerError> {
+    let mut probe = tokio::time::interval(Duration::from_millis(100));
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let next = tokio::select! {
             d = consumer.next() => d,
+            _ = probe.tick(), if session.probe.is_some() => {
+                if queue_drained(session, shared).await? {
+                    tracing::info!(queue = %shared.opts.queue, "the queue is empty and nothing is in hand: stopping (--until-empty)");
+                    shared.stop.cancel();
+                }
+                continue;
+            }
             _ = shared.stop.cancelled() => {
                 let _ = session
                     .channel
@@ -568,6 +594,7 @@ async fn dispatch(
         } else {
             worker_for(&d.properties, workers.len())
         };
+        shared.in_flight.fetch_add(1, Ordering::SeqCst);
         let job = Job {
             exchange: d.exchange.to_string(),
             routing_key: d.routing_key.to_string(),
@@ -586,6 +613,28 @@ async fn dispatch(
             _ = shared.stop.cancelled() => {}
         }
     }
+}
+
+/// Whether nothing is in hand and the queue has nothing ready (checked in that order, so a
+/// delivery that arrives in between is not missed).
+async fn queue_drained(session: &Session, shared: &Shared) -> Result<bool, ConsumerError> {
+    let Some(ch) = &session.probe else {
+        return Ok(false);
+    };
+    if shared.in_flight.load(Ordering::SeqCst) != 0 {
+        return Ok(false);
+    }
+    let q = ch
+        .queue_declare(
+            shared.opts.queue.clone().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(q.message_count() == 0 && shared.in_flight.load(Ordering::SeqCst) == 0)
 }
 
 /// The worker for a delivery: by aggregate (per-aggregate order), else by message id.
@@ -610,10 +659,10 @@ fn worker_for(props: &BasicProperties, n: usize) -> usize {
 async fn worker<P: Processor>(mut p: P, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
     while let Some(job) = rx.recv().await {
         // Stopping: what is not in hand yet stays unacked and goes back to the queue.
-        if shared.stop.is_cancelled() {
-            continue;
+        if !shared.stop.is_cancelled() {
+            handle(&mut p, job, &shared).await;
         }
-        handle(&mut p, job, &shared).await;
+        shared.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

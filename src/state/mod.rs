@@ -129,10 +129,16 @@ pub async fn keep_lease<S: StateStore>(
             .clone()
             .filter(|p| Some(p) != written.as_ref());
         let commit = commits.borrow().clone();
-        let attempt =
+        // With self-fencing, a renewal stuck on a stalled connection must not stall the clock
+        // that fences; without it, the store's own timeouts apply (cancelling a store midway
+        // can leave its session inside a transaction).
+        let attempt = if self_fence {
             tokio::time::timeout(RENEW_TIMEOUT, store.renew(&lease, pos.as_ref(), &commit))
                 .await
-                .unwrap_or_else(|_| Err(Error::source("lease renewal timed out", true)));
+                .unwrap_or_else(|_| Err(Error::source("lease renewal timed out", true)))
+        } else {
+            store.renew(&lease, pos.as_ref(), &commit).await
+        };
         if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {
             crate::telemetry::get().leader.set(0);
             return Err(Error::Leadership(format!(

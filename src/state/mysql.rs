@@ -263,6 +263,55 @@ pub async fn renew(
     Ok(())
 }
 
+/// Moves the stored position by hand (`offset set`), backwards or forwards; refused while a
+/// live relay holds the lease. The first start counts as done: the next start resumes there.
+pub async fn set_position(
+    conn: &mut Conn,
+    name: &str,
+    file: &str,
+    pos: u64,
+    gtid: Option<&str>,
+) -> Result<(), Error> {
+    ensure_table(conn).await?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
+        (name,),
+    )
+    .await?;
+    let row: Raw = tx
+        .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
+        .await?
+        .ok_or_else(|| Error::Other(format!("state row of {name:?} vanished")))?;
+    let row = to_row(row);
+    if row.source != "mysql" {
+        return Err(Error::config(
+            format!(
+                "relay name {name:?} belongs to a {} source in this database",
+                row.source
+            ),
+            "choose another --name",
+        ));
+    }
+    if let Some(h) = row.lease_holder.as_deref() {
+        if row.lease_live && !holder_is_dead_locally(h) {
+            return Err(Error::config(
+                format!("relay {name:?} is running (lease held by {h})"),
+                "stop it first",
+            ));
+        }
+    }
+    tx.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,
+                initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)), updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ?",
+        (file, pos, gtid, format!("{file}:{pos}"), name),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
 pub async fn release(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
@@ -295,17 +344,32 @@ impl MyStateStore {
         MyStateStore { dsn, conn: None }
     }
 
-    async fn conn(&mut self) -> Result<&mut Conn, Error> {
-        if self.conn.is_none() {
-            self.conn = Some(crate::source::mysql::connect_state(&self.dsn).await?);
+    /// The session, taken out of the store for one call: a call that fails, or that is
+    /// cancelled half-way (the keeper times renewals out), drops it with whatever state it was
+    /// left in, and the next call starts on a fresh one.
+    async fn take_conn(&mut self) -> Result<Conn, Error> {
+        match self.conn.take() {
+            Some(c) => Ok(c),
+            None => crate::source::mysql::connect_state(&self.dsn).await,
         }
-        Ok(self.conn.as_mut().expect("connected above"))
+    }
+
+    fn put_back<T>(&mut self, conn: Conn, r: &Result<T, Error>) {
+        if matches!(r, Ok(_) | Err(Error::Leadership(_))) {
+            self.conn = Some(conn);
+        }
     }
 }
 
-/// A renewal that takes longer than this failed (a stalled connection would otherwise hold the
-/// keeper until the lease expired); the session is replaced.
+/// A call that takes longer than this failed (a stalled connection must not hold the keeper).
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
+fn no_answer() -> Error {
+    Error::source(
+        format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
+        true,
+    )
+}
 
 impl StateStore for MyStateStore {
     async fn renew(
@@ -314,44 +378,36 @@ impl StateStore for MyStateStore {
         position: Option<&Checkpoint>,
         _commit: &super::DurableCommit,
     ) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            renew(self.conn().await?, lease, position).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = renew(&mut conn, lease, position).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| {
-            Err(Error::source(
-                format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
-                true,
-            ))
-        });
-        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 
     async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            mark_initialized(self.conn().await?, lease).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = mark_initialized(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
-        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 
     async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
-        let r = tokio::time::timeout(STATEMENT_TIMEOUT, async {
-            release(self.conn().await?, lease).await
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = release(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
         })
         .await
-        .unwrap_or_else(|_| Err(Error::source("state store: no answer", true)));
-        if r.is_err() {
-            self.conn = None;
-        }
-        r
+        .unwrap_or_else(|_| Err(no_answer()))
     }
 }
 

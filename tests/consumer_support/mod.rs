@@ -4,7 +4,7 @@
 //! stays as it is.
 #![allow(dead_code)]
 
-use crate::common::{unique, wait_for};
+use crate::common::unique;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation};
@@ -138,6 +138,8 @@ pub struct Proc {
     pub stderr: Arc<Mutex<String>>,
     readers: Vec<std::thread::JoinHandle<()>>,
     label: String,
+    /// The exit code once [`Proc::wait_exit`] saw it (-1 for a signal).
+    pub exit: Option<i32>,
 }
 
 impl Proc {
@@ -186,6 +188,7 @@ impl Proc {
             stderr,
             readers: vec![r1, r2],
             label,
+            exit: None,
         }
     }
 
@@ -228,7 +231,9 @@ impl Proc {
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 self.join_readers();
-                return status.code().unwrap_or(-1);
+                let code = status.code().unwrap_or(-1);
+                self.exit = Some(code);
+                return code;
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
@@ -263,7 +268,19 @@ impl Drop for Proc {
 /// The example consumer on `db` (a DSN) reading `queue`; broker and database through the
 /// environment, as passwords should travel.
 pub fn start_consumer(db: &str, queue: &str, consumer: &str, extra: &[&str]) -> Proc {
+    start_consumer_via(&crate::common::amqp::url(), db, queue, consumer, extra)
+}
+
+/// [`start_consumer`] with another broker URL (a fault proxy).
+pub fn start_consumer_via(
+    broker: &str,
+    db: &str,
+    queue: &str,
+    consumer: &str,
+    extra: &[&str],
+) -> Proc {
     let mut args = vec![
+        "run",
         "--queue",
         queue,
         "--consumer",
@@ -277,23 +294,13 @@ pub fn start_consumer(db: &str, queue: &str, consumer: &str, extra: &[&str]) -> 
     Proc::start(
         &example_bin(),
         &args,
-        &[
-            ("OUTBOXD_BROKER", &crate::common::amqp::url()),
-            ("OUTBOXD_DB", db),
-        ],
+        &[("OUTBOXD_BROKER", broker), ("OUTBOXD_DB", db)],
     )
 }
 
-/// Creates the inbox and projection tables through the example (`--setup`).
+/// Creates the inbox and projection tables through the example (`setup`).
 pub async fn setup_projection(db: &str) {
-    let mut p = Proc::start(
-        &example_bin(),
-        &["--setup", "--queue", "-", "--consumer", "-"],
-        &[
-            ("OUTBOXD_BROKER", &crate::common::amqp::url()),
-            ("OUTBOXD_DB", db),
-        ],
-    );
+    let mut p = Proc::start(&example_bin(), &["setup"], &[("OUTBOXD_DB", db)]);
     let code = p.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(code, 0, "setup failed: {}", p.stderr());
 }
@@ -440,45 +447,84 @@ pub fn invoice_body(invoice: i64, customer: &str, cents: i64) -> Vec<u8> {
         .into_bytes()
 }
 
-/// Messages ready in `queue` right now.
-pub async fn ready(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map(|q| q.message_count())
-    .unwrap_or(0)
+/// Messages ready in `queue` right now (0 when it does not exist). A channel per call: a
+/// failed passive declaration closes its channel.
+pub async fn ready(conn: &lapin::Connection, queue: &str) -> u32 {
+    let Ok(ch) = conn.create_channel().await else {
+        panic!("the test's broker connection is gone");
+    };
+    let n = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or(0);
+    let _ = ch.close(200, "OK".into()).await;
+    n
 }
 
-/// Waits until `queue` has nothing ready, then stops `consumer` gracefully and checks that
-/// nothing came back (prefetched, unstarted messages return to the queue when it stops);
-/// restarts it with `restart` until the queue stays empty. Returns the stopped processes.
-pub async fn drain_and_stop(
-    ch: &Channel,
+/// Takes exactly `n` messages from `queue` (auto-ack), panicking after a minute.
+pub async fn take(
+    conn: &lapin::Connection,
     queue: &str,
-    mut consumer: Proc,
-    restart: impl Fn() -> Proc,
+    n: usize,
+) -> Vec<lapin::message::Delivery> {
+    use futures::StreamExt;
+    let ch = conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            unique("take").into(),
+            lapin::options::BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while out.len() < n {
+        match tokio::time::timeout(Duration::from_secs(60), consumer.next()).await {
+            Ok(Some(Ok(d))) => out.push(d),
+            other => panic!("{} of {n} messages from {queue}: {other:?}", out.len()),
+        }
+    }
+    let _ = ch.close(200, "OK".into()).await;
+    out
+}
+
+/// Runs consumers started by `start` (which must pass `--until-empty`) one after the other
+/// until one exits with the queue empty behind it: every copy and requeued message has then
+/// been settled. Returns the exited processes (their stats).
+pub async fn drain(
+    conn: &lapin::Connection,
+    queue: &str,
+    start: impl Fn() -> Proc,
     timeout: Duration,
 ) -> Vec<Proc> {
     let mut done = Vec::new();
     for _ in 0..10 {
-        wait_for(&format!("{queue} to be empty"), timeout, || async {
-            ready(ch, queue).await == 0
-        })
-        .await;
-        consumer.signal("TERM");
-        let code = consumer.wait_exit(timeout).await;
-        assert_eq!(code, 0, "consumer stderr:\n{}", consumer.stderr());
-        done.push(consumer);
-        if ready(ch, queue).await == 0 {
+        let mut p = start();
+        let code = p.wait_exit(timeout).await;
+        assert_eq!(code, 0, "consumer stderr:\n{}", p.stderr());
+        done.push(p);
+        if ready(conn, queue).await == 0 {
             return done;
         }
-        consumer = restart();
     }
     panic!("{queue} did not stay empty");
+}
+
+/// SIGTERM, then the exit code must be 0 (graceful stop).
+pub async fn stop(p: &mut Proc, timeout: Duration) {
+    p.signal("TERM");
+    let code = p.wait_exit(timeout).await;
+    assert_eq!(code, 0, "consumer stderr:\n{}", p.stderr());
 }

@@ -641,6 +641,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tls_modes_map_to_client_options() {
+        let dsn =
+            |q: &str| match crate::dsn::SourceDsn::parse(&format!("mysql://u@h/db{q}")).unwrap() {
+                crate::dsn::SourceDsn::Mysql(d) => d,
+                _ => unreachable!(),
+            };
+        assert!(ssl_opts(&dsn("?ssl-mode=disable")).unwrap().is_none());
+        let prefer = ssl_opts(&dsn("")).unwrap().unwrap();
+        assert!(
+            prefer.accept_invalid_certs(),
+            "prefer encrypts without verifying"
+        );
+        let require = ssl_opts(&dsn("?ssl-mode=require")).unwrap().unwrap();
+        assert!(require.accept_invalid_certs());
+        let ca = ssl_opts(&dsn("?ssl-mode=verify-ca")).unwrap().unwrap();
+        assert!(!ca.accept_invalid_certs() && ca.skip_domain_validation());
+        let full = ssl_opts(&dsn("?ssl-mode=verify-identity"))
+            .unwrap()
+            .unwrap();
+        assert!(!full.accept_invalid_certs() && !full.skip_domain_validation());
+        let missing = ssl_opts(&dsn("?ssl-mode=verify-full&ssl-ca=/nonexistent.pem")).unwrap_err();
+        assert!(
+            missing.to_string().contains("/nonexistent.pem"),
+            "{missing}"
+        );
+        assert!(
+            ssl_opts(&dsn("?ssl-mode=require&ssl-cert=/c.pem")).is_err(),
+            "cert without key"
+        );
+    }
+
+    #[test]
     fn server_ids_are_stable_and_out_of_the_way() {
         let a = server_id_for("billing");
         assert_eq!(a, server_id_for("billing"));

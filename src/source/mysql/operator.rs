@@ -339,3 +339,54 @@ impl std::fmt::Display for MyStatus {
         )
     }
 }
+
+/// `offset set --binlog-position FILE:POS`: where the next start resumes. The file must still
+/// be on the server and the position inside it; on MariaDB the GTID state there is stored with
+/// it. Refused while the relay runs. Returns the stored position.
+pub async fn set_position(dsn: &DbDsn, name: &str, at: &str) -> Result<String, Error> {
+    let fix = "write FILE:POS, e.g. mariadb-bin.000042:1234 (the end position of a transaction, as in x-source-position)";
+    let (file, pos) = at
+        .rsplit_once(':')
+        .and_then(|(f, p)| Some((f.to_string(), p.parse::<u64>().ok()?)))
+        .ok_or_else(|| Error::config(format!("--binlog-position {at:?} is not FILE:POS"), fix))?;
+    let mut conn = connect_sql(dsn).await?;
+    let s = admin::settings(&mut conn).await?;
+    let logs: Vec<(String, u64)> = conn
+        .query::<mysql_async::Row, _>("SHOW BINARY LOGS")
+        .await?
+        .into_iter()
+        .filter_map(|r| Some((r.get::<String, _>(0)?, r.get::<u64, _>(1)?)))
+        .collect();
+    match logs.iter().find(|(n, _)| *n == file) {
+        None => {
+            return Err(Error::config(
+                format!(
+                    "binlog file {file:?} is not on the server (it has {})",
+                    logs.iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                fix,
+            ))
+        }
+        Some((_, size)) if pos < 4 || pos > *size => {
+            return Err(Error::config(
+                format!("position {pos} is outside {file} (4 … {size})"),
+                fix,
+            ))
+        }
+        _ => {}
+    }
+    let gtid = if s.mariadb {
+        Some(admin::gtid_at(&mut conn, &file, pos).await?.to_string())
+    } else {
+        None
+    };
+    crate::state::mysql::set_position(&mut conn, name, &file, pos, gtid.as_deref()).await?;
+    let _ = conn.disconnect().await;
+    Ok(match gtid {
+        Some(g) if !g.is_empty() => format!("{file}:{pos} (gtid {g})"),
+        _ => format!("{file}:{pos}"),
+    })
+}
