@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configure the local PostgreSQL, MariaDB and RabbitMQ for outboxd's CDC tests:
-#   - PostgreSQL: wal_level=logical, replication slots/senders, replication lines in pg_hba.conf
+#   - PostgreSQL: wal_level=logical, replication slots/senders, replication lines in pg_hba.conf,
+#                 TLS with a test CA (server certificate for localhost and 127.0.0.1)
 #   - MariaDB:    binary log in ROW format with FULL row image and FULL row metadata
 #   - RabbitMQ:   running, plugins rabbitmq_consistent_hash_exchange and rabbitmq_management,
 #                 a TLS listener on 127.0.0.1:5671 with a self-signed test CA (server and client
@@ -14,11 +15,18 @@
 #   OUTBOXD_SERVICES_TIMEOUT  seconds to wait for a service to come up (default 120)
 #   OUTBOXD_PG_VERSION        PostgreSQL major version (default: newest in /etc/postgresql)
 #   OUTBOXD_PG_CLUSTER        cluster name (default main)
+#   OUTBOXD_PG_TLS_DIR        where the test CA and server certificate live (default /etc/outboxd/tls;
+#                             the tests read the same variable)
 set -euo pipefail
 
 TIMEOUT=${OUTBOXD_SERVICES_TIMEOUT:-120}
 PG_HOST=127.0.0.1
 PG_DB="test"
+# Not under /etc/postgresql: tools (and older copies of this script) take every directory there
+# for a PostgreSQL version.
+PG_TLS_DIR=${OUTBOXD_PG_TLS_DIR:-/etc/outboxd/tls}
+PG_TLS_DAYS=3650
+PG_TLS_MIN_LEFT=$((30 * 86400)) # renew certificates that expire within 30 days
 MY_HOST=127.0.0.1
 MY_PORT=3306
 MY_DB="test"
@@ -65,7 +73,7 @@ preflight() {
     fi
     local missing=() c
     for c in pg_lsclusters pg_ctlcluster pg_isready psql runuser mysql mysqladmin \
-        start-stop-daemon rabbitmqctl rabbitmq-plugins rabbitmq-server timeout; do
+        start-stop-daemon rabbitmqctl rabbitmq-plugins rabbitmq-server timeout openssl; do
         command -v "$c" >/dev/null 2>&1 || missing+=("$c")
     done
     [[ -x $MARIADBD ]] || missing+=("$MARIADBD")
@@ -85,6 +93,9 @@ PG_WANTED=(
     "max_replication_slots|20|20"
     "max_wal_senders|20|20"
     "wal_sender_timeout|60s|60000"
+    "ssl|on|on"
+    "ssl_cert_file|$PG_TLS_DIR/server.crt|$PG_TLS_DIR/server.crt"
+    "ssl_key_file|$PG_TLS_DIR/server.key|$PG_TLS_DIR/server.key"
 )
 PG_HBA_LINES=(
     "host replication all 127.0.0.1/32 trust"
@@ -115,8 +126,8 @@ pg_setting() { pgq "SELECT setting FROM pg_settings WHERE name = '$1'"; }
 
 postgres_section() {
     [[ -d /etc/postgresql ]] || die "no /etc/postgresql directory" "install PostgreSQL: apt-get install -y postgresql"
-    # shellcheck disable=SC2012 # version directories are plain numbers
-    PG_VERSION=${OUTBOXD_PG_VERSION:-$(ls /etc/postgresql | sort -V | tail -n 1)}
+    # shellcheck disable=SC2012 # version directories are plain numbers; skip anything else
+    PG_VERSION=${OUTBOXD_PG_VERSION:-$(ls /etc/postgresql | { grep -E '^[0-9]+(\.[0-9]+)?$' || true; } | sort -V | tail -n 1)}
     PG_CLUSTER=${OUTBOXD_PG_CLUSTER:-main}
     [[ -n $PG_VERSION && -d /etc/postgresql/$PG_VERSION/$PG_CLUSTER ]] ||
         die "no PostgreSQL cluster /etc/postgresql/$PG_VERSION/$PG_CLUSTER" \
@@ -139,8 +150,15 @@ postgres_section() {
     fi
     pg_wait
 
+    # TLS files first: the ssl_* settings below point at them.
+    local reload=no
+    pg_tls_files
+    if [[ $PG_TLS_CHANGED == yes ]]; then
+        reload=yes # the server reads certificate and key files on reload only
+    fi
+
     # Settings: ALTER SYSTEM only when the configuration files do not already say so.
-    local reload=no entry name value applied file_value
+    local entry name value applied file_value
     for entry in "${PG_WANTED[@]}"; do
         IFS='|' read -r name value applied <<<"$entry"
         file_value=$(pgq "SELECT setting FROM pg_file_settings WHERE name = '$name' AND error IS NULL ORDER BY seqno DESC LIMIT 1")
@@ -188,6 +206,9 @@ postgres_section() {
         say postgres "reloaded the configuration (pg_reload_conf)"
         # the postmaster applies SIGHUP asynchronously: wait until new sessions see it
         wait_until 10 pg_sighup_applied || true
+        if [[ $PG_TLS_CHANGED == yes ]]; then
+            wait_until 10 pg_tls_serves || true # new certificate: verify() says if it never came
+        fi
     fi
 
     # Restart only when a setting that needs one differs from what the server runs with.
@@ -229,6 +250,112 @@ postgres_section() {
         pgq "CREATE DATABASE $PG_DB"
         changed postgres "created database $PG_DB"
     fi
+}
+
+# ---- PostgreSQL TLS: a test CA, a server certificate it signs, and an unrelated CA ----------
+#
+#   ca.key        root 0600      the test CA's key (only this script signs with it)
+#   ca.crt        0644           the test CA: sslrootcert for the tests
+#   server.crt    0644           CN localhost, SAN DNS:localhost + IP:127.0.0.1, signed by ca.crt
+#   server.key    postgres 0600  (PostgreSQL refuses a key readable by others)
+#   ca-other.crt  0644           a CA that signed nothing here: verification must fail with it
+
+PG_TLS_CHANGED=no
+PG_TLS_TMP=""
+PG_TLS_SAN="DNS:localhost, IP Address:127.0.0.1"
+
+tls_ok_for() { # FILE: a certificate that stays valid for PG_TLS_MIN_LEFT more seconds
+    [[ -s $1 ]] && openssl x509 -in "$1" -noout -checkend "$PG_TLS_MIN_LEFT" >/dev/null 2>&1
+}
+
+tls_key_matches() { # CERT KEY: the certificate holds the key's public half
+    local a b
+    a=$(openssl x509 -in "$1" -noout -pubkey 2>/dev/null) || return 1
+    b=$(openssl pkey -in "$2" -pubout 2>/dev/null) || return 1
+    [[ -n $a && $a == "$b" ]]
+}
+
+tls_new_ca() { # KEYFILE CERTFILE CN: a self-signed CA (EC P-256)
+    openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+        -keyout "$1" -out "$2" -days "$PG_TLS_DAYS" -subj "/CN=$3" \
+        -addext "basicConstraints=critical,CA:TRUE" \
+        -addext "keyUsage=critical,keyCertSign,cRLSign" >/dev/null 2>&1 ||
+        die "openssl could not create the CA '$3' in $(dirname "$2")"
+}
+
+pg_tls_files() {
+    local d=$PG_TLS_DIR tmp was
+    was=$(stat -c '%U %a' "$d" 2>/dev/null) || true
+    if [[ $was == "root 755" ]]; then
+        say postgres "TLS directory $d exists, root, mode 0755 (ok)"
+    elif [[ -d $d ]]; then
+        chown root:root "$d"
+        chmod 0755 "$d"
+        changed postgres "set TLS directory $d to root, mode 0755 (was $was)"
+    else
+        install -d -o root -g root -m 0755 "$d"
+        changed postgres "created TLS directory $d (root, mode 0755)"
+    fi
+    PG_TLS_TMP=$(mktemp -d)
+    trap 'rm -rf "$PG_TLS_TMP"' EXIT
+    tmp=$PG_TLS_TMP
+
+    local new_ca=no
+    if tls_ok_for "$d/ca.crt" && [[ -s $d/ca.key ]] && tls_key_matches "$d/ca.crt" "$d/ca.key"; then
+        say postgres "test CA $d/ca.crt is valid until $(openssl x509 -in "$d/ca.crt" -noout -enddate | cut -d= -f2) (ok)"
+    else
+        tls_new_ca "$tmp/ca.key" "$tmp/ca.crt" "outboxd test CA"
+        install -o root -g root -m 0600 "$tmp/ca.key" "$d/ca.key"
+        install -o root -g root -m 0644 "$tmp/ca.crt" "$d/ca.crt"
+        new_ca=yes
+        PG_TLS_CHANGED=yes
+        changed postgres "created the test CA $d/ca.crt (key $d/ca.key)"
+    fi
+
+    local san
+    san=$(openssl x509 -in "$d/server.crt" -noout -ext subjectAltName 2>/dev/null | tail -n +2 | sed 's/^[[:space:]]*//') || true
+    if [[ $new_ca == no ]] && tls_ok_for "$d/server.crt" && [[ -s $d/server.key ]] &&
+        [[ $san == "$PG_TLS_SAN" ]] && tls_key_matches "$d/server.crt" "$d/server.key" &&
+        openssl verify -CAfile "$d/ca.crt" "$d/server.crt" >/dev/null 2>&1; then
+        say postgres "server certificate $d/server.crt ($san) is signed by the test CA (ok)"
+    else
+        openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+            -keyout "$tmp/server.key" -out "$tmp/server.csr" -subj "/CN=localhost" >/dev/null 2>&1 ||
+            die "openssl could not create the server key and request"
+        printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
+            "extendedKeyUsage=serverAuth" "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+            "subjectKeyIdentifier=hash" "authorityKeyIdentifier=keyid" >"$tmp/server.ext"
+        openssl x509 -req -in "$tmp/server.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" \
+            -set_serial "0x$(openssl rand -hex 16)" -days "$PG_TLS_DAYS" -sha256 \
+            -extfile "$tmp/server.ext" -out "$tmp/server.crt" >/dev/null 2>&1 ||
+            die "openssl could not sign the server certificate with $d/ca.key"
+        install -o postgres -g postgres -m 0600 "$tmp/server.key" "$d/server.key"
+        install -o root -g root -m 0644 "$tmp/server.crt" "$d/server.crt"
+        PG_TLS_CHANGED=yes
+        changed postgres "created server certificate $d/server.crt for $PG_TLS_SAN, signed by the test CA"
+    fi
+    if [[ $(stat -c '%U %a' "$d/server.key") == "postgres 600" ]]; then
+        say postgres "server key $d/server.key is owned by postgres, mode 0600 (ok)"
+    else
+        chown postgres:postgres "$d/server.key"
+        chmod 0600 "$d/server.key"
+        PG_TLS_CHANGED=yes
+        changed postgres "set $d/server.key to postgres, mode 0600"
+    fi
+
+    if tls_ok_for "$d/ca-other.crt" && ! openssl verify -CAfile "$d/ca-other.crt" "$d/server.crt" >/dev/null 2>&1; then
+        say postgres "unrelated CA $d/ca-other.crt (does not verify the server) (ok)"
+    else
+        tls_new_ca "$tmp/other.key" "$tmp/ca-other.crt" "outboxd unrelated test CA"
+        install -o root -g root -m 0644 "$tmp/ca-other.crt" "$d/ca-other.crt"
+        changed postgres "created the unrelated CA $d/ca-other.crt (its key is thrown away)"
+    fi
+    rm -rf "$tmp"
+}
+
+pg_tls_serves() { # a new session gets the certificate the test CA signed for localhost
+    psql -X -At "host=localhost port=$PG_PORT user=postgres dbname=$PG_DB sslmode=verify-full sslrootcert=$PG_TLS_DIR/ca.crt" \
+        -c "SELECT 1" >/dev/null 2>&1
 }
 
 pg_sighup_applied() {
@@ -420,6 +547,23 @@ rabbitmq_section() {
         changed rabbitmq "started the node in $((SECONDS - t0))s"
     fi
 
+    # A broker test interrupted half-way can leave the application stopped or a memory alarm
+    # raised (watermark 0): undo both, or every publish would wait.
+    if ! rabbitmqctl -q eval 'rabbit:is_running().' 2>/dev/null | grep -q true; then
+        rabbitmqctl -q start_app >/dev/null 2>&1 ||
+            die "the RabbitMQ application does not start" "try by hand: rabbitmqctl start_app"
+        changed rabbitmq "started the rabbit application (it was stopped)"
+    fi
+    local wm
+    wm=$(rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' 2>/dev/null || echo '?')
+    if [[ $wm == 0 || $wm == 0.0 ]]; then
+        rabbitmqctl -q set_vm_memory_high_watermark 0.4 >/dev/null ||
+            die "could not reset the memory watermark" "rabbitmqctl set_vm_memory_high_watermark 0.4"
+        changed rabbitmq "reset the memory high watermark from $wm to 0.4"
+    else
+        say rabbitmq "memory high watermark $wm (ok)"
+    fi
+
     local list p
     list=$(rabbitmq-plugins -q list)
     for p in "${RMQ_PLUGINS[@]}"; do
@@ -553,6 +697,30 @@ verify() {
         failures+=("postgres: replication connection failed: $ident" "  check the 'replication' lines at the top of $(pgq 'SHOW hba_file')")
     fi
 
+    # TLS, checked with libpq (psql) against the test CA: `host` lines in pg_hba.conf match SSL
+    # connections too, so no `hostssl` lines are needed.
+    local tls_opts="port=$PG_PORT user=postgres dbname=$PG_DB sslmode=verify-full sslrootcert=$PG_TLS_DIR/ca.crt"
+    local tls_sql tls_ident tls_other
+    if tls_sql=$(psql -X -At "host=localhost $tls_opts" \
+        -c "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()" 2>&1) && [[ $tls_sql == t ]]; then
+        say verify "postgres TLS: sslmode=verify-full to localhost with $PG_TLS_DIR/ca.crt (ok)"
+    else
+        failures+=("postgres: TLS connection (verify-full, host=localhost, sslrootcert=$PG_TLS_DIR/ca.crt) failed: $tls_sql"
+            "  see the log: tail -n 50 $PG_LOG")
+    fi
+    if tls_ident=$(psql -X -At "host=127.0.0.1 $tls_opts replication=database" -c "IDENTIFY_SYSTEM" 2>&1); then
+        say verify "postgres TLS: replication connection, sslmode=verify-full to 127.0.0.1 (ok)"
+    else
+        failures+=("postgres: TLS replication connection (verify-full, host=127.0.0.1) failed: $tls_ident")
+    fi
+    if tls_other=$(psql -X -At "host=localhost ${tls_opts/ca.crt/ca-other.crt}" -c "SELECT 1" 2>&1); then
+        failures+=("postgres: a TLS connection verified with $PG_TLS_DIR/ca-other.crt succeeded; it must fail")
+    elif [[ $tls_other == *certificate* ]]; then
+        say verify "postgres TLS: $PG_TLS_DIR/ca-other.crt is refused (ok)"
+    else
+        failures+=("postgres: the connection with $PG_TLS_DIR/ca-other.crt failed, but not on the certificate: $tls_other")
+    fi
+
     local log_bin format image metadata server_id basename datadir
     IFS=$'\t' read -r log_bin format image metadata server_id basename datadir <<<"$(my_running_values)"
     if [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL ]]; then
@@ -588,7 +756,7 @@ verify() {
     my_version=$(myq "SELECT VERSION()")
     rmq_version=$(rabbitmqctl -q version 2>/dev/null || echo '?')
     echo "== summary"
-    echo "postgres  $pg_version ($PG_VERSION/$PG_CLUSTER) $PG_HOST:$PG_PORT db=$PG_DB wal_level=logical slots=20 senders=20 replication=ok restarted=$PG_RESTARTED"
+    echo "postgres  $pg_version ($PG_VERSION/$PG_CLUSTER) $PG_HOST:$PG_PORT db=$PG_DB wal_level=logical slots=20 senders=20 replication=ok tls=$PG_TLS_DIR/ca.crt restarted=$PG_RESTARTED"
     echo "mariadb   $my_version $MY_HOST:$MY_PORT db=$MY_DB log_bin=1 ROW/FULL/FULL server_id=1 restarted=$MY_RESTARTED"
     echo "rabbitmq  $rmq_version 127.0.0.1:$RMQ_PORT tls=127.0.0.1:$RMQ_TLS_PORT plugins=${RMQ_PLUGINS[*]} started=$RMQ_STARTED"
     echo "changes   $CHANGES"

@@ -53,6 +53,17 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Declare a consumer group's partition queues (or the relay's own), idempotently.
+    Topology(crate::sink::topology::TopologyArgs),
+    /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
+    #[command(subcommand)]
+    Keys(crate::crypto::cli::KeysCommand),
+    /// Encrypt the schema's x-gdpr-sensitive fields of the JSON payload on stdin.
+    Encrypt(crate::crypto::cli::EncryptArgs),
+    /// Decrypt every encrypted field of the JSON payload on stdin.
+    Decrypt(crate::crypto::cli::DecryptArgs),
+    /// Rewrite outbox rows under the current key, in small batches (resumable).
+    Reencrypt(crate::crypto::cli::ReencryptArgs),
     /// Delete old processed_messages or outbox rows in small batches.
     Prune(crate::consumer::cli::PruneArgs),
 }
@@ -61,6 +72,8 @@ pub enum Command {
 pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    #[command(flatten)]
+    pub sink: crate::sink::topology::SinkCheckArgs,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -90,13 +103,17 @@ pub struct OffsetSetArgs {
     /// Skip forward to this LSN (e.g. 0/16B3748). Slots cannot move backwards.
     #[arg(
         long,
-        conflicts_with = "replay_since",
-        required_unless_present = "replay_since"
+        conflicts_with_all = ["replay_since", "binlog_position"],
+        required_unless_present_any = ["replay_since", "binlog_position"]
     )]
     pub lsn: Option<String>,
     /// On the next start, publish again every row created since this RFC 3339 time, then stream.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "binlog_position")]
     pub replay_since: Option<String>,
+    /// MySQL/MariaDB: resume from this binlog position, FILE:POS — a transaction boundary, such
+    /// as the end position in an event's x-source-position. Earlier replays, later skips.
+    #[arg(long)]
+    pub binlog_position: Option<String>,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -175,6 +192,13 @@ pub struct RunArgs {
     /// commit time (the largest commit-vs-created_at gap seen is used when larger).
     #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
     pub recovery_margin: Duration,
+    /// High availability: relays with the same --name share one lease; the others wait as
+    /// standbys and take over when it expires.
+    #[arg(long, env = "OUTBOXD_HA")]
+    pub ha: bool,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
@@ -195,6 +219,8 @@ pub struct RunArgs {
     pub shutdown_timeout: Duration,
     #[command(flatten)]
     pub rabbit: RabbitArgs,
+    #[command(flatten)]
+    pub mysql: MySqlArgs,
 }
 
 /// RabbitMQ sink settings (CONTRACT §4).
@@ -218,6 +244,20 @@ pub struct RabbitArgs {
     /// PEM private key of --sink-cert.
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub partitions: crate::sink::partition::PartitionArgs,
+}
+
+/// MySQL/MariaDB source settings.
+#[derive(Debug, Clone, Args)]
+pub struct MySqlArgs {
+    /// Zone of the outbox's DATETIME values (UTC, +02:00, Europe/Berlin); TIMESTAMP needs none.
+    #[arg(long, env = "OUTBOXD_SOURCE_TIME_ZONE", default_value = "UTC")]
+    pub source_time_zone: String,
+    /// Largest transaction (bytes of outbox rows) held until its commit; a larger one is read
+    /// twice (once to find its end position, once to stream it).
+    #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
+    pub txn_buffer: usize,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -419,6 +459,11 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Topology(args) => crate::sink::topology::run(args, sub).await,
+        Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
+        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
+        Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
         Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
     }
 }
@@ -435,16 +480,23 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 
 async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let dsn = postgres_only(r.source, "check")?;
-    let lines = crate::operator::check_postgres(&crate::operator::PgTarget {
-        dsn: &dsn,
-        name: &r.name,
-        table: &r.table,
-        columns: &r.columns,
-        slot: &r.slot,
-        publication: &r.publication,
-    })
-    .await;
+    let lines = if let SourceDsn::Mysql(dsn) = &r.source {
+        let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
+        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
+    } else {
+        let dsn = postgres_only(r.source, "check")?;
+        crate::operator::check_postgres(&crate::operator::PgTarget {
+            dsn: &dsn,
+            name: &r.name,
+            table: &r.table,
+            columns: &r.columns,
+            slot: &r.slot,
+            publication: &r.publication,
+        })
+        .await
+    };
+    let mut lines = lines;
+    lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -467,6 +519,15 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let SourceDsn::Mysql(dsn) = &r.source {
+        let st = crate::source::mysql::operator::status_mysql(dsn, &r.name).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&st).unwrap_or_default());
+        } else {
+            println!("{st}");
+        }
+        return Ok(());
+    }
     let dsn = postgres_only(r.source, "status")?;
     let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
     if args.json {
@@ -482,6 +543,23 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
         OffsetCommand::Show(args) => status(args, m).await,
         OffsetCommand::Set(args) => {
             let r = resolve_source(&args.source, m)?;
+            if let SourceDsn::Mysql(dsn) = &r.source {
+                let Some(at) = args.binlog_position.as_deref() else {
+                    return Err(Error::config(
+                        "a MySQL source's position is a binlog position",
+                        "use offset set --binlog-position FILE:POS",
+                    ));
+                };
+                let stored = crate::source::mysql::operator::set_position(dsn, &r.name, at).await?;
+                println!("ok   the next start of {} resumes from {stored}", r.name);
+                return Ok(());
+            }
+            if args.binlog_position.is_some() {
+                return Err(Error::config(
+                    "--binlog-position is for MySQL/MariaDB sources",
+                    "use --lsn or --replay-since with a Postgres source",
+                ));
+            }
             let dsn = postgres_only(r.source, "offset set")?;
             if let Some(lsn) = args.lsn {
                 let end = crate::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn).await?;
@@ -510,6 +588,9 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
 
 async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    if let Some(addr) = &args.metrics_addr {
+        crate::telemetry::serve(addr).await?;
+    }
     let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let sink = resolve_dsn(
         Some(&args.sink),
@@ -534,6 +615,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ca_file: args.rabbit.sink_ca.clone(),
             cert_file: args.rabbit.sink_cert.clone(),
             key_file: args.rabbit.sink_key.clone(),
+            partitioning: args.rabbit.partitions.validate()?,
         },
         name: r.name,
         slot: r.slot,
@@ -564,6 +646,12 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ),
         },
         recovery_margin: args.recovery_margin,
+        ha: args.ha,
+        mysql: connector::MySqlOptions {
+            time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
+            txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            ..Default::default()
+        },
     };
     match r.source {
         SourceDsn::Postgres(dsn) => {
@@ -591,20 +679,31 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             );
             Ok(())
         }
-        SourceDsn::Mysql(_) | SourceDsn::File(_) => Err(Error::config(
-            "the MySQL/MariaDB and binlog-file sources are not available in this build",
-            "use a postgres:// source",
+        SourceDsn::Mysql(dsn) => {
+            let stats = connector::run_mysql(dsn, cfg, shutdown).await?;
+            tracing::info!(
+                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+                "stopped"
+            );
+            Ok(())
+        }
+        SourceDsn::File(_) => Err(Error::config(
+            "the binlog-file source is not available in this build",
+            "use a postgres://, mysql:// or mariadb:// source",
         )),
     }
 }
 
 async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "setup supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r).await,
+        SourceDsn::File(_) => return Err(Error::config(
+            "a binlog-file source needs no setup",
+            "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
+        )),
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
     if args.create_table {
@@ -661,11 +760,15 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
 
 async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
-    let SourceDsn::Postgres(dsn) = r.source else {
-        return Err(Error::config(
-            "teardown supports Postgres sources in this build",
-            "use a postgres:// source",
-        ));
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return teardown_mysql(dsn, &r, args.yes).await,
+        SourceDsn::File(_) => {
+            return Err(Error::config(
+                "a binlog-file source keeps no state",
+                "nothing to tear down",
+            ))
+        }
     };
     if !args.yes {
         return Err(Error::config(
@@ -699,6 +802,56 @@ async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     admin::drop_publication(&client, &r.publication).await?;
     println!("ok   publication {} (dropped)", r.publication);
     let n = crate::state::postgres::delete(&client, &r.name).await?;
+    println!(
+        "ok   state of {} ({} row{})",
+        r.name,
+        n,
+        if n == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
+/// created. (There is no slot or publication: the binlog is read from a position.)
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    let mut conn = my::connect_sql(&dsn).await?;
+    let settings = my_admin::require_binlog(&mut conn).await?;
+    println!(
+        "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
+        settings.version
+    );
+    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
+    my_admin::require_table(&mut conn, &cfg_table).await?;
+    println!("ok   outbox table {}", cfg_table.quoted());
+    crate::state::mysql::ensure_table(&mut conn).await?;
+    println!("ok   state table outboxd_state");
+    Ok(())
+}
+
+/// `teardown` for MySQL/MariaDB: the relay's state row (its stored position) goes.
+async fn teardown_mysql(dsn: dsn::DbDsn, r: &Resolved, yes: bool) -> Result<(), Error> {
+    if !yes {
+        return Err(Error::config(
+            format!("teardown drops the stored position of relay {:?}", r.name),
+            "add --yes to confirm",
+        ));
+    }
+    let mut conn = crate::source::mysql::connect_sql(&dsn).await?;
+    if let Some(state) = crate::state::mysql::load(&mut conn, &r.name).await? {
+        if state.lease_live {
+            if let Some(h) = state
+                .lease_holder
+                .filter(|h| !crate::state::holder_is_dead_locally(h))
+            {
+                return Err(Error::config(
+                    format!("relay {:?} is running (lease held by {h})", r.name),
+                    "stop it first",
+                ));
+            }
+        }
+    }
+    let n = crate::state::mysql::delete(&mut conn, &r.name).await?;
     println!(
         "ok   state of {} ({} row{})",
         r.name,

@@ -13,7 +13,7 @@ use crate::sink::{AnySink, Sink};
 use crate::source::postgres::snapshot::{self, SnapshotMode, SnapshotPlan};
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::{Budget, Outlet, SourceLink};
-use crate::state::{self, Lease};
+use crate::state;
 use crate::Error;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +28,8 @@ pub struct RunConfig {
     pub publication: String,
     pub table: TableName,
     pub columns: ColumnMap,
+    /// MySQL/MariaDB source settings (ignored by other sources).
+    pub mysql: MySqlOptions,
     pub sink: SinkDsn,
     pub commit_offsets: bool,
     pub max_inflight_bytes: usize,
@@ -40,6 +42,9 @@ pub struct RunConfig {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     /// Smallest margin recovery subtracts from the last durable commit time.
     pub recovery_margin: Duration,
+    /// High availability: wait as a standby while another relay holds the lease, and stop
+    /// publishing by our own clock before our lease can expire.
+    pub ha: bool,
     pub rabbit: RabbitOptions,
 }
 
@@ -52,6 +57,8 @@ pub struct RabbitOptions {
     pub ca_file: Option<std::path::PathBuf>,
     pub cert_file: Option<std::path::PathBuf>,
     pub key_file: Option<std::path::PathBuf>,
+    /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
+    pub partitioning: crate::sink::partition::Partitioning,
 }
 
 /// `--on-position-lost`.
@@ -96,9 +103,34 @@ pub async fn run_postgres(
     admin::require_logical(&sql).await?;
     admin::require_table(&sql, &cfg.table).await?;
     let holder = state::holder_id();
-    let lease =
-        state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder).await?;
+    let lease = loop {
+        match state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder)
+            .await
+        {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                tracing::info!(held = %who, "standby: waiting for the lease");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
+                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    if cfg.ha {
+        // A paused old leader's walsender may still hold the slot: end it, or the stream
+        // cannot start. Its relay has stopped publishing by its own clock already.
+        let ended = sql
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
+                &[&cfg.slot],
+            )
+            .await?;
+        if ended > 0 {
+            tracing::warn!(slot = %cfg.slot, "took over: ended the previous leader's walsender");
+        }
+    }
     admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
 
     // Decided before the slot exists, so `auto` on a non-empty table without a status column
@@ -188,50 +220,24 @@ pub async fn run_postgres(
         status_interval: Duration::from_secs(1),
         snapshot: plan,
     };
-    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
-    let (ev_tx, ev_rx) = mpsc::channel(4096);
-    let link = SourceLink {
-        outlet: Outlet {
-            events: ev_tx,
-            budget: Budget::new(cfg.max_inflight_bytes),
-        },
-        acks: ack_rx.clone(),
-    };
-    let lease_stop = CancellationToken::new();
-    let (commits_tx, commits_rx) = watch::channel(state::postgres::DurableCommit::default());
-    let mut lease_task = tokio::spawn(keep_lease(
-        dsn.clone(),
-        app.clone(),
-        lease.clone(),
-        ack_rx,
-        commits_rx,
-        lease_stop.clone(),
-    ));
-    let source = pg::run(source_cfg, link, start, commits_tx, shutdown.clone());
-    let stats = Arc::new(RelayStats::default());
-
-    let mut sink = make_sink(&cfg)?;
-    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
-    let result = tokio::select! {
-        r = work => r,
-        r = &mut lease_task => {
-            // The lease keeper only ends early on a lost lease.
-            return Err(r.unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}")))).err().unwrap_or_else(|| Error::Other("lease keeper stopped".into())));
-        }
-    };
-    lease_stop.cancel();
-    let lease_result = lease_task
-        .await
-        .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
-    result?;
-    lease_result?;
-    Ok(stats)
+    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
+    drive(&cfg, store, lease, commits_rx, move |link| {
+        pg::run(source_cfg, link, start, commits_tx, shutdown)
+    })
+    .await
 }
 
 /// Builds the sink named by `--sink`.
 pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
     Ok(match &cfg.sink {
-        SinkDsn::Stdout => AnySink::Stdout(StdoutSink::new(cfg.commit_offsets)),
+        SinkDsn::Stdout => {
+            let p = &cfg.rabbit.partitioning;
+            if p.partitions > 0 || p.sends_headers() {
+                tracing::warn!("--partitions and --group-partitions apply to a RabbitMQ sink: the stdout sink ignores them");
+            }
+            AnySink::Stdout(StdoutSink::new(cfg.commit_offsets))
+        }
         SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(RabbitConfig {
             url: url.clone(),
             exchange: cfg.rabbit.exchange.clone(),
@@ -242,6 +248,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             cert_file: cfg.rabbit.cert_file.clone(),
             key_file: cfg.rabbit.key_file.clone(),
             connection_name: format!("outboxd {}", cfg.name),
+            partitioning: cfg.rabbit.partitioning.clone(),
         })?)),
     })
 }
@@ -288,6 +295,10 @@ pub async fn run_poll_postgres(
             .then(|| crate::source::poll::notify_channel(&cfg.table)),
     };
     let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    // Poll mode has no stream: it is "streaming" while it can poll.
+    t.source_streaming.set(1);
     let source = crate::source::poll::run(poll_cfg, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
@@ -309,75 +320,194 @@ async fn relay_and_source<S: Sink>(
     tokio::try_join!(relay, source).map(|_| ())
 }
 
-/// Renews the lease about every second and stores the newest durable position with it; at
-/// the end, stores the final position and releases the lease.
-async fn keep_lease(
-    dsn: DbDsn,
-    app: String,
-    lease: Lease,
-    mut acks: watch::Receiver<Option<Checkpoint>>,
-    commits: watch::Receiver<state::postgres::DurableCommit>,
-    stop: CancellationToken,
-) -> Result<(), Error> {
-    let mut client: Option<tokio_postgres::Client> = None;
-    let mut written: Option<u64> = None;
-    // Until the first acknowledgement, the first start's snapshot (or a requested replay) is
-    // not known to be durable: only then is it marked done.
-    let mut needs_init = lease.first_start || lease.replay_since.is_some();
-    let mut tick = tokio::time::interval(state::RENEW_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stopping = false;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled(), if !stopping => stopping = true,
-        }
-        let _ = acks.has_changed();
-        let pos = match &*acks.borrow_and_update() {
-            Some(Checkpoint::Lsn(l)) if Some(*l) != written => Some(*l),
-            _ => None,
-        };
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = match pg::connect_sql(&dsn, &app).await {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    tracing::warn!(error = %e, "state store unreachable; lease renewal retries");
-                    if stopping {
-                        return Ok(());
-                    }
-                    continue;
-                }
-            };
-        }
-        let c = client.as_ref().expect("connected above");
-        let commit = commits.borrow().clone();
-        match state::postgres::renew(c, &lease, pos, &commit).await {
-            Ok(()) => {
-                if pos.is_some() {
-                    written = pos;
-                }
-                if needs_init && written.is_some() {
-                    match state::postgres::mark_initialized(c, &lease).await {
-                        Ok(()) => needs_init = false,
-                        Err(e @ Error::Leadership(_)) => return Err(e),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not mark the first start done; retrying")
-                        }
-                    }
-                }
-            }
-            Err(e @ Error::Leadership(_)) => return Err(e),
-            Err(e) => {
-                tracing::warn!(error = %e, "lease renewal failed; retrying");
-                client = None;
-                continue;
-            }
-        }
-        if stopping {
-            if let Err(e) = state::postgres::release(c, &lease).await {
-                tracing::warn!(error = %e, "could not release the lease; it expires by itself");
-            }
-            return Ok(());
+// ---------------------------------------------------------------------------------------------
+// MySQL / MariaDB
+// ---------------------------------------------------------------------------------------------
+
+/// MySQL/MariaDB source settings from the command line.
+#[derive(Debug, Clone)]
+pub struct MySqlOptions {
+    /// The zone `DATETIME` values are written in (`--source-time-zone`).
+    pub time_zone: crate::source::mysql::rows::SourceTz,
+    /// Largest transaction held until its commit (`--txn-buffer`).
+    pub txn_buffer_bytes: usize,
+    /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
+    pub heartbeat: Duration,
+}
+
+impl Default for MySqlOptions {
+    fn default() -> Self {
+        MySqlOptions {
+            time_zone: Default::default(),
+            txn_buffer_bytes: 16 * 1024 * 1024,
+            heartbeat: Duration::from_secs(1),
         }
     }
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_table(
+    dsn: &DbDsn,
+    cfg: &RunConfig,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    mysql_outbox_table(dsn, &cfg.table, &cfg.columns, cfg.mysql.time_zone)
+}
+
+/// The outbox table of a MySQL source: `--table` in the DSN's database.
+pub fn mysql_outbox_table(
+    dsn: &DbDsn,
+    table: &TableName,
+    columns: &ColumnMap,
+    tz: crate::source::mysql::rows::SourceTz,
+) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
+    if dsn.database.is_empty() {
+        return Err(Error::config(
+            "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
+            "add the database to the DSN, e.g. mysql://user@host:3306/app",
+        ));
+    }
+    if let Some(db) = &table.schema {
+        if *db != dsn.database {
+            return Err(Error::config(
+                format!(
+                    "--table {db}.{} is not in the DSN's database {:?}",
+                    table.name, dsn.database
+                ),
+                format!(
+                    "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
+                    table.name
+                ),
+            ));
+        }
+    }
+    Ok(crate::source::mysql::rows::OutboxTable {
+        database: dsn.database.clone(),
+        table: table.name.clone(),
+        columns: columns.clone(),
+        tz,
+    })
+}
+
+/// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
+pub async fn run_mysql(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    let table = mysql_table(&dsn, &cfg)?;
+    let mut sql = my::connect_state(&dsn).await?;
+    let settings = my_admin::require_binlog(&mut sql).await?;
+    my_admin::require_table(&mut sql, &table).await?;
+    let holder = state::holder_id();
+    let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
+    tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    let mut first = my::FirstStart::No;
+    let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
+        Some(mut resume) => {
+            // By GTID the server itself says whether it still has what follows; by file and
+            // position, the file must still be there.
+            if !resume.by_gtid(settings.mariadb) {
+                my_admin::require_position(&mut sql, &cfg.name, &resume.file).await?;
+                if settings.mariadb && resume.gtid.is_none() {
+                    // Track the GTID state from here on, complete in every domain.
+                    resume.gtid =
+                        Some(my_admin::gtid_at(&mut sql, &resume.file, resume.pos).await?);
+                }
+            }
+            resume
+        }
+        None => {
+            // First start (CONTRACT §3): the rows already in the table come from a consistent
+            // snapshot whose binlog position is where streaming starts. The position and the
+            // first start's end are stored once the snapshot is durable.
+            let plan = my::snapshot::plan(&mut sql, &table, &cfg.snapshot).await?;
+            if plan == SnapshotPlan::Nothing {
+                first = my::FirstStart::Empty;
+                my::current_position(&mut sql, settings.mariadb).await?
+            } else {
+                let snap =
+                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan)
+                        .await?;
+                let at = snap.at.clone();
+                first = my::FirstStart::Snapshot(snap);
+                at
+            }
+        }
+    };
+    tracing::info!(position = %start.checkpoint(), "resuming");
+    let _ = sql.disconnect().await;
+
+    let source_cfg = my::MySqlSourceConfig {
+        dsn: dsn.clone(),
+        name: cfg.name.clone(),
+        table,
+        server_id: my::server_id_for(&cfg.name),
+        heartbeat: cfg.mysql.heartbeat,
+        read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),
+        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        mariadb: settings.mariadb,
+    };
+    let store = state::mysql::MyStateStore::new(dsn.clone());
+    // The binlog source reports no commit times yet: recovery through the table is
+    // Postgres-only for now.
+    let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    drive(&cfg, store, lease, commits_rx, move |link| {
+        my::run(source_cfg, link, start, first, shutdown)
+    })
+    .await
+}
+
+/// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
+/// source ends (graceful stop) or something fails; then stores the final position and releases
+/// the lease.
+async fn drive<St, F, Fut>(
+    cfg: &RunConfig,
+    store: St,
+    lease: state::Lease,
+    commits: watch::Receiver<state::DurableCommit>,
+    source: F,
+) -> Result<Arc<RelayStats>, Error>
+where
+    St: state::StateStore + 'static,
+    F: FnOnce(SourceLink) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx.clone(),
+    };
+    let lease_stop = CancellationToken::new();
+    let mut sink = make_sink(cfg)?;
+    let mut lease_task = tokio::spawn(state::keep_lease(
+        store,
+        lease,
+        ack_rx,
+        commits,
+        cfg.ha,
+        lease_stop.clone(),
+    ));
+    let source = source(link);
+    let stats = Arc::new(RelayStats::default());
+    crate::telemetry::get().mark_started();
+    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
+    let result = tokio::select! {
+        r = work => r,
+        r = &mut lease_task => {
+            // The lease keeper only ends early on a lost lease.
+            return Err(r.unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}")))).err().unwrap_or_else(|| Error::Other("lease keeper stopped".into())));
+        }
+    };
+    lease_stop.cancel();
+    let lease_result = lease_task
+        .await
+        .unwrap_or_else(|e| Err(Error::Other(format!("lease task: {e}"))));
+    result?;
+    lease_result?;
+    Ok(stats)
 }

@@ -45,6 +45,10 @@ pub enum Error {
     #[error(transparent)]
     Sink(#[from] crate::sink::SinkError),
 
+    /// Field-level encryption: keyring, schema, or a value that does not decrypt.
+    #[error(transparent)]
+    Crypto(#[from] crate::crypto::CryptoError),
+
     #[error("{0}")]
     Other(String),
 }
@@ -80,6 +84,7 @@ impl Error {
             }
             Error::PositionLost { .. } => ExitStatus::PositionLost,
             Error::Leadership(_) => ExitStatus::LeadershipLost,
+            Error::Crypto(e) if e.is_config() => ExitStatus::Config,
             _ => ExitStatus::Failed,
         }
     }

@@ -9,6 +9,7 @@ pub mod backoff;
 pub mod cli;
 pub mod connector;
 pub mod consumer;
+pub mod crypto;
 pub mod dsn;
 pub mod error;
 pub mod event;
@@ -18,6 +19,7 @@ pub mod relay;
 pub mod sink;
 pub mod source;
 pub mod state;
+pub mod telemetry;
 pub mod tls;
 
 pub use error::{Error, ExitStatus, Result};

@@ -9,6 +9,7 @@ use crate::backoff::Backoff;
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::sink::{Delivery, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
+use crate::telemetry;
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
@@ -53,6 +54,8 @@ enum Entry {
     Event {
         event: Box<OutboxEvent>,
         _permit: BudgetPermit,
+        /// When it was (last) handed to the sink: publish→confirm latency.
+        sent: Instant,
     },
     Checkpoint(Checkpoint),
 }
@@ -78,6 +81,9 @@ pub async fn run<S: Sink>(
     let mut last_ack = Instant::now();
 
     connect_with_backoff(sink).await?;
+    // An idle relay notices a broken sink connection on this tick, not at the next event.
+    let mut health = tokio::time::interval(Duration::from_secs(1));
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         if !input_open && queue.is_empty() {
@@ -93,7 +99,7 @@ pub async fn run<S: Sink>(
                         pop_confirmed(&mut queue, &mut durable);
                     }
                     Err(e) if e.is_retryable() => {
-                        recover(sink, &queue, &mut confirms, e, opts, stats).await?;
+                        recover(sink, &mut queue, &mut confirms, e, opts, stats).await?;
                     }
                     Err(e) => return Err(e.into()),
                 }
@@ -111,14 +117,18 @@ pub async fn run<S: Sink>(
                     Some(SourceMsg::Event(event, permit)) => {
                         if event.poison.is_some() {
                             stats.poison.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(event_id = %event.id, position = %event.position, reason = event.poison.as_deref().unwrap_or(""), "poison event: dead-lettered without its body");
+                        } else {
+                            tracing::debug!(event_id = %event.id, position = %event.position, topic = %event.topic, "publishing");
                         }
                         let published = publish_one(sink, &event, opts.confirm_timeout).await;
-                        queue.push_back(Entry::Event { event, _permit: permit });
+                        queue.push_back(Entry::Event { event, _permit: permit, sent: Instant::now() });
                         stats.published.fetch_add(1, Ordering::Relaxed);
+                        telemetry::get().events_published.inc();
                         match published {
                             Ok(confirm) => confirms.push_back(confirm),
                             Err(e) if e.is_retryable() => {
-                                recover(sink, &queue, &mut confirms, e, opts, stats).await?;
+                                recover(sink, &mut queue, &mut confirms, e, opts, stats).await?;
                             }
                             Err(e) => return Err(e.into()),
                         }
@@ -126,6 +136,12 @@ pub async fn run<S: Sink>(
                 }
             }
             _ = tokio::time::sleep(opts.ack_interval), if ack_due => {}
+            _ = health.tick() => {
+                if sink.is_broken() {
+                    let cause = SinkError::Connection("the connection was lost".into());
+                    recover(sink, &mut queue, &mut confirms, cause, opts, stats).await?;
+                }
+            }
         }
 
         if durable.is_some()
@@ -151,6 +167,23 @@ pub async fn run<S: Sink>(
 fn pop_confirmed(queue: &mut VecDeque<Entry>, durable: &mut Option<Checkpoint>) {
     let front = queue.pop_front();
     debug_assert!(matches!(front, Some(Entry::Event { .. })));
+    if let Some(Entry::Event { event, sent, .. }) = front {
+        let t = telemetry::get();
+        t.events_confirmed.inc();
+        if event.poison.is_some() {
+            t.events_dead_lettered.inc();
+        }
+        t.publish_confirm_seconds
+            .observe(sent.elapsed().as_secs_f64());
+        if let Some(committed) = event.committed_at {
+            let age = (chrono::Utc::now() - committed)
+                .num_microseconds()
+                .unwrap_or(0) as f64
+                / 1e6;
+            t.commit_confirm_seconds.observe(age.max(0.0));
+            t.source_lag_seconds.set(age.max(0.0));
+        }
+    }
     while let Some(Entry::Checkpoint(_)) = queue.front() {
         if let Some(Entry::Checkpoint(cp)) = queue.pop_front() {
             advance(durable, cp);
@@ -184,7 +217,10 @@ async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error>
     let mut backoff = Backoff::standard();
     loop {
         match sink.connect().await {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                telemetry::get().sink_connected.set(1);
+                return Ok(());
+            }
             Err(e) if e.is_retryable() => {
                 let delay = backoff.next_delay();
                 tracing::warn!(sink = sink.name(), error = %e, retry_in = ?delay, "sink unavailable");
@@ -199,7 +235,7 @@ async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error>
 /// non-retryable error says it never will.
 async fn recover<S: Sink>(
     sink: &mut S,
-    queue: &VecDeque<Entry>,
+    queue: &mut VecDeque<Entry>,
     confirms: &mut FuturesOrdered<Confirm>,
     cause: SinkError,
     opts: &RelayOptions,
@@ -211,17 +247,22 @@ async fn recover<S: Sink>(
         .count();
     tracing::warn!(sink = sink.name(), error = %cause, unconfirmed, "sink failed; reconnecting to republish unconfirmed events in order");
     stats.recoveries.fetch_add(1, Ordering::Relaxed);
+    let t = telemetry::get();
+    t.reconnect("sink");
+    t.sink_connected.set(0);
     let mut backoff = Backoff::standard();
     loop {
         // Old confirmations belong to the broken channel: drop them before republishing.
         *confirms = FuturesOrdered::new();
         let attempt: Result<(), SinkError> = async {
             sink.connect().await?;
-            for entry in queue {
-                if let Entry::Event { event, .. } = entry {
+            for entry in queue.iter_mut() {
+                if let Entry::Event { event, sent, .. } = entry {
                     let c = publish_one(sink, event, opts.confirm_timeout).await?;
                     confirms.push_back(c);
+                    *sent = Instant::now();
                     stats.republished.fetch_add(1, Ordering::Relaxed);
+                    t.events_republished.inc();
                 }
             }
             Ok(())
@@ -234,6 +275,7 @@ async fn recover<S: Sink>(
                     republished = unconfirmed,
                     "sink recovered"
                 );
+                t.sink_connected.set(1);
                 return Ok(());
             }
             Err(e) if e.is_retryable() => {

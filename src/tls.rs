@@ -1,6 +1,11 @@
 //! TLS client configuration shared by the database and broker clients: the libpq `sslmode`
 //! levels (require = encrypt only, verify-ca = trusted chain, verify-full = chain and host
 //! name), a CA file or the Mozilla roots, and an optional client certificate.
+//!
+//! As in libpq, `require` with a CA file (`sslrootcert`) verifies the chain like `verify-ca`,
+//! and a host given as an IP address is matched against the certificate's IP addresses under
+//! `verify-full`. Every Postgres connection of the relay, SQL and replication, is verified by
+//! the configuration built here, so the two cannot disagree.
 
 use crate::dsn::{TlsMode, TlsSettings};
 use crate::Error;
@@ -55,6 +60,15 @@ fn roots(settings: &TlsSettings) -> Result<RootCertStore, Error> {
     Ok(roots)
 }
 
+/// The verification level `settings` amount to: libpq's `require` verifies the chain when a
+/// CA file is given.
+pub fn effective_mode(settings: &TlsSettings) -> TlsMode {
+    match settings.mode {
+        TlsMode::Require if settings.ca_file.is_some() => TlsMode::VerifyCa,
+        mode => mode,
+    }
+}
+
 /// The rustls configuration for `settings`; `None` when TLS is disabled.
 pub fn client_config(settings: &TlsSettings) -> Result<Option<ClientConfig>, Error> {
     if settings.mode == TlsMode::Disable {
@@ -64,7 +78,7 @@ pub fn client_config(settings: &TlsSettings) -> Result<Option<ClientConfig>, Err
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(tls_err)?;
-    let builder = match settings.mode {
+    let builder = match effective_mode(settings) {
         TlsMode::VerifyFull => builder.with_root_certificates(roots(settings)?),
         TlsMode::VerifyCa => {
             let inner = WebPkiServerVerifier::builder_with_provider(
@@ -94,6 +108,64 @@ pub fn client_config(settings: &TlsSettings) -> Result<Option<ClientConfig>, Err
         }
     };
     Ok(Some(config))
+}
+
+/// The rustls error inside `err` or its causes: TLS handshake failures arrive as an
+/// `io::Error` wrapping it (tokio-rustls), which `source()` alone skips over.
+pub fn rustls_cause<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if let Some(r) = e.downcast_ref::<rustls::Error>() {
+            return Some(r);
+        }
+        if let Some(inner) = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            if let Some(r) = inner.downcast_ref::<rustls::Error>() {
+                return Some(r);
+            }
+        }
+        cur = e.source();
+    }
+    None
+}
+
+/// A TLS handshake that failed on a certificate or a protocol disagreement: the settings are
+/// wrong (exit status 2), retrying cannot help. `what` names the connection, e.g.
+/// `Postgres localhost:5432`.
+pub fn handshake_refused(what: &str, settings: &TlsSettings, err: &rustls::Error) -> Error {
+    let mode = match effective_mode(settings) {
+        TlsMode::Disable => "disable",
+        TlsMode::Prefer => "prefer",
+        TlsMode::Require => "require",
+        TlsMode::VerifyCa => "verify-ca",
+        TlsMode::VerifyFull => "verify-full",
+    };
+    let ca = settings.ca_file.as_deref().map_or_else(
+        || "the Mozilla roots (no sslrootcert)".to_string(),
+        |c| c.to_string(),
+    );
+    let fix = match err {
+        rustls::Error::InvalidCertificate(
+            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+        ) => {
+            "connect with a host name the server certificate lists \
+             (or use sslmode=verify-ca, which checks the chain only)"
+        }
+        rustls::Error::InvalidCertificate(
+            CertificateError::UnknownIssuer | CertificateError::BadSignature,
+        ) => "set sslrootcert to the CA certificate (PEM) that signed the server certificate",
+        rustls::Error::InvalidCertificate(_) => {
+            "the server certificate is not usable (expired, not yet valid, \
+             or not a server certificate): renew it"
+        }
+        _ => "check sslmode, sslrootcert, sslcert and sslkey in the DSN against the server's TLS setup",
+    };
+    Error::config(
+        format!("TLS handshake with {what} failed (sslmode={mode}, trusting {ca}): {err}"),
+        fix,
+    )
 }
 
 /// verify-ca: the chain must lead to a trusted CA; the host name is not checked.
@@ -189,5 +261,107 @@ impl ServerCertVerifier for NoVerify {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(mode: TlsMode, ca: Option<&str>) -> TlsSettings {
+        TlsSettings {
+            mode,
+            ca_file: ca.map(str::to_string),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn require_with_a_ca_file_verifies_the_chain_as_libpq_does() {
+        assert_eq!(
+            effective_mode(&settings(TlsMode::Require, Some("/ca.pem"))),
+            TlsMode::VerifyCa
+        );
+        assert_eq!(
+            effective_mode(&settings(TlsMode::Require, None)),
+            TlsMode::Require
+        );
+        assert_eq!(
+            effective_mode(&settings(TlsMode::VerifyFull, Some("/ca.pem"))),
+            TlsMode::VerifyFull
+        );
+        assert_eq!(
+            effective_mode(&settings(TlsMode::Prefer, Some("/ca.pem"))),
+            TlsMode::Prefer
+        );
+    }
+
+    #[test]
+    fn configs_and_their_errors() {
+        assert!(client_config(&settings(TlsMode::Disable, None))
+            .unwrap()
+            .is_none());
+        for mode in [
+            TlsMode::Prefer,
+            TlsMode::Require,
+            TlsMode::VerifyCa,
+            TlsMode::VerifyFull,
+        ] {
+            assert!(client_config(&settings(mode, None)).unwrap().is_some());
+        }
+        let err = client_config(&settings(TlsMode::VerifyFull, Some("/nonexistent/ca.pem")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("TLS") && err.contains("/nonexistent/ca.pem"),
+            "{err}"
+        );
+        let half = TlsSettings {
+            mode: TlsMode::Require,
+            cert_file: Some("/client.pem".into()),
+            ..Default::default()
+        };
+        assert!(client_config(&half)
+            .unwrap_err()
+            .to_string()
+            .contains("both sslcert and sslkey"));
+    }
+
+    #[test]
+    fn handshake_failures_are_found_inside_io_errors_and_explained() {
+        let inner = rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer);
+        let io = std::io::Error::new(std::io::ErrorKind::InvalidData, inner);
+        #[derive(Debug, thiserror::Error)]
+        #[error("connect failed")]
+        struct Outer(#[source] std::io::Error);
+        let outer = Outer(io);
+        let found = rustls_cause(&outer).expect("found through the io::Error");
+        assert!(matches!(
+            found,
+            rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)
+        ));
+        assert!(rustls_cause(&std::io::Error::other("reset")).is_none());
+
+        let err = handshake_refused(
+            "Postgres db:5432",
+            &settings(TlsMode::Require, Some("/etc/ca.pem")),
+            found,
+        );
+        assert_eq!(err.exit_status(), crate::ExitStatus::Config);
+        assert!(!err.is_retryable());
+        let text = err.to_string();
+        assert!(
+            text.contains("TLS handshake with Postgres db:5432 failed")
+                && text.contains("sslmode=verify-ca")
+                && text.contains("/etc/ca.pem")
+                && text.contains("fix: set sslrootcert"),
+            "{text}"
+        );
+        let name = rustls::Error::InvalidCertificate(CertificateError::NotValidForName);
+        assert!(
+            handshake_refused("x", &settings(TlsMode::VerifyFull, None), &name)
+                .to_string()
+                .contains("verify-ca")
+        );
     }
 }

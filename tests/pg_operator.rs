@@ -375,3 +375,74 @@ async fn status_teardown_and_offset() {
         .get(0);
     assert_eq!((pubs, rows), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_broker() {
+    let db = PgDb::create("checksink").await;
+    let dsn = db.dsn();
+    let name = unique("r");
+    let mut setup = Relay::start(&["setup", "--source", &dsn, "--name", &name]);
+    assert_eq!(setup.wait_exit(T).await, 0, "{}", setup.stderr());
+    let exchange = unique("chk");
+    let check = |sink: String, exchange: String| {
+        let dsn = dsn.clone();
+        let name = name.clone();
+        async move {
+            let mut r = Relay::start_with_env(
+                &[
+                    "check",
+                    "--source",
+                    &dsn,
+                    "--name",
+                    &name,
+                    "--exchange",
+                    &exchange,
+                ],
+                &[("OUTBOXD_SINK", &sink)],
+            );
+            let code = r.wait_exit(T).await;
+            (code, r.lines().join("\n"))
+        }
+    };
+    // Unreachable broker: the line says so with the fix; the password never shows.
+    let (code, out) = check(
+        "amqp://guest:guest-secret@127.0.0.1:1/%2f".into(),
+        exchange.clone(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL rabbitmq") && !out.contains("guest-secret"),
+        "{out}"
+    );
+    // Reachable, but the relay's topology is not declared yet: the check names what is missing.
+    let (_code, out) = check(common::amqp::url(), exchange.clone()).await;
+    assert!(
+        out.contains("ok   rabbitmq connect")
+            && out.contains("rabbitmq topology")
+            && out.contains(&exchange),
+        "{out}"
+    );
+    // Declared by a relay run: ok.
+    let topo = common::amqp::Topology::new("chk").await;
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--sink",
+        &common::amqp::url(),
+        "--exchange",
+        &topo.exchange,
+    ]);
+    topo.wait_declared(T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let (code, out) = check(common::amqp::url(), topo.exchange.clone()).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("ok   rabbitmq") && !out.contains("FAIL"),
+        "{out}"
+    );
+}

@@ -3,8 +3,10 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
+pub mod topology;
 
 use crate::event::OutboxEvent;
 use futures::future::BoxFuture;
@@ -66,6 +68,12 @@ pub trait Sink: Send {
 
     /// Make every `Accepted` event durable.
     fn flush(&mut self) -> impl std::future::Future<Output = Result<(), SinkError>> + Send;
+
+    /// Whether the connection is known to be gone, so the relay reconnects before the next
+    /// event needs it (and readiness tells the truth while nothing flows).
+    fn is_broken(&self) -> bool {
+        false
+    }
 }
 
 /// The sink chosen on the command line. Dispatching here keeps the relay generic and the
@@ -108,6 +116,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
+        }
+    }
+
+    fn is_broken(&self) -> bool {
+        match self {
+            AnySink::Stdout(s) => s.is_broken(),
+            AnySink::Rabbit(s) => s.is_broken(),
         }
     }
 }

@@ -14,12 +14,18 @@
 //!   exchange (routing key = queue name). The default exchange needs no declaration or
 //!   binding and cannot be misrouted, so a dead record reaches that queue or is returned.
 //!
+//! With `--partitions N` (or `--group-partitions`) every message also carries its partition
+//! headers, and the relay's own partition layout is declared after the above (see
+//! [`super::topology`] and [`super::partition`]).
+//!
 //! Confirms are pipelined (the relay bounds the window). lapin attaches a `basic.return` to
 //! whichever confirmation it completes next, which under multiple-acks may be another message
 //! than the one returned, so returns are matched to events by `message_id` (= event id) in a
 //! per-channel tracker that settles every confirmation only after recording all returns that
 //! arrived with or before it.
 
+use super::partition::{PartitionRouting, Partitioning};
+use super::topology::{self, Layout};
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact;
 use crate::event::OutboxEvent;
@@ -88,6 +94,8 @@ pub struct RabbitConfig {
     pub key_file: Option<PathBuf>,
     /// Shown in the broker's connection list.
     pub connection_name: String,
+    /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
+    pub partitioning: Partitioning,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -101,6 +109,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("ca_file", &self.ca_file)
             .field("cert_file", &self.cert_file)
             .field("key_file", &self.key_file)
+            .field("partitioning", &self.partitioning)
             .finish()
     }
 }
@@ -212,6 +221,9 @@ impl RabbitSink {
             }
         }
         let tls = tls_config(&cfg, uri.scheme == AMQPScheme::AMQPS)?;
+        if cfg.partitioning.partitions > 0 {
+            topology::validate_name("--exchange", &cfg.exchange)?;
+        }
         Ok(RabbitSink {
             cfg,
             uri,
@@ -228,15 +240,84 @@ impl RabbitSink {
         self.blocked.clone()
     }
 
-    async fn open(&self) -> Result<Link, SinkError> {
+    pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SinkError::Connection(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default()
             .with_connection_name(self.cfg.connection_name.clone().into());
-        let conn =
-            Connection::connect_uri_with_config(self.uri.clone(), props, self.tls.clone(), runtime)
+        Connection::connect_uri_with_config(self.uri.clone(), props, self.tls.clone(), runtime)
+            .await
+            .map_err(|e| self.classify_connect(e))
+    }
+
+    /// The relay's own partition layout (`--partitions N`), if any.
+    fn own_layout(&self) -> Option<Layout> {
+        Layout::relay(&self.cfg.exchange, &self.cfg.partitioning)
+    }
+
+    /// Declares (or checks, `--declare passive`) the base topology and then each layout, on
+    /// `conn`. Returns warnings about partition counts that changed since the last declaration.
+    async fn declare_all(
+        &self,
+        conn: &Connection,
+        layouts: &[Layout],
+    ) -> Result<Vec<String>, SinkError> {
+        // A failed declaration closes its channel: use one only for that.
+        let ch = conn.create_channel().await.map_err(io_or_protocol)?;
+        self.declare(&ch).await?;
+        let _ = ch.close(200, "OK".into()).await;
+        let passive = self.cfg.declare == DeclareMode::Passive;
+        let mut warnings = Vec::new();
+        if !passive && !layouts.is_empty() {
+            // A probe that finds nothing closes its channel with NOT_FOUND, which lapin reports
+            // as an error event of the whole connection (the relay would take the publishing
+            // connection for broken): probe on a connection of its own.
+            let probing = self.connection().await?;
+            let mut result = Ok(());
+            for l in layouts {
+                match topology::probe(&probing, l).await {
+                    Ok(probe) => {
+                        if let Some(w) = probe.changed_count(l) {
+                            tracing::warn!(layout = %l.exchange(), "{w}");
+                            warnings.push(w);
+                        }
+                    }
+                    Err(e) => {
+                        result = Err(io_or_protocol(e));
+                        break;
+                    }
+                }
+            }
+            let _ = probing.close(200, "OK".into()).await;
+            result?;
+        }
+        for l in layouts {
+            topology::declare_layout(conn, l, passive)
                 .await
-                .map_err(|e| self.classify_connect(e))?;
+                .map_err(|f| self.layout_error(f, l))?;
+        }
+        Ok(warnings)
+    }
+
+    /// `outboxd topology`: one connection that declares the base topology and `layouts`.
+    pub async fn declare_layouts(&self, layouts: &[Layout]) -> Result<Vec<String>, SinkError> {
+        let work = async {
+            let conn = self.connection().await?;
+            let r = self.declare_all(&conn, layouts).await;
+            let _ = conn.close(200, "OK".into()).await;
+            r
+        };
+        match tokio::time::timeout(self.cfg.op_timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(SinkError::Connection(format!(
+                "declaring at RabbitMQ {} took longer than {:?}",
+                self.redacted, self.cfg.op_timeout
+            ))),
+        }
+    }
+
+    async fn open(&self) -> Result<Link, SinkError> {
+        let conn = self.connection().await?;
 
         let (state_tx, state_rx) = watch::channel(LinkState::default());
         let mut tasks = vec![tokio::spawn(watch_events(
@@ -246,10 +327,8 @@ impl RabbitSink {
         ))];
 
         if self.cfg.declare != DeclareMode::Off {
-            // A failed declaration closes its channel: use one only for that.
-            let ch = conn.create_channel().await.map_err(io_or_protocol)?;
-            self.declare(&ch).await?;
-            let _ = ch.close(200, "OK".into()).await;
+            self.declare_all(&conn, self.own_layout().as_slice())
+                .await?;
         }
         let channel = conn.create_channel().await.map_err(io_or_protocol)?;
         channel
@@ -358,7 +437,8 @@ impl RabbitSink {
             ),
         ];
         for ((kind, name), step) in steps {
-            step.await.map_err(|e| self.declare_error(e, kind, &name))?;
+            step.await
+                .map_err(|e| self.declare_error(e, kind, &name, &expected_topology(x)))?;
             if kind == "queue" && name == unrouted && !passive {
                 ch.queue_bind(
                     unrouted.clone().into(),
@@ -368,14 +448,47 @@ impl RabbitSink {
                     FieldTable::default(),
                 )
                 .await
-                .map_err(|e| self.declare_error(e, "binding of queue", &name))?;
+                .map_err(|e| {
+                    self.declare_error(e, "binding of queue", &name, &expected_topology(x))
+                })?;
             }
         }
         Ok(())
     }
 
+    /// A failed step of a partition layout's declaration, with the layout as the expectation.
+    fn layout_error(&self, f: topology::StepFailure, l: &Layout) -> SinkError {
+        if l.routing == PartitionRouting::ConsistentHash {
+            if let lapin::ErrorKind::ProtocolError(p) = f.error.kind() {
+                if topology::is_unknown_exchange_type(&p.get_message().to_string()) {
+                    return topology::missing_plugin();
+                }
+            }
+        }
+        let declare = match (l.group, l.routing) {
+            (true, _) => format!(
+                "outboxd topology --exchange {} --group {} --partitions {}",
+                l.source, l.prefix, l.partitions
+            ),
+            (false, PartitionRouting::Headers) => format!(
+                "outboxd topology --exchange {} --partitions {}",
+                l.source, l.partitions
+            ),
+            (false, PartitionRouting::ConsistentHash) => format!(
+                "outboxd topology --exchange {} --partitions {} --partition-routing consistent-hash",
+                l.source, l.partitions
+            ),
+        };
+        let expected = format!(
+            "outboxd expects: {} (`{declare} --queue-type {}` declares it)",
+            l.describe(),
+            l.queue_type.as_str()
+        );
+        self.declare_error(f.error, f.kind, &f.name, &expected)
+    }
+
     /// Turns a failed declaration into what differs and how to fix it.
-    fn declare_error(&self, e: lapin::Error, kind: &str, name: &str) -> SinkError {
+    fn declare_error(&self, e: lapin::Error, kind: &str, name: &str, expected: &str) -> SinkError {
         let vhost = self.uri.vhost.clone();
         let user = self.uri.authority.userinfo.username.clone();
         let x = &self.cfg.exchange;
@@ -393,12 +506,12 @@ impl RabbitSink {
                 format!(
                     "RabbitMQ refused to declare {kind} {name:?} in vhost {vhost:?}: it exists with other settings than outboxd declares ({}). {}",
                     describe_mismatch(&text),
-                    expected_topology(x)
+                    expected
                 ),
                 format!("delete it and let outboxd declare it: {delete}; or keep yours and run with --declare passive (then it must still route every topic somewhere: give {x} the alternate-exchange {x}.unrouted)"),
             ),
             AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => config_err(
-                format!("{kind} {name:?} does not exist in vhost {vhost:?} (--declare passive only checks). {}", expected_topology(x)),
+                format!("{kind} {name:?} does not exist in vhost {vhost:?} (--declare passive only checks). {expected}"),
                 "declare it as described, or run with --declare auto (needs configure permission)".to_string(),
             ),
             AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => config_err(
@@ -423,6 +536,9 @@ impl RabbitSink {
         }
         for (k, v) in standard_headers(event) {
             t.insert(k.into(), v);
+        }
+        for (k, v) in self.cfg.partitioning.headers(&event.aggregate_id) {
+            t.insert(k, v);
         }
         let size = table_size(&t);
         if size > limit {
@@ -555,6 +671,12 @@ impl Sink for RabbitSink {
         true
     }
 
+    fn is_broken(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_none_or(|l| l.state.borrow().error.is_some())
+    }
+
     async fn connect(&mut self) -> Result<(), SinkError> {
         // Always a fresh connection: the old one (if any) is closed by dropping it, and its
         // unsettled confirmations with it.
@@ -573,6 +695,7 @@ impl Sink for RabbitSink {
             sink = %self.redacted,
             exchange = %self.cfg.exchange,
             declare = ?self.cfg.declare,
+            partitions = self.cfg.partitioning.partitions,
             frame_max = link.conn.configuration().frame_max(),
             "connected to RabbitMQ"
         );
@@ -770,16 +893,21 @@ async fn watch_events(
             lapin::Event::ConnectionBlocked(reason) => {
                 tracing::warn!(%reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
                 blocked.store(true, Ordering::Relaxed);
+                crate::telemetry::get().sink_blocked.set(1);
                 state.send_modify(|s| s.blocked = true);
             }
             lapin::Event::ConnectionUnblocked => {
                 tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
                 blocked.store(false, Ordering::Relaxed);
+                crate::telemetry::get().sink_blocked.set(0);
                 state.send_modify(|s| s.blocked = false);
             }
             lapin::Event::Error(e) => {
                 tracing::warn!(error = %e, "RabbitMQ connection or channel failed");
                 blocked.store(false, Ordering::Relaxed);
+                let t = crate::telemetry::get();
+                t.sink_blocked.set(0);
+                t.sink_connected.set(0);
                 state.send_modify(|s| {
                     s.blocked = false;
                     s.error = Some(e.to_string());
@@ -987,6 +1115,7 @@ mod tests {
             cert_file: None,
             key_file: None,
             connection_name: "test".into(),
+            partitioning: Default::default(),
         })
         .unwrap()
     }
@@ -1086,6 +1215,38 @@ mod tests {
         assert!(matches!(get("list"), AMQPValue::FieldArray(_)));
         assert!(matches!(get("nested"), AMQPValue::FieldTable(_)));
         assert!(!h.contains_key("x-source-gtid"));
+    }
+
+    #[test]
+    fn partition_headers_with_partitions_on() {
+        let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
+        s.cfg.partitioning = crate::sink::partition::PartitionArgs {
+            partitions: 4,
+            group_partitions: vec![3],
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        let p4 = crate::sink::partition::partition_of("agg-1", 4).to_string();
+        let p3 = crate::sink::partition::partition_of("agg-1", 3).to_string();
+        assert_eq!(
+            h.get("x-partition"),
+            Some(&AMQPValue::LongString(p4.clone().into()))
+        );
+        assert_eq!(
+            h.get("x-partition-4"),
+            Some(&AMQPValue::LongString(p4.into()))
+        );
+        assert_eq!(
+            h.get("x-partition-3"),
+            Some(&AMQPValue::LongString(p3.into()))
+        );
+        // Off: no partition header at all.
+        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render(&event(), MAX_HEADER_BYTES);
+        let h = out.props.headers().as_ref().unwrap().inner();
+        assert!(h.keys().all(|k| !k.as_str().starts_with("x-partition")));
     }
 
     #[test]

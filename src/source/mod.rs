@@ -3,6 +3,7 @@
 //! newest checkpoint whose events are all durable, and only then tell the server (or the state
 //! table) that it may forget what came before.
 
+pub mod mysql;
 pub mod poll;
 pub mod postgres;
 
@@ -60,6 +61,7 @@ pub struct Outlet {
 impl Outlet {
     /// Sends an event after reserving its bytes. Errors when the relay is gone.
     pub async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
+        crate::telemetry::get().events_read.inc();
         let permit = self.budget.acquire(event.size()).await;
         self.events
             .send(SourceMsg::Event(Box::new(event), permit))

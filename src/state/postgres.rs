@@ -1,10 +1,89 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
-use super::{holder_is_dead_locally, Lease, LEASE_TTL};
-use crate::event::{format_lsn, parse_lsn};
+use super::{holder_is_dead_locally, Lease, StateStore, LEASE_TTL};
+use crate::dsn::DbDsn;
+use crate::event::{format_lsn, parse_lsn, Checkpoint};
 use crate::Error;
 use tokio_postgres::Client;
+
+/// The lease keeper's view of a Postgres state table: one session, reconnected on demand.
+pub struct PgStateStore {
+    dsn: DbDsn,
+    app: String,
+    client: Option<Client>,
+    /// The slot whose retained WAL is reported as a metric, every few renewals.
+    slot: Option<String>,
+    renewals: u64,
+}
+
+impl PgStateStore {
+    pub fn new(dsn: DbDsn, app: String) -> Self {
+        PgStateStore {
+            dsn,
+            app,
+            client: None,
+            slot: None,
+            renewals: 0,
+        }
+    }
+
+    pub fn with_slot(mut self, slot: &str) -> Self {
+        self.slot = Some(slot.to_string());
+        self
+    }
+
+    async fn client(&mut self) -> Result<&Client, Error> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = Some(crate::source::postgres::connect_sql(&self.dsn, &self.app).await?);
+        }
+        Ok(self.client.as_ref().expect("connected above"))
+    }
+}
+
+impl StateStore for PgStateStore {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let lsn = match position {
+            Some(Checkpoint::Lsn(l)) => Some(*l),
+            _ => None,
+        };
+        let r = renew(self.client().await?, lease, lsn, commit).await;
+        self.renewals += 1;
+        if r.is_ok() && self.renewals % 5 == 1 {
+            if let (Some(slot), Some(c)) = (&self.slot, &self.client) {
+                let retained: Option<i64> = c
+                    .query_opt(
+                        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = $1",
+                        &[slot],
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|row| row.get(0));
+                if let Some(b) = retained {
+                    crate::telemetry::get().slot_retained_wal_bytes.set(b);
+                }
+            }
+        }
+        if matches!(&r, Err(e) if !matches!(e, Error::Leadership(_))) {
+            self.client = None;
+        }
+        r
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        release(self.client().await?, lease).await
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        mark_initialized(self.client().await?, lease).await
+    }
+}
 
 pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     name              text PRIMARY KEY,
@@ -240,14 +319,7 @@ pub async fn renew(
     Ok(())
 }
 
-/// What the source knows about the newest durable transaction: its commit time and the
-/// largest commit-vs-`created_at` gap seen so far. Recovery through the table replays from
-/// there, minus at least that gap.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DurableCommit {
-    pub commit_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub max_gap_ms: Option<i64>,
-}
+pub use super::DurableCommit;
 
 /// Records a replay the next start must perform (recovery), while holding the lease.
 pub async fn set_replay(

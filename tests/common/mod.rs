@@ -1,6 +1,7 @@
 //! Shared test harness: real services (each test gets its own database, slot and names), the
 //! outboxd binary as a child process, and polling with deadlines instead of sleeps.
 #![allow(dead_code)]
+pub mod partitions;
 pub mod proxy;
 
 use std::io::{BufRead, BufReader};
@@ -254,6 +255,25 @@ impl Relay {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// stderr without terminal colour codes (for matching `key=value` log fields).
+    pub fn stderr_plain(&self) -> String {
+        let s = self.stderr();
+        let mut out = String::with_capacity(s.len());
+        let mut chars = s.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill")
             .args([&format!("-{sig}"), &self.child.id().to_string()])
@@ -292,6 +312,24 @@ impl Relay {
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Relay {
+    /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
+    pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let err = self.stderr();
+            if needles.iter().all(|n| err.contains(n)) {
+                return;
+            }
+            if Instant::now() > deadline {
+                let missing: Vec<&&str> = needles.iter().filter(|n| !err.contains(**n)).collect();
+                panic!("timed out after {timeout:?} waiting for {missing:?} in the relay's stderr:\n{err}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }
@@ -335,12 +373,18 @@ pub mod amqp {
         url_via(HOST_PORT)
     }
 
+    /// Connects to the local broker, waiting up to a minute: other tests on the machine may be
+    /// restarting it.
     pub async fn connect() -> Connection {
-        match Connection::connect(&url(), ConnectionProperties::default()).await {
-            Ok(c) => c,
-            Err(e) => panic!(
-                "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
-            ),
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Connection::connect(&url(), ConnectionProperties::default()).await {
+                Ok(c) => return c,
+                Err(e) if Instant::now() > deadline => panic!(
+                    "RabbitMQ is not reachable at 127.0.0.1:{HOST_PORT}: {e}. Start it with `sudo scripts/services.sh`"
+                ),
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
         }
     }
 
@@ -372,6 +416,8 @@ pub mod amqp {
         /// Reopened when the broker was restarted.
         conn: tokio::sync::Mutex<Connection>,
         queues: Vec<String>,
+        /// Further exchanges to delete on drop (partition layouts).
+        exchanges: Vec<String>,
     }
 
     impl Topology {
@@ -381,7 +427,27 @@ pub mod amqp {
                 queues: vec![format!("{exchange}.unrouted"), format!("{exchange}.dead")],
                 exchange,
                 conn: tokio::sync::Mutex::new(connect().await),
+                exchanges: Vec::new(),
             }
+        }
+
+        /// Deletes these queues and exchanges too when dropped (declared by the relay or by
+        /// `outboxd topology`).
+        pub fn adopt(&mut self, queues: &[String], exchanges: &[String]) {
+            self.queues.extend_from_slice(queues);
+            self.exchanges.extend_from_slice(exchanges);
+        }
+
+        /// Adopts a partition layout: `<prefix>.p0 … p<n-1>` and `<prefix>.partitioned`, and for
+        /// a consumer group its `<prefix>.unrouted`; returns the queue names in partition order.
+        pub fn adopt_partitions(&mut self, prefix: &str, n: u32, group: bool) -> Vec<String> {
+            let queues: Vec<String> = (0..n).map(|k| format!("{prefix}.p{k}")).collect();
+            self.adopt(&queues, &[format!("{prefix}.partitioned")]);
+            if group {
+                let u = format!("{prefix}.unrouted");
+                self.adopt(std::slice::from_ref(&u), std::slice::from_ref(&u));
+            }
+            queues
         }
 
         pub fn unrouted(&self) -> String {
@@ -525,6 +591,7 @@ pub mod amqp {
         fn drop(&mut self) {
             let x = self.exchange.clone();
             let queues = std::mem::take(&mut self.queues);
+            let mut exchanges = std::mem::take(&mut self.exchanges);
             let _ = std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -546,7 +613,8 @@ pub mod amqp {
                                 .await;
                         }
                     }
-                    for e in [format!("{x}.unrouted"), x] {
+                    exchanges.extend([format!("{x}.unrouted"), x]);
+                    for e in exchanges {
                         if let Ok(ch) = conn.create_channel().await {
                             let _ = ch
                                 .exchange_delete(e.into(), ExchangeDeleteOptions::default())
@@ -559,4 +627,226 @@ pub mod amqp {
             .join();
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MariaDB
+// ---------------------------------------------------------------------------------------------
+
+pub const MY_HOST: &str = "127.0.0.1";
+pub const MY_PORT: u16 = 3306;
+pub const MY_OUTBOX_DDL: &str = include_str!("../../migrations/mysql/001_outbox.sql");
+
+fn my_opts(db: Option<&str>, port: u16) -> mysql_async::OptsBuilder {
+    mysql_async::OptsBuilder::default()
+        .ip_or_hostname(MY_HOST)
+        .tcp_port(port)
+        .user(Some("root"))
+        .db_name(db)
+        .prefer_socket(false)
+}
+
+/// A session as root (the database may be `None`); panics with the way to start the server.
+pub async fn my_connect(db: Option<&str>) -> mysql_async::Conn {
+    match tokio::time::timeout(
+        Duration::from_secs(20),
+        mysql_async::Conn::new(my_opts(db, MY_PORT)),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => panic!(
+            "MariaDB is not reachable ({MY_HOST}:{MY_PORT}, root): {e}. Start and configure it with `sudo scripts/services.sh`"
+        ),
+        Err(_) => panic!(
+            "MariaDB did not answer within 20s ({MY_HOST}:{MY_PORT}). Start and configure it with `sudo scripts/services.sh`"
+        ),
+    }
+}
+
+/// Runs statements (several allowed, `;`-separated) and drops their results.
+pub async fn my_exec(conn: &mut mysql_async::Conn, sql: &str) {
+    use mysql_async::prelude::Queryable;
+    conn.query_drop(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// One value of a single-row query, as text.
+pub async fn my_value(conn: &mut mysql_async::Conn, sql: &str) -> Option<String> {
+    use mysql_async::prelude::Queryable;
+    let row: Option<mysql_async::Row> = conn
+        .query_first(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    row.and_then(|r| match r.as_ref(0) {
+        Some(mysql_async::Value::Bytes(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+        Some(mysql_async::Value::Int(i)) => Some(i.to_string()),
+        Some(mysql_async::Value::UInt(u)) => Some(u.to_string()),
+        Some(mysql_async::Value::NULL) | None => None,
+        Some(other) => Some(format!("{other:?}")),
+    })
+}
+
+/// A fresh database holding the contract's outbox table; dropped at the end of the test.
+pub struct MyDb {
+    pub name: String,
+}
+
+impl MyDb {
+    pub async fn create(prefix: &str) -> MyDb {
+        let mut admin = my_connect(None).await;
+        let settings = my_value(
+            &mut admin,
+            "SELECT CONCAT_WS(' ', @@log_bin, @@binlog_format, @@binlog_row_image, @@binlog_row_metadata)",
+        )
+        .await
+        .unwrap_or_default();
+        assert!(
+            settings == "1 ROW FULL FULL" || settings == "ON ROW FULL FULL",
+            "MariaDB runs with log_bin binlog_format binlog_row_image binlog_row_metadata = {settings}: run `sudo scripts/services.sh` to configure it"
+        );
+        let name = unique(prefix);
+        my_exec(&mut admin, &format!("CREATE DATABASE `{name}`")).await;
+        let db = MyDb { name };
+        let mut c = db.conn().await;
+        my_exec(&mut c, MY_OUTBOX_DDL).await;
+        db
+    }
+
+    pub fn dsn(&self) -> String {
+        format!("mysql://root@{MY_HOST}:{MY_PORT}/{}", self.name)
+    }
+
+    pub fn dsn_via(&self, port: u16) -> String {
+        format!("mariadb://root@{MY_HOST}:{port}/{}", self.name)
+    }
+
+    pub async fn conn(&self) -> mysql_async::Conn {
+        my_connect(Some(&self.name)).await
+    }
+
+    /// The stored position of relay `name`: (file, pos, gtid state).
+    pub async fn stored(&self, name: &str) -> Option<(String, u64, Option<String>)> {
+        use mysql_async::prelude::Queryable;
+        let mut c = self.conn().await;
+        let exists = my_value(
+            &mut c,
+            &format!(
+                "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = '{}' AND TABLE_NAME = 'outboxd_state'",
+                self.name
+            ),
+        )
+        .await;
+        if exists.as_deref() != Some("1") {
+            return None;
+        }
+        let row: Option<(Option<String>, Option<u64>, Option<String>)> = c
+            .exec_first(
+                "SELECT binlog_file, binlog_pos, gtid_state FROM outboxd_state WHERE name = ?",
+                (name,),
+            )
+            .await
+            .unwrap();
+        row.and_then(|(f, p, g)| Some((f?, p?, g)))
+    }
+
+    /// The processlist id of a binlog dump thread serving this database (the relay's stream).
+    pub async fn dump_thread(&self) -> Option<u64> {
+        let mut c = my_connect(None).await;
+        my_value(
+            &mut c,
+            &format!(
+                "SELECT ID FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%' AND DB = '{}' ORDER BY ID DESC LIMIT 1",
+                self.name
+            ),
+        )
+        .await
+        .and_then(|s| s.parse().ok())
+    }
+
+    pub async fn streaming(&self) -> bool {
+        self.dump_thread().await.is_some()
+    }
+}
+
+impl Drop for MyDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                use mysql_async::prelude::Queryable;
+                let Ok(Ok(mut c)) = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    mysql_async::Conn::new(my_opts(None, MY_PORT)),
+                )
+                .await
+                else {
+                    return;
+                };
+                let _ = c
+                    .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
+                    .await;
+                let _ = c.disconnect().await;
+            });
+        })
+        .join();
+    }
+}
+
+/// The server's current binlog head: (file, pos).
+pub async fn my_head() -> (String, u64) {
+    use mysql_async::prelude::Queryable;
+    let mut c = my_connect(None).await;
+    let row: mysql_async::Row = c.query_first("SHOW MASTER STATUS").await.unwrap().unwrap();
+    let file: String = row.get(0).unwrap();
+    let pos: u64 = row.get(1).unwrap();
+    (file, pos)
+}
+
+/// Orders binlog coordinates like the server does (file sequence, then position).
+pub fn binlog_ge(a: &(String, u64), b: &(String, u64)) -> bool {
+    let seq = |f: &str| -> u64 {
+        f.rsplit('.')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    };
+    (seq(&a.0), a.1) >= (seq(&b.0), b.1)
+}
+
+/// Writes `n_tx` transactions of `per_tx` events with the producer helper; returns the ids in
+/// commit order.
+pub async fn my_write_events(
+    conn: &mut mysql_async::Conn,
+    n_tx: usize,
+    per_tx: usize,
+    topic: &str,
+) -> Vec<uuid::Uuid> {
+    use mysql_async::prelude::Queryable;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut ids = Vec::with_capacity(n_tx * per_tx);
+    for t in 0..n_tx {
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .unwrap();
+        for i in 0..per_tx {
+            let n = t * per_tx + i;
+            let payload =
+                serde_json::json!({"invoice": n, "total": "12.50", "customer": "Ayşe 🧾"});
+            let id = outbox
+                .write_mysql(&mut tx, topic, &format!("{}", n % 97), &payload)
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    let _ = conn.ping().await;
+    ids
 }

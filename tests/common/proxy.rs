@@ -97,7 +97,16 @@ impl fmt::Debug for FaultProxy {
 impl FaultProxy {
     /// Listen on 127.0.0.1:0 and forward every accepted connection to `upstream`.
     pub async fn start(upstream: SocketAddr) -> io::Result<FaultProxy> {
-        let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)).await?;
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST, upstream).await
+    }
+
+    /// Like [`start`](Self::start), listening on another loopback address (any of
+    /// 127.0.0.0/8), e.g. to reach a server under an address its certificate does not list.
+    pub async fn start_on(
+        bind: std::net::Ipv4Addr,
+        upstream: SocketAddr,
+    ) -> io::Result<FaultProxy> {
+        let listener = TcpListener::bind((bind, 0)).await?;
         let addr = listener.local_addr()?;
         let (state, rx) = watch::channel(State::default());
         let counters = Arc::new(Counters::default());

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod pgoutput;
 pub mod rows;
 pub mod snapshot;
+pub mod tls_bridge;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
@@ -20,7 +21,7 @@ use crate::source::SourceLink;
 use crate::state::postgres::DurableCommit;
 use crate::Error;
 use pgwire_replication::{
-    Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
+    Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
 };
 use rows::RowMapper;
 use std::time::{Duration, Instant};
@@ -84,10 +85,18 @@ pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
             }
             s
         }
-        None => match std::error::Error::source(e) {
-            Some(cause) => format!("{e}: {cause}"),
-            None => e.to_string(),
-        },
+        None => {
+            // tokio-postgres keeps the cause out of its message ("error performing TLS
+            // handshake", "error connecting to server"): add it.
+            let mut s = e.to_string();
+            let mut cause = std::error::Error::source(e);
+            while let Some(c) = cause {
+                s.push_str(": ");
+                s.push_str(&c.to_string());
+                cause = c.source();
+            }
+            s
+        }
     }
 }
 
@@ -109,12 +118,20 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
     if let Some(p) = &dsn.password {
         cfg.password(p);
     }
+    // As in libpq, sslmode is ignored on Unix sockets.
+    let unix = dsn.host.starts_with('/');
     cfg.ssl_mode(match dsn.tls.mode {
+        _ if unix => tokio_postgres::config::SslMode::Disable,
         TlsMode::Disable => tokio_postgres::config::SslMode::Disable,
         TlsMode::Prefer => tokio_postgres::config::SslMode::Prefer,
         _ => tokio_postgres::config::SslMode::Require,
     });
-    let client = match crate::tls::client_config(&dsn.tls)? {
+    let tls = if unix {
+        None
+    } else {
+        crate::tls::client_config(&dsn.tls)?
+    };
+    let client = match tls {
         None => {
             let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
             tokio::spawn(async move {
@@ -127,7 +144,8 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
         Some(tls) => {
             let (client, conn) = cfg
                 .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                .await?;
+                .await
+                .map_err(|e| tls_connect_error(e, dsn))?;
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!(error = %e, "postgres connection ended");
@@ -139,22 +157,43 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
     Ok(client)
 }
 
-fn replication_config(cfg: &PgSourceConfig, start: u64) -> ReplicationConfig {
-    let mut tls = TlsConfig {
-        mode: match cfg.dsn.tls.mode {
-            TlsMode::Disable => SslMode::Disable,
-            TlsMode::Prefer => SslMode::Prefer,
-            TlsMode::Require => SslMode::Require,
-            TlsMode::VerifyCa => SslMode::VerifyCa,
-            TlsMode::VerifyFull => SslMode::VerifyFull,
-        },
-        ..Default::default()
+/// A failed TLS connection: a refused certificate or a server without TLS is a configuration
+/// error (exit status 2, not retried); anything else is what it is.
+fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
+    let what = format!("Postgres {}:{}", dsn.host, dsn.port);
+    if let Some(r) = crate::tls::rustls_cause(&e) {
+        return crate::tls::handshake_refused(&what, &dsn.tls, r);
+    }
+    if describe_pg_error(&e).contains("server does not support TLS") {
+        return Error::config(
+            format!("TLS: {what} does not accept TLS connections"),
+            "turn TLS on in the server (ssl = on, ssl_cert_file, ssl_key_file), \
+             or set sslmode=prefer or disable in the DSN",
+        );
+    }
+    Error::from(e)
+}
+
+/// Starts the replication stream. With TLS (any `sslmode` but `disable`, over TCP) the
+/// connection is made and verified here and handed to pgwire-replication through a private
+/// Unix socket (see [`tls_bridge`]); Unix-socket hosts never use TLS, as in libpq.
+async fn connect_replication(cfg: &PgSourceConfig, start: u64) -> Result<ReplicationClient, Error> {
+    let via = if cfg.dsn.tls.mode == TlsMode::Disable || cfg.dsn.host.starts_with('/') {
+        None
+    } else {
+        let upstream = tls_bridge::connect(&cfg.dsn).await?;
+        Some(tls_bridge::serve(upstream, cfg.dsn.port)?)
     };
-    tls.ca_pem_path = cfg.dsn.tls.ca_file.clone().map(Into::into);
-    tls.client_cert_pem_path = cfg.dsn.tls.cert_file.clone().map(Into::into);
-    tls.client_key_pem_path = cfg.dsn.tls.key_file.clone().map(Into::into);
+    ReplicationClient::connect(replication_config(cfg, start, via))
+        .await
+        .map_err(|e| wire_error(e, &cfg.slot, &cfg.name))
+}
+
+/// The pgwire-replication settings; `via` is the socket directory of a TLS bridge, which then
+/// replaces the host (pgwire-replication itself always speaks plain protocol).
+fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> ReplicationConfig {
     ReplicationConfig::new(
-        cfg.dsn.host.clone(),
+        via.unwrap_or_else(|| cfg.dsn.host.clone()),
         cfg.dsn.user.clone(),
         cfg.dsn.password.clone().unwrap_or_default(),
         cfg.dsn.database.clone(),
@@ -162,7 +201,7 @@ fn replication_config(cfg: &PgSourceConfig, start: u64) -> ReplicationConfig {
         cfg.publication.clone(),
     )
     .with_port(cfg.dsn.port)
-    .with_tls(tls)
+    .with_tls(TlsConfig::disabled())
     .with_start_lsn(Lsn::from_u64(start))
     // Report exactly what is durable until the relay says more.
     .with_ack_lsn(Lsn::from_u64(start))
@@ -238,10 +277,9 @@ pub async fn run(
     let mut backoff = Backoff::standard();
 
     'connect: loop {
-        let mut client = match ReplicationClient::connect(replication_config(&cfg, acked)).await {
+        let mut client = match connect_replication(&cfg, acked).await {
             Ok(c) => c,
-            Err(e) => {
-                let err = wire_error(e, &cfg.slot, &cfg.name);
+            Err(err) => {
                 if !err.is_retryable() {
                     return Err(err);
                 }
@@ -269,6 +307,7 @@ pub async fn run(
             continue;
         }
         tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
+        crate::telemetry::get().source_streaming.set(1);
         let mut in_txn: Option<Txn> = None;
         let mut last_idle_checkpoint: u64 = 0;
 
@@ -309,6 +348,9 @@ pub async fn run(
                                 return Err(err);
                             }
                             let d = backoff.next_delay();
+                            let t = crate::telemetry::get();
+                            t.source_streaming.set(0);
+                            t.reconnect("source");
                             tracing::warn!(error = %err, retry_in = ?d, "replication stream broke; resuming from the slot");
                             tokio::time::sleep(d).await;
                             continue 'connect;
@@ -357,6 +399,7 @@ pub async fn run(
                         }
                         ReplicationEvent::KeepAlive { wal_end, .. } => {
                             let w = wal_end.as_u64();
+                            crate::telemetry::get().source_lag_bytes.set(w.saturating_sub(acked) as i64);
                             // Everything before a keepalive has been sent to us, so once the
                             // events before it are durable the slot may move here: an idle
                             // outbox beside busy tables keeps the slot near the head.
@@ -469,4 +512,79 @@ async fn drain_and_confirm(
         while let Ok(Some(_)) = client.recv().await {}
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dsn::SourceDsn;
+
+    fn cfg(dsn: &str) -> PgSourceConfig {
+        let SourceDsn::Postgres(dsn) = SourceDsn::parse(dsn).unwrap() else {
+            panic!("not postgres")
+        };
+        PgSourceConfig {
+            dsn,
+            name: "billing".into(),
+            table: TableName::parse("outbox").unwrap(),
+            columns: ColumnMap::parse(&[]).unwrap(),
+            slot: "outboxd_billing".into(),
+            publication: "outboxd_billing".into(),
+            status_interval: Duration::from_secs(1),
+            snapshot: snapshot::SnapshotPlan::Nothing,
+        }
+    }
+
+    #[test]
+    fn replication_speaks_plain_protocol_to_the_tls_bridge() {
+        let c =
+            cfg("postgres://app:pw@db.example:6543/orders?sslmode=verify-full&sslrootcert=/ca.pem");
+        let bridged = replication_config(&c, 0, Some("/tmp/outboxd-x".into()));
+        assert_eq!(bridged.host, "/tmp/outboxd-x");
+        assert_eq!(bridged.port, 6543);
+        assert_eq!(bridged.tls, TlsConfig::disabled());
+        let direct = replication_config(&c, 0, None);
+        assert_eq!(direct.host, "db.example");
+        assert_eq!(direct.tls, TlsConfig::disabled());
+    }
+
+    /// A server that answers every TLS request with `N`, as Postgres with `ssl = off` does.
+    async fn server_without_tls() -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 8];
+                    if s.read_exact(&mut request).await.is_ok() {
+                        let _ = s.write_all(b"N").await;
+                        let _ = s.read(&mut [0u8; 64]).await;
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn a_server_without_tls_is_a_configuration_error_for_both_connections() {
+        let port = server_without_tls().await;
+        let c = cfg(&format!(
+            "postgres://app@127.0.0.1:{port}/orders?sslmode=require"
+        ));
+        let sql = connect_sql(&c.dsn, "outboxd_test").await.err().unwrap();
+        let Err(replication) = tls_bridge::connect(&c.dsn).await else {
+            panic!("the replication connection went through without TLS")
+        };
+        for e in [sql, replication] {
+            assert_eq!(e.exit_status(), crate::ExitStatus::Config, "{e}");
+            assert!(e.to_string().contains("does not accept TLS"), "{e}");
+        }
+        // prefer takes the plain connection.
+        let c = cfg(&format!(
+            "postgres://app@127.0.0.1:{port}/orders?sslmode=prefer"
+        ));
+        assert!(tls_bridge::connect(&c.dsn).await.is_ok());
+    }
 }

@@ -1,0 +1,308 @@
+//! Latency benchmark: commit → consume through the relay, beside a bare lapin publisher's
+//! publish → consume, at the same steady rates. Run with `cargo bench --bench latency` (needs
+//! the local services; `scripts/services.sh`).
+//!
+//! For each rate (`OUTBOXD_BENCH_RATES`, default `1000,5000` events/s) and
+//! `OUTBOXD_BENCH_SECONDS` (default 10) seconds:
+//! - relay: a producer commits one outbox row per transaction on a fixed schedule; a consumer
+//!   on the relay's exchange records when each message arrives; latency = arrival − the time
+//!   the producer's COMMIT returned.
+//! - raw: a lapin publisher (persistent, confirms, pipelined) publishes the same bodies on the
+//!   same schedule to a queue; latency = arrival − publish call.
+//!
+//! Both consumers run in this process with the same clock. Prints p50 / p99 / p99.9 per row.
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+async fn pg(conninfo: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
+    tokio::spawn(conn);
+    c
+}
+
+fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    (at(0.5), at(0.99), at(0.999), v.len())
+}
+
+/// Consumes `queue`, recording the arrival time of each message id.
+async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<String, Instant>>>) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(1000, Default::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "lat".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let now = Instant::now();
+            if let Some(id) = d.properties.message_id() {
+                arrivals.lock().unwrap().insert(id.to_string(), now);
+            }
+        }
+    });
+}
+
+async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    if let Some(x) = exchange {
+        ch.queue_bind(
+            queue.into(),
+            x.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+fn body(i: usize) -> String {
+    format!(
+        "{{\"invoice_id\":{i},\"customer_name\":\"Muhammet Şafak\",\"tax_id\":\"1234567890\",\"total\":\"1499.90\",\"currency\":\"TRY\",\"lines\":[{{\"sku\":\"A-100\",\"qty\":2,\"price\":\"499.95\"}},{{\"sku\":\"B-200\",\"qty\":1,\"price\":\"500.00\"}}],\"note\":\"{}\"}}",
+        "x".repeat(60)
+    )
+}
+
+async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, usize) {
+    let db = format!("lat_{}_{rate}", std::process::id());
+    let admin = pg(ADMIN).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let conninfo = format!("host=127.0.0.1 port=5432 user=postgres dbname={db}");
+    let client = pg(&conninfo).await;
+    client
+        .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
+        .await
+        .unwrap();
+    let exchange = format!("lat_{}_{rate}", std::process::id());
+    let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+    let bin = env!("CARGO_BIN_EXE_outboxd");
+    let mut relay = Command::new(bin)
+        .args([
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            "lat",
+            "--sink",
+            AMQP,
+            "--exchange",
+            &exchange,
+            "--log-level",
+            "warn",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait for the relay's topology, then bind our queue.
+    let queue = format!("{exchange}.all");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ch = amqp.create_channel().await.unwrap();
+        let ok = ch
+            .exchange_declare(
+                exchange.clone().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        let streaming = admin
+            .query_opt("SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = 'outboxd_lat' AND s.database = $1", &[&db])
+            .await
+            .unwrap()
+            .is_some();
+        if ok && streaming {
+            break;
+        }
+        assert!(Instant::now() < deadline, "relay did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    declare_queue(amqp, Some(&exchange), &queue).await;
+    let arrivals = Arc::new(Mutex::new(HashMap::new()));
+    consume(amqp, &queue, arrivals.clone()).await;
+
+    let n = (rate * seconds) as usize;
+    let mut committed: HashMap<String, Instant> = HashMap::with_capacity(n);
+    let start = Instant::now();
+    let stmt = client
+        .prepare("INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, $2, 'invoice.issued', $3::text::json)")
+        .await
+        .unwrap();
+    for i in 0..n {
+        let due = start + Duration::from_secs_f64(i as f64 / rate as f64);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+        let id = uuid::Uuid::now_v7();
+        // Autocommit: one transaction per event; the commit returned when execute returns.
+        client
+            .execute(&stmt, &[&id, &format!("agg-{}", i % 1000), &body(i)])
+            .await
+            .unwrap();
+        committed.insert(id.to_string(), Instant::now());
+    }
+    let achieved = n as f64 / start.elapsed().as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while arrivals.lock().unwrap().len() < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    let _ = relay.wait();
+    let arr = arrivals.lock().unwrap().clone();
+    let lat: Vec<f64> = committed
+        .iter()
+        .filter_map(|(id, t)| {
+            arr.get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    eprintln!(
+        "relay: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
+        lat.len()
+    );
+    let ch = amqp.create_channel().await.unwrap();
+    let _ = ch
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
+    let _ = admin
+        .batch_execute(&format!(
+            "SELECT pg_drop_replication_slot('outboxd_lat'); DROP DATABASE {db} WITH (FORCE)"
+        ))
+        .await;
+    percentiles(lat)
+}
+
+async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, usize) {
+    let queue = format!("lat_raw_{}_{rate}", std::process::id());
+    declare_queue(amqp, None, &queue).await;
+    let arrivals = Arc::new(Mutex::new(HashMap::new()));
+    consume(amqp, &queue, arrivals.clone()).await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let n = (rate * seconds) as usize;
+    let mut sent: HashMap<String, Instant> = HashMap::with_capacity(n);
+    let mut confirms = Vec::with_capacity(n);
+    let start = Instant::now();
+    for i in 0..n {
+        let due = start + Duration::from_secs_f64(i as f64 / rate as f64);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+        let id = uuid::Uuid::now_v7().to_string();
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(id.clone().into())
+            .with_content_type("application/json".into());
+        sent.insert(id, Instant::now());
+        let c = ch
+            .basic_publish(
+                "".into(),
+                queue.clone().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body(i).as_bytes(),
+                props,
+            )
+            .await
+            .unwrap();
+        confirms.push(c);
+    }
+    for c in confirms {
+        let _ = c.await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while arrivals.lock().unwrap().len() < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let arr = arrivals.lock().unwrap().clone();
+    let lat: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, t)| {
+            arr.get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    let _ = ch
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
+    percentiles(lat)
+}
+
+#[tokio::main]
+async fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("latency: skipped (run it with `cargo bench --bench latency`)");
+        return;
+    }
+    let rates: Vec<u64> = std::env::var("OUTBOXD_BENCH_RATES")
+        .unwrap_or_else(|_| "1000,5000".into())
+        .split(',')
+        .filter_map(|r| r.trim().parse().ok())
+        .collect();
+    let seconds: u64 = std::env::var("OUTBOXD_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let amqp = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    println!("| path | offered rate | p50 ms | p99 ms | p99.9 ms | messages |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for rate in rates {
+        let (p50, p99, p999, n) = raw_run(rate, seconds, &amqp).await;
+        println!(
+            "| raw lapin publish → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |"
+        );
+        let (p50, p99, p999, n) = relay_run(rate, seconds, &amqp).await;
+        println!("| outboxd: Postgres commit → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
+    }
+}

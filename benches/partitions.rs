@@ -1,0 +1,414 @@
+//! Partitions benchmark: what `--partitions 4` costs the relay draining a backlog into
+//! RabbitMQ. Run with `cargo bench --bench partitions` (needs the local services;
+//! `scripts/services.sh`).
+//!
+//! In one run, for each round (`OUTBOXD_BENCH_ROUNDS`, default 1) it
+//! 1. writes `OUTBOXD_BENCH_EVENTS` (default 200,000) outbox rows of ~300-byte JSON in
+//!    transactions of 100 over 1,000 aggregates while no relay runs (a backlog in the slot);
+//! 2. starts `outboxd run` without partitions on a fresh exchange with one durable queue bound
+//!    with `#`, and measures from process start until the slot has confirmed the last commit;
+//! 3. writes the same backlog again and drains it with `--partitions 4` on another fresh
+//!    exchange (the relay declares `<exchange>.partitioned` and four queues);
+//! 4. prints a Markdown table with both rates, the ratio, relay CPU and peak RSS.
+//!
+//! Every message is persistent, `mandatory`, confirmed; both runs put each event in exactly one
+//! durable queue, so the difference is the partition headers, the headers exchange hop and the
+//! spread over four queues.
+
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+async fn pg(conninfo: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
+    tokio::spawn(conn);
+    c
+}
+
+/// The relay's base topology for `x` (as it declares it), with one queue `x.all` bound with `#`.
+async fn declare_with_one_queue(ch: &Channel, x: &str) {
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let q = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let unrouted = format!("{x}.unrouted");
+    ch.exchange_declare(
+        unrouted.clone().into(),
+        ExchangeKind::Fanout,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        unrouted.clone().into(),
+        unrouted.clone().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "alternate-exchange".into(),
+        AMQPValue::LongString(unrouted.into()),
+    );
+    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
+        .await
+        .unwrap();
+    ch.queue_declare(format!("{x}.all").into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        format!("{x}.all").into(),
+        x.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
+async fn queue_len(ch: &Channel, q: &str) -> u32 {
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
+    let s: Option<String> = admin
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
+}
+
+/// Runs the relay until the slot confirmed `end`; returns (seconds, peak RSS KiB, CPU seconds).
+async fn relay_drain(
+    bin: &str,
+    dsn: &str,
+    x: &str,
+    extra: &[&str],
+    admin: &tokio_postgres::Client,
+    end: u64,
+) -> (f64, u64, f64) {
+    let t = Instant::now();
+    let mut child = Command::new(bin)
+        .args([
+            "run",
+            "--source",
+            dsn,
+            "--name",
+            "bench",
+            "--exchange",
+            x,
+            // The slot holds the backlog (setup created it before the rows were written):
+            // a first-start snapshot of the pending rows would publish every event twice.
+            "--snapshot",
+            "never",
+            "--log-level",
+            "warn",
+        ])
+        .args(extra)
+        .env("OUTBOXD_SINK", AMQP)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut peak = 0;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("outboxd exited early: {status}");
+        }
+        peak = peak.max(rss_kib(child.id()).unwrap_or(0));
+        if confirmed_lsn(admin, "outboxd_bench").await >= end {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(1800),
+            "drain took over 30 min"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = cpu_secs(child.id()).unwrap_or(0.0);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "outboxd stop: {status}");
+    (secs, peak, cpu)
+}
+
+/// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// `events` rows of ~300-byte JSON in transactions of 100 over 1,000 aggregates (the rows of
+/// `benches/drain.rs`).
+async fn write_backlog(client: &tokio_postgres::Client, events: usize) {
+    for i in 0..events / 100 {
+        client
+            .batch_execute(&format!(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload)
+                 SELECT gen_random_uuid(), 'agg-' || (g % 1000), 'invoice.issued',
+                        json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
+                                          'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
+                                          json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
+                                          json_build_object('sku', 'B-200', 'qty', 1, 'price', '500.00')),
+                                          'note', repeat('x', 60))
+                   FROM generate_series({}, {}) g",
+                i * 100,
+                i * 100 + 99
+            ))
+            .await
+            .unwrap();
+    }
+}
+
+/// Fresh slot and state, then a backlog of `events`.
+async fn new_backlog(
+    bin: &str,
+    dsn: &str,
+    admin: &tokio_postgres::Client,
+    client: &tokio_postgres::Client,
+    events: usize,
+) {
+    let _ = admin
+        .batch_execute("SELECT pg_drop_replication_slot('outboxd_bench')")
+        .await;
+    // The state table exists only after the first setup.
+    let _ = client
+        .batch_execute("DELETE FROM outboxd_state WHERE name = 'bench'")
+        .await;
+    client.batch_execute("TRUNCATE outbox").await.unwrap();
+    let ok = Command::new(bin)
+        .args(["setup", "--source", dsn, "--name", "bench"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "outboxd setup failed");
+    write_backlog(client, events).await;
+}
+
+async fn wal_end(c: &tokio_postgres::Client) -> u64 {
+    let s: String = c
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    outboxd::event::parse_lsn(&s).unwrap()
+}
+
+async fn delete_all(ch: &Channel, queues: &[String], exchanges: &[String]) {
+    for q in queues {
+        let _ = ch
+            .queue_delete(q.clone().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    for e in exchanges {
+        let _ = ch
+            .exchange_delete(e.clone().into(), ExchangeDeleteOptions::default())
+            .await;
+    }
+}
+
+struct Run {
+    label: &'static str,
+    secs: f64,
+    peak: u64,
+    cpu: f64,
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo test --all-targets` runs bench targets too: this is minutes of load, so it runs
+    // only under `cargo bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("partitions: skipped (run it with `cargo bench --bench partitions`)");
+        return;
+    }
+    let events: usize = std::env::var("OUTBOXD_BENCH_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let rounds: usize = std::env::var("OUTBOXD_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let bin = env!("CARGO_BIN_EXE_outboxd");
+    let pid = std::process::id();
+    let db = format!("bench_part_{pid}");
+    let admin = pg(ADMIN).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let conninfo = format!("host=127.0.0.1 port=5432 user=postgres dbname={db}");
+    let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+    let client = pg(&conninfo).await;
+    client
+        .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
+        .await
+        .unwrap();
+    let conn = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    let ch = conn.create_channel().await.unwrap();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+
+    let mut runs = Vec::new();
+    for round in 0..rounds {
+        // Without partitions: one durable queue bound with #.
+        let x = format!("bench_part_{pid}_{round}_plain");
+        declare_with_one_queue(&ch, &x).await;
+        new_backlog(bin, &dsn, &admin, &client, events).await;
+        let end = wal_end(&client).await;
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, &x, &[], &admin, end).await;
+        let got = queue_len(&ch, &format!("{x}.all")).await as usize;
+        // More than `events` only if the relay had to republish (a broker failure).
+        assert!(got >= events, "without partitions: {got} of {events}");
+        if got != events {
+            eprintln!("without partitions: {got} messages for {events} events");
+        }
+        eprintln!(
+            "round {round}, no partitions: {:.0} events/s in {secs:.1}s",
+            events as f64 / secs
+        );
+        runs.push(Run {
+            label: "no partitions",
+            secs,
+            peak,
+            cpu,
+        });
+        delete_all(
+            &ch,
+            &[
+                format!("{x}.all"),
+                format!("{x}.unrouted"),
+                format!("{x}.dead"),
+            ],
+            &[format!("{x}.unrouted"), x.clone()],
+        )
+        .await;
+
+        // --partitions 4: the relay declares the headers exchange and four queues.
+        let x = format!("bench_part_{pid}_{round}_p4");
+        new_backlog(bin, &dsn, &admin, &client, events).await;
+        let end = wal_end(&client).await;
+        let (secs, peak, cpu) =
+            relay_drain(bin, &dsn, &x, &["--partitions", "4"], &admin, end).await;
+        let queues: Vec<String> = (0..4).map(|k| format!("{x}.p{k}")).collect();
+        let mut got = 0;
+        let mut spread = Vec::new();
+        for q in &queues {
+            let n = queue_len(&ch, q).await as usize;
+            spread.push(n);
+            got += n;
+        }
+        assert!(got >= events, "--partitions 4: {got} of {events}");
+        if got != events {
+            eprintln!("--partitions 4: {got} messages for {events} events");
+        }
+        eprintln!(
+            "round {round}, --partitions 4: {:.0} events/s in {secs:.1}s, per queue {spread:?}",
+            events as f64 / secs
+        );
+        runs.push(Run {
+            label: "--partitions 4",
+            secs,
+            peak,
+            cpu,
+        });
+        let mut qs = queues.clone();
+        qs.extend([format!("{x}.unrouted"), format!("{x}.dead")]);
+        delete_all(
+            &ch,
+            &qs,
+            &[
+                format!("{x}.partitioned"),
+                format!("{x}.unrouted"),
+                x.clone(),
+            ],
+        )
+        .await;
+    }
+
+    let plain: Vec<f64> = runs
+        .iter()
+        .filter(|r| r.label == "no partitions")
+        .map(|r| events as f64 / r.secs)
+        .collect();
+    let base = plain.iter().sum::<f64>() / plain.len() as f64;
+    println!("\n| run | events/s | vs no partitions (mean) | drain | relay CPU | peak RSS |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &runs {
+        let rate = events as f64 / r.secs;
+        println!(
+            "| {} | {rate:.0} | {:.2} | {:.1} s | {:.1} s ({:.0} µs/event) | {} MiB |",
+            r.label,
+            rate / base,
+            r.secs,
+            r.cpu,
+            r.cpu * 1e6 / events as f64,
+            r.peak / 1024
+        );
+    }
+    println!(
+        "\n{events} events per run over 1,000 aggregates, transactions of 100, persistent, mandatory, publisher confirms, --window 1000; load average at start: {}",
+        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    );
+
+    let _ = admin
+        .batch_execute(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db}';
+             DROP DATABASE {db} WITH (FORCE);"
+        ))
+        .await;
+    let _ = conn.close(200, "OK".into()).await;
+}

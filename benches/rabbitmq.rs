@@ -1,0 +1,443 @@
+//! RabbitMQ benchmark: how close the relay gets to the broker's own ceiling. Run with
+//! `cargo bench --bench rabbitmq` (needs the local services; `scripts/services.sh`).
+//!
+//! In one run it
+//! 1. writes `OUTBOXD_BENCH_EVENTS` (default 200,000) outbox rows of ~300-byte JSON in
+//!    transactions of 100 while no relay runs (a backlog in the slot);
+//! 2. publishes the same bodies with a bare lapin publisher — persistent, mandatory, publisher
+//!    confirms, a pipelined window of 100, 1,000 and 5,000 unconfirmed — into the same topology
+//!    the relay uses (topic exchange with alternate exchange, one durable queue bound with `#`);
+//! 3. starts `outboxd run` on the backlog (default `--window 1000`, then the raw publisher's best
+//!    window) and measures from process start until the slot has confirmed the last commit;
+//! 4. prints a Markdown table with the rates and the relay / best raw ratio.
+//!
+//! The queue is purged before every run so that each starts against an empty queue.
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+async fn pg(conninfo: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
+    tokio::spawn(conn);
+    c
+}
+
+/// The relay's topology for `x`, with one queue `x.all` bound with `#`.
+async fn declare(ch: &Channel, x: &str) {
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let q = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let unrouted = format!("{x}.unrouted");
+    ch.exchange_declare(
+        unrouted.clone().into(),
+        ExchangeKind::Fanout,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        unrouted.clone().into(),
+        unrouted.clone().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "alternate-exchange".into(),
+        AMQPValue::LongString(unrouted.into()),
+    );
+    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
+        .await
+        .unwrap();
+    ch.queue_declare(format!("{x}.dead").into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_declare(format!("{x}.all").into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        format!("{x}.all").into(),
+        x.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
+/// Publishes every body with at most `window` unconfirmed; returns messages per second.
+async fn raw_publish(conn: &Connection, x: &str, bodies: &[Vec<u8>], window: usize) -> f64 {
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut inflight = futures::stream::FuturesOrdered::new();
+    let t = Instant::now();
+    for (seq, body) in bodies.iter().enumerate() {
+        if inflight.len() >= window {
+            let c: lapin::Result<Confirmation> = inflight.next().await.unwrap();
+            assert!(matches!(c, Ok(Confirmation::Ack(None))), "{c:?}");
+        }
+        // The relay's headers, so the raw messages are the same size on the wire.
+        let mut headers = FieldTable::default();
+        for (k, v) in [
+            ("x-aggregate-id", "agg-123".to_string()),
+            (
+                "x-outbox-created-at",
+                "2026-12-02T14:13:24.125386Z".to_string(),
+            ),
+            ("x-source-position", format!("00000000/A4760B98:{seq:010}")),
+        ] {
+            headers.insert(k.into(), AMQPValue::LongString(v.into()));
+        }
+        let props = BasicProperties::default()
+            .with_headers(headers)
+            .with_timestamp(1_796_220_000)
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_message_id(uuid::Uuid::now_v7().hyphenated().to_string().into())
+            .with_type("invoice.issued".into())
+            .with_app_id("outboxd-bench".into());
+        let confirm = ch
+            .basic_publish(
+                x.into(),
+                "invoice.issued".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                body,
+                props,
+            )
+            .await
+            .unwrap();
+        inflight.push_back(confirm);
+    }
+    while let Some(c) = inflight.next().await {
+        assert!(matches!(c, Ok(Confirmation::Ack(None))), "{c:?}");
+    }
+    let rate = bodies.len() as f64 / t.elapsed().as_secs_f64();
+    let _ = ch.close(200, "OK".into()).await;
+    rate
+}
+
+async fn queue_len(ch: &Channel, q: &str) -> u32 {
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+async fn purge(ch: &Channel, q: &str) {
+    ch.queue_purge(q.into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
+}
+
+async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
+    let s: Option<String> = admin
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
+}
+
+/// Runs the relay until the slot confirmed `end`; returns (seconds, peak RSS KiB, CPU seconds).
+async fn relay_drain(
+    bin: &str,
+    dsn: &str,
+    x: &str,
+    window: usize,
+    admin: &tokio_postgres::Client,
+    end: u64,
+) -> (f64, u64, f64) {
+    let t = Instant::now();
+    let mut child = Command::new(bin)
+        .args([
+            "run",
+            // The backlog is in the slot already: a first-start snapshot of the pending rows
+            // would publish every event twice.
+            "--snapshot",
+            "never",
+            "--source",
+            dsn,
+            "--name",
+            "bench",
+            "--exchange",
+            x,
+            "--window",
+            &window.to_string(),
+            "--log-level",
+            "warn",
+        ])
+        .env("OUTBOXD_SINK", AMQP)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut peak = 0;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("outboxd exited early: {status}");
+        }
+        peak = peak.max(rss_kib(child.id()).unwrap_or(0));
+        if confirmed_lsn(admin, "outboxd_bench").await >= end {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(1800),
+            "drain took over 30 min"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = cpu_secs(child.id()).unwrap_or(0.0);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "outboxd stop: {status}");
+    (secs, peak, cpu)
+}
+
+/// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// `events` rows of ~300-byte JSON in transactions of 100 (the same rows as `benches/drain.rs`).
+async fn write_backlog(client: &tokio_postgres::Client, events: usize) {
+    for i in 0..events / 100 {
+        client
+            .batch_execute(&format!(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload)
+                 SELECT gen_random_uuid(), 'agg-' || (g % 1000), 'invoice.issued',
+                        json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
+                                          'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
+                                          json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
+                                          json_build_object('sku', 'B-200', 'qty', 1, 'price', '500.00')),
+                                          'note', repeat('x', 60))
+                   FROM generate_series({}, {}) g",
+                i * 100,
+                i * 100 + 99
+            ))
+            .await
+            .unwrap();
+    }
+}
+
+/// Fresh slot and state, so the next relay run finds a backlog of `events` again.
+async fn new_backlog(
+    bin: &str,
+    dsn: &str,
+    admin: &tokio_postgres::Client,
+    client: &tokio_postgres::Client,
+    events: usize,
+) {
+    admin
+        .batch_execute("SELECT pg_drop_replication_slot('outboxd_bench')")
+        .await
+        .unwrap();
+    client
+        .batch_execute("DELETE FROM outboxd_state WHERE name = 'bench'; TRUNCATE outbox")
+        .await
+        .unwrap();
+    let ok = Command::new(bin)
+        .args(["setup", "--source", dsn, "--name", "bench"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "outboxd setup failed");
+    write_backlog(client, events).await;
+}
+
+async fn wal_end(c: &tokio_postgres::Client) -> u64 {
+    let s: String = c
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    outboxd::event::parse_lsn(&s).unwrap()
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo test --all-targets` runs bench targets too: this is minutes of load, so it runs
+    // only under `cargo bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("rabbitmq: skipped (run it with `cargo bench --bench rabbitmq`)");
+        return;
+    }
+    let events: usize = std::env::var("OUTBOXD_BENCH_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let bin = env!("CARGO_BIN_EXE_outboxd");
+    let pid = std::process::id();
+    let db = format!("bench_rmq_{pid}");
+    let x = format!("bench_rmq_{pid}");
+    let admin = pg(ADMIN).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let conninfo = format!("host=127.0.0.1 port=5432 user=postgres dbname={db}");
+    let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+    let client = pg(&conninfo).await;
+    client
+        .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
+        .await
+        .unwrap();
+    let ok = Command::new(bin)
+        .args(["setup", "--source", &dsn, "--name", "bench"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "outboxd setup failed");
+
+    let t = Instant::now();
+    write_backlog(&client, events).await;
+    eprintln!("wrote {events} events in {:.1}s", t.elapsed().as_secs_f64());
+
+    // The bodies exactly as the relay will send them.
+    let bodies: Vec<Vec<u8>> = client
+        .query("SELECT payload::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0).into_bytes())
+        .collect();
+    let avg = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
+
+    let conn = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    let ch = conn.create_channel().await.unwrap();
+    declare(&ch, &x).await;
+    let all = format!("{x}.all");
+
+    let mut raw = Vec::new();
+    for window in [100, 1000, 5000] {
+        purge(&ch, &all).await;
+        let rate = raw_publish(&conn, &x, &bodies, window).await;
+        assert_eq!(queue_len(&ch, &all).await as usize, events);
+        eprintln!("raw lapin, window {window}: {rate:.0} msg/s");
+        raw.push((window, rate));
+    }
+    let (best_window, best) = raw
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+
+    // The relay drains the backlog: with its default window, and with the raw publisher's best
+    // window when that is another one (on a new backlog: a slot cannot be rewound).
+    let mut relay = Vec::new();
+    let mut windows = vec![1000];
+    if best_window != 1000 {
+        windows.push(best_window);
+    }
+    for (k, window) in windows.into_iter().enumerate() {
+        if k > 0 {
+            new_backlog(bin, &dsn, &admin, &client, events).await;
+        }
+        purge(&ch, &all).await;
+        let end = wal_end(&client).await;
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, &x, window, &admin, end).await;
+        let got = queue_len(&ch, &all).await as usize;
+        assert!(got >= events, "relay delivered {got} of {events}");
+        let rate = events as f64 / secs;
+        eprintln!("relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
+        relay.push((window, rate, peak, cpu, secs));
+    }
+
+    println!("\n| run | window | msg/s | vs best raw | relay CPU | peak RSS |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (w, r) in &raw {
+        println!(
+            "| raw lapin publisher | {w} | {r:.0} | {:.2} | | |",
+            r / best
+        );
+    }
+    for (w, r, peak, cpu, secs) in &relay {
+        println!(
+            "| outboxd relay, Postgres backlog → RabbitMQ | {w} | {r:.0} | {:.2} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
+            r / best,
+            cpu * 1e6 / events as f64,
+            peak / 1024
+        );
+    }
+    println!("\n{events} events, average body {avg} bytes, persistent, mandatory, publisher confirms, one durable queue bound with #.");
+
+    // Clean up: slot and database, exchanges and queues.
+    let _ = admin
+        .batch_execute(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db}';
+             DROP DATABASE {db} WITH (FORCE);"
+        ))
+        .await;
+    for q in [all.clone(), format!("{x}.unrouted"), format!("{x}.dead")] {
+        let _ = ch
+            .queue_delete(q.into(), QueueDeleteOptions::default())
+            .await;
+    }
+    for e in [format!("{x}.unrouted"), x.clone()] {
+        let _ = ch
+            .exchange_delete(e.into(), ExchangeDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "OK".into()).await;
+}

@@ -1,0 +1,663 @@
+//! The encryption commands (CONTRACT §6): `keys generate|rotate|list|retire|blind-index`,
+//! `encrypt`, `decrypt` and `reencrypt`. They live here so that `src/cli.rs` only names them.
+//! Payloads and blind-index values come on stdin, never in argv (the process list is public);
+//! output goes to stdout, diagnostics to stderr; key material is never printed.
+
+use super::shred::Keystore;
+use super::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
+use crate::outbox::{ColumnMap, TableName};
+use crate::Error;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, Subcommand};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+use zeroize::Zeroizing;
+
+/// The largest stdin accepted (the relay's own message cap).
+const MAX_STDIN: u64 = 16 * 1024 * 1024;
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a keyring file (mode 0600) with one encryption key and one blind-index key.
+    /// Never overwrites a file. Back it up: losing the keyring loses the encrypted data.
+    Generate(GenerateArgs),
+    /// Add a new current key; old keys stay for decryption (`--blind-index`: rotate the
+    /// blind-index key instead).
+    Rotate(RotateArgs),
+    /// List the keys (ids, status, dates; never key material) after checking every canary.
+    List(KeyringArgs),
+    /// Remove a previous key's material. Counts the rows still using it when --source is given;
+    /// it cannot see messages queued in the broker nor what consumers stored.
+    Retire(RetireArgs),
+    /// Print the blind index of the value read on stdin: `<index key id> <hex>`.
+    BlindIndex(BlindIndexArgs),
+    /// Crypto-shredding: forget an aggregate's data key, erasing its encrypted fields
+    /// everywhere they were copied (complete once WAL, binlogs and backups holding the key
+    /// have rolled off).
+    Forget(ForgetArgs),
+}
+
+/// The key table of per-aggregate data keys (crypto-shredding).
+#[derive(Debug, Clone, Args)]
+pub struct KeystoreArgs {
+    /// Database holding the per-aggregate data keys (postgres://…); table outboxd_data_keys,
+    /// created on first use.
+    #[arg(long, env = "OUTBOXD_KEYSTORE", hide_env_values = true)]
+    pub keystore: Option<String>,
+    /// File holding the keystore DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_KEYSTORE_FILE")]
+    pub keystore_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ForgetArgs {
+    /// The aggregate whose data key is deleted.
+    #[arg(long, env = "OUTBOXD_AGGREGATE")]
+    pub aggregate: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+    /// Confirm: the aggregate's encrypted fields become unreadable for good.
+    #[arg(long, env = "OUTBOXD_YES")]
+    pub yes: bool,
+}
+
+/// The keyring: a file, or (when not given) the JSON in OUTBOXD_KEYRING.
+#[derive(Debug, Clone, Args)]
+pub struct KeyringArgs {
+    /// Keyring file (refused when group/world readable). Without it the keyring JSON is read
+    /// from the environment variable OUTBOXD_KEYRING.
+    #[arg(long, env = "OUTBOXD_KEYS")]
+    pub keys: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct KeyringFileArgs {
+    /// Keyring file.
+    #[arg(long, env = "OUTBOXD_KEYS")]
+    pub keys: PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub file: KeyringFileArgs,
+    /// Bytes kept of each blind-index HMAC (1–32; see docs/encryption.md for sizing).
+    #[arg(long, env = "OUTBOXD_BLIND_INDEX_LENGTH", default_value_t = super::keyring::DEFAULT_BLIND_LEN)]
+    pub blind_index_length: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RotateArgs {
+    #[command(flatten)]
+    pub file: KeyringFileArgs,
+    /// Rotate the blind-index key instead of the encryption key (indexes must then be rebuilt).
+    #[arg(long, env = "OUTBOXD_BLIND_INDEX")]
+    pub blind_index: bool,
+    /// With --blind-index: bytes kept of each HMAC under the new key (default: as the current).
+    #[arg(long, env = "OUTBOXD_BLIND_INDEX_LENGTH")]
+    pub blind_index_length: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RetireArgs {
+    /// The key id to retire (see keys list).
+    pub id: String,
+    #[command(flatten)]
+    pub file: KeyringFileArgs,
+    /// Outbox database to count the rows still using the key (postgres://…).
+    #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
+    pub source: Option<String>,
+    /// File holding the source DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
+    pub source_file: Option<PathBuf>,
+    /// Outbox table.
+    #[arg(long, env = "OUTBOXD_TABLE", default_value = "outbox")]
+    pub table: String,
+    /// Column renames (as for run).
+    #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
+    pub columns: Vec<String>,
+    /// Retire even though rows in the table still use the key (they become unreadable).
+    #[arg(long, env = "OUTBOXD_FORCE")]
+    pub force: bool,
+    /// Confirm: the key material is removed from the keyring file.
+    #[arg(long, env = "OUTBOXD_YES")]
+    pub yes: bool,
+    /// Also count the per-aggregate data keys this key still wraps.
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BlindIndexArgs {
+    #[command(flatten)]
+    pub keyring: KeyringArgs,
+    /// The field: a top-level name (`tax_id`) or a JSON Pointer (`/customer/email`). The same
+    /// value in two fields gives two different indexes.
+    #[arg(long, env = "OUTBOXD_FIELD")]
+    pub field: String,
+    /// Normalisation steps, comma separated: trim, lowercase, digits, alnum, collapse-space,
+    /// or none. Default: the schema's x-blind-index for the field, else trim.
+    #[arg(long, env = "OUTBOXD_NORMALIZE")]
+    pub normalize: Option<String>,
+    /// Schema file, for the field's x-blind-index normalisation.
+    #[arg(long, env = "OUTBOXD_SCHEMA")]
+    pub schema: Option<PathBuf>,
+    /// Bytes of the HMAC to print (default: the key's length).
+    #[arg(long, env = "OUTBOXD_LENGTH")]
+    pub length: Option<usize>,
+    /// One line per blind-index key, current first (for searching during a re-index).
+    #[arg(long, env = "OUTBOXD_ALL")]
+    pub all: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EncryptArgs {
+    #[command(flatten)]
+    pub keyring: KeyringArgs,
+    /// Schema file marking the sensitive fields with "x-gdpr-sensitive": true.
+    #[arg(long, env = "OUTBOXD_SCHEMA")]
+    pub schema: PathBuf,
+    /// The event id (UUID) the payload belongs to: the values are bound to it.
+    #[arg(long, env = "OUTBOXD_EVENT_ID")]
+    pub event_id: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+    /// With --keystore: the event's aggregate, whose data key seals the fields.
+    #[arg(long, env = "OUTBOXD_AGGREGATE")]
+    pub aggregate: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DecryptArgs {
+    #[command(flatten)]
+    pub keyring: KeyringArgs,
+    /// The event id (UUID) the payload belongs to.
+    #[arg(long, env = "OUTBOXD_EVENT_ID")]
+    pub event_id: String,
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReencryptArgs {
+    /// Outbox database: postgres://user@host:5432/db (MySQL comes later).
+    #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
+    pub source: Option<String>,
+    /// File holding the source DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
+    pub source_file: Option<PathBuf>,
+    /// Outbox table (`schema.table`).
+    #[arg(long, env = "OUTBOXD_TABLE", default_value = "outbox")]
+    pub table: String,
+    /// Column renames (as for run).
+    #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
+    pub columns: Vec<String>,
+    #[command(flatten)]
+    pub keyring: KeyringArgs,
+    /// Schema file: clear fields it marks are encrypted too.
+    #[arg(long, env = "OUTBOXD_SCHEMA")]
+    pub schema: PathBuf,
+    /// Rows per transaction.
+    #[arg(long, env = "OUTBOXD_BATCH", default_value_t = 500)]
+    pub batch: i64,
+    /// Resume after this id (printed with every progress line).
+    #[arg(long, env = "OUTBOXD_AFTER")]
+    pub after: Option<Uuid>,
+    /// Also re-wrap the per-aggregate data keys of this keystore under the current key.
+    #[command(flatten)]
+    pub keystore: KeystoreArgs,
+}
+
+fn read_stdin(what: &str) -> Result<Zeroizing<Vec<u8>>, Error> {
+    let mut buf = Zeroizing::new(Vec::new());
+    std::io::stdin()
+        .take(MAX_STDIN + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| Error::Other(format!("cannot read {what} from stdin: {e}")))?;
+    if buf.len() as u64 > MAX_STDIN {
+        return Err(Error::Other(format!(
+            "{what} on stdin is larger than {MAX_STDIN} bytes"
+        )));
+    }
+    Ok(buf)
+}
+
+fn parse_event_id(s: &str) -> Result<Uuid, Error> {
+    Uuid::parse_str(s.trim()).map_err(|_| {
+        Error::config(
+            format!("--event-id {s:?} is not a UUID"),
+            "pass the outbox row's id, e.g. --event-id 0192f3a4-5b6c-7d8e-9f00-112233445566",
+        )
+    })
+}
+
+fn read_payload() -> Result<serde_json::Value, Error> {
+    let buf = read_stdin("the payload")?;
+    serde_json::from_slice(&buf)
+        .map_err(|e| Error::Other(format!("the payload on stdin is not JSON: {e}")))
+}
+
+fn print_json(v: &serde_json::Value) -> Result<(), Error> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, v)
+        .map_err(std::io::Error::from)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush())
+        .map_err(|e| Error::Other(format!("cannot write to stdout: {e}")))
+}
+
+/// `outboxd keys …`
+pub async fn keys(cmd: KeysCommand, m: &ArgMatches) -> Result<(), Error> {
+    let sub = m.subcommand().map(|(_, s)| s).unwrap_or(m);
+    match cmd {
+        KeysCommand::Generate(a) => generate(a),
+        KeysCommand::Rotate(a) => rotate(a),
+        KeysCommand::List(a) => list(a),
+        KeysCommand::Retire(a) => retire(a, sub).await,
+        KeysCommand::BlindIndex(a) => blind_index(a),
+        KeysCommand::Forget(a) => forget(a, sub).await,
+    }
+}
+
+fn generate(a: GenerateArgs) -> Result<(), Error> {
+    let k = Keyring::generate(a.blind_index_length)?;
+    k.save_new(&a.file.keys)?;
+    println!(
+        "created keyring {} (mode 0600): encryption key {}, blind-index key {}",
+        a.file.keys.display(),
+        k.current_id(),
+        k.blind_current().id
+    );
+    eprintln!(
+        "outboxd: back this file up now, somewhere other than this machine: losing it loses every value encrypted with it"
+    );
+    Ok(())
+}
+
+fn rotate(a: RotateArgs) -> Result<(), Error> {
+    let mut k = Keyring::load(&a.file.keys)?;
+    if a.blind_index {
+        let len = a
+            .blind_index_length
+            .unwrap_or_else(|| k.blind_current().length);
+        let old = k.blind_current().id.clone();
+        let id = k.rotate_blind(len)?;
+        k.save_replace(&a.file.keys)?;
+        println!("blind-index key {id} is now current ({len} bytes); {old} stays for searching");
+        eprintln!(
+            "outboxd: index new rows under {id} and rebuild the existing indexes; search under both (keys blind-index --all) until then"
+        );
+    } else {
+        let old = k.current_id().to_string();
+        let id = k.rotate();
+        k.save_replace(&a.file.keys)?;
+        println!("encryption key {id} is now current; {old} stays for decryption");
+        eprintln!(
+            "outboxd: deploy the new keyring to consumers before producers use it; then `outboxd reencrypt` moves stored rows to {id}. Back the file up again."
+        );
+    }
+    Ok(())
+}
+
+fn list(a: KeyringArgs) -> Result<(), Error> {
+    let k = Keyring::resolve(a.keys.as_deref())?;
+    println!(
+        "{:<12} {:<12} {:<9} {:<21} notes",
+        "id", "kind", "status", "created_at"
+    );
+    for i in k.list() {
+        let notes = match (&i.retired_at, i.blind_length) {
+            (Some(r), _) => format!("retired {r}, material removed"),
+            (None, Some(n)) => format!("{n}-byte index"),
+            _ => String::new(),
+        };
+        println!(
+            "{:<12} {:<12} {:<9} {:<21} {}",
+            i.id, i.kind, i.status, i.created_at, notes
+        );
+    }
+    eprintln!("outboxd: every key passed its canary check");
+    Ok(())
+}
+
+async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
+    let mut k = Keyring::load(&a.file.keys)?;
+    // Validate first (current key, unknown id, already retired), on a copy.
+    k.clone().retire(&a.id)?;
+    eprintln!(
+        "outboxd: warning: outboxd can count rows in the outbox table only. It cannot see messages still queued in the broker \
+         (or in dead-letter queues) nor values consumers stored: whatever there is encrypted under {} becomes unreadable \
+         once its material is removed. Back the keyring up before retiring.",
+        a.id
+    );
+    if a.source.is_some() || a.source_file.is_some() {
+        let (client, table, columns) = connect(
+            a.source.as_deref(),
+            a.source_file.as_deref(),
+            &a.table,
+            &a.columns,
+            m,
+        )
+        .await?;
+        let counts = reencrypt::count_by_key(&client, &table, &columns).await?;
+        let n = counts.get(&a.id).copied().unwrap_or(0);
+        if n > 0 {
+            if !a.force {
+                return Err(Error::Other(format!(
+                    "{n} row{} of {} still use key {}; run `outboxd reencrypt` first (or add --force to make them unreadable)",
+                    if n == 1 { "" } else { "s" },
+                    table.pg_quoted(),
+                    a.id
+                )));
+            }
+            eprintln!(
+                "outboxd: warning: --force: {n} rows still use {} and become unreadable",
+                a.id
+            );
+        } else {
+            eprintln!("outboxd: no row of {} uses key {}", table.pg_quoted(), a.id);
+        }
+    } else {
+        eprintln!(
+            "outboxd: warning: no --source given: rows in the outbox table were not checked for key {}",
+            a.id
+        );
+    }
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        let n = ks
+            .count_wrapped_by()
+            .await?
+            .get(&a.id)
+            .copied()
+            .unwrap_or(0);
+        if n > 0 && !a.force {
+            return Err(Error::Other(format!(
+                "{n} data key{} of the keystore are still wrapped by key {}; run `outboxd reencrypt --keystore …` first (or add --force)",
+                if n == 1 { "" } else { "s" },
+                a.id
+            )));
+        }
+    }
+    if !a.yes {
+        return Err(Error::config(
+            format!(
+                "retiring removes the material of key {} from {}",
+                a.id,
+                a.file.keys.display()
+            ),
+            "add --yes to confirm",
+        ));
+    }
+    k.retire(&a.id)?;
+    k.save_replace(&a.file.keys)?;
+    println!("retired key {}", a.id);
+    Ok(())
+}
+
+fn blind_index(a: BlindIndexArgs) -> Result<(), Error> {
+    let k = Keyring::resolve(a.keyring.keys.as_deref())?;
+    let field = blind::field_pointer(&a.field);
+    let steps = match (&a.normalize, &a.schema) {
+        (Some(n), _) => blind::Normalize::parse_list(n)?,
+        (None, Some(s)) => Schema::load(s)?
+            .normalization(&field)
+            .unwrap_or_else(|| blind::DEFAULT_NORMALIZE.to_vec()),
+        (None, None) => blind::DEFAULT_NORMALIZE.to_vec(),
+    };
+    if let Some(l) = a.length {
+        if !(1..=32).contains(&l) {
+            return Err(Error::config(
+                format!("--length {l} is not 1 to 32 bytes"),
+                "use e.g. --length 8",
+            ));
+        }
+    }
+    let raw = read_stdin("the value")?;
+    let text = std::str::from_utf8(&raw)
+        .map_err(|_| Error::Other("the value on stdin is not UTF-8".into()))?;
+    // One trailing newline is the shell's, not the value's: `echo x` and `printf x` agree.
+    let value = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(text);
+    let keys = if a.all {
+        k.blind_keys()
+    } else {
+        vec![k.blind_current()]
+    };
+    for key in keys {
+        println!(
+            "{}",
+            blind::blind_index(key, &field, value, &steps, a.length)
+        );
+    }
+    Ok(())
+}
+
+async fn keystore(a: &KeystoreArgs, m: &ArgMatches) -> Result<Option<Keystore>, Error> {
+    let from_argv = m.value_source("keystore") == Some(ValueSource::CommandLine);
+    match crate::cli::resolve_dsn(
+        a.keystore.as_deref(),
+        a.keystore_file.as_deref(),
+        from_argv,
+        "keystore",
+    )? {
+        Some(dsn) => Ok(Some(Keystore::connect(&dsn).await?)),
+        None => Ok(None),
+    }
+}
+
+async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
+    let ks = keystore(&a.keystore, m).await?.ok_or_else(|| {
+        Error::config(
+            "keys forget needs the keystore",
+            "pass --keystore postgres://user@host:5432/db",
+        )
+    })?;
+    if !a.yes {
+        return Err(Error::config(
+            format!(
+                "forgetting the data key of aggregate {:?} makes its encrypted fields unreadable for good, wherever they were copied",
+                a.aggregate
+            ),
+            "add --yes to confirm",
+        ));
+    }
+    match ks.forget(&a.aggregate).await? {
+        Some(id) => {
+            println!("forgot data key {id} of aggregate {:?}", a.aggregate);
+            eprintln!(
+                "outboxd: erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
+                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach"
+            );
+            Ok(())
+        }
+        None => Err(Error::Other(format!(
+            "aggregate {:?} has no live data key (never had one, or already forgotten)",
+            a.aggregate
+        ))),
+    }
+}
+
+/// `outboxd encrypt`
+pub async fn encrypt(a: EncryptArgs, m: &ArgMatches) -> Result<(), Error> {
+    let event = parse_event_id(&a.event_id)?;
+    let mut enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        enc = enc.with_keystore(ks);
+    }
+    let payload = read_payload()?;
+    let out = match (enc.keystore().is_some(), &a.aggregate) {
+        (true, Some(agg)) => enc.encrypt_event(event, agg, &payload).await?,
+        (true, None) => {
+            return Err(Error::config(
+                "--keystore seals with the aggregate's data key, but no aggregate was given",
+                "add --aggregate ID",
+            ))
+        }
+        (false, _) => enc.encrypt_payload(event, &payload)?,
+    };
+    print_json(&out)
+}
+
+/// `outboxd decrypt`: fields whose data key was forgotten print as `null` and are listed on
+/// stderr.
+pub async fn decrypt(a: DecryptArgs, m: &ArgMatches) -> Result<(), Error> {
+    let event = parse_event_id(&a.event_id)?;
+    let mut enc = Encryptor::new(
+        Keyring::resolve(a.keyring.keys.as_deref())?,
+        Schema::default(),
+    );
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        enc = enc.with_keystore(ks);
+    }
+    let payload = read_payload()?;
+    let d = enc.decrypt_event(event, &payload).await?;
+    for p in &d.erased {
+        eprintln!("outboxd: {p}: erased (its aggregate's data key was forgotten)");
+    }
+    print_json(&d.payload)
+}
+
+async fn connect(
+    source: Option<&str>,
+    source_file: Option<&Path>,
+    table: &str,
+    columns: &[String],
+    m: &ArgMatches,
+) -> Result<(tokio_postgres::Client, TableName, ColumnMap), Error> {
+    let from_argv = m.value_source("source") == Some(ValueSource::CommandLine);
+    let dsn =
+        crate::cli::resolve_dsn(source, source_file, from_argv, "source")?.ok_or_else(|| {
+            Error::config(
+            "no source given",
+            "pass --source postgres://user@host:5432/db (or set OUTBOXD_SOURCE, or --source-file)",
+        )
+        })?;
+    let crate::dsn::SourceDsn::Postgres(dsn) = crate::dsn::SourceDsn::parse(&dsn)? else {
+        return Err(Error::config(
+            "re-encryption supports Postgres sources in this build",
+            "use a postgres:// source",
+        ));
+    };
+    let client = crate::source::postgres::connect_sql(&dsn, "outboxd_reencrypt").await?;
+    Ok((client, TableName::parse(table)?, ColumnMap::parse(columns)?))
+}
+
+fn print_counts(
+    keyring: &Keyring,
+    table: &TableName,
+    counts: &std::collections::BTreeMap<String, i64>,
+) {
+    println!(
+        "rows of {} holding values under each key:",
+        table.pg_quoted()
+    );
+    let mut shown = std::collections::BTreeSet::new();
+    for id in keyring.encryption_key_ids().iter().rev() {
+        let status = if *id == keyring.current_id() {
+            "current"
+        } else {
+            "old"
+        };
+        println!(
+            "  {:<12} {:<8} {}",
+            id,
+            status,
+            counts.get(*id).copied().unwrap_or(0)
+        );
+        shown.insert(id.to_string());
+    }
+    for (id, n) in counts.iter().filter(|(id, _)| !shown.contains(*id)) {
+        let what = if id == "d-*" {
+            "per-aggregate data keys"
+        } else {
+            "unknown"
+        };
+        println!("  {:<12} {:<8} {}", id, what, n);
+    }
+}
+
+/// `outboxd reencrypt`
+pub async fn reencrypt(
+    a: ReencryptArgs,
+    m: &ArgMatches,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    if a.batch < 1 {
+        return Err(Error::config(
+            "--batch must be at least 1",
+            "use --batch 500",
+        ));
+    }
+    let enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    if let Some(ks) = keystore(&a.keystore, m).await? {
+        let n = ks.rewrap(enc.keyring()).await?;
+        eprintln!(
+            "outboxd: re-wrapped {n} data key{} under {}",
+            if n == 1 { "" } else { "s" },
+            enc.keyring().current_id()
+        );
+    }
+    let (mut client, table, columns) = connect(
+        a.source.as_deref(),
+        a.source_file.as_deref(),
+        &a.table,
+        &a.columns,
+        m,
+    )
+    .await?;
+    let before = reencrypt::count_by_key(&client, &table, &columns).await?;
+    let old: i64 = before
+        .iter()
+        .filter(|(id, _)| id.as_str() != enc.keyring().current_id())
+        .map(|(_, n)| n)
+        .sum();
+    eprintln!(
+        "outboxd: re-encrypting {} under key {} ({old} row-key pairs under older keys), {} rows per transaction",
+        table.pg_quoted(),
+        enc.keyring().current_id(),
+        a.batch
+    );
+    let opts = reencrypt::Options {
+        batch: a.batch,
+        after: a.after,
+        limit: None,
+    };
+    let p = reencrypt::run(&mut client, &table, &columns, &enc, &opts, &shutdown, |p| {
+        eprintln!(
+            "outboxd: batch {}: {} rows scanned, {} rewritten, {} failed; resume with --after {}",
+            p.batches,
+            p.scanned,
+            p.rewritten,
+            p.failed,
+            p.last_id.map(|u| u.to_string()).unwrap_or_default()
+        );
+    })
+    .await?;
+    let after = reencrypt::count_by_key(&client, &table, &columns).await?;
+    print_counts(enc.keyring(), &table, &after);
+    println!(
+        "scanned {} rows, rewrote {}, failed {}",
+        p.scanned, p.rewritten, p.failed
+    );
+    for (id, why) in p.failures.iter().take(20) {
+        eprintln!("outboxd: row {id}: {why}");
+    }
+    if p.interrupted {
+        return Err(Error::Other(format!(
+            "interrupted; resume with --after {}",
+            p.last_id.map(|u| u.to_string()).unwrap_or_default()
+        )));
+    }
+    if p.failed > 0 {
+        return Err(Error::Other(format!(
+            "{} row{} could not be re-encrypted (left as they were)",
+            p.failed,
+            if p.failed == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,540 @@
+//! Field-level encryption of personal data (CONTRACT §6). Producers encrypt the fields a schema
+//! marks `x-gdpr-sensitive` before the outbox INSERT, so their plaintext never reaches the table,
+//! the WAL/binlog or the broker; consumers decrypt with the same keyring. The relay never sees a
+//! key: it moves the payload as it is.
+//!
+//! Each encrypted field is one string `enc:v1:<key id>:<base64>` ([`envelope`]), sealed with
+//! XChaCha20-Poly1305 under a key derived for that field and bound to the event id and the
+//! field's JSON Pointer, so a value copied to another event or moved to another field does not
+//! decrypt. Decryption reads the key id from the value and never tries keys in turn.
+
+pub mod blind;
+pub mod cli;
+pub mod envelope;
+pub mod error;
+pub mod keyring;
+pub mod reencrypt;
+pub mod schema;
+pub mod shred;
+
+pub use blind::{BlindIndex, Normalize};
+pub use error::CryptoError;
+pub use keyring::{KeyInfo, Keyring};
+pub use schema::Schema;
+
+use schema::Node;
+use serde_json::Value;
+use std::sync::Arc;
+use uuid::Uuid;
+use zeroize::Zeroizing;
+
+/// Whether a string is taken for ciphertext: `enc:v<digits>:`. Readers decrypt exactly these;
+/// a clear value of this shape is refused at encryption time so no reader ever misreads one.
+pub fn looks_encrypted(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix("enc:v") else {
+        return false;
+    };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    digits > 0 && rest.as_bytes().get(digits) == Some(&b':')
+}
+
+fn push_segment(pointer: &mut String, seg: &str) {
+    pointer.push('/');
+    if seg.contains(['~', '/']) {
+        pointer.push_str(&seg.replace('~', "~0").replace('/', "~1"));
+    } else {
+        pointer.push_str(seg);
+    }
+}
+
+/// Encrypts a value under the keyring's current key for (`event_id`, `pointer`): the JSON
+/// serialisation is sealed, so numbers, booleans, null, objects and arrays come back with their
+/// type.
+pub fn encrypt_value(
+    keyring: &Keyring,
+    event_id: Uuid,
+    pointer: &str,
+    value: &Value,
+) -> Result<String, CryptoError> {
+    Ok(SealingKey::current(keyring).seal(event_id, pointer, value))
+}
+
+/// Decrypts one `enc:v1:` string found at `pointer` of event `event_id`.
+pub fn decrypt_value(
+    keyring: &Keyring,
+    event_id: Uuid,
+    pointer: &str,
+    s: &str,
+) -> Result<Value, CryptoError> {
+    let parsed = envelope::parse(s, pointer)?;
+    let Resolved::Key(material) = keyring.resolve(parsed.key_id, pointer)? else {
+        unreachable!("a keyring never erases")
+    };
+    let plain = envelope::open(material, &parsed, event_id, pointer)?;
+    serde_json::from_slice(&plain).map_err(|_| {
+        // Authenticated but not JSON: only a writer bug can do this.
+        CryptoError::malformed(pointer, "the decrypted value is not JSON")
+    })
+}
+
+/// The key new values are sealed with: the keyring's current key, or an aggregate's data key.
+#[derive(Clone, Copy)]
+pub struct SealingKey<'a> {
+    pub id: &'a str,
+    pub material: &'a [u8; 32],
+}
+
+impl<'a> SealingKey<'a> {
+    pub fn current(keyring: &'a Keyring) -> Self {
+        let (id, material) = keyring.current();
+        SealingKey { id, material }
+    }
+
+    fn seal(&self, event_id: Uuid, pointer: &str, value: &Value) -> String {
+        let plain = Zeroizing::new(serde_json::to_vec(value).expect("a JSON value serialises"));
+        envelope::seal(self.material, self.id, event_id, pointer, &plain)
+    }
+}
+
+fn encrypt_walk(
+    key: SealingKey<'_>,
+    event_id: Uuid,
+    node: Option<&Node>,
+    value: &mut Value,
+    pointer: &mut String,
+) -> Result<(), CryptoError> {
+    if node.is_some_and(|n| n.sensitive) {
+        if let Value::String(s) = value {
+            if looks_encrypted(s) {
+                return Err(CryptoError::AlreadyEncrypted {
+                    pointer: pointer.clone(),
+                });
+            }
+        }
+        let sealed = key.seal(event_id, pointer, value);
+        // Overwrite the clear string's buffer before dropping it.
+        if let Value::String(s) = value {
+            zeroize::Zeroize::zeroize(s);
+        }
+        *value = Value::String(sealed);
+        return Ok(());
+    }
+    match value {
+        Value::String(s) if looks_encrypted(s) => Err(CryptoError::AmbiguousClearValue {
+            pointer: pointer.clone(),
+        }),
+        Value::Object(map) => {
+            for (k, v) in map.iter_mut() {
+                let child = node.and_then(|n| n.props.get(k));
+                let len = pointer.len();
+                push_segment(pointer, k);
+                encrypt_walk(key, event_id, child, v, pointer)?;
+                pointer.truncate(len);
+            }
+            Ok(())
+        }
+        Value::Array(items) => {
+            let child = node.and_then(|n| n.items.as_deref());
+            for (i, v) in items.iter_mut().enumerate() {
+                let len = pointer.len();
+                pointer.push('/');
+                pointer.push_str(&i.to_string());
+                encrypt_walk(key, event_id, child, v, pointer)?;
+                pointer.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Where the material of a key id comes from when decrypting.
+pub enum Resolved<'a> {
+    Key(&'a [u8; 32]),
+    /// The key was deliberately destroyed (crypto-shredding): the value is gone for good.
+    Erased,
+}
+
+/// Finds the material for a key id. The keyring is one; [`shred::DataKeys`] adds the
+/// per-aggregate data keys of a keystore.
+pub trait KeyResolver {
+    fn resolve(&self, key_id: &str, pointer: &str) -> Result<Resolved<'_>, CryptoError>;
+}
+
+impl KeyResolver for Keyring {
+    fn resolve(&self, key_id: &str, pointer: &str) -> Result<Resolved<'_>, CryptoError> {
+        if shred::is_data_key_id(key_id) {
+            return Err(CryptoError::NeedKeystore {
+                pointer: pointer.to_string(),
+                key_id: key_id.to_string(),
+            });
+        }
+        self.material(key_id, pointer).map(Resolved::Key)
+    }
+}
+
+/// A decrypted payload: erased fields (their data key forgotten) are `null` in `payload` and
+/// listed by pointer in `erased`, so a consumer can tell erased from a real null.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decrypted {
+    pub payload: Value,
+    pub erased: Vec<String>,
+}
+
+fn decrypt_walk(
+    keys: &dyn KeyResolver,
+    event_id: Uuid,
+    value: &mut Value,
+    pointer: &mut String,
+    stats: &mut WalkStats,
+) -> Result<(), CryptoError> {
+    match value {
+        Value::String(s) if looks_encrypted(s) => {
+            let parsed = envelope::parse(s, pointer)?;
+            match keys.resolve(parsed.key_id, pointer)? {
+                Resolved::Key(material) => {
+                    let plain = envelope::open(material, &parsed, event_id, pointer)?;
+                    // Values decrypted here are not walked again: an `enc:` string inside a
+                    // sensitive object was clear text when it was sealed.
+                    *value = serde_json::from_slice(&plain).map_err(|_| {
+                        CryptoError::malformed(pointer, "the decrypted value is not JSON")
+                    })?;
+                }
+                Resolved::Erased => {
+                    *value = Value::Null;
+                    stats.erased.push(pointer.clone());
+                }
+            }
+            Ok(())
+        }
+        Value::Object(map) => {
+            for (k, v) in map.iter_mut() {
+                let len = pointer.len();
+                push_segment(pointer, k);
+                decrypt_walk(keys, event_id, v, pointer, stats)?;
+                pointer.truncate(len);
+            }
+            Ok(())
+        }
+        Value::Array(items) => {
+            for (i, v) in items.iter_mut().enumerate() {
+                let len = pointer.len();
+                pointer.push('/');
+                pointer.push_str(&i.to_string());
+                decrypt_walk(keys, event_id, v, pointer, stats)?;
+                pointer.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+#[derive(Debug, Default)]
+struct WalkStats {
+    erased: Vec<String>,
+}
+
+/// Encrypts the fields `schema` marks, under the keyring's current key, for event `event_id`.
+/// Fails (rather than guessing) when a sensitive field already holds ciphertext or a clear
+/// field holds a string that readers would take for ciphertext.
+pub fn encrypt_payload(
+    keyring: &Keyring,
+    schema: &Schema,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Value, CryptoError> {
+    encrypt_payload_with(SealingKey::current(keyring), schema, event_id, payload)
+}
+
+/// [`encrypt_payload`] under a given key (an aggregate's data key).
+pub fn encrypt_payload_with(
+    key: SealingKey<'_>,
+    schema: &Schema,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Value, CryptoError> {
+    let mut out = payload.clone();
+    let mut pointer = String::new();
+    encrypt_walk(key, event_id, Some(&schema.root), &mut out, &mut pointer)?;
+    Ok(out)
+}
+
+/// Decrypts every `enc:v1:` value of an event's payload (the consumer's helper). Needs no
+/// schema: each value says which key sealed it, and its position is its JSON Pointer.
+pub fn decrypt_payload(
+    keyring: &Keyring,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Value, CryptoError> {
+    let d = decrypt_payload_with(keyring, event_id, payload)?;
+    debug_assert!(d.erased.is_empty(), "a keyring alone never erases");
+    Ok(d.payload)
+}
+
+/// [`decrypt_payload`] with any key source; erased fields are reported, not failed.
+pub fn decrypt_payload_with(
+    keys: &dyn KeyResolver,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Decrypted, CryptoError> {
+    let mut out = payload.clone();
+    let mut stats = WalkStats::default();
+    decrypt_walk(keys, event_id, &mut out, &mut String::new(), &mut stats)?;
+    Ok(Decrypted {
+        payload: out,
+        erased: stats.erased,
+    })
+}
+
+/// Brings one stored payload up to date: values under an older key are opened and sealed again
+/// under the current key at the same pointer, and fields the schema marks that are still clear
+/// (rows written before encryption was switched on) are encrypted. A value is never turned back
+/// into clear text, even if the schema no longer marks its field. `None` when nothing changes.
+pub fn reencrypt_payload(
+    keyring: &Keyring,
+    schema: &Schema,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Option<Value>, CryptoError> {
+    fn walk(
+        keyring: &Keyring,
+        event_id: Uuid,
+        node: Option<&Node>,
+        value: &mut Value,
+        pointer: &mut String,
+        changed: &mut bool,
+    ) -> Result<(), CryptoError> {
+        match value {
+            Value::String(s) if looks_encrypted(s) => {
+                let parsed = envelope::parse(s, pointer)?;
+                // Data-key values stay under their aggregate's key (its wrapping is what
+                // rotates: Keystore::rewrap).
+                if parsed.key_id != keyring.current_id() && !shred::is_data_key_id(parsed.key_id) {
+                    let clear = decrypt_value(keyring, event_id, pointer, s)?;
+                    *value = Value::String(encrypt_value(keyring, event_id, pointer, &clear)?);
+                    *changed = true;
+                }
+                Ok(())
+            }
+            _ if node.is_some_and(|n| n.sensitive) => {
+                *value = Value::String(encrypt_value(keyring, event_id, pointer, value)?);
+                *changed = true;
+                Ok(())
+            }
+            Value::Object(map) => {
+                for (k, v) in map.iter_mut() {
+                    let child = node.and_then(|n| n.props.get(k));
+                    let len = pointer.len();
+                    push_segment(pointer, k);
+                    walk(keyring, event_id, child, v, pointer, changed)?;
+                    pointer.truncate(len);
+                }
+                Ok(())
+            }
+            Value::Array(items) => {
+                let child = node.and_then(|n| n.items.as_deref());
+                for (i, v) in items.iter_mut().enumerate() {
+                    let len = pointer.len();
+                    pointer.push('/');
+                    pointer.push_str(&i.to_string());
+                    walk(keyring, event_id, child, v, pointer, changed)?;
+                    pointer.truncate(len);
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+    let mut out = payload.clone();
+    let mut changed = false;
+    walk(
+        keyring,
+        event_id,
+        Some(&schema.root),
+        &mut out,
+        &mut String::new(),
+        &mut changed,
+    )?;
+    Ok(changed.then_some(out))
+}
+
+/// The key ids an event's payload is encrypted under, with how many values each.
+pub fn key_ids_in(payload: &Value) -> std::collections::BTreeMap<String, usize> {
+    fn walk(v: &Value, out: &mut std::collections::BTreeMap<String, usize>) {
+        match v {
+            Value::String(s) if looks_encrypted(s) => {
+                let id = s.split(':').nth(2).unwrap_or("").to_string();
+                *out.entry(id).or_default() += 1;
+            }
+            Value::Object(m) => m.values().for_each(|c| walk(c, out)),
+            Value::Array(a) => a.iter().for_each(|c| walk(c, out)),
+            _ => {}
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    walk(payload, &mut out);
+    out
+}
+
+/// A keyring and a schema, shared: what a producer needs ([`crate::Outbox::with_encryption`])
+/// and what a consumer needs ([`Encryptor::decrypt_payload`]; the schema is not used there).
+#[derive(Debug, Clone)]
+pub struct Encryptor {
+    keyring: Arc<Keyring>,
+    schema: Arc<Schema>,
+    keystore: Option<Arc<shred::Keystore>>,
+}
+
+impl Encryptor {
+    pub fn new(keyring: Keyring, schema: Schema) -> Encryptor {
+        Encryptor {
+            keyring: Arc::new(keyring),
+            schema: Arc::new(schema),
+            keystore: None,
+        }
+    }
+
+    /// Seals each event's fields with its aggregate's data key from `keystore` (created on
+    /// first use), so `keys forget --aggregate ID` can later erase them (crypto-shredding).
+    pub fn with_keystore(mut self, keystore: shred::Keystore) -> Encryptor {
+        self.keystore = Some(Arc::new(keystore));
+        self
+    }
+
+    pub fn keystore(&self) -> Option<&shred::Keystore> {
+        self.keystore.as_deref()
+    }
+
+    /// Encrypts an event's payload: under the aggregate's data key when there is a keystore,
+    /// else under the keyring's current key.
+    pub async fn encrypt_event(
+        &self,
+        event_id: Uuid,
+        aggregate_id: &str,
+        payload: &Value,
+    ) -> Result<Value, crate::Error> {
+        match &self.keystore {
+            None => Ok(self.encrypt_payload(event_id, payload)?),
+            Some(ks) => {
+                let (id, material) = ks.data_key_for(&self.keyring, aggregate_id).await?;
+                let key = SealingKey {
+                    id: &id,
+                    material: &material,
+                };
+                Ok(encrypt_payload_with(key, &self.schema, event_id, payload)?)
+            }
+        }
+    }
+
+    /// Decrypts an event's payload, looking data keys up in the keystore when there is one;
+    /// fields whose data key was forgotten come back erased.
+    pub async fn decrypt_event(
+        &self,
+        event_id: Uuid,
+        payload: &Value,
+    ) -> Result<Decrypted, crate::Error> {
+        match &self.keystore {
+            None => Ok(decrypt_payload_with(&*self.keyring, event_id, payload)?),
+            Some(ks) => {
+                let keys = ks.resolver(&self.keyring, payload).await?;
+                Ok(decrypt_payload_with(&keys, event_id, payload)?)
+            }
+        }
+    }
+
+    /// From a keyring file (or `OUTBOXD_KEYRING` when `keys` is `None`) and a schema file. The
+    /// keyring's canaries are checked here, so a bad key fails at start-up.
+    pub fn load(
+        keys: Option<&std::path::Path>,
+        schema: &std::path::Path,
+    ) -> Result<Encryptor, CryptoError> {
+        let keyring = Keyring::resolve(keys)?;
+        let schema = Schema::load(schema)?;
+        if !schema.has_sensitive() {
+            return Err(CryptoError::Schema {
+                problem: "the schema marks no field x-gdpr-sensitive".into(),
+                fix: "mark the personal fields with \"x-gdpr-sensitive\": true".into(),
+            });
+        }
+        Ok(Encryptor::new(keyring, schema))
+    }
+
+    pub fn keyring(&self) -> &Keyring {
+        &self.keyring
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.schema
+    }
+
+    pub fn encrypt_payload(&self, event_id: Uuid, payload: &Value) -> Result<Value, CryptoError> {
+        encrypt_payload(&self.keyring, &self.schema, event_id, payload)
+    }
+
+    pub fn decrypt_payload(&self, event_id: Uuid, payload: &Value) -> Result<Value, CryptoError> {
+        decrypt_payload(&self.keyring, event_id, payload)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn ciphertext_shape() {
+        assert!(looks_encrypted("enc:v1:k1:abc"));
+        assert!(looks_encrypted("enc:v12:x"));
+        assert!(!looks_encrypted("enc:v:x"));
+        assert!(!looks_encrypted("enc: my note"));
+        assert!(!looks_encrypted("encv1:"));
+    }
+
+    #[test]
+    fn only_marked_fields_are_encrypted_and_types_come_back() {
+        let k = Keyring::generate(8).unwrap();
+        let s = Schema::from_pointers(&["/tax_id", "/customer/age", "/lines/*/name", "/tags"]);
+        let ev = Uuid::now_v7();
+        let p = json!({
+            "invoice_id": 7, "tax_id": "1234567890",
+            "customer": {"age": 41, "country": "TR"},
+            "lines": [{"name": "Ayşe", "qty": 1}, {"name": null}],
+            "tags": ["a", {"b": true}],
+        });
+        let e = encrypt_payload(&k, &s, ev, &p).unwrap();
+        assert_eq!(e["invoice_id"], 7);
+        assert_eq!(e["customer"]["country"], "TR");
+        for ptr in [
+            "/tax_id",
+            "/customer/age",
+            "/lines/0/name",
+            "/lines/1/name",
+            "/tags",
+        ] {
+            assert!(
+                looks_encrypted(e.pointer(ptr).unwrap().as_str().unwrap()),
+                "{ptr}"
+            );
+        }
+        assert!(!e.to_string().contains("1234567890"));
+        assert_eq!(decrypt_payload(&k, ev, &e).unwrap(), p);
+        assert_eq!(key_ids_in(&e).get(k.current_id()), Some(&5));
+    }
+
+    #[test]
+    fn ambiguous_and_double_encryption_are_refused() {
+        let k = Keyring::generate(8).unwrap();
+        let s = Schema::from_pointers(&["/a"]);
+        let ev = Uuid::now_v7();
+        assert!(matches!(
+            encrypt_payload(&k, &s, ev, &json!({"a": 1, "b": "enc:v1:x:y"})),
+            Err(CryptoError::AmbiguousClearValue { .. })
+        ));
+        let once = encrypt_payload(&k, &s, ev, &json!({"a": 1})).unwrap();
+        assert!(matches!(
+            encrypt_payload(&k, &s, ev, &once),
+            Err(CryptoError::AlreadyEncrypted { .. })
+        ));
+    }
+}

@@ -1,0 +1,152 @@
+//! Re-encryption of stored outbox rows (Postgres): walks the table by id (keyset pagination on
+//! the primary key, so each batch is an index range scan however large the table is), one short
+//! transaction per batch, and rewrites the payloads that still use an older key or hold a
+//! sensitive field in clear. Rows already up to date are left alone, so a run that stops can
+//! simply be started again (or resumed with `--after`, which skips what was already scanned).
+//!
+//! In CDC mode the relay keeps INSERTs only, so these UPDATEs are never published again; the
+//! messages already sent keep their old ciphertext, which is why an old key may be retired only
+//! once consumers no longer need it either.
+
+use super::{key_ids_in, reencrypt_payload, Encryptor};
+use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::Error;
+use std::collections::BTreeMap;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// How to walk the table.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Rows per transaction.
+    pub batch: i64,
+    /// Start after this id (resume).
+    pub after: Option<Uuid>,
+    /// Stop after this many rows were scanned (tests, trial runs).
+    pub limit: Option<u64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            batch: 500,
+            after: None,
+            limit: None,
+        }
+    }
+}
+
+/// Where a run is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub batches: u64,
+    pub scanned: u64,
+    pub rewritten: u64,
+    /// Rows that could not be decrypted (each is named in `failures`); left as they were.
+    pub failed: u64,
+    pub failures: Vec<(Uuid, String)>,
+    pub last_id: Option<Uuid>,
+    /// Whether the run stopped on a signal before the end of the table.
+    pub interrupted: bool,
+}
+
+/// Rewrites the rows of `table` that need it. `report` is called after every batch.
+pub async fn run(
+    client: &mut tokio_postgres::Client,
+    table: &TableName,
+    columns: &ColumnMap,
+    enc: &Encryptor,
+    opts: &Options,
+    shutdown: &CancellationToken,
+    mut report: impl FnMut(&Progress),
+) -> Result<Progress, Error> {
+    let t = table.pg_quoted();
+    let id = pg_ident(columns.get("id"));
+    let payload = pg_ident(columns.get("payload"));
+    // FOR UPDATE: a row is not changed under us (a poll-mode relay stamping it, a pruner)
+    // between the read and the rewrite; the lock lasts one short batch.
+    let select = format!(
+        "SELECT {id}, {payload}::text FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2 FOR UPDATE"
+    );
+    let update = format!("UPDATE {t} SET {payload} = $2 WHERE {id} = $1");
+    let mut p = Progress {
+        last_id: opts.after,
+        ..Progress::default()
+    };
+    let batch = opts.batch.max(1);
+    loop {
+        if shutdown.is_cancelled() {
+            p.interrupted = true;
+            break;
+        }
+        let tx = client.transaction().await?;
+        let select_stmt = tx.prepare(&select).await?;
+        let update_stmt = tx.prepare(&update).await?;
+        let after = p.last_id.unwrap_or(Uuid::nil());
+        let rows = tx.query(&select_stmt, &[&after, &batch]).await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            break;
+        }
+        for row in &rows {
+            let row_id: Uuid = row.get(0);
+            let text: String = row.get(1);
+            p.scanned += 1;
+            p.last_id = Some(row_id);
+            let value: serde_json::Value = match serde_json::from_str(&text) {
+                Ok(v) => v,
+                Err(e) => {
+                    p.failed += 1;
+                    p.failures
+                        .push((row_id, format!("payload is not JSON: {e}")));
+                    continue;
+                }
+            };
+            match reencrypt_payload(enc.keyring(), enc.schema(), row_id, &value) {
+                Ok(Some(new)) => {
+                    tx.execute(&update_stmt, &[&row_id, &new]).await?;
+                    p.rewritten += 1;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    p.failed += 1;
+                    p.failures.push((row_id, e.to_string()));
+                }
+            }
+        }
+        tx.commit().await?;
+        p.batches += 1;
+        report(&p);
+        if opts.limit.is_some_and(|l| p.scanned >= l) {
+            break;
+        }
+    }
+    Ok(p)
+}
+
+/// How many rows hold at least one value under each key id (whether or not the keyring knows
+/// it); values under per-aggregate data keys are counted together as `d-*`. One scan of the table; the pattern is that of the value format, quotes included.
+pub async fn count_by_key(
+    client: &tokio_postgres::Client,
+    table: &TableName,
+    columns: &ColumnMap,
+) -> Result<BTreeMap<String, i64>, Error> {
+    let sql = format!(
+        "SELECT CASE WHEN m[1] LIKE 'd-%' THEN 'd-*' ELSE m[1] END, count(DISTINCT {id}) FROM {t}, \
+         LATERAL regexp_matches({payload}::text, '\"enc:v1:([A-Za-z0-9_-]{{1,32}}):', 'g') AS m \
+         GROUP BY 1",
+        t = table.pg_quoted(),
+        id = pg_ident(columns.get("id")),
+        payload = pg_ident(columns.get("payload")),
+    );
+    let rows = client.query(&sql, &[]).await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+        .collect())
+}
+
+/// The same count for one payload already in memory (tests, consumers).
+pub fn count_in_payload(payload: &serde_json::Value) -> BTreeMap<String, usize> {
+    key_ids_in(payload)
+}

@@ -1,0 +1,277 @@
+//! Crypto-shredding: one data key per aggregate, wrapped (sealed) by the keyring and kept in a
+//! key table (`--keystore DSN`). An aggregate's sensitive fields are sealed with its data key,
+//! so deleting that one key (`outboxd keys forget --aggregate ID`) erases them everywhere they
+//! were copied — table, WAL, broker, consumers' stores of ciphertext — without touching any of
+//! those copies. Decryption then yields a typed "erased" field instead of failing.
+//!
+//! Data key ids are `d-` + 16 hex digits; keyring key ids may not start with `d-`, so a value's
+//! key id alone says where its key lives.
+
+use super::envelope::{self, KeyBytes};
+use super::error::CryptoError;
+use super::keyring::Keyring;
+use super::{KeyResolver, Resolved};
+use crate::Error;
+use chacha20poly1305::aead::rand_core::RngCore;
+use chacha20poly1305::aead::OsRng;
+use std::collections::HashMap;
+use uuid::Uuid;
+use zeroize::Zeroizing;
+
+pub const DATA_KEY_PREFIX: &str = "d-";
+pub const TABLE: &str = "outboxd_data_keys";
+
+/// The key table. `wrapped` is NULL once the key is forgotten; the row stays as a tombstone so
+/// that a forgotten key reads as "erased" and a key that was never here as "unknown" (another
+/// keystore?). At most one live key per aggregate.
+pub const DDL: &str = "
+CREATE TABLE IF NOT EXISTS outboxd_data_keys (
+    key_id        text PRIMARY KEY,
+    aggregate_id  text NOT NULL,
+    wrapped       text,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    forgotten_at  timestamptz,
+    CHECK ((wrapped IS NULL) = (forgotten_at IS NOT NULL))
+);
+CREATE UNIQUE INDEX IF NOT EXISTS outboxd_data_keys_live
+    ON outboxd_data_keys (aggregate_id) WHERE forgotten_at IS NULL;";
+
+pub fn is_data_key_id(id: &str) -> bool {
+    id.starts_with(DATA_KEY_PREFIX)
+}
+
+/// Where a wrapped key is bound: a wrapped key moved to another row does not unwrap.
+fn wrap_pointer(key_id: &str, aggregate_id: &str) -> String {
+    format!(
+        "/outboxd/data-keys/{key_id}/{}",
+        aggregate_id.replace('~', "~0").replace('/', "~1")
+    )
+}
+
+fn wrap(keyring: &Keyring, key_id: &str, aggregate_id: &str, material: &KeyBytes) -> String {
+    let (id, kek) = keyring.current();
+    envelope::seal(
+        kek,
+        id,
+        Uuid::nil(),
+        &wrap_pointer(key_id, aggregate_id),
+        material.as_ref(),
+    )
+}
+
+fn unwrap(
+    keyring: &Keyring,
+    key_id: &str,
+    aggregate_id: &str,
+    wrapped: &str,
+) -> Result<KeyBytes, CryptoError> {
+    let at = wrap_pointer(key_id, aggregate_id);
+    let parsed = envelope::parse(wrapped, &at)?;
+    let kek = keyring.material(parsed.key_id, &at)?;
+    let plain = envelope::open(kek, &parsed, Uuid::nil(), &at)?;
+    let arr: [u8; 32] = plain
+        .as_slice()
+        .try_into()
+        .map_err(|_| CryptoError::malformed(&at, "a data key is not 32 bytes"))?;
+    Ok(Zeroizing::new(arr))
+}
+
+/// What the keystore holds for a data key id.
+pub enum DataKey {
+    Live {
+        aggregate_id: String,
+        material: KeyBytes,
+    },
+    Forgotten {
+        aggregate_id: String,
+    },
+    Unknown,
+}
+
+/// The key table, on its own connection (never inside a producer's transaction: a data key
+/// created for a transaction that rolls back is merely unused).
+pub struct Keystore {
+    client: tokio_postgres::Client,
+}
+
+impl std::fmt::Debug for Keystore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Keystore")
+    }
+}
+
+impl Keystore {
+    /// Uses `client` and creates the key table if it is missing.
+    pub async fn new(client: tokio_postgres::Client) -> Result<Keystore, Error> {
+        client.batch_execute(DDL).await?;
+        Ok(Keystore { client })
+    }
+
+    /// Connects to `dsn` (postgres://…).
+    pub async fn connect(dsn: &str) -> Result<Keystore, Error> {
+        let crate::dsn::SourceDsn::Postgres(d) = crate::dsn::SourceDsn::parse(dsn)? else {
+            return Err(Error::config(
+                "the keystore must be a Postgres database",
+                "pass --keystore postgres://user@host:5432/db",
+            ));
+        };
+        Keystore::new(crate::source::postgres::connect_sql(&d, "outboxd_keystore").await?).await
+    }
+
+    /// The live data key of `aggregate_id`, created (and wrapped by the keyring's current key)
+    /// when it has none. Safe against concurrent producers: the partial unique index lets one
+    /// insert win and everyone reads the winner.
+    pub async fn data_key_for(
+        &self,
+        keyring: &Keyring,
+        aggregate_id: &str,
+    ) -> Result<(String, KeyBytes), Error> {
+        let select = "SELECT key_id, wrapped FROM outboxd_data_keys WHERE aggregate_id = $1 AND forgotten_at IS NULL";
+        for _ in 0..2 {
+            if let Some(row) = self.client.query_opt(select, &[&aggregate_id]).await? {
+                let key_id: String = row.get(0);
+                let wrapped: String = row.get(1);
+                let m = unwrap(keyring, &key_id, aggregate_id, &wrapped)?;
+                return Ok((key_id, m));
+            }
+            let mut id = [0u8; 8];
+            OsRng.fill_bytes(&mut id);
+            let key_id = format!("{DATA_KEY_PREFIX}{}", super::blind::hex(&id));
+            let mut material = Zeroizing::new([0u8; 32]);
+            OsRng.fill_bytes(material.as_mut());
+            let wrapped = wrap(keyring, &key_id, aggregate_id, &material);
+            let n = self
+                .client
+                .execute(
+                    "INSERT INTO outboxd_data_keys (key_id, aggregate_id, wrapped) VALUES ($1, $2, $3)
+                     ON CONFLICT (aggregate_id) WHERE forgotten_at IS NULL DO NOTHING",
+                    &[&key_id, &aggregate_id, &wrapped],
+                )
+                .await?;
+            if n == 1 {
+                return Ok((key_id, material));
+            }
+        }
+        Err(Error::Other(format!(
+            "keystore: no data key for aggregate {aggregate_id:?} after creating one"
+        )))
+    }
+
+    /// Looks a data key id up.
+    pub async fn lookup(&self, keyring: &Keyring, key_id: &str) -> Result<DataKey, Error> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT aggregate_id, wrapped FROM outboxd_data_keys WHERE key_id = $1",
+                &[&key_id],
+            )
+            .await?;
+        Ok(match row {
+            None => DataKey::Unknown,
+            Some(r) => {
+                let aggregate_id: String = r.get(0);
+                match r.get::<_, Option<String>>(1) {
+                    None => DataKey::Forgotten { aggregate_id },
+                    Some(w) => DataKey::Live {
+                        material: unwrap(keyring, key_id, &aggregate_id, &w)?,
+                        aggregate_id,
+                    },
+                }
+            }
+        })
+    }
+
+    /// Forgets the live data key of an aggregate: its wrapped key is overwritten with NULL.
+    /// Returns the forgotten key id, if there was one.
+    pub async fn forget(&self, aggregate_id: &str) -> Result<Option<String>, Error> {
+        let row = self
+            .client
+            .query_opt(
+                "UPDATE outboxd_data_keys SET wrapped = NULL, forgotten_at = now()
+                  WHERE aggregate_id = $1 AND forgotten_at IS NULL RETURNING key_id",
+                &[&aggregate_id],
+            )
+            .await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    /// Re-wraps every live data key still wrapped by an older keyring key under the current
+    /// one (part of `reencrypt`, so that old keyring keys can be retired). Returns how many.
+    pub async fn rewrap(&self, keyring: &Keyring) -> Result<u64, Error> {
+        let current = keyring.current_id();
+        let pattern = format!("enc:v1:{}:%", current.replace('_', "\\_"));
+        let rows = self
+            .client
+            .query(
+                "SELECT key_id, aggregate_id, wrapped FROM outboxd_data_keys
+                  WHERE wrapped IS NOT NULL AND wrapped NOT LIKE $1",
+                &[&pattern],
+            )
+            .await?;
+        let mut n = 0;
+        for r in rows {
+            let (key_id, agg, w): (String, String, String) = (r.get(0), r.get(1), r.get(2));
+            let m = unwrap(keyring, &key_id, &agg, &w)?;
+            n += self
+                .client
+                .execute(
+                    "UPDATE outboxd_data_keys SET wrapped = $2 WHERE key_id = $1 AND wrapped = $3",
+                    &[&key_id, &wrap(keyring, &key_id, &agg, &m), &w],
+                )
+                .await?;
+        }
+        Ok(n)
+    }
+
+    /// How many live data keys each keyring key wraps.
+    pub async fn count_wrapped_by(&self) -> Result<HashMap<String, i64>, Error> {
+        let rows = self
+            .client
+            .query(
+                "SELECT split_part(wrapped, ':', 3), count(*) FROM outboxd_data_keys
+                  WHERE wrapped IS NOT NULL GROUP BY 1",
+                &[],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Resolves the data keys a payload uses, for [`super::decrypt_payload_with`].
+    pub async fn resolver<'a>(
+        &self,
+        keyring: &'a Keyring,
+        payload: &serde_json::Value,
+    ) -> Result<DataKeys<'a>, Error> {
+        let mut keys = HashMap::new();
+        for id in super::key_ids_in(payload).into_keys() {
+            if is_data_key_id(&id) {
+                let k = self.lookup(keyring, &id).await?;
+                keys.insert(id, k);
+            }
+        }
+        Ok(DataKeys { keyring, keys })
+    }
+}
+
+/// The keyring plus the data keys of one payload, looked up in advance.
+pub struct DataKeys<'a> {
+    keyring: &'a Keyring,
+    keys: HashMap<String, DataKey>,
+}
+
+impl KeyResolver for DataKeys<'_> {
+    fn resolve(&self, key_id: &str, pointer: &str) -> Result<Resolved<'_>, CryptoError> {
+        if !is_data_key_id(key_id) {
+            return self.keyring.resolve(key_id, pointer);
+        }
+        match self.keys.get(key_id) {
+            Some(DataKey::Live { material, .. }) => Ok(Resolved::Key(material)),
+            Some(DataKey::Forgotten { .. }) => Ok(Resolved::Erased),
+            Some(DataKey::Unknown) | None => Err(CryptoError::UnknownKeyId {
+                pointer: pointer.to_string(),
+                key_id: key_id.to_string(),
+                known: "per-aggregate data keys of the given keystore".into(),
+            }),
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! What the MySQL/MariaDB source needs from the server before it streams, each check with the
+//! exact fix: the binary log on, in ROW format with FULL row image and FULL row metadata
+//! (column names in table maps), the outbox table with mappable columns; and the server's
+//! current position, its binlog files and GTID state.
+
+use super::gtid::GtidState;
+use super::rows::OutboxTable;
+use crate::Error;
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Row};
+
+/// The server's binlog settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BinlogSettings {
+    pub version: String,
+    pub mariadb: bool,
+    pub log_bin: bool,
+    pub format: String,
+    pub row_image: String,
+    /// `None` when the server has no `binlog_row_metadata` (MariaDB < 10.5, MySQL < 8.0.1).
+    pub row_metadata: Option<String>,
+    pub server_id: u64,
+    /// Binlog retention in seconds (0 = kept forever).
+    pub expire_seconds: u64,
+}
+
+fn text(row: &Row, i: usize) -> String {
+    match row.as_ref(i) {
+        Some(mysql_async::Value::Bytes(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(mysql_async::Value::Int(n)) => n.to_string(),
+        Some(mysql_async::Value::UInt(n)) => n.to_string(),
+        _ => String::new(),
+    }
+}
+
+pub async fn settings(conn: &mut Conn) -> Result<BinlogSettings, Error> {
+    let row: Row = conn
+        .query_first(
+            "SELECT VERSION(), @@log_bin, @@binlog_format, @@binlog_row_image, @@server_id",
+        )
+        .await?
+        .ok_or_else(|| Error::Decode("SELECT VERSION() returned no row".into()))?;
+    let version = text(&row, 0);
+    let row_metadata = match conn
+        .query_first::<Row, _>("SELECT @@binlog_row_metadata")
+        .await
+    {
+        Ok(r) => r.map(|r| text(&r, 0)),
+        // Unknown system variable: the server predates the setting.
+        Err(e) if super::server_code(&e) == Some(1193) => None,
+        Err(e) => return Err(e.into()),
+    };
+    let expire_seconds = match conn
+        .query_first::<Row, _>("SELECT @@binlog_expire_logs_seconds")
+        .await
+    {
+        Ok(r) => r
+            .map(|r| text(&r, 0).parse::<f64>().unwrap_or(0.0) as u64)
+            .unwrap_or(0),
+        Err(e) if super::server_code(&e) == Some(1193) => {
+            let days: Option<Row> = conn.query_first("SELECT @@expire_logs_days").await?;
+            days.map(|r| (text(&r, 0).parse::<f64>().unwrap_or(0.0) * 86400.0) as u64)
+                .unwrap_or(0)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(BinlogSettings {
+        mariadb: version.to_ascii_lowercase().contains("mariadb"),
+        version,
+        log_bin: text(&row, 1) == "1",
+        format: text(&row, 2).to_ascii_uppercase(),
+        row_image: text(&row, 3).to_ascii_uppercase(),
+        row_metadata: row_metadata.map(|s| s.to_ascii_uppercase()),
+        server_id: text(&row, 4).parse().unwrap_or(0),
+        expire_seconds,
+    })
+}
+
+fn section(s: &BinlogSettings) -> &'static str {
+    if s.mariadb {
+        "[mariadbd]"
+    } else {
+        "[mysqld]"
+    }
+}
+
+/// Every binlog setting CDC needs, each failure with its fix.
+pub fn problems(s: &BinlogSettings) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let sec = section(s);
+    if !s.log_bin {
+        out.push((
+            "the binary log is off (log_bin = 0)".to_string(),
+            format!("put log_bin=mysql-bin, server_id=1, binlog_format=ROW, binlog_row_image=FULL and binlog_row_metadata=FULL under {sec} in the server's option file, then restart the server"),
+        ));
+    }
+    if s.server_id == 0 {
+        out.push((
+            "server_id is 0: the server cannot serve binlog clients".to_string(),
+            format!("SET GLOBAL server_id = 1; and server_id=1 under {sec}"),
+        ));
+    }
+    if s.format != "ROW" {
+        out.push((
+            format!("binlog_format is {}: INSERTs may be logged as statements, whose rows the relay cannot see", s.format),
+            format!("SET GLOBAL binlog_format = ROW; and binlog_format=ROW under {sec} (sessions that set their own format must stop doing so)"),
+        ));
+    }
+    if s.row_image != "FULL" {
+        out.push((
+            format!(
+                "binlog_row_image is {}: an insert may lack mapped columns",
+                s.row_image
+            ),
+            format!("SET GLOBAL binlog_row_image = FULL; and binlog_row_image=FULL under {sec}"),
+        ));
+    }
+    match s.row_metadata.as_deref() {
+        Some("FULL") => {}
+        Some(other) => out.push((
+            format!("binlog_row_metadata is {other}: table maps carry no column names, so columns cannot be mapped by name"),
+            format!("SET GLOBAL binlog_row_metadata = FULL; and binlog_row_metadata=FULL under {sec}"),
+        )),
+        None => out.push((
+            format!("server {} has no binlog_row_metadata setting: table maps carry no column names", s.version),
+            "upgrade to MariaDB 10.5+ or MySQL 8.0+ and set binlog_row_metadata=FULL".to_string(),
+        )),
+    }
+    out
+}
+
+/// Fails with the first problem's fix (all of them listed).
+pub async fn require_binlog(conn: &mut Conn) -> Result<BinlogSettings, Error> {
+    let s = settings(conn).await?;
+    let p = problems(&s);
+    if !p.is_empty() {
+        return Err(Error::config(
+            p.iter()
+                .map(|(what, _)| what.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+            p.iter()
+                .map(|(_, fix)| fix.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  fix: "),
+        ));
+    }
+    if s.expire_seconds > 0 && s.expire_seconds < 86400 {
+        tracing::warn!(
+            retention_seconds = s.expire_seconds,
+            "binlogs are purged after less than a day: a relay stopped longer than that loses its position (SET GLOBAL binlog_expire_logs_seconds = 604800)"
+        );
+    }
+    Ok(s)
+}
+
+/// Fails with the fix when the outbox table does not exist or a required column is missing.
+pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), Error> {
+    let cols: Vec<(String, String)> = conn
+        .exec(
+            "SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+            (&table.database, &table.table),
+        )
+        .await?;
+    if cols.is_empty() {
+        return Err(Error::config(
+            format!("the outbox table {} does not exist", table.quoted()),
+            format!(
+                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
+                table.database
+            ),
+        ));
+    }
+    for logical in crate::outbox::REQUIRED {
+        let actual = table.columns.get(logical);
+        if !cols.iter().any(|(n, _)| n.eq_ignore_ascii_case(actual)) {
+            return Err(Error::config(
+                format!(
+                    "the outbox table {} has no column {actual:?} (the {logical} column)",
+                    table.quoted()
+                ),
+                format!(
+                    "ALTER TABLE {} ADD COLUMN {actual} ... (see migrations/mysql/001_outbox.sql), or map it with --column {logical}=<column>",
+                    table.quoted()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The server's current binlog position (the end of the last event written).
+pub async fn head(conn: &mut Conn) -> Result<(String, u64), Error> {
+    let row: Option<Row> = match conn.query_first("SHOW MASTER STATUS").await {
+        Ok(r) => r,
+        // MySQL 8.4 renamed it.
+        Err(e) if super::server_code(&e) == Some(1064) => {
+            conn.query_first("SHOW BINARY LOG STATUS").await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let row = row.ok_or_else(|| {
+        Error::config(
+            "the server reports no binlog position (SHOW MASTER STATUS is empty): the binary log is off",
+            "put log_bin=mysql-bin and server_id=1 in the server's option file, then restart it",
+        )
+    })?;
+    let file = text(&row, 0);
+    let pos = text(&row, 1).parse().unwrap_or(4);
+    Ok((file, pos))
+}
+
+/// MariaDB: the GTID state at a binlog position.
+pub async fn gtid_at(conn: &mut Conn, file: &str, pos: u64) -> Result<GtidState, Error> {
+    let s: Option<Option<String>> = conn
+        .exec_first("SELECT BINLOG_GTID_POS(?, ?)", (file, pos))
+        .await?;
+    let s = s.flatten().unwrap_or_default();
+    GtidState::parse(&s).ok_or_else(|| Error::Decode(format!("BINLOG_GTID_POS returned {s:?}")))
+}
+
+/// The binlog files the server still has, oldest first.
+pub async fn binlog_files(conn: &mut Conn) -> Result<Vec<String>, Error> {
+    let rows: Vec<Row> = conn.query("SHOW BINARY LOGS").await?;
+    Ok(rows.iter().map(|r| text(r, 0)).collect())
+}
+
+pub fn lost_position_fix(name: &str) -> String {
+    format!(
+        "the binlog events after the stored position were purged, so the events in them may never be published. \
+         Publish what was lost from the table if you need it (`outboxd run --snapshot since=<time of the last delivered event>` after a teardown), \
+         or accept the gap: `outboxd teardown --name {name} --yes`, then start again; and keep binlogs longer than the longest relay outage \
+         (SET GLOBAL binlog_expire_logs_seconds = 604800)"
+    )
+}
+
+/// Checks that a stored position can still be read: its file must still exist.
+pub async fn require_position(conn: &mut Conn, name: &str, file: &str) -> Result<(), Error> {
+    let files = binlog_files(conn).await?;
+    if !files.iter().any(|f| f == file) {
+        return Err(Error::PositionLost {
+            problem: format!(
+                "binlog file {file:?} of relay {name:?}'s stored position was purged (the server has {})",
+                match (files.first(), files.last()) {
+                    (Some(a), Some(b)) => format!("{a} … {b}"),
+                    _ => "no binlog files".into(),
+                }
+            ),
+            fix: lost_position_fix(name),
+        });
+    }
+    Ok(())
+}

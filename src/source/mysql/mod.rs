@@ -1,0 +1,682 @@
+//! The MySQL/MariaDB source: the server's binlog dump stream read with `mysql_async` (feature
+//! `binlog`), decoded by [`decode`] (shared with the binlog-file source), rows mapped by
+//! [`rows`], MariaDB GTIDs by [`gtid`]; plain SQL with `mysql_async` too.
+//!
+//! What the library leaves to us (LAB.md): `@mariadb_slave_capability=4` so MariaDB sends GTID
+//! events, raw GTID/GTID_LIST parsing, GTID resume through `@slave_connect_state`, the CRC32
+//! bytes in the first (fake) Rotate's file name, heartbeats plus a read timeout on every read,
+//! and reconnecting — the library has none.
+//!
+//! Position rule: an event's position is `file:end_pos:index` where `end_pos` ends its
+//! transaction, so a transaction's rows are held until its commit (up to
+//! `txn_buffer_bytes`; a larger one is scanned to its end once, then re-read from its start
+//! and streamed with the end known). After each transaction the source sends a checkpoint
+//! (file, end position, GTID state). Transactions that only wrote `outboxd_state` (the lease
+//! keeper's own writes) move no checkpoint, so storing the position never causes another
+//! write. A reconnect resumes from the last transaction boundary read, so nothing is read twice
+//! except the transaction that was open.
+
+pub mod admin;
+pub mod decode;
+pub mod gtid;
+pub mod operator;
+pub mod rows;
+pub mod snapshot;
+
+use crate::backoff::Backoff;
+use crate::dsn::{DbDsn, TlsMode};
+use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
+use crate::source::SourceLink;
+use crate::Error;
+use decode::{Decoder, Step};
+use futures::StreamExt;
+use gtid::GtidState;
+use mysql_async::binlog::events::Event;
+use mysql_async::prelude::Queryable;
+use mysql_async::{BinlogStreamRequest, Conn, OptsBuilder, SslOpts};
+use rows::OutboxTable;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Everything the MySQL source needs to run.
+#[derive(Debug, Clone)]
+pub struct MySqlSourceConfig {
+    pub dsn: DbDsn,
+    pub name: String,
+    pub table: OutboxTable,
+    /// The replica server id this relay registers with (unique per relay name).
+    pub server_id: u32,
+    /// How often the server sends a heartbeat while it has nothing else to send.
+    pub heartbeat: Duration,
+    /// No event and no heartbeat for this long: the connection is dead, reconnect.
+    pub read_timeout: Duration,
+    /// Largest transaction (bytes of outbox events) held until its commit; a larger one is
+    /// scanned to its end first, then re-read and streamed.
+    pub txn_buffer_bytes: usize,
+    /// Whether the server writes MariaDB GTIDs (then positions carry the GTID state and resume
+    /// uses it).
+    pub mariadb: bool,
+}
+
+/// The server id a relay of this name registers with: stable per name (a reconnect replaces
+/// its own stale dump thread, as a replica does), far from the small ids servers use.
+pub fn server_id_for(name: &str) -> u32 {
+    // FNV-1a, 32 bit.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in b"outboxd:".iter().chain(name.as_bytes()) {
+        h ^= *b as u32;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    0x4000_0000 | (h & 0x3fff_ffff)
+}
+
+impl From<mysql_async::Error> for Error {
+    fn from(e: mysql_async::Error) -> Self {
+        classify(e)
+    }
+}
+
+/// Maps a client error: connection-level trouble is retryable, refusals carry their fix.
+pub fn classify(e: mysql_async::Error) -> Error {
+    use mysql_async::{DriverError, Error as E, IoError};
+    match e {
+        E::Server(s) => {
+            let text = format!("{} (error {}, SQLSTATE {})", s.message, s.code, s.state);
+            match s.code {
+                // Access denied / a privilege missing.
+                1044 | 1045 | 1142 | 1227 | 1370 => Error::config(
+                    format!("MySQL refused: {text}"),
+                    "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '<user>'@'<host>'; (MariaDB 10.5+: also GRANT BINLOG MONITOR, and SELECT, INSERT, UPDATE, DELETE, CREATE on the database for outboxd_state)",
+                ),
+                1049 => Error::config(
+                    format!("MySQL: {text}"),
+                    "name an existing database in the DSN, e.g. mysql://user@host:3306/app",
+                ),
+                // Too many connections, shutdown in progress, network errors, lock waits,
+                // deadlocks, query interrupted (KILL QUERY), connection killed, read-only.
+                1040 | 1053 | 1077 | 1078 | 1079 | 1080 | 1152 | 1153 | 1154 | 1155 | 1156
+                | 1157 | 1158 | 1159 | 1160 | 1161 | 1205 | 1213 | 1317 | 1927 | 4031 => {
+                    Error::source(format!("MySQL: {text}"), true)
+                }
+                _ => Error::source(format!("MySQL: {text}"), false),
+            }
+        }
+        E::Io(IoError::Io(io)) => {
+            // Parsing trouble surfaces as io::Error too; it does not go away by retrying.
+            let retryable = !matches!(io.kind(), std::io::ErrorKind::InvalidData);
+            Error::source(format!("MySQL connection: {io}"), retryable)
+        }
+        E::Io(IoError::Tls(t)) => Error::config(
+            format!("MySQL TLS: {t}"),
+            "check ssl-mode and ssl-ca in the DSN (verify-ca/verify-full need the server's CA in ssl-ca)",
+        ),
+        E::Driver(DriverError::NoClientSslFlagFromServer) => Error::config(
+            "the MySQL server does not offer TLS, but the DSN requires it",
+            "enable TLS on the server (ssl_cert, ssl_key), or use ssl-mode=prefer or disable in the DSN",
+        ),
+        E::Driver(d @ (DriverError::ConnectionClosed | DriverError::PacketOutOfOrder | DriverError::UnexpectedPacket { .. })) => {
+            Error::source(format!("MySQL connection: {d}"), true)
+        }
+        E::Driver(d) => Error::source(format!("MySQL client: {d}"), false),
+        E::Url(u) => Error::config(format!("MySQL DSN: {u}"), "check the DSN syntax"),
+        E::Other(o) => Error::source(format!("MySQL: {o}"), false),
+    }
+}
+
+/// The server error code of a client error, if it is one.
+pub fn server_code(e: &mysql_async::Error) -> Option<u16> {
+    match e {
+        mysql_async::Error::Server(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
+    use mysql_async::ClientIdentity;
+    use std::path::PathBuf;
+    let tls = &dsn.tls;
+    if tls.mode == TlsMode::Disable {
+        return Ok(None);
+    }
+    // mysql_async builds its rustls configuration with the process-wide provider: make it the
+    // same ring provider the rest of the crate uses (installing twice is a no-op).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut opts = SslOpts::default();
+    if let Some(ca) = &tls.ca_file {
+        // Fail early with a clear message rather than in the handshake.
+        crate::tls::load_certs(ca)?;
+        opts = opts
+            .with_root_certs(vec![PathBuf::from(ca).into()])
+            .with_disable_built_in_roots(true);
+    }
+    opts = match tls.mode {
+        // As libpq: `require` with a CA file checks the chain like verify-ca.
+        TlsMode::Require if tls.ca_file.is_some() => opts.with_danger_skip_domain_validation(true),
+        TlsMode::Prefer | TlsMode::Require => opts.with_danger_accept_invalid_certs(true),
+        TlsMode::VerifyCa => opts.with_danger_skip_domain_validation(true),
+        _ => opts,
+    };
+    match (&tls.cert_file, &tls.key_file) {
+        (Some(c), Some(k)) => {
+            opts = opts.with_client_identity(Some(ClientIdentity::new(
+                PathBuf::from(c).into(),
+                PathBuf::from(k).into(),
+            )))
+        }
+        (None, None) => {}
+        _ => {
+            return Err(Error::config(
+                "a client certificate needs both ssl-cert and ssl-key",
+                "add both to the DSN, or neither",
+            ))
+        }
+    }
+    Ok(Some(opts))
+}
+
+fn opts(dsn: &DbDsn, ssl: Option<SslOpts>, found_rows: bool) -> OptsBuilder {
+    OptsBuilder::default()
+        .ip_or_hostname(dsn.host.clone())
+        .tcp_port(dsn.port)
+        .user(Some(dsn.user.clone()))
+        .pass(dsn.password.clone())
+        .db_name((!dsn.database.is_empty()).then(|| dsn.database.clone()))
+        // Never switch to the server's Unix socket behind our back (it would also bypass a
+        // proxy in front of the server).
+        .prefer_socket(false)
+        .tcp_keepalive(Some(Duration::from_secs(30)))
+        .tcp_nodelay(true)
+        .client_found_rows(found_rows)
+        .ssl_opts(ssl)
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn connect_with(dsn: &DbDsn, found_rows: bool) -> Result<Conn, Error> {
+    let ssl = ssl_opts(dsn)?;
+    let attempt = |ssl: Option<SslOpts>| async move {
+        match tokio::time::timeout(CONNECT_TIMEOUT, Conn::new(opts(dsn, ssl, found_rows))).await {
+            Ok(r) => r.map_err(Some),
+            Err(_) => Err(None),
+        }
+    };
+    let timed_out = || {
+        Error::source(
+            format!(
+                "MySQL {}:{}: no connection within {CONNECT_TIMEOUT:?}",
+                dsn.host, dsn.port
+            ),
+            true,
+        )
+    };
+    match attempt(ssl).await {
+        Ok(c) => Ok(c),
+        // prefer: TLS when the server offers it, plain otherwise.
+        Err(Some(mysql_async::Error::Driver(
+            mysql_async::DriverError::NoClientSslFlagFromServer,
+        ))) if dsn.tls.mode == TlsMode::Prefer => attempt(None)
+            .await
+            .map_err(|e| e.map(classify).unwrap_or_else(timed_out)),
+        Err(e) => Err(e.map(classify).unwrap_or_else(timed_out)),
+    }
+}
+
+/// Connects an ordinary SQL session (TLS per the DSN).
+pub async fn connect_sql(dsn: &DbDsn) -> Result<Conn, Error> {
+    connect_with(dsn, false).await
+}
+
+/// A session whose UPDATEs report matched rows (not changed ones), for the state table.
+pub async fn connect_state(dsn: &DbDsn) -> Result<Conn, Error> {
+    connect_with(dsn, true).await
+}
+
+/// Where a stream starts: a transaction boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    pub file: String,
+    pub pos: u64,
+    /// MariaDB: the GTID state at that boundary (every domain).
+    pub gtid: Option<GtidState>,
+    /// Open the stream by file and position even where a GTID state is known (the stored
+    /// position had none, e.g. after `offset set` by position).
+    pub by_position: bool,
+}
+
+impl Resume {
+    pub fn from_checkpoint(cp: &Checkpoint) -> Option<Resume> {
+        match cp {
+            Checkpoint::Binlog {
+                file,
+                pos,
+                gtid_state,
+            } => Some(Resume {
+                file: file.clone(),
+                pos: *pos,
+                gtid: gtid_state.as_deref().and_then(GtidState::parse),
+                by_position: gtid_state.as_deref().is_none_or(str::is_empty),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Whether the stream opens by GTID: on MariaDB, with a known state, unless told otherwise.
+    pub fn by_gtid(&self, mariadb: bool) -> bool {
+        mariadb && !self.by_position && self.gtid.as_ref().is_some_and(|g| !g.is_empty())
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint::Binlog {
+            file: self.file.clone(),
+            pos: self.pos,
+            gtid_state: self
+                .gtid
+                .as_ref()
+                .filter(|g| !g.is_empty())
+                .map(|g| g.to_string()),
+        }
+    }
+}
+
+/// The server's current position as a place to start streaming (first start): the head of the
+/// binlog and, on MariaDB, the GTID state exactly there.
+pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, Error> {
+    let (file, pos) = admin::head(conn).await?;
+    let gtid = if mariadb {
+        Some(admin::gtid_at(conn, &file, pos).await?)
+    } else {
+        None
+    };
+    Ok(Resume {
+        file,
+        pos,
+        gtid,
+        by_position: false,
+    })
+}
+
+/// Opens the dump stream at `from`: by GTID where the state has one, else by file/position.
+async fn open_stream(
+    cfg: &MySqlSourceConfig,
+    from: &Resume,
+) -> Result<mysql_async::BinlogStream, Error> {
+    let mut conn = connect_sql(&cfg.dsn).await?;
+    let setup = async {
+        // MariaDB: send GTID events (not BEGIN/dummy queries).
+        conn.query_drop("SET @mariadb_slave_capability = 4").await?;
+        // Heartbeats while the server has nothing to send (nanoseconds).
+        conn.query_drop(format!(
+            "SET @master_heartbeat_period = {}",
+            cfg.heartbeat.as_nanos()
+        ))
+        .await?;
+        Ok::<_, mysql_async::Error>(())
+    };
+    setup.await?;
+    let by_gtid = from.by_gtid(cfg.mariadb);
+    let request = BinlogStreamRequest::new(cfg.server_id);
+    let stream = if by_gtid {
+        let state = from.gtid.as_ref().expect("checked").to_string();
+        conn.exec_drop("SET @slave_connect_state = ?", (state,))
+            .await?;
+        conn.query_drop("SET @slave_gtid_strict_mode = 0").await?;
+        conn.query_drop("SET @slave_gtid_ignore_duplicates = 0")
+            .await?;
+        conn.get_binlog_stream(request.with_filename(b"").with_pos(4u64))
+            .await
+    } else {
+        conn.get_binlog_stream(
+            request
+                .with_filename(from.file.as_bytes())
+                .with_pos(from.pos),
+        )
+        .await
+    };
+    stream.map_err(|e| stream_error(e, cfg))
+}
+
+/// An error of the dump stream: a purged or impossible position is a lost position.
+fn stream_error(e: mysql_async::Error, cfg: &MySqlSourceConfig) -> Error {
+    if server_code(&e) == Some(1236) {
+        return Error::PositionLost {
+            problem: format!("the server cannot send the binlog from the stored position: {e}"),
+            fix: admin::lost_position_fix(&cfg.name),
+        };
+    }
+    classify(e)
+}
+
+/// How the open transaction's rows are handled.
+#[derive(Debug, PartialEq, Eq)]
+enum Mode {
+    /// Held until the commit (the end position is not known before).
+    Buffer,
+    /// The end position is known (from an earlier scan): sent as they come.
+    Stream { end: u64 },
+    /// Too large to hold: read to the end to learn the end position, then re-read.
+    Scan,
+}
+
+struct Open {
+    start_file: String,
+    start_pos: u64,
+    mode: Mode,
+    buffered: Vec<OutboxEvent>,
+    buffered_bytes: usize,
+    /// Rows of this transaction already sent before a reconnect (streamed mode): skipped.
+    skip: u32,
+    seen: u32,
+}
+
+/// A streamed transaction that was cut off: where it starts and how many rows went out.
+struct Partial {
+    file: String,
+    pos: u64,
+    sent: u32,
+}
+
+/// How often a checkpoint for transactions without outbox events is sent at most.
+const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
+
+/// When only the relay's own state writes follow the last checkpoint for this long, one of
+/// them becomes a checkpoint anyway: on a quiet server the stored position would otherwise
+/// stay behind until its binlog file is purged. One write per interval is no loop.
+const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
+
+/// What a first start does before streaming.
+#[derive(Debug)]
+pub enum FirstStart {
+    /// Not a first start.
+    No,
+    /// A first start with nothing to publish from the table.
+    Empty,
+    /// Publish the rows of this open snapshot (taken at the start position) first.
+    Snapshot(snapshot::Snapshot),
+}
+
+/// Streams from `start` until `shutdown`, then stops at a transaction boundary. A first start
+/// publishes its snapshot first and then acknowledges the start position, which tells the
+/// lease keeper that the first start is done.
+pub async fn run(
+    cfg: MySqlSourceConfig,
+    link: SourceLink,
+    start: Resume,
+    first: FirstStart,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let SourceLink { outlet, acks: _ } = link;
+    match first {
+        FirstStart::No => {}
+        FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
+        FirstStart::Snapshot(snap) => {
+            snap.publish(&cfg.table, &outlet).await?;
+            outlet.send_checkpoint(start.checkpoint()).await?;
+        }
+    }
+    let mut resume = start;
+    let mut backoff = Backoff::standard();
+    // A transaction whose end position was learnt by scanning: (file, start, end).
+    let mut known_end: Option<(String, u64, u64)> = None;
+    let mut partial: Option<Partial> = None;
+    let mut pending: Option<Checkpoint> = None;
+    let mut last_sent = Instant::now();
+
+    'connect: loop {
+        if shutdown.is_cancelled() {
+            break 'connect;
+        }
+        let mut stream = tokio::select! {
+            r = open_stream(&cfg, &resume) => match r {
+                Ok(s) => s,
+                Err(e) if e.is_retryable() => {
+                    let d = backoff.next_delay();
+                    tracing::warn!(error = %e, retry_in = ?d, "binlog connect failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(d) => continue 'connect,
+                        _ = shutdown.cancelled() => break 'connect,
+                    }
+                }
+                Err(e) => return Err(e),
+            },
+            _ = shutdown.cancelled() => break 'connect,
+        };
+        tracing::info!(
+            file = %resume.file, pos = resume.pos,
+            gtid = %resume.gtid.as_ref().map(|g| g.to_string()).unwrap_or_default(),
+            by = if resume.by_gtid(cfg.mariadb) { "gtid" } else { "position" },
+            server_id = cfg.server_id, "streaming the binlog"
+        );
+        crate::telemetry::get().source_streaming.set(1);
+        let mut dec = Decoder::new(
+            cfg.table.clone(),
+            &resume.file,
+            cfg.mariadb.then(|| resume.gtid.clone().unwrap_or_default()),
+        );
+        let mut open: Option<Open> = None;
+
+        loop {
+            let flush_at = tokio::time::Instant::from_std(last_sent + IDLE_CHECKPOINT_INTERVAL);
+            let item = tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
+                // A checkpoint held back by the rate limit goes out once the stream pauses.
+                _ = tokio::time::sleep_until(flush_at), if pending.is_some() => {
+                    outlet.send_checkpoint(pending.take().expect("checked")).await?;
+                    last_sent = Instant::now();
+                    continue;
+                }
+                // `next()` keeps its partial read in the stream: dropping it is safe.
+                r = tokio::time::timeout(cfg.read_timeout, stream.next()) => r,
+            };
+            let ev: Event = match item {
+                Err(_) => {
+                    tracing::warn!(timeout = ?cfg.read_timeout, "no binlog event and no heartbeat in time: reconnecting");
+                    continue 'connect;
+                }
+                Ok(None) => {
+                    tracing::warn!("the server ended the binlog stream: reconnecting");
+                    continue 'connect;
+                }
+                Ok(Some(Err(e))) => {
+                    let err = stream_error(e, &cfg);
+                    if !err.is_retryable() {
+                        return Err(err);
+                    }
+                    let d = backoff.next_delay();
+                    tracing::warn!(error = %err, retry_in = ?d, "binlog stream broke; resuming from the last transaction boundary");
+                    tokio::select! {
+                        _ = tokio::time::sleep(d) => continue 'connect,
+                        _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
+                    }
+                }
+                Ok(Some(Ok(ev))) => ev,
+            };
+            backoff.reset();
+            for step in dec.feed(&ev)? {
+                match step {
+                    Step::Nothing => {}
+                    Step::Begin { file, pos } => {
+                        let mode = match &known_end {
+                            Some((f, s, end)) if *f == file && *s == pos => {
+                                Mode::Stream { end: *end }
+                            }
+                            _ => Mode::Buffer,
+                        };
+                        let skip = match &partial {
+                            Some(p) if p.file == file && p.pos == pos => p.sent,
+                            _ => 0,
+                        };
+                        open = Some(Open {
+                            start_file: file,
+                            start_pos: pos,
+                            mode,
+                            buffered: Vec::new(),
+                            buffered_bytes: 0,
+                            skip,
+                            seen: 0,
+                        });
+                    }
+                    Step::Rows(events) => {
+                        let Some(o) = open.as_mut() else {
+                            return Err(Error::Decode("rows outside a transaction".into()));
+                        };
+                        for mut event in events {
+                            o.seen += 1;
+                            match o.mode {
+                                Mode::Buffer => {
+                                    o.buffered_bytes += event.size();
+                                    o.buffered.push(event);
+                                    if o.buffered_bytes > cfg.txn_buffer_bytes {
+                                        tracing::info!(
+                                            file = %o.start_file, pos = o.start_pos, bytes = o.buffered_bytes,
+                                            "a transaction larger than the buffer: reading to its end, then streaming it from its start"
+                                        );
+                                        o.buffered = Vec::new();
+                                        o.mode = Mode::Scan;
+                                    }
+                                }
+                                Mode::Stream { end } => {
+                                    if o.seen <= o.skip {
+                                        continue;
+                                    }
+                                    set_end(&mut event, end);
+                                    outlet.send_event(event).await?;
+                                    partial = Some(Partial {
+                                        file: o.start_file.clone(),
+                                        pos: o.start_pos,
+                                        sent: o.seen,
+                                    });
+                                }
+                                Mode::Scan => {}
+                            }
+                        }
+                    }
+                    Step::Abort { .. } => {
+                        open = None;
+                    }
+                    Step::Commit {
+                        start_file,
+                        start_pos,
+                        checkpoint,
+                        own,
+                    } => {
+                        let o = open.take();
+                        let Checkpoint::Binlog { pos: end, .. } = &checkpoint else {
+                            unreachable!("binlog checkpoints only")
+                        };
+                        let end = *end;
+                        let mut had_events = false;
+                        if let Some(o) = o {
+                            match o.mode {
+                                Mode::Scan => {
+                                    known_end = Some((start_file, start_pos, end));
+                                    tracing::info!(end, "end of the large transaction found; re-reading it from its start");
+                                    continue 'connect;
+                                }
+                                Mode::Stream { .. } => {
+                                    had_events = o.seen > 0;
+                                    known_end = None;
+                                    partial = None;
+                                }
+                                Mode::Buffer => {
+                                    had_events = !o.buffered.is_empty();
+                                    for mut event in o.buffered.into_iter().skip(o.skip as usize) {
+                                        set_end(&mut event, end);
+                                        outlet.send_event(event).await?;
+                                    }
+                                    partial = None;
+                                }
+                            }
+                        }
+                        resume = Resume {
+                            file: dec.file().to_string(),
+                            pos: end,
+                            gtid: dec.gtid_state().cloned(),
+                            by_position: resume.by_position,
+                        };
+                        if had_events {
+                            outlet.send_checkpoint(checkpoint).await?;
+                            pending = None;
+                            last_sent = Instant::now();
+                        } else if !own {
+                            pending = Some(checkpoint);
+                            if last_sent.elapsed() >= IDLE_CHECKPOINT_INTERVAL {
+                                outlet.send_checkpoint(pending.take().expect("set")).await?;
+                                last_sent = Instant::now();
+                            }
+                        } else if pending.is_none()
+                            && last_sent.elapsed() >= OWN_CHECKPOINT_INTERVAL
+                        {
+                            outlet.send_checkpoint(checkpoint).await?;
+                            last_sent = Instant::now();
+                        }
+                    }
+                    Step::Heartbeat => {
+                        if let Some(cp) = pending.take() {
+                            outlet.send_checkpoint(cp).await?;
+                            last_sent = Instant::now();
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Some(cp) = pending.take() {
+        outlet.send_checkpoint(cp).await?;
+    }
+    tracing::info!(file = %resume.file, pos = resume.pos, "stopped at a transaction boundary");
+    // Dropping the outlet closes the relay's input: it drains and ends.
+    drop(outlet);
+    Ok(())
+}
+
+fn set_end(event: &mut OutboxEvent, end: u64) {
+    if let SourcePosition::Binlog { end_pos, .. } = &mut event.position {
+        *end_pos = end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_modes_map_to_client_options() {
+        let dsn =
+            |q: &str| match crate::dsn::SourceDsn::parse(&format!("mysql://u@h/db{q}")).unwrap() {
+                crate::dsn::SourceDsn::Mysql(d) => d,
+                _ => unreachable!(),
+            };
+        assert!(ssl_opts(&dsn("?ssl-mode=disable")).unwrap().is_none());
+        let prefer = ssl_opts(&dsn("")).unwrap().unwrap();
+        assert!(
+            prefer.accept_invalid_certs(),
+            "prefer encrypts without verifying"
+        );
+        let require = ssl_opts(&dsn("?ssl-mode=require")).unwrap().unwrap();
+        assert!(require.accept_invalid_certs());
+        let ca = ssl_opts(&dsn("?ssl-mode=verify-ca")).unwrap().unwrap();
+        assert!(!ca.accept_invalid_certs() && ca.skip_domain_validation());
+        let full = ssl_opts(&dsn("?ssl-mode=verify-identity"))
+            .unwrap()
+            .unwrap();
+        assert!(!full.accept_invalid_certs() && !full.skip_domain_validation());
+        let missing = ssl_opts(&dsn("?ssl-mode=verify-full&ssl-ca=/nonexistent.pem")).unwrap_err();
+        assert!(
+            missing.to_string().contains("/nonexistent.pem"),
+            "{missing}"
+        );
+        assert!(
+            ssl_opts(&dsn("?ssl-mode=require&ssl-cert=/c.pem")).is_err(),
+            "cert without key"
+        );
+    }
+
+    #[test]
+    fn server_ids_are_stable_and_out_of_the_way() {
+        let a = server_id_for("billing");
+        assert_eq!(a, server_id_for("billing"));
+        assert_ne!(a, server_id_for("billing2"));
+        assert!((0x4000_0000..0x8000_0000).contains(&a));
+    }
+}

@@ -1,0 +1,392 @@
+//! The operator's commands for a MySQL/MariaDB source: `check` (one line per check, the exact
+//! fix for each failure) and `status` / `offset show` (stored position, server head, lag, dump
+//! thread, lease).
+
+use super::rows::OutboxTable;
+use super::{admin, connect_sql, snapshot};
+use crate::dsn::DbDsn;
+use crate::event::{binlog_file_seq, Checkpoint};
+use crate::operator::{CheckLine, Level};
+use crate::Error;
+use mysql_async::prelude::Queryable;
+use mysql_async::Conn;
+use serde::Serialize;
+
+fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String>) -> CheckLine {
+    CheckLine {
+        level,
+        check: check.into(),
+        detail: detail.into(),
+        fix,
+    }
+}
+
+/// Runs every MySQL check; never stops at the first failure.
+pub async fn check_mysql(dsn: &DbDsn, name: &str, table: &OutboxTable) -> Vec<CheckLine> {
+    let mut out = Vec::new();
+    let mut conn = match connect_sql(dsn).await {
+        Ok(c) => {
+            out.push(line(
+                Level::Ok,
+                "connect",
+                format!("{}:{} database {}", dsn.host, dsn.port, dsn.database),
+                None,
+            ));
+            c
+        }
+        Err(e) => {
+            out.push(line(
+                Level::Fail,
+                "connect",
+                e.to_string(),
+                Some(format!(
+                    "make the server reachable at {}:{} for user {} (grants, password, ssl-mode)",
+                    dsn.host, dsn.port, dsn.user
+                )),
+            ));
+            return out;
+        }
+    };
+    if let Err(e) = check_server(&mut conn, name, table, &mut out).await {
+        out.push(line(Level::Fail, "query", e.to_string(), None));
+    }
+    let _ = conn.disconnect().await;
+    out
+}
+
+async fn check_server(
+    conn: &mut Conn,
+    name: &str,
+    table: &OutboxTable,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let s = admin::settings(conn).await?;
+    out.push(line(Level::Ok, "server", s.version.clone(), None));
+    let problems = admin::problems(&s);
+    for (key, ok_detail) in [
+        ("binary log", "log_bin = ON".to_string()),
+        ("server_id", format!("server_id = {}", s.server_id)),
+        ("binlog_format", "ROW".to_string()),
+        ("binlog_row_image", "FULL".to_string()),
+        ("binlog_row_metadata", "FULL".to_string()),
+    ] {
+        let needle = match key {
+            "binary log" => "binary log is off",
+            "server_id" => "server_id is 0",
+            other => other,
+        };
+        match problems.iter().find(|(what, _)| what.contains(needle)) {
+            Some((what, fix)) => out.push(line(Level::Fail, key, what.clone(), Some(fix.clone()))),
+            None => out.push(line(Level::Ok, key, ok_detail, None)),
+        }
+    }
+    out.push(match s.expire_seconds {
+        0 => line(
+            Level::Ok,
+            "binlog retention",
+            "kept until purged by hand",
+            None,
+        ),
+        n if n < 86400 => line(
+            Level::Warn,
+            "binlog retention",
+            format!("{n} s: a relay stopped longer than that loses its position"),
+            Some("SET GLOBAL binlog_expire_logs_seconds = 604800; (and in the option file)".into()),
+        ),
+        n => line(
+            Level::Ok,
+            "binlog retention",
+            format!("{} days", n / 86400),
+            None,
+        ),
+    });
+
+    // Grants: what SHOW GRANTS says for the current user.
+    let grants: Vec<String> = conn.query("SHOW GRANTS").await?;
+    let all = grants.join(" ").to_ascii_uppercase();
+    let has = |p: &str| all.contains("ALL PRIVILEGES ON *.*") || all.contains(p);
+    let mut missing = Vec::new();
+    if !has("REPLICATION SLAVE") && !has("REPLICATION REPLICA") {
+        missing.push("REPLICATION SLAVE");
+    }
+    if !has("REPLICATION CLIENT") && !has("BINLOG MONITOR") {
+        missing.push(if s.mariadb {
+            "BINLOG MONITOR"
+        } else {
+            "REPLICATION CLIENT"
+        });
+    }
+    out.push(if missing.is_empty() {
+        line(Level::Ok, "grants", "replication and binlog status allowed", None)
+    } else {
+        line(
+            Level::Fail,
+            "grants",
+            format!("missing {}", missing.join(", ")),
+            Some(format!(
+                "GRANT {} ON *.* TO CURRENT_USER;  (run as an administrator, naming the relay's user)",
+                missing.join(", ")
+            )),
+        )
+    });
+
+    // The table and its columns, mapped exactly as the stream maps them.
+    let infos = snapshot::table_columns(conn, table).await?;
+    if infos.is_empty() {
+        out.push(line(
+            Level::Fail,
+            "outbox table",
+            format!("{} does not exist", table.quoted()),
+            Some(format!(
+                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
+                table.database
+            )),
+        ));
+    } else {
+        match table.map_columns(&infos) {
+            Ok(_) => out.push(line(
+                Level::Ok,
+                "outbox table",
+                format!(
+                    "{} ({} columns, mapped by name)",
+                    table.quoted(),
+                    infos.len()
+                ),
+                None,
+            )),
+            Err(Error::Config { problem, fix }) => {
+                out.push(line(Level::Fail, "outbox table", problem, Some(fix)))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+
+    // The relay's state and whether its position can still be read.
+    match crate::state::mysql::load(conn, name).await? {
+        None => out.push(line(
+            Level::Ok,
+            "state",
+            format!("no state for {name:?} yet: the first start takes a snapshot (--snapshot)"),
+            None,
+        )),
+        Some(row) => match &row.position {
+            Some(Checkpoint::Binlog { file, pos, .. }) if row.initialized => {
+                let files = admin::binlog_files(conn).await?;
+                if files.iter().any(|f| f == file) {
+                    out.push(line(
+                        Level::Ok,
+                        "stored position",
+                        format!("{file}:{pos}"),
+                        None,
+                    ));
+                } else {
+                    out.push(line(
+                        Level::Fail,
+                        "stored position",
+                        format!("{file}:{pos}: that binlog file was purged"),
+                        Some(admin::lost_position_fix(name)),
+                    ));
+                }
+            }
+            _ => out.push(line(
+                Level::Ok,
+                "state",
+                format!("{name:?} has not finished its first start"),
+                None,
+            )),
+        },
+    }
+    Ok(())
+}
+
+/// What `status` shows for a MySQL source.
+#[derive(Debug, Clone, Serialize)]
+pub struct MyStatus {
+    pub name: String,
+    pub stored_position: Option<String>,
+    pub stored_gtid: Option<String>,
+    pub server_head: String,
+    pub server_gtid: Option<String>,
+    /// Binlog bytes between the stored position and the head (every file in between counted).
+    pub lag_bytes: Option<u64>,
+    /// Binlog files the stored position still needs.
+    pub retained_files: Option<usize>,
+    pub streaming: bool,
+    pub lease_holder: Option<String>,
+    pub lease_live: bool,
+    pub epoch: Option<i64>,
+}
+
+pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
+    let mut conn = connect_sql(dsn).await?;
+    let s = admin::settings(&mut conn).await?;
+    let (head_file, head_pos) = admin::head(&mut conn).await?;
+    let server_gtid = if s.mariadb {
+        let g: Option<Option<String>> = conn.query_first("SELECT @@gtid_binlog_pos").await?;
+        g.flatten()
+    } else {
+        None
+    };
+    let logs: Vec<(String, u64)> = conn
+        .query::<mysql_async::Row, _>("SHOW BINARY LOGS")
+        .await?
+        .into_iter()
+        .filter_map(|r| {
+            let name: String = r.get(0)?;
+            let size: u64 = r.get(1)?;
+            Some((name, size))
+        })
+        .collect();
+    let row = crate::state::mysql::load(&mut conn, name).await?;
+    let stored = row.as_ref().and_then(|r| r.position.clone());
+    let (lag, retained) = match &stored {
+        Some(Checkpoint::Binlog { file, pos, .. }) => {
+            let seq = binlog_file_seq(file);
+            let needed: Vec<&(String, u64)> = logs
+                .iter()
+                .filter(|(n, _)| binlog_file_seq(n) >= seq)
+                .collect();
+            let lag = if needed.first().map(|(n, _)| n.as_str()) == Some(file.as_str()) {
+                Some(
+                    needed
+                        .iter()
+                        .map(|(n, size)| {
+                            if n == file {
+                                size.saturating_sub(*pos)
+                            } else {
+                                *size
+                            }
+                        })
+                        .sum(),
+                )
+            } else {
+                None
+            };
+            (lag, Some(needed.len()))
+        }
+        _ => (None, None),
+    };
+    let streaming: Option<i64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%' AND DB = ?",
+            (&dsn.database,),
+        )
+        .await?;
+    let _ = conn.disconnect().await;
+    Ok(MyStatus {
+        name: name.to_string(),
+        stored_position: stored.as_ref().map(|c| match c {
+            Checkpoint::Binlog { file, pos, .. } => format!("{file}:{pos}"),
+            other => other.to_string(),
+        }),
+        stored_gtid: stored.as_ref().and_then(|c| match c {
+            Checkpoint::Binlog { gtid_state, .. } => gtid_state.clone(),
+            _ => None,
+        }),
+        server_head: format!("{head_file}:{head_pos}"),
+        server_gtid,
+        lag_bytes: lag,
+        retained_files: retained,
+        streaming: streaming.unwrap_or(0) > 0,
+        lease_holder: row.as_ref().and_then(|r| r.lease_holder.clone()),
+        lease_live: row.as_ref().is_some_and(|r| r.lease_live),
+        epoch: row.as_ref().map(|r| r.epoch),
+    })
+}
+
+impl std::fmt::Display for MyStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let o = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        writeln!(f, "relay            {}", self.name)?;
+        writeln!(
+            f,
+            "stored position  {} (gtid {})",
+            o(&self.stored_position),
+            o(&self.stored_gtid)
+        )?;
+        writeln!(
+            f,
+            "server head      {} (gtid {})",
+            self.server_head,
+            o(&self.server_gtid)
+        )?;
+        writeln!(
+            f,
+            "lag              {} binlog bytes in {} file(s)",
+            self.lag_bytes.map(|b| b.to_string()).unwrap_or("-".into()),
+            self.retained_files
+                .map(|n| n.to_string())
+                .unwrap_or("-".into())
+        )?;
+        writeln!(
+            f,
+            "binlog dump      {}",
+            if self.streaming {
+                "connected"
+            } else {
+                "not connected"
+            }
+        )?;
+        write!(
+            f,
+            "lease            {}{}",
+            o(&self.lease_holder),
+            if self.lease_live {
+                " (live)"
+            } else {
+                " (expired or free)"
+            }
+        )
+    }
+}
+
+/// `offset set --binlog-position FILE:POS`: where the next start resumes. The file must still
+/// be on the server and the position inside it; on MariaDB the GTID state there is stored with
+/// it. Refused while the relay runs. Returns the stored position.
+pub async fn set_position(dsn: &DbDsn, name: &str, at: &str) -> Result<String, Error> {
+    let fix = "write FILE:POS, e.g. mariadb-bin.000042:1234 (the end position of a transaction, as in x-source-position)";
+    let (file, pos) = at
+        .rsplit_once(':')
+        .and_then(|(f, p)| Some((f.to_string(), p.parse::<u64>().ok()?)))
+        .ok_or_else(|| Error::config(format!("--binlog-position {at:?} is not FILE:POS"), fix))?;
+    let mut conn = connect_sql(dsn).await?;
+    let s = admin::settings(&mut conn).await?;
+    let logs: Vec<(String, u64)> = conn
+        .query::<mysql_async::Row, _>("SHOW BINARY LOGS")
+        .await?
+        .into_iter()
+        .filter_map(|r| Some((r.get::<String, _>(0)?, r.get::<u64, _>(1)?)))
+        .collect();
+    match logs.iter().find(|(n, _)| *n == file) {
+        None => {
+            return Err(Error::config(
+                format!(
+                    "binlog file {file:?} is not on the server (it has {})",
+                    logs.iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                fix,
+            ))
+        }
+        Some((_, size)) if pos < 4 || pos > *size => {
+            return Err(Error::config(
+                format!("position {pos} is outside {file} (4 … {size})"),
+                fix,
+            ))
+        }
+        _ => {}
+    }
+    let gtid = if s.mariadb {
+        Some(admin::gtid_at(&mut conn, &file, pos).await?.to_string())
+    } else {
+        None
+    };
+    crate::state::mysql::set_position(&mut conn, name, &file, pos, gtid.as_deref()).await?;
+    let _ = conn.disconnect().await;
+    Ok(match gtid {
+        Some(g) if !g.is_empty() => format!("{file}:{pos} (gtid {g})"),
+        _ => format!("{file}:{pos}"),
+    })
+}

@@ -1,0 +1,253 @@
+//! The first-start snapshot on MySQL/MariaDB (CONTRACT §3): rows already in the outbox table
+//! when a relay first starts must not be lost. A REPEATABLE READ session opens
+//! `START TRANSACTION WITH CONSISTENT SNAPSHOT`; on MariaDB the server then reports the exact
+//! binlog coordinates of that snapshot (`binlog_snapshot_file` / `binlog_snapshot_position`
+//! status) and `BINLOG_GTID_POS` gives the GTID state there: the snapshot and the stream meet
+//! without gap or overlap. On MySQL (no such status) the position is read just before the
+//! snapshot opens: an overlap gives duplicates, never a gap.
+//!
+//! The rows are read in that transaction in `created_at, id` order, one at a time from the
+//! server (memory stays bounded), mapped by the same column rules as binlog rows, and sent as
+//! events positioned at the snapshot's coordinates (before every streamed event).
+
+use super::rows::{ColumnInfo, OutboxTable, RowContext};
+use super::{admin, gtid::GtidState, Resume};
+use crate::outbox::my_ident;
+use crate::source::postgres::snapshot::{SnapshotMode, SnapshotPlan};
+use crate::source::Outlet;
+use crate::Error;
+use mysql_async::binlog::value::BinlogValue;
+use mysql_async::consts::ColumnType;
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Row, Value};
+
+/// COLUMN_NAME, DATA_TYPE, CHARACTER_SET_NAME, CHARACTER_OCTET_LENGTH.
+type ColumnRow = (String, String, Option<String>, Option<u64>);
+
+/// The table's columns from `information_schema`, in the form a table map gives them.
+pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<ColumnInfo>, Error> {
+    let rows: Vec<ColumnRow> = conn
+        .exec(
+            "SELECT COLUMN_NAME, DATA_TYPE, CHARACTER_SET_NAME, CHARACTER_OCTET_LENGTH
+               FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+            (&table.database, &table.table),
+        )
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, data_type, charset, octets)| {
+            let dt = data_type.to_ascii_lowercase();
+            let binary_type = matches!(
+                dt.as_str(),
+                "binary" | "varbinary" | "tinyblob" | "blob" | "mediumblob" | "longblob"
+            );
+            use ColumnType::*;
+            let ty = match dt.as_str() {
+                "tinyint" => Some(MYSQL_TYPE_TINY),
+                "smallint" => Some(MYSQL_TYPE_SHORT),
+                "mediumint" => Some(MYSQL_TYPE_INT24),
+                "int" | "integer" => Some(MYSQL_TYPE_LONG),
+                "bigint" => Some(MYSQL_TYPE_LONGLONG),
+                "char" | "binary" => Some(MYSQL_TYPE_STRING),
+                "varchar" | "varbinary" => Some(MYSQL_TYPE_VARCHAR),
+                "tinytext" | "text" | "mediumtext" | "longtext" | "tinyblob" | "blob"
+                | "mediumblob" | "longblob" => Some(MYSQL_TYPE_BLOB),
+                "json" => Some(MYSQL_TYPE_JSON),
+                "datetime" => Some(MYSQL_TYPE_DATETIME2),
+                "timestamp" => Some(MYSQL_TYPE_TIMESTAMP2),
+                _ => None,
+            };
+            ColumnInfo {
+                name,
+                ty,
+                binary: binary_type || charset.as_deref() == Some("binary"),
+                len: octets.unwrap_or(0) as usize,
+            }
+        })
+        .collect())
+}
+
+/// Decides what a first start publishes. `auto` on a table without a status column refuses
+/// (exit 2) when rows exist, saying how many and which options there are.
+pub async fn plan(
+    conn: &mut Conn,
+    table: &OutboxTable,
+    mode: &SnapshotMode,
+) -> Result<SnapshotPlan, Error> {
+    let cols = table_columns(conn, table).await?;
+    let created = table.columns.get("created_at");
+    let created_col = cols.iter().find(|c| c.name.eq_ignore_ascii_case(created));
+    let status = table.columns.get("status");
+    Ok(match mode {
+        SnapshotMode::Never => SnapshotPlan::Nothing,
+        SnapshotMode::All => SnapshotPlan::Rows {
+            filter: String::new(),
+            what: "every row".into(),
+        },
+        SnapshotMode::Since(ts) => {
+            // TIMESTAMP compares in the session zone (UTC while reading); DATETIME holds
+            // wall-clock time in the source zone.
+            let literal =
+                if created_col.and_then(|c| c.ty) == Some(ColumnType::MYSQL_TYPE_TIMESTAMP2) {
+                    ts.naive_utc()
+                } else {
+                    table.tz.from_utc(*ts)
+                };
+            SnapshotPlan::Rows {
+                filter: format!(
+                    "WHERE {} >= '{}'",
+                    my_ident(created),
+                    literal.format("%Y-%m-%d %H:%M:%S%.6f")
+                ),
+                what: format!("rows created since {}", ts.to_rfc3339()),
+            }
+        }
+        SnapshotMode::Auto if cols.iter().any(|c| c.name.eq_ignore_ascii_case(status)) => {
+            SnapshotPlan::Rows {
+                filter: format!("WHERE {} = 'pending'", my_ident(status)),
+                what: "pending rows".into(),
+            }
+        }
+        SnapshotMode::Auto => {
+            let n: Option<i64> = conn
+                .query_first(format!("SELECT COUNT(*) FROM {}", table.quoted()))
+                .await?;
+            let n = n.unwrap_or(0);
+            if n == 0 {
+                SnapshotPlan::Nothing
+            } else {
+                return Err(Error::config(
+                    format!(
+                        "first start: {} already holds {n} row{} and has no status column to tell which were published",
+                        table.quoted(),
+                        if n == 1 { "" } else { "s" }
+                    ),
+                    "choose: --snapshot all (publish them all), --snapshot never (publish none), \
+                     or --snapshot since=<RFC 3339 time> (publish rows created since then)",
+                ));
+            }
+        }
+    })
+}
+
+/// An open consistent snapshot and the binlog position it was taken at.
+pub struct Snapshot {
+    conn: Conn,
+    plan: SnapshotPlan,
+    pub at: Resume,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("plan", &self.plan)
+            .field("at", &self.at)
+            .finish()
+    }
+}
+
+fn text(row: &Row, i: usize) -> String {
+    match row.as_ref(i) {
+        Some(Value::Bytes(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(Value::Int(n)) => n.to_string(),
+        Some(Value::UInt(n)) => n.to_string(),
+        _ => String::new(),
+    }
+}
+
+/// Opens the consistent snapshot on a session of its own and learns its binlog position.
+pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<Snapshot, Error> {
+    conn.query_drop("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .await?;
+    // TIMESTAMP values and comparisons in UTC.
+    conn.query_drop("SET time_zone = '+00:00'").await?;
+    let before = if mariadb {
+        None
+    } else {
+        Some(super::current_position(&mut conn, false).await?)
+    };
+    conn.query_drop("START TRANSACTION WITH CONSISTENT SNAPSHOT")
+        .await?;
+    let at = match before {
+        Some(at) => at,
+        None => {
+            let rows: Vec<Row> = conn.query("SHOW STATUS LIKE 'binlog_snapshot_%'").await?;
+            let get = |name: &str| {
+                rows.iter()
+                    .find(|r| text(r, 0).eq_ignore_ascii_case(name))
+                    .map(|r| text(r, 1))
+            };
+            let (Some(file), Some(pos)) =
+                (get("binlog_snapshot_file"), get("binlog_snapshot_position"))
+            else {
+                return Err(Error::Other(
+                    "the server reports no binlog_snapshot_file/position for the consistent snapshot".into(),
+                ));
+            };
+            let pos: u64 = pos
+                .parse()
+                .map_err(|_| Error::Decode(format!("binlog_snapshot_position {pos:?}")))?;
+            let gtid: GtidState = admin::gtid_at(&mut conn, &file, pos).await?;
+            Resume {
+                file,
+                pos,
+                gtid: Some(gtid),
+                by_position: false,
+            }
+        }
+    };
+    tracing::info!(position = %at.checkpoint(), "first start: consistent snapshot opened");
+    Ok(Snapshot { conn, plan, at })
+}
+
+impl Snapshot {
+    /// Reads the planned rows and sends them as events at the snapshot's position; closes the
+    /// snapshot. Returns how many rows were sent.
+    pub async fn publish(mut self, table: &OutboxTable, outlet: &Outlet) -> Result<u64, Error> {
+        let SnapshotPlan::Rows { filter, what } = &self.plan else {
+            let _ = self.conn.query_drop("COMMIT").await;
+            return Ok(0);
+        };
+        let infos = table_columns(&mut self.conn, table).await?;
+        let mapping = table.map_columns(&infos)?;
+        let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
+        let sql = format!(
+            "SELECT {} FROM {} {filter} ORDER BY {}, {}",
+            select.join(", "),
+            table.quoted(),
+            my_ident(table.columns.get("created_at")),
+            my_ident(table.columns.get("id"))
+        );
+        tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows");
+        let mut n: u64 = 0;
+        {
+            // A prepared statement: values in the binary protocol (integers as integers,
+            // dates as dates, bytes as bytes), read from the server one row at a time.
+            let mut result = self.conn.exec_iter(sql, ()).await?;
+            while let Some(row) = result.next().await? {
+                let values: Vec<BinlogValue<'static>> =
+                    row.unwrap().into_iter().map(BinlogValue::Value).collect();
+                let mut event = mapping.event_from(
+                    |i| values.get(i),
+                    RowContext {
+                        file: &self.at.file,
+                        index: u32::try_from(n).unwrap_or(u32::MAX),
+                        gtid: None,
+                        committed_at: None,
+                    },
+                    table.tz,
+                );
+                if let crate::event::SourcePosition::Binlog { end_pos, .. } = &mut event.position {
+                    *end_pos = self.at.pos;
+                }
+                outlet.send_event(event).await?;
+                n += 1;
+            }
+        }
+        self.conn.query_drop("COMMIT").await?;
+        let _ = self.conn.disconnect().await;
+        tracing::info!(rows = n, "first start: existing rows handed to the sink");
+        Ok(n)
+    }
+}

@@ -1,0 +1,426 @@
+//! `outboxd_state` in a MySQL/MariaDB source database: the same columns and rules as the
+//! Postgres one (lease with holder, epoch and expiry; a position that never moves backwards and
+//! is written only by the lease holder of the current epoch). The position is the binlog file
+//! and end position of the last transaction whose events are all durable, plus the server's
+//! full GTID state there (MariaDB: every domain).
+//!
+//! Every write here is itself a binlog transaction that the relay reads back. The source never
+//! turns a transaction that only wrote this table into a checkpoint, so a stored position is
+//! always one another transaction moved, and storing it causes no further write.
+
+use super::{holder_is_dead_locally, Lease, StateStore, LEASE_TTL};
+use crate::dsn::DbDsn;
+use crate::event::{binlog_file_seq, Checkpoint};
+use crate::Error;
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, TxOpts};
+
+pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
+    name              VARCHAR(64)  NOT NULL PRIMARY KEY,
+    source            VARCHAR(16)  NOT NULL,
+    slot              VARCHAR(128) NULL,
+    publication       VARCHAR(128) NULL,
+    epoch             BIGINT       NOT NULL DEFAULT 0,
+    lease_holder      VARCHAR(255) NULL,
+    lease_renewed_at  DATETIME(6)  NULL,
+    lease_expires_at  DATETIME(6)  NULL,
+    position          TEXT         NULL,
+    position_lsn      VARCHAR(32)  NULL,
+    binlog_file       VARCHAR(255) NULL,
+    binlog_pos        BIGINT UNSIGNED NULL,
+    gtid_state        TEXT         NULL,
+    commit_gap_ms     BIGINT       NULL,
+    initialized_at    DATETIME(6)  NULL,
+    created_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    updated_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+) ENGINE=InnoDB";
+
+/// What the state row says about a relay name. Times are UTC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateRow {
+    pub name: String,
+    pub source: String,
+    pub epoch: i64,
+    pub lease_holder: Option<String>,
+    pub lease_live: bool,
+    pub position: Option<Checkpoint>,
+    pub initialized: bool,
+}
+
+pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
+    conn.query_drop(DDL).await?;
+    Ok(())
+}
+
+pub async fn table_exists(conn: &mut Conn) -> Result<bool, Error> {
+    let n: Option<i64> = conn
+        .query_first(
+            "SELECT COUNT(*) FROM information_schema.TABLES
+              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outboxd_state'",
+        )
+        .await?;
+    Ok(n.unwrap_or(0) > 0)
+}
+
+type Raw = (
+    String,
+    String,
+    i64,
+    Option<String>,
+    i64,
+    Option<String>,
+    Option<u64>,
+    Option<String>,
+    i64,
+);
+
+fn checkpoint(file: Option<String>, pos: Option<u64>, gtid: Option<String>) -> Option<Checkpoint> {
+    Some(Checkpoint::Binlog {
+        file: file?,
+        pos: pos?,
+        gtid_state: gtid.filter(|g| !g.is_empty()),
+    })
+}
+
+const SELECT_ROW: &str = "SELECT name, source, epoch, lease_holder,
+        COALESCE(lease_expires_at > UTC_TIMESTAMP(6), 0), binlog_file, binlog_pos, gtid_state,
+        initialized_at IS NOT NULL
+   FROM outboxd_state WHERE name = ?";
+
+fn to_row(r: Raw) -> StateRow {
+    StateRow {
+        name: r.0,
+        source: r.1,
+        epoch: r.2,
+        lease_holder: r.3,
+        lease_live: r.4 != 0,
+        position: checkpoint(r.5, r.6, r.7),
+        initialized: r.8 != 0,
+    }
+}
+
+pub async fn load(conn: &mut Conn, name: &str) -> Result<Option<StateRow>, Error> {
+    if !table_exists(conn).await? {
+        return Ok(None);
+    }
+    let r: Option<Raw> = conn.exec_first(SELECT_ROW, (name,)).await?;
+    Ok(r.map(to_row))
+}
+
+/// Takes the lease for `name`, creating the state row on first use. Refused while another
+/// live process holds it. Returns the lease and the stored position (on a later start).
+pub async fn acquire(
+    conn: &mut Conn,
+    name: &str,
+    holder: &str,
+) -> Result<(Lease, Option<Checkpoint>), Error> {
+    ensure_table(conn).await?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
+        (name,),
+    )
+    .await?;
+    let row: Raw = tx
+        .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
+        .await?
+        .ok_or_else(|| Error::Other(format!("state row of {name:?} vanished")))?;
+    let row = to_row(row);
+    if row.source != "mysql" {
+        return Err(Error::config(
+            format!(
+                "relay name {name:?} belongs to a {} source in this database",
+                row.source
+            ),
+            "choose another --name",
+        ));
+    }
+    if let Some(h) = row.lease_holder.as_deref() {
+        if row.lease_live && h != holder && !holder_is_dead_locally(h) {
+            return Err(Error::LeaseHeld(format!(
+                "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
+                 stop that relay, or run this one with another --name)",
+                LEASE_TTL.as_secs()
+            )));
+        }
+        if h != holder {
+            tracing::info!(
+                name,
+                previous_holder = h,
+                live = row.lease_live,
+                "taking over the lease"
+            );
+        }
+    }
+    tx.exec_drop(
+        "UPDATE outboxd_state SET epoch = epoch + 1, lease_holder = ?,
+                lease_renewed_at = UTC_TIMESTAMP(6),
+                lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL ? SECOND,
+                updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ?",
+        (holder, LEASE_TTL.as_secs(), name),
+    )
+    .await?;
+    let epoch: i64 = tx
+        .exec_first("SELECT epoch FROM outboxd_state WHERE name = ?", (name,))
+        .await?
+        .unwrap_or(0);
+    tx.commit().await?;
+    Ok((
+        Lease {
+            name: name.to_string(),
+            holder: holder.to_string(),
+            epoch,
+            first_start: !row.initialized,
+            replay_since: None,
+        },
+        if row.initialized { row.position } else { None },
+    ))
+}
+
+fn lost(lease: &Lease) -> Error {
+    Error::Leadership(format!(
+        "lease of relay {:?} lost: another relay took epoch {} over",
+        lease.name, lease.epoch
+    ))
+}
+
+fn parts(cp: &Checkpoint) -> Result<(String, u64, Option<String>), Error> {
+    match cp {
+        Checkpoint::Binlog {
+            file,
+            pos,
+            gtid_state,
+        } => Ok((file.clone(), *pos, gtid_state.clone())),
+        other => Err(Error::Other(format!(
+            "a {other} position cannot be stored for a binlog source"
+        ))),
+    }
+}
+
+/// Marks the first start as done: its snapshot (if any) is durable and a position is stored.
+pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
+    conn.exec_drop(
+        "UPDATE outboxd_state SET initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)),
+                updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (&lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    if conn.affected_rows() == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+/// Renews the lease and, when given, stores a newer position, in one transaction (one binlog
+/// transaction). A position older than the stored one is ignored by the statement itself, so
+/// the row never moves backwards. Needs a session with found-rows semantics
+/// ([`crate::source::mysql::connect_state`]).
+pub async fn renew(
+    conn: &mut Conn,
+    lease: &Lease,
+    position: Option<&Checkpoint>,
+) -> Result<(), Error> {
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "UPDATE outboxd_state SET lease_renewed_at = UTC_TIMESTAMP(6),
+                lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL ? SECOND,
+                updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (LEASE_TTL.as_secs(), &lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    if tx.affected_rows() == 0 {
+        tx.rollback().await?;
+        return Err(lost(lease));
+    }
+    if let Some(cp) = position {
+        let (file, pos, gtid) = parts(cp)?;
+        let seq = binlog_file_seq(&file);
+        tx.exec_drop(
+            "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?
+              WHERE name = ? AND epoch = ? AND lease_holder = ?
+                AND (binlog_file IS NULL
+                     OR CAST(SUBSTRING_INDEX(binlog_file, '.', -1) AS UNSIGNED) < ?
+                     OR (CAST(SUBSTRING_INDEX(binlog_file, '.', -1) AS UNSIGNED) = ? AND binlog_pos < ?))",
+            (
+                &file,
+                pos,
+                &gtid,
+                format!("{file}:{pos}"),
+                &lease.name,
+                lease.epoch,
+                &lease.holder,
+                seq,
+                seq,
+                pos,
+            ),
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Moves the stored position by hand (`offset set`), backwards or forwards; refused while a
+/// live relay holds the lease. The first start counts as done: the next start resumes there.
+pub async fn set_position(
+    conn: &mut Conn,
+    name: &str,
+    file: &str,
+    pos: u64,
+    gtid: Option<&str>,
+) -> Result<(), Error> {
+    ensure_table(conn).await?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
+        (name,),
+    )
+    .await?;
+    let row: Raw = tx
+        .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
+        .await?
+        .ok_or_else(|| Error::Other(format!("state row of {name:?} vanished")))?;
+    let row = to_row(row);
+    if row.source != "mysql" {
+        return Err(Error::config(
+            format!(
+                "relay name {name:?} belongs to a {} source in this database",
+                row.source
+            ),
+            "choose another --name",
+        ));
+    }
+    if let Some(h) = row.lease_holder.as_deref() {
+        if row.lease_live && !holder_is_dead_locally(h) {
+            return Err(Error::config(
+                format!("relay {name:?} is running (lease held by {h})"),
+                "stop it first",
+            ));
+        }
+    }
+    tx.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,
+                initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)), updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ?",
+        (file, pos, gtid, format!("{file}:{pos}"), name),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
+pub async fn release(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
+    conn.exec_drop(
+        "UPDATE outboxd_state SET lease_holder = NULL, lease_expires_at = NULL, updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (&lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Deletes the state of `name` (teardown).
+pub async fn delete(conn: &mut Conn, name: &str) -> Result<u64, Error> {
+    if !table_exists(conn).await? {
+        return Ok(0);
+    }
+    conn.exec_drop("DELETE FROM outboxd_state WHERE name = ?", (name,))
+        .await?;
+    Ok(conn.affected_rows())
+}
+
+/// The lease keeper's view of a MySQL state table: one session, reconnected on demand.
+pub struct MyStateStore {
+    dsn: DbDsn,
+    conn: Option<Conn>,
+}
+
+impl MyStateStore {
+    pub fn new(dsn: DbDsn) -> Self {
+        MyStateStore { dsn, conn: None }
+    }
+
+    /// The session, taken out of the store for one call: a call that fails, or that is
+    /// cancelled half-way (the keeper times renewals out), drops it with whatever state it was
+    /// left in, and the next call starts on a fresh one.
+    async fn take_conn(&mut self) -> Result<Conn, Error> {
+        match self.conn.take() {
+            Some(c) => Ok(c),
+            None => crate::source::mysql::connect_state(&self.dsn).await,
+        }
+    }
+
+    fn put_back<T>(&mut self, conn: Conn, r: &Result<T, Error>) {
+        if matches!(r, Ok(_) | Err(Error::Leadership(_))) {
+            self.conn = Some(conn);
+        }
+    }
+}
+
+/// A call that takes longer than this failed (a stalled connection must not hold the keeper).
+const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
+fn no_answer() -> Error {
+    Error::source(
+        format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
+        true,
+    )
+}
+
+impl StateStore for MyStateStore {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        _commit: &super::DurableCommit,
+    ) -> Result<(), Error> {
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = renew(&mut conn, lease, position).await;
+            self.put_back(conn, &r);
+            r
+        })
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = mark_initialized(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
+        })
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = release(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
+        })
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_migration_file_is_the_ddl() {
+        let file = include_str!("../../migrations/mysql/002_outboxd_state.sql");
+        let ddl: String = file
+            .lines()
+            .filter(|l| !l.starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert_eq!(ddl.trim().trim_end_matches(';'), super::DDL);
+    }
+}

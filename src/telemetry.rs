@@ -1,0 +1,284 @@
+//! Metrics and health. One process-wide set of instruments (a relay runs one pipeline), each
+//! small event on the data path both counts here and logs where it happens. Served on
+//! `--metrics-addr` with `/metrics` (OpenMetrics text, which Prometheus scrapes), `/healthz`
+//! (the process serves) and `/readyz` (source streaming, sink connected and not blocked; 503
+//! with the reason otherwise).
+
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Cause {
+    pub cause: String,
+}
+
+/// Every instrument the relay keeps.
+pub struct Telemetry {
+    registry: Registry,
+    pub events_read: Counter,
+    pub events_published: Counter,
+    pub events_confirmed: Counter,
+    pub events_dead_lettered: Counter,
+    pub events_republished: Counter,
+    pub reconnects: Family<Cause, Counter>,
+    pub publish_confirm_seconds: Histogram,
+    pub commit_confirm_seconds: Histogram,
+    pub source_lag_bytes: Gauge,
+    pub source_lag_seconds: Gauge<f64, AtomicU64>,
+    pub slot_retained_wal_bytes: Gauge,
+    pub leader: Gauge,
+    pub source_streaming: Gauge,
+    pub sink_connected: Gauge,
+    pub sink_blocked: Gauge,
+    /// Unix time (s) of the last stored position; the age is computed at scrape time.
+    position_stored_at: AtomicI64,
+    position_age_seconds: Gauge<f64, AtomicU64>,
+    /// Set once a pipeline runs; `/readyz` says "starting" before.
+    started: AtomicBool,
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Telemetry {
+    fn new() -> Telemetry {
+        let mut registry = Registry::with_prefix("outboxd");
+        let t = Telemetry {
+            events_read: Counter::default(),
+            events_published: Counter::default(),
+            events_confirmed: Counter::default(),
+            events_dead_lettered: Counter::default(),
+            events_republished: Counter::default(),
+            reconnects: Family::default(),
+            // 100 µs … ~27 min
+            publish_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
+            commit_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
+            source_lag_bytes: Gauge::default(),
+            source_lag_seconds: Gauge::default(),
+            slot_retained_wal_bytes: Gauge::default(),
+            leader: Gauge::default(),
+            source_streaming: Gauge::default(),
+            sink_connected: Gauge::default(),
+            sink_blocked: Gauge::default(),
+            position_stored_at: AtomicI64::new(0),
+            position_age_seconds: Gauge::default(),
+            started: AtomicBool::new(false),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "events_read",
+            "Outbox rows decoded from the source",
+            t.events_read.clone(),
+        );
+        registry.register(
+            "events_published",
+            "Events handed to the sink (first attempts)",
+            t.events_published.clone(),
+        );
+        registry.register(
+            "events_confirmed",
+            "Events the sink made durable",
+            t.events_confirmed.clone(),
+        );
+        registry.register(
+            "events_dead_lettered",
+            "Poison events sent to <exchange>.dead",
+            t.events_dead_lettered.clone(),
+        );
+        registry.register(
+            "events_republished",
+            "Unconfirmed events published again after a sink failure",
+            t.events_republished.clone(),
+        );
+        registry.register(
+            "reconnects",
+            "Reconnects by cause (source, sink)",
+            t.reconnects.clone(),
+        );
+        registry.register(
+            "publish_confirm_seconds",
+            "From handing an event to the sink to its confirmation",
+            t.publish_confirm_seconds.clone(),
+        );
+        registry.register(
+            "commit_confirm_seconds",
+            "From the source transaction's commit to the event's confirmation",
+            t.commit_confirm_seconds.clone(),
+        );
+        registry.register(
+            "source_lag_bytes",
+            "Log bytes between the server's position and the acknowledged one",
+            t.source_lag_bytes.clone(),
+        );
+        registry.register(
+            "source_lag_seconds",
+            "Age of the newest confirmed event's commit when it was confirmed",
+            t.source_lag_seconds.clone(),
+        );
+        registry.register(
+            "slot_retained_wal_bytes",
+            "WAL the replication slot keeps on the server",
+            t.slot_retained_wal_bytes.clone(),
+        );
+        registry.register(
+            "position_age_seconds",
+            "Time since the position was last stored",
+            t.position_age_seconds.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this process holds the lease",
+            t.leader.clone(),
+        );
+        registry.register(
+            "source_streaming",
+            "1 while the source stream is open",
+            t.source_streaming.clone(),
+        );
+        registry.register(
+            "sink_connected",
+            "1 while the sink is connected",
+            t.sink_connected.clone(),
+        );
+        registry.register(
+            "sink_blocked",
+            "1 while the broker blocks publishing (resource alarm)",
+            t.sink_blocked.clone(),
+        );
+        Telemetry { registry, ..t }
+    }
+
+    /// The position was stored just now.
+    pub fn position_stored(&self) {
+        self.position_stored_at
+            .store(now_unix() as i64, Ordering::Relaxed);
+    }
+
+    pub fn reconnect(&self, cause: &str) {
+        self.reconnects
+            .get_or_create(&Cause {
+                cause: cause.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn mark_started(&self) {
+        self.started.store(true, Ordering::Relaxed);
+    }
+
+    /// The text `/metrics` serves.
+    pub fn render(&self) -> String {
+        let stored = self.position_stored_at.load(Ordering::Relaxed);
+        if stored > 0 {
+            self.position_age_seconds.set(now_unix() - stored as f64);
+        }
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// `None` when ready, else why not.
+    pub fn not_ready(&self) -> Option<&'static str> {
+        if !self.started.load(Ordering::Relaxed) {
+            return Some("starting");
+        }
+        if self.source_streaming.get() == 0 {
+            return Some("source not streaming");
+        }
+        if self.sink_connected.get() == 0 {
+            return Some("sink not connected");
+        }
+        if self.sink_blocked.get() != 0 {
+            return Some("sink blocked by the broker (resource alarm)");
+        }
+        None
+    }
+}
+
+/// The process's instruments.
+pub fn get() -> &'static Telemetry {
+    static T: OnceLock<Telemetry> = OnceLock::new();
+    T.get_or_init(Telemetry::new)
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until the process ends. A tiny HTTP/1.1
+/// responder: one GET per connection, bounded request size, no keep-alive.
+pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        crate::Error::config(
+            format!("--metrics-addr {addr}: {e}"),
+            "use a free HOST:PORT, e.g. --metrics-addr 127.0.0.1:9187",
+        )
+    })?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| crate::Error::Other(e.to_string()))?;
+    tracing::info!(addr = %local, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut n = 0;
+                // Read until the end of the request head (or the buffer is full).
+                while n < buf.len() {
+                    match tokio::time::timeout(
+                        std::time::Duration::from_secs(5),
+                        sock.read(&mut buf[n..]),
+                    )
+                    .await
+                    {
+                        Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                        Ok(Ok(k)) => {
+                            n += k;
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]);
+                let path = head.split_whitespace().nth(1).unwrap_or("/");
+                let t = get();
+                let (status, ctype, body) = match path {
+                    "/metrics" => (
+                        "200 OK",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        t.render(),
+                    ),
+                    "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
+                    "/readyz" => match t.not_ready() {
+                        None => ("200 OK", "text/plain", "ready\n".to_string()),
+                        Some(why) => (
+                            "503 Service Unavailable",
+                            "text/plain",
+                            format!("not ready: {why}\n"),
+                        ),
+                    },
+                    _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
+                };
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = sock.write_all(resp.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    Ok(local)
+}
