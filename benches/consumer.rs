@@ -348,7 +348,7 @@ async fn main() {
             .unwrap();
         let mut c = my(Some(&db)).await;
         c.query_drop(include_str!(
-            "../migrations/mysql/002_processed_messages.sql"
+            "../migrations/mysql/003_processed_messages.sql"
         ))
         .await
         .unwrap();

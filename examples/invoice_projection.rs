@@ -204,7 +204,7 @@ async fn setup(db: &Database) -> Result<(), ConsumerError> {
             use mysql_async::prelude::Queryable;
             let mut c = outboxd::consumer::mysql::connect(dsn).await?;
             c.query_drop(include_str!(
-                "../migrations/mysql/002_processed_messages.sql"
+                "../migrations/mysql/003_processed_messages.sql"
             ))
             .await?;
             c.query_drop(MY_PROJECTION).await?;

@@ -7,11 +7,10 @@
 //! 1062 fails the claim, and 0 rows count as a duplicate only when warning 1062 says so.
 
 use super::{Claim, ConsumerError, Inbox, Message};
-use crate::dsn::{DbDsn, TlsMode};
+use crate::dsn::DbDsn;
 use mysql_async::prelude::Queryable;
-use mysql_async::{Conn, IsolationLevel, OptsBuilder, SslOpts, Transaction, TxOpts};
+use mysql_async::{Conn, IsolationLevel, Transaction, TxOpts};
 use std::future::Future;
-use std::time::Duration;
 use uuid::Uuid;
 
 /// MySQL's "duplicate entry" error, which `INSERT IGNORE` reports as a warning.
@@ -29,7 +28,7 @@ pub fn classify(e: mysql_async::Error) -> ConsumerError {
                 1205 | 1213 | 1020 => ConsumerError::Conflict(message),
                 1146 => ConsumerError::config(
                     message,
-                    "create the inbox tables: mysql < migrations/mysql/002_processed_messages.sql",
+                    "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql",
                 ),
                 // Too many connections, shutdown in progress, connection killed, query
                 // interrupted, disconnected for inactivity, read-only (a failover).
@@ -75,10 +74,10 @@ pub fn classify(e: mysql_async::Error) -> ConsumerError {
 
 /// Quotes `db`.`table` (or `table`, the session's database).
 pub(crate) fn quoted(t: &crate::outbox::TableName) -> String {
-    let q = |s: &str| format!("`{}`", s.replace('`', "``"));
+    use crate::outbox::my_ident;
     match &t.schema {
-        Some(db) => format!("{}.{}", q(db), q(&t.name)),
-        None => q(&t.name),
+        Some(db) => format!("{}.{}", my_ident(db), my_ident(&t.name)),
+        None => my_ident(&t.name),
     }
 }
 
@@ -106,7 +105,7 @@ async fn insert_ignore(
         if let Some((code, text)) = list.iter().find(|(c, _)| *c != ER_DUP_ENTRY) {
             return Err(ConsumerError::config(
                 format!("INSERT IGNORE into {what} reported warning {code}: {text} (IGNORE turned an error into a warning; the claim is not trusted)"),
-                "check the consumer name (at most 100 bytes) and that the table matches migrations/mysql/002_processed_messages.sql",
+                "check the consumer name (at most 100 bytes) and that the table matches migrations/mysql/003_processed_messages.sql",
             ));
         }
     }
@@ -115,7 +114,7 @@ async fn insert_ignore(
         (0, true) => Ok(false),
         _ => Err(ConsumerError::config(
             format!("INSERT IGNORE into {what} affected {affected} rows without a duplicate-key warning: cannot tell a repeat from a failure"),
-            "make sure warnings are reported (max_error_count > 0) and the table's primary key is (consumer, …) as in migrations/mysql/002_processed_messages.sql",
+            "make sure warnings are reported (max_error_count > 0) and the table's primary key is (consumer, …) as in migrations/mysql/003_processed_messages.sql",
         )),
     }
 }
@@ -216,89 +215,9 @@ pub trait MyHandler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), ConsumerError>> + Send;
 }
 
-/// TLS options from the DSN (`ssl-mode`, `ssl-ca`, `ssl-cert`, `ssl-key`), as the relay reads
-/// them: `prefer`/`require` encrypt without verifying, `verify-ca` checks the chain,
-/// `verify-full` also the host name.
-fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, ConsumerError> {
-    use mysql_async::ClientIdentity;
-    use std::path::PathBuf;
-    let tls = &dsn.tls;
-    if tls.mode == TlsMode::Disable {
-        return Ok(None);
-    }
-    // mysql_async's rustls uses the process-wide provider: the same ring one as the rest.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut opts = SslOpts::default();
-    if let Some(ca) = &tls.ca_file {
-        opts = opts
-            .with_root_certs(vec![PathBuf::from(ca).into()])
-            .with_disable_built_in_roots(true);
-    }
-    opts = match tls.mode {
-        TlsMode::Prefer | TlsMode::Require => opts.with_danger_accept_invalid_certs(true),
-        TlsMode::VerifyCa => opts.with_danger_skip_domain_validation(true),
-        _ => opts,
-    };
-    match (&tls.cert_file, &tls.key_file) {
-        (Some(c), Some(k)) => {
-            opts = opts.with_client_identity(Some(ClientIdentity::new(
-                PathBuf::from(c).into(),
-                PathBuf::from(k).into(),
-            )))
-        }
-        (None, None) => {}
-        _ => {
-            return Err(ConsumerError::config(
-                "a client certificate needs both ssl-cert and ssl-key",
-                "add both to the DSN, or neither",
-            ))
-        }
-    }
-    Ok(Some(opts))
-}
-
-fn opts(dsn: &DbDsn, ssl: Option<SslOpts>) -> OptsBuilder {
-    OptsBuilder::default()
-        .ip_or_hostname(dsn.host.clone())
-        .tcp_port(dsn.port)
-        .user(Some(dsn.user.clone()))
-        .pass(dsn.password.clone())
-        .db_name((!dsn.database.is_empty()).then(|| dsn.database.clone()))
-        // Never switch to the server's Unix socket behind our back.
-        .prefer_socket(false)
-        .tcp_keepalive(Some(Duration::from_secs(30)))
-        .tcp_nodelay(true)
-        .ssl_opts(ssl)
-}
-
-/// Connects a session (TLS per the DSN; `prefer` falls back to plain when the server offers
-/// no TLS), bounded by 10 s.
+/// Connects a session the way the relay does (TLS per the DSN's `ssl-mode`, bounded).
 pub async fn connect(dsn: &DbDsn) -> Result<Conn, ConsumerError> {
-    const TIMEOUT: Duration = Duration::from_secs(10);
-    // `None`: no answer within the timeout.
-    let attempt = |ssl: Option<SslOpts>| async move {
-        match tokio::time::timeout(TIMEOUT, Conn::new(opts(dsn, ssl))).await {
-            Ok(r) => r.map_err(Some),
-            Err(_) => Err(None),
-        }
-    };
-    let failed = |e: Option<mysql_async::Error>| match e {
-        Some(e) => classify(e),
-        None => ConsumerError::Database {
-            message: format!(
-                "MySQL {}:{}: no connection within {TIMEOUT:?}",
-                dsn.host, dsn.port
-            ),
-            retryable: true,
-        },
-    };
-    match attempt(ssl_opts(dsn)?).await {
-        Ok(c) => Ok(c),
-        Err(Some(mysql_async::Error::Driver(
-            mysql_async::DriverError::NoClientSslFlagFromServer,
-        ))) if dsn.tls.mode == TlsMode::Prefer => attempt(None).await.map_err(failed),
-        Err(e) => Err(failed(e)),
-    }
+    Ok(crate::source::mysql::connect_sql(dsn).await?)
 }
 
 /// One connection and one transaction per message on MySQL/MariaDB (see
@@ -447,7 +366,7 @@ mod tests {
 
     #[test]
     fn migration_matches_the_inbox_statements() {
-        let ddl = include_str!("../../migrations/mysql/002_processed_messages.sql");
+        let ddl = include_str!("../../migrations/mysql/003_processed_messages.sql");
         for needle in [
             "PRIMARY KEY (consumer, message_id)",
             "message_id    BINARY(16)",

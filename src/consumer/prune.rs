@@ -434,7 +434,7 @@ pub async fn prune_mysql(
     if !opts.dry_run {
         check_window(kind, opts.older_than, opts.force)?;
     }
-    let q = |s: &str| format!("`{}`", s.replace('`', "``"));
+    let q = crate::outbox::my_ident;
     let time_name = time_column(kind, opts).to_string();
     let time = q(&time_name);
     let mut cond = format!("{time} < ?");

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-pub const MY_DDL: &str = include_str!("../../migrations/mysql/002_processed_messages.sql");
+pub const MY_DDL: &str = include_str!("../../migrations/mysql/003_processed_messages.sql");
 pub const PG_DDL: &str = include_str!("../../migrations/postgres/003_processed_messages.sql");
 
 fn my_opts(db: Option<&str>) -> mysql_async::OptsBuilder {
