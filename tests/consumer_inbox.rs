@@ -506,7 +506,10 @@ async fn mysql_deadlocks_are_typed_retryable_and_ignore_swallows_nothing() {
         .claim_mysql(&mut tx, Uuid::now_v7())
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("mysql/003_processed_messages.sql"), "{e}");
+    assert!(
+        e.to_string().contains("mysql/003_processed_messages.sql"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
