@@ -18,24 +18,9 @@ use uuid::Uuid;
 pub const MY_DDL: &str = include_str!("../../migrations/mysql/003_processed_messages.sql");
 pub const PG_DDL: &str = include_str!("../../migrations/postgres/003_processed_messages.sql");
 
-fn my_opts(db: Option<&str>) -> mysql_async::OptsBuilder {
-    mysql_async::OptsBuilder::default()
-        .ip_or_hostname("127.0.0.1")
-        .tcp_port(3306)
-        .user(Some("root"))
-        .db_name(db)
-        .prefer_socket(false)
-}
-
-/// A session as root on the local MariaDB.
+/// A session as root on the local MariaDB (the shared harness's).
 pub async fn my_conn(db: Option<&str>) -> mysql_async::Conn {
-    match tokio::time::timeout(Duration::from_secs(20), mysql_async::Conn::new(my_opts(db))).await
-    {
-        Ok(Ok(c)) => c,
-        other => panic!(
-            "MariaDB is not reachable at 127.0.0.1:3306 as root: {other:?}. Start and configure it with `sudo scripts/services.sh`"
-        ),
-    }
+    crate::common::my_connect(db).await
 }
 
 /// A fresh MariaDB database holding the inbox tables; dropped at the end of the test.
@@ -92,11 +77,7 @@ impl Drop for MariaDb {
                 .unwrap();
             rt.block_on(async move {
                 use mysql_async::prelude::Queryable;
-                let Ok(Ok(mut c)) = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    mysql_async::Conn::new(my_opts(None)),
-                )
-                .await
+                let Ok(mut c) = tokio::time::timeout(Duration::from_secs(10), my_conn(None)).await
                 else {
                     return;
                 };
