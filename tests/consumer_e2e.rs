@@ -588,6 +588,107 @@ async fn poison_messages_are_parked_skipped_or_halt_in_order() {
     }
 }
 
+/// `--exchange X --bind P --single-active`: the consumer declares its queue (durable, single
+/// active consumer) and binds it to the relay's exchange; events published there arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_declares_and_binds_its_own_queue() {
+    let db = PgDb::create("declare").await;
+    setup_projection(&db.dsn()).await;
+    let conn = amqp::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let exchange = unique("xq");
+    // The relay declares its exchange; here the test stands in for it.
+    ch.exchange_declare(
+        exchange.clone().into(),
+        lapin::ExchangeKind::Topic,
+        lapin::options::ExchangeDeclareOptions {
+            durable: true,
+            auto_delete: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let queue = format!("{exchange}.invoices");
+    let _cleanup = OwnQueue {
+        name: queue.clone(),
+    };
+    let args = [
+        "--exchange",
+        exchange.as_str(),
+        "--bind",
+        "invoice.#",
+        "--single-active",
+    ];
+    // No exchange of that name: the fix says to start the relay first.
+    let mut p = start_consumer(
+        &db.dsn(),
+        &queue,
+        "declared",
+        &["--exchange", "nope_no_such_exchange", "--bind", "invoice.#"],
+    );
+    assert_eq!(p.wait_exit(T).await, 2, "{}", p.stderr());
+    assert!(
+        p.stderr().contains("start the relay first"),
+        "{}",
+        p.stderr()
+    );
+
+    let mut consumer = start_consumer(&db.dsn(), &queue, "declared", &args);
+    wait_for("the queue to be declared and consumed", T, || async {
+        // A channel per probe: a failed passive declaration closes its channel.
+        let probe = conn.create_channel().await.unwrap();
+        probe
+            .queue_declare(
+                queue.clone().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok_and(|q| q.consumer_count() == 1)
+    })
+    .await;
+    let publisher = publisher().await;
+    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(
+            &publisher,
+            &exchange,
+            "invoice.issued",
+            invoice_props(*id, "invoice.issued", "cust-d", None),
+            &invoice_body(i as i64, "cust-d", 10),
+        )
+        .await;
+    }
+    let client = db.client().await;
+    wait_for("20 events applied", T, || async {
+        pg_count(&client, "SELECT count(*) FROM invoice_ledger").await == 20
+    })
+    .await;
+    stop(&mut consumer, T).await;
+    // Declared single-active-consumer: declaring it without the argument is refused.
+    let plain = conn.create_channel().await.unwrap();
+    let mismatch = plain
+        .queue_declare(
+            queue.clone().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    assert!(mismatch.is_err(), "the queue has x-single-active-consumer");
+    assert_eq!(
+        pg_totals(&client).await,
+        BTreeMap::from([("cust-d".to_string(), (20, 200))])
+    );
+}
+
 /// A queue that is not there, and a database without the inbox tables: the consumer stops
 /// with exit 2 and the fix, and the message stays in the queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
