@@ -850,6 +850,176 @@ async fn cut_broker_and_database_connections_change_nothing() {
     assert_exactly_once_pg(&client, &events).await;
 }
 
+/// The same through the MariaDB relay: binlog → RabbitMQ → the example on MariaDB, with the
+/// relay SIGKILLed mid-stream, the consumer aborted between commit and ack, and copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_relay_and_consumer_apply_every_event_exactly_once() {
+    let db = MyDb::create("my_e2e").await;
+    setup_projection(&db.dsn()).await;
+    let mut topo = Topology::new("xm").await;
+    let name = unique("r");
+    let exchange = topo.exchange.clone();
+    let relay_args = |dsn: &str| -> Vec<String> {
+        [
+            "run",
+            "--source",
+            dsn,
+            "--name",
+            &name,
+            "--exchange",
+            &exchange,
+            "--log-level",
+            "info,lapin=warn",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let dsn = db.dsn();
+    let start_relay = || {
+        let args = relay_args(&dsn);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::start(
+            std::path::Path::new(env!("CARGO_BIN_EXE_outboxd")),
+            &args,
+            &[("OUTBOXD_SINK", &amqp::url())],
+        )
+    };
+    let mut relay = start_relay();
+    wait_for("the binlog dump", T, || db.streaming()).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("invoices", "invoice.#").await;
+    let mut first = start_consumer(
+        &dsn,
+        &queue,
+        "projection",
+        &["--prefetch", "50", "--crash-after-commits", "700"],
+    );
+
+    let writer_db = db.name.clone();
+    let writer = tokio::spawn(async move {
+        let mut c = my_connect(Some(&writer_db)).await;
+        let outbox = outboxd::Outbox::new("outbox").unwrap();
+        let mut out = Vec::new();
+        for t in 0..30 {
+            let mut tx = c
+                .start_transaction(mysql_async::TxOpts::default())
+                .await
+                .unwrap();
+            for k in 0..100 {
+                let i = t * 100 + k;
+                let (customer, topic, invoices, cents, body) = invoice_event(i);
+                // The contract's MySQL outbox keys aggregates by BIGINT.
+                let id = outbox
+                    .write_mysql(&mut tx, topic, &(i % 37).to_string(), &body)
+                    .await
+                    .unwrap();
+                out.push(Written {
+                    id,
+                    customer,
+                    topic,
+                    invoices,
+                    cents,
+                    body: body.to_string(),
+                });
+            }
+            tx.commit().await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        out
+    });
+    let my = MariaDbRef(&db.name);
+    wait_for("1,000 rows written", T, || async {
+        my.count("SELECT COUNT(*) FROM outbox").await >= 1000
+    })
+    .await;
+    relay.sigkill();
+    let mut relay = start_relay();
+
+    assert_ne!(first.wait_exit(T).await, 0);
+    let crashed_id = crashed_message(&first, 700);
+    let mut second = start_consumer(
+        &dsn,
+        &queue,
+        "projection",
+        &["--prefetch", "50", "--batch-size", "20"],
+    );
+    let events = writer.await.unwrap();
+    let publisher = publisher().await;
+    for e in events.iter().step_by(10) {
+        publish(
+            &publisher,
+            &topo.exchange,
+            e.topic,
+            invoice_props(e.id, e.topic, &e.customer, None),
+            e.body.as_bytes(),
+        )
+        .await;
+    }
+    wait_for("3,000 events in the projection", T, || async {
+        my.count("SELECT COUNT(DISTINCT event_id) FROM invoice_ledger")
+            .await
+            >= 3000
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "relay:\n{}", relay.stderr());
+    let conn = amqp::connect().await;
+    stop(&mut second, T).await;
+    drain(
+        &conn,
+        &queue,
+        || start_consumer(&dsn, &queue, "projection", &["--until-empty"]),
+        T,
+    )
+    .await;
+
+    assert_eq!(
+        my.count("SELECT COUNT(*) FROM (SELECT event_id FROM invoice_ledger GROUP BY event_id HAVING COUNT(*) <> 1) x")
+            .await,
+        0,
+        "no event applied twice"
+    );
+    assert_eq!(my.count("SELECT COUNT(*) FROM invoice_ledger").await, 3000);
+    let want: HashSet<Uuid> = events.iter().map(|e| e.id).collect();
+    let mut c = my_connect(Some(&db.name)).await;
+    use mysql_async::prelude::Queryable;
+    let got: Vec<Vec<u8>> = c
+        .query("SELECT event_id FROM invoice_ledger")
+        .await
+        .unwrap();
+    let got: HashSet<Uuid> = got.iter().map(|b| Uuid::from_slice(b).unwrap()).collect();
+    assert_eq!(got, want);
+    let totals: Vec<(String, i64, i64)> = c
+        .query("SELECT customer, invoices, total_cents FROM invoice_totals")
+        .await
+        .unwrap();
+    let totals: BTreeMap<String, (i64, i64)> =
+        totals.into_iter().map(|(k, a, b)| (k, (a, b))).collect();
+    assert_eq!(totals, expected_totals(&events));
+    assert_eq!(
+        my.count(&format!(
+            "SELECT COUNT(*) FROM invoice_ledger WHERE event_id = UNHEX('{}')",
+            crashed_id.simple()
+        ))
+        .await,
+        1
+    );
+}
+
+/// Counting queries on a MariaDB database the shared harness created.
+struct MariaDbRef<'a>(&'a str);
+
+impl MariaDbRef<'_> {
+    async fn count(&self, sql: &str) -> i64 {
+        use mysql_async::prelude::Queryable;
+        let mut c = my_connect(Some(self.0)).await;
+        let v: Option<i64> = c.query_first(sql).await.unwrap();
+        let _ = c.disconnect().await;
+        v.unwrap_or(0)
+    }
+}
+
 /// The MySQL/MariaDB side with the same example: events published directly (copies
 /// included), the consumer killed between commit and ack, exactly once in the projection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
