@@ -182,12 +182,7 @@ pub async fn run(
         batch_no += 1;
         let mut ids: Vec<Uuid> = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
-            let tuple: Vec<Value> = (0..row.len())
-                .map(|c| match row.get::<_, Option<String>>(c) {
-                    Some(s) => Value::Text(bytes::Bytes::from(s)),
-                    None => Value::Null,
-                })
-                .collect();
+            let tuple = crate::source::postgres::rows::text_tuple(row);
             if let Some(Value::Text(raw)) = tuple.get(id_index) {
                 if let Ok(u) = std::str::from_utf8(raw).unwrap_or("").parse::<Uuid>() {
                     ids.push(u);

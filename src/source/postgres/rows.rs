@@ -265,6 +265,17 @@ impl RowMapper {
     }
 }
 
+/// A row read over SQL with every column cast to text, as the tuple pgoutput would carry: the
+/// snapshot and poll mode then map and validate it exactly as the stream does.
+pub fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
+    (0..row.len())
+        .map(|i| match row.get::<_, Option<String>>(i) {
+            Some(s) => Value::Text(Bytes::from(s)),
+            None => Value::Null,
+        })
+        .collect()
+}
+
 /// A pgoutput timestamp (microseconds since 2000-01-01) as UTC.
 pub fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
     Utc.timestamp_micros(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))

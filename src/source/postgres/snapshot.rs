@@ -4,7 +4,7 @@
 //! both (a duplicate), never in neither (a gap). The same path replays rows after a deliberate
 //! `offset set --replay-since`.
 
-use super::pgoutput::{Column, Relation, Value};
+use super::pgoutput::{Column, Relation};
 use super::rows::RowMapper;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::Outlet;
@@ -177,12 +177,7 @@ pub async fn publish(
     pin_mut!(stream);
     let mut n: u64 = 0;
     while let Some(row) = stream.try_next().await? {
-        let tuple: Vec<Value> = (0..row.len())
-            .map(|i| match row.get::<_, Option<String>>(i) {
-                Some(s) => Value::Text(bytes::Bytes::from(s)),
-                None => Value::Null,
-            })
-            .collect();
+        let tuple = super::rows::text_tuple(&row);
         if let Some(mut event) = mapper.insert(0, &tuple, at, n as u32, 0)? {
             event.committed_at = None;
             outlet.send_event(event).await?;
