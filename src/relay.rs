@@ -7,7 +7,7 @@
 
 use crate::backoff::Backoff;
 use crate::event::{Checkpoint, OutboxEvent};
-use crate::sink::{Delivery, Sink, SinkError};
+use crate::sink::{Delivery, FlowControl, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
 use crate::telemetry;
 use futures::future::BoxFuture;
@@ -15,6 +15,7 @@ use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
@@ -205,12 +206,41 @@ async fn publish_one<S: Sink>(
     event: &OutboxEvent,
     confirm_timeout: Duration,
 ) -> Result<Confirm, SinkError> {
+    let flow = sink.flow_control();
     Ok(match sink.publish(event).await? {
         Delivery::Accepted => futures::future::ready(Ok(())).boxed(),
-        Delivery::Pending(confirm) => tokio::time::timeout(confirm_timeout, confirm)
-            .map(move |r| r.unwrap_or(Err(SinkError::ConfirmTimeout(confirm_timeout))))
-            .boxed(),
+        Delivery::Pending(confirm) => confirm_within(confirm, confirm_timeout, flow).boxed(),
     })
+}
+
+/// Waits for one confirmation at most `timeout`, except that a period during which the sink
+/// blocked publishing (a broker resource alarm) starts another: an alarm longer than the
+/// timeout is flow control, and a reconnect would only republish into the same block. The
+/// period is judged by the block count, not only the flag, because the relay may poll this
+/// future only after the block ended.
+async fn confirm_within(
+    mut confirm: Confirm,
+    timeout: Duration,
+    flow: Option<Arc<FlowControl>>,
+) -> Result<(), SinkError> {
+    let blocks = |f: &FlowControl| (f.is_blocked(), f.blocks());
+    let mut seen = flow.as_deref().map(blocks);
+    loop {
+        match tokio::time::timeout(timeout, &mut confirm).await {
+            Ok(r) => return r,
+            Err(_) => {
+                let now = flow.as_deref().map(blocks);
+                let blocked_meanwhile = match (seen, now) {
+                    (Some((was, before)), Some((is, after))) => was || is || after != before,
+                    _ => false,
+                };
+                if !blocked_meanwhile {
+                    return Err(SinkError::ConfirmTimeout(timeout));
+                }
+                seen = now;
+            }
+        }
+    }
 }
 
 async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error> {

@@ -359,7 +359,9 @@ async fn memory_alarm_blocks_publishing_and_holds_the_position() {
     let mut topo = Topology::new("xra").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start_relay(&db, &name, &topo.exchange, &[]);
+    // The alarm outlasts the confirm timeout: flow control, not a failure to reconnect from.
+    let confirm_timeout = Duration::from_secs(2);
+    let mut relay = start_relay(&db, &name, &topo.exchange, &["--confirm-timeout", "2s"]);
     wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
     topo.wait_declared(T).await;
     let all = topo.bind_queue("all", "#").await;
@@ -387,14 +389,31 @@ async fn memory_alarm_blocks_publishing_and_holds_the_position() {
         confirmed(&db, &slot).await.unwrap() < end,
         "the position stays while publishing is blocked"
     );
+    // The scenario: the alarm lasts more than twice the confirm timeout.
+    tokio::time::sleep(confirm_timeout * 2 + Duration::from_millis(500)).await;
+    assert!(
+        !relay.stderr().contains("sink failed"),
+        "an alarm longer than --confirm-timeout made the relay reconnect:\n{}",
+        relay.stderr()
+    );
     drop(alarm);
     wait_confirmed_past(&db, &slot, end).await;
     assert!(relay.stderr().contains("RabbitMQ unblocked the connection"));
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert!(
+        !relay.stderr().contains("sink failed"),
+        "no reconnect, so no republish:\n{}",
+        relay.stderr()
+    );
 
     let got: Vec<Uuid> = topo.take_all(&all).await.iter().map(message_id).collect();
     assert_none_lost(&got, &expected);
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "no duplicates without a reconnect"
+    );
 }
 
 /// `--partitions 4` across a broker restart: the partition comes from the aggregate id alone,

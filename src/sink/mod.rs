@@ -10,6 +10,8 @@ pub mod topology;
 
 use crate::event::OutboxEvent;
 use futures::future::BoxFuture;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// How an event was taken by a sink.
 pub enum Delivery {
@@ -74,6 +76,41 @@ pub trait Sink: Send {
     fn is_broken(&self) -> bool {
         false
     }
+
+    /// Whether the destination holds publishing back on purpose (RabbitMQ's resource alarms):
+    /// confirmations are then late by design, so the relay's confirm timeout does not run out
+    /// across a block — reconnecting would only republish into the same block.
+    fn flow_control(&self) -> Option<Arc<FlowControl>> {
+        None
+    }
+}
+
+/// A destination's flow control as the relay sees it: blocked now, and a count of blocks so far
+/// (a block that began and ended between two looks still shows as a new count).
+#[derive(Debug, Default)]
+pub struct FlowControl {
+    blocked: AtomicBool,
+    blocks: AtomicU64,
+}
+
+impl FlowControl {
+    pub fn block(&self) {
+        self.blocks.fetch_add(1, Ordering::Relaxed);
+        self.blocked.store(true, Ordering::Relaxed);
+    }
+
+    pub fn unblock(&self) {
+        self.blocked.store(false, Ordering::Relaxed);
+    }
+
+    pub fn is_blocked(&self) -> bool {
+        self.blocked.load(Ordering::Relaxed)
+    }
+
+    /// How many blocks began so far.
+    pub fn blocks(&self) -> u64 {
+        self.blocks.load(Ordering::Relaxed)
+    }
 }
 
 /// The sink chosen on the command line. Dispatching here keeps the relay generic and the
@@ -123,6 +160,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.is_broken(),
             AnySink::Rabbit(s) => s.is_broken(),
+        }
+    }
+
+    fn flow_control(&self) -> Option<Arc<FlowControl>> {
+        match self {
+            AnySink::Stdout(s) => s.flow_control(),
+            AnySink::Rabbit(s) => s.flow_control(),
         }
     }
 }

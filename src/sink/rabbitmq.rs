@@ -26,7 +26,7 @@
 
 use super::partition::{PartitionRouting, Partitioning};
 use super::topology::{self, Layout};
-use super::{Delivery, Sink, SinkError};
+use super::{Delivery, FlowControl, Sink, SinkError};
 use crate::dsn::redact;
 use crate::event::OutboxEvent;
 use bytes::Bytes;
@@ -46,7 +46,6 @@ use lapin::{
 };
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -147,7 +146,7 @@ pub struct RabbitSink {
     tls: OwnedTLSConfig,
     redacted: String,
     link: Option<Link>,
-    blocked: Arc<AtomicBool>,
+    flow: Arc<FlowControl>,
 }
 
 /// Broker-side state of one connection, updated from lapin's connection events.
@@ -230,14 +229,8 @@ impl RabbitSink {
             tls,
             redacted,
             link: None,
-            blocked: Arc::new(AtomicBool::new(false)),
+            flow: Arc::default(),
         })
-    }
-
-    /// Whether the broker currently blocks this relay's connection (a memory or disk alarm).
-    /// Publishing waits while it does; metrics and readiness read this flag.
-    pub fn blocked(&self) -> Arc<AtomicBool> {
-        self.blocked.clone()
     }
 
     pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
@@ -323,7 +316,7 @@ impl RabbitSink {
         let mut tasks = vec![tokio::spawn(watch_events(
             conn.events_listener(),
             state_tx,
-            self.blocked.clone(),
+            self.flow.clone(),
         ))];
 
         if self.cfg.declare != DeclareMode::Off {
@@ -671,6 +664,10 @@ impl Sink for RabbitSink {
         true
     }
 
+    fn flow_control(&self) -> Option<Arc<FlowControl>> {
+        Some(self.flow.clone())
+    }
+
     fn is_broken(&self) -> bool {
         self.link
             .as_ref()
@@ -681,7 +678,7 @@ impl Sink for RabbitSink {
         // Always a fresh connection: the old one (if any) is closed by dropping it, and its
         // unsettled confirmations with it.
         self.link = None;
-        self.blocked.store(false, Ordering::Relaxed);
+        self.flow.unblock();
         let link = match tokio::time::timeout(self.cfg.op_timeout, self.open()).await {
             Ok(r) => r?,
             Err(_) => {
@@ -885,26 +882,26 @@ async fn drive_confirms(tracker: Arc<Mutex<Tracker>>) {
 async fn watch_events(
     events: impl futures::Stream<Item = lapin::Event> + Send + 'static,
     state: watch::Sender<LinkState>,
-    blocked: Arc<AtomicBool>,
+    flow: Arc<FlowControl>,
 ) {
     let mut events = std::pin::pin!(events);
     while let Some(ev) = events.next().await {
         match ev {
             lapin::Event::ConnectionBlocked(reason) => {
                 tracing::warn!(%reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
-                blocked.store(true, Ordering::Relaxed);
+                flow.block();
                 crate::telemetry::get().sink_blocked.set(1);
                 state.send_modify(|s| s.blocked = true);
             }
             lapin::Event::ConnectionUnblocked => {
                 tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
-                blocked.store(false, Ordering::Relaxed);
+                flow.unblock();
                 crate::telemetry::get().sink_blocked.set(0);
                 state.send_modify(|s| s.blocked = false);
             }
             lapin::Event::Error(e) => {
                 tracing::warn!(error = %e, "RabbitMQ connection or channel failed");
-                blocked.store(false, Ordering::Relaxed);
+                flow.unblock();
                 let t = crate::telemetry::get();
                 t.sink_blocked.set(0);
                 t.sink_connected.set(0);

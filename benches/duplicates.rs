@@ -1,0 +1,287 @@
+//! Duplicates benchmark: how many events a SIGKILL of the relay at full speed makes the broker
+//! see twice, against the bound the design gives. Run with `cargo bench --bench duplicates`
+//! (needs the local services; `scripts/services.sh`).
+//!
+//! For Postgres and MariaDB: a backlog of `OUTBOXD_BENCH_EVENTS` (default 200,000) events in
+//! transactions of 100 is drained to RabbitMQ; when a third of it has been consumed the relay
+//! is killed with SIGKILL and started again, and the bench waits until every event id arrived.
+//! Duplicates = messages received − distinct ids. The bound: the in-flight window (published,
+//! not yet confirmed) + what was confirmed but not yet stored (the drain rate × the relay's
+//! acknowledgement interval, 100 ms, plus the source's store period: the Postgres status
+//! update or the MariaDB position write, both once a second) + the rest of the open source
+//! transaction.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use mysql_async::prelude::Queryable;
+use std::collections::HashSet;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::*;
+
+const WINDOW: usize = 1_000;
+const TX: usize = 100;
+const ACK_INTERVAL: f64 = 0.1;
+const STORE_PERIOD: f64 = 1.0;
+
+fn relay(source: &str, exchange: &str) -> Child {
+    Command::new(BIN)
+        .env("OUTBOXD_SINK", AMQP)
+        .args([
+            "run",
+            "--source",
+            source,
+            "--name",
+            "dup",
+            "--exchange",
+            exchange,
+        ])
+        .args([
+            "--snapshot",
+            "never",
+            "--window",
+            &WINDOW.to_string(),
+            "--log-level",
+            "warn",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn outboxd")
+}
+
+fn signal(child: &mut Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+}
+
+/// Waits for the relay's exchange, then binds a queue of our own and consumes it: every
+/// message id received, repeats included.
+async fn consume(conn: &Connection, exchange: &str) -> Arc<Mutex<Vec<String>>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ch = conn.create_channel().await.unwrap();
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        if ch
+            .exchange_declare(
+                exchange.into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay did not declare {exchange}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let queue = format!("{exchange}.probe");
+    let q = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.clone().into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        queue.clone().into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.basic_qos(5_000, Default::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "dup".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let ids: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sink = ids.clone();
+    tokio::spawn(async move {
+        let _keep = ch;
+        while let Some(Ok(d)) = consumer.next().await {
+            if let Some(id) = d.properties.message_id() {
+                sink.lock().unwrap().push(id.to_string());
+            }
+        }
+    });
+    ids
+}
+
+struct Outcome {
+    source: &'static str,
+    events: usize,
+    before_kill: usize,
+    rate: f64,
+    duplicates: usize,
+    distinct: usize,
+}
+
+impl Outcome {
+    fn bound(&self) -> usize {
+        WINDOW + (self.rate * (ACK_INTERVAL + STORE_PERIOD)).ceil() as usize + TX
+    }
+}
+
+/// The trial itself, once the relay's position is stored and the backlog written.
+async fn kill_and_resume(
+    source: &'static str,
+    dsn: &str,
+    exchange: &str,
+    ids: Arc<Mutex<Vec<String>>>,
+    events: usize,
+) -> Outcome {
+    let start = Instant::now();
+    let mut r = relay(dsn, exchange);
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while ids.lock().unwrap().len() < events / 3 {
+        assert!(Instant::now() < deadline, "{source}: drain stalled");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    signal(&mut r, "-KILL");
+    let before_kill = ids.lock().unwrap().len();
+    let rate = before_kill as f64 / start.elapsed().as_secs_f64();
+    let mut r = relay(dsn, exchange);
+    loop {
+        let distinct = ids.lock().unwrap().iter().collect::<HashSet<_>>().len();
+        if distinct >= events {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{source}: {distinct} of {events} arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    signal(&mut r, "-TERM");
+    let all = ids.lock().unwrap().clone();
+    let distinct = all.iter().collect::<HashSet<_>>().len();
+    Outcome {
+        source,
+        events,
+        before_kill,
+        rate,
+        duplicates: all.len() - distinct,
+        distinct,
+    }
+}
+
+async fn postgres(conn: &Connection, events: usize) -> Outcome {
+    let (db, dsn, client) = pg_database("dup").await;
+    let exchange = format!("dup_pg_{}", std::process::id());
+    // First start on the empty table: declares the exchange and stores the position.
+    let mut first = relay(&dsn, &exchange);
+    let ids = consume(conn, &exchange).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while client
+        .query_opt(
+            "SELECT 1 FROM outboxd_state WHERE initialized_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .ok()
+        .flatten()
+        .is_none()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "postgres: first start did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&mut first, "-TERM");
+    pg_backlog(&client, events, TX).await;
+    let out = kill_and_resume("Postgres", &dsn, &exchange, ids, events).await;
+    drop(client);
+    pg_drop(&db, "outboxd_dup").await;
+    out
+}
+
+async fn mariadb(conn: &Connection, events: usize) -> Outcome {
+    let (db, dsn, mut c) = my_database("dup").await;
+    let exchange = format!("dup_my_{}", std::process::id());
+    let mut first = relay(&dsn, &exchange);
+    let ids = consume(conn, &exchange).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n: Option<i64> = c
+            .query_first("SELECT COUNT(*) FROM outboxd_state WHERE initialized_at IS NOT NULL")
+            .await
+            .unwrap_or(Some(0));
+        if n == Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "mariadb: first start did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&mut first, "-TERM");
+    my_backlog(&mut c, events, TX).await;
+    let out = kill_and_resume("MariaDB", &dsn, &exchange, ids, events).await;
+    drop(c);
+    my_drop(&db).await;
+    out
+}
+
+#[tokio::main]
+async fn main() {
+    if skip_unless_bench("duplicates") {
+        return;
+    }
+    let events = env_list("OUTBOXD_BENCH_EVENTS", "200000")[0];
+    let conn = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    let rows = vec![postgres(&conn, events).await, mariadb(&conn, events).await];
+    println!(
+        "| source | events | consumed before SIGKILL | rate before | duplicates | bound | within |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---|");
+    for o in &rows {
+        assert_eq!(o.distinct, o.events, "{}: events lost", o.source);
+        println!(
+            "| {} | {} | {} | {:.0}/s | {} | {} | {} |",
+            o.source,
+            o.events,
+            o.before_kill,
+            o.rate,
+            o.duplicates,
+            o.bound(),
+            if o.duplicates <= o.bound() {
+                "yes"
+            } else {
+                "NO"
+            }
+        );
+    }
+}

@@ -1,0 +1,285 @@
+//! What the benchmarks share: connections to the local services, backlogs written the same way
+//! on both databases, a relay child process whose stdout lines are counted, RSS sampling and
+//! percentiles. Included by the bench targets with `#[path = "support/mod.rs"] mod support;`,
+//! so each target uses a part of it.
+#![allow(dead_code)]
+
+use mysql_async::prelude::Queryable;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+pub const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const BIN: &str = env!("CARGO_BIN_EXE_outboxd");
+
+/// `cargo test --all-targets` runs bench targets too (without `--bench`): a benchmark is
+/// minutes of load, so it runs only under `cargo bench`.
+pub fn skip_unless_bench(name: &str) -> bool {
+    if std::env::args().any(|a| a == "--bench") {
+        return false;
+    }
+    println!("{name}: skipped (run it with `cargo bench --bench {name}`)");
+    true
+}
+
+pub fn env_list(name: &str, default: &str) -> Vec<usize> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|v| v.trim().replace('_', "").parse().ok())
+        .collect()
+}
+
+pub async fn pg(conninfo: &str) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
+    tokio::spawn(conn);
+    c
+}
+
+pub async fn my(db: Option<&str>) -> mysql_async::Conn {
+    let opts = mysql_async::OptsBuilder::default()
+        .ip_or_hostname("127.0.0.1")
+        .tcp_port(3306)
+        .user(Some("root"))
+        .db_name(db)
+        .prefer_socket(false);
+    mysql_async::Conn::new(opts)
+        .await
+        .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))
+}
+
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// p50 / p99 / p99.9 of a sample (sorted here).
+pub fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    (at(0.5), at(0.99), at(0.999))
+}
+
+/// One ~300-byte invoice body per row, the same on both databases (`g` is the row number).
+const PG_BODY: &str =
+    "json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
+    'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
+    json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
+    json_build_object('sku', 'B-200', 'qty', 1, 'price', '500.00')), 'note', repeat('x', 60))";
+
+/// A fresh Postgres database with the outbox table; returns (database, DSN, client).
+pub async fn pg_database(prefix: &str) -> (String, String, tokio_postgres::Client) {
+    let db = format!("{prefix}_{}", std::process::id());
+    let admin = pg(PG_ADMIN).await;
+    // Two statements: a multi-statement batch runs in one transaction, which DROP DATABASE
+    // refuses.
+    admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .await
+        .unwrap();
+    let client = pg(&format!(
+        "host=127.0.0.1 port=5432 user=postgres dbname={db}"
+    ))
+    .await;
+    client
+        .batch_execute(include_str!("../../migrations/postgres/001_outbox.sql"))
+        .await
+        .unwrap();
+    let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+    (db, dsn, client)
+}
+
+pub async fn pg_drop(db: &str, slot: &str) {
+    let admin = pg(PG_ADMIN).await;
+    let _ = admin
+        .batch_execute(&format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = '{slot}'"
+        ))
+        .await;
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+        .await;
+}
+
+/// Writes `events` outbox rows in transactions of `per_tx`.
+pub async fn pg_backlog(client: &tokio_postgres::Client, events: usize, per_tx: usize) {
+    let mut from = 0;
+    while from < events {
+        let to = (from + per_tx).min(events) - 1;
+        client
+            .batch_execute(&format!(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload)
+                 SELECT gen_random_uuid(), 'agg-' || (g % 1000), 'invoice.issued', {PG_BODY}
+                   FROM generate_series({from}, {to}) g"
+            ))
+            .await
+            .unwrap();
+        from = to + 1;
+    }
+}
+
+/// A fresh MariaDB database with the outbox table; returns (database, DSN, connection).
+pub async fn my_database(prefix: &str) -> (String, String, mysql_async::Conn) {
+    let db = format!("{prefix}_{}", std::process::id());
+    let mut admin = my(None).await;
+    admin
+        .query_drop(format!(
+            "DROP DATABASE IF EXISTS `{db}`; CREATE DATABASE `{db}`"
+        ))
+        .await
+        .unwrap();
+    let mut c = my(Some(&db)).await;
+    c.query_drop(include_str!("../../migrations/mysql/001_outbox.sql"))
+        .await
+        .unwrap();
+    (db.clone(), format!("mysql://root@127.0.0.1:3306/{db}"), c)
+}
+
+pub async fn my_drop(db: &str) {
+    let _ = my(None)
+        .await
+        .query_drop(format!("DROP DATABASE IF EXISTS `{db}`"))
+        .await;
+}
+
+/// Writes `events` outbox rows in transactions of `per_tx` (MariaDB's sequence engine).
+pub async fn my_backlog(c: &mut mysql_async::Conn, events: usize, per_tx: usize) {
+    let mut from = 0;
+    while from < events {
+        let to = (from + per_tx).min(events) - 1;
+        c.query_drop(format!(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at)
+             SELECT UNHEX(REPLACE(UUID(), '-', '')), seq % 1000, 'invoice.issued',
+                    JSON_OBJECT('invoice_id', seq, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
+                                'total', '1499.90', 'currency', 'TRY', 'lines', JSON_ARRAY(
+                                JSON_OBJECT('sku', 'A-100', 'qty', 2, 'price', '499.95'),
+                                JSON_OBJECT('sku', 'B-200', 'qty', 1, 'price', '500.00')),
+                                'note', REPEAT('x', 60)),
+                    NOW(6)
+               FROM seq_{from}_to_{to}"
+        ))
+        .await
+        .unwrap();
+        from = to + 1;
+    }
+}
+
+/// Starts and stops a MariaDB relay once, so its position is stored: a backlog written after
+/// it is then read from the binlog (a first start with `--snapshot never` begins at the head).
+pub async fn my_first_start(c: &mut mysql_async::Conn, dsn: &str, name: &str) {
+    let mut relay = Relay::stdout(&["--source", dsn, "--name", name]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let n: Option<i64> = c
+            .query_first(format!(
+                "SELECT COUNT(*) FROM outboxd_state WHERE name = '{name}' AND initialized_at IS NOT NULL"
+            ))
+            .await
+            .unwrap_or(Some(0));
+        if n == Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "first start did not store a position"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.stop();
+}
+
+/// An `outboxd run` child with the stdout sink, its lines counted by a reader thread.
+pub struct Relay {
+    pub child: Child,
+    pub lines: Arc<AtomicUsize>,
+}
+
+impl Relay {
+    /// `outboxd run --sink stdout --commit-offsets --snapshot never --log-level warn ARGS`.
+    pub fn stdout(args: &[&str]) -> Relay {
+        let mut child = Command::new(BIN)
+            .args([
+                "run",
+                "--commit-offsets",
+                "--snapshot",
+                "never",
+                "--log-level",
+                "warn",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn outboxd");
+        let out = child.stdout.take().unwrap();
+        let lines = Arc::new(AtomicUsize::new(0));
+        let counter = lines.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::with_capacity(1 << 20, out);
+            let mut buf = Vec::new();
+            while r
+                .read_until(b'\n', &mut buf)
+                .map(|n| n > 0)
+                .unwrap_or(false)
+            {
+                counter.fetch_add(1, Ordering::Relaxed);
+                buf.clear();
+            }
+        });
+        Relay { child, lines }
+    }
+
+    pub fn lines(&self) -> usize {
+        self.lines.load(Ordering::Relaxed)
+    }
+
+    /// Samples RSS every 10 ms until `n` lines came out; returns (peak KiB, median KiB, time).
+    pub async fn sample_until(&self, n: usize, limit: Duration) -> (u64, u64, Duration) {
+        let start = Instant::now();
+        let mut samples = Vec::new();
+        while self.lines() < n {
+            if let Some(r) = rss_kib(self.child.id()) {
+                samples.push(r);
+            }
+            assert!(
+                start.elapsed() < limit,
+                "only {} of {n} lines within {limit:?}",
+                self.lines()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = start.elapsed();
+        samples.sort_unstable();
+        let peak = samples.last().copied().unwrap_or(0);
+        let median = samples.get(samples.len() / 2).copied().unwrap_or(0);
+        (peak, median, took)
+    }
+
+    /// SIGTERM and wait.
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
