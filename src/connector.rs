@@ -388,6 +388,49 @@ pub fn mysql_outbox_table(
     })
 }
 
+/// Replays binlog files (`--source file://…`) through the relay into the sink, then ends. No
+/// lease, no stored position, no first start: the files are the whole input (docs/mysql.md).
+pub async fn run_file(
+    files: crate::dsn::FileDsn,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::file;
+    let Some(database) = cfg.table.schema.clone() else {
+        return Err(Error::config(
+            format!(
+                "--table {} names no database: binlog files hold every database's tables",
+                cfg.table.name
+            ),
+            format!("name it with its database: --table app.{}", cfg.table.name),
+        ));
+    };
+    let table = crate::source::mysql::rows::OutboxTable {
+        database,
+        table: cfg.table.name.clone(),
+        columns: cfg.columns.clone(),
+        tz: cfg.mysql.time_zone,
+    };
+    let paths = file::binlog_files(&files)?;
+    let mut sink = make_sink(&cfg)?;
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx,
+    };
+    let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    t.source_streaming.set(1);
+    let source = file::run(paths, table, link, shutdown);
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
+    Ok(stats)
+}
+
 /// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
 pub async fn run_mysql(
     dsn: DbDsn,

@@ -3,17 +3,25 @@
 //! driver where transactions begin and end, which outbox rows they inserted, and the position
 //! and GTID state after each one. It knows nothing about connections, budgets or shutdown.
 //!
+//! MySQL 8 specifics handled here: TRANSACTION_PAYLOAD events (`binlog_transaction_compression`)
+//! are unpacked and their events fed in place, at the payload's position; the executed GTID
+//! set is tracked from each file's Previous_gtids event plus every GTID event (tagged ones of
+//! 8.4 included), and rides in the checkpoint for `COM_BINLOG_DUMP_GTID` resume.
+//!
 //! Transaction boundaries: a MariaDB GTID event (or MySQL GTID / anonymous GTID event, or a
 //! `BEGIN` query) opens an event group; `XID`, a `COMMIT`/`ROLLBACK` query or `XA PREPARE`
 //! closes it; a group flagged standalone (DDL), or a MySQL group whose first query is not
 //! `BEGIN`, closes after its one statement.
 
-use super::gtid::{self, Gtid, GtidState};
+use super::gtid::{self, Gtid, GtidState, MysqlGtidSet};
 use super::rows::{Mapping, OutboxTable, RowContext};
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::Error;
 use chrono::{DateTime, TimeZone, Utc};
-use mysql_common::binlog::events::{Event, QueryEvent, RotateEvent, RowsEventData, TableMapEvent};
+use mysql_common::binlog::events::{
+    Event, GtidEvent, PreviousGtidsEvent, QueryEvent, RotateEvent, RowsEventData, TableMapEvent,
+    TransactionPayloadEvent,
+};
 use std::collections::HashMap;
 
 // Event type codes (MySQL's and MariaDB's).
@@ -33,7 +41,10 @@ const UPDATE_ROWS: u8 = 31;
 const DELETE_ROWS: u8 = 32;
 const MYSQL_GTID: u8 = 33;
 const MYSQL_ANONYMOUS_GTID: u8 = 34;
+const MYSQL_PREVIOUS_GTIDS: u8 = 35;
 const XA_PREPARE: u8 = 38;
+/// MySQL 8.0.20+: a whole transaction's events, zstd-compressed (or not), in one event.
+pub const TRANSACTION_PAYLOAD: u8 = 40;
 const PARTIAL_UPDATE_ROWS: u8 = 39;
 const HEARTBEAT_V2: u8 = 41;
 const MYSQL_GTID_TAGGED: u8 = 42;
@@ -83,6 +94,8 @@ struct Txn {
     start_file: String,
     start_pos: u64,
     gtid: Option<Gtid>,
+    /// A MySQL GTID: source UUID, tag (8.4; `""` untagged), transaction number.
+    mysql_gtid: Option<([u8; 16], String, u64)>,
     /// Inside BEGIN … COMMIT: statements do not end the group.
     begun: bool,
     index: u32,
@@ -98,6 +111,8 @@ pub struct Decoder {
     gtid: GtidState,
     /// The server writes MariaDB GTIDs: the checkpoint carries the GTID state.
     track_gtid: bool,
+    /// MySQL: the executed GTID set (from Previous_gtids and GTID events), once one was seen.
+    mysql_gtids: Option<MysqlGtidSet>,
     tables: HashMap<u64, TableKind>,
     txn: Option<Txn>,
     seen_format_description: bool,
@@ -112,6 +127,7 @@ impl Decoder {
             file: file.to_string(),
             track_gtid: gtid.is_some(),
             gtid: gtid.unwrap_or_default(),
+            mysql_gtids: None,
             tables: HashMap::new(),
             txn: None,
             seen_format_description: false,
@@ -126,6 +142,27 @@ impl Decoder {
         &self.file
     }
 
+    /// The next events come from the start of binlog file `name` (the file source): table
+    /// ids are only valid within one file.
+    pub fn set_file(&mut self, name: &str) {
+        if name != self.file {
+            self.tables.clear();
+        }
+        self.file = name.to_string();
+    }
+
+    /// MySQL: the executed GTID set after the last transaction read (`None` before the first
+    /// Previous_gtids or GTID event, and on MariaDB).
+    pub fn mysql_gtids(&self) -> Option<&MysqlGtidSet> {
+        self.mysql_gtids.as_ref()
+    }
+
+    /// Starts from a known MySQL executed GTID set (a resume by GTID).
+    pub fn with_mysql_gtids(mut self, set: Option<MysqlGtidSet>) -> Decoder {
+        self.mysql_gtids = set;
+        self
+    }
+
     pub fn gtid_state(&self) -> Option<&GtidState> {
         self.track_gtid.then_some(&self.gtid)
     }
@@ -137,7 +174,10 @@ impl Decoder {
             gtid_state: if self.track_gtid && !self.gtid.is_empty() {
                 Some(self.gtid.to_string())
             } else {
-                None
+                self.mysql_gtids
+                    .as_ref()
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.to_string())
             },
         }
     }
@@ -147,6 +187,7 @@ impl Decoder {
             start_file: self.file.clone(),
             start_pos: start,
             gtid,
+            mysql_gtid: None,
             begun,
             index: 0,
             state_rows: false,
@@ -166,6 +207,11 @@ impl Decoder {
         if let Some(g) = txn.gtid {
             self.gtid.apply(g);
         }
+        if let Some((uuid, tag, gno)) = &txn.mysql_gtid {
+            self.mysql_gtids
+                .get_or_insert_with(MysqlGtidSet::default)
+                .add(*uuid, tag, *gno);
+        }
         Step::Commit {
             start_file: txn.start_file,
             start_pos: txn.start_pos,
@@ -179,9 +225,16 @@ impl Decoder {
     /// are errors: the relay never skips what it cannot read.
     pub fn feed(&mut self, ev: &Event) -> Result<Vec<Step>, Error> {
         let header = ev.header();
-        let kind = header.event_type_raw();
         let end = header.log_pos() as u64;
         let start = end.saturating_sub(header.event_size() as u64);
+        self.feed_at(ev, start, end)
+    }
+
+    /// Feeds one event that sits at `start..end` of the current file (the events inside a
+    /// TRANSACTION_PAYLOAD sit at the payload's place).
+    fn feed_at(&mut self, ev: &Event, start: u64, end: u64) -> Result<Vec<Step>, Error> {
+        let header = ev.header();
+        let kind = header.event_type_raw();
         let mut steps = Vec::new();
         match kind {
             ROTATE => {
@@ -217,8 +270,44 @@ impl Decoder {
                 steps.push(self.begin(start, Some(g.gtid), !g.standalone, header.timestamp()));
             }
             MYSQL_GTID | MYSQL_ANONYMOUS_GTID | MYSQL_GTID_TAGGED => {
+                let mysql_gtid = if kind == MYSQL_ANONYMOUS_GTID {
+                    None
+                } else {
+                    let g: GtidEvent = ev
+                        .read_event()
+                        .map_err(|e| self.decode_err("GTID event", start, e))?;
+                    let tag = g.tag().map(|t| t.to_string()).unwrap_or_default();
+                    Some((g.sid(), tag.to_ascii_lowercase(), g.gno()))
+                };
                 self.no_open_group(start, &mut steps)?;
                 steps.push(self.begin(start, None, false, header.timestamp()));
+                if let Some(txn) = self.txn.as_mut() {
+                    txn.mysql_gtid = mysql_gtid;
+                }
+            }
+            MYSQL_PREVIOUS_GTIDS => {
+                // Every GTID written before this file: the executed set at its start.
+                let p: PreviousGtidsEvent<'_> = ev
+                    .read_event()
+                    .map_err(|e| self.decode_err("Previous_gtids event", start, e))?;
+                let set = self.mysql_gtids.get_or_insert_with(MysqlGtidSet::default);
+                for sid in p.sids() {
+                    let tag = sid.tag().map(|t| t.to_string()).unwrap_or_default();
+                    for iv in sid.intervals() {
+                        set.add_interval(sid.uuid(), &tag.to_ascii_lowercase(), iv.start(), iv.end());
+                    }
+                }
+            }
+            TRANSACTION_PAYLOAD => {
+                let inner = unpack_payload(ev).map_err(|m| {
+                    Error::Decode(format!(
+                        "transaction payload at {}:{start}: {m}",
+                        self.file
+                    ))
+                })?;
+                for e in &inner {
+                    steps.extend(self.feed_at(e, start, end)?);
+                }
             }
             MARIA_GTID_LIST => {
                 // A file's starting state: fills in domains we have not seen, never moves one.
@@ -364,8 +453,7 @@ impl Decoder {
                     }
                 }
             }
-            // Annotations, checkpoints, intvar/rand/user vars, previous GTIDs, transaction
-            // payload wrappers (their events follow, unpacked) and the like.
+            // Annotations, checkpoints, intvar/rand/user vars and the like.
             _ => {}
         }
         Ok(steps)
@@ -421,6 +509,40 @@ impl Decoder {
     }
 }
 
+/// The events wrapped in a TRANSACTION_PAYLOAD event, decompressed (zstd or none) and framed
+/// with the same checks as a file's events (they carry no checksums). Nothing larger than the
+/// payload's declared uncompressed size is inflated.
+pub fn unpack_payload(ev: &Event) -> Result<Vec<Event>, String> {
+    use std::io::Read;
+    let p: TransactionPayloadEvent<'_> = ev.read_event().map_err(|e| e.to_string())?;
+    let declared = p.uncompressed_size();
+    let mut bytes = Vec::new();
+    p.decompressed()
+        .map_err(|e| format!("cannot decompress: {e}"))?
+        .take(declared.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot decompress: {e}"))?;
+    if bytes.len() as u64 != declared {
+        return Err(format!(
+            "it declares {declared} uncompressed bytes but holds {}{}",
+            if bytes.len() as u64 > declared { "more than " } else { "" },
+            bytes.len().min(declared as usize)
+        ));
+    }
+    let mut framer = super::file::EventFramer::embedded(&bytes, ev.fde());
+    let mut out = Vec::new();
+    while let Some((_, e)) = framer
+        .next_event()
+        .map_err(|(at, m)| format!("event at offset {at} of the unpacked payload: {m}"))?
+    {
+        if e.header().event_type_raw() == TRANSACTION_PAYLOAD {
+            return Err("a transaction payload inside a transaction payload".into());
+        }
+        out.push(e);
+    }
+    Ok(out)
+}
+
 fn compressed_binlog() -> Error {
     Error::config(
         "the binlog is compressed (log_bin_compress=ON): outbox rows in compressed events cannot be read",
@@ -467,7 +589,11 @@ fn decode_inserts(
             RowContext {
                 file,
                 index: txn.index,
-                gtid: txn.gtid.map(|g| g.to_string()),
+                gtid: match (&txn.gtid, &txn.mysql_gtid) {
+                    (Some(g), _) => Some(g.to_string()),
+                    (None, Some((uuid, tag, gno))) => Some(gtid::mysql_gtid_text(*uuid, tag, *gno)),
+                    (None, None) => None,
+                },
                 committed_at: txn.committed_at,
             },
             table.tz,

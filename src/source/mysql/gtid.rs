@@ -1,7 +1,9 @@
-//! MariaDB global transaction ids. `mysql_common` does not parse MariaDB's GTID (162) and
-//! GTID_LIST (163) events, so their bytes are read here; [`GtidState`] is the server's
-//! position in every replication domain (`0-1-6,1-2-40`), the form `@@gtid_binlog_pos`,
-//! `BINLOG_GTID_POS()` and `@slave_connect_state` use.
+//! Global transaction ids of both flavours. MariaDB: `mysql_common` does not parse MariaDB's
+//! GTID (162) and GTID_LIST (163) events, so their bytes are read here; [`GtidState`] is the
+//! server's position in every replication domain (`0-1-6,1-2-40`), the form
+//! `@@gtid_binlog_pos`, `BINLOG_GTID_POS()` and `@slave_connect_state` use. MySQL: a
+//! [`MysqlGtidSet`] is the executed GTID set (`uuid:1-5:7,uuid:tag:1-3`), built from a file's
+//! Previous_gtids event plus every GTID event after it, and sent with `COM_BINLOG_DUMP_GTID`.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -150,9 +152,173 @@ impl fmt::Display for GtidState {
     }
 }
 
+/// A MySQL executed GTID set: per source UUID and tag (MySQL 8.4 tagged GTIDs; `""` untagged),
+/// sorted, merged half-open intervals `[start, end)` of transaction numbers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MysqlGtidSet {
+    sids: BTreeMap<([u8; 16], String), Vec<(u64, u64)>>,
+}
+
+impl MysqlGtidSet {
+    pub fn is_empty(&self) -> bool {
+        self.sids.values().all(Vec::is_empty)
+    }
+
+    /// Adds the interval `[start, end)` (merging with its neighbours).
+    pub fn add_interval(&mut self, uuid: [u8; 16], tag: &str, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        let v = self.sids.entry((uuid, tag.to_string())).or_default();
+        v.push((start, end));
+        v.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+        for &(s, e) in v.iter() {
+            match merged.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => merged.push((s, e)),
+            }
+        }
+        *v = merged;
+    }
+
+    /// Records one transaction `uuid[:tag]:gno`.
+    pub fn add(&mut self, uuid: [u8; 16], tag: &str, gno: u64) {
+        self.add_interval(uuid, tag, gno, gno.saturating_add(1));
+    }
+
+    /// Whether `uuid[:tag]:gno` is in the set.
+    pub fn contains(&self, uuid: [u8; 16], tag: &str, gno: u64) -> bool {
+        self.sids
+            .get(&(uuid, tag.to_string()))
+            .is_some_and(|v| v.iter().any(|&(s, e)| s <= gno && gno < e))
+    }
+
+    /// Adds every transaction of `other`.
+    pub fn union(&mut self, other: &MysqlGtidSet) {
+        for ((uuid, tag), v) in &other.sids {
+            for &(s, e) in v {
+                self.add_interval(*uuid, tag, s, e);
+            }
+        }
+    }
+
+    /// `(uuid, tag, intervals)` per entry, in order: what `COM_BINLOG_DUMP_GTID` sends.
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8; 16], &str, &[(u64, u64)])> {
+        self.sids
+            .iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|((u, t), v)| (u, t.as_str(), v.as_slice()))
+    }
+
+    /// Parses MySQL's text form (`@@gtid_executed`): `uuid:1-5:7[:tag:1-3],uuid2:…`, with
+    /// spaces and newlines allowed. An empty string is the empty set. Tags (8.4) name the
+    /// intervals that follow them, up to the next tag.
+    pub fn parse(s: &str) -> Option<MysqlGtidSet> {
+        let mut set = MysqlGtidSet::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let mut fields = part.split(':').map(str::trim);
+            let uuid = uuid::Uuid::parse_str(fields.next()?).ok()?.into_bytes();
+            let mut tag = String::new();
+            let mut any = false;
+            for f in fields {
+                if f.starts_with(|c: char| c.is_ascii_digit()) {
+                    let (a, b) = match f.split_once('-') {
+                        Some((a, b)) => (a.parse::<u64>().ok()?, b.parse::<u64>().ok()?),
+                        None => {
+                            let n = f.parse::<u64>().ok()?;
+                            (n, n)
+                        }
+                    };
+                    if a == 0 || b < a {
+                        return None;
+                    }
+                    set.add_interval(uuid, &tag, a, b.checked_add(1)?);
+                    any = true;
+                } else if valid_tag(f) {
+                    tag = f.to_ascii_lowercase();
+                } else {
+                    return None;
+                }
+            }
+            if !any {
+                return None;
+            }
+        }
+        Some(set)
+    }
+}
+
+/// A MySQL 8.4 GTID tag: a letter or `_`, then up to 31 letters, digits or `_`.
+fn valid_tag(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 32
+        && t.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl fmt::Display for MysqlGtidSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (uuid, tag, intervals) in self.entries() {
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            write!(f, "{}", uuid::Uuid::from_bytes(*uuid).as_hyphenated())?;
+            if !tag.is_empty() {
+                write!(f, ":{tag}")?;
+            }
+            for &(s, e) in intervals {
+                if e == s + 1 {
+                    write!(f, ":{s}")?;
+                } else {
+                    write!(f, ":{s}-{}", e - 1)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The GTID text of one MySQL transaction: `uuid:gno` or `uuid:tag:gno`.
+pub fn mysql_gtid_text(uuid: [u8; 16], tag: &str, gno: u64) -> String {
+    let u = uuid::Uuid::from_bytes(uuid);
+    if tag.is_empty() {
+        format!("{}:{gno}", u.as_hyphenated())
+    } else {
+        format!("{}:{tag}:{gno}", u.as_hyphenated())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mysql_gtid_sets_parse_merge_and_render() {
+        let u = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let s = MysqlGtidSet::parse(&format!(" {u}:1-5:7,\n{u}:6 ")).unwrap();
+        assert_eq!(s.to_string(), format!("{u}:1-7"));
+        let tagged = MysqlGtidSet::parse(&format!("{u}:1-3:Blue:1-2:5")).unwrap();
+        assert_eq!(tagged.to_string(), format!("{u}:1-3,{u}:blue:1-2:5"));
+        let uuid = uuid::Uuid::parse_str(u).unwrap().into_bytes();
+        assert!(tagged.contains(uuid, "blue", 5) && !tagged.contains(uuid, "blue", 3));
+        assert!(tagged.contains(uuid, "", 3) && !tagged.contains(uuid, "", 4));
+        let mut all = s.clone();
+        all.union(&tagged);
+        all.add(uuid, "", 8);
+        assert_eq!(all.to_string(), format!("{u}:1-8,{u}:blue:1-2:5"));
+        assert!(MysqlGtidSet::parse("").unwrap().is_empty());
+        for bad in ["x:1-2", &format!("{u}"), &format!("{u}:0"), &format!("{u}:5-3"), &format!("{u}:9bad:1")] {
+            assert!(MysqlGtidSet::parse(bad).is_none(), "{bad}");
+        }
+        // MariaDB positions are no MySQL sets, and the other way round.
+        assert!(MysqlGtidSet::parse("0-1-6").is_none());
+        assert!(GtidState::parse(&s.to_string()).is_none());
+        assert_eq!(mysql_gtid_text(uuid, "", 4), format!("{u}:4"));
+        assert_eq!(mysql_gtid_text(uuid, "blue", 4), format!("{u}:blue:4"));
+    }
 
     #[test]
     fn states_parse_render_and_advance() {

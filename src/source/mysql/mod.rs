@@ -18,6 +18,7 @@
 
 pub mod admin;
 pub mod decode;
+pub mod file;
 pub mod gtid;
 pub mod operator;
 pub mod rows;
