@@ -18,7 +18,7 @@ use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
 use crate::Error;
 use mysql_common::binlog::events::{BinlogEventHeader, Event, FormatDescriptionEvent};
-use mysql_common::binlog::consts::BinlogVersion;
+use mysql_common::binlog::consts::{BinlogChecksumAlg, BinlogVersion};
 use std::path::{Path, PathBuf};
 use tokio_util::sync::CancellationToken;
 
@@ -113,7 +113,12 @@ impl<'a> EventFramer<'a> {
         } else if kind == FORMAT_DESCRIPTION {
             fde_has_crc32(raw)
         } else {
-            matches!(self.fde.footer().get_checksum_alg(), Ok(Some(a)) if a as u8 == CRC32)
+            // Whatever is not OFF makes mysql_common cut 4 checksum bytes off; a format
+            // description with an algorithm other than OFF or CRC32 was refused below.
+            !matches!(
+                self.fde.footer().get_checksum_alg(),
+                Ok(None | Some(BinlogChecksumAlg::BINLOG_CHECKSUM_ALG_OFF))
+            )
         };
         if crc {
             if size < HEADER_LEN + CHECKSUM_LEN {
@@ -146,6 +151,9 @@ impl<'a> EventFramer<'a> {
                 .read_event::<FormatDescriptionEvent<'_>>()
                 .map_err(|e| (at, format!("format description: {e}")))?;
             let mut footer = event.footer();
+            if footer.get_checksum_alg().is_err() {
+                return fail("corrupt format description: unknown checksum algorithm".into());
+            }
             footer.set_checksum_enabled(self.checksums);
             self.fde = fde.into_owned().with_footer(footer);
         }

@@ -249,6 +249,60 @@ impl MysqlGtidSet {
     }
 }
 
+/// Whether the body of a MySQL Previous_gtids event (type 35) is consistent with its length:
+/// every count it holds must fit the bytes that follow. `mysql_common` reserves memory for
+/// the counts before reading, and a corrupt count aborts the process (an allocation failure
+/// is no panic to catch), so the relay checks first. Layout: a u64 header (format in the top
+/// byte, 8.4 tagged format when not 0: the count in bits 8..56; else the count in the low
+/// 56 bits), then per source: UUID (16 bytes), in the tagged format a tag (a variable-length
+/// length, then its bytes), an interval count (u64) and 16 bytes per interval.
+pub fn previous_gtids_fit(data: &[u8]) -> bool {
+    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        if b.len() < n {
+            return None;
+        }
+        let (head, rest) = b.split_at(n);
+        *b = rest;
+        Some(head)
+    }
+    fn varlen(b: &mut &[u8]) -> Option<u64> {
+        let first = *b.first()?;
+        let ones = first.trailing_ones() as usize;
+        if ones == 8 {
+            take(b, 1)?;
+            return Some(u64::from_le_bytes(take(b, 8)?.try_into().ok()?));
+        }
+        let bytes = take(b, ones + 1)?;
+        let mut raw = [0u8; 8];
+        raw[..bytes.len()].copy_from_slice(bytes);
+        Some(u64::from_le_bytes(raw) >> (ones + 1))
+    }
+    let walk = || -> Option<()> {
+        let mut b = data;
+        let header = u64::from_le_bytes(take(&mut b, 8)?.try_into().ok()?);
+        let tagged = header >> 56 != 0;
+        let n_sids = if tagged {
+            (header >> 8) & ((1 << 48) - 1)
+        } else {
+            header & ((1 << 56) - 1)
+        };
+        if n_sids > (b.len() / 24) as u64 {
+            return None;
+        }
+        for _ in 0..n_sids {
+            take(&mut b, 16)?;
+            if tagged {
+                let len = varlen(&mut b)?;
+                take(&mut b, usize::try_from(len).ok()?)?;
+            }
+            let n = u64::from_le_bytes(take(&mut b, 8)?.try_into().ok()?);
+            take(&mut b, usize::try_from(n.checked_mul(16)?).ok()?)?;
+        }
+        Some(())
+    };
+    walk().is_some()
+}
+
 /// A MySQL 8.4 GTID tag: a letter or `_`, then up to 31 letters, digits or `_`.
 fn valid_tag(t: &str) -> bool {
     !t.is_empty()
@@ -318,6 +372,24 @@ mod tests {
         assert!(GtidState::parse(&s.to_string()).is_none());
         assert_eq!(mysql_gtid_text(uuid, "", 4), format!("{u}:4"));
         assert_eq!(mysql_gtid_text(uuid, "blue", 4), format!("{u}:blue:4"));
+
+        // Previous_gtids bodies: counts must fit the bytes.
+        let mut body = 1u64.to_le_bytes().to_vec();
+        body.extend_from_slice(&uuid);
+        body.extend_from_slice(&1u64.to_le_bytes());
+        body.extend_from_slice(&1u64.to_le_bytes());
+        body.extend_from_slice(&8u64.to_le_bytes());
+        assert!(previous_gtids_fit(&body));
+        assert!(previous_gtids_fit(&0u64.to_le_bytes()));
+        for n in 0..body.len() {
+            assert!(!previous_gtids_fit(&body[..n]), "{n}");
+        }
+        let mut huge = body.clone();
+        huge[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(!previous_gtids_fit(&huge));
+        let mut intervals = body.clone();
+        intervals[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(!previous_gtids_fit(&intervals));
     }
 
     #[test]
