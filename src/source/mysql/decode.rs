@@ -206,10 +206,10 @@ impl Decoder {
         if let Some(g) = txn.gtid {
             self.gtid.apply(g);
         }
-        if let Some((uuid, tag, gno)) = &txn.mysql_gtid {
-            self.mysql_gtids
-                .get_or_insert_with(MysqlGtidSet::default)
-                .add(*uuid, tag, *gno);
+        // Only a complete set (from a Previous_gtids event or a resume) is tracked: a set of
+        // only the GTIDs seen since a mid-file start would make a GTID resume resend the rest.
+        if let (Some((uuid, tag, gno)), Some(set)) = (&txn.mysql_gtid, self.mysql_gtids.as_mut()) {
+            set.add(*uuid, tag, *gno);
         }
         Step::Commit {
             start_file: txn.start_file,

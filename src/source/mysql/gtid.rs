@@ -211,6 +211,26 @@ impl MysqlGtidSet {
             .map(|((u, t), v)| (u, t.as_str(), v.as_slice()))
     }
 
+    /// The set as `COM_BINLOG_DUMP_GTID` sends it (tagged entries switch the request to the
+    /// 8.4 tagged format).
+    pub fn to_sids(&self) -> Vec<mysql_common::packets::Sid<'static>> {
+        use mysql_common::packets::{GnoInterval, Sid, Tag};
+        self.entries()
+            .map(|(uuid, tag, intervals)| {
+                let sid = Sid::new(*uuid).with_intervals(
+                    intervals
+                        .iter()
+                        .map(|&(s, e)| GnoInterval::new(s, e))
+                        .collect(),
+                );
+                match Tag::new(tag.to_string()) {
+                    Ok(t) if !tag.is_empty() => sid.with_tag(t),
+                    _ => sid,
+                }
+            })
+            .collect()
+    }
+
     /// Parses MySQL's text form (`@@gtid_executed`): `uuid:1-5:7[:tag:1-3],uuid2:…`, with
     /// spaces and newlines allowed. An empty string is the empty set. Tags (8.4) name the
     /// intervals that follow them, up to the next tag.
