@@ -135,11 +135,7 @@ fn row_ops(events: &[FileEvent]) -> Result<Vec<RowOp>, String> {
                     | RowsEventData::PartialUpdateRowsEvent(_) => "UPDATE",
                     _ => "DELETE",
                 };
-                let table = format!(
-                    "`{}`.`{}`",
-                    tme.database_name(),
-                    tme.table_name()
-                );
+                let table = format!("`{}`.`{}`", tme.database_name(), tme.table_name());
                 let ncols = tme.columns_count() as usize;
                 // Column numbers of the values present in each image (partial images hold
                 // only some columns, in table order).
@@ -168,7 +164,11 @@ fn row_ops(events: &[FileEvent]) -> Result<Vec<RowOp>, String> {
                     for (img, cols) in [(before, &images[0]), (after, &images[1])] {
                         let Some(img) = img else { continue };
                         for k in 0..img.len() {
-                            let i = if img.len() == ncols { k } else { cols.get(k).copied().unwrap_or(k) };
+                            let i = if img.len() == ncols {
+                                k
+                            } else {
+                                cols.get(k).copied().unwrap_or(k)
+                            };
                             if let Some(v) = img.as_ref(k) {
                                 use mysql_common::constants::ColumnType as C;
                                 let mut text = render(v);
@@ -205,8 +205,8 @@ fn mariadb_binlog_rows(path: &Path) -> Option<Vec<RowOp>> {
         .arg(path)
         .output()
         .expect("mariadb-binlog runs (apt-get install mariadb-client)");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     if !out.status.success() || text.contains("ERROR:") {
         return None;
     }
@@ -261,9 +261,13 @@ fn every_fixture_decodes_like_mariadb_binlog_or_its_documented_contents() {
         let bytes = std::fs::read(&path).unwrap();
         let result = events_from_bytes(&name, &bytes);
         if name == "binlog_truncated_event.000001" {
-            let e = result.expect_err("a truncated file is an error").to_string();
+            let e = result
+                .expect_err("a truncated file is an error")
+                .to_string();
             assert!(
-                e.contains("binlog_truncated_event.000001") && e.contains("byte offset 4") && e.contains("truncated"),
+                e.contains("binlog_truncated_event.000001")
+                    && e.contains("byte offset 4")
+                    && e.contains("truncated"),
                 "{e}"
             );
             continue;
@@ -275,7 +279,11 @@ fn every_fixture_decodes_like_mariadb_binlog_or_its_documented_contents() {
         match mariadb_binlog_rows(&path) {
             Some(theirs) => {
                 compared += 1;
-                assert_eq!(ours.len(), theirs.len(), "{name}: row count\nours {ours:#?}\ntheirs {theirs:#?}");
+                assert_eq!(
+                    ours.len(),
+                    theirs.len(),
+                    "{name}: row count\nours {ours:#?}\ntheirs {theirs:#?}"
+                );
                 for (a, b) in ours.iter().zip(&theirs) {
                     assert_eq!((a.op, &a.table), (b.op, &b.table), "{name}");
                     assert_eq!(a.values.len(), b.values.len(), "{name}: {a:?} vs {b:?}");
@@ -290,7 +298,10 @@ fn every_fixture_decodes_like_mariadb_binlog_or_its_documented_contents() {
                 match name.as_str() {
                     "json.binlog.000001" => check_json_fixture(&ours),
                     "transaction_compression.000001" => {
-                        assert!(!ours.is_empty(), "{name}: the compressed transaction's rows");
+                        assert!(
+                            !ours.is_empty(),
+                            "{name}: the compressed transaction's rows"
+                        );
                         assert!(events.iter().any(|e| !e.unpacked.is_empty()));
                     }
                     "binlog_transaction_with_GTID_TAG.000001" => {
@@ -301,7 +312,10 @@ fn every_fixture_decodes_like_mariadb_binlog_or_its_documented_contents() {
             }
         }
     }
-    assert!(compared >= 7, "only {compared} fixtures compared with mariadb-binlog");
+    assert!(
+        compared >= 7,
+        "only {compared} fixtures compared with mariadb-binlog"
+    );
     assert!(rows_total > 30, "{rows_total} rows in all fixtures");
 }
 
@@ -325,7 +339,8 @@ fn check_json_fixture(ops: &[RowOp]) {
             if *i != 2 || v == "NULL" {
                 continue;
             }
-            let j: serde_json::Value = serde_json::from_str(v).unwrap_or_else(|e| panic!("{v}: {e} in {op:?}"));
+            let j: serde_json::Value =
+                serde_json::from_str(v).unwrap_or_else(|e| panic!("{v}: {e} in {op:?}"));
             let obj = j.as_object().expect("an object");
             let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
             assert_eq!(keys, ["age", "data", "name"], "{v}");
@@ -336,7 +351,10 @@ fn check_json_fixture(ops: &[RowOp]) {
         }
     }
     assert!(seen >= 6, "{seen} JSON values");
-    assert_eq!(names.into_iter().collect::<Vec<_>>(), ["Joe", "Pete", "Sue"]);
+    assert_eq!(
+        names.into_iter().collect::<Vec<_>>(),
+        ["Joe", "Pete", "Sue"]
+    );
     assert_eq!(
         datas.into_iter().collect::<Vec<_>>(),
         ["xxxxxxxxxx", "yyyyyyyyyy", "zzzzzzzzzz"]
@@ -375,7 +393,8 @@ fn decode_fixture(name: &str) -> Decoder {
     let events = events_from_bytes(name, &bytes).unwrap();
     let mut dec = Decoder::new(table("test", "outbox"), name, None);
     for e in &events {
-        dec.feed(&e.event).unwrap_or_else(|err| panic!("{name}: {err}"));
+        dec.feed(&e.event)
+            .unwrap_or_else(|err| panic!("{name}: {err}"));
     }
     dec
 }
@@ -392,7 +411,10 @@ fn mysql_gtids_are_tracked_from_previous_gtids_and_gtid_events() {
     // MySQL 8.4+ tagged GTIDs: the Previous_gtids set plus the tagged transaction.
     let dec = decode_fixture("binlog_transaction_with_GTID_TAG.000001");
     let set = dec.mysql_gtids().unwrap().to_string();
-    assert!(set.starts_with("55778904-0299-11f1-b1b8-4ef0c4956feb:1-13"), "{set}");
+    assert!(
+        set.starts_with("55778904-0299-11f1-b1b8-4ef0c4956feb:1-13"),
+        "{set}"
+    );
     assert!(set.contains(":mytag:"), "{set}");
     let parsed = outboxd::source::mysql::gtid::MysqlGtidSet::parse(&set).unwrap();
     assert_eq!(parsed.to_string(), set, "the set's text form reads back");
@@ -428,14 +450,22 @@ fn a_compressed_transaction_is_unpacked_at_the_payload_position() {
     let mut commits = Vec::new();
     for e in &events {
         for step in dec.feed(&e.event).unwrap() {
-            if let outboxd::source::mysql::decode::Step::Commit { start_pos, checkpoint, .. } = step {
+            if let outboxd::source::mysql::decode::Step::Commit {
+                start_pos,
+                checkpoint,
+                ..
+            } = step
+            {
                 commits.push((start_pos, checkpoint.to_string()));
             }
         }
     }
     assert_eq!(commits.len(), 1, "{commits:?}");
     assert_eq!(commits[0].0, 197, "begins at its (anonymous) GTID event");
-    assert!(commits[0].1.contains(":431"), "ends where the payload ends: {commits:?}");
+    assert!(
+        commits[0].1.contains(":431"),
+        "ends where the payload ends: {commits:?}"
+    );
 }
 
 /// Every prefix of every fixture: either the events before the cut, or an error naming the
@@ -452,12 +482,21 @@ fn truncated_files_error_with_the_offset() {
         for cut in 0..bytes.len() {
             match events_from_bytes(&name, &bytes[..cut]) {
                 Ok(evs) => {
-                    assert!(cut == 4 || boundaries.contains(&(cut as u64)), "{name} cut at {cut}: {} events", evs.len())
+                    assert!(
+                        cut == 4 || boundaries.contains(&(cut as u64)),
+                        "{name} cut at {cut}: {} events",
+                        evs.len()
+                    )
                 }
                 Err(e) => {
                     let e = e.to_string();
                     if cut >= 4 {
-                        let at = boundaries.iter().rev().find(|&&b| b <= cut as u64).copied().unwrap_or(4);
+                        let at = boundaries
+                            .iter()
+                            .rev()
+                            .find(|&&b| b <= cut as u64)
+                            .copied()
+                            .unwrap_or(4);
                         assert!(
                             e.contains(&format!("byte offset {at}:")) && e.contains(&name),
                             "{name} cut at {cut}: {e}"
@@ -518,7 +557,12 @@ fn fix_checksums(bytes: &mut [u8]) {
 fn mutated_binlogs_give_errors_never_panics() {
     let files: Vec<(String, Vec<u8>)> = fixture_files()
         .into_iter()
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap()))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
         .collect();
     let seed: u64 = std::env::var("OUTBOXD_FUZZ_SEED")
         .ok()
@@ -581,11 +625,19 @@ fn mutated_binlogs_give_errors_never_panics() {
                     }
                 }
                 Err(e) => {
-                    assert!(e.to_string().contains("byte offset") || e.to_string().contains("not a binlog file"), "{e}");
+                    assert!(
+                        e.to_string().contains("byte offset")
+                            || e.to_string().contains("not a binlog file"),
+                        "{e}"
+                    );
                     errs += 1;
                 }
             }
-            for t in [table("toddy_test", "outbox"), table("mysql", "t"), table("test", "ba")] {
+            for t in [
+                table("toddy_test", "outbox"),
+                table("mysql", "t"),
+                table("test", "ba"),
+            ] {
                 if outbox_events_from_bytes(&t, name, &b).is_err() {
                     errs += 1;
                 }
@@ -598,7 +650,10 @@ fn mutated_binlogs_give_errors_never_panics() {
                 std::panic::set_hook(hook);
                 let keep = std::env::temp_dir().join(format!("outboxd-fuzz-{seed}-{runs}.bin"));
                 std::fs::write(&keep, &b).unwrap();
-                panic!("a mutated {name} panicked (seed {seed}, run {runs}); input kept in {}", keep.display());
+                panic!(
+                    "a mutated {name} panicked (seed {seed}, run {runs}); input kept in {}",
+                    keep.display()
+                );
             }
         }
         runs += 1;
@@ -611,7 +666,10 @@ fn mutated_binlogs_give_errors_never_panics() {
         started.elapsed()
     );
     assert!(runs >= 500, "only {runs} inputs in {budget:?}");
-    assert!(errors > runs / 4, "mutations should mostly be caught: {errors} errors in {runs} runs");
+    assert!(
+        errors > runs / 4,
+        "mutations should mostly be caught: {errors} errors in {runs} runs"
+    );
 }
 
 /// The local MariaDB's own binlog: events streamed live to stdout, then the server's binlog
@@ -625,14 +683,28 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
     let name = unique("r");
     let dsn = db.dsn();
     let mut live = Relay::start(&[
-        "run", "--source", &dsn, "--name", &name, "--commit-offsets", "--log-level", "info",
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--log-level",
+        "info",
     ]);
-    wait_for("the relay's binlog dump to be connected", T, || db.streaming()).await;
+    wait_for("the relay's binlog dump to be connected", T, || {
+        db.streaming()
+    })
+    .await;
 
     let mut c = db.conn().await;
     let ids = my_write_events(&mut c, 10, 25, "file.replay").await;
     // Something that is not outbox, in the same transactions' neighbourhood.
-    my_exec(&mut c, "CREATE TABLE other (id INT PRIMARY KEY); INSERT INTO other VALUES (1), (2)").await;
+    my_exec(
+        &mut c,
+        "CREATE TABLE other (id INT PRIMARY KEY); INSERT INTO other VALUES (1), (2)",
+    )
+    .await;
     let want = ids.len();
     wait_for("250 lines from the live stream", T, || {
         let n = live.line_count();
@@ -650,13 +722,17 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
         let files: Vec<String> = {
             use mysql_async::prelude::Queryable;
             let rows: Vec<mysql_async::Row> = admin.query("SHOW BINARY LOGS").await.unwrap();
-            rows.iter().map(|r| r.get::<String, _>(0).unwrap()).collect()
+            rows.iter()
+                .map(|r| r.get::<String, _>(0).unwrap())
+                .collect()
         };
         let head = my_head().await.0;
         let i = files.iter().position(|f| *f == head).unwrap();
         files[i - 1].clone()
     };
-    let basename = my_value(&mut admin, "SELECT @@log_bin_basename").await.unwrap();
+    let basename = my_value(&mut admin, "SELECT @@log_bin_basename")
+        .await
+        .unwrap();
     let dir = Path::new(&basename).parent().unwrap().to_path_buf();
     assert!(
         std::fs::read_dir(&dir).is_ok(),
@@ -665,10 +741,23 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
     );
     let source = format!("file://{}/?from={first_file}&to={last_file}", dir.display());
     let table = format!("{}.outbox", db.name);
-    let mut replay = Relay::start(&["run", "--source", &source, "--table", &table, "--log-level", "info"]);
+    let mut replay = Relay::start(&[
+        "run",
+        "--source",
+        &source,
+        "--table",
+        &table,
+        "--log-level",
+        "info",
+    ]);
     assert_eq!(replay.wait_exit(T).await, 0, "{}", replay.stderr_plain());
     let replay_lines = replay.lines();
-    assert_eq!(replay_lines.len(), live_lines.len(), "{}", replay.stderr_plain());
+    assert_eq!(
+        replay_lines.len(),
+        live_lines.len(),
+        "{}",
+        replay.stderr_plain()
+    );
     for (a, b) in live_lines.iter().zip(&replay_lines) {
         assert_eq!(a, b, "live vs replayed line");
     }
@@ -678,6 +767,9 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
         .collect();
     assert_eq!(got, ids, "every event once, in commit order");
     // Positions name the server's files and carry the MariaDB GTID.
-    let first = parse_lines(&replay_lines)[0]["position"].as_str().unwrap().to_string();
+    let first = parse_lines(&replay_lines)[0]["position"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(first.contains("mariadb-bin."), "{first}");
 }

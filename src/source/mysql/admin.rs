@@ -264,7 +264,11 @@ impl Head {
     pub fn from_log_status(local: &str) -> Option<Head> {
         let v: serde_json::Value = serde_json::from_str(local).ok()?;
         Some(Head {
-            file: v.get("binary_log_file")?.as_str().filter(|f| !f.is_empty())?.to_string(),
+            file: v
+                .get("binary_log_file")?
+                .as_str()
+                .filter(|f| !f.is_empty())?
+                .to_string(),
             pos: v.get("binary_log_position")?.as_u64()?,
             gtid_executed: v
                 .get("gtid_executed")
@@ -297,7 +301,9 @@ pub async fn head_status(conn: &mut Conn, flavour: Option<Flavour>) -> Result<He
         .unwrap_or_default();
     Head::from_status_columns(&cols).ok_or_else(|| {
         Error::config(
-            format!("the server reports no binlog position ({first} is empty): the binary log is off"),
+            format!(
+                "the server reports no binlog position ({first} is empty): the binary log is off"
+            ),
             "put log_bin=mysql-bin and server_id=1 in the server's option file, then restart it",
         )
     })
@@ -363,19 +369,55 @@ mod tests {
     #[test]
     fn flavours_heads_and_log_status_parse() {
         use Flavour::*;
-        assert_eq!(Flavour::detect("10.11.6-MariaDB-0+deb12u1"), MariaDb { major: 10, minor: 11 });
-        assert_eq!(Flavour::detect("5.5.5-10.6.16-MariaDB"), MariaDb { major: 10, minor: 6 });
-        assert_eq!(Flavour::detect("8.0.36-0ubuntu0.22.04.1"), MySql { major: 8, minor: 0 });
+        assert_eq!(
+            Flavour::detect("10.11.6-MariaDB-0+deb12u1"),
+            MariaDb {
+                major: 10,
+                minor: 11
+            }
+        );
+        assert_eq!(
+            Flavour::detect("5.5.5-10.6.16-MariaDB"),
+            MariaDb {
+                major: 10,
+                minor: 6
+            }
+        );
+        assert_eq!(
+            Flavour::detect("8.0.36-0ubuntu0.22.04.1"),
+            MySql { major: 8, minor: 0 }
+        );
         assert_eq!(Flavour::detect("8.4.3"), MySql { major: 8, minor: 4 });
-        assert_eq!(MySql { major: 8, minor: 4 }.head_statements()[0], "SHOW BINARY LOG STATUS");
-        assert_eq!(MySql { major: 8, minor: 0 }.head_statements()[0], "SHOW MASTER STATUS");
-        assert_eq!(MariaDb { major: 11, minor: 4 }.head_statements()[0], "SHOW MASTER STATUS");
+        assert_eq!(
+            MySql { major: 8, minor: 4 }.head_statements()[0],
+            "SHOW BINARY LOG STATUS"
+        );
+        assert_eq!(
+            MySql { major: 8, minor: 0 }.head_statements()[0],
+            "SHOW MASTER STATUS"
+        );
+        assert_eq!(
+            MariaDb {
+                major: 11,
+                minor: 4
+            }
+            .head_statements()[0],
+            "SHOW MASTER STATUS"
+        );
 
         let cols = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let h = Head::from_status_columns(&cols(&["binlog.000007", "1234", "", "", "3e11fa47-71ca-11e1-9e33-c80aa9429562:1-77"])).unwrap();
+        let h = Head::from_status_columns(&cols(&[
+            "binlog.000007",
+            "1234",
+            "",
+            "",
+            "3e11fa47-71ca-11e1-9e33-c80aa9429562:1-77",
+        ]))
+        .unwrap();
         assert_eq!((h.file.as_str(), h.pos), ("binlog.000007", 1234));
         assert_eq!(h.gtid_executed, "3e11fa47-71ca-11e1-9e33-c80aa9429562:1-77");
-        let maria = Head::from_status_columns(&cols(&["mariadb-bin.000002", "42", "", ""])).unwrap();
+        let maria =
+            Head::from_status_columns(&cols(&["mariadb-bin.000002", "42", "", ""])).unwrap();
         assert_eq!(maria.gtid_executed, "");
         assert!(Head::from_status_columns(&cols(&[])).is_none());
         assert!(Head::from_status_columns(&cols(&["f", "x"])).is_none());

@@ -300,16 +300,18 @@ impl Decoder {
                 for sid in p.sids() {
                     let tag = sid.tag().map(|t| t.to_string()).unwrap_or_default();
                     for iv in sid.intervals() {
-                        set.add_interval(sid.uuid(), &tag.to_ascii_lowercase(), iv.start(), iv.end());
+                        set.add_interval(
+                            sid.uuid(),
+                            &tag.to_ascii_lowercase(),
+                            iv.start(),
+                            iv.end(),
+                        );
                     }
                 }
             }
             TRANSACTION_PAYLOAD => {
                 let inner = unpack_payload(ev).map_err(|m| {
-                    Error::Decode(format!(
-                        "transaction payload at {}:{start}: {m}",
-                        self.file
-                    ))
+                    Error::Decode(format!("transaction payload at {}:{start}: {m}", self.file))
                 })?;
                 for e in &inner {
                     steps.extend(self.feed_at(e, start, end)?);
@@ -539,7 +541,10 @@ pub fn unpack_payload(ev: &Event) -> Result<Vec<Event>, String> {
         let len = lenenc(&mut b).ok_or("truncated header")?;
         let len = usize::try_from(len).map_err(|_| "corrupt header")?;
         if len > b.len() {
-            return Err(format!("header field {field} claims {len} bytes, {} left", b.len()));
+            return Err(format!(
+                "header field {field} claims {len} bytes, {} left",
+                b.len()
+            ));
         }
         let (mut value, rest) = b.split_at(len);
         b = rest;
@@ -552,11 +557,15 @@ pub fn unpack_payload(ev: &Event) -> Result<Vec<Event>, String> {
     }
     let size = size.ok_or("no payload size in the header")?;
     if size != b.len() as u64 {
-        return Err(format!("it claims {size} payload bytes, it holds {}", b.len()));
+        return Err(format!(
+            "it claims {size} payload bytes, it holds {}",
+            b.len()
+        ));
     }
     let reader = match algorithm {
-        Some(0) => TransactionPayloadReader::new_zstd(b)
-            .map_err(|e| format!("cannot decompress: {e}"))?,
+        Some(0) => {
+            TransactionPayloadReader::new_zstd(b).map_err(|e| format!("cannot decompress: {e}"))?
+        }
         Some(255) => TransactionPayloadReader::new_uncompressed(b),
         Some(other) => return Err(format!("unknown compression type {other}")),
         None => return Err("no compression type in the header".into()),
@@ -574,7 +583,11 @@ pub fn unpack_payload(ev: &Event) -> Result<Vec<Event>, String> {
     if bytes.len() as u64 != declared {
         return Err(format!(
             "it declares {declared} uncompressed bytes but holds {}{}",
-            if bytes.len() as u64 > declared { "more than " } else { "" },
+            if bytes.len() as u64 > declared {
+                "more than "
+            } else {
+                ""
+            },
             bytes.len().min(declared as usize)
         ));
     }

@@ -17,8 +17,8 @@ use crate::dsn::FileDsn;
 use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
 use crate::Error;
-use mysql_common::binlog::events::{BinlogEventHeader, Event, FormatDescriptionEvent};
 use mysql_common::binlog::consts::{BinlogChecksumAlg, BinlogVersion};
+use mysql_common::binlog::events::{BinlogEventHeader, Event, FormatDescriptionEvent};
 use std::path::{Path, PathBuf};
 use tokio_util::sync::CancellationToken;
 
@@ -332,7 +332,10 @@ pub fn binlog_files(sel: &FileDsn) -> Result<Vec<PathBuf>, Error> {
             continue;
         }
         let name = entry.file_name().to_string_lossy().into_owned();
-        if sel.from.as_ref().is_some_and(|f| name.as_str() < f.as_str())
+        if sel
+            .from
+            .as_ref()
+            .is_some_and(|f| name.as_str() < f.as_str())
             || sel.to.as_ref().is_some_and(|t| name.as_str() > t.as_str())
         {
             continue;
@@ -377,10 +380,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
-    let first = files
-        .first()
-        .map(|p| file_name(p))
-        .unwrap_or_default();
+    let first = files.first().map(|p| file_name(p)).unwrap_or_default();
     let mut dec = Decoder::new(table, &first, None);
     let mut published: u64 = 0;
     for path in &files {
@@ -430,7 +430,11 @@ pub async fn run(
             outlet.send_checkpoint(cp).await?;
         }
     }
-    tracing::info!(files = files.len(), events = published, "all binlog files read");
+    tracing::info!(
+        files = files.len(),
+        events = published,
+        "all binlog files read"
+    );
     finish(outlet, None).await
 }
 

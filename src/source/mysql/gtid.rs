@@ -156,8 +156,11 @@ impl fmt::Display for GtidState {
 /// sorted, merged half-open intervals `[start, end)` of transaction numbers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MysqlGtidSet {
-    sids: BTreeMap<([u8; 16], String), Vec<(u64, u64)>>,
+    sids: BTreeMap<SidKey, Vec<(u64, u64)>>,
 }
+
+/// A source UUID and a tag.
+type SidKey = ([u8; 16], String);
 
 impl MysqlGtidSet {
     pub fn is_empty(&self) -> bool {
@@ -384,7 +387,13 @@ mod tests {
         all.add(uuid, "", 8);
         assert_eq!(all.to_string(), format!("{u}:1-8,{u}:blue:1-2:5"));
         assert!(MysqlGtidSet::parse("").unwrap().is_empty());
-        for bad in ["x:1-2", &format!("{u}"), &format!("{u}:0"), &format!("{u}:5-3"), &format!("{u}:9bad:1")] {
+        for bad in [
+            "x:1-2",
+            u,
+            &format!("{u}:0"),
+            &format!("{u}:5-3"),
+            &format!("{u}:9bad:1"),
+        ] {
             assert!(MysqlGtidSet::parse(bad).is_none(), "{bad}");
         }
         // MariaDB positions are no MySQL sets, and the other way round.

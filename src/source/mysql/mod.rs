@@ -732,15 +732,25 @@ mod tests {
             pos: 1234,
             gtid_executed: set.into(),
         });
-        assert!(r.by_gtid(false), "MySQL with an executed set resumes by GTID");
+        assert!(
+            r.by_gtid(false),
+            "MySQL with an executed set resumes by GTID"
+        );
         let cp = r.checkpoint();
-        assert_eq!(cp.to_string().contains(":blue:1-3"), true, "{cp}");
+        assert!(cp.to_string().contains(":blue:1-3"), "{cp}");
         let back = Resume::from_checkpoint(&cp).unwrap();
         assert_eq!(back, r);
         let sids = back.mysql_gtids.as_ref().unwrap().to_sids();
         assert_eq!(sids.len(), 2);
-        assert_eq!(sids[1].tag().map(|t| t.to_string()).as_deref(), Some("blue"));
-        assert_eq!(sids[0].intervals()[0].end(), 78, "intervals are half-open on the wire");
+        assert_eq!(
+            sids[1].tag().map(|t| t.to_string()).as_deref(),
+            Some("blue")
+        );
+        assert_eq!(
+            sids[0].intervals()[0].end(),
+            78,
+            "intervals are half-open on the wire"
+        );
         // Without GTIDs (gtid_mode=OFF): by file and position.
         let plain = Resume::from_mysql_head(admin::Head {
             file: "binlog.000007".into(),

@@ -635,14 +635,27 @@ pub fn table_map_fits(tme: &TableMapEvent<'_>) -> Result<(), String> {
             .map_err(|e| format!("column {}: {e}", i + 1))?;
         let need = match ty {
             Some(
-                MYSQL_TYPE_TINY_BLOB | MYSQL_TYPE_MEDIUM_BLOB | MYSQL_TYPE_LONG_BLOB
-                | MYSQL_TYPE_BLOB | MYSQL_TYPE_GEOMETRY | MYSQL_TYPE_VECTOR | MYSQL_TYPE_DOUBLE
-                | MYSQL_TYPE_FLOAT | MYSQL_TYPE_TIME2 | MYSQL_TYPE_DATETIME2
-                | MYSQL_TYPE_TIMESTAMP2 | MYSQL_TYPE_JSON,
+                MYSQL_TYPE_TINY_BLOB
+                | MYSQL_TYPE_MEDIUM_BLOB
+                | MYSQL_TYPE_LONG_BLOB
+                | MYSQL_TYPE_BLOB
+                | MYSQL_TYPE_GEOMETRY
+                | MYSQL_TYPE_VECTOR
+                | MYSQL_TYPE_DOUBLE
+                | MYSQL_TYPE_FLOAT
+                | MYSQL_TYPE_TIME2
+                | MYSQL_TYPE_DATETIME2
+                | MYSQL_TYPE_TIMESTAMP2
+                | MYSQL_TYPE_JSON,
             ) => 1,
             Some(
-                MYSQL_TYPE_VARCHAR | MYSQL_TYPE_VAR_STRING | MYSQL_TYPE_STRING | MYSQL_TYPE_BIT
-                | MYSQL_TYPE_NEWDECIMAL | MYSQL_TYPE_ENUM | MYSQL_TYPE_SET,
+                MYSQL_TYPE_VARCHAR
+                | MYSQL_TYPE_VAR_STRING
+                | MYSQL_TYPE_STRING
+                | MYSQL_TYPE_BIT
+                | MYSQL_TYPE_NEWDECIMAL
+                | MYSQL_TYPE_ENUM
+                | MYSQL_TYPE_SET,
             ) => 2,
             _ => 0,
         };
@@ -656,11 +669,14 @@ pub fn table_map_fits(tme: &TableMapEvent<'_>) -> Result<(), String> {
         }
         // DECIMAL(precision, scale): 1..=65 digits, scale at most 30 and the precision.
         if ty == Some(MYSQL_TYPE_NEWDECIMAL)
-            && !(1..=65).contains(&meta[0])
-            | (meta[1] > 30)
-            | (meta[1] > meta[0])
+            && !(1..=65).contains(&meta[0]) | (meta[1] > 30) | (meta[1] > meta[0])
         {
-            return Err(format!("column {}: DECIMAL({}, {})", i + 1, meta[0], meta[1]));
+            return Err(format!(
+                "column {}: DECIMAL({}, {})",
+                i + 1,
+                meta[0],
+                meta[1]
+            ));
         }
     }
     Ok(())
