@@ -705,16 +705,7 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
         "CREATE TABLE other (id INT PRIMARY KEY); INSERT INTO other VALUES (1), (2)",
     )
     .await;
-    let want = ids.len();
-    wait_for("250 lines from the live stream", T, || {
-        let n = live.line_count();
-        async move { n >= want }
-    })
-    .await;
-    live.signal("TERM");
-    assert_eq!(live.wait_exit(T).await, 0, "{}", live.stderr_plain());
-    let live_lines = live.lines();
-    assert_eq!(live_lines.len(), ids.len());
+    let live_lines = live.lines_then_stop(ids.len(), T).await;
 
     // Close the file being written, so the replay reads only complete files.
     my_exec(&mut admin, "FLUSH BINARY LOGS").await;
