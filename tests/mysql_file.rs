@@ -4,7 +4,7 @@
 //! documented contents); GTIDs (8.4 tagged ones too) are tracked, TRANSACTION_PAYLOAD is
 //! unpacked, binary JSON becomes JSON text, truncated and mutated files give errors naming the
 //! offset and never panic; and a binlog written by the local MariaDB replays to exactly the
-//! lines the live stream produced.
+//! lines the live stream produced, and through the RabbitMQ sink to the same events.
 
 mod common;
 
@@ -757,6 +757,35 @@ async fn a_mariadb_binlog_replays_to_the_lines_the_live_stream_produced() {
         .map(|l| l["id"].as_str().unwrap().parse().unwrap())
         .collect();
     assert_eq!(got, ids, "every event once, in commit order");
+    // The same files through the RabbitMQ sink: every event, confirmed, then exit 0. No queue
+    // is bound, so the messages land in the exchange's `.unrouted` queue.
+    let topo = amqp::Topology::new("myfile").await;
+    let mut rabbit = Relay::start_with_env(
+        &[
+            "run",
+            "--source",
+            &source,
+            "--table",
+            &table,
+            "--exchange",
+            &topo.exchange,
+            "--log-level",
+            "info,lapin=warn",
+        ],
+        &[("OUTBOXD_SINK", &amqp::url())],
+    );
+    assert_eq!(rabbit.wait_exit(T).await, 0, "{}", rabbit.stderr_plain());
+    let got: Vec<uuid::Uuid> = topo
+        .take_all(&topo.unrouted())
+        .await
+        .iter()
+        .map(amqp::message_id)
+        .collect();
+    assert_eq!(
+        got, ids,
+        "every event once, in commit order, through RabbitMQ"
+    );
+
     // Positions name the server's files and carry the MariaDB GTID.
     let first = parse_lines(&replay_lines)[0]["position"]
         .as_str()
