@@ -688,10 +688,15 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             );
             Ok(())
         }
-        SourceDsn::File(_) => Err(Error::config(
-            "the binlog-file source is not available in this build",
-            "use a postgres://, mysql:// or mariadb:// source",
-        )),
+        SourceDsn::File(files) => {
+            let stats = connector::run_file(files, cfg, shutdown).await?;
+            tracing::info!(
+                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+                "binlog files replayed"
+            );
+            Ok(())
+        }
     }
 }
 

@@ -272,15 +272,7 @@ pub async fn run_poll_postgres(
         let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
         admin::require_table(&sql, &cfg.table).await?;
     }
-    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
-    let (ev_tx, ev_rx) = mpsc::channel(4096);
-    let link = SourceLink {
-        outlet: Outlet {
-            events: ev_tx,
-            budget: Budget::new(cfg.max_inflight_bytes),
-        },
-        acks: ack_rx,
-    };
+    let (link, ev_rx, ack_tx) = source_link(&cfg);
     let poll_cfg = crate::source::poll::PollConfig {
         dsn,
         name: cfg.name.clone(),
@@ -302,6 +294,27 @@ pub async fn run_poll_postgres(
     let source = crate::source::poll::run(poll_cfg, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
+}
+
+/// The channels between a source and the relay: the source's link (events out, the relay's
+/// acknowledgements in), the relay's event input and its acknowledgement output.
+fn source_link(
+    cfg: &RunConfig,
+) -> (
+    SourceLink,
+    mpsc::Receiver<crate::source::SourceMsg>,
+    watch::Sender<Option<Checkpoint>>,
+) {
+    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
+    let (ev_tx, ev_rx) = mpsc::channel(4096);
+    let link = SourceLink {
+        outlet: Outlet {
+            events: ev_tx,
+            budget: Budget::new(cfg.max_inflight_bytes),
+        },
+        acks: ack_rx,
+    };
+    (link, ev_rx, ack_tx)
 }
 
 async fn relay_and_source<S: Sink>(
@@ -386,6 +399,41 @@ pub fn mysql_outbox_table(
         columns: columns.clone(),
         tz,
     })
+}
+
+/// Replays binlog files (`--source file://…`) through the relay into the sink, then ends. No
+/// lease, no stored position, no first start: the files are the whole input (docs/mysql.md).
+pub async fn run_file(
+    files: crate::dsn::FileDsn,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::file;
+    let Some(database) = cfg.table.schema.clone() else {
+        return Err(Error::config(
+            format!(
+                "--table {} names no database: binlog files hold every database's tables",
+                cfg.table.name
+            ),
+            format!("name it with its database: --table app.{}", cfg.table.name),
+        ));
+    };
+    let table = crate::source::mysql::rows::OutboxTable {
+        database,
+        table: cfg.table.name.clone(),
+        columns: cfg.columns.clone(),
+        tz: cfg.mysql.time_zone,
+    };
+    let paths = file::binlog_files(&files)?;
+    let mut sink = make_sink(&cfg)?;
+    let (link, ev_rx, ack_tx) = source_link(&cfg);
+    let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    t.source_streaming.set(1);
+    let source = file::run(paths, table, link, shutdown);
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
+    Ok(stats)
 }
 
 /// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
@@ -473,15 +521,8 @@ where
     F: FnOnce(SourceLink) -> Fut,
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
-    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
-    let (ev_tx, ev_rx) = mpsc::channel(4096);
-    let link = SourceLink {
-        outlet: Outlet {
-            events: ev_tx,
-            budget: Budget::new(cfg.max_inflight_bytes),
-        },
-        acks: ack_rx.clone(),
-    };
+    let (link, ev_rx, ack_tx) = source_link(cfg);
+    let ack_rx = link.acks.clone();
     let lease_stop = CancellationToken::new();
     let mut sink = make_sink(cfg)?;
     let mut lease_task = tokio::spawn(state::keep_lease(

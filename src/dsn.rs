@@ -72,7 +72,17 @@ pub enum SourceDsn {
     Postgres(DbDsn),
     Mysql(DbDsn),
     /// Binlog files: one file or a directory read in order.
-    File(std::path::PathBuf),
+    File(FileDsn),
+}
+
+/// Which binlog files a `file://` source reads: `file:///dir/mysql-bin.000042` (one file),
+/// `file:///dir/` (every binlog file in it, in name order) or
+/// `file:///dir/?from=mysql-bin.000040&to=mysql-bin.000042` (those, inclusive).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileDsn {
+    pub path: std::path::PathBuf,
+    pub from: Option<String>,
+    pub to: Option<String>,
 }
 
 impl SourceDsn {
@@ -86,12 +96,28 @@ impl SourceDsn {
         match url.scheme() {
             "postgres" | "postgresql" => Ok(SourceDsn::Postgres(db_dsn(&url, 5432, "sslmode")?)),
             "mysql" | "mariadb" => Ok(SourceDsn::Mysql(db_dsn(&url, 3306, "ssl-mode")?)),
-            "file" => Ok(SourceDsn::File(url.to_file_path().map_err(|_| {
-                Error::config(
-                    format!("{s} is not a local file path"),
-                    "use file:///absolute/path/to/binlog.000001",
-                )
-            })?)),
+            "file" => {
+                let path = url.to_file_path().map_err(|_| {
+                    Error::config(
+                        format!("{s} is not a local file path"),
+                        "use file:///absolute/path/to/binlog.000001",
+                    )
+                })?;
+                let (mut from, mut to) = (None, None);
+                for (k, v) in url.query_pairs() {
+                    match k.as_ref() {
+                        "from" => from = Some(v.into_owned()),
+                        "to" => to = Some(v.into_owned()),
+                        other => {
+                            return Err(Error::config(
+                                format!("unknown option {other:?} in the file source {s}"),
+                                "a file source takes from= and to= (binlog file names in the directory), e.g. file:///var/lib/mysql/?from=mysql-bin.000040",
+                            ))
+                        }
+                    }
+                }
+                Ok(SourceDsn::File(FileDsn { path, from, to }))
+            }
             other => Err(Error::config(
                 format!("unsupported source scheme {other:?}"),
                 "use postgres://, postgresql://, mysql://, mariadb:// or file://",
@@ -280,6 +306,19 @@ mod tests {
         ));
         assert!(matches!(
             SourceDsn::parse("file:///var/lib/mysql/bin.000001").unwrap(),
+            SourceDsn::File(_)
+        ));
+        assert_eq!(
+            SourceDsn::parse("file:///var/lib/mysql/?from=bin.000002&to=bin.000003").unwrap(),
+            SourceDsn::File(FileDsn {
+                path: "/var/lib/mysql/".into(),
+                from: Some("bin.000002".into()),
+                to: Some("bin.000003".into()),
+            })
+        );
+        assert!(SourceDsn::parse("file:///var/lib/mysql/?start=4").is_err());
+        assert!(matches!(
+            SourceDsn::parse("file:///x").unwrap(),
             SourceDsn::File(_)
         ));
         assert!(SourceDsn::parse("redis://x").is_err());

@@ -229,16 +229,7 @@ async fn relay_lines(
     args.extend_from_slice(extra);
     let mut relay = start_streaming(db, &args).await;
     write.await;
-    wait_for(&format!("{n} lines"), T, || {
-        let c = relay.line_count();
-        async move { c >= n }
-    })
-    .await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
-    let lines = relay.lines();
-    assert_eq!(lines.len(), n, "{lines:?}");
-    lines
+    relay.lines_then_stop(n, T).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -317,6 +317,22 @@ impl Relay {
 }
 
 impl Relay {
+    /// Waits for `n` stdout lines, stops the relay with SIGTERM, checks that it exits with 0
+    /// and that exactly `n` lines came; returns them.
+    pub async fn lines_then_stop(&mut self, n: usize, timeout: Duration) -> Vec<String> {
+        let relay = &*self;
+        wait_for(&format!("{n} lines"), timeout, || {
+            let c = relay.line_count();
+            async move { c >= n }
+        })
+        .await;
+        self.signal("TERM");
+        assert_eq!(self.wait_exit(timeout).await, 0, "{}", self.stderr());
+        let lines = self.lines();
+        assert_eq!(lines.len(), n, "{lines:?}");
+        lines
+    }
+
     /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
     pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
         let deadline = Instant::now() + timeout;

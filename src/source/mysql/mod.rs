@@ -18,6 +18,7 @@
 
 pub mod admin;
 pub mod decode;
+pub mod file;
 pub mod gtid;
 pub mod operator;
 pub mod rows;
@@ -30,7 +31,7 @@ use crate::source::SourceLink;
 use crate::Error;
 use decode::{Decoder, Step};
 use futures::StreamExt;
-use gtid::GtidState;
+use gtid::{GtidState, MysqlGtidSet};
 use mysql_async::binlog::events::Event;
 use mysql_async::prelude::Queryable;
 use mysql_async::{BinlogStreamRequest, Conn, OptsBuilder, SslOpts};
@@ -238,6 +239,8 @@ pub struct Resume {
     pub pos: u64,
     /// MariaDB: the GTID state at that boundary (every domain).
     pub gtid: Option<GtidState>,
+    /// MySQL: the executed GTID set at that boundary (for `COM_BINLOG_DUMP_GTID`).
+    pub mysql_gtids: Option<MysqlGtidSet>,
     /// Open the stream by file and position even where a GTID state is known (the stored
     /// position had none, e.g. after `offset set` by position).
     pub by_position: bool,
@@ -254,15 +257,25 @@ impl Resume {
                 file: file.clone(),
                 pos: *pos,
                 gtid: gtid_state.as_deref().and_then(GtidState::parse),
+                mysql_gtids: gtid_state
+                    .as_deref()
+                    .and_then(MysqlGtidSet::parse)
+                    .filter(|s| !s.is_empty()),
                 by_position: gtid_state.as_deref().is_none_or(str::is_empty),
             }),
             _ => None,
         }
     }
 
-    /// Whether the stream opens by GTID: on MariaDB, with a known state, unless told otherwise.
+    /// Whether the stream opens by GTID: with a known state (MariaDB) or executed set
+    /// (MySQL), unless told otherwise.
     pub fn by_gtid(&self, mariadb: bool) -> bool {
-        mariadb && !self.by_position && self.gtid.as_ref().is_some_and(|g| !g.is_empty())
+        !self.by_position
+            && if mariadb {
+                self.gtid.as_ref().is_some_and(|g| !g.is_empty())
+            } else {
+                self.mysql_gtids.as_ref().is_some_and(|g| !g.is_empty())
+            }
     }
 
     pub fn checkpoint(&self) -> Checkpoint {
@@ -273,7 +286,24 @@ impl Resume {
                 .gtid
                 .as_ref()
                 .filter(|g| !g.is_empty())
-                .map(|g| g.to_string()),
+                .map(|g| g.to_string())
+                .or_else(|| {
+                    self.mysql_gtids
+                        .as_ref()
+                        .filter(|g| !g.is_empty())
+                        .map(|g| g.to_string())
+                }),
+        }
+    }
+
+    /// A start at a MySQL binlog head (file, position and the executed GTID set there).
+    pub fn from_mysql_head(head: admin::Head) -> Resume {
+        Resume {
+            mysql_gtids: MysqlGtidSet::parse(&head.gtid_executed).filter(|s| !s.is_empty()),
+            file: head.file,
+            pos: head.pos,
+            gtid: None,
+            by_position: false,
         }
     }
 }
@@ -281,16 +311,20 @@ impl Resume {
 /// The server's current position as a place to start streaming (first start): the head of the
 /// binlog and, on MariaDB, the GTID state exactly there.
 pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, Error> {
+    if !mariadb {
+        // MySQL: the new statement name first (8.2+), the old one where it is unknown.
+        let flavour = admin::Flavour::MySql { major: 8, minor: 4 };
+        return Ok(Resume::from_mysql_head(
+            admin::head_status(conn, Some(flavour)).await?,
+        ));
+    }
     let (file, pos) = admin::head(conn).await?;
-    let gtid = if mariadb {
-        Some(admin::gtid_at(conn, &file, pos).await?)
-    } else {
-        None
-    };
+    let gtid = Some(admin::gtid_at(conn, &file, pos).await?);
     Ok(Resume {
         file,
         pos,
         gtid,
+        mysql_gtids: None,
         by_position: false,
     })
 }
@@ -315,7 +349,19 @@ async fn open_stream(
     setup.await?;
     let by_gtid = from.by_gtid(cfg.mariadb);
     let request = BinlogStreamRequest::new(cfg.server_id);
-    let stream = if by_gtid {
+    let stream = if by_gtid && !cfg.mariadb {
+        // MySQL: COM_BINLOG_DUMP_GTID with the executed set; the server sends every
+        // transaction not in it (8.4 tagged GTIDs switch the request to the tagged format).
+        let set = from.mysql_gtids.as_ref().expect("checked");
+        conn.get_binlog_stream(
+            request
+                .with_gtid()
+                .with_gtid_set(set.to_sids())
+                .with_filename(b"")
+                .with_pos(4u64),
+        )
+        .await
+    } else if by_gtid {
         let state = from.gtid.as_ref().expect("checked").to_string();
         conn.exec_drop("SET @slave_connect_state = ?", (state,))
             .await?;
@@ -451,7 +497,12 @@ pub async fn run(
             cfg.table.clone(),
             &resume.file,
             cfg.mariadb.then(|| resume.gtid.clone().unwrap_or_default()),
-        );
+        )
+        .with_mysql_gtids(if cfg.mariadb {
+            None
+        } else {
+            resume.mysql_gtids.clone()
+        });
         let mut open: Option<Open> = None;
 
         loop {
@@ -592,6 +643,7 @@ pub async fn run(
                             file: dec.file().to_string(),
                             pos: end,
                             gtid: dec.gtid_state().cloned(),
+                            mysql_gtids: dec.mysql_gtids().cloned(),
                             by_position: resume.by_position,
                         };
                         if had_events {
@@ -670,6 +722,50 @@ mod tests {
             ssl_opts(&dsn("?ssl-mode=require&ssl-cert=/c.pem")).is_err(),
             "cert without key"
         );
+    }
+
+    #[test]
+    fn mysql_gtid_sets_ride_in_checkpoints_and_choose_gtid_resume() {
+        let set = "3e11fa47-71ca-11e1-9e33-c80aa9429562:1-77,3e11fa47-71ca-11e1-9e33-c80aa9429562:blue:1-3";
+        let r = Resume::from_mysql_head(admin::Head {
+            file: "binlog.000007".into(),
+            pos: 1234,
+            gtid_executed: set.into(),
+        });
+        assert!(
+            r.by_gtid(false),
+            "MySQL with an executed set resumes by GTID"
+        );
+        let cp = r.checkpoint();
+        assert!(cp.to_string().contains(":blue:1-3"), "{cp}");
+        let back = Resume::from_checkpoint(&cp).unwrap();
+        assert_eq!(back, r);
+        let sids = back.mysql_gtids.as_ref().unwrap().to_sids();
+        assert_eq!(sids.len(), 2);
+        assert_eq!(
+            sids[1].tag().map(|t| t.to_string()).as_deref(),
+            Some("blue")
+        );
+        assert_eq!(
+            sids[0].intervals()[0].end(),
+            78,
+            "intervals are half-open on the wire"
+        );
+        // Without GTIDs (gtid_mode=OFF): by file and position.
+        let plain = Resume::from_mysql_head(admin::Head {
+            file: "binlog.000007".into(),
+            pos: 1234,
+            gtid_executed: String::new(),
+        });
+        assert!(!plain.by_gtid(false));
+        // A MariaDB state is no MySQL set.
+        let maria = Resume::from_checkpoint(&Checkpoint::Binlog {
+            file: "mariadb-bin.000002".into(),
+            pos: 4,
+            gtid_state: Some("0-1-6".into()),
+        })
+        .unwrap();
+        assert!(maria.mysql_gtids.is_none() && maria.by_gtid(true) && !maria.by_gtid(false));
     }
 
     #[test]

@@ -624,9 +624,67 @@ fn short_debug(v: &BinlogValue<'_>) -> String {
     s
 }
 
+/// Whether every column of a table map carries the type metadata its type needs (bytes
+/// `mysql_common` indexes without checking when it decodes a row value: a corrupt table map
+/// would make it panic). Checked before any row of a table map is decoded.
+pub fn table_map_fits(tme: &TableMapEvent<'_>) -> Result<(), String> {
+    use ColumnType::*;
+    for i in 0..tme.columns_count() as usize {
+        let ty = tme
+            .get_column_type(i)
+            .map_err(|e| format!("column {}: {e}", i + 1))?;
+        let need = match ty {
+            Some(
+                MYSQL_TYPE_TINY_BLOB
+                | MYSQL_TYPE_MEDIUM_BLOB
+                | MYSQL_TYPE_LONG_BLOB
+                | MYSQL_TYPE_BLOB
+                | MYSQL_TYPE_GEOMETRY
+                | MYSQL_TYPE_VECTOR
+                | MYSQL_TYPE_DOUBLE
+                | MYSQL_TYPE_FLOAT
+                | MYSQL_TYPE_TIME2
+                | MYSQL_TYPE_DATETIME2
+                | MYSQL_TYPE_TIMESTAMP2
+                | MYSQL_TYPE_JSON,
+            ) => 1,
+            Some(
+                MYSQL_TYPE_VARCHAR
+                | MYSQL_TYPE_VAR_STRING
+                | MYSQL_TYPE_STRING
+                | MYSQL_TYPE_BIT
+                | MYSQL_TYPE_NEWDECIMAL
+                | MYSQL_TYPE_ENUM
+                | MYSQL_TYPE_SET,
+            ) => 2,
+            _ => 0,
+        };
+        let meta = tme.get_column_metadata(i).unwrap_or(&[]);
+        if meta.len() < need {
+            return Err(format!(
+                "column {} ({ty:?}) has {} metadata bytes, its type needs {need}",
+                i + 1,
+                meta.len()
+            ));
+        }
+        // DECIMAL(precision, scale): 1..=65 digits, scale at most 30 and the precision.
+        if ty == Some(MYSQL_TYPE_NEWDECIMAL)
+            && !(1..=65).contains(&meta[0]) | (meta[1] > 30) | (meta[1] > meta[0])
+        {
+            return Err(format!(
+                "column {}: DECIMAL({}, {})",
+                i + 1,
+                meta[0],
+                meta[1]
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// JSON text of a payload/headers value: text columns byte for byte (validated), MySQL 8
 /// binary JSON rendered as text.
-fn json_text(v: Option<&BinlogValue<'_>>) -> Result<Bytes, String> {
+pub fn json_text(v: Option<&BinlogValue<'_>>) -> Result<Bytes, String> {
     match v {
         Some(BinlogValue::Value(Value::Bytes(b))) => {
             if serde_json::from_slice::<serde::de::IgnoredAny>(b).is_ok() {

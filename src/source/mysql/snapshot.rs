@@ -162,10 +162,16 @@ pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<
         .await?;
     // TIMESTAMP values and comparisons in UTC.
     conn.query_drop("SET time_zone = '+00:00'").await?;
+    // MySQL has no binlog_snapshot_* status: the position is read just before the snapshot
+    // opens, from performance_schema.log_status where readable (position and executed GTID
+    // set taken together while commits are blocked), else from SHOW BINARY LOG STATUS.
     let before = if mariadb {
         None
     } else {
-        Some(super::current_position(&mut conn, false).await?)
+        Some(match admin::log_status(&mut conn).await {
+            Some(head) => Resume::from_mysql_head(head),
+            None => super::current_position(&mut conn, false).await?,
+        })
     };
     conn.query_drop("START TRANSACTION WITH CONSISTENT SNAPSHOT")
         .await?;
@@ -193,6 +199,7 @@ pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<
                 file,
                 pos,
                 gtid: Some(gtid),
+                mysql_gtids: None,
                 by_position: false,
             }
         }
