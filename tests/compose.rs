@@ -4,8 +4,12 @@
 //! Dockerfile is checked statically (every COPY source exists, the binaries it installs are the
 //! crate's, the healthchecks call a subcommand the binary has).
 
+mod common;
+
+use common::*;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -234,6 +238,47 @@ fn dockerfile_copies_what_exists_and_installs_the_crates_binaries() {
         .output()
         .unwrap();
     assert!(out.status.success(), "outboxd health --help");
+}
+
+/// `outboxd health`, the relays' healthcheck: exit 1 with the reason while nothing answers,
+/// 0 once the relay is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_probes_readyz() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let t = Duration::from_secs(60);
+    let mut down = Relay::start(&["health", "--addr", &addr]);
+    assert_eq!(down.wait_exit(t).await, 1, "nothing listens yet");
+    assert!(
+        down.stderr_plain().contains("cannot connect"),
+        "{}",
+        down.stderr()
+    );
+
+    let db = PgDb::create("health").await;
+    let dsn = db.dsn();
+    let relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        "health",
+        "--commit-offsets",
+        "--metrics-addr",
+        &addr,
+    ]);
+    wait_for("outboxd health to pass", t, || async {
+        let mut probe = Relay::start(&["health", "--addr", &addr]);
+        probe.wait_exit(t).await == 0 && probe.lines().iter().any(|l| l.starts_with("ok   /readyz"))
+    })
+    .await;
+    let mut live = Relay::start(&["health", "--addr", &addr, "--path", "/healthz"]);
+    assert_eq!(live.wait_exit(t).await, 0, "{}", live.stderr());
+    relay.signal("TERM");
 }
 
 /// `[[bin]]` / `[[bench]]` targets of a Cargo manifest: (kind, name, path when given).
