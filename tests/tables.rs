@@ -40,6 +40,47 @@ fn assert_delivered(got: &[lapin::message::Delivery], written: &Written) {
     }
 }
 
+/// The rows to write, per transaction: (table, aggregate, sequence within the aggregate).
+/// Transactions go into one table or both, and aggregates span both tables. MySQL's outbox
+/// has an integer aggregate id, hence `numeric`.
+fn transactions(numeric: bool) -> Vec<Vec<(&'static str, String, u64)>> {
+    let mut seq: HashMap<String, u64> = HashMap::new();
+    (0..150usize)
+        .map(|t| {
+            let tables: &[&'static str] = match t % 3 {
+                0 => &["outbox"],
+                1 => &["outbox_b"],
+                _ => &["outbox_b", "outbox", "outbox_b"],
+            };
+            tables
+                .iter()
+                .enumerate()
+                .map(|(i, table)| {
+                    let k = (t + i) % 7;
+                    let agg = if numeric {
+                        k.to_string()
+                    } else {
+                        format!("agg-{k}")
+                    };
+                    let s = seq.entry(agg.clone()).or_default();
+                    *s += 1;
+                    (*table, agg, *s)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `outboxd run` over both tables into RabbitMQ (the sink URL through the environment).
+fn start_two_table_relay(dsn: &str, name: &str, tables: &[&str], exchange: &str) -> Relay {
+    let mut args = vec!["run", "--source", dsn, "--name", name];
+    for t in tables {
+        args.extend(["--table", t]);
+    }
+    args.extend(["--exchange", exchange, "--log-level", "info,lapin=warn"]);
+    Relay::start_with_env(&args, &[("OUTBOXD_SINK", &amqp::url())])
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_two_tables_one_slot_one_publication_one_position() {
     let mut db = PgDb::create("tables").await;
@@ -76,55 +117,27 @@ async fn postgres_two_tables_one_slot_one_publication_one_position() {
         .get(0);
     assert_eq!(published, 2, "one publication covers both tables");
 
-    let relay = Relay::start_with_env(
-        &[
-            "run",
-            "--source",
-            &dsn,
-            "--name",
-            name,
-            "--table",
-            "outbox",
-            "--table",
-            "outbox_b",
-            "--exchange",
-            &topo.exchange,
-            "--log-level",
-            "info,lapin=warn",
-        ],
-        &[("OUTBOXD_SINK", &amqp::url())],
-    );
+    let relay = start_two_table_relay(&dsn, name, &["outbox", "outbox_b"], &topo.exchange);
     topo.wait_declared(T).await;
     let queue = topo.bind_queue("all", "#").await;
     wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
 
-    // Transactions into one table or both; aggregates span both tables.
     let mut client = db.client().await;
-    let a = outboxd::Outbox::new("outbox").unwrap();
-    let b = outboxd::Outbox::new("outbox_b").unwrap();
     let mut written: Written = Vec::new();
-    let mut seq: HashMap<String, u64> = HashMap::new();
-    for t in 0..150usize {
+    for rows in transactions(false) {
         let tx = client.transaction().await.unwrap();
-        let targets: &[(&outboxd::Outbox, &'static str)] = match t % 3 {
-            0 => &[(&a, "outbox")],
-            1 => &[(&b, "outbox_b")],
-            _ => &[(&b, "outbox_b"), (&a, "outbox"), (&b, "outbox_b")],
-        };
-        for (i, (outbox, table)) in targets.iter().enumerate() {
-            let agg = format!("agg-{}", (t + i) % 7);
-            let s = seq.entry(agg.clone()).or_default();
-            *s += 1;
-            let id = outbox
+        for (table, agg, seq) in rows {
+            let id = outboxd::Outbox::new(table)
+                .unwrap()
                 .write(
                     &tx,
                     "invoice.created",
                     &agg,
-                    &serde_json::json!({"seq": *s}),
+                    &serde_json::json!({"seq": seq}),
                 )
                 .await
                 .unwrap();
-            written.push((id, table, agg, *s));
+            written.push((id, table, agg, seq));
         }
         tx.commit().await.unwrap();
     }
@@ -164,54 +177,30 @@ async fn mariadb_two_tables_one_binlog_stream_one_position() {
         "setup", "--source", &dsn, "--name", name, "--table", "outbox", "--table", "outbox_b",
     ]);
     assert_eq!(setup.wait_exit(T).await, 0, "{}", setup.stderr());
-    let relay = Relay::start_with_env(
-        &[
-            "run",
-            "--source",
-            &dsn,
-            "--name",
-            name,
-            "--table",
-            "outbox,outbox_b",
-            "--exchange",
-            &topo.exchange,
-            "--log-level",
-            "info,lapin=warn",
-        ],
-        &[("OUTBOXD_SINK", &amqp::url())],
-    );
+    // One flag, comma separated: the same as repeating it.
+    let relay = start_two_table_relay(&dsn, name, &["outbox,outbox_b"], &topo.exchange);
     topo.wait_declared(T).await;
     let queue = topo.bind_queue("all", "#").await;
     wait_for("the relay to stream the binlog", T, || db.streaming()).await;
 
-    let a = outboxd::Outbox::new("outbox").unwrap();
-    let b = outboxd::Outbox::new("outbox_b").unwrap();
     let mut written: Written = Vec::new();
-    let mut seq: HashMap<String, u64> = HashMap::new();
-    for t in 0..150usize {
+    for rows in transactions(true) {
         let mut tx = conn
             .start_transaction(mysql_async::TxOpts::default())
             .await
             .unwrap();
-        let targets: &[(&outboxd::Outbox, &'static str)] = match t % 3 {
-            0 => &[(&a, "outbox")],
-            1 => &[(&b, "outbox_b")],
-            _ => &[(&b, "outbox_b"), (&a, "outbox"), (&b, "outbox_b")],
-        };
-        for (i, (outbox, table)) in targets.iter().enumerate() {
-            let agg = format!("{}", (t + i) % 7); // an integer column in the MySQL outbox
-            let s = seq.entry(agg.clone()).or_default();
-            *s += 1;
-            let id = outbox
+        for (table, agg, seq) in rows {
+            let id = outboxd::Outbox::new(table)
+                .unwrap()
                 .write_mysql(
                     &mut tx,
                     "invoice.created",
                     &agg,
-                    &serde_json::json!({"seq": *s}),
+                    &serde_json::json!({"seq": seq}),
                 )
                 .await
                 .unwrap();
-            written.push((id, table, agg, *s));
+            written.push((id, table, agg, seq));
         }
         tx.commit().await.unwrap();
     }
