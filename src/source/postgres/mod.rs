@@ -1,6 +1,7 @@
 //! The Postgres source: a logical replication slot with the pgoutput plugin and a publication
-//! on the outbox table only (`publish = 'insert'`), read with `pgwire-replication`, decoded by
-//! our own [`pgoutput`] module, plain SQL with `tokio-postgres`.
+//! on the outbox tables only (`publish = 'insert'`, through the partition root for partitioned
+//! ones), read with `pgwire-replication`, decoded by our own [`pgoutput`] module, plain SQL with
+//! `tokio-postgres`. Several `--table`s share the one slot and its commit order.
 //!
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
