@@ -89,13 +89,18 @@ backlog
 t0=$(date +%s.%N)
 start
 samples=$(mktemp)
+# Sampled every 100 ms in the background while the queue depth is polled (about 1 s a call).
+(while kill -0 "$PID" 2>/dev/null; do rss >>"$samples" 2>/dev/null || true; sleep 0.1; done) &
+SAMPLER=$!
 while :; do
-    for _ in $(seq 10); do rss >>"$samples"; sleep 0.1; done
     n=$(queued)
     ((${n:-0} >= EVENTS)) && break
     if (($(date +%s) - ${t0%.*} > 900)); then echo "drain not done in 15 min ($n)" >&2; exit 1; fi
+    sleep 0.2
 done
 t1=$(date +%s.%N)
+kill "$SAMPLER" 2>/dev/null || true
+wait "$SAMPLER" 2>/dev/null || true
 busy=$(summary <"$samples")
 rm -f "$samples"
 idle2=$(for _ in $(seq $((IDLE_S * 10))); do rss; sleep 0.1; done | summary)
