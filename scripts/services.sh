@@ -6,6 +6,8 @@
 #   - RabbitMQ:   running, plugins rabbitmq_consistent_hash_exchange and rabbitmq_management,
 #                 a TLS listener on 127.0.0.1:5671 with a self-signed test CA (server and client
 #                 certificates under /etc/rabbitmq/outboxd-tls/)
+#   - docker-compose: Debian's package, installed when missing (validates docker-compose.yml;
+#                 no Docker engine runs here); a warning, not a failure, when apt is unreachable
 #
 # For a Debian 12 machine with the distribution packages, run as root, no systemd.
 # Idempotent: every run checks everything (one line per check) and changes or restarts a service
@@ -678,6 +680,23 @@ amqp_answers() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# docker-compose (only to validate docker-compose.yml in tests/compose.rs; no Docker engine runs)
+# ---------------------------------------------------------------------------------------------
+
+docker_compose_section() {
+    if command -v docker-compose >/dev/null 2>&1; then
+        say compose "ok: docker-compose $(docker-compose version --short 2>/dev/null || echo present)"
+        return
+    fi
+    # Not a service the relay needs: when apt cannot reach its mirrors, warn and go on.
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y docker-compose >/tmp/outboxd-docker-compose.log 2>&1; then
+        changed compose "installed Debian's docker-compose package"
+    else
+        say compose "WARNING: apt-get install -y docker-compose failed (see /tmp/outboxd-docker-compose.log); tests/compose.rs fails until it is installed"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------
 # Verification
 # ---------------------------------------------------------------------------------------------
 
@@ -769,6 +788,7 @@ main() {
     mariadb_section
     rabbitmq_section
     rabbitmq_tls_section
+    docker_compose_section
     verify
     echo "services.sh done in $((SECONDS - t0))s"
 }

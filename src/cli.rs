@@ -53,6 +53,9 @@ pub enum Command {
     /// Read or deliberately move the stored position.
     #[command(subcommand)]
     Offset(OffsetCommand),
+    /// Probe a running relay's /readyz (or /healthz): exit 0 when it answers 200, 1 otherwise
+    /// (a container healthcheck that needs no curl or wget in the image).
+    Health(HealthArgs),
     /// Declare a consumer group's partition queues (or the relay's own), idempotently.
     Topology(crate::sink::topology::TopologyArgs),
     /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
@@ -126,9 +129,15 @@ pub struct SourceArgs {
     /// File holding the source DSN, or only its password (the file's first line).
     #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
     pub source_file: Option<std::path::PathBuf>,
-    /// Outbox table (`schema.table` on Postgres, `db.table` for binlog files).
-    #[arg(long, env = "OUTBOXD_TABLE", default_value = "outbox")]
-    pub table: String,
+    /// Outbox table (`schema.table` on Postgres, `db.table` for binlog files); repeat it (or
+    /// separate with commas) to relay several tables through one slot / binlog stream.
+    #[arg(
+        long = "table",
+        env = "OUTBOXD_TABLE",
+        value_delimiter = ',',
+        default_value = "outbox"
+    )]
+    pub tables: Vec<String>,
     /// Relay name: names its state, lease and slot ([a-z0-9_], at most 40 characters).
     #[arg(long, env = "OUTBOXD_NAME", default_value = "outboxd")]
     pub name: String,
@@ -276,6 +285,16 @@ pub struct SetupArgs {
 }
 
 #[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// The relay's --metrics-addr (HOST:PORT).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    pub addr: String,
+    /// Which endpoint: /readyz (streaming and broker connected) or /healthz (process serves).
+    #[arg(long, default_value = "/readyz")]
+    pub path: String,
+}
+
+#[derive(Debug, Clone, Args)]
 pub struct TeardownArgs {
     #[command(flatten)]
     pub source: SourceArgs,
@@ -404,8 +423,27 @@ struct Resolved {
     name: String,
     slot: String,
     publication: String,
-    table: TableName,
+    tables: Vec<TableName>,
     columns: ColumnMap,
+}
+
+/// `--table`, repeated: each parsed, none twice.
+fn parse_tables(specs: &[String]) -> Result<Vec<TableName>, Error> {
+    let mut tables: Vec<TableName> = Vec::with_capacity(specs.len());
+    for s in specs {
+        let t = TableName::parse(s.trim())?;
+        if tables.contains(&t) {
+            return Err(Error::config(
+                format!("--table {t} is given twice"),
+                "name each outbox table once",
+            ));
+        }
+        tables.push(t);
+    }
+    if tables.is_empty() {
+        return Err(Error::config("no --table given", "pass --table outbox"));
+    }
+    Ok(tables)
 }
 
 fn resolve_source(args: &SourceArgs, m: &ArgMatches) -> Result<Resolved, Error> {
@@ -437,7 +475,7 @@ fn resolve_source(args: &SourceArgs, m: &ArgMatches) -> Result<Resolved, Error> 
         name: args.name.clone(),
         slot,
         publication,
-        table: TableName::parse(&args.table)?,
+        tables: parse_tables(&args.tables)?,
         columns: ColumnMap::parse(&args.columns)?,
     })
 }
@@ -459,6 +497,7 @@ pub async fn execute(
             let sub = sub.subcommand().map(|(_, m)| m).unwrap_or(sub);
             offset(cmd, sub).await
         }
+        Command::Health(args) => crate::telemetry::probe(&args.addr, &args.path).await,
         Command::Topology(args) => crate::sink::topology::run(args, sub).await,
         Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
         Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
@@ -481,14 +520,28 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
-        let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
-        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
+        let mut lines = Vec::new();
+        for table in connector::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
+            let table_lines =
+                crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await;
+            // The server-wide lines once; each further table adds its own.
+            let seen: Vec<String> = lines
+                .iter()
+                .map(|l: &crate::operator::CheckLine| l.to_string())
+                .collect();
+            lines.extend(
+                table_lines
+                    .into_iter()
+                    .filter(|l| !seen.contains(&l.to_string())),
+            );
+        }
+        lines
     } else {
         let dsn = postgres_only(r.source, "check")?;
         crate::operator::check_postgres(&crate::operator::PgTarget {
             dsn: &dsn,
             name: &r.name,
-            table: &r.table,
+            tables: &r.tables,
             columns: &r.columns,
             slot: &r.slot,
             publication: &r.publication,
@@ -620,7 +673,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         name: r.name,
         slot: r.slot,
         publication: r.publication,
-        table: r.table,
+        tables: r.tables,
         columns: r.columns,
         sink,
         commit_offsets: args.commit_offsets,
@@ -711,24 +764,26 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
         )),
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
-    if args.create_table {
-        let created = admin::create_outbox_table(&client, &r.table).await?;
-        println!(
-            "ok   outbox table {} ({})",
-            r.table.pg_quoted(),
-            if created { "created" } else { "exists" }
-        );
-    }
-    admin::require_table(&client, &r.table).await?;
-    if args.notify {
-        client
-            .batch_execute(&crate::source::poll::notify_trigger_sql(&r.table))
-            .await?;
-        println!(
-            "ok   notify trigger on {} (channel {})",
-            r.table.pg_quoted(),
-            crate::source::poll::notify_channel(&r.table)
-        );
+    for table in &r.tables {
+        if args.create_table {
+            let created = admin::create_outbox_table(&client, table).await?;
+            println!(
+                "ok   outbox table {} ({})",
+                table.pg_quoted(),
+                if created { "created" } else { "exists" }
+            );
+        }
+        admin::require_table(&client, table).await?;
+        if args.notify {
+            client
+                .batch_execute(&crate::source::poll::notify_trigger_sql(table))
+                .await?;
+            println!(
+                "ok   notify trigger on {} (channel {})",
+                table.pg_quoted(),
+                crate::source::poll::notify_channel(table)
+            );
+        }
     }
     if args.mode == Mode::Poll {
         return Ok(());
@@ -736,13 +791,25 @@ async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     admin::require_logical(&client).await?;
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
-    let created = admin::ensure_publication(&client, &r.publication, &r.table).await?;
-    println!(
-        "ok   publication {} on {} ({})",
-        r.publication,
-        r.table.pg_quoted(),
-        if created { "created" } else { "exists" }
-    );
+    let list = r
+        .tables
+        .iter()
+        .map(TableName::pg_quoted)
+        .collect::<Vec<_>>()
+        .join(", ");
+    match admin::ensure_publication(&client, &r.publication, &r.tables).await? {
+        admin::PublicationChange::Created => {
+            println!("ok   publication {} on {list} (created)", r.publication)
+        }
+        admin::PublicationChange::Exists => {
+            println!("ok   publication {} on {list} (exists)", r.publication)
+        }
+        admin::PublicationChange::Added(added) => println!(
+            "ok   publication {} on {list}: added {} — a running relay publishes their inserts committed from now on; rows already in them are not published (replay them with `outboxd offset set --replay-since` if needed)",
+            r.publication,
+            added.iter().map(TableName::pg_quoted).collect::<Vec<_>>().join(", ")
+        ),
+    }
     match admin::slot(&client, &r.slot).await? {
         Some(_) => println!("ok   replication slot {} (exists)", r.slot),
         None => {
@@ -826,9 +893,10 @@ async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
         "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
         settings.version
     );
-    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
-    my_admin::require_table(&mut conn, &cfg_table).await?;
-    println!("ok   outbox table {}", cfg_table.quoted());
+    for table in connector::mysql_tables(&dsn, &r.tables, &r.columns, Default::default())? {
+        my_admin::require_table(&mut conn, &table).await?;
+        println!("ok   outbox table {}", table.quoted());
+    }
     crate::state::mysql::ensure_table(&mut conn).await?;
     println!("ok   state table outboxd_state");
     Ok(())

@@ -26,7 +26,8 @@ pub struct RunConfig {
     pub name: String,
     pub slot: String,
     pub publication: String,
-    pub table: TableName,
+    /// The outbox tables (`--table`, repeatable; at least one), sharing one column map.
+    pub tables: Vec<TableName>,
     pub columns: ColumnMap,
     /// MySQL/MariaDB source settings (ignored by other sources).
     pub mysql: MySqlOptions,
@@ -101,7 +102,9 @@ pub async fn run_postgres(
     let app = format!("outboxd_{}", cfg.name);
     let mut sql = pg::connect_sql(&dsn, &app).await?;
     admin::require_logical(&sql).await?;
-    admin::require_table(&sql, &cfg.table).await?;
+    for t in &cfg.tables {
+        admin::require_table(&sql, t).await?;
+    }
     let holder = state::holder_id();
     let lease = loop {
         match state::postgres::acquire(&mut sql, &cfg.name, &cfg.slot, &cfg.publication, &holder)
@@ -131,16 +134,14 @@ pub async fn run_postgres(
             tracing::warn!(slot = %cfg.slot, "took over: ended the previous leader's walsender");
         }
     }
-    admin::ensure_publication(&sql, &cfg.publication, &cfg.table).await?;
+    admin::ensure_publication(&sql, &cfg.publication, &cfg.tables).await?;
 
     // Decided before the slot exists, so `auto` on a non-empty table without a status column
     // refuses without leaving a slot behind.
     let plan = match (&lease.replay_since, lease.first_start) {
-        (Some(since), _) => {
-            snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(*since)).await?
-        }
-        (None, true) => snapshot::plan(&sql, &cfg.table, &cfg.columns, &cfg.snapshot).await?,
-        (None, false) => SnapshotPlan::Nothing,
+        (Some(since), _) => plan_tables(&sql, &cfg, &SnapshotMode::Since(*since)).await?,
+        (None, true) => plan_tables(&sql, &cfg, &cfg.snapshot).await?,
+        (None, false) => Vec::new(),
     };
     let mut plan = plan;
     let mut lease = lease;
@@ -164,18 +165,21 @@ pub async fn run_postgres(
         state::postgres::set_replay(&sql, &lease, since).await?;
         lease.replay_since = Some(since);
         lease.first_start = true;
-        plan = snapshot::plan(&sql, &cfg.table, &cfg.columns, &SnapshotMode::Since(since)).await?;
-        let rows: i64 = sql
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM {} WHERE {} >= $1",
-                    cfg.table.pg_quoted(),
-                    crate::outbox::pg_ident(cfg.columns.get("created_at"))
-                ),
-                &[&since],
-            )
-            .await?
-            .get(0);
+        plan = plan_tables(&sql, &cfg, &SnapshotMode::Since(since)).await?;
+        let mut rows: i64 = 0;
+        for t in &cfg.tables {
+            rows += sql
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {} WHERE {} >= $1",
+                        t.pg_quoted(),
+                        crate::outbox::pg_ident(cfg.columns.get("created_at"))
+                    ),
+                    &[&since],
+                )
+                .await?
+                .get::<_, i64>(0);
+        }
         tracing::error!(
             problem = %problem,
             replay_since = %since.to_rfc3339(),
@@ -213,7 +217,7 @@ pub async fn run_postgres(
     let source_cfg = PgSourceConfig {
         dsn: dsn.clone(),
         name: cfg.name.clone(),
-        table: cfg.table.clone(),
+        tables: cfg.tables.clone(),
         columns: cfg.columns.clone(),
         slot: cfg.slot.clone(),
         publication: cfg.publication.clone(),
@@ -226,6 +230,35 @@ pub async fn run_postgres(
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
     .await
+}
+
+/// What a first start (or a replay) publishes of each table's existing rows.
+async fn plan_tables(
+    sql: &tokio_postgres::Client,
+    cfg: &RunConfig,
+    mode: &SnapshotMode,
+) -> Result<Vec<(TableName, SnapshotPlan)>, Error> {
+    let mut plans = Vec::with_capacity(cfg.tables.len());
+    for t in &cfg.tables {
+        plans.push((t.clone(), snapshot::plan(sql, t, &cfg.columns, mode).await?));
+    }
+    Ok(plans)
+}
+
+/// Poll mode reads one table: several are refused with the fix rather than polled in turn
+/// (one claim transaction per table would interleave their batches without a common order).
+pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
+    match cfg.tables.as_slice() {
+        [t] => Ok(t),
+        ts => Err(Error::config(
+            format!(
+                "poll mode reads one outbox table, {} were given ({})",
+                ts.len(),
+                ts.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
+            ),
+            "run one poll-mode relay per table (each with its own --name), or use --mode cdc, which reads several tables through one slot",
+        )),
+    }
 }
 
 /// Builds the sink named by `--sink`.
@@ -268,15 +301,16 @@ pub async fn run_poll_postgres(
             "add --commit-offsets (or use an amqp:// sink)",
         ));
     }
+    let table = single_table(&cfg)?.clone();
     {
         let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
-        admin::require_table(&sql, &cfg.table).await?;
+        admin::require_table(&sql, &table).await?;
     }
     let (link, ev_rx, ack_tx) = source_link(&cfg);
     let poll_cfg = crate::source::poll::PollConfig {
         dsn,
         name: cfg.name.clone(),
-        table: cfg.table.clone(),
+        table: table.clone(),
         columns: cfg.columns.clone(),
         batch: poll.batch,
         interval: poll.interval,
@@ -284,7 +318,7 @@ pub async fn run_poll_postgres(
         deadline: cfg.relay.confirm_timeout.max(Duration::from_secs(1)),
         notify_channel: poll
             .notify
-            .then(|| crate::source::poll::notify_channel(&cfg.table)),
+            .then(|| crate::source::poll::notify_channel(&table)),
     };
     let stats = Arc::new(RelayStats::default());
     let t = crate::telemetry::get();
@@ -358,12 +392,22 @@ impl Default for MySqlOptions {
     }
 }
 
-/// The outbox table of a MySQL source: `--table` in the DSN's database.
-pub fn mysql_table(
+/// The outbox tables of a MySQL source: every `--table` in the DSN's database.
+pub fn mysql_tables(
     dsn: &DbDsn,
-    cfg: &RunConfig,
-) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
-    mysql_outbox_table(dsn, &cfg.table, &cfg.columns, cfg.mysql.time_zone)
+    tables: &[TableName],
+    columns: &ColumnMap,
+    tz: crate::source::mysql::rows::SourceTz,
+) -> Result<Vec<crate::source::mysql::rows::OutboxTable>, Error> {
+    let several = tables.len() > 1;
+    tables
+        .iter()
+        .map(|t| {
+            let mut table = mysql_outbox_table(dsn, t, columns, tz)?;
+            table.label = several.then(|| std::sync::Arc::from(t.to_string()));
+            Ok(table)
+        })
+        .collect()
 }
 
 /// The outbox table of a MySQL source: `--table` in the DSN's database.
@@ -398,6 +442,7 @@ pub fn mysql_outbox_table(
         table: table.name.clone(),
         columns: columns.clone(),
         tz,
+        label: None,
     })
 }
 
@@ -409,21 +454,29 @@ pub async fn run_file(
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
     use crate::source::mysql::file;
-    let Some(database) = cfg.table.schema.clone() else {
-        return Err(Error::config(
-            format!(
-                "--table {} names no database: binlog files hold every database's tables",
-                cfg.table.name
-            ),
-            format!("name it with its database: --table app.{}", cfg.table.name),
-        ));
-    };
-    let table = crate::source::mysql::rows::OutboxTable {
-        database,
-        table: cfg.table.name.clone(),
-        columns: cfg.columns.clone(),
-        tz: cfg.mysql.time_zone,
-    };
+    let several = cfg.tables.len() > 1;
+    let tables = cfg
+        .tables
+        .iter()
+        .map(|t| {
+            let Some(database) = t.schema.clone() else {
+                return Err(Error::config(
+                    format!(
+                        "--table {} names no database: binlog files hold every database's tables",
+                        t.name
+                    ),
+                    format!("name it with its database: --table app.{}", t.name),
+                ));
+            };
+            Ok(crate::source::mysql::rows::OutboxTable {
+                database,
+                table: t.name.clone(),
+                columns: cfg.columns.clone(),
+                tz: cfg.mysql.time_zone,
+                label: several.then(|| Arc::from(t.to_string())),
+            })
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
     let paths = file::binlog_files(&files)?;
     let mut sink = make_sink(&cfg)?;
     let (link, ev_rx, ack_tx) = source_link(&cfg);
@@ -431,7 +484,7 @@ pub async fn run_file(
     let t = crate::telemetry::get();
     t.mark_started();
     t.source_streaming.set(1);
-    let source = file::run(paths, table, link, shutdown);
+    let source = file::run(paths, tables, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
 }
@@ -443,10 +496,12 @@ pub async fn run_mysql(
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
     use crate::source::mysql::{self as my, admin as my_admin};
-    let table = mysql_table(&dsn, &cfg)?;
+    let tables = mysql_tables(&dsn, &cfg.tables, &cfg.columns, cfg.mysql.time_zone)?;
     let mut sql = my::connect_state(&dsn).await?;
     let settings = my_admin::require_binlog(&mut sql).await?;
-    my_admin::require_table(&mut sql, &table).await?;
+    for t in &tables {
+        my_admin::require_table(&mut sql, t).await?;
+    }
     let holder = state::holder_id();
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
@@ -469,13 +524,19 @@ pub async fn run_mysql(
             // First start (CONTRACT §3): the rows already in the table come from a consistent
             // snapshot whose binlog position is where streaming starts. The position and the
             // first start's end are stored once the snapshot is durable.
-            let plan = my::snapshot::plan(&mut sql, &table, &cfg.snapshot).await?;
-            if plan == SnapshotPlan::Nothing {
+            let mut plans = Vec::with_capacity(tables.len());
+            for t in &tables {
+                plans.push((
+                    t.clone(),
+                    my::snapshot::plan(&mut sql, t, &cfg.snapshot).await?,
+                ));
+            }
+            if plans.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
                 first = my::FirstStart::Empty;
                 my::current_position(&mut sql, settings.mariadb).await?
             } else {
                 let snap =
-                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan)
+                    my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plans)
                         .await?;
                 let at = snap.at.clone();
                 first = my::FirstStart::Snapshot(snap);
@@ -489,7 +550,7 @@ pub async fn run_mysql(
     let source_cfg = my::MySqlSourceConfig {
         dsn: dsn.clone(),
         name: cfg.name.clone(),
-        table,
+        tables,
         server_id: my::server_id_for(&cfg.name),
         heartbeat: cfg.mysql.heartbeat,
         read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),

@@ -82,6 +82,9 @@ pub struct OutboxEvent {
     /// Set when the row cannot be published as a message (NULL in a required column, invalid
     /// JSON, …): the sink sends a dead-letter record with this reason instead of the body.
     pub poison: Option<String>,
+    /// The outbox table the row came from, set only when the relay reads several tables
+    /// (`x-outbox-table`); one table's messages stay as CONTRACT §4 has them.
+    pub table: Option<std::sync::Arc<str>>,
 }
 
 impl OutboxEvent {

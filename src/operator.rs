@@ -57,7 +57,9 @@ fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String
 pub struct PgTarget<'a> {
     pub dsn: &'a DbDsn,
     pub name: &'a str,
-    pub table: &'a TableName,
+    /// The outbox tables (`--table`, one or more): each is checked, and the publication must
+    /// cover all of them.
+    pub tables: &'a [TableName],
     pub columns: &'a ColumnMap,
     pub slot: &'a str,
     pub publication: &'a str,
@@ -202,87 +204,93 @@ async fn check_server(
         )
     });
 
-    let exists: bool = client
-        .query_one(
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[&t.table.pg_quoted()],
-        )
-        .await?
-        .get(0);
-    if !exists {
-        out.push(line(
-            Level::Fail,
-            "outbox table",
-            format!("{} does not exist", t.table.pg_quoted()),
-            Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", t.table.pg_quoted())),
-        ));
-    } else {
-        let rel = snapshot::table_relation(client, t.table).await?;
-        let mut mapper = RowMapper::new(t.table.clone(), t.columns.clone());
-        out.push(match mapper.relation(rel) {
-            Ok(()) => line(
-                Level::Ok,
+    for table in t.tables {
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+            .await?
+            .get(0);
+        if !exists {
+            out.push(line(
+                Level::Fail,
                 "outbox table",
-                format!(
-                    "{} has the mapped columns with usable types",
-                    t.table.pg_quoted()
+                format!("{} does not exist", table.pg_quoted()),
+                Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", table.pg_quoted())),
+            ));
+        } else {
+            let rel = snapshot::table_relation(client, table).await?;
+            let mut mapper = RowMapper::new(table.clone(), t.columns.clone());
+            out.push(match mapper.relation(rel) {
+                Ok(()) => line(
+                    Level::Ok,
+                    "outbox table",
+                    format!(
+                        "{} has the mapped columns with usable types",
+                        table.pg_quoted()
+                    ),
+                    None,
                 ),
-                None,
-            ),
-            Err(Error::Config { problem, fix }) => {
-                line(Level::Fail, "outbox table", problem, Some(fix))
+                Err(Error::Config { problem, fix }) => {
+                    line(Level::Fail, "outbox table", problem, Some(fix))
+                }
+                Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
+            });
+            let privileged: bool = client
+                .query_one(
+                    "SELECT has_table_privilege($1, 'SELECT')",
+                    &[&table.pg_quoted()],
+                )
+                .await?
+                .get(0);
+            if !privileged {
+                out.push(line(
+                    Level::Fail,
+                    "table privilege",
+                    format!("{user} cannot SELECT {}", table.pg_quoted()),
+                    Some(format!(
+                        "GRANT SELECT ON {} TO {};",
+                        table.pg_quoted(),
+                        pg_ident(&user)
+                    )),
+                ));
             }
-            Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
-        });
-        let privileged: bool = client
+        }
+
+        let publication = client
+            .query_opt(
+                "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
+                &[&t.publication],
+            )
+            .await?;
+        let covers: bool = client
             .query_one(
-                "SELECT has_table_privilege($1, 'SELECT')",
-                &[&t.table.pg_quoted()],
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+                &[&t.publication, &table.pg_schema(), &table.name],
             )
             .await?
             .get(0);
-        if !privileged {
-            out.push(line(
+        let create_pub = format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
+            pg_ident(t.publication),
+            table.pg_quoted()
+        );
+        let partitioned = admin::is_partitioned(client, table).await?;
+        out.push(match publication {
+            Some(r) if partitioned && !r.get::<_, bool>(1) => line(
                 Level::Fail,
-                "table privilege",
-                format!("{user} cannot SELECT {}", t.table.pg_quoted()),
-                Some(format!(
-                    "GRANT SELECT ON {} TO {};",
-                    t.table.pg_quoted(),
-                    pg_ident(&user)
-                )),
-            ));
-        }
+                "publication",
+                format!("{} publishes the partitions of {} under their own names (publish_via_partition_root is off)", t.publication, table.pg_quoted()),
+                Some(format!("ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true);", pg_ident(t.publication))),
+            ),
+            None => line(Level::Fail, "publication", format!("{} does not exist", t.publication), Some(create_pub)),
+            Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", t.publication, table.pg_quoted()), None),
+            Some(_) => line(
+                Level::Fail,
+                "publication",
+                format!("{} does not publish inserts of {}", t.publication, table.pg_quoted()),
+                Some(format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(t.publication), table.pg_quoted())),
+            ),
+        });
     }
-
-    let publication = client
-        .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
-            &[&t.publication],
-        )
-        .await?;
-    let covers: bool = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
-            &[&t.publication, &t.table.pg_schema(), &t.table.name],
-        )
-        .await?
-        .get(0);
-    let create_pub = format!(
-        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert');  -- or `outboxd setup`",
-        pg_ident(t.publication),
-        t.table.pg_quoted()
-    );
-    out.push(match publication {
-        None => line(Level::Fail, "publication", format!("{} does not exist", t.publication), Some(create_pub)),
-        Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", t.publication, t.table.pg_quoted()), None),
-        Some(_) => line(
-            Level::Fail,
-            "publication",
-            format!("{} does not publish inserts of {}", t.publication, t.table.pg_quoted()),
-            Some(format!("ALTER PUBLICATION {0} SET TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');", pg_ident(t.publication), t.table.pg_quoted())),
-        ),
-    });
 
     let state_row = state::postgres::load(client, t.name).await?;
     match admin::slot(client, t.slot).await? {

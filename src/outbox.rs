@@ -143,6 +143,16 @@ impl TableName {
     }
 }
 
+/// As written on the command line (`x-outbox-table` when a relay reads several tables).
+impl std::fmt::Display for TableName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.schema {
+            Some(s) => write!(f, "{s}.{}", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
 /// Quotes a Postgres identifier.
 pub fn pg_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))

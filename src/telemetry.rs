@@ -215,6 +215,38 @@ pub fn get() -> &'static Telemetry {
 
 /// Serves `/metrics`, `/healthz` and `/readyz` until the process ends. A tiny HTTP/1.1
 /// responder: one GET per connection, bounded request size, no keep-alive.
+/// `outboxd health`: one GET of `path` on the relay's metrics address; Ok on 200, otherwise an
+/// error carrying the status line and body (the reason /readyz gives).
+pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
+    let fail = |what: String| crate::Error::Other(format!("{addr}{path}: {what}"));
+    let exchange = async {
+        let mut sock = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| fail(format!("cannot connect: {e}")))?;
+        sock.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+        let mut answer = Vec::new();
+        sock.read_to_end(&mut answer)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        Ok::<_, crate::Error>(String::from_utf8_lossy(&answer).into_owned())
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| fail("no answer in 5 s".into()))??;
+    let status = answer.lines().next().unwrap_or_default();
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
+    if status.split_whitespace().nth(1) == Some("200") {
+        println!("ok   {path}: {body}");
+        Ok(())
+    } else {
+        Err(fail(format!("{status}: {body}")))
+    }
+}
+
 pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         crate::Error::config(

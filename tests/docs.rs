@@ -41,6 +41,7 @@ fn every_flag_is_documented() {
         &["teardown"],
         &["offset", "set"],
         &["offset", "show"],
+        &["health"],
     ];
     let mut missing = Vec::new();
     for cmd in commands {

@@ -42,6 +42,7 @@ fn table(db: &str, name: &str) -> OutboxTable {
         table: name.into(),
         columns: Default::default(),
         tz: SourceTz::Utc,
+        label: None,
     }
 }
 
@@ -391,7 +392,7 @@ fn check_json_fixture(ops: &[RowOp]) {
 fn decode_fixture(name: &str) -> Decoder {
     let bytes = std::fs::read(fixtures_dir().join(name)).unwrap();
     let events = events_from_bytes(name, &bytes).unwrap();
-    let mut dec = Decoder::new(table("test", "outbox"), name, None);
+    let mut dec = Decoder::new(vec![table("test", "outbox")], name, None);
     for e in &events {
         dec.feed(&e.event)
             .unwrap_or_else(|err| panic!("{name}: {err}"));
@@ -446,7 +447,7 @@ fn a_compressed_transaction_is_unpacked_at_the_payload_position() {
     assert_eq!(kinds.first(), Some(&2), "{kinds:?}");
     assert!(kinds.contains(&19) && kinds.contains(&16), "{kinds:?}");
     // Through the decoder: the transaction commits at the payload's end position.
-    let mut dec = Decoder::new(table("test", "outbox"), name, None);
+    let mut dec = Decoder::new(vec![table("test", "outbox")], name, None);
     let mut commits = Vec::new();
     for e in &events {
         for step in dec.feed(&e.event).unwrap() {

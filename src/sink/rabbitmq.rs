@@ -964,6 +964,9 @@ fn standard_headers(event: &OutboxEvent) -> Vec<(&'static str, AMQPValue)> {
     if let Some(v) = event.version {
         h.push(("x-aggregate-version", AMQPValue::LongLongInt(v)));
     }
+    if let Some(t) = &event.table {
+        h.push(("x-outbox-table", s(t.to_string())));
+    }
     h
 }
 
@@ -1133,6 +1136,7 @@ mod tests {
             gtid: None,
             committed_at: None,
             poison: None,
+            table: None,
         }
     }
     use chrono::Utc;

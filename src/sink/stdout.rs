@@ -43,6 +43,8 @@ struct Line<'a> {
     created_at: String,
     position: String,
     #[serde(skip_serializing_if = "Option::is_none")]
+    table: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     poison: Option<&'a str>,
 }
 
@@ -63,6 +65,7 @@ pub fn render_line(event: &OutboxEvent) -> Result<Vec<u8>, SinkError> {
         payload: raw.unwrap_or(&null),
         created_at: event.created_at_rfc3339(),
         position: event.position.to_string(),
+        table: event.table.as_deref(),
         poison: event.poison.as_deref().or(if raw.is_none() {
             Some("payload is not valid JSON")
         } else {

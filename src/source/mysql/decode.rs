@@ -83,7 +83,8 @@ pub enum Step {
 
 #[derive(Debug)]
 enum TableKind {
-    Outbox(Box<(TableMapEvent<'static>, Mapping)>),
+    /// A table map of one outbox table (index into the decoder's tables).
+    Outbox(Box<(TableMapEvent<'static>, Mapping, usize)>),
     State,
     Other,
 }
@@ -105,7 +106,8 @@ struct Txn {
 
 /// Decodes one binlog stream (or file sequence) in order.
 pub struct Decoder {
-    table: OutboxTable,
+    /// The outbox tables (`--table`, one or more), all in one database.
+    outbox: Vec<OutboxTable>,
     file: String,
     gtid: GtidState,
     /// The server writes MariaDB GTIDs: the checkpoint carries the GTID state.
@@ -120,9 +122,10 @@ pub struct Decoder {
 impl Decoder {
     /// A decoder that starts reading at a transaction boundary in `file` whose GTID state is
     /// `gtid` (`None` where the server has no MariaDB GTIDs).
-    pub fn new(table: OutboxTable, file: &str, gtid: Option<GtidState>) -> Decoder {
+    pub fn new(outbox: Vec<OutboxTable>, file: &str, gtid: Option<GtidState>) -> Decoder {
+        assert!(!outbox.is_empty(), "at least one outbox table");
         Decoder {
-            table,
+            outbox,
             file: file.to_string(),
             track_gtid: gtid.is_some(),
             gtid: gtid.unwrap_or_default(),
@@ -378,12 +381,12 @@ impl Decoder {
                     .read_event()
                     .map_err(|e| self.decode_err("table map event", start, e))?;
                 let id = tme.table_id();
-                let kind = if self.table.matches(&tme) {
+                let kind = if let Some(i) = self.outbox.iter().position(|t| t.matches(&tme)) {
                     super::rows::table_map_fits(&tme)
                         .map_err(|m| self.decode_err("table map event", start, m))?;
-                    let mapping = self.table.map(&tme)?;
-                    TableKind::Outbox(Box::new((tme.into_owned(), mapping)))
-                } else if tme.database_name_raw() == self.table.database.as_bytes()
+                    let mapping = self.outbox[i].map(&tme)?;
+                    TableKind::Outbox(Box::new((tme.into_owned(), mapping, i)))
+                } else if tme.database_name_raw() == self.outbox[0].database.as_bytes()
                     && tme.table_name_raw() == STATE_TABLE.as_bytes()
                 {
                     TableKind::State
@@ -409,20 +412,26 @@ impl Decoder {
                 match self.tables.get(&table_id) {
                     Some(TableKind::State) => txn.state_rows = true,
                     Some(TableKind::Outbox(outbox)) => {
-                        let (tme, mapping) = &**outbox;
+                        let (tme, mapping, i) = &**outbox;
                         txn.other = true;
                         if let RowsEventData::WriteRowsEventV1(_)
                         | RowsEventData::WriteRowsEvent(_) = data
                         {
-                            let events =
-                                decode_inserts(&self.table, tme, mapping, &data, &self.file, txn)
-                                    .map_err(|e| match e {
-                                    Error::Decode(m) => Error::Decode(format!(
-                                        "rows event at {}:{start}: {m}",
-                                        self.file
-                                    )),
-                                    other => other,
-                                })?;
+                            let events = decode_inserts(
+                                &self.outbox[*i],
+                                tme,
+                                mapping,
+                                &data,
+                                &self.file,
+                                txn,
+                            )
+                            .map_err(|e| match e {
+                                Error::Decode(m) => Error::Decode(format!(
+                                    "rows event at {}:{start}: {m}",
+                                    self.file
+                                )),
+                                other => other,
+                            })?;
                             if !events.is_empty() {
                                 steps.push(Step::Rows(events));
                             }
@@ -498,11 +507,12 @@ impl Decoder {
         let text = q.query_raw();
         if let Some((db, table)) = insert_target(text) {
             let db = db.unwrap_or_else(|| q.schema().into_owned());
-            if db == self.table.database && table == self.table.table {
-                return Err(statement_insert(
-                    &self.table,
-                    &String::from_utf8_lossy(text),
-                ));
+            if let Some(t) = self
+                .outbox
+                .iter()
+                .find(|t| db == t.database && table == t.table)
+            {
+                return Err(statement_insert(t, &String::from_utf8_lossy(text)));
             }
         }
         Ok(())
@@ -512,8 +522,15 @@ impl Decoder {
         // LOAD DATA in statement format: look for the table name in the text.
         let text = String::from_utf8_lossy(ev.data());
         let lower = text.to_ascii_lowercase();
-        if lower.contains("load data") && lower.contains(&self.table.table.to_ascii_lowercase()) {
-            return Err(statement_insert(&self.table, &text));
+        if !lower.contains("load data") {
+            return Ok(());
+        }
+        if let Some(t) = self
+            .outbox
+            .iter()
+            .find(|t| lower.contains(&t.table.to_ascii_lowercase()))
+        {
+            return Err(statement_insert(t, &text));
         }
         Ok(())
     }

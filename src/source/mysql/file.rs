@@ -228,7 +228,7 @@ pub fn outbox_events_from_bytes(
     name: &str,
     bytes: &[u8],
 ) -> Result<Vec<OutboxEvent>, Error> {
-    let mut dec = Decoder::new(table.clone(), name, None);
+    let mut dec = Decoder::new(vec![table.clone()], name, None);
     let mut out = Vec::new();
     let mut open: Vec<OutboxEvent> = Vec::new();
     let mut framer = EventFramer::file(bytes).map_err(|m| Error::Decode(format!("{name}: {m}")))?;
@@ -375,13 +375,13 @@ fn describe(files: &[(String, PathBuf)]) -> String {
 /// `shutdown` stops between transactions.
 pub async fn run(
     files: Vec<PathBuf>,
-    table: OutboxTable,
+    tables: Vec<OutboxTable>,
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
     let first = files.first().map(|p| file_name(p)).unwrap_or_default();
-    let mut dec = Decoder::new(table, &first, None);
+    let mut dec = Decoder::new(tables, &first, None);
     let mut published: u64 = 0;
     for path in &files {
         let name = file_name(path);

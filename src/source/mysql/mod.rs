@@ -44,7 +44,8 @@ use tokio_util::sync::CancellationToken;
 pub struct MySqlSourceConfig {
     pub dsn: DbDsn,
     pub name: String,
-    pub table: OutboxTable,
+    /// The outbox tables (`--table`, one or more): one binlog stream serves them all.
+    pub tables: Vec<OutboxTable>,
     /// The replica server id this relay registers with (unique per relay name).
     pub server_id: u32,
     /// How often the server sends a heartbeat while it has nothing else to send.
@@ -455,7 +456,7 @@ pub async fn run(
         FirstStart::No => {}
         FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
         FirstStart::Snapshot(snap) => {
-            snap.publish(&cfg.table, &outlet).await?;
+            snap.publish(&outlet).await?;
             outlet.send_checkpoint(start.checkpoint()).await?;
         }
     }
@@ -494,7 +495,7 @@ pub async fn run(
         );
         crate::telemetry::get().source_streaming.set(1);
         let mut dec = Decoder::new(
-            cfg.table.clone(),
+            cfg.tables.clone(),
             &resume.file,
             cfg.mariadb.then(|| resume.gtid.clone().unwrap_or_default()),
         )

@@ -138,6 +138,8 @@ pub struct Mapping {
     created_at: Col,
     headers: Option<Col>,
     version: Option<Col>,
+    /// `x-outbox-table` of this table's events (several tables only).
+    label: Option<std::sync::Arc<str>>,
 }
 
 /// The outbox table the relay reads: `<database>.<table>` and its column names.
@@ -147,6 +149,8 @@ pub struct OutboxTable {
     pub table: String,
     pub columns: ColumnMap,
     pub tz: SourceTz,
+    /// Set when the relay reads several tables: their events carry `x-outbox-table`.
+    pub label: Option<std::sync::Arc<str>>,
 }
 
 impl OutboxTable {
@@ -282,6 +286,7 @@ impl OutboxTable {
             created_at,
             headers,
             version,
+            label: self.label.clone(),
         })
     }
 }
@@ -589,6 +594,7 @@ impl Mapping {
             } else {
                 Some(poison.join("; "))
             },
+            table: self.label.clone(),
         }
     }
 }

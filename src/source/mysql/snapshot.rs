@@ -134,14 +134,15 @@ pub async fn plan(
 /// An open consistent snapshot and the binlog position it was taken at.
 pub struct Snapshot {
     conn: Conn,
-    plan: SnapshotPlan,
+    /// What to read of each outbox table (one consistent snapshot covers them all).
+    plans: Vec<(OutboxTable, SnapshotPlan)>,
     pub at: Resume,
 }
 
 impl std::fmt::Debug for Snapshot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Snapshot")
-            .field("plan", &self.plan)
+            .field("plans", &self.plans)
             .field("at", &self.at)
             .finish()
     }
@@ -157,7 +158,11 @@ fn text(row: &Row, i: usize) -> String {
 }
 
 /// Opens the consistent snapshot on a session of its own and learns its binlog position.
-pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<Snapshot, Error> {
+pub async fn begin(
+    mut conn: Conn,
+    mariadb: bool,
+    plans: Vec<(OutboxTable, SnapshotPlan)>,
+) -> Result<Snapshot, Error> {
     conn.query_drop("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         .await?;
     // TIMESTAMP values and comparisons in UTC.
@@ -205,16 +210,34 @@ pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<
         }
     };
     tracing::info!(position = %at.checkpoint(), "first start: consistent snapshot opened");
-    Ok(Snapshot { conn, plan, at })
+    Ok(Snapshot { conn, plans, at })
 }
 
 impl Snapshot {
-    /// Reads the planned rows and sends them as events at the snapshot's position; closes the
-    /// snapshot. Returns how many rows were sent.
-    pub async fn publish(mut self, table: &OutboxTable, outlet: &Outlet) -> Result<u64, Error> {
-        let SnapshotPlan::Rows { filter, what } = &self.plan else {
-            let _ = self.conn.query_drop("COMMIT").await;
-            return Ok(0);
+    /// Reads the planned rows of every table and sends them as events at the snapshot's
+    /// position; closes the snapshot. Returns how many rows were sent.
+    pub async fn publish(mut self, outlet: &Outlet) -> Result<u64, Error> {
+        let plans = std::mem::take(&mut self.plans);
+        let mut n: u64 = 0;
+        for (table, plan) in &plans {
+            n = self.publish_table(table, plan, n, outlet).await?;
+        }
+        self.conn.query_drop("COMMIT").await?;
+        let _ = self.conn.disconnect().await;
+        tracing::info!(rows = n, "first start: existing rows handed to the sink");
+        Ok(n)
+    }
+
+    /// One table's planned rows; `n` counts on across tables (the events' index).
+    async fn publish_table(
+        &mut self,
+        table: &OutboxTable,
+        plan: &SnapshotPlan,
+        mut n: u64,
+        outlet: &Outlet,
+    ) -> Result<u64, Error> {
+        let SnapshotPlan::Rows { filter, what } = plan else {
+            return Ok(n);
         };
         let infos = table_columns(&mut self.conn, table).await?;
         let mapping = table.map_columns(&infos)?;
@@ -227,7 +250,6 @@ impl Snapshot {
             my_ident(table.columns.get("id"))
         );
         tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows");
-        let mut n: u64 = 0;
         {
             // A prepared statement: values in the binary protocol (integers as integers,
             // dates as dates, bytes as bytes), read from the server one row at a time.
@@ -252,9 +274,6 @@ impl Snapshot {
                 n += 1;
             }
         }
-        self.conn.query_drop("COMMIT").await?;
-        let _ = self.conn.disconnect().await;
-        tracing::info!(rows = n, "first start: existing rows handed to the sink");
         Ok(n)
     }
 }

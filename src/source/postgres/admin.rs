@@ -95,58 +95,111 @@ pub async fn create_outbox_table(client: &Client, table: &TableName) -> Result<b
     Ok(true)
 }
 
-/// Creates the publication when missing; checks an existing one covers the table with
-/// inserts.
+/// What [`ensure_publication`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublicationChange {
+    Created,
+    Exists,
+    /// It existed and these tables were added to it: their rows committed before now are not
+    /// in the stream.
+    Added(Vec<TableName>),
+}
+
+/// Makes sure the publication publishes inserts of every outbox table, through the partition
+/// root for partitioned ones (`publish_via_partition_root`, so events name the parent). Creates
+/// it when missing; adds tables missing from an existing one (a table added later to a running
+/// relay's list); refuses, with the fix, a publication that publishes no inserts or publishes
+/// a partitioned table by its leaves.
 pub async fn ensure_publication(
     client: &Client,
     publication: &str,
-    table: &TableName,
-) -> Result<bool, Error> {
+    tables: &[TableName],
+) -> Result<PublicationChange, Error> {
+    let list = tables
+        .iter()
+        .map(TableName::pg_quoted)
+        .collect::<Vec<_>>()
+        .join(", ");
     let row = client
         .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
             &[&publication],
         )
         .await?;
-    match row {
-        None => {
-            client
-                .batch_execute(&format!(
-                    "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
-                    pg_ident(publication),
-                    table.pg_quoted()
-                ))
-                .await?;
-            tracing::info!(publication, table = %table.pg_quoted(), "created publication");
-            Ok(true)
+    let Some(row) = row else {
+        client
+            .batch_execute(&format!(
+                "CREATE PUBLICATION {} FOR TABLE {list} WITH (publish = 'insert', publish_via_partition_root = true)",
+                pg_ident(publication),
+            ))
+            .await?;
+        tracing::info!(publication, tables = %list, "created publication");
+        return Ok(PublicationChange::Created);
+    };
+    let (inserts, via_root): (bool, bool) = (row.get(0), row.get(1));
+    if !inserts {
+        return Err(Error::config(
+            format!("publication {publication:?} exists but does not publish inserts"),
+            format!(
+                "ALTER PUBLICATION {} SET (publish = 'insert');",
+                pg_ident(publication)
+            ),
+        ));
+    }
+    let mut missing = Vec::new();
+    for t in tables {
+        let partitioned = is_partitioned(client, t).await?;
+        if partitioned && !via_root {
+            return Err(Error::config(
+                format!(
+                    "{} is partitioned but publication {publication:?} publishes partitions under their own names (publish_via_partition_root is off): events would not name the outbox table",
+                    t.pg_quoted()
+                ),
+                format!(
+                    "ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true);",
+                    pg_ident(publication)
+                ),
+            ));
         }
-        Some(r) => {
-            let inserts: bool = r.get(0);
-            let covers: bool = client
-                .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
-                                     WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
-                    &[&publication, &table.pg_schema(), &table.name],
-                )
-                .await?
-                .get(0);
-            if !inserts || !covers {
-                return Err(Error::config(
-                    format!(
-                        "publication {publication:?} exists but does not publish inserts of {}",
-                        table.pg_quoted()
-                    ),
-                    format!(
-                        "ALTER PUBLICATION {} SET TABLE {} ; ALTER PUBLICATION {} SET (publish = 'insert');",
-                        pg_ident(publication),
-                        table.pg_quoted(),
-                        pg_ident(publication)
-                    ),
-                ));
-            }
-            Ok(false)
+        let covers: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+                &[&publication, &t.pg_schema(), &t.name],
+            )
+            .await?
+            .get(0);
+        if !covers {
+            missing.push(t.clone());
         }
     }
+    if missing.is_empty() {
+        return Ok(PublicationChange::Exists);
+    }
+    let added = missing
+        .iter()
+        .map(TableName::pg_quoted)
+        .collect::<Vec<_>>()
+        .join(", ");
+    client
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {} ADD TABLE {added}",
+            pg_ident(publication)
+        ))
+        .await?;
+    tracing::warn!(publication, tables = %added, "added tables to the publication: their inserts are published from now on, rows committed before are not");
+    Ok(PublicationChange::Added(missing))
+}
+
+/// Whether the table is a partitioned (parent) table.
+pub async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, Error> {
+    Ok(client
+        .query_one(
+            "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+            &[&table.pg_quoted()],
+        )
+        .await?
+        .get(0))
 }
 
 /// Creates the logical slot; returns its consistent point.

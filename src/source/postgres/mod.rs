@@ -1,6 +1,7 @@
 //! The Postgres source: a logical replication slot with the pgoutput plugin and a publication
-//! on the outbox table only (`publish = 'insert'`), read with `pgwire-replication`, decoded by
-//! our own [`pgoutput`] module, plain SQL with `tokio-postgres`.
+//! on the outbox tables only (`publish = 'insert'`, through the partition root for partitioned
+//! ones), read with `pgwire-replication`, decoded by our own [`pgoutput`] module, plain SQL with
+//! `tokio-postgres`. Several `--table`s share the one slot and its commit order.
 //!
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
@@ -32,14 +33,16 @@ use tokio_util::sync::CancellationToken;
 pub struct PgSourceConfig {
     pub dsn: DbDsn,
     pub name: String,
-    pub table: TableName,
+    /// The outbox tables (`--table`, one or more): one slot and one publication serve them.
+    pub tables: Vec<TableName>,
     pub columns: ColumnMap,
     pub slot: String,
     pub publication: String,
     /// How often the applied position is reported to the server at most.
     pub status_interval: Duration,
-    /// Existing rows to publish before streaming (first start, or a requested replay).
-    pub snapshot: snapshot::SnapshotPlan,
+    /// Existing rows to publish before streaming (first start, or a requested replay), per
+    /// table.
+    pub snapshot: Vec<(TableName, snapshot::SnapshotPlan)>,
 }
 
 /// Whether a Postgres error is worth a reconnect.
@@ -253,23 +256,31 @@ pub async fn run(
 ) -> Result<(), Error> {
     let mut commits = CommitLog::default();
     let SourceLink { outlet, mut acks } = link;
-    if cfg.snapshot != snapshot::SnapshotPlan::Nothing {
+    if cfg
+        .snapshot
+        .iter()
+        .any(|(_, p)| *p != snapshot::SnapshotPlan::Nothing)
+    {
         let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
-        snapshot::publish(
-            &mut sql,
-            &cfg.table,
-            &cfg.columns,
-            &cfg.snapshot,
-            start,
-            &outlet,
-        )
-        .await?;
+        let mut sent = 0;
+        for (table, plan) in &cfg.snapshot {
+            sent += snapshot::publish(
+                &mut sql,
+                &cfg.tables,
+                table,
+                &cfg.columns,
+                plan,
+                (start, sent),
+                &outlet,
+            )
+            .await?;
+        }
         // Acknowledging this means every snapshot row is durable: the lease keeper then marks
         // the first start done.
         outlet.send_checkpoint(Checkpoint::Lsn(start)).await?;
     }
     let mut outlet = Some(outlet);
-    let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());
+    let mut mapper = RowMapper::for_tables(cfg.tables.clone(), cfg.columns.clone());
     // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
     // repeated by the server and skipped here.
     let mut forwarded_commit: u64 = 0;
@@ -526,12 +537,12 @@ mod tests {
         PgSourceConfig {
             dsn,
             name: "billing".into(),
-            table: TableName::parse("outbox").unwrap(),
+            tables: vec![TableName::parse("outbox").unwrap()],
             columns: ColumnMap::parse(&[]).unwrap(),
             slot: "outboxd_billing".into(),
             publication: "outboxd_billing".into(),
             status_interval: Duration::from_secs(1),
-            snapshot: snapshot::SnapshotPlan::Nothing,
+            snapshot: Vec::new(),
         }
     }
 

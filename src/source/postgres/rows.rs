@@ -44,10 +44,13 @@ struct Mapping {
     created_at: (usize, Kind),
     headers: Option<(usize, Kind)>,
     version: Option<(usize, Kind)>,
+    /// `x-outbox-table` of this relation's events (several tables only).
+    label: Option<std::sync::Arc<str>>,
 }
 
 pub struct RowMapper {
-    table: TableName,
+    /// The outbox tables (`--table`, one or more); inserts into other relations are skipped.
+    tables: Vec<TableName>,
     columns: ColumnMap,
     relations: HashMap<u32, Option<Mapping>>,
 }
@@ -67,20 +70,32 @@ fn kind_of(oid: u32) -> Option<Kind> {
 
 impl RowMapper {
     pub fn new(table: TableName, columns: ColumnMap) -> Self {
+        Self::for_tables(vec![table], columns)
+    }
+
+    /// A mapper for several outbox tables sharing one column map: their events carry the
+    /// table's name (`x-outbox-table`) so consumers can tell them apart.
+    pub fn for_tables(tables: Vec<TableName>, columns: ColumnMap) -> Self {
         RowMapper {
-            table,
+            tables,
             columns,
             relations: HashMap::new(),
         }
     }
 
-    /// Learns (or re-learns after an ALTER TABLE) a relation's columns.
+    /// Learns (or re-learns after an ALTER TABLE) a relation's columns. A partitioned table
+    /// published with `publish_via_partition_root` announces itself as the root: same names.
     pub fn relation(&mut self, rel: Relation) -> Result<(), Error> {
-        if rel.namespace != self.table.pg_schema() || rel.name != self.table.name {
+        let Some(t) = self
+            .tables
+            .iter()
+            .find(|t| rel.namespace == t.pg_schema() && rel.name == t.name)
+        else {
             self.relations.insert(rel.id, None);
             return Ok(());
-        }
-        let table = self.table.pg_quoted();
+        };
+        let label = (self.tables.len() > 1).then(|| std::sync::Arc::from(t.to_string()));
+        let table = t.pg_quoted();
         let find = |logical: &str,
                     allowed: &[Kind],
                     required: bool|
@@ -123,6 +138,7 @@ impl RowMapper {
             created_at: find("created_at", &[Timestamptz, Timestamp], true)?.expect("required"),
             headers: find("headers", &[Json, Jsonb, Text], false)?,
             version: find("version", &[Int], false)?,
+            label,
         };
         self.relations.insert(rel.id, Some(mapping));
         Ok(())
@@ -261,6 +277,7 @@ impl RowMapper {
             } else {
                 Some(poison.join("; "))
             },
+            table: mapping.label.clone(),
         }))
     }
 }

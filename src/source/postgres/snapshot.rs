@@ -134,22 +134,25 @@ pub async fn plan(
     })
 }
 
-/// Reads the planned rows in a REPEATABLE READ transaction, in `created_at` order, a batch at a
-/// time (memory stays bounded), and sends them as events positioned at `at` (the slot's
-/// position: every streamed commit comes after it). Returns how many rows were sent.
+/// Reads the planned rows of `table` (one of the relay's `tables`) in a REPEATABLE READ
+/// transaction, in `created_at` order, a batch at a time (memory stays bounded), and sends them
+/// as events positioned at `at.0` (the slot's position: every streamed commit comes after it)
+/// with indexes from `at.1` on. Returns how many rows were sent.
 pub async fn publish(
     client: &mut Client,
+    tables: &[TableName],
     table: &TableName,
     columns: &ColumnMap,
     plan: &SnapshotPlan,
-    at: u64,
+    at: (u64, u64),
     outlet: &Outlet,
 ) -> Result<u64, Error> {
     let SnapshotPlan::Rows { filter, what } = plan else {
         return Ok(0);
     };
+    let (at, first_index) = at;
     let rel = table_relation(client, table).await?;
-    let mut mapper = RowMapper::new(table.clone(), columns.clone());
+    let mut mapper = RowMapper::for_tables(tables.to_vec(), columns.clone());
     mapper.relation(rel.clone())?;
     let select: Vec<String> = rel
         .columns
@@ -178,7 +181,8 @@ pub async fn publish(
     let mut n: u64 = 0;
     while let Some(row) = stream.try_next().await? {
         let tuple = super::rows::text_tuple(&row);
-        if let Some(mut event) = mapper.insert(0, &tuple, at, n as u32, 0)? {
+        let index = u32::try_from(first_index + n).unwrap_or(u32::MAX);
+        if let Some(mut event) = mapper.insert(0, &tuple, at, index, 0)? {
             event.committed_at = None;
             outlet.send_event(event).await?;
             n += 1;
