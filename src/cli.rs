@@ -77,6 +77,10 @@ pub struct CheckArgs {
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
+    /// Check for poll mode (MySQL/MariaDB: the status column, its index and the grants
+    /// instead of the binlog).
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -482,7 +486,8 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let table = connector::mysql_outbox_table(dsn, &r.table, &r.columns, Default::default())?;
-        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await
+        crate::source::mysql::operator::check_mysql(dsn, &r.name, &table, args.mode == Mode::Poll)
+            .await
     } else {
         let dsn = postgres_only(r.source, "check")?;
         crate::operator::check_postgres(&crate::operator::PgTarget {
@@ -653,53 +658,46 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ..Default::default()
         },
     };
-    match r.source {
-        SourceDsn::Postgres(dsn) => {
-            let stats = match args.mode {
-                Mode::Cdc => connector::run_postgres(dsn, cfg, shutdown).await?,
-                Mode::Poll => {
-                    if args.poll_batch < 1 {
-                        return Err(Error::config(
-                            "--poll-batch must be at least 1",
-                            "use --poll-batch 500",
-                        ));
-                    }
-                    let poll = crate::source::poll::PollOptions {
-                        batch: args.poll_batch,
-                        interval: args.poll_interval,
-                        notify: args.notify,
-                    };
-                    connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
-                }
-            };
-            tracing::info!(
-                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-                "stopped"
-            );
-            Ok(())
-        }
-        SourceDsn::Mysql(dsn) => {
-            let stats = connector::run_mysql(dsn, cfg, shutdown).await?;
-            tracing::info!(
-                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-                "stopped"
-            );
-            Ok(())
-        }
-        SourceDsn::File(_) => Err(Error::config(
-            "the binlog-file source is not available in this build",
-            "use a postgres://, mysql:// or mariadb:// source",
-        )),
+    if args.mode == Mode::Poll && args.poll_batch < 1 {
+        return Err(Error::config(
+            "--poll-batch must be at least 1",
+            "use --poll-batch 500",
+        ));
     }
+    let poll = crate::source::poll::PollOptions {
+        batch: args.poll_batch,
+        interval: args.poll_interval,
+        notify: args.notify,
+    };
+    let stats = match (r.source, args.mode) {
+        (SourceDsn::Postgres(dsn), Mode::Cdc) => connector::run_postgres(dsn, cfg, shutdown).await?,
+        (SourceDsn::Postgres(dsn), Mode::Poll) => {
+            connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::Mysql(dsn), Mode::Cdc) => connector::run_mysql(dsn, cfg, shutdown).await?,
+        (SourceDsn::Mysql(dsn), Mode::Poll) => {
+            connector::run_poll_mysql(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::File(_), _) => {
+            return Err(Error::config(
+                "the binlog-file source is not available in this build",
+                "use a postgres://, mysql:// or mariadb:// source",
+            ))
+        }
+    };
+    tracing::info!(
+        published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+        confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+        "stopped"
+    );
+    Ok(())
 }
 
 async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     let dsn = match r.source.clone() {
         SourceDsn::Postgres(dsn) => dsn,
-        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r).await,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r, &args).await,
         SourceDsn::File(_) => return Err(Error::config(
             "a binlog-file source needs no setup",
             "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
@@ -813,15 +811,35 @@ async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
 
 /// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
 /// created. (There is no slot or publication: the binlog is read from a position.)
-async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved, args: &SetupArgs) -> Result<(), Error> {
     use crate::source::mysql::{self as my, admin as my_admin};
+    if args.notify {
+        return Err(Error::config(
+            "--notify installs a Postgres LISTEN/NOTIFY trigger; MySQL has none",
+            "drop --notify",
+        ));
+    }
     let mut conn = my::connect_sql(&dsn).await?;
+    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
+    if args.create_table {
+        let created = my_admin::create_outbox_table(&mut conn, &cfg_table).await?;
+        println!(
+            "ok   outbox table {} ({})",
+            cfg_table.quoted(),
+            if created { "created" } else { "exists" }
+        );
+    }
+    if args.mode == Mode::Poll {
+        // No binlog and no state: poll mode needs only the table.
+        my_admin::require_table(&mut conn, &cfg_table).await?;
+        println!("ok   outbox table {}", cfg_table.quoted());
+        return Ok(());
+    }
     let settings = my_admin::require_binlog(&mut conn).await?;
     println!(
         "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
         settings.version
     );
-    let cfg_table = connector::mysql_outbox_table(&dsn, &r.table, &r.columns, Default::default())?;
     my_admin::require_table(&mut conn, &cfg_table).await?;
     println!("ok   outbox table {}", cfg_table.quoted());
     crate::state::mysql::ensure_table(&mut conn).await?;

@@ -261,16 +261,75 @@ pub async fn run_poll_postgres(
     poll: crate::source::poll::PollOptions,
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
-    let mut sink = make_sink(&cfg)?;
+    {
+        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
+        admin::require_table(&sql, &cfg.table).await?;
+    }
+    let poll_cfg = crate::source::poll::PollConfig {
+        dsn,
+        name: cfg.name.clone(),
+        table: cfg.table.clone(),
+        columns: cfg.columns.clone(),
+        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
+        run: poll.loop_config(cfg.relay.confirm_timeout.max(Duration::from_secs(1))),
+        notify_channel: poll
+            .notify
+            .then(|| crate::source::poll::notify_channel(&cfg.table)),
+    };
+    run_poll(&cfg, move |link| {
+        crate::source::poll::run_postgres(poll_cfg, link, shutdown)
+    })
+    .await
+}
+
+/// Runs poll mode on a MySQL/MariaDB table until `shutdown` (no lease either).
+pub async fn run_poll_mysql(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    poll: crate::source::poll::PollOptions,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::{self as my, poll as my_poll};
+    if poll.notify {
+        return Err(Error::config(
+            "--notify is a Postgres feature (LISTEN/NOTIFY); MySQL has no way to wake a poller",
+            "drop --notify, and lower --poll-interval for lower latency",
+        ));
+    }
+    let table = mysql_table(&dsn, &cfg)?;
+    let lock_wait = {
+        let mut sql = my::connect_sql(&dsn).await?;
+        my::admin::require_table(&mut sql, &table).await?;
+        let w = my_poll::lock_wait_timeout(&mut sql).await?;
+        let _ = sql.disconnect().await;
+        w
+    };
+    let deadline = my_poll::deadline(cfg.relay.confirm_timeout, lock_wait);
+    if deadline < cfg.relay.confirm_timeout {
+        tracing::info!(?deadline, innodb_lock_wait_timeout = ?lock_wait, "a batch's transaction is bounded below the server's lock wait timeout");
+    }
+    let run = poll.loop_config(deadline);
+    run_poll(&cfg, move |link| async move {
+        let db = my_poll::MyPoll::open(&dsn, &table, &run).await?;
+        // No NOTIFY on MySQL: a wake channel that never ticks.
+        let (_never, wake) = watch::channel(0u64);
+        crate::source::poll::run(db, run, wake, link, shutdown).await
+    })
+    .await
+}
+
+/// The relay and a poll source together, with the configured sink.
+async fn run_poll<F, Fut>(cfg: &RunConfig, source: F) -> Result<Arc<RelayStats>, Error>
+where
+    F: FnOnce(SourceLink) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let mut sink = make_sink(cfg)?;
     if !sink.stores_position() {
         return Err(Error::config(
             "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
             "add --commit-offsets (or use an amqp:// sink)",
         ));
-    }
-    {
-        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
-        admin::require_table(&sql, &cfg.table).await?;
     }
     let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
     let (ev_tx, ev_rx) = mpsc::channel(4096);
@@ -281,26 +340,12 @@ pub async fn run_poll_postgres(
         },
         acks: ack_rx,
     };
-    let poll_cfg = crate::source::poll::PollConfig {
-        dsn,
-        name: cfg.name.clone(),
-        table: cfg.table.clone(),
-        columns: cfg.columns.clone(),
-        batch: poll.batch,
-        interval: poll.interval,
-        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
-        deadline: cfg.relay.confirm_timeout.max(Duration::from_secs(1)),
-        notify_channel: poll
-            .notify
-            .then(|| crate::source::poll::notify_channel(&cfg.table)),
-    };
     let stats = Arc::new(RelayStats::default());
     let t = crate::telemetry::get();
     t.mark_started();
     // Poll mode has no stream: it is "streaming" while it can poll.
     t.source_streaming.set(1);
-    let source = crate::source::poll::run(poll_cfg, link, shutdown);
-    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source(link)).await?;
     Ok(stats)
 }
 

@@ -190,6 +190,26 @@ pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), E
     Ok(())
 }
 
+/// Creates the seed's outbox table (migrations/mysql/001_outbox.sql) under the table's name
+/// when it does not exist; says whether it did.
+pub async fn create_outbox_table(conn: &mut Conn, table: &OutboxTable) -> Result<bool, Error> {
+    let n: Option<i64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
+            (&table.database, &table.table),
+        )
+        .await?;
+    if n.unwrap_or(0) > 0 {
+        return Ok(false);
+    }
+    let ddl = include_str!("../../../migrations/mysql/001_outbox.sql").replace(
+        "IF NOT EXISTS outbox ",
+        &format!("IF NOT EXISTS {} ", table.quoted()),
+    );
+    conn.query_drop(ddl).await?;
+    Ok(true)
+}
+
 /// The server's current binlog position (the end of the last event written).
 pub async fn head(conn: &mut Conn) -> Result<(String, u64), Error> {
     let row: Option<Row> = match conn.query_first("SHOW MASTER STATUS").await {

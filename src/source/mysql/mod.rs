@@ -20,6 +20,7 @@ pub mod admin;
 pub mod decode;
 pub mod gtid;
 pub mod operator;
+pub mod poll;
 pub mod rows;
 pub mod snapshot;
 
