@@ -80,14 +80,36 @@ pub fn recovery_since(
     replay_since: Option<chrono::DateTime<chrono::Utc>>,
     margin: Duration,
 ) -> chrono::DateTime<chrono::Utc> {
+    replay_start(
+        &state::DurableCommit {
+            commit_at: row.position_commit_at,
+            max_gap_ms: row.commit_gap_ms,
+        },
+        row.created_at,
+        replay_since,
+        margin,
+        Duration::from_secs(1),
+    )
+}
+
+/// [`recovery_since`] for any source: `commit` as stored, `fallback` when no commit time was
+/// (the state row's creation), and `precision` — how coarse the source's commit times are —
+/// added to the gap.
+pub fn replay_start(
+    commit: &state::DurableCommit,
+    fallback: Option<chrono::DateTime<chrono::Utc>>,
+    replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    margin: Duration,
+    precision: Duration,
+) -> chrono::DateTime<chrono::Utc> {
     if let Some(s) = replay_since {
         return s;
     }
-    let gap = Duration::from_millis(row.commit_gap_ms.unwrap_or(0).max(0) as u64 + 1000);
+    let gap = Duration::from_millis(commit.max_gap_ms.unwrap_or(0).max(0) as u64) + precision;
     let margin = chrono::Duration::from_std(margin.max(gap)).unwrap_or(chrono::Duration::days(1));
-    let base = row
-        .position_commit_at
-        .or(row.created_at)
+    let base = commit
+        .commit_at
+        .or(fallback)
         .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC + chrono::Duration::days(1));
     base - margin
 }
@@ -448,7 +470,41 @@ pub async fn run_mysql(
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     let mut first = my::FirstStart::No;
-    let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
+    let mut resume_from = stored.as_ref().and_then(my::Resume::from_checkpoint);
+    if let (Some(resume), PositionLostPolicy::Poll) = (&resume_from, cfg.on_position_lost) {
+        // With recovery on, a purged stored file counts as lost even where the GTID state
+        // might still resume: a needless replay gives duplicates, a wrong guess a gap.
+        if let Err(Error::PositionLost { problem, .. }) =
+            my_admin::require_position(&mut sql, &cfg.name, &resume.file).await
+        {
+            let commit = state::mysql::load_commit(&mut sql, &cfg.name).await?;
+            // Binlog commit times are whole seconds (truncated): one more second of margin.
+            let since = replay_start(
+                &commit,
+                None,
+                cfg.replay_since,
+                cfg.recovery_margin,
+                Duration::from_secs(2),
+            );
+            let plan = my::snapshot::plan(&mut sql, &table, &SnapshotMode::Since(since)).await?;
+            let mut snap =
+                my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plan).await?;
+            let rows = snap.rows(&table).await?;
+            tracing::error!(
+                problem = %problem,
+                stored_commit_at = %commit.commit_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "unknown".into()),
+                max_commit_gap_ms = commit.max_gap_ms.unwrap_or(0),
+                replay_since = %since.to_rfc3339(),
+                rows,
+                "POSITION LOST: recovering through the table (--on-position-lost poll): streaming from the current binlog position and publishing again every row created since replay_since; expect duplicates"
+            );
+            // The old position stays stored until the replay's rows are confirmed: a crash
+            // before that replays again.
+            resume_from = None;
+            first = my::FirstStart::Snapshot(snap);
+        }
+    }
+    let start = match resume_from {
         Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
             // position, the file must still be there.
@@ -462,6 +518,10 @@ pub async fn run_mysql(
             }
             resume
         }
+        None if matches!(first, my::FirstStart::Snapshot(_)) => match &first {
+            my::FirstStart::Snapshot(snap) => snap.at.clone(),
+            _ => unreachable!("matched above"),
+        },
         None => {
             // First start (CONTRACT §3): the rows already in the table come from a consistent
             // snapshot whose binlog position is where streaming starts. The position and the
@@ -494,11 +554,9 @@ pub async fn run_mysql(
         mariadb: settings.mariadb,
     };
     let store = state::mysql::MyStateStore::new(dsn.clone());
-    // The binlog source reports no commit times yet: recovery through the table is
-    // Postgres-only for now.
-    let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, first, shutdown)
+        my::run(source_cfg, link, start, first, commits_tx, shutdown)
     })
     .await
 }

@@ -249,7 +249,8 @@ pub async fn binlog_files(conn: &mut Conn) -> Result<Vec<String>, Error> {
 pub fn lost_position_fix(name: &str) -> String {
     format!(
         "the binlog events after the stored position were purged, so the events in them may never be published. \
-         Publish what was lost from the table if you need it (`outboxd run --snapshot since=<time of the last delivered event>` after a teardown), \
+         Recover through the table: run with --on-position-lost poll (it streams from the current position and publishes again every row created since the last confirmed commit, minus a margin; expect duplicates), \
+         or publish what was lost by hand (`outboxd run --snapshot since=<time of the last delivered event>` after a teardown), \
          or accept the gap: `outboxd teardown --name {name} --yes`, then start again; and keep binlogs longer than the longest relay outage \
          (SET GLOBAL binlog_expire_logs_seconds = 604800)"
     )

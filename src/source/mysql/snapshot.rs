@@ -202,6 +202,18 @@ pub async fn begin(mut conn: Conn, mariadb: bool, plan: SnapshotPlan) -> Result<
 }
 
 impl Snapshot {
+    /// How many rows the snapshot will publish (counted in the snapshot itself).
+    pub async fn rows(&mut self, table: &OutboxTable) -> Result<i64, Error> {
+        let SnapshotPlan::Rows { filter, .. } = &self.plan else {
+            return Ok(0);
+        };
+        let n: Option<i64> = self
+            .conn
+            .query_first(format!("SELECT COUNT(*) FROM {} {filter}", table.quoted()))
+            .await?;
+        Ok(n.unwrap_or(0))
+    }
+
     /// Reads the planned rows and sends them as events at the snapshot's position; closes the
     /// snapshot. Returns how many rows were sent.
     pub async fn publish(mut self, table: &OutboxTable, outlet: &Outlet) -> Result<u64, Error> {
