@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-async fn pg(conninfo: &str) -> tokio_postgres::Client {
+pub(crate) async fn pg(conninfo: &str) -> tokio_postgres::Client {
     let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
         .await
         .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
@@ -35,14 +35,18 @@ async fn pg(conninfo: &str) -> tokio_postgres::Client {
     c
 }
 
-fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
+pub(crate) fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
     (at(0.5), at(0.99), at(0.999), v.len())
 }
 
 /// Consumes `queue`, recording the arrival time of each message id.
-async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<String, Instant>>>) {
+pub(crate) async fn consume(
+    conn: &Connection,
+    queue: &str,
+    arrivals: Arc<Mutex<HashMap<String, Instant>>>,
+) {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(1000, Default::default()).await.unwrap();
     let mut consumer = ch
@@ -67,7 +71,7 @@ async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<Str
     });
 }
 
-async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
+pub(crate) async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
     let ch = conn.create_channel().await.unwrap();
     ch.queue_declare(
         queue.into(),
@@ -92,7 +96,7 @@ async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
     }
 }
 
-fn body(i: usize) -> String {
+pub(crate) fn body(i: usize) -> String {
     format!(
         "{{\"invoice_id\":{i},\"customer_name\":\"Muhammet Şafak\",\"tax_id\":\"1234567890\",\"total\":\"1499.90\",\"currency\":\"TRY\",\"lines\":[{{\"sku\":\"A-100\",\"qty\":2,\"price\":\"499.95\"}},{{\"sku\":\"B-200\",\"qty\":1,\"price\":\"500.00\"}}],\"note\":\"{}\"}}",
         "x".repeat(60)

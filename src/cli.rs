@@ -670,7 +670,9 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         notify: args.notify,
     };
     let stats = match (r.source, args.mode) {
-        (SourceDsn::Postgres(dsn), Mode::Cdc) => connector::run_postgres(dsn, cfg, shutdown).await?,
+        (SourceDsn::Postgres(dsn), Mode::Cdc) => {
+            connector::run_postgres(dsn, cfg, shutdown).await?
+        }
         (SourceDsn::Postgres(dsn), Mode::Poll) => {
             connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
         }

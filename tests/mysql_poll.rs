@@ -253,12 +253,19 @@ async fn setup_creates_the_seeds_table_and_check_validates_it() {
         "--source",
         &dsn,
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("(created)"));
     let out = run(&["check", "--mode", "poll", "--source", &dsn]);
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("idx_dispatch") && text.contains("grants"), "{text}");
+    assert!(
+        text.contains("idx_dispatch") && text.contains("grants"),
+        "{text}"
+    );
 
     // Without the index: a failure with the statement that adds it.
     my_exec(&mut c, "ALTER TABLE outbox DROP KEY idx_dispatch").await;
@@ -275,7 +282,9 @@ async fn setup_creates_the_seeds_table_and_check_validates_it() {
     let code = relay.wait_exit(T).await;
     assert_eq!(code, 2, "{}", relay.stderr());
     assert!(
-        relay.stderr().contains("ADD COLUMN status ENUM('pending','published')"),
+        relay
+            .stderr()
+            .contains("ADD COLUMN status ENUM('pending','published')"),
         "{}",
         relay.stderr()
     );
@@ -283,7 +292,11 @@ async fn setup_creates_the_seeds_table_and_check_validates_it() {
     // A user without UPDATE on the table: check says which GRANT is missing.
     let user = unique("pollro");
     let mut admin = my_connect(None).await;
-    my_exec(&mut admin, &format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")).await;
+    my_exec(
+        &mut admin,
+        &format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'"),
+    )
+    .await;
     my_exec(&mut c, "ALTER TABLE outbox ADD COLUMN status ENUM('pending','published') NOT NULL DEFAULT 'pending', ADD KEY idx_dispatch (status, created_at)").await;
     my_exec(
         &mut admin,

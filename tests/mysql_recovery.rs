@@ -26,7 +26,10 @@ fn ids(relay: &Relay) -> HashSet<Uuid> {
 }
 
 fn seq(file: &str) -> u64 {
-    file.rsplit('.').next().and_then(|s| s.parse().ok()).unwrap_or(0)
+    file.rsplit('.')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Purges every binlog file before `keep`, once no other live relay on the server (a state row
@@ -72,14 +75,10 @@ async fn purge_before(keep: &str, mine: &str) {
             let _ = admin
                 .query_drop(format!("PURGE BINARY LOGS TO '{keep}'"))
                 .await;
-            my_value(&mut admin, "SHOW BINARY LOGS").await.as_deref() == Some(keep.as_str())
-                || {
-                    let first: Vec<String> = admin
-                        .query("SHOW BINARY LOGS")
-                        .await
-                        .unwrap_or_default();
-                    first.first().is_some_and(|f| seq(f) >= seq(&keep))
-                }
+            my_value(&mut admin, "SHOW BINARY LOGS").await.as_deref() == Some(keep.as_str()) || {
+                let first: Vec<String> = admin.query("SHOW BINARY LOGS").await.unwrap_or_default();
+                first.first().is_some_and(|f| seq(f) >= seq(&keep))
+            }
         }
     })
     .await;
@@ -132,7 +131,12 @@ async fn a_purged_position_is_recovered_through_the_table() {
         .await
         .unwrap();
     let long_id = outbox
-        .write_mysql(&mut long_tx, "long", "2", &serde_json::json!({"long": true}))
+        .write_mysql(
+            &mut long_tx,
+            "long",
+            "2",
+            &serde_json::json!({"long": true}),
+        )
         .await
         .unwrap();
 

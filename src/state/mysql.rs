@@ -62,10 +62,8 @@ pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
         .await?;
     for (name, def) in ADDED_COLUMNS {
         if !have.iter().any(|c| c.eq_ignore_ascii_case(name)) {
-            conn.query_drop(format!(
-                "ALTER TABLE outboxd_state ADD COLUMN {name} {def}"
-            ))
-            .await?;
+            conn.query_drop(format!("ALTER TABLE outboxd_state ADD COLUMN {name} {def}"))
+                .await?;
         }
     }
     Ok(())

@@ -111,10 +111,11 @@ async fn check_poll(
         )
         .await?;
     let found = idx.iter().find_map(|(name, seq, col)| {
-        (*seq == 1 && col.eq_ignore_ascii_case(status)
-            && idx.iter().any(|(n, s, c)| {
-                n == name && *s == 2 && c.eq_ignore_ascii_case(created)
-            }))
+        (*seq == 1
+            && col.eq_ignore_ascii_case(status)
+            && idx
+                .iter()
+                .any(|(n, s, c)| n == name && *s == 2 && c.eq_ignore_ascii_case(created)))
         .then(|| name.clone())
     });
     out.push(match found {
@@ -175,7 +176,10 @@ async fn check_poll(
         Err(e) if super::server_code(&e) == Some(1064) => line(
             Level::Fail,
             "skip locked",
-            format!("{}: the server does not understand FOR UPDATE SKIP LOCKED", s.version),
+            format!(
+                "{}: the server does not understand FOR UPDATE SKIP LOCKED",
+                s.version
+            ),
             Some("poll mode needs MariaDB 10.6+ or MySQL 8.0+".into()),
         ),
         Err(e) => return Err(e.into()),

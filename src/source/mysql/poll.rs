@@ -60,7 +60,9 @@ impl MyPoll {
         let mapping = table.map_columns(&infos)?;
         let has = |logical: &str| {
             let actual = table.columns.get(logical);
-            infos.iter().position(|c| c.name.eq_ignore_ascii_case(actual))
+            infos
+                .iter()
+                .position(|c| c.name.eq_ignore_ascii_case(actual))
         };
         if has("status").is_none() || has("published_at").is_none() {
             return Err(Error::config(
@@ -99,7 +101,10 @@ impl MyPoll {
         // MariaDB: if this process stalls inside a batch, the server ends the transaction and
         // frees the rows. (MySQL has no such setting; the deadline alone bounds it there.)
         match conn
-            .query_drop(format!("SET SESSION idle_transaction_timeout = {}", secs * 2))
+            .query_drop(format!(
+                "SET SESSION idle_transaction_timeout = {}",
+                secs * 2
+            ))
             .await
         {
             Err(e) if super::server_code(&e) == Some(1193) => {}
