@@ -10,12 +10,18 @@
 //!   poller's session, from /proc) over `OUTBOXD_BENCH_IDLE_SECONDS` (default 30) s of an
 //!   idle poller on an empty table at the default interval, and the relay process's own.
 //!
-//! The consumer and the timing helpers are the latency benchmark's (benches/latency.rs).
+//! The consumer and the timing helpers are the latency benchmark's (benches/latency.rs), the
+//! MariaDB connection the MariaDB drain benchmark's (benches/drain_mysql.rs).
 
 #[allow(dead_code)]
 #[path = "latency.rs"]
 mod latency;
 
+#[allow(dead_code)]
+#[path = "drain_mysql.rs"]
+mod drain_mysql;
+
+use drain_mysql::connect as my;
 use lapin::options::{ExchangeDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
@@ -33,21 +39,6 @@ const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 enum Db {
     Postgres,
     Maria,
-}
-
-fn my_opts(db: Option<&str>) -> mysql_async::OptsBuilder {
-    mysql_async::OptsBuilder::default()
-        .ip_or_hostname("127.0.0.1")
-        .tcp_port(3306)
-        .user(Some("root"))
-        .db_name(db)
-        .prefer_socket(false)
-}
-
-async fn my(db: Option<&str>) -> mysql_async::Conn {
-    mysql_async::Conn::new(my_opts(db))
-        .await
-        .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
