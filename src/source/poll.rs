@@ -300,13 +300,21 @@ impl PollTable for PgPoll {
         let mut out = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             let tuple = crate::source::postgres::rows::text_tuple(row);
+            // Rows are marked by id (`= ANY($1::uuid[])`, on the primary key): a row whose id
+            // is no UUID could never be marked, so it stops the relay instead of looping.
             let id = match tuple.get(self.id_index) {
                 Some(Value::Text(raw)) => std::str::from_utf8(raw)
                     .ok()
                     .and_then(|s| s.parse::<Uuid>().ok()),
                 _ => None,
-            };
-            if let (Some(id), Some(event)) = (id, self.mapper.insert(0, &tuple, 0, i as u32, 0)?) {
+            }
+            .ok_or_else(|| {
+                Error::config(
+                    format!("poll mode: a pending row's id {:?} is not a UUID", tuple.get(self.id_index)),
+                    "poll mode on Postgres needs a uuid id column (migrations/postgres/001_outbox.sql); publish or fix that row by hand",
+                )
+            })?;
+            if let Some(event) = self.mapper.insert(0, &tuple, 0, i as u32, 0)? {
                 out.push((id, event));
             }
         }

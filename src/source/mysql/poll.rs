@@ -134,9 +134,12 @@ impl PollTable for MyPoll {
         for (i, row) in rows.into_iter().enumerate() {
             let values: Vec<BinlogValue<'static>> =
                 row.unwrap().into_iter().map(BinlogValue::Value).collect();
-            let id = match values.get(self.id_index) {
-                Some(BinlogValue::Value(v)) => v.clone(),
-                _ => continue,
+            // The id as the server sent it: the mark names the row by the same value.
+            let Some(BinlogValue::Value(id)) = values.get(self.id_index).cloned() else {
+                return Err(Error::Decode(format!(
+                    "a claimed row of {} has no id column value",
+                    self.table.quoted()
+                )));
             };
             let event = self.mapping.event_from(
                 |c| values.get(c),
