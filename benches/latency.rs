@@ -35,6 +35,21 @@ pub(crate) async fn pg(conninfo: &str) -> tokio_postgres::Client {
     c
 }
 
+/// Milliseconds from each id's start to its arrival (ids that never arrived are left out).
+pub(crate) fn latencies_ms(
+    start: &HashMap<String, Instant>,
+    arrivals: &HashMap<String, Instant>,
+) -> Vec<f64> {
+    start
+        .iter()
+        .filter_map(|(id, t)| {
+            arrivals
+                .get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect()
+}
+
 pub(crate) fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
@@ -198,13 +213,7 @@ async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64
         .status();
     let _ = relay.wait();
     let arr = arrivals.lock().unwrap().clone();
-    let lat: Vec<f64> = committed
-        .iter()
-        .filter_map(|(id, t)| {
-            arr.get(id)
-                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let lat = latencies_ms(&committed, &arr);
     eprintln!(
         "relay: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
         lat.len()
@@ -268,13 +277,7 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let arr = arrivals.lock().unwrap().clone();
-    let lat: Vec<f64> = sent
-        .iter()
-        .filter_map(|(id, t)| {
-            arr.get(id)
-                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let lat = latencies_ms(&sent, &arr);
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;

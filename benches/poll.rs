@@ -347,13 +347,7 @@ async fn latency_run(
     }
     stop(child);
     let arr = arrivals.lock().unwrap().clone();
-    let lat: Vec<f64> = committed
-        .iter()
-        .filter_map(|(id, t)| {
-            arr.get(id)
-                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let lat = latency::latencies_ms(&committed, &arr);
     eprintln!(
         "{tag}: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
         lat.len()

@@ -353,6 +353,25 @@ where
             "add --commit-offsets (or use an amqp:// sink)",
         ));
     }
+    let (link, ack_tx, ev_rx) = source_link(cfg);
+    let stats = Arc::new(RelayStats::default());
+    let t = crate::telemetry::get();
+    t.mark_started();
+    // Poll mode has no stream: it is "streaming" while it can poll.
+    t.source_streaming.set(1);
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source(link)).await?;
+    Ok(stats)
+}
+
+/// The channels between a source and the relay: events one way (bounded by
+/// `--max-inflight-bytes`), acknowledgements the other.
+fn source_link(
+    cfg: &RunConfig,
+) -> (
+    SourceLink,
+    watch::Sender<Option<Checkpoint>>,
+    mpsc::Receiver<crate::source::SourceMsg>,
+) {
     let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
     let (ev_tx, ev_rx) = mpsc::channel(4096);
     let link = SourceLink {
@@ -362,13 +381,7 @@ where
         },
         acks: ack_rx,
     };
-    let stats = Arc::new(RelayStats::default());
-    let t = crate::telemetry::get();
-    t.mark_started();
-    // Poll mode has no stream: it is "streaming" while it can poll.
-    t.source_streaming.set(1);
-    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source(link)).await?;
-    Ok(stats)
+    (link, ack_tx, ev_rx)
 }
 
 async fn relay_and_source<S: Sink>(
@@ -576,15 +589,8 @@ where
     F: FnOnce(SourceLink) -> Fut,
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
-    let (ack_tx, ack_rx) = watch::channel::<Option<Checkpoint>>(None);
-    let (ev_tx, ev_rx) = mpsc::channel(4096);
-    let link = SourceLink {
-        outlet: Outlet {
-            events: ev_tx,
-            budget: Budget::new(cfg.max_inflight_bytes),
-        },
-        acks: ack_rx.clone(),
-    };
+    let (link, ack_tx, ev_rx) = source_link(cfg);
+    let ack_rx = link.acks.clone();
     let lease_stop = CancellationToken::new();
     let mut sink = make_sink(cfg)?;
     let mut lease_task = tokio::spawn(state::keep_lease(

@@ -9,19 +9,6 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(120);
 
-fn poll_args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
-    vec![
-        "run",
-        "--mode",
-        "poll",
-        "--source",
-        dsn,
-        "--name",
-        name,
-        "--commit-offsets",
-    ]
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_share_a_table_each_event_once() {
     poll::three_relays_each_event_once(&MyDb::create("my_poll3").await).await;
@@ -90,7 +77,7 @@ async fn setup_creates_the_seeds_table_and_check_validates_it() {
     );
     // Without the status column: poll mode refuses to start, with the fix.
     my_exec(&mut c, "ALTER TABLE outbox DROP COLUMN status").await;
-    let mut relay = Relay::start(&poll_args(&dsn, "s"));
+    let mut relay = Relay::start(&poll::stdout_args(&dsn, "s", "50ms", "10"));
     let code = relay.wait_exit(T).await;
     assert_eq!(code, 2, "{}", relay.stderr());
     assert!(

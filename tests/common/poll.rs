@@ -73,7 +73,13 @@ pub fn ids(relay: &Relay) -> Vec<Uuid> {
         .collect()
 }
 
-fn stdout_args<'a>(dsn: &'a str, name: &'a str, interval: &'a str, batch: &'a str) -> Vec<&'a str> {
+/// `run --mode poll` to stdout with `--commit-offsets`.
+pub fn stdout_args<'a>(
+    dsn: &'a str,
+    name: &'a str,
+    interval: &'a str,
+    batch: &'a str,
+) -> Vec<&'a str> {
     vec![
         "run",
         "--mode",
