@@ -33,7 +33,7 @@ fn opts(db: Option<&str>) -> mysql_async::OptsBuilder {
         .prefer_socket(false)
 }
 
-async fn connect(db: Option<&str>) -> mysql_async::Conn {
+pub(crate) async fn connect(db: Option<&str>) -> mysql_async::Conn {
     mysql_async::Conn::new(opts(db))
         .await
         .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))

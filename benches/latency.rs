@@ -29,7 +29,7 @@ const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// Producer connections sharing the commit schedule.
 const PRODUCERS: usize = 8;
 
-async fn pg(conninfo: &str) -> tokio_postgres::Client {
+pub(crate) async fn pg(conninfo: &str) -> tokio_postgres::Client {
     let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
         .await
         .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
@@ -37,14 +37,33 @@ async fn pg(conninfo: &str) -> tokio_postgres::Client {
     c
 }
 
-fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
+/// Milliseconds from each id's start to its arrival (ids that never arrived are left out).
+pub(crate) fn latencies_ms(
+    start: &HashMap<String, Instant>,
+    arrivals: &HashMap<String, Instant>,
+) -> Vec<f64> {
+    start
+        .iter()
+        .filter_map(|(id, t)| {
+            arrivals
+                .get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect()
+}
+
+pub(crate) fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
     (at(0.5), at(0.99), at(0.999), v.len())
 }
 
 /// Consumes `queue`, recording the arrival time of each message id.
-async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<String, Instant>>>) {
+pub(crate) async fn consume(
+    conn: &Connection,
+    queue: &str,
+    arrivals: Arc<Mutex<HashMap<String, Instant>>>,
+) {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(1000, Default::default()).await.unwrap();
     let mut consumer = ch
@@ -69,7 +88,7 @@ async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<Str
     });
 }
 
-async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
+pub(crate) async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
     let ch = conn.create_channel().await.unwrap();
     ch.queue_declare(
         queue.into(),
@@ -94,7 +113,7 @@ async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
     }
 }
 
-fn body(i: usize) -> String {
+pub(crate) fn body(i: usize) -> String {
     format!(
         "{{\"invoice_id\":{i},\"customer_name\":\"Muhammet Şafak\",\"tax_id\":\"1234567890\",\"total\":\"1499.90\",\"currency\":\"TRY\",\"lines\":[{{\"sku\":\"A-100\",\"qty\":2,\"price\":\"499.95\"}},{{\"sku\":\"B-200\",\"qty\":1,\"price\":\"500.00\"}}],\"note\":\"{}\"}}",
         "x".repeat(60)
@@ -210,13 +229,7 @@ async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64
         .status();
     let _ = relay.wait();
     let arr = arrivals.lock().unwrap().clone();
-    let lat: Vec<f64> = committed
-        .iter()
-        .filter_map(|(id, t)| {
-            arr.get(id)
-                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let lat = latencies_ms(&committed, &arr);
     eprintln!(
         "relay: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
         lat.len()
@@ -280,13 +293,7 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let arr = arrivals.lock().unwrap().clone();
-    let lat: Vec<f64> = sent
-        .iter()
-        .filter_map(|(id, t)| {
-            arr.get(id)
-                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let lat = latencies_ms(&sent, &arr);
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;

@@ -80,6 +80,10 @@ pub struct CheckArgs {
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
+    /// Check for poll mode (MySQL/MariaDB: the status column, its index and the grants
+    /// instead of the binlog).
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -522,8 +526,13 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let mut lines = Vec::new();
         for table in connector::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
-            let table_lines =
-                crate::source::mysql::operator::check_mysql(dsn, &r.name, &table).await;
+            let table_lines = crate::source::mysql::operator::check_mysql(
+                dsn,
+                &r.name,
+                &table,
+                args.mode == Mode::Poll,
+            )
+            .await;
             // The server-wide lines once; each further table adds its own.
             let seen: Vec<String> = lines
                 .iter()
@@ -706,58 +715,49 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             ..Default::default()
         },
     };
-    match r.source {
-        SourceDsn::Postgres(dsn) => {
-            let stats = match args.mode {
-                Mode::Cdc => connector::run_postgres(dsn, cfg, shutdown).await?,
-                Mode::Poll => {
-                    if args.poll_batch < 1 {
-                        return Err(Error::config(
-                            "--poll-batch must be at least 1",
-                            "use --poll-batch 500",
-                        ));
-                    }
-                    let poll = crate::source::poll::PollOptions {
-                        batch: args.poll_batch,
-                        interval: args.poll_interval,
-                        notify: args.notify,
-                    };
-                    connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
-                }
-            };
-            tracing::info!(
-                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-                "stopped"
-            );
-            Ok(())
-        }
-        SourceDsn::Mysql(dsn) => {
-            let stats = connector::run_mysql(dsn, cfg, shutdown).await?;
-            tracing::info!(
-                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-                "stopped"
-            );
-            Ok(())
-        }
-        SourceDsn::File(files) => {
-            let stats = connector::run_file(files, cfg, shutdown).await?;
-            tracing::info!(
-                published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-                confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-                "binlog files replayed"
-            );
-            Ok(())
-        }
+    if args.mode == Mode::Poll && args.poll_batch < 1 {
+        return Err(Error::config(
+            "--poll-batch must be at least 1",
+            "use --poll-batch 500",
+        ));
     }
+    let poll = crate::source::poll::PollOptions {
+        batch: args.poll_batch,
+        interval: args.poll_interval,
+        notify: args.notify,
+    };
+    let stats = match (r.source, args.mode) {
+        (SourceDsn::Postgres(dsn), Mode::Cdc) => {
+            connector::run_postgres(dsn, cfg, shutdown).await?
+        }
+        (SourceDsn::Postgres(dsn), Mode::Poll) => {
+            connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::Mysql(dsn), Mode::Cdc) => connector::run_mysql(dsn, cfg, shutdown).await?,
+        (SourceDsn::Mysql(dsn), Mode::Poll) => {
+            connector::run_poll_mysql(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::File(files), Mode::Cdc) => connector::run_file(files, cfg, shutdown).await?,
+        (SourceDsn::File(_), Mode::Poll) => {
+            return Err(Error::config(
+                "poll mode queries a database table; a binlog-file source has none",
+                "drop --mode poll to replay the files, or poll the database: --source mysql://…",
+            ))
+        }
+    };
+    tracing::info!(
+        published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+        confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+        "stopped"
+    );
+    Ok(())
 }
 
 async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     let dsn = match r.source.clone() {
         SourceDsn::Postgres(dsn) => dsn,
-        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r).await,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r, &args).await,
         SourceDsn::File(_) => return Err(Error::config(
             "a binlog-file source needs no setup",
             "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
@@ -885,16 +885,41 @@ async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
 
 /// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
 /// created. (There is no slot or publication: the binlog is read from a position.)
-async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved) -> Result<(), Error> {
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved, args: &SetupArgs) -> Result<(), Error> {
     use crate::source::mysql::{self as my, admin as my_admin};
+    if args.notify {
+        return Err(Error::config(
+            "--notify installs a Postgres LISTEN/NOTIFY trigger; MySQL has none",
+            "drop --notify",
+        ));
+    }
     let mut conn = my::connect_sql(&dsn).await?;
+    let tables = connector::mysql_tables(&dsn, &r.tables, &r.columns, Default::default())?;
+    if args.create_table {
+        for table in &tables {
+            let created = my_admin::create_outbox_table(&mut conn, table).await?;
+            println!(
+                "ok   outbox table {} ({})",
+                table.quoted(),
+                if created { "created" } else { "exists" }
+            );
+        }
+    }
+    if args.mode == Mode::Poll {
+        // No binlog and no state: poll mode needs only the table.
+        for table in &tables {
+            my_admin::require_table(&mut conn, table).await?;
+            println!("ok   outbox table {}", table.quoted());
+        }
+        return Ok(());
+    }
     let settings = my_admin::require_binlog(&mut conn).await?;
     println!(
         "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
         settings.version
     );
-    for table in connector::mysql_tables(&dsn, &r.tables, &r.columns, Default::default())? {
-        my_admin::require_table(&mut conn, &table).await?;
+    for table in &tables {
+        my_admin::require_table(&mut conn, table).await?;
         println!("ok   outbox table {}", table.quoted());
     }
     crate::state::mysql::ensure_table(&mut conn).await?;

@@ -81,14 +81,36 @@ pub fn recovery_since(
     replay_since: Option<chrono::DateTime<chrono::Utc>>,
     margin: Duration,
 ) -> chrono::DateTime<chrono::Utc> {
+    replay_start(
+        &state::DurableCommit {
+            commit_at: row.position_commit_at,
+            max_gap_ms: row.commit_gap_ms,
+        },
+        row.created_at,
+        replay_since,
+        margin,
+        Duration::from_secs(1),
+    )
+}
+
+/// [`recovery_since`] for any source: `commit` as stored, `fallback` when no commit time was
+/// (the state row's creation), and `precision` — how coarse the source's commit times are —
+/// added to the gap.
+pub fn replay_start(
+    commit: &state::DurableCommit,
+    fallback: Option<chrono::DateTime<chrono::Utc>>,
+    replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    margin: Duration,
+    precision: Duration,
+) -> chrono::DateTime<chrono::Utc> {
     if let Some(s) = replay_since {
         return s;
     }
-    let gap = Duration::from_millis(row.commit_gap_ms.unwrap_or(0).max(0) as u64 + 1000);
+    let gap = Duration::from_millis(commit.max_gap_ms.unwrap_or(0).max(0) as u64) + precision;
     let margin = chrono::Duration::from_std(margin.max(gap)).unwrap_or(chrono::Duration::days(1));
-    let base = row
-        .position_commit_at
-        .or(row.created_at)
+    let base = commit
+        .commit_at
+        .or(fallback)
         .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC + chrono::Duration::days(1));
     base - margin
 }
@@ -294,39 +316,84 @@ pub async fn run_poll_postgres(
     poll: crate::source::poll::PollOptions,
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
-    let mut sink = make_sink(&cfg)?;
+    let table = single_table(&cfg)?.clone();
+    {
+        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
+        admin::require_table(&sql, &table).await?;
+    }
+    let poll_cfg = crate::source::poll::PollConfig {
+        dsn,
+        name: cfg.name.clone(),
+        table: table.clone(),
+        columns: cfg.columns.clone(),
+        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
+        run: poll.loop_config(cfg.relay.confirm_timeout.max(Duration::from_secs(1))),
+        notify_channel: poll
+            .notify
+            .then(|| crate::source::poll::notify_channel(&table)),
+    };
+    run_poll(&cfg, move |link| {
+        crate::source::poll::run_postgres(poll_cfg, link, shutdown)
+    })
+    .await
+}
+
+/// Runs poll mode on a MySQL/MariaDB table until `shutdown` (no lease either).
+pub async fn run_poll_mysql(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    poll: crate::source::poll::PollOptions,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql::{self as my, poll as my_poll};
+    if poll.notify {
+        return Err(Error::config(
+            "--notify is a Postgres feature (LISTEN/NOTIFY); MySQL has no way to wake a poller",
+            "drop --notify, and lower --poll-interval for lower latency",
+        ));
+    }
+    let table = mysql_outbox_table(&dsn, single_table(&cfg)?, &cfg.columns, cfg.mysql.time_zone)?;
+    let lock_wait = {
+        let mut sql = my::connect_sql(&dsn).await?;
+        my::admin::require_table(&mut sql, &table).await?;
+        let w = my_poll::lock_wait_timeout(&mut sql).await?;
+        let _ = sql.disconnect().await;
+        w
+    };
+    let deadline = my_poll::deadline(cfg.relay.confirm_timeout, lock_wait);
+    if deadline < cfg.relay.confirm_timeout {
+        tracing::info!(?deadline, innodb_lock_wait_timeout = ?lock_wait, "a batch's transaction is bounded below the server's lock wait timeout");
+    }
+    let run = poll.loop_config(deadline);
+    run_poll(&cfg, move |link| async move {
+        let db = my_poll::MyPoll::open(&dsn, &table, &run).await?;
+        // No NOTIFY on MySQL: a wake channel that never ticks.
+        let (_never, wake) = watch::channel(0u64);
+        crate::source::poll::run(db, run, wake, link, shutdown).await
+    })
+    .await
+}
+
+/// The relay and a poll source together, with the configured sink.
+async fn run_poll<F, Fut>(cfg: &RunConfig, source: F) -> Result<Arc<RelayStats>, Error>
+where
+    F: FnOnce(SourceLink) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let mut sink = make_sink(cfg)?;
     if !sink.stores_position() {
         return Err(Error::config(
             "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
             "add --commit-offsets (or use an amqp:// sink)",
         ));
     }
-    let table = single_table(&cfg)?.clone();
-    {
-        let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
-        admin::require_table(&sql, &table).await?;
-    }
-    let (link, ev_rx, ack_tx) = source_link(&cfg);
-    let poll_cfg = crate::source::poll::PollConfig {
-        dsn,
-        name: cfg.name.clone(),
-        table: table.clone(),
-        columns: cfg.columns.clone(),
-        batch: poll.batch,
-        interval: poll.interval,
-        // Bounded by the confirm timeout: a batch waits at most that long for its confirms.
-        deadline: cfg.relay.confirm_timeout.max(Duration::from_secs(1)),
-        notify_channel: poll
-            .notify
-            .then(|| crate::source::poll::notify_channel(&table)),
-    };
+    let (link, ev_rx, ack_tx) = source_link(cfg);
     let stats = Arc::new(RelayStats::default());
     let t = crate::telemetry::get();
     t.mark_started();
     // Poll mode has no stream: it is "streaming" while it can poll.
     t.source_streaming.set(1);
-    let source = crate::source::poll::run(poll_cfg, link, shutdown);
-    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
+    relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source(link)).await?;
     Ok(stats)
 }
 
@@ -506,7 +573,45 @@ pub async fn run_mysql(
     let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     let mut first = my::FirstStart::No;
-    let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
+    let mut resume_from = stored.as_ref().and_then(my::Resume::from_checkpoint);
+    if let (Some(resume), PositionLostPolicy::Poll) = (&resume_from, cfg.on_position_lost) {
+        // With recovery on, a purged stored file counts as lost even where the GTID state
+        // might still resume: a needless replay gives duplicates, a wrong guess a gap.
+        if let Err(Error::PositionLost { problem, .. }) =
+            my_admin::require_position(&mut sql, &cfg.name, &resume.file).await
+        {
+            let commit = state::mysql::load_commit(&mut sql, &cfg.name).await?;
+            // Binlog commit times are whole seconds (truncated): one more second of margin.
+            let since = replay_start(
+                &commit,
+                None,
+                cfg.replay_since,
+                cfg.recovery_margin,
+                Duration::from_secs(2),
+            );
+            let mut plans = Vec::with_capacity(tables.len());
+            for t in &tables {
+                let plan = my::snapshot::plan(&mut sql, t, &SnapshotMode::Since(since)).await?;
+                plans.push((t.clone(), plan));
+            }
+            let mut snap =
+                my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plans).await?;
+            let rows = snap.rows().await?;
+            tracing::error!(
+                problem = %problem,
+                stored_commit_at = %commit.commit_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "unknown".into()),
+                max_commit_gap_ms = commit.max_gap_ms.unwrap_or(0),
+                replay_since = %since.to_rfc3339(),
+                rows,
+                "POSITION LOST: recovering through the table (--on-position-lost poll): streaming from the current binlog position and publishing again every row created since replay_since; expect duplicates"
+            );
+            // The old position stays stored until the replay's rows are confirmed: a crash
+            // before that replays again.
+            resume_from = None;
+            first = my::FirstStart::Snapshot(snap);
+        }
+    }
+    let start = match resume_from {
         Some(mut resume) => {
             // By GTID the server itself says whether it still has what follows; by file and
             // position, the file must still be there.
@@ -520,6 +625,10 @@ pub async fn run_mysql(
             }
             resume
         }
+        None if matches!(first, my::FirstStart::Snapshot(_)) => match &first {
+            my::FirstStart::Snapshot(snap) => snap.at.clone(),
+            _ => unreachable!("matched above"),
+        },
         None => {
             // First start (CONTRACT §3): the rows already in the table come from a consistent
             // snapshot whose binlog position is where streaming starts. The position and the
@@ -558,11 +667,9 @@ pub async fn run_mysql(
         mariadb: settings.mariadb,
     };
     let store = state::mysql::MyStateStore::new(dsn.clone());
-    // The binlog source reports no commit times yet: recovery through the table is
-    // Postgres-only for now.
-    let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, first, shutdown)
+        my::run(source_cfg, link, start, first, commits_tx, shutdown)
     })
     .await
 }

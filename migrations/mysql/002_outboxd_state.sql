@@ -16,6 +16,7 @@ CREATE TABLE IF NOT EXISTS outboxd_state (
     binlog_pos        BIGINT UNSIGNED NULL,
     gtid_state        TEXT         NULL,
     commit_gap_ms     BIGINT       NULL,
+    position_commit_at DATETIME(6) NULL,
     initialized_at    DATETIME(6)  NULL,
     created_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     updated_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6)

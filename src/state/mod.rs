@@ -60,6 +60,61 @@ pub struct DurableCommit {
     pub max_gap_ms: Option<i64>,
 }
 
+/// Commit times of forwarded transactions until they are durable, and the largest
+/// commit-vs-`created_at` gap seen: what recovery through the table needs. `K` orders
+/// positions (a Postgres LSN; a MySQL binlog file sequence and offset).
+#[derive(Debug)]
+pub struct CommitLog<K> {
+    pending: std::collections::VecDeque<(K, Option<chrono::DateTime<chrono::Utc>>)>,
+    max_gap_ms: Option<i64>,
+}
+
+impl<K> Default for CommitLog<K> {
+    fn default() -> Self {
+        CommitLog {
+            pending: Default::default(),
+            max_gap_ms: None,
+        }
+    }
+}
+
+impl<K: Ord + Copy> CommitLog<K> {
+    /// A row created at `created` was committed at `committed`.
+    pub fn observe(
+        &mut self,
+        committed: chrono::DateTime<chrono::Utc>,
+        created: chrono::DateTime<chrono::Utc>,
+    ) {
+        let gap = (committed - created).num_milliseconds().max(0);
+        self.max_gap_ms = Some(self.max_gap_ms.map_or(gap, |g| g.max(gap)));
+    }
+
+    /// A transaction ending at `end` and committed at `commit_at` was handed to the relay.
+    pub fn forwarded(&mut self, end: K, commit_at: Option<chrono::DateTime<chrono::Utc>>) {
+        self.pending.push_back((end, commit_at));
+    }
+
+    /// Everything up to `pos` is durable: publish the newest commit time among them.
+    pub fn durable_up_to(&mut self, pos: K, out: &watch::Sender<DurableCommit>) {
+        let mut last = None;
+        while let Some(&(end, t)) = self.pending.front() {
+            if end > pos {
+                break;
+            }
+            last = t.or(last);
+            self.pending.pop_front();
+        }
+        if last.is_some() || self.max_gap_ms != out.borrow().max_gap_ms {
+            out.send_modify(|d| {
+                if last.is_some() {
+                    d.commit_at = last;
+                }
+                d.max_gap_ms = self.max_gap_ms;
+            });
+        }
+    }
+}
+
 /// A lease this process holds.
 #[derive(Debug, Clone)]
 pub struct Lease {

@@ -30,6 +30,7 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     binlog_pos        BIGINT UNSIGNED NULL,
     gtid_state        TEXT         NULL,
     commit_gap_ms     BIGINT       NULL,
+    position_commit_at DATETIME(6) NULL,
     initialized_at    DATETIME(6)  NULL,
     created_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     updated_at        DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
@@ -47,9 +48,44 @@ pub struct StateRow {
     pub initialized: bool,
 }
 
+/// Columns added after the first release: (name, definition). Added to older state tables by
+/// [`ensure_table`] (MySQL 8 has no `ADD COLUMN IF NOT EXISTS`, so it looks first).
+const ADDED_COLUMNS: [(&str, &str); 1] = [("position_commit_at", "DATETIME(6) NULL")];
+
 pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
     conn.query_drop(DDL).await?;
+    let have: Vec<String> = conn
+        .query(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outboxd_state'",
+        )
+        .await?;
+    for (name, def) in ADDED_COLUMNS {
+        if !have.iter().any(|c| c.eq_ignore_ascii_case(name)) {
+            conn.query_drop(format!("ALTER TABLE outboxd_state ADD COLUMN {name} {def}"))
+                .await?;
+        }
+    }
     Ok(())
+}
+
+/// The commit time of the last durable transaction and the largest commit-vs-`created_at` gap
+/// seen (ms), as stored for relay `name`.
+pub async fn load_commit(conn: &mut Conn, name: &str) -> Result<super::DurableCommit, Error> {
+    let row: Option<(Option<String>, Option<i64>)> = conn
+        .exec_first(
+            "SELECT DATE_FORMAT(position_commit_at, '%Y-%m-%d %H:%i:%s.%f'), commit_gap_ms
+               FROM outboxd_state WHERE name = ?",
+            (name,),
+        )
+        .await?;
+    let (at, gap) = row.unwrap_or((None, None));
+    Ok(super::DurableCommit {
+        commit_at: at
+            .and_then(|t| chrono::NaiveDateTime::parse_from_str(&t, "%Y-%m-%d %H:%M:%S%.f").ok())
+            .map(|t| t.and_utc()),
+        max_gap_ms: gap,
+    })
 }
 
 pub async fn table_exists(conn: &mut Conn) -> Result<bool, Error> {
@@ -221,14 +257,36 @@ pub async fn renew(
     conn: &mut Conn,
     lease: &Lease,
     position: Option<&Checkpoint>,
+    commit: &super::DurableCommit,
 ) -> Result<(), Error> {
+    let commit_at = commit
+        .commit_at
+        .map(|t| t.naive_utc().format("%Y-%m-%d %H:%M:%S%.6f").to_string());
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    // Commit time and gap only ever grow (NULL leaves them as they are).
     tx.exec_drop(
         "UPDATE outboxd_state SET lease_renewed_at = UTC_TIMESTAMP(6),
                 lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL ? SECOND,
+                position_commit_at = CASE WHEN ? IS NOT NULL
+                     AND (position_commit_at IS NULL OR position_commit_at < ?)
+                    THEN ? ELSE position_commit_at END,
+                commit_gap_ms = CASE WHEN ? IS NOT NULL
+                     AND (commit_gap_ms IS NULL OR commit_gap_ms < ?)
+                    THEN ? ELSE commit_gap_ms END,
                 updated_at = UTC_TIMESTAMP(6)
           WHERE name = ? AND epoch = ? AND lease_holder = ?",
-        (LEASE_TTL.as_secs(), &lease.name, lease.epoch, &lease.holder),
+        (
+            LEASE_TTL.as_secs(),
+            &commit_at,
+            &commit_at,
+            &commit_at,
+            commit.max_gap_ms,
+            commit.max_gap_ms,
+            commit.max_gap_ms,
+            &lease.name,
+            lease.epoch,
+            &lease.holder,
+        ),
     )
     .await?;
     if tx.affected_rows() == 0 {
@@ -376,11 +434,11 @@ impl StateStore for MyStateStore {
         &mut self,
         lease: &Lease,
         position: Option<&Checkpoint>,
-        _commit: &super::DurableCommit,
+        commit: &super::DurableCommit,
     ) -> Result<(), Error> {
         tokio::time::timeout(STATEMENT_TIMEOUT, async {
             let mut conn = self.take_conn().await?;
-            let r = renew(&mut conn, lease, position).await;
+            let r = renew(&mut conn, lease, position, commit).await;
             self.put_back(conn, &r);
             r
         })

@@ -279,6 +279,26 @@ impl Head {
     }
 }
 
+/// Creates the seed's outbox table (migrations/mysql/001_outbox.sql) under the table's name
+/// when it does not exist; says whether it did.
+pub async fn create_outbox_table(conn: &mut Conn, table: &OutboxTable) -> Result<bool, Error> {
+    let n: Option<i64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
+            (&table.database, &table.table),
+        )
+        .await?;
+    if n.unwrap_or(0) > 0 {
+        return Ok(false);
+    }
+    let ddl = include_str!("../../../migrations/mysql/001_outbox.sql").replace(
+        "IF NOT EXISTS outbox ",
+        &format!("IF NOT EXISTS {} ", table.quoted()),
+    );
+    conn.query_drop(ddl).await?;
+    Ok(true)
+}
+
 /// The server's current binlog position (the end of the last event written).
 pub async fn head(conn: &mut Conn) -> Result<(String, u64), Error> {
     let h = head_status(conn, None).await?;
@@ -338,7 +358,8 @@ pub async fn binlog_files(conn: &mut Conn) -> Result<Vec<String>, Error> {
 pub fn lost_position_fix(name: &str) -> String {
     format!(
         "the binlog events after the stored position were purged, so the events in them may never be published. \
-         Publish what was lost from the table if you need it (`outboxd run --snapshot since=<time of the last delivered event>` after a teardown), \
+         Recover through the table: run with --on-position-lost poll (it streams from the current position and publishes again every row created since the last confirmed commit, minus a margin; expect duplicates), \
+         or publish what was lost by hand (`outboxd run --snapshot since=<time of the last delivered event>` after a teardown), \
          or accept the gap: `outboxd teardown --name {name} --yes`, then start again; and keep binlogs longer than the longest relay outage \
          (SET GLOBAL binlog_expire_logs_seconds = 604800)"
     )

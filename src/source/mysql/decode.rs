@@ -74,6 +74,9 @@ pub enum Step {
         start_pos: u64,
         checkpoint: Checkpoint,
         own: bool,
+        /// When it committed, to the second: the later of its first event's and its commit
+        /// event's header timestamps (binlog timestamps have no fraction).
+        committed_at: Option<DateTime<Utc>>,
     },
     /// The open transaction will never end (cut off by a crash): drop its rows.
     Abort { start_file: String, start_pos: u64 },
@@ -202,10 +205,11 @@ impl Decoder {
         }
     }
 
-    fn commit(&mut self, end_pos: u64) -> Step {
+    fn commit(&mut self, end_pos: u64, ts: u32) -> Step {
         let Some(txn) = self.txn.take() else {
             return Step::Nothing;
         };
+        let at_commit = Utc.timestamp_opt(ts as i64, 0).single();
         if let Some(g) = txn.gtid {
             self.gtid.apply(g);
         }
@@ -219,6 +223,7 @@ impl Decoder {
             start_pos: txn.start_pos,
             checkpoint: self.checkpoint(end_pos),
             own: txn.state_rows && !txn.other,
+            committed_at: txn.committed_at.max(at_commit),
         }
     }
 
@@ -357,7 +362,7 @@ impl Decoder {
                 } else if verb.eq_ignore_ascii_case("COMMIT")
                     || (verb.eq_ignore_ascii_case("ROLLBACK") && skip_space(text).len() <= 9)
                 {
-                    steps.push(self.commit(end));
+                    steps.push(self.commit(end, header.timestamp()));
                 } else {
                     self.check_statement(&q)?;
                     let standalone = match self.txn.as_mut() {
@@ -371,11 +376,11 @@ impl Decoder {
                         }
                     };
                     if standalone {
-                        steps.push(self.commit(end));
+                        steps.push(self.commit(end, header.timestamp()));
                     }
                 }
             }
-            XID | XA_PREPARE => steps.push(self.commit(end)),
+            XID | XA_PREPARE => steps.push(self.commit(end, header.timestamp())),
             TABLE_MAP => {
                 let tme: TableMapEvent<'_> = ev
                     .read_event()

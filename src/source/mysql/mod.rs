@@ -21,12 +21,13 @@ pub mod decode;
 pub mod file;
 pub mod gtid;
 pub mod operator;
+pub mod poll;
 pub mod rows;
 pub mod snapshot;
 
 use crate::backoff::Backoff;
 use crate::dsn::{DbDsn, TlsMode};
-use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
+use crate::event::{binlog_file_seq, Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
 use crate::Error;
 use decode::{Decoder, Step};
@@ -413,6 +414,8 @@ struct Open {
     /// Rows of this transaction already sent before a reconnect (streamed mode): skipped.
     skip: u32,
     seen: u32,
+    /// The earliest `created_at` among its rows (for the commit-vs-created gap).
+    min_created: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// A streamed transaction that was cut off: where it starts and how many rows went out.
@@ -449,9 +452,13 @@ pub async fn run(
     link: SourceLink,
     start: Resume,
     first: FirstStart,
+    durable_commits: tokio::sync::watch::Sender<crate::state::DurableCommit>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let SourceLink { outlet, acks: _ } = link;
+    let SourceLink { outlet, mut acks } = link;
+    // Commit times by (file sequence, end position), until the relay confirms them.
+    let mut commits = crate::state::CommitLog::<(u64, u64)>::default();
+    let mut acks_open = true;
     match first {
         FirstStart::No => {}
         FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
@@ -511,6 +518,13 @@ pub async fn run(
             let item = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
+                changed = acks.changed(), if acks_open => {
+                    acks_open = changed.is_ok();
+                    if let Some(Checkpoint::Binlog { file, pos, .. }) = &*acks.borrow_and_update() {
+                        commits.durable_up_to((binlog_file_seq(file), *pos), &durable_commits);
+                    }
+                    continue;
+                }
                 // A checkpoint held back by the rate limit goes out once the stream pauses.
                 _ = tokio::time::sleep_until(flush_at), if pending.is_some() => {
                     outlet.send_checkpoint(pending.take().expect("checked")).await?;
@@ -566,6 +580,7 @@ pub async fn run(
                             buffered_bytes: 0,
                             skip,
                             seen: 0,
+                            min_created: None,
                         });
                     }
                     Step::Rows(events) => {
@@ -574,6 +589,10 @@ pub async fn run(
                         };
                         for mut event in events {
                             o.seen += 1;
+                            o.min_created = Some(
+                                o.min_created
+                                    .map_or(event.created_at, |m| m.min(event.created_at)),
+                            );
                             match o.mode {
                                 Mode::Buffer => {
                                     o.buffered_bytes += event.size();
@@ -611,6 +630,7 @@ pub async fn run(
                         start_pos,
                         checkpoint,
                         own,
+                        committed_at,
                     } => {
                         let o = open.take();
                         let Checkpoint::Binlog { pos: end, .. } = &checkpoint else {
@@ -618,6 +638,7 @@ pub async fn run(
                         };
                         let end = *end;
                         let mut had_events = false;
+                        let o_min_created = o.as_ref().and_then(|o| o.min_created);
                         if let Some(o) = o {
                             match o.mode {
                                 Mode::Scan => {
@@ -648,6 +669,13 @@ pub async fn run(
                             by_position: resume.by_position,
                         };
                         if had_events {
+                            if let Some(at) = committed_at {
+                                if let Some(created) = o_min_created {
+                                    // Whole seconds: the commit may be up to 1 s later.
+                                    commits.observe(at + chrono::Duration::seconds(1), created);
+                                }
+                            }
+                            commits.forwarded((binlog_file_seq(dec.file()), end), committed_at);
                             outlet.send_checkpoint(checkpoint).await?;
                             pending = None;
                             last_sent = Instant::now();

@@ -7,6 +7,7 @@ use super::{admin, connect_sql, snapshot};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint};
 use crate::operator::{CheckLine, Level};
+use crate::outbox::my_ident;
 use crate::Error;
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -21,8 +22,14 @@ fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String
     }
 }
 
-/// Runs every MySQL check; never stops at the first failure.
-pub async fn check_mysql(dsn: &DbDsn, name: &str, table: &OutboxTable) -> Vec<CheckLine> {
+/// Runs every MySQL check (of CDC mode, or of poll mode when `poll`); never stops at the first
+/// failure.
+pub async fn check_mysql(
+    dsn: &DbDsn,
+    name: &str,
+    table: &OutboxTable,
+    poll: bool,
+) -> Vec<CheckLine> {
     let mut out = Vec::new();
     let mut conn = match connect_sql(dsn).await {
         Ok(c) => {
@@ -47,11 +54,176 @@ pub async fn check_mysql(dsn: &DbDsn, name: &str, table: &OutboxTable) -> Vec<Ch
             return out;
         }
     };
-    if let Err(e) = check_server(&mut conn, name, table, &mut out).await {
+    let checked = if poll {
+        check_poll(&mut conn, table, &mut out).await
+    } else {
+        check_server(&mut conn, name, table, &mut out).await
+    };
+    if let Err(e) = checked {
         out.push(line(Level::Fail, "query", e.to_string(), None));
     }
     let _ = conn.disconnect().await;
     out
+}
+
+/// Poll mode needs no binlog: the table with its status and published_at columns, the
+/// `(status, created_at)` index the claim scans, and the grants to claim and mark rows.
+async fn check_poll(
+    conn: &mut Conn,
+    table: &OutboxTable,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let s = admin::settings(conn).await?;
+    out.push(line(Level::Ok, "server", s.version.clone(), None));
+    if !check_table(conn, table, out).await? {
+        return Ok(());
+    }
+    let status = table.columns.get("status");
+    let created = table.columns.get("created_at");
+    let infos = snapshot::table_columns(conn, table).await?;
+    let missing: Vec<&str> = [status, table.columns.get("published_at")]
+        .into_iter()
+        .filter(|c| !infos.iter().any(|i| i.name.eq_ignore_ascii_case(c)))
+        .collect();
+    if !missing.is_empty() {
+        out.push(line(
+            Level::Fail,
+            "status column",
+            format!("{} has no {}", table.quoted(), missing.join(", ")),
+            Some(super::poll::status_fix(table)),
+        ));
+        return Ok(());
+    }
+    out.push(line(
+        Level::Ok,
+        "status column",
+        format!("{status} and {}", table.columns.get("published_at")),
+        None,
+    ));
+    // An index that starts with (status, created_at): the claim reads pending rows in order
+    // from it instead of scanning (and locking its way through) the table.
+    let idx: Vec<(String, u64, String)> = conn
+        .exec(
+            "SELECT INDEX_NAME, SEQ_IN_INDEX, COLUMN_NAME FROM information_schema.STATISTICS
+              WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? AND SEQ_IN_INDEX <= 2
+              ORDER BY INDEX_NAME, SEQ_IN_INDEX",
+            (&table.database, &table.table),
+        )
+        .await?;
+    let found = idx.iter().find_map(|(name, seq, col)| {
+        (*seq == 1
+            && col.eq_ignore_ascii_case(status)
+            && idx
+                .iter()
+                .any(|(n, s, c)| n == name && *s == 2 && c.eq_ignore_ascii_case(created)))
+        .then(|| name.clone())
+    });
+    out.push(match found {
+        Some(name) => line(
+            Level::Ok,
+            "dispatch index",
+            format!("{name} ({status}, {created})"),
+            None,
+        ),
+        None => line(
+            Level::Fail,
+            "dispatch index",
+            format!("no index on ({status}, {created}): every poll scans the table"),
+            Some(format!(
+                "ALTER TABLE {} ADD KEY idx_dispatch ({}, {});",
+                table.quoted(),
+                my_ident(status),
+                my_ident(created)
+            )),
+        ),
+    });
+    // The grants, by trying the statements themselves in a transaction that changes nothing.
+    let tried = async {
+        conn.query_drop("START TRANSACTION").await?;
+        conn.query_drop(format!(
+            "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {} LIMIT 1 FOR UPDATE SKIP LOCKED",
+            my_ident(table.columns.get("id")),
+            table.quoted(),
+            my_ident(status),
+            my_ident(created)
+        ))
+        .await?;
+        conn.query_drop(format!(
+            "UPDATE {} SET {} = 'published' WHERE 1 = 0",
+            table.quoted(),
+            my_ident(status)
+        ))
+        .await
+    }
+    .await;
+    let _ = conn.query_drop("ROLLBACK").await;
+    out.push(match tried {
+        Ok(()) => line(
+            Level::Ok,
+            "grants",
+            "SELECT … FOR UPDATE SKIP LOCKED and UPDATE on the table allowed",
+            None,
+        ),
+        Err(e) if matches!(super::server_code(&e), Some(1142 | 1143 | 1044)) => line(
+            Level::Fail,
+            "grants",
+            e.to_string(),
+            Some(format!(
+                "GRANT SELECT, UPDATE ON {} TO '<user>'@'<host>';",
+                table.quoted()
+            )),
+        ),
+        Err(e) if super::server_code(&e) == Some(1064) => line(
+            Level::Fail,
+            "skip locked",
+            format!(
+                "{}: the server does not understand FOR UPDATE SKIP LOCKED",
+                s.version
+            ),
+            Some("poll mode needs MariaDB 10.6+ or MySQL 8.0+".into()),
+        ),
+        Err(e) => return Err(e.into()),
+    });
+    Ok(())
+}
+
+/// The outbox table mapped exactly as the stream maps it; false when it cannot be.
+async fn check_table(
+    conn: &mut Conn,
+    table: &OutboxTable,
+    out: &mut Vec<CheckLine>,
+) -> Result<bool, Error> {
+    let infos = snapshot::table_columns(conn, table).await?;
+    if infos.is_empty() {
+        out.push(line(
+            Level::Fail,
+            "outbox table",
+            format!("{} does not exist", table.quoted()),
+            Some(format!(
+                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
+                table.database
+            )),
+        ));
+        return Ok(false);
+    }
+    match table.map_columns(&infos) {
+        Ok(_) => out.push(line(
+            Level::Ok,
+            "outbox table",
+            format!(
+                "{} ({} columns, mapped by name)",
+                table.quoted(),
+                infos.len()
+            ),
+            None,
+        )),
+        Err(Error::Config { problem, fix }) => {
+            out.push(line(Level::Fail, "outbox table", problem, Some(fix)));
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(true)
 }
 
 async fn check_server(
@@ -131,35 +303,7 @@ async fn check_server(
     });
 
     // The table and its columns, mapped exactly as the stream maps them.
-    let infos = snapshot::table_columns(conn, table).await?;
-    if infos.is_empty() {
-        out.push(line(
-            Level::Fail,
-            "outbox table",
-            format!("{} does not exist", table.quoted()),
-            Some(format!(
-                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
-                table.database
-            )),
-        ));
-    } else {
-        match table.map_columns(&infos) {
-            Ok(_) => out.push(line(
-                Level::Ok,
-                "outbox table",
-                format!(
-                    "{} ({} columns, mapped by name)",
-                    table.quoted(),
-                    infos.len()
-                ),
-                None,
-            )),
-            Err(Error::Config { problem, fix }) => {
-                out.push(line(Level::Fail, "outbox table", problem, Some(fix)))
-            }
-            Err(e) => return Err(e),
-        }
-    }
+    check_table(conn, table, out).await?;
 
     // The relay's state and whether its position can still be read.
     match crate::state::mysql::load(conn, name).await? {

@@ -214,6 +214,22 @@ pub async fn begin(
 }
 
 impl Snapshot {
+    /// How many rows the snapshot will publish, over every planned table (counted in the
+    /// snapshot itself).
+    pub async fn rows(&mut self) -> Result<i64, Error> {
+        let mut total = 0;
+        for (table, plan) in &self.plans {
+            if let SnapshotPlan::Rows { filter, .. } = plan {
+                let n: Option<i64> = self
+                    .conn
+                    .query_first(format!("SELECT COUNT(*) FROM {} {filter}", table.quoted()))
+                    .await?;
+                total += n.unwrap_or(0);
+            }
+        }
+        Ok(total)
+    }
+
     /// Reads the planned rows of every table and sends them as events at the snapshot's
     /// position; closes the snapshot. Returns how many rows were sent.
     pub async fn publish(mut self, outlet: &Outlet) -> Result<u64, Error> {

@@ -254,7 +254,7 @@ pub async fn run(
     durable_commits: tokio::sync::watch::Sender<DurableCommit>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let mut commits = CommitLog::default();
+    let mut commits = crate::state::CommitLog::<u64>::default();
     let SourceLink { outlet, mut acks } = link;
     if cfg
         .snapshot
@@ -388,7 +388,9 @@ pub async fn run(
                                     };
                                     if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
                                         txn.index += 1;
-                                        commits.observe(&event);
+                                        if let Some(committed) = event.committed_at {
+                                            commits.observe(committed, event.created_at);
+                                        }
                                         if !txn.skip {
                                             out.send_event(event).await?;
                                         }
@@ -402,7 +404,7 @@ pub async fn run(
                         ReplicationEvent::Commit { end_lsn, .. } => {
                             if let Some(txn) = in_txn.take() {
                                 if !txn.skip {
-                                    commits.forwarded(end_lsn.as_u64(), txn.commit_time_micros);
+                                    commits.forwarded(end_lsn.as_u64(), rows::pg_time(txn.commit_time_micros));
                                     out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
                                     forwarded_commit = txn.commit_lsn;
                                 }
@@ -433,47 +435,6 @@ pub async fn run(
         }
     }
     Ok(())
-}
-
-/// Commit times of forwarded transactions until they are durable, and the largest
-/// commit-vs-`created_at` gap seen: what recovery through the table needs.
-#[derive(Default)]
-struct CommitLog {
-    pending: std::collections::VecDeque<(u64, i64)>,
-    max_gap_ms: Option<i64>,
-}
-
-impl CommitLog {
-    fn observe(&mut self, event: &crate::OutboxEvent) {
-        if let Some(committed) = event.committed_at {
-            let gap = (committed - event.created_at).num_milliseconds().max(0);
-            self.max_gap_ms = Some(self.max_gap_ms.map_or(gap, |g| g.max(gap)));
-        }
-    }
-
-    fn forwarded(&mut self, end_lsn: u64, commit_time_micros: i64) {
-        self.pending.push_back((end_lsn, commit_time_micros));
-    }
-
-    fn durable_up_to(&mut self, lsn: u64, out: &tokio::sync::watch::Sender<DurableCommit>) {
-        let mut last = None;
-        while let Some(&(end, t)) = self.pending.front() {
-            if end > lsn {
-                break;
-            }
-            last = Some(t);
-            self.pending.pop_front();
-        }
-        let commit_at = last.and_then(rows::pg_time);
-        if commit_at.is_some() || self.max_gap_ms != out.borrow().max_gap_ms {
-            out.send_modify(|d| {
-                if commit_at.is_some() {
-                    d.commit_at = commit_at;
-                }
-                d.max_gap_ms = self.max_gap_ms;
-            });
-        }
-    }
 }
 
 struct Txn {
