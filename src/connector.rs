@@ -108,10 +108,8 @@ pub async fn run_postgres(
             .await
         {
             Err(Error::LeaseHeld(who)) if cfg.ha => {
-                tracing::info!(held = %who, "standby: waiting for the lease");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
-                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                if !standby(&who, &shutdown).await {
+                    return Ok(Arc::new(RelayStats::default()));
                 }
             }
             other => break other?,
@@ -228,6 +226,16 @@ pub async fn run_postgres(
     .await
 }
 
+/// `--ha`: another relay holds the lease; waits one renewal period before the next attempt.
+/// False when asked to stop meanwhile.
+async fn standby(held: &str, shutdown: &CancellationToken) -> bool {
+    tracing::info!(held = %held, "standby: waiting for the lease");
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(state::RENEW_INTERVAL) => true,
+    }
+}
+
 /// Builds the sink named by `--sink`.
 pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
     Ok(match &cfg.sink {
@@ -333,6 +341,8 @@ pub struct MySqlOptions {
     pub txn_buffer_bytes: usize,
     /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
     pub heartbeat: Duration,
+    /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
+    pub offset_file: Option<std::path::PathBuf>,
 }
 
 impl Default for MySqlOptions {
@@ -341,6 +351,7 @@ impl Default for MySqlOptions {
             time_zone: Default::default(),
             txn_buffer_bytes: 16 * 1024 * 1024,
             heartbeat: Duration::from_secs(1),
+            offset_file: None,
         }
     }
 }
@@ -400,7 +411,23 @@ pub async fn run_mysql(
     let settings = my_admin::require_binlog(&mut sql).await?;
     my_admin::require_table(&mut sql, &table).await?;
     let holder = state::holder_id();
-    let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
+    let (lease, stored, file_store) = loop {
+        let attempt = match &cfg.mysql.offset_file {
+            Some(path) => state::file::FileStore::acquire(path, &cfg.name, &holder)
+                .map(|(store, lease, at)| (lease, at, Some(store))),
+            None => state::mysql::acquire(&mut sql, &cfg.name, &holder)
+                .await
+                .map(|(lease, at)| (lease, at, None)),
+        };
+        match attempt {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                if !standby(&who, &shutdown).await {
+                    return Ok(Arc::new(RelayStats::default()));
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     let mut first = my::FirstStart::No;
     let start = match stored.as_ref().and_then(my::Resume::from_checkpoint) {
@@ -448,14 +475,17 @@ pub async fn run_mysql(
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
         mariadb: settings.mariadb,
     };
-    let store = state::mysql::MyStateStore::new(dsn.clone());
     // The binlog source reports no commit times yet: recovery through the table is
     // Postgres-only for now.
     let (_commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, first, shutdown)
-    })
-    .await
+    let source = move |link| my::run(source_cfg, link, start, first, shutdown);
+    match file_store {
+        Some(store) => drive(&cfg, store, lease, commits_rx, source).await,
+        None => {
+            let store = state::mysql::MyStateStore::new(dsn.clone());
+            drive(&cfg, store, lease, commits_rx, source).await
+        }
+    }
 }
 
 /// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
