@@ -850,3 +850,26 @@ pub async fn my_write_events(
     let _ = conn.ping().await;
     ids
 }
+
+/// The test CA directory of `scripts/services.sh` (`OUTBOXD_PG_TLS_DIR`, default
+/// /etc/outboxd/tls): `ca.crt` signed the Postgres and MariaDB server certificates (both name
+/// `localhost` and `127.0.0.1`); `ca-other.crt` signed nothing here.
+pub fn tls_dir() -> std::path::PathBuf {
+    std::env::var_os("OUTBOXD_PG_TLS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/etc/outboxd/tls"))
+}
+
+/// A file of the test CA directory, which must exist: a missing one fails the test.
+pub fn tls_file(name: &str) -> String {
+    let path = tls_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{} does not exist: the TLS tests need the test CA and the server certificates. \
+         Run `sudo scripts/services.sh` (it creates them in {} and turns TLS on in Postgres and \
+         MariaDB; OUTBOXD_PG_TLS_DIR points both it and the tests elsewhere)",
+        path.display(),
+        tls_dir().display()
+    );
+    path.to_str().unwrap().to_string()
+}
