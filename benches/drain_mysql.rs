@@ -10,13 +10,13 @@
 mod support;
 
 use mysql_async::prelude::Queryable;
-use support::{my_connect as connect, rss_kib};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::{my_connect as connect, rss_kib};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)

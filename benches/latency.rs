@@ -105,6 +105,8 @@ fn body(i: usize) -> String {
 }
 
 /// The database side of a latency run: one outbox row per transaction, as a producer writes it.
+// One value per run: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Producer {
     Postgres {
         admin: tokio_postgres::Client,
@@ -130,7 +132,10 @@ impl Producer {
             .batch_execute(&format!("CREATE DATABASE {db}"))
             .await
             .unwrap();
-        let client = pg(&format!("host=127.0.0.1 port=5432 user=postgres dbname={db}")).await;
+        let client = pg(&format!(
+            "host=127.0.0.1 port=5432 user=postgres dbname={db}"
+        ))
+        .await;
         client
             .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
             .await

@@ -117,7 +117,10 @@ impl Source {
 
     /// The headers the relay sends for an event of this source, same sizes.
     fn headers(self, seq: usize) -> Vec<(&'static str, String)> {
-        let created = ("x-outbox-created-at", "2026-12-02T14:13:24.125386Z".to_string());
+        let created = (
+            "x-outbox-created-at",
+            "2026-12-02T14:13:24.125386Z".to_string(),
+        );
         match self {
             Source::Postgres => vec![
                 ("x-aggregate-id", "agg-123".to_string()),
@@ -361,7 +364,10 @@ async fn raw_runs(
         purge(ch, &all).await;
         let rate = raw_publish(conn, x, bodies, window, source).await;
         assert_eq!(queue_len(ch, &all).await as usize, bodies.len());
-        eprintln!("{}: raw lapin, window {window}: {rate:.0} msg/s", source.label());
+        eprintln!(
+            "{}: raw lapin, window {window}: {rate:.0} msg/s",
+            source.label()
+        );
         raw.push((window, rate));
     }
     let best = raw
@@ -576,7 +582,9 @@ async fn main() {
         sizes.push(format!("MariaDB {avg}"));
     }
 
-    println!("\n| run | window | msg/s | vs best raw (same source's bodies) | relay CPU | peak RSS |");
+    println!(
+        "\n| run | window | msg/s | vs best raw (same source's bodies) | relay CPU | peak RSS |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
     for r in &table {
         match r.relay {

@@ -7,18 +7,9 @@ mod common;
 
 use common::proxy::FaultProxy;
 use common::*;
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
-
-fn ids(relay: &Relay) -> Vec<Uuid> {
-    parse_lines(&relay.lines())
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
 
 /// `file:end_pos:index` of an event line, ordered like the binlog.
 fn position(line: &serde_json::Value) -> (u64, u64, u64) {
@@ -104,13 +95,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
         failover <= Duration::from_secs(10),
         "failover took {failover:?} (bound: lease TTL 5 s + renewal period + start)"
     );
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
     let held = holder(&db, &name).await.unwrap();
     assert!(
         held.contains(&format!(":{}:", standby.child.id())),
@@ -160,42 +145,18 @@ async fn a_stalled_leader_stops_before_the_standby_starts() {
 
     proxy.stall();
     expected.extend(my_write_events(&mut c, 2, 10, "ha.during").await);
-    let start = Instant::now();
-    let mut leader_exit: Option<(Instant, i32)> = None;
-    let mut standby_first: Option<Instant> = None;
-    while start.elapsed() < T && (leader_exit.is_none() || standby_first.is_none()) {
-        if leader_exit.is_none() {
-            if let Some(status) = leader.child.try_wait().unwrap() {
-                leader_exit = Some((Instant::now(), status.code().unwrap_or(-1)));
-            }
-        }
-        if standby_first.is_none() && standby.line_count() > 0 {
-            standby_first = Some(Instant::now());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let (exited, code) = leader_exit.expect("the stalled leader stopped");
-    let first = standby_first.expect("the standby took over");
+    let (exited, code, first) = watch_takeover(&mut leader, &standby, T).await;
     assert_eq!(code, 4, "leadership lost: {}", leader.stderr());
     assert!(
         exited <= first,
-        "the leader stopped ({:?}) before the standby published ({:?})",
-        exited - start,
-        first - start
+        "the leader stopped ({exited:?}) before the standby published ({first:?})"
     );
     eprintln!(
         "MariaDB: stalled leader stopped after {:?}; standby published after {:?}",
-        exited - start,
-        first - start
+        exited, first
     );
     proxy.resume();
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,8 +199,7 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
     let head = my_head().await;
     first.signal("TERM");
     assert_eq!(first.wait_exit(T).await, 0, "{}", first.stderr());
-    let stored: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     let at = (
         stored["binlog_file"].as_str().unwrap().to_string(),
         stored["binlog_pos"].as_u64().unwrap(),
@@ -262,8 +222,8 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
         async move { n >= 100 }
     })
     .await;
-    let got = ids(&second);
-    let before: HashSet<Uuid> = before.into_iter().collect();
+    let got = printed_ids(&second);
+    let before: std::collections::HashSet<uuid::Uuid> = before.into_iter().collect();
     assert!(
         got.iter().all(|i| !before.contains(i)),
         "the restart published nothing twice"
@@ -312,7 +272,7 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
         async move { n >= 5 }
     })
     .await;
-    assert_eq!(ids(&third), last);
+    assert_eq!(printed_ids(&third), last);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

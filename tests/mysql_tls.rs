@@ -13,9 +13,7 @@ mod common;
 
 use common::*;
 use mysql_async::prelude::Queryable;
-use std::collections::HashSet;
 use std::time::Duration;
-use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(60);
 const PASSWORD: &str = "my-tls-pw-Qa73";
@@ -67,26 +65,14 @@ impl TlsUser {
 impl Drop for TlsUser {
     fn drop(&mut self) {
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let mut c = my_connect(None).await;
-                let _ = c.query_drop(format!("DROP USER IF EXISTS '{name}'@'%'")).await;
-                let _ = c.disconnect().await;
-            });
-        })
-        .join();
+        run_detached(async move {
+            let mut c = my_connect(None).await;
+            let _ = c
+                .query_drop(format!("DROP USER IF EXISTS '{name}'@'%'"))
+                .await;
+            let _ = c.disconnect().await;
+        });
     }
-}
-
-fn ids(relay: &Relay) -> HashSet<Uuid> {
-    parse_lines(&relay.lines())
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
 }
 
 /// Runs a relay on `dsn` (from the environment, never argv) and checks that events written
@@ -103,12 +89,7 @@ async fn relays_over_tls(prefix: &str, host: &str, query: &str) {
     wait_for("the relay's binlog dump over TLS", T, || db.streaming()).await;
     let mut c = db.conn().await;
     let expected = my_write_events(&mut c, 4, 25, "tls.event").await;
-    wait_for("every event", T, || {
-        let got = ids(&relay);
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&relay], &expected, T).await;
     assert!(
         !relay.stderr().contains(PASSWORD),
         "the password is never printed"
@@ -125,7 +106,12 @@ async fn relays_over_tls(prefix: &str, host: &str, query: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_ca_with_the_test_ca_relays_over_tls() {
     let ca = tls_file("ca.crt");
-    relays_over_tls("my_tls_ca", MY_HOST, &format!("ssl-mode=VERIFY_CA&ssl-ca={ca}")).await;
+    relays_over_tls(
+        "my_tls_ca",
+        MY_HOST,
+        &format!("ssl-mode=VERIFY_CA&ssl-ca={ca}"),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +146,10 @@ async fn the_wrong_ca_is_refused_with_the_fix() {
         assert_eq!(code, 2, "{mode}: {err}");
         assert!(err.contains("MySQL TLS"), "{mode}: names TLS: {err}");
         assert!(err.contains("ssl-ca"), "{mode}: names the fix: {err}");
-        assert!(!err.contains(PASSWORD), "{mode}: the password is never printed");
+        assert!(
+            !err.contains(PASSWORD),
+            "{mode}: the password is never printed"
+        );
         assert_eq!(relay.line_count(), 0);
     }
 }

@@ -6,18 +6,9 @@ mod common;
 
 use common::proxy::FaultProxy;
 use common::*;
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
-
-fn ids(relay: &Relay) -> Vec<Uuid> {
-    parse_lines(&relay.lines())
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_when_the_leader_is_killed() {
@@ -68,13 +59,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
         failover <= Duration::from_secs(10),
         "failover took {failover:?} (bound: 5 s + lease TTL)"
     );
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,40 +107,16 @@ async fn a_stalled_leader_stops_before_the_standby_starts() {
     proxy.stall();
     expected.extend(write_events(&mut client, 2, 10, "ha.during").await);
     // Watch both: when the leader exits and when the standby first publishes.
-    let start = Instant::now();
-    let mut leader_exit: Option<(Instant, i32)> = None;
-    let mut standby_first: Option<Instant> = None;
-    while start.elapsed() < T && (leader_exit.is_none() || standby_first.is_none()) {
-        if leader_exit.is_none() {
-            if let Some(status) = leader.child.try_wait().unwrap() {
-                leader_exit = Some((Instant::now(), status.code().unwrap_or(-1)));
-            }
-        }
-        if standby_first.is_none() && standby.line_count() > 0 {
-            standby_first = Some(Instant::now());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let (exited, code) = leader_exit.expect("the stalled leader stopped");
-    let first = standby_first.expect("the standby took over");
+    let (exited, code, first) = watch_takeover(&mut leader, &standby, T).await;
     assert_eq!(code, 4, "leadership lost: {}", leader.stderr());
     assert!(
         exited <= first,
-        "the leader stopped ({:?}) before the standby published ({:?})",
-        exited - start,
-        first - start
+        "the leader stopped ({exited:?}) before the standby published ({first:?})"
     );
     eprintln!(
         "stalled leader stopped after {:?}; standby published after {:?}",
-        exited - start,
-        first - start
+        exited, first
     );
     proxy.resume();
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
 }

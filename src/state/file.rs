@@ -122,7 +122,10 @@ fn read_any(path: &Path) -> Result<Option<OffsetFile>, Error> {
         ));
     }
     if f.initialized && f.position().is_none() {
-        return Err(unreadable(path, "records a finished first start but no position"));
+        return Err(unreadable(
+            path,
+            "records a finished first start but no position",
+        ));
     }
     Ok(Some(f))
 }
@@ -136,7 +139,10 @@ fn owned_by(path: &Path, f: OffsetFile, name: &str) -> Result<OffsetFile, Error>
                 path.display(),
                 f.name
             ),
-            format!("run with --name {}, or give this relay its own --offset-file", f.name),
+            format!(
+                "run with --name {}, or give this relay its own --offset-file",
+                f.name
+            ),
         ));
     }
     Ok(f)
@@ -182,7 +188,10 @@ fn lock(path: &Path) -> Result<File, Error> {
         .open(&lp)
         .map_err(|e| {
             Error::config(
-                format!("cannot open the lock file {} of --offset-file: {e}", lp.display()),
+                format!(
+                    "cannot open the lock file {} of --offset-file: {e}",
+                    lp.display()
+                ),
                 "give --offset-file a path in a directory that exists and this user may write",
             )
         })?;
@@ -342,11 +351,23 @@ mod tests {
         assert!(lease.first_start);
         assert_eq!(stored, None);
         let c = super::super::DurableCommit::default();
-        store.renew(&lease, Some(&cp("b.000002", 900)), &c).await.unwrap();
+        store
+            .renew(&lease, Some(&cp("b.000002", 900)), &c)
+            .await
+            .unwrap();
         store.mark_initialized(&lease).await.unwrap();
-        store.renew(&lease, Some(&cp("b.000002", 400)), &c).await.unwrap();
-        store.renew(&lease, Some(&cp("b.000001", 9999)), &c).await.unwrap();
-        assert_eq!(read(&path, "r1").unwrap().unwrap().position(), Some(cp("b.000002", 900)));
+        store
+            .renew(&lease, Some(&cp("b.000002", 400)), &c)
+            .await
+            .unwrap();
+        store
+            .renew(&lease, Some(&cp("b.000001", 9999)), &c)
+            .await
+            .unwrap();
+        assert_eq!(
+            read(&path, "r1").unwrap().unwrap().position(),
+            Some(cp("b.000002", 900))
+        );
         // Held: a second relay is refused.
         assert!(matches!(
             FileStore::acquire(&path, "r1", "h:2:b"),

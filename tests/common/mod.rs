@@ -773,28 +773,21 @@ impl MyDb {
 impl Drop for MyDb {
     fn drop(&mut self) {
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                use mysql_async::prelude::Queryable;
-                let Ok(Ok(mut c)) = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    mysql_async::Conn::new(my_opts(None, MY_PORT)),
-                )
-                .await
-                else {
-                    return;
-                };
-                let _ = c
-                    .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
-                    .await;
-                let _ = c.disconnect().await;
-            });
-        })
-        .join();
+        run_detached(async move {
+            use mysql_async::prelude::Queryable;
+            let Ok(Ok(mut c)) = tokio::time::timeout(
+                Duration::from_secs(10),
+                mysql_async::Conn::new(my_opts(None, MY_PORT)),
+            )
+            .await
+            else {
+                return;
+            };
+            let _ = c
+                .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
+                .await;
+            let _ = c.disconnect().await;
+        });
     }
 }
 
@@ -872,4 +865,63 @@ pub fn tls_file(name: &str) -> String {
         tls_dir().display()
     );
     path.to_str().unwrap().to_string()
+}
+
+/// Runs `f` to completion on a runtime of its own, in a thread of its own: cleanup from `Drop`,
+/// which may run inside a runtime or outside one.
+pub fn run_detached<F: std::future::Future<Output = ()> + Send + 'static>(f: F) {
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    })
+    .join();
+}
+
+/// The event ids a stdout relay printed, in order.
+pub fn printed_ids(relay: &Relay) -> Vec<uuid::Uuid> {
+    parse_lines(&relay.lines())
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Waits until every id of `expected` was printed by one of `relays`.
+pub async fn wait_all_printed(relays: &[&Relay], expected: &[uuid::Uuid], timeout: Duration) {
+    wait_for("every event", timeout, || {
+        let got: std::collections::HashSet<uuid::Uuid> =
+            relays.iter().flat_map(|r| printed_ids(r)).collect();
+        let all = expected.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+}
+
+/// `--ha`: watches a leader cut off from its database and a standby until the leader exited and
+/// the standby printed its first event. Returns, counted from the call: when the leader exited,
+/// its exit code, when the standby first published.
+pub async fn watch_takeover(
+    leader: &mut Relay,
+    standby: &Relay,
+    timeout: Duration,
+) -> (Duration, i32, Duration) {
+    let start = Instant::now();
+    let mut leader_exit: Option<(Duration, i32)> = None;
+    let mut standby_first: Option<Duration> = None;
+    while start.elapsed() < timeout && (leader_exit.is_none() || standby_first.is_none()) {
+        if leader_exit.is_none() {
+            if let Some(status) = leader.child.try_wait().unwrap() {
+                leader_exit = Some((start.elapsed(), status.code().unwrap_or(-1)));
+            }
+        }
+        if standby_first.is_none() && standby.line_count() > 0 {
+            standby_first = Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (exited, code) = leader_exit.expect("the stalled leader stopped");
+    let first = standby_first.expect("the standby took over");
+    (exited, code, first)
 }

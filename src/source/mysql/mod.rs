@@ -132,7 +132,8 @@ pub fn server_code(e: &mysql_async::Error) -> Option<u16> {
     }
 }
 
-const TLS_FIX: &str = "check ssl-mode and ssl-ca in the DSN (verify-ca/verify-full need the server's CA in ssl-ca)";
+const TLS_FIX: &str =
+    "check ssl-mode and ssl-ca in the DSN (verify-ca/verify-full need the server's CA in ssl-ca)";
 
 fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
     use mysql_async::ClientIdentity;
