@@ -58,11 +58,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     let mut leader = Relay::start(&args);
     wait_for("leader streaming", T, || db.streaming()).await;
     let standby = Relay::start(&args);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let leader_pid = leader.child.id();
     let held = holder(&db, &name).await.unwrap();
     assert!(
@@ -71,11 +67,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     );
     let mut c = db.conn().await;
     let mut expected = my_write_events(&mut c, 5, 20, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 100 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 100, T).await;
     assert_eq!(
         standby.line_count(),
         0,
@@ -84,11 +76,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     leader.sigkill();
     let killed = Instant::now();
     expected.extend(my_write_events(&mut c, 5, 20, "ha.after").await);
-    wait_for("the standby publishes", T, || {
-        let n = standby.line_count();
-        async move { n > 0 }
-    })
-    .await;
+    wait_lines("the standby publishes", &standby, 1, T).await;
     let failover = killed.elapsed();
     eprintln!("MariaDB failover after SIGKILL: {failover:?}");
     assert!(
@@ -130,18 +118,10 @@ async fn a_stalled_leader_stops_before_the_standby_starts() {
     let mut leader = run(&via);
     wait_for("leader streaming", T, || db.streaming()).await;
     let standby = run(&direct);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let mut c = db.conn().await;
     let mut expected = my_write_events(&mut c, 2, 10, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 20 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 20, T).await;
 
     proxy.stall();
     expected.extend(my_write_events(&mut c, 2, 10, "ha.during").await);
@@ -191,11 +171,7 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
 
     let mut c = db.conn().await;
     let before = my_write_events(&mut c, 10, 10, "file.before").await;
-    wait_for("first batch", T, || {
-        let n = first.line_count();
-        async move { n >= 100 }
-    })
-    .await;
+    wait_lines("first batch", &first, 100, T).await;
     let head = my_head().await;
     first.signal("TERM");
     assert_eq!(first.wait_exit(T).await, 0, "{}", first.stderr());
@@ -217,11 +193,7 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
 
     let after = my_write_events(&mut c, 10, 10, "file.after").await;
     let second = Relay::start(&args);
-    wait_for("second batch", T, || {
-        let n = second.line_count();
-        async move { n >= 100 }
-    })
-    .await;
+    wait_lines("second batch", &second, 100, T).await;
     let got = printed_ids(&second);
     let before: std::collections::HashSet<uuid::Uuid> = before.into_iter().collect();
     assert!(
@@ -267,11 +239,7 @@ async fn the_offset_file_resumes_without_duplicates_and_refuses_a_second_relay()
     );
     let last = my_write_events(&mut c, 1, 5, "file.last").await;
     let third = Relay::start(&args);
-    wait_for("third batch", T, || {
-        let n = third.line_count();
-        async move { n >= 5 }
-    })
-    .await;
+    wait_lines("third batch", &third, 5, T).await;
     assert_eq!(printed_ids(&third), last);
 }
 

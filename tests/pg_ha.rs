@@ -28,18 +28,10 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     let mut leader = Relay::start(&args);
     wait_for("leader streaming", T, || db.slot_active(&slot)).await;
     let standby = Relay::start(&args);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let mut client = db.client().await;
     let mut expected = write_events(&mut client, 5, 20, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 100 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 100, T).await;
     assert_eq!(
         standby.line_count(),
         0,
@@ -48,11 +40,7 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     leader.sigkill();
     let killed = Instant::now();
     expected.extend(write_events(&mut client, 5, 20, "ha.after").await);
-    wait_for("the standby publishes", T, || {
-        let n = standby.line_count();
-        async move { n > 0 }
-    })
-    .await;
+    wait_lines("the standby publishes", &standby, 1, T).await;
     let failover = killed.elapsed();
     eprintln!("failover after SIGKILL: {failover:?}");
     assert!(
@@ -91,18 +79,10 @@ async fn a_stalled_leader_stops_before_the_standby_starts() {
         &name,
         "--commit-offsets",
     ]);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let mut client = db.client().await;
     let mut expected = write_events(&mut client, 2, 10, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 20 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 20, T).await;
 
     proxy.stall();
     expected.extend(write_events(&mut client, 2, 10, "ha.during").await);

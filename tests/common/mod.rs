@@ -925,3 +925,21 @@ pub async fn watch_takeover(
     let first = standby_first.expect("the standby took over");
     (exited, code, first)
 }
+
+/// `--ha`: waits until `standby` says it is waiting for the lease.
+pub async fn wait_standby(standby: &Relay, timeout: Duration) {
+    wait_for("the standby waits", timeout, || {
+        let s = standby.stderr();
+        async move { s.contains("standby: waiting for the lease") }
+    })
+    .await;
+}
+
+/// Waits until a stdout relay printed at least `n` events.
+pub async fn wait_lines(what: &str, relay: &Relay, n: usize, timeout: Duration) {
+    wait_for(what, timeout, || {
+        let got = relay.line_count();
+        async move { got >= n }
+    })
+    .await;
+}
