@@ -7,6 +7,8 @@
 //! sampling its RSS. Latency: `OUTBOXD_BENCH_LATENCY_EVENTS` (default 2,000) one-row
 //! transactions, one every 2 ms, each timed from its COMMIT returning to its stdout line.
 
+mod support;
+
 use mysql_async::prelude::Queryable;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -14,30 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
-
-fn opts(db: Option<&str>) -> mysql_async::OptsBuilder {
-    mysql_async::OptsBuilder::default()
-        .ip_or_hostname("127.0.0.1")
-        .tcp_port(3306)
-        .user(Some("root"))
-        .db_name(db)
-        .prefer_socket(false)
-}
-
-pub(crate) async fn connect(db: Option<&str>) -> mysql_async::Conn {
-    mysql_async::Conn::new(opts(db))
-        .await
-        .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))
-}
+use support::{my_connect as connect, rss_kib};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -109,23 +88,7 @@ async fn main() {
     let _ = first.wait();
 
     let t = Instant::now();
-    for i in 0..events / 100 {
-        c.query_drop(format!(
-            "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at)
-             SELECT UNHEX(REPLACE(UUID(), '-', '')), seq % 1000, 'invoice.issued',
-                    JSON_OBJECT('invoice_id', seq, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
-                                'total', '1499.90', 'currency', 'TRY', 'lines', JSON_ARRAY(
-                                JSON_OBJECT('sku', 'A-100', 'qty', 2, 'price', '499.95'),
-                                JSON_OBJECT('sku', 'B-200', 'qty', 1, 'price', '500.00')),
-                                'note', REPEAT('x', 60)),
-                    NOW(6)
-               FROM seq_{}_to_{}",
-            i * 100,
-            i * 100 + 99
-        ))
-        .await
-        .unwrap();
-    }
+    support::my_write_backlog(&mut c, events).await;
     let payload_len: Option<i64> = c
         .query_first("SELECT LENGTH(payload) FROM outbox LIMIT 1")
         .await

@@ -249,7 +249,7 @@ async fn mariadb(conn: &Connection, events: usize) -> Outcome {
     my_backlog(&mut c, events, TX).await;
     let out = kill_and_resume("MariaDB", &dsn, &exchange, ids, events).await;
     drop(c);
-    my_drop(&db).await;
+    my_drop_db(&db).await;
     out
 }
 

@@ -10,7 +10,12 @@
 //! - raw: a lapin publisher (persistent, confirms, pipelined) publishes the same bodies on the
 //!   same schedule to a queue; latency = arrival − publish call.
 //!
+//! The relay runs once on Postgres and once on MariaDB (`OUTBOXD_BENCH_SOURCES`, default
+//! `postgres,mariadb`), each with its own producer writing the same bodies.
+//!
 //! Both consumers run in this process with the same clock. Prints p50 / p99 / p99.9 per row.
+
+pub(crate) mod support;
 
 use futures::StreamExt;
 use lapin::options::{
@@ -120,21 +125,151 @@ pub(crate) fn body(i: usize) -> String {
     )
 }
 
-async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, usize) {
-    let db = format!("lat_{}_{rate}", std::process::id());
-    let admin = pg(ADMIN).await;
-    admin
-        .batch_execute(&format!("CREATE DATABASE {db}"))
-        .await
-        .unwrap();
-    let conninfo = format!("host=127.0.0.1 port=5432 user=postgres dbname={db}");
-    let client = pg(&conninfo).await;
-    client
-        .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
-        .await
-        .unwrap();
-    let exchange = format!("lat_{}_{rate}", std::process::id());
-    let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+/// The database side of a latency run: one outbox row per transaction, as a producer writes it.
+// One value per run: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Producer {
+    Postgres {
+        admin: tokio_postgres::Client,
+        client: tokio_postgres::Client,
+        insert: tokio_postgres::Statement,
+    },
+    MariaDb {
+        admin: mysql_async::Conn,
+        conn: mysql_async::Conn,
+    },
+}
+
+impl Producer {
+    async fn create(source: &str, db: &str) -> (Producer, String) {
+        if source == "mariadb" {
+            let conn = support::my_create_db(db).await;
+            let admin = support::my_connect(None).await;
+            let dsn = format!("mysql://root@127.0.0.1:3306/{db}?ssl-mode=disabled");
+            return (Producer::MariaDb { admin, conn }, dsn);
+        }
+        let admin = pg(ADMIN).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+        let client = pg(&format!(
+            "host=127.0.0.1 port=5432 user=postgres dbname={db}"
+        ))
+        .await;
+        client
+            .batch_execute(include_str!("../migrations/postgres/001_outbox.sql"))
+            .await
+            .unwrap();
+        let insert = client
+            .prepare("INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, $2, 'invoice.issued', $3::text::json)")
+            .await
+            .unwrap();
+        let dsn = format!("postgres://postgres@127.0.0.1:5432/{db}?sslmode=disable");
+        (
+            Producer::Postgres {
+                admin,
+                client,
+                insert,
+            },
+            dsn,
+        )
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Producer::Postgres { .. } => "Postgres",
+            Producer::MariaDb { .. } => "MariaDB",
+        }
+    }
+
+    /// Whether the relay's log stream into `db` is open.
+    async fn streaming(&mut self, db: &str) -> bool {
+        match self {
+            Producer::Postgres { admin, .. } => admin
+                .query_opt("SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = 'outboxd_lat' AND s.database = $1", &[&db])
+                .await
+                .unwrap()
+                .is_some(),
+            Producer::MariaDb { admin, .. } => support::my_streaming(admin, db).await,
+        }
+    }
+
+    /// Another producer connection to the same database (several share the schedule: one
+    /// connection's commit, a log flush, can take longer than the gap between two events).
+    async fn writer(&self, db: &str) -> Producer {
+        match self {
+            Producer::Postgres { .. } => {
+                let admin = pg(ADMIN).await;
+                let client = pg(&format!(
+                    "host=127.0.0.1 port=5432 user=postgres dbname={db}"
+                ))
+                .await;
+                let insert = client
+                    .prepare("INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, $2, 'invoice.issued', $3::text::json)")
+                    .await
+                    .unwrap();
+                Producer::Postgres {
+                    admin,
+                    client,
+                    insert,
+                }
+            }
+            Producer::MariaDb { .. } => Producer::MariaDb {
+                admin: support::my_connect(None).await,
+                conn: support::my_connect(Some(db)).await,
+            },
+        }
+    }
+
+    /// Commits one row (autocommit: one transaction); returns when the commit did.
+    async fn commit_one(&mut self, id: uuid::Uuid, i: usize) {
+        match self {
+            Producer::Postgres { client, insert, .. } => {
+                client
+                    .execute(&*insert, &[&id, &format!("agg-{}", i % 1000), &body(i)])
+                    .await
+                    .unwrap();
+            }
+            Producer::MariaDb { conn, .. } => {
+                use mysql_async::prelude::Queryable;
+                conn.exec_drop(
+                    "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at) VALUES (?, ?, 'invoice.issued', ?, UTC_TIMESTAMP(6))",
+                    (id.as_bytes().to_vec(), (i % 1000) as u64, body(i)),
+                )
+                .await
+                .unwrap();
+            }
+        }
+    }
+
+    async fn drop_db(self, db: &str) {
+        match self {
+            Producer::Postgres { admin, client, .. } => {
+                drop(client);
+                let _ = admin
+                    .batch_execute(&format!(
+                        "SELECT pg_drop_replication_slot('outboxd_lat'); DROP DATABASE {db} WITH (FORCE)"
+                    ))
+                    .await;
+            }
+            Producer::MariaDb { conn, .. } => {
+                drop(conn);
+                support::my_drop_db(db).await;
+            }
+        }
+    }
+}
+
+async fn relay_run(
+    source: &str,
+    rate: u64,
+    seconds: u64,
+    amqp: &Connection,
+) -> (&'static str, (f64, f64, f64, usize)) {
+    let db = format!("lat_{}_{source}_{rate}", std::process::id());
+    let (mut producer, dsn) = Producer::create(source, &db).await;
+    let exchange = db.clone();
     let bin = env!("CARGO_BIN_EXE_outboxd");
     let mut relay = Command::new(bin)
         .args([
@@ -170,12 +305,7 @@ async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64
             )
             .await
             .is_ok();
-        let streaming = admin
-            .query_opt("SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = 'outboxd_lat' AND s.database = $1", &[&db])
-            .await
-            .unwrap()
-            .is_some();
-        if ok && streaming {
+        if ok && producer.streaming(&db).await {
             break;
         }
         assert!(Instant::now() < deadline, "relay did not start");
@@ -186,30 +316,20 @@ async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64
     consume(amqp, &queue, arrivals.clone()).await;
 
     let n = (rate * seconds) as usize;
-    // Several producer connections take the schedule in turn: one connection's commit (a WAL
-    // flush) can take longer than the gap between two events at the higher rates.
-    let producers = PRODUCERS.min(n.max(1));
+    let writers = PRODUCERS.min(n.max(1));
+    let mut tasks = Vec::with_capacity(writers);
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(producers);
-    for p in 0..producers {
-        let client = pg(&conninfo).await;
+    for w in 0..writers {
+        let mut writer = producer.writer(&db).await;
         tasks.push(tokio::spawn(async move {
-            let stmt = client
-                .prepare("INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, $2, 'invoice.issued', $3::text::json)")
-                .await
-                .unwrap();
-            let mut committed = Vec::with_capacity(n / producers + 1);
-            for i in (p..n).step_by(producers) {
+            let mut committed = Vec::with_capacity(n / writers + 1);
+            for i in (w..n).step_by(writers) {
                 let due = start + Duration::from_secs_f64(i as f64 / rate as f64);
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
                     tokio::time::sleep(wait).await;
                 }
                 let id = uuid::Uuid::now_v7();
-                // Autocommit: one transaction per event; the commit returned when execute returns.
-                client
-                    .execute(&stmt, &[&id, &format!("agg-{}", i % 1000), &body(i)])
-                    .await
-                    .unwrap();
+                writer.commit_one(id, i).await;
                 committed.push((id.to_string(), Instant::now()));
             }
             committed
@@ -230,20 +350,17 @@ async fn relay_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64
     let _ = relay.wait();
     let arr = arrivals.lock().unwrap().clone();
     let lat = latencies_ms(&committed, &arr);
+    let label = producer.label();
     eprintln!(
-        "relay: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
+        "relay on {label}: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
         lat.len()
     );
     let ch = amqp.create_channel().await.unwrap();
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;
-    let _ = admin
-        .batch_execute(&format!(
-            "SELECT pg_drop_replication_slot('outboxd_lat'); DROP DATABASE {db} WITH (FORCE)"
-        ))
-        .await;
-    percentiles(lat)
+    producer.drop_db(&db).await;
+    (label, percentiles(lat))
 }
 
 async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, usize) {
@@ -293,7 +410,13 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let arr = arrivals.lock().unwrap().clone();
-    let lat = latencies_ms(&sent, &arr);
+    let lat: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, t)| {
+            arr.get(id)
+                .map(|a| a.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect();
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;
@@ -315,6 +438,12 @@ async fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(10);
+    let sources: Vec<String> = std::env::var("OUTBOXD_BENCH_SOURCES")
+        .unwrap_or_else(|_| "postgres,mariadb".into())
+        .split(',')
+        .map(|s| s.trim().to_lowercase())
+        .collect();
+    let load_before = support::load_average();
     let amqp = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
@@ -325,7 +454,13 @@ async fn main() {
         println!(
             "| raw lapin publish → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |"
         );
-        let (p50, p99, p999, n) = relay_run(rate, seconds, &amqp).await;
-        println!("| outboxd: Postgres commit → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
+        for source in &sources {
+            let (label, (p50, p99, p999, n)) = relay_run(source, rate, seconds, &amqp).await;
+            println!("| outboxd: {label} commit → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
+        }
     }
+    println!(
+        "\nload average before: {load_before}, after: {}",
+        support::load_average()
+    );
 }

@@ -119,7 +119,7 @@ async fn mariadb(backlog: usize, unrelated: Option<usize>) -> Vec<Row> {
     }
     relay.stop();
     drop(c);
-    my_drop(&db).await;
+    my_drop_db(&db).await;
     rows
 }
 

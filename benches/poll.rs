@@ -11,20 +11,16 @@
 //!   idle poller on an empty table at the default interval, and the relay process's own.
 //!
 //! The consumer and the timing helpers are the latency benchmark's (benches/latency.rs), the
-//! MariaDB connection the MariaDB drain benchmark's (benches/drain_mysql.rs).
+//! MariaDB connection the shared bench support's (benches/support/mod.rs).
 
 #[allow(dead_code)]
 #[path = "latency.rs"]
 mod latency;
 
-#[allow(dead_code)]
-#[path = "drain_mysql.rs"]
-mod drain_mysql;
-
-use drain_mysql::connect as my;
 use lapin::options::{ExchangeDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use latency::support::my_connect as my;
 use latency::{body, consume, declare_queue, percentiles, pg};
 use mysql_async::prelude::Queryable;
 use std::collections::HashMap;

@@ -1,17 +1,25 @@
-//! RabbitMQ benchmark: how close the relay gets to the broker's own ceiling. Run with
-//! `cargo bench --bench rabbitmq` (needs the local services; `scripts/services.sh`).
+//! RabbitMQ benchmark: how close the relay gets to the broker's own ceiling, for a Postgres and
+//! a MariaDB backlog. Run with `cargo bench --bench rabbitmq` (needs the local services;
+//! `scripts/services.sh`); `OUTBOXD_BENCH_SOURCES=postgres,mariadb` (default both) picks the
+//! sources.
 //!
-//! In one run it
+//! In one run, for each source it
 //! 1. writes `OUTBOXD_BENCH_EVENTS` (default 200,000) outbox rows of ~300-byte JSON in
-//!    transactions of 100 while no relay runs (a backlog in the slot);
+//!    transactions of 100 while no relay runs (a backlog in the slot, or in the binlog after the
+//!    relay's stored position);
 //! 2. publishes the same bodies with a bare lapin publisher — persistent, mandatory, publisher
-//!    confirms, a pipelined window of 100, 1,000 and 5,000 unconfirmed — into the same topology
-//!    the relay uses (topic exchange with alternate exchange, one durable queue bound with `#`);
-//! 3. starts `outboxd run` on the backlog (default `--window 1000`, then the raw publisher's best
-//!    window) and measures from process start until the slot has confirmed the last commit;
-//! 4. prints a Markdown table with the rates and the relay / best raw ratio.
+//!    confirms, the relay's headers, a pipelined window of 100, 1,000 and 5,000 unconfirmed —
+//!    into the same topology the relay uses (topic exchange with alternate exchange, one durable
+//!    queue bound with `#`);
+//! 3. starts `outboxd run --snapshot never` on the backlog (default `--window 1000`, then the
+//!    raw publisher's best window) and measures from process start until the last event is
+//!    confirmed (Postgres: the slot confirmed the last commit; MariaDB: the queue holds every
+//!    event);
+//! 4. prints a Markdown table with the rates and the relay / best raw ratio of that source.
 //!
 //! The queue is purged before every run so that each starts against an empty queue.
+
+mod support;
 
 use futures::StreamExt;
 use lapin::options::{
@@ -24,6 +32,7 @@ use lapin::{
 };
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{cpu_secs, rss_kib};
 
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -92,8 +101,53 @@ async fn declare(ch: &Channel, x: &str) {
     .unwrap();
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Postgres,
+    MariaDb,
+}
+
+impl Source {
+    fn label(self) -> &'static str {
+        match self {
+            Source::Postgres => "Postgres",
+            Source::MariaDb => "MariaDB",
+        }
+    }
+
+    /// The headers the relay sends for an event of this source, same sizes.
+    fn headers(self, seq: usize) -> Vec<(&'static str, String)> {
+        let created = (
+            "x-outbox-created-at",
+            "2026-12-02T14:13:24.125386Z".to_string(),
+        );
+        match self {
+            Source::Postgres => vec![
+                ("x-aggregate-id", "agg-123".to_string()),
+                created,
+                ("x-source-position", format!("00000000/A4760B98:{seq:010}")),
+            ],
+            Source::MariaDb => vec![
+                ("x-aggregate-id", "123".to_string()),
+                created,
+                (
+                    "x-source-position",
+                    format!("mariadb-bin.000012:{}:{}", 100_000_000 + seq, seq % 100),
+                ),
+                ("x-source-gtid", format!("0-1-{}", 1_000_000 + seq)),
+            ],
+        }
+    }
+}
+
 /// Publishes every body with at most `window` unconfirmed; returns messages per second.
-async fn raw_publish(conn: &Connection, x: &str, bodies: &[Vec<u8>], window: usize) -> f64 {
+async fn raw_publish(
+    conn: &Connection,
+    x: &str,
+    bodies: &[Vec<u8>],
+    window: usize,
+    source: Source,
+) -> f64 {
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
@@ -107,14 +161,7 @@ async fn raw_publish(conn: &Connection, x: &str, bodies: &[Vec<u8>], window: usi
         }
         // The relay's headers, so the raw messages are the same size on the wire.
         let mut headers = FieldTable::default();
-        for (k, v) in [
-            ("x-aggregate-id", "agg-123".to_string()),
-            (
-                "x-outbox-created-at",
-                "2026-12-02T14:13:24.125386Z".to_string(),
-            ),
-            ("x-source-position", format!("00000000/A4760B98:{seq:010}")),
-        ] {
+        for (k, v) in source.headers(seq) {
             headers.insert(k.into(), AMQPValue::LongString(v.into()));
         }
         let props = BasicProperties::default()
@@ -180,14 +227,14 @@ async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
     s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
 }
 
-/// Runs the relay until the slot confirmed `end`; returns (seconds, peak RSS KiB, CPU seconds).
+/// Runs the relay until `done` says the backlog is confirmed; returns (seconds, peak RSS KiB,
+/// CPU seconds).
 async fn relay_drain(
     bin: &str,
     dsn: &str,
     x: &str,
     window: usize,
-    admin: &tokio_postgres::Client,
-    end: u64,
+    mut done: impl AsyncFnMut() -> bool,
 ) -> (f64, u64, f64) {
     let t = Instant::now();
     let mut child = Command::new(bin)
@@ -218,7 +265,7 @@ async fn relay_drain(
             panic!("outboxd exited early: {status}");
         }
         peak = peak.max(rss_kib(child.id()).unwrap_or(0));
-        if confirmed_lsn(admin, "outboxd_bench").await >= end {
+        if done().await {
             break;
         }
         assert!(
@@ -235,25 +282,6 @@ async fn relay_drain(
     let status = child.wait().unwrap();
     assert!(status.success(), "outboxd stop: {status}");
     (secs, peak, cpu)
-}
-
-/// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
-fn cpu_secs(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
-}
-
-fn rss_kib(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
 }
 
 /// `events` rows of ~300-byte JSON in transactions of 100 (the same rows as `benches/drain.rs`).
@@ -312,22 +340,92 @@ async fn wal_end(c: &tokio_postgres::Client) -> u64 {
     outboxd::event::parse_lsn(&s).unwrap()
 }
 
-#[tokio::main]
-async fn main() {
-    // `cargo test --all-targets` runs bench targets too: this is minutes of load, so it runs
-    // only under `cargo bench`.
-    if !std::env::args().any(|a| a == "--bench") {
-        println!("rabbitmq: skipped (run it with `cargo bench --bench rabbitmq`)");
-        return;
+/// One row of the result table.
+struct Row {
+    what: String,
+    window: usize,
+    rate: f64,
+    ratio: f64,
+    relay: Option<(f64, f64, u64)>,
+}
+
+/// The raw publisher on `bodies` with windows 100, 1,000 and 5,000; returns (window, rate) and
+/// the best of them.
+async fn raw_runs(
+    conn: &Connection,
+    ch: &Channel,
+    x: &str,
+    bodies: &[Vec<u8>],
+    source: Source,
+) -> (Vec<(usize, f64)>, (usize, f64)) {
+    let all = format!("{x}.all");
+    let mut raw = Vec::new();
+    for window in [100, 1000, 5000] {
+        purge(ch, &all).await;
+        let rate = raw_publish(conn, x, bodies, window, source).await;
+        assert_eq!(queue_len(ch, &all).await as usize, bodies.len());
+        eprintln!(
+            "{}: raw lapin, window {window}: {rate:.0} msg/s",
+            source.label()
+        );
+        raw.push((window, rate));
     }
-    let events: usize = std::env::var("OUTBOXD_BENCH_EVENTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200_000);
-    let bin = env!("CARGO_BIN_EXE_outboxd");
+    let best = raw
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    (raw, best)
+}
+
+/// The relay's windows: its default, and the raw publisher's best when that is another.
+fn relay_windows(best_window: usize) -> Vec<usize> {
+    let mut windows = vec![1000];
+    if best_window != 1000 {
+        windows.push(best_window);
+    }
+    windows
+}
+
+fn rows(
+    source: Source,
+    events: usize,
+    raw: &[(usize, f64)],
+    best: f64,
+    relay: &[(usize, f64, u64, f64, f64)],
+) -> Vec<Row> {
+    let mut out: Vec<Row> = raw
+        .iter()
+        .map(|(w, r)| Row {
+            what: format!("raw lapin publisher, {} bodies", source.label()),
+            window: *w,
+            rate: *r,
+            ratio: r / best,
+            relay: None,
+        })
+        .collect();
+    for (w, r, peak, cpu, secs) in relay {
+        out.push(Row {
+            what: format!("outboxd relay, {} backlog → RabbitMQ", source.label()),
+            window: *w,
+            rate: *r,
+            ratio: r / best,
+            relay: Some((*cpu, *secs, *peak)),
+        });
+        let _ = events;
+    }
+    out
+}
+
+async fn postgres(
+    bin: &str,
+    events: usize,
+    conn: &Connection,
+    ch: &Channel,
+    x: &str,
+) -> (Vec<Row>, usize) {
     let pid = std::process::id();
     let db = format!("bench_rmq_{pid}");
-    let x = format!("bench_rmq_{pid}");
     let admin = pg(ADMIN).await;
     admin
         .batch_execute(&format!("CREATE DATABASE {db}"))
@@ -350,7 +448,10 @@ async fn main() {
 
     let t = Instant::now();
     write_backlog(&client, events).await;
-    eprintln!("wrote {events} events in {:.1}s", t.elapsed().as_secs_f64());
+    eprintln!(
+        "Postgres: wrote {events} events in {:.1}s",
+        t.elapsed().as_secs_f64()
+    );
 
     // The bodies exactly as the relay will send them.
     let bodies: Vec<Vec<u8>> = client
@@ -361,75 +462,160 @@ async fn main() {
         .map(|r| r.get::<_, String>(0).into_bytes())
         .collect();
     let avg = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
-
-    let conn = Connection::connect(AMQP, ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
-    let ch = conn.create_channel().await.unwrap();
-    declare(&ch, &x).await;
     let all = format!("{x}.all");
+    let (raw, (best_window, best)) = raw_runs(conn, ch, x, &bodies, Source::Postgres).await;
 
-    let mut raw = Vec::new();
-    for window in [100, 1000, 5000] {
-        purge(&ch, &all).await;
-        let rate = raw_publish(&conn, &x, &bodies, window).await;
-        assert_eq!(queue_len(&ch, &all).await as usize, events);
-        eprintln!("raw lapin, window {window}: {rate:.0} msg/s");
-        raw.push((window, rate));
-    }
-    let (best_window, best) = raw
-        .iter()
-        .copied()
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .unwrap();
-
-    // The relay drains the backlog: with its default window, and with the raw publisher's best
-    // window when that is another one (on a new backlog: a slot cannot be rewound).
+    // On a new backlog for every run after the first: a slot cannot be rewound.
     let mut relay = Vec::new();
-    let mut windows = vec![1000];
-    if best_window != 1000 {
-        windows.push(best_window);
-    }
-    for (k, window) in windows.into_iter().enumerate() {
+    for (k, window) in relay_windows(best_window).into_iter().enumerate() {
         if k > 0 {
             new_backlog(bin, &dsn, &admin, &client, events).await;
         }
-        purge(&ch, &all).await;
+        purge(ch, &all).await;
         let end = wal_end(&client).await;
-        let (secs, peak, cpu) = relay_drain(bin, &dsn, &x, window, &admin, end).await;
-        let got = queue_len(&ch, &all).await as usize;
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, window, async || {
+            confirmed_lsn(&admin, "outboxd_bench").await >= end
+        })
+        .await;
+        let got = queue_len(ch, &all).await as usize;
         assert!(got >= events, "relay delivered {got} of {events}");
         let rate = events as f64 / secs;
-        eprintln!("relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
+        eprintln!("Postgres: relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
         relay.push((window, rate, peak, cpu, secs));
     }
-
-    println!("\n| run | window | msg/s | vs best raw | relay CPU | peak RSS |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    for (w, r) in &raw {
-        println!(
-            "| raw lapin publisher | {w} | {r:.0} | {:.2} | | |",
-            r / best
-        );
-    }
-    for (w, r, peak, cpu, secs) in &relay {
-        println!(
-            "| outboxd relay, Postgres backlog → RabbitMQ | {w} | {r:.0} | {:.2} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
-            r / best,
-            cpu * 1e6 / events as f64,
-            peak / 1024
-        );
-    }
-    println!("\n{events} events, average body {avg} bytes, persistent, mandatory, publisher confirms, one durable queue bound with #.");
-
-    // Clean up: slot and database, exchanges and queues.
     let _ = admin
         .batch_execute(&format!(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db}';
              DROP DATABASE {db} WITH (FORCE);"
         ))
         .await;
-    for q in [all.clone(), format!("{x}.unrouted"), format!("{x}.dead")] {
+    (rows(Source::Postgres, events, &raw, best, &relay), avg)
+}
+
+async fn mariadb(
+    bin: &str,
+    events: usize,
+    conn: &Connection,
+    ch: &Channel,
+    x: &str,
+) -> (Vec<Row>, usize) {
+    let db = format!("bench_rmq_{}", std::process::id());
+    let mut c = support::my_create_db(&db).await;
+    let dsn = format!("mysql://root@127.0.0.1:3306/{db}?ssl-mode=disabled");
+    // The backlog starts here; each relay run is sent back here with `offset set`.
+    let start = support::my_head(&mut c).await;
+    let t = Instant::now();
+    support::my_write_backlog(&mut c, events).await;
+    eprintln!(
+        "MariaDB: wrote {events} events in {:.1}s",
+        t.elapsed().as_secs_f64()
+    );
+    let bodies: Vec<Vec<u8>> = {
+        use mysql_async::prelude::Queryable;
+        c.query("SELECT payload FROM outbox").await.unwrap()
+    };
+    let avg = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
+    let all = format!("{x}.all");
+    let (raw, (best_window, best)) = raw_runs(conn, ch, x, &bodies, Source::MariaDb).await;
+
+    let mut relay = Vec::new();
+    for window in relay_windows(best_window) {
+        let ok = Command::new(bin)
+            .args(["offset", "set", "--source", &dsn, "--name", "bench"])
+            .args(["--binlog-position", &start])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "outboxd offset set failed");
+        purge(ch, &all).await;
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, window, async || {
+            queue_len(ch, &all).await as usize >= events
+        })
+        .await;
+        let got = queue_len(ch, &all).await as usize;
+        let rate = events as f64 / secs;
+        eprintln!("MariaDB: relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
+        relay.push((window, rate, peak, cpu, secs));
+    }
+    drop(c);
+    support::my_drop_db(&db).await;
+    (rows(Source::MariaDb, events, &raw, best, &relay), avg)
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo test --all-targets` runs bench targets too: this is minutes of load, so it runs
+    // only under `cargo bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("rabbitmq: skipped (run it with `cargo bench --bench rabbitmq`)");
+        return;
+    }
+    let events: usize = std::env::var("OUTBOXD_BENCH_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200_000);
+    let sources = std::env::var("OUTBOXD_BENCH_SOURCES")
+        .unwrap_or_else(|_| "postgres,mariadb".into())
+        .to_lowercase();
+    let bin = env!("CARGO_BIN_EXE_outboxd");
+    let x = format!("bench_rmq_{}", std::process::id());
+    let load_before = support::load_average();
+    let t0 = Instant::now();
+
+    let conn = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    let ch = conn.create_channel().await.unwrap();
+    declare(&ch, &x).await;
+
+    let mut table = Vec::new();
+    let mut sizes = Vec::new();
+    if sources.contains("postgres") {
+        let (rows, avg) = postgres(bin, events, &conn, &ch, &x).await;
+        table.extend(rows);
+        sizes.push(format!("Postgres {avg}"));
+    }
+    if sources.contains("mariadb") {
+        let (rows, avg) = mariadb(bin, events, &conn, &ch, &x).await;
+        table.extend(rows);
+        sizes.push(format!("MariaDB {avg}"));
+    }
+
+    println!(
+        "\n| run | window | msg/s | vs best raw (same source's bodies) | relay CPU | peak RSS |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &table {
+        match r.relay {
+            None => println!(
+                "| {} | {} | {:.0} | {:.2} | | |",
+                r.what, r.window, r.rate, r.ratio
+            ),
+            Some((cpu, secs, peak)) => println!(
+                "| {} | {} | {:.0} | {:.2} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
+                r.what,
+                r.window,
+                r.rate,
+                r.ratio,
+                cpu * 1e6 / events as f64,
+                peak / 1024
+            ),
+        }
+    }
+    println!(
+        "\n{events} events per source, average body bytes: {}; persistent, mandatory, publisher confirms, one durable queue bound with #.",
+        sizes.join(", ")
+    );
+    println!(
+        "load average before: {load_before}, after: {}; {:.0} s in all.",
+        support::load_average(),
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Clean up the exchanges and queues.
+    let all = format!("{x}.all");
+    for q in [all, format!("{x}.unrouted"), format!("{x}.dead")] {
         let _ = ch
             .queue_delete(q.into(), QueueDeleteOptions::default())
             .await;

@@ -2,7 +2,8 @@
 # Configure the local PostgreSQL, MariaDB and RabbitMQ for outboxd's CDC tests:
 #   - PostgreSQL: wal_level=logical, replication slots/senders, replication lines in pg_hba.conf,
 #                 TLS with a test CA (server certificate for localhost and 127.0.0.1)
-#   - MariaDB:    binary log in ROW format with FULL row image and FULL row metadata
+#   - MariaDB:    binary log in ROW format with FULL row image and FULL row metadata, TLS with
+#                 the same test CA (its own server certificate, mariadb.crt)
 #   - RabbitMQ:   running, plugins rabbitmq_consistent_hash_exchange and rabbitmq_management,
 #                 a TLS listener on 127.0.0.1:5671 with a self-signed test CA (server and client
 #                 certificates under /etc/rabbitmq/outboxd-tls/)
@@ -261,6 +262,8 @@ postgres_section() {
 #   server.crt    0644           CN localhost, SAN DNS:localhost + IP:127.0.0.1, signed by ca.crt
 #   server.key    postgres 0600  (PostgreSQL refuses a key readable by others)
 #   ca-other.crt  0644           a CA that signed nothing here: verification must fail with it
+#   mariadb.crt   0644           MariaDB's server certificate (same names, same CA)
+#   mariadb.key   mysql 0600
 
 PG_TLS_CHANGED=no
 PG_TLS_TMP=""
@@ -283,6 +286,47 @@ tls_new_ca() { # KEYFILE CERTFILE CN: a self-signed CA (EC P-256)
         -addext "basicConstraints=critical,CA:TRUE" \
         -addext "keyUsage=critical,keyCertSign,cRLSign" >/dev/null 2>&1 ||
         die "openssl could not create the CA '$3' in $(dirname "$2")"
+}
+
+# tls_server_cert SECTION NAME OWNER NEW_CA: $PG_TLS_DIR/NAME.crt (CN localhost, SAN
+# $PG_TLS_SAN, signed by the test CA) and NAME.key (OWNER, 0600: the servers refuse a key others
+# can read). Makes them when missing, expiring, not matching or not signed by the CA (or when
+# NEW_CA is yes). Succeeds when it changed something.
+tls_server_cert() {
+    local section=$1 name=$2 owner=$3 new_ca=$4 d=$PG_TLS_DIR tmp san made=1
+    local crt="$d/$name.crt" key="$d/$name.key"
+    san=$(openssl x509 -in "$crt" -noout -ext subjectAltName 2>/dev/null | tail -n +2 | sed 's/^[[:space:]]*//') || true
+    if [[ $new_ca == no ]] && tls_ok_for "$crt" && [[ -s $key ]] &&
+        [[ $san == "$PG_TLS_SAN" ]] && tls_key_matches "$crt" "$key" &&
+        openssl verify -CAfile "$d/ca.crt" "$crt" >/dev/null 2>&1; then
+        say "$section" "server certificate $crt ($san) is signed by the test CA (ok)"
+    else
+        tmp=$(mktemp -d)
+        openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+            -keyout "$tmp/server.key" -out "$tmp/server.csr" -subj "/CN=localhost" >/dev/null 2>&1 ||
+            die "openssl could not create the server key and request for $crt"
+        printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
+            "extendedKeyUsage=serverAuth" "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+            "subjectKeyIdentifier=hash" "authorityKeyIdentifier=keyid" >"$tmp/server.ext"
+        openssl x509 -req -in "$tmp/server.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" \
+            -set_serial "0x$(openssl rand -hex 16)" -days "$PG_TLS_DAYS" -sha256 \
+            -extfile "$tmp/server.ext" -out "$tmp/server.crt" >/dev/null 2>&1 ||
+            die "openssl could not sign $crt with $d/ca.key"
+        install -o "$owner" -g "$owner" -m 0600 "$tmp/server.key" "$key"
+        install -o root -g root -m 0644 "$tmp/server.crt" "$crt"
+        rm -rf "$tmp"
+        made=0
+        changed "$section" "created server certificate $crt for $PG_TLS_SAN, signed by the test CA"
+    fi
+    if [[ $(stat -c '%U %a' "$key") == "$owner 600" ]]; then
+        say "$section" "server key $key is owned by $owner, mode 0600 (ok)"
+    else
+        chown "$owner:$owner" "$key"
+        chmod 0600 "$key"
+        made=0
+        changed "$section" "set $key to $owner, mode 0600"
+    fi
+    return $made
 }
 
 pg_tls_files() {
@@ -314,36 +358,7 @@ pg_tls_files() {
         changed postgres "created the test CA $d/ca.crt (key $d/ca.key)"
     fi
 
-    local san
-    san=$(openssl x509 -in "$d/server.crt" -noout -ext subjectAltName 2>/dev/null | tail -n +2 | sed 's/^[[:space:]]*//') || true
-    if [[ $new_ca == no ]] && tls_ok_for "$d/server.crt" && [[ -s $d/server.key ]] &&
-        [[ $san == "$PG_TLS_SAN" ]] && tls_key_matches "$d/server.crt" "$d/server.key" &&
-        openssl verify -CAfile "$d/ca.crt" "$d/server.crt" >/dev/null 2>&1; then
-        say postgres "server certificate $d/server.crt ($san) is signed by the test CA (ok)"
-    else
-        openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-            -keyout "$tmp/server.key" -out "$tmp/server.csr" -subj "/CN=localhost" >/dev/null 2>&1 ||
-            die "openssl could not create the server key and request"
-        printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
-            "extendedKeyUsage=serverAuth" "subjectAltName=DNS:localhost,IP:127.0.0.1" \
-            "subjectKeyIdentifier=hash" "authorityKeyIdentifier=keyid" >"$tmp/server.ext"
-        openssl x509 -req -in "$tmp/server.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" \
-            -set_serial "0x$(openssl rand -hex 16)" -days "$PG_TLS_DAYS" -sha256 \
-            -extfile "$tmp/server.ext" -out "$tmp/server.crt" >/dev/null 2>&1 ||
-            die "openssl could not sign the server certificate with $d/ca.key"
-        install -o postgres -g postgres -m 0600 "$tmp/server.key" "$d/server.key"
-        install -o root -g root -m 0644 "$tmp/server.crt" "$d/server.crt"
-        PG_TLS_CHANGED=yes
-        changed postgres "created server certificate $d/server.crt for $PG_TLS_SAN, signed by the test CA"
-    fi
-    if [[ $(stat -c '%U %a' "$d/server.key") == "postgres 600" ]]; then
-        say postgres "server key $d/server.key is owned by postgres, mode 0600 (ok)"
-    else
-        chown postgres:postgres "$d/server.key"
-        chmod 0600 "$d/server.key"
-        PG_TLS_CHANGED=yes
-        changed postgres "set $d/server.key to postgres, mode 0600"
-    fi
+    tls_server_cert postgres server postgres $new_ca && PG_TLS_CHANGED=yes
 
     if tls_ok_for "$d/ca-other.crt" && ! openssl verify -CAfile "$d/ca-other.crt" "$d/server.crt" >/dev/null 2>&1; then
         say postgres "unrelated CA $d/ca-other.crt (does not verify the server) (ok)"
@@ -373,7 +388,7 @@ pg_sighup_applied() {
 # MariaDB
 # ---------------------------------------------------------------------------------------------
 
-MY_CONF_CONTENT='# Written by outboxd scripts/services.sh: binary log for the CDC tests.
+MY_CONF_CONTENT="# Written by outboxd scripts/services.sh: binary log and TLS for the CDC tests.
 # Changing it needs a server restart; scripts/services.sh does that when the values differ.
 [mariadbd]
 server_id=1
@@ -382,7 +397,10 @@ binlog_format=ROW
 binlog_row_image=FULL
 binlog_row_metadata=FULL
 gtid_strict_mode=0
-expire_logs_days=7'
+expire_logs_days=7
+ssl_ca=$PG_TLS_DIR/ca.crt
+ssl_cert=$PG_TLS_DIR/mariadb.crt
+ssl_key=$PG_TLS_DIR/mariadb.key"
 
 # option (dashes) | value the server must read from its option files
 MY_WANTED_OPTS=(
@@ -391,6 +409,9 @@ MY_WANTED_OPTS=(
     "binlog-format|ROW"
     "binlog-row-image|FULL"
     "binlog-row-metadata|FULL"
+    "ssl-cert|$PG_TLS_DIR/mariadb.crt"
+    "ssl-key|$PG_TLS_DIR/mariadb.key"
+    "ssl-ca|$PG_TLS_DIR/ca.crt"
 )
 
 myq() { mysql -uroot -h"$MY_HOST" -P"$MY_PORT" --protocol=TCP --connect-timeout=5 -N -B -e "$1"; }
@@ -429,12 +450,26 @@ my_start() {
             "start it by hand: start-stop-daemon --start --oknodo --background --exec $MARIADBD"
 }
 
+my_tls_running() { # TLS is on with our certificate
+    [[ $(myq "SELECT @@have_ssl = 'YES' AND @@ssl_cert = '$PG_TLS_DIR/mariadb.crt'") == 1 ]]
+}
+
+my_tls_serves() { # CA: a session verified against CA (host name checked) is encrypted
+    [[ -n $(mysql -uroot -hlocalhost -P"$MY_PORT" --protocol=TCP --connect-timeout=5 -N -B \
+        --ssl --ssl-ca="$1" --ssl-verify-server-cert \
+        -e "SHOW SESSION STATUS LIKE 'Ssl_version'" 2>/dev/null | cut -f2) ]]
+}
+
 my_running_values() {
     myq "SELECT @@log_bin, @@binlog_format, @@binlog_row_image, @@binlog_row_metadata, @@server_id,
                 IFNULL(@@log_bin_basename, '-'), TRIM(TRAILING '/' FROM @@datadir)"
 }
 
 mariadb_section() {
+    # 0. TLS files (the option file points at them; the test CA comes from the PostgreSQL part)
+    local my_tls_changed=no
+    tls_server_cert mariadb mariadb mysql no && my_tls_changed=yes
+
     # 1. our option file
     if [[ ! -d $MY_CONF_DIR ]]; then
         mkdir -p "$MY_CONF_DIR"
@@ -487,11 +522,17 @@ mariadb_section() {
     local log_bin format image metadata server_id basename datadir
     IFS=$'\t' read -r log_bin format image metadata server_id basename datadir <<<"$(my_running_values)"
     local want_basename="$datadir/mariadb-bin"
+    local tls=on
+    my_tls_running || tls=off
     if [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL && $server_id == 1 &&
-        $basename == "$want_basename" ]]; then
-        say mariadb "running log_bin=1 binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL server_id=1 (ok)"
+        $basename == "$want_basename" && $tls == on ]]; then
+        say mariadb "running log_bin=1 binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL server_id=1 ssl=on (ok)"
+        if [[ $my_tls_changed == yes ]]; then
+            myq "FLUSH SSL"
+            changed mariadb "FLUSH SSL (reloaded the new certificate)"
+        fi
     else
-        say mariadb "running log_bin=$log_bin ($basename) binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata server_id=$server_id: needs a restart"
+        say mariadb "running log_bin=$log_bin ($basename) binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata server_id=$server_id ssl=$tls: needs a restart"
         local t0=$SECONDS pid_file pid
         pid_file=$(myq "SELECT @@pid_file")
         pid=$(cat "$pid_file" 2>/dev/null || true)
@@ -510,6 +551,9 @@ mariadb_section() {
         [[ $log_bin == 1 && $format == ROW && $image == FULL && $metadata == FULL && $server_id == 1 ]] ||
             die "after the restart MariaDB runs with log_bin=$log_bin binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata server_id=$server_id" \
                 "see: $MARIADBD --print-defaults"
+        my_tls_running ||
+            die "after the restart MariaDB runs without TLS (have_ssl = $(myq "SELECT @@have_ssl"))" \
+                "see its log: tail -n 50 $(my_error_log)"
     fi
 
     # 5. dynamic settings (no restart needed)
@@ -748,6 +792,18 @@ verify() {
         failures+=("mariadb: log_bin=$log_bin binlog_format=$format binlog_row_image=$image binlog_row_metadata=$metadata")
     fi
 
+    if my_tls_serves "$PG_TLS_DIR/ca.crt"; then
+        say verify "mariadb TLS: --ssl-verify-server-cert to localhost with $PG_TLS_DIR/ca.crt (ok)"
+    else
+        failures+=("mariadb: TLS connection (--ssl-verify-server-cert, host localhost, --ssl-ca=$PG_TLS_DIR/ca.crt) failed"
+            "  see the log: tail -n 50 $(my_error_log)")
+    fi
+    if my_tls_serves "$PG_TLS_DIR/ca-other.crt"; then
+        failures+=("mariadb: a TLS connection verified with $PG_TLS_DIR/ca-other.crt succeeded; it must fail")
+    else
+        say verify "mariadb TLS: $PG_TLS_DIR/ca-other.crt is refused (ok)"
+    fi
+
     if amqp_answers; then
         say verify "rabbitmq answers AMQP 0-9-1 on 127.0.0.1:$RMQ_PORT (ok)"
     else
@@ -776,7 +832,7 @@ verify() {
     rmq_version=$(rabbitmqctl -q version 2>/dev/null || echo '?')
     echo "== summary"
     echo "postgres  $pg_version ($PG_VERSION/$PG_CLUSTER) $PG_HOST:$PG_PORT db=$PG_DB wal_level=logical slots=20 senders=20 replication=ok tls=$PG_TLS_DIR/ca.crt restarted=$PG_RESTARTED"
-    echo "mariadb   $my_version $MY_HOST:$MY_PORT db=$MY_DB log_bin=1 ROW/FULL/FULL server_id=1 restarted=$MY_RESTARTED"
+    echo "mariadb   $my_version $MY_HOST:$MY_PORT db=$MY_DB log_bin=1 ROW/FULL/FULL server_id=1 tls=$PG_TLS_DIR/ca.crt restarted=$MY_RESTARTED"
     echo "rabbitmq  $rmq_version 127.0.0.1:$RMQ_PORT tls=127.0.0.1:$RMQ_TLS_PORT plugins=${RMQ_PLUGINS[*]} started=$RMQ_STARTED"
     echo "changes   $CHANGES"
 }

@@ -121,6 +121,10 @@ pub struct OffsetSetArgs {
     /// as the end position in an event's x-source-position. Earlier replays, later skips.
     #[arg(long)]
     pub binlog_position: Option<String>,
+    /// MySQL/MariaDB: store the position in this offset file (as `run --offset-file`) instead
+    /// of the outboxd_state table.
+    #[arg(long, value_name = "PATH", requires = "binlog_position")]
+    pub offset_file: Option<std::path::PathBuf>,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -271,6 +275,10 @@ pub struct MySqlArgs {
     /// twice (once to find its end position, once to stream it).
     #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
     pub txn_buffer: usize,
+    /// Keep the position (and the lease, as a lock on PATH.lock) in this file instead of the
+    /// outboxd_state table.
+    #[arg(long, env = "OUTBOXD_OFFSET_FILE", value_name = "PATH")]
+    pub offset_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -612,7 +620,13 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
                         "use offset set --binlog-position FILE:POS",
                     ));
                 };
-                let stored = crate::source::mysql::operator::set_position(dsn, &r.name, at).await?;
+                let stored = crate::source::mysql::operator::set_position(
+                    dsn,
+                    &r.name,
+                    at,
+                    args.offset_file.as_deref(),
+                )
+                .await?;
                 println!("ok   the next start of {} resumes from {stored}", r.name);
                 return Ok(());
             }
@@ -712,9 +726,16 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         mysql: connector::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            offset_file: args.mysql.offset_file.clone(),
             ..Default::default()
         },
     };
+    if matches!(r.source, SourceDsn::Postgres(_)) && args.mysql.offset_file.is_some() {
+        return Err(Error::config(
+            "--offset-file is for MySQL/MariaDB sources: a Postgres relay's position is its replication slot's confirmed_flush_lsn, which the server keeps",
+            "remove --offset-file",
+        ));
+    }
     if args.mode == Mode::Poll && args.poll_batch < 1 {
         return Err(Error::config(
             "--poll-batch must be at least 1",

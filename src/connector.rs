@@ -133,10 +133,8 @@ pub async fn run_postgres(
             .await
         {
             Err(Error::LeaseHeld(who)) if cfg.ha => {
-                tracing::info!(held = %who, "standby: waiting for the lease");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(Arc::new(RelayStats::default())),
-                    _ = tokio::time::sleep(state::RENEW_INTERVAL) => {}
+                if !standby(&who, &shutdown).await {
+                    return Ok(Arc::new(RelayStats::default()));
                 }
             }
             other => break other?,
@@ -280,6 +278,16 @@ pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
             ),
             "run one poll-mode relay per table (each with its own --name), or use --mode cdc, which reads several tables through one slot",
         )),
+    }
+}
+
+/// `--ha`: another relay holds the lease; waits one renewal period before the next attempt.
+/// False when asked to stop meanwhile.
+async fn standby(held: &str, shutdown: &CancellationToken) -> bool {
+    tracing::info!(held = %held, "standby: waiting for the lease");
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = tokio::time::sleep(state::RENEW_INTERVAL) => true,
     }
 }
 
@@ -447,6 +455,8 @@ pub struct MySqlOptions {
     pub txn_buffer_bytes: usize,
     /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
     pub heartbeat: Duration,
+    /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
+    pub offset_file: Option<std::path::PathBuf>,
 }
 
 impl Default for MySqlOptions {
@@ -455,6 +465,7 @@ impl Default for MySqlOptions {
             time_zone: Default::default(),
             txn_buffer_bytes: 16 * 1024 * 1024,
             heartbeat: Duration::from_secs(1),
+            offset_file: None,
         }
     }
 }
@@ -570,7 +581,23 @@ pub async fn run_mysql(
         my_admin::require_table(&mut sql, t).await?;
     }
     let holder = state::holder_id();
-    let (lease, stored) = state::mysql::acquire(&mut sql, &cfg.name, &holder).await?;
+    let (lease, stored, file_store) = loop {
+        let attempt = match &cfg.mysql.offset_file {
+            Some(path) => state::file::FileStore::acquire(path, &cfg.name, &holder)
+                .map(|(store, lease, at)| (lease, at, Some(store))),
+            None => state::mysql::acquire(&mut sql, &cfg.name, &holder)
+                .await
+                .map(|(lease, at)| (lease, at, None)),
+        };
+        match attempt {
+            Err(Error::LeaseHeld(who)) if cfg.ha => {
+                if !standby(&who, &shutdown).await {
+                    return Ok(Arc::new(RelayStats::default()));
+                }
+            }
+            other => break other?,
+        }
+    };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
     let mut first = my::FirstStart::No;
     let mut resume_from = stored.as_ref().and_then(my::Resume::from_checkpoint);
@@ -666,12 +693,15 @@ pub async fn run_mysql(
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
         mariadb: settings.mariadb,
     };
-    let store = state::mysql::MyStateStore::new(dsn.clone());
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    drive(&cfg, store, lease, commits_rx, move |link| {
-        my::run(source_cfg, link, start, first, commits_tx, shutdown)
-    })
-    .await
+    let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
+    match file_store {
+        Some(store) => drive(&cfg, store, lease, commits_rx, source).await,
+        None => {
+            let store = state::mysql::MyStateStore::new(dsn.clone());
+            drive(&cfg, store, lease, commits_rx, source).await
+        }
+    }
 }
 
 /// Runs a source, the relay and the configured sink with a lease keeper beside them, until the

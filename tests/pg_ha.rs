@@ -6,18 +6,9 @@ mod common;
 
 use common::proxy::FaultProxy;
 use common::*;
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
-
-fn ids(relay: &Relay) -> Vec<Uuid> {
-    parse_lines(&relay.lines())
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_when_the_leader_is_killed() {
@@ -37,18 +28,10 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     let mut leader = Relay::start(&args);
     wait_for("leader streaming", T, || db.slot_active(&slot)).await;
     let standby = Relay::start(&args);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let mut client = db.client().await;
     let mut expected = write_events(&mut client, 5, 20, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 100 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 100, T).await;
     assert_eq!(
         standby.line_count(),
         0,
@@ -57,24 +40,14 @@ async fn the_standby_takes_over_when_the_leader_is_killed() {
     leader.sigkill();
     let killed = Instant::now();
     expected.extend(write_events(&mut client, 5, 20, "ha.after").await);
-    wait_for("the standby publishes", T, || {
-        let n = standby.line_count();
-        async move { n > 0 }
-    })
-    .await;
+    wait_lines("the standby publishes", &standby, 1, T).await;
     let failover = killed.elapsed();
     eprintln!("failover after SIGKILL: {failover:?}");
     assert!(
         failover <= Duration::from_secs(10),
         "failover took {failover:?} (bound: 5 s + lease TTL)"
     );
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,56 +79,24 @@ async fn a_stalled_leader_stops_before_the_standby_starts() {
         &name,
         "--commit-offsets",
     ]);
-    wait_for("the standby waits", T, || {
-        let s = standby.stderr();
-        async move { s.contains("standby: waiting for the lease") }
-    })
-    .await;
+    wait_standby(&standby, T).await;
     let mut client = db.client().await;
     let mut expected = write_events(&mut client, 2, 10, "ha.before").await;
-    wait_for("leader published", T, || {
-        let n = leader.line_count();
-        async move { n >= 20 }
-    })
-    .await;
+    wait_lines("leader published", &leader, 20, T).await;
 
     proxy.stall();
     expected.extend(write_events(&mut client, 2, 10, "ha.during").await);
     // Watch both: when the leader exits and when the standby first publishes.
-    let start = Instant::now();
-    let mut leader_exit: Option<(Instant, i32)> = None;
-    let mut standby_first: Option<Instant> = None;
-    while start.elapsed() < T && (leader_exit.is_none() || standby_first.is_none()) {
-        if leader_exit.is_none() {
-            if let Some(status) = leader.child.try_wait().unwrap() {
-                leader_exit = Some((Instant::now(), status.code().unwrap_or(-1)));
-            }
-        }
-        if standby_first.is_none() && standby.line_count() > 0 {
-            standby_first = Some(Instant::now());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let (exited, code) = leader_exit.expect("the stalled leader stopped");
-    let first = standby_first.expect("the standby took over");
+    let (exited, code, first) = watch_takeover(&mut leader, &standby, T).await;
     assert_eq!(code, 4, "leadership lost: {}", leader.stderr());
     assert!(
         exited <= first,
-        "the leader stopped ({:?}) before the standby published ({:?})",
-        exited - start,
-        first - start
+        "the leader stopped ({exited:?}) before the standby published ({first:?})"
     );
     eprintln!(
         "stalled leader stopped after {:?}; standby published after {:?}",
-        exited - start,
-        first - start
+        exited, first
     );
     proxy.resume();
-    wait_for("every event", T, || {
-        let mut got: HashSet<Uuid> = ids(&leader).into_iter().collect();
-        got.extend(ids(&standby));
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    wait_all_printed(&[&leader, &standby], &expected, T).await;
 }

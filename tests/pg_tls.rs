@@ -16,7 +16,6 @@ mod common;
 
 use common::proxy::FaultProxy;
 use common::*;
-use std::path::PathBuf;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
@@ -24,26 +23,6 @@ const T: Duration = Duration::from_secs(60);
 /// In every DSN: the server trusts 127.0.0.1, so the password is never checked, but it must
 /// never be printed either.
 const PASSWORD: &str = "tls-pw-Zq81x";
-
-fn tls_dir() -> PathBuf {
-    std::env::var_os("OUTBOXD_PG_TLS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/etc/outboxd/tls"))
-}
-
-/// A file of the test CA directory, which must exist: a missing one fails the test.
-fn tls_file(name: &str) -> String {
-    let path = tls_dir().join(name);
-    assert!(
-        path.is_file(),
-        "{} does not exist: the TLS tests need the test CA and the server certificate. \
-         Run `sudo scripts/services.sh` (it creates them in {} and turns TLS on in Postgres; \
-         OUTBOXD_PG_TLS_DIR points both it and the tests elsewhere)",
-        path.display(),
-        tls_dir().display()
-    );
-    path.to_str().unwrap().to_string()
-}
 
 /// Fails the test unless Postgres serves the certificate the test CA signed for `localhost`.
 async fn require_server_tls() {

@@ -1,7 +1,8 @@
-//! What the benchmarks share: connections to the local services, backlogs written the same way
-//! on both databases, a relay child process whose stdout lines are counted, RSS sampling and
-//! percentiles. Included by the bench targets with `#[path = "support/mod.rs"] mod support;`,
-//! so each target uses a part of it.
+//! What the benchmarks share: process figures from /proc, connections to the local services,
+//! databases with the outbox table and backlogs written the same way on both databases, a relay
+//! child process whose stdout lines are counted, percentiles. Each bench is its own crate and
+//! includes this file (`mod support;`, or `#[path = "support/mod.rs"]`); not every bench uses
+//! every item.
 #![allow(dead_code)]
 
 use mysql_async::prelude::Queryable;
@@ -10,6 +11,93 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Resident set size of a process, KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// The 1-, 5- and 15-minute load average, as /proc/loadavg says it.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+pub fn my_opts(db: Option<&str>) -> mysql_async::OptsBuilder {
+    mysql_async::OptsBuilder::default()
+        .ip_or_hostname("127.0.0.1")
+        .tcp_port(3306)
+        .user(Some("root"))
+        .db_name(db)
+        .prefer_socket(false)
+}
+
+pub async fn my_connect(db: Option<&str>) -> mysql_async::Conn {
+    mysql_async::Conn::new(my_opts(db))
+        .await
+        .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))
+}
+
+/// Creates database `db` with the contract's outbox table; returns a session in it.
+pub async fn my_create_db(db: &str) -> mysql_async::Conn {
+    let mut admin = my_connect(None).await;
+    admin
+        .query_drop(format!("CREATE DATABASE `{db}`"))
+        .await
+        .unwrap();
+    let mut c = my_connect(Some(db)).await;
+    c.query_drop(include_str!("../../migrations/mysql/001_outbox.sql"))
+        .await
+        .unwrap();
+    c
+}
+
+pub async fn my_drop_db(db: &str) {
+    let mut admin = my_connect(None).await;
+    let _ = admin.query_drop(format!("DROP DATABASE `{db}`")).await;
+}
+
+/// `events` outbox rows of ~300-byte JSON in transactions of 100 (the rows of the Postgres
+/// benches, as MariaDB's JSON_OBJECT renders them).
+pub async fn my_write_backlog(c: &mut mysql_async::Conn, events: usize) {
+    my_backlog(c, events, 100).await
+}
+
+/// The server's binlog head, `FILE:POS`.
+pub async fn my_head(c: &mut mysql_async::Conn) -> String {
+    let row: mysql_async::Row = c.query_first("SHOW MASTER STATUS").await.unwrap().unwrap();
+    let file: String = row.get(0).unwrap();
+    let pos: u64 = row.get(1).unwrap();
+    format!("{file}:{pos}")
+}
+
+/// Whether a binlog dump thread serves database `db` (the relay streams).
+pub async fn my_streaming(c: &mut mysql_async::Conn, db: &str) -> bool {
+    let n: Option<i64> = c
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%' AND DB = ?",
+            (db,),
+        )
+        .await
+        .unwrap();
+    n.unwrap_or(0) > 0
+}
 
 pub const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 pub const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -39,27 +127,6 @@ pub async fn pg(conninfo: &str) -> tokio_postgres::Client {
         .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
     tokio::spawn(conn);
     c
-}
-
-pub async fn my(db: Option<&str>) -> mysql_async::Conn {
-    let opts = mysql_async::OptsBuilder::default()
-        .ip_or_hostname("127.0.0.1")
-        .tcp_port(3306)
-        .user(Some("root"))
-        .db_name(db)
-        .prefer_socket(false);
-    mysql_async::Conn::new(opts)
-        .await
-        .unwrap_or_else(|e| panic!("MariaDB at 127.0.0.1:3306: {e}; run scripts/services.sh"))
-}
-
-pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
 }
 
 /// p50 / p99 / p99.9 of a sample (sorted here).
@@ -137,25 +204,10 @@ pub async fn pg_backlog(client: &tokio_postgres::Client, events: usize, per_tx: 
 /// A fresh MariaDB database with the outbox table; returns (database, DSN, connection).
 pub async fn my_database(prefix: &str) -> (String, String, mysql_async::Conn) {
     let db = format!("{prefix}_{}", std::process::id());
-    let mut admin = my(None).await;
-    admin
-        .query_drop(format!(
-            "DROP DATABASE IF EXISTS `{db}`; CREATE DATABASE `{db}`"
-        ))
-        .await
-        .unwrap();
-    let mut c = my(Some(&db)).await;
-    c.query_drop(include_str!("../../migrations/mysql/001_outbox.sql"))
-        .await
-        .unwrap();
-    (db.clone(), format!("mysql://root@127.0.0.1:3306/{db}"), c)
-}
-
-pub async fn my_drop(db: &str) {
-    let _ = my(None)
-        .await
-        .query_drop(format!("DROP DATABASE IF EXISTS `{db}`"))
-        .await;
+    my_drop_db(&db).await;
+    let c = my_create_db(&db).await;
+    let dsn = format!("mysql://root@127.0.0.1:3306/{db}");
+    (db, dsn, c)
 }
 
 /// Writes `events` outbox rows in transactions of `per_tx` (MariaDB's sequence engine).

@@ -3,6 +3,7 @@
 //! all confirmed by the sink. The stored position moves only forward and is written only by
 //! the lease holder of the current epoch.
 
+pub mod file;
 pub mod mysql;
 pub mod postgres;
 

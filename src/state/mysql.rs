@@ -163,6 +163,7 @@ pub async fn acquire(
         .ok_or_else(|| Error::Other(format!("state row of {name:?} vanished")))?;
     let row = to_row(row);
     if row.source != "mysql" {
+        tx.rollback().await?;
         return Err(Error::config(
             format!(
                 "relay name {name:?} belongs to a {} source in this database",
@@ -173,6 +174,10 @@ pub async fn acquire(
     }
     if let Some(h) = row.lease_holder.as_deref() {
         if row.lease_live && h != holder && !holder_is_dead_locally(h) {
+            // Rolled back now, not when the session is next used: a standby (`--ha`) keeps
+            // this session idle between attempts, and the row lock would stall the leader's
+            // renewals until it fences itself.
+            tx.rollback().await?;
             return Err(Error::LeaseHeld(format!(
                 "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
                  stop that relay, or run this one with another --name)",

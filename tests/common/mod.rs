@@ -790,28 +790,21 @@ impl MyDb {
 impl Drop for MyDb {
     fn drop(&mut self) {
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                use mysql_async::prelude::Queryable;
-                let Ok(Ok(mut c)) = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    mysql_async::Conn::new(my_opts(None, MY_PORT)),
-                )
-                .await
-                else {
-                    return;
-                };
-                let _ = c
-                    .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
-                    .await;
-                let _ = c.disconnect().await;
-            });
-        })
-        .join();
+        run_detached(async move {
+            use mysql_async::prelude::Queryable;
+            let Ok(Ok(mut c)) = tokio::time::timeout(
+                Duration::from_secs(10),
+                mysql_async::Conn::new(my_opts(None, MY_PORT)),
+            )
+            .await
+            else {
+                return;
+            };
+            let _ = c
+                .query_drop(format!("DROP DATABASE IF EXISTS `{name}`"))
+                .await;
+            let _ = c.disconnect().await;
+        });
     }
 }
 
@@ -866,4 +859,104 @@ pub async fn my_write_events(
     }
     let _ = conn.ping().await;
     ids
+}
+
+/// The test CA directory of `scripts/services.sh` (`OUTBOXD_PG_TLS_DIR`, default
+/// /etc/outboxd/tls): `ca.crt` signed the Postgres and MariaDB server certificates (both name
+/// `localhost` and `127.0.0.1`); `ca-other.crt` signed nothing here.
+pub fn tls_dir() -> std::path::PathBuf {
+    std::env::var_os("OUTBOXD_PG_TLS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/etc/outboxd/tls"))
+}
+
+/// A file of the test CA directory, which must exist: a missing one fails the test.
+pub fn tls_file(name: &str) -> String {
+    let path = tls_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{} does not exist: the TLS tests need the test CA and the server certificates. \
+         Run `sudo scripts/services.sh` (it creates them in {} and turns TLS on in Postgres and \
+         MariaDB; OUTBOXD_PG_TLS_DIR points both it and the tests elsewhere)",
+        path.display(),
+        tls_dir().display()
+    );
+    path.to_str().unwrap().to_string()
+}
+
+/// Runs `f` to completion on a runtime of its own, in a thread of its own: cleanup from `Drop`,
+/// which may run inside a runtime or outside one.
+pub fn run_detached<F: std::future::Future<Output = ()> + Send + 'static>(f: F) {
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    })
+    .join();
+}
+
+/// The event ids a stdout relay printed, in order.
+pub fn printed_ids(relay: &Relay) -> Vec<uuid::Uuid> {
+    parse_lines(&relay.lines())
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Waits until every id of `expected` was printed by one of `relays`.
+pub async fn wait_all_printed(relays: &[&Relay], expected: &[uuid::Uuid], timeout: Duration) {
+    wait_for("every event", timeout, || {
+        let got: std::collections::HashSet<uuid::Uuid> =
+            relays.iter().flat_map(|r| printed_ids(r)).collect();
+        let all = expected.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+}
+
+/// `--ha`: watches a leader cut off from its database and a standby until the leader exited and
+/// the standby printed its first event. Returns, counted from the call: when the leader exited,
+/// its exit code, when the standby first published.
+pub async fn watch_takeover(
+    leader: &mut Relay,
+    standby: &Relay,
+    timeout: Duration,
+) -> (Duration, i32, Duration) {
+    let start = Instant::now();
+    let mut leader_exit: Option<(Duration, i32)> = None;
+    let mut standby_first: Option<Duration> = None;
+    while start.elapsed() < timeout && (leader_exit.is_none() || standby_first.is_none()) {
+        if leader_exit.is_none() {
+            if let Some(status) = leader.child.try_wait().unwrap() {
+                leader_exit = Some((start.elapsed(), status.code().unwrap_or(-1)));
+            }
+        }
+        if standby_first.is_none() && standby.line_count() > 0 {
+            standby_first = Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (exited, code) = leader_exit.expect("the stalled leader stopped");
+    let first = standby_first.expect("the standby took over");
+    (exited, code, first)
+}
+
+/// `--ha`: waits until `standby` says it is waiting for the lease.
+pub async fn wait_standby(standby: &Relay, timeout: Duration) {
+    wait_for("the standby waits", timeout, || {
+        let s = standby.stderr();
+        async move { s.contains("standby: waiting for the lease") }
+    })
+    .await;
+}
+
+/// Waits until a stdout relay printed at least `n` events.
+pub async fn wait_lines(what: &str, relay: &Relay, n: usize, timeout: Duration) {
+    wait_for(what, timeout, || {
+        let got = relay.line_count();
+        async move { got >= n }
+    })
+    .await;
 }

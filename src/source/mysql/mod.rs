@@ -104,15 +104,16 @@ pub fn classify(e: mysql_async::Error) -> Error {
                 _ => Error::source(format!("MySQL: {text}"), false),
             }
         }
+        // rustls reports a refused certificate as an io::Error wrapping its own error.
+        E::Io(IoError::Io(io)) if io.get_ref().is_some_and(|e| e.is::<rustls::Error>()) => {
+            Error::config(format!("MySQL TLS: {io}"), TLS_FIX)
+        }
         E::Io(IoError::Io(io)) => {
             // Parsing trouble surfaces as io::Error too; it does not go away by retrying.
             let retryable = !matches!(io.kind(), std::io::ErrorKind::InvalidData);
             Error::source(format!("MySQL connection: {io}"), retryable)
         }
-        E::Io(IoError::Tls(t)) => Error::config(
-            format!("MySQL TLS: {t}"),
-            "check ssl-mode and ssl-ca in the DSN (verify-ca/verify-full need the server's CA in ssl-ca)",
-        ),
+        E::Io(IoError::Tls(t)) => Error::config(format!("MySQL TLS: {t}"), TLS_FIX),
         E::Driver(DriverError::NoClientSslFlagFromServer) => Error::config(
             "the MySQL server does not offer TLS, but the DSN requires it",
             "enable TLS on the server (ssl_cert, ssl_key), or use ssl-mode=prefer or disable in the DSN",
@@ -133,6 +134,9 @@ pub fn server_code(e: &mysql_async::Error) -> Option<u16> {
         _ => None,
     }
 }
+
+const TLS_FIX: &str =
+    "check ssl-mode and ssl-ca in the DSN (verify-ca/verify-full need the server's CA in ssl-ca)";
 
 fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
     use mysql_async::ClientIdentity;

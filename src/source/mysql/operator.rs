@@ -487,7 +487,12 @@ impl std::fmt::Display for MyStatus {
 /// `offset set --binlog-position FILE:POS`: where the next start resumes. The file must still
 /// be on the server and the position inside it; on MariaDB the GTID state there is stored with
 /// it. Refused while the relay runs. Returns the stored position.
-pub async fn set_position(dsn: &DbDsn, name: &str, at: &str) -> Result<String, Error> {
+pub async fn set_position(
+    dsn: &DbDsn,
+    name: &str,
+    at: &str,
+    offset_file: Option<&std::path::Path>,
+) -> Result<String, Error> {
     let fix = "write FILE:POS, e.g. mariadb-bin.000042:1234 (the end position of a transaction, as in x-source-position)";
     let (file, pos) = at
         .rsplit_once(':')
@@ -527,7 +532,19 @@ pub async fn set_position(dsn: &DbDsn, name: &str, at: &str) -> Result<String, E
     } else {
         None
     };
-    crate::state::mysql::set_position(&mut conn, name, &file, pos, gtid.as_deref()).await?;
+    match offset_file {
+        Some(path) => {
+            let cp = crate::event::Checkpoint::Binlog {
+                file: file.clone(),
+                pos,
+                gtid_state: gtid.clone(),
+            };
+            crate::state::file::set_position(path, name, &cp)?
+        }
+        None => {
+            crate::state::mysql::set_position(&mut conn, name, &file, pos, gtid.as_deref()).await?
+        }
+    }
     let _ = conn.disconnect().await;
     Ok(match gtid {
         Some(g) if !g.is_empty() => format!("{file}:{pos} (gtid {g})"),
