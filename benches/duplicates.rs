@@ -230,21 +230,7 @@ async fn mariadb(conn: &Connection, events: usize) -> Outcome {
     let exchange = format!("dup_my_{}", std::process::id());
     let mut first = relay(&dsn, &exchange);
     let ids = consume(conn, &exchange).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let n: Option<i64> = c
-            .query_first("SELECT COUNT(*) FROM outboxd_state WHERE initialized_at IS NOT NULL")
-            .await
-            .unwrap_or(Some(0));
-        if n == Some(1) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "mariadb: first start did not finish"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    my_wait_initialized(&mut c, "dup").await;
     signal(&mut first, "-TERM");
     my_backlog(&mut c, events, TX).await;
     let out = kill_and_resume("MariaDB", &dsn, &exchange, ids, events).await;

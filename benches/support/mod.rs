@@ -236,6 +236,12 @@ pub async fn my_backlog(c: &mut mysql_async::Conn, events: usize, per_tx: usize)
 /// it is then read from the binlog (a first start with `--snapshot never` begins at the head).
 pub async fn my_first_start(c: &mut mysql_async::Conn, dsn: &str, name: &str) {
     let mut relay = Relay::stdout(&["--source", dsn, "--name", name]);
+    my_wait_initialized(c, name).await;
+    relay.stop();
+}
+
+/// Waits until relay `name`'s first start is done (its position stored).
+pub async fn my_wait_initialized(c: &mut mysql_async::Conn, name: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let n: Option<i64> = c
@@ -249,11 +255,10 @@ pub async fn my_first_start(c: &mut mysql_async::Conn, dsn: &str, name: &str) {
         }
         assert!(
             Instant::now() < deadline,
-            "first start did not store a position"
+            "{name}: the first start did not store a position"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    relay.stop();
 }
 
 /// An `outboxd run` child with the stdout sink, its lines counted by a reader thread.
