@@ -12,6 +12,10 @@ fn files(target: &str, kind: &str) -> Vec<(String, Vec<u8>)> {
         .join("fuzz")
         .join(kind)
         .join(target);
+    if kind == "regressions" && !dir.exists() {
+        // Nothing found yet for this target (git keeps no empty directory).
+        return Vec::new();
+    }
     let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.expect("dir entry").path())
@@ -63,7 +67,11 @@ fn pgoutput_corpus() {
         assert!(r.is_ok(), "seed {name} no longer decodes: {r:?}");
     }
     // fuzz/capture-seeds.sh commits four outbox rows (one is rolled back and absent).
-    let all = &seeds.iter().find(|(n, _)| n == "seed-all").expect("seed-all").1;
+    let all = &seeds
+        .iter()
+        .find(|(n, _)| n == "seed-all")
+        .expect("seed-all")
+        .1;
     assert_eq!(all.1.events, 4, "seed-all: {:?}", all.1);
 }
 
