@@ -511,6 +511,31 @@ async fn run_suite(db: Db) {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        // Then until the stored position is past the trial's last committed event: whatever a
+        // restart or a recovery delivers again has been delivered by then, and is counted
+        // for this trial rather than the next one.
+        let last: Option<Pos> = {
+            let last_id = committed.last();
+            let d = deliveries.lock().unwrap();
+            d.iter()
+                .filter(|(id, _, _)| Some(id) == last_id)
+                .find_map(|(_, p, _)| *p)
+        };
+        if let Some(last) = last {
+            let deadline = Instant::now() + T;
+            loop {
+                match stored_now.stored().await {
+                    Some(s) if !last.after(s) => break,
+                    s if Instant::now() > deadline => {
+                        failures.push(format!(
+                            "trial {trial} ({fault:?}): the stored position {s:?} did not pass the last event at {last:?} within {T:?}"
+                        ));
+                        break;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
         let (total, distinct, rb_seen) = {
             let d = deliveries.lock().unwrap();
             let distinct: HashSet<Uuid> = d.iter().map(|x| x.0).collect();
