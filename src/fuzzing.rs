@@ -12,8 +12,8 @@ use crate::{ColumnMap, Error, OutboxEvent};
 use bytes::Bytes;
 use mysql_common::binlog::consts::BinlogVersion;
 use mysql_common::binlog::events::TransactionPayloadEvent;
-use mysql_common::binlog::{BinlogFile, EventStreamReader};
-use std::io::BufRead;
+use mysql_common::binlog::{BinlogFileHeader, EventStreamReader};
+use std::io::Read;
 
 /// What a run decoded before it ended (or failed).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -98,22 +98,31 @@ const TRANSACTION_PAYLOAD: u8 = 40;
 const CHECKSUM_CRC32: u8 = 1;
 const HEADER_LEN: usize = 19;
 
+/// The length of the event starting at `pos`, checked against the bytes there.
+/// `mysql_common`'s reader panics on an event shorter than its header claims (it unwraps the
+/// read of the body), so no event reaches it before this says it is whole.
+fn event_len(data: &[u8], pos: usize) -> Result<usize, Error> {
+    let cut = || Error::Decode(format!("binlog: the event at byte {pos} is cut off"));
+    let header = data.get(pos..pos + HEADER_LEN).ok_or_else(cut)?;
+    let size = u32::from_le_bytes([header[9], header[10], header[11], header[12]]) as usize;
+    if size < HEADER_LEN {
+        return Err(Error::Decode(format!(
+            "binlog: the event at byte {pos} claims {size} bytes, less than its header"
+        )));
+    }
+    if size > data.len() - pos {
+        return Err(cut());
+    }
+    Ok(size)
+}
+
 /// Recomputes the CRC32 of every event once a format description announces checksums, so
 /// that mutated bytes reach the decoder instead of stopping at the checksum (the server's
 /// stream is checksummed too). Inputs that were valid stay unchanged.
 fn repair_checksums(data: &mut [u8]) {
     let mut pos = 4;
     let mut crc = false;
-    while pos + HEADER_LEN <= data.len() {
-        let size = u32::from_le_bytes([
-            data[pos + 9],
-            data[pos + 10],
-            data[pos + 11],
-            data[pos + 12],
-        ]) as usize;
-        if size < HEADER_LEN || size > data.len() - pos {
-            return;
-        }
+    while let Ok(size) = event_len(data, pos) {
         let ev = &mut data[pos..pos + size];
         if ev[4] == FORMAT_DESCRIPTION && size >= HEADER_LEN + 5 {
             crc = ev[size - 5] == CHECKSUM_CRC32;
@@ -126,6 +135,9 @@ fn repair_checksums(data: &mut [u8]) {
     }
 }
 
+/// Most bytes a transaction payload may unpack to here (the server's own limit is 1 GiB).
+const MAX_PAYLOAD: u64 = 16 << 20;
+
 /// A binlog file (magic, then events) through the decoder that maps rows of `outboxd_fuzz`.`outbox`
 /// to events, MariaDB GTID parsing included. Transaction payloads (MySQL 8 compression) are
 /// unpacked and their events fed in place, as the server stream does. Stops at the first error.
@@ -133,45 +145,57 @@ pub fn binlog(data: &[u8], outcome: &mut Outcome) -> Result<(), Error> {
     let mut bytes = data.to_vec();
     repair_checksums(&mut bytes);
     let io = |e: std::io::Error| Error::Decode(format!("binlog: {e}"));
-    let mut file = BinlogFile::new(BinlogVersion::Version4, &bytes[..]).map_err(io)?;
-    // Bytes of the magic and the events read: the iterator ends quietly at a cut-off event.
-    let mut read = 4;
-    let mut dec = Decoder::new(binlog_table(), "fuzz-bin.000001", Some(GtidState::default()));
-    let mut feed = |ev: &mysql_common::binlog::events::Event,
-                    outcome: &mut Outcome|
-     -> Result<(), Error> {
-        outcome.messages += 1;
-        for step in dec.feed(ev)? {
-            if let Step::Rows(events) = step {
-                for event in &events {
-                    render(event)?;
-                }
-                outcome.events += events.len();
-            }
-        }
-        Ok(())
-    };
-    for ev in file.by_ref() {
-        let ev = ev.map_err(io)?;
-        read += ev.header().event_size() as usize;
-        if ev.header().event_type_raw() == TRANSACTION_PAYLOAD {
-            let tpe: TransactionPayloadEvent<'_> = ev.read_event().map_err(io)?;
-            let mut inner = tpe.decompressed().map_err(io)?;
-            let mut reader = EventStreamReader::new(BinlogVersion::Version4);
-            while inner.fill_buf().map_err(io)?.first().is_some() {
-                match reader.read_decompressed(&mut inner).map_err(io)? {
-                    Some(inner_ev) => feed(&inner_ev, outcome)?,
-                    None => break,
+    BinlogFileHeader::read(&bytes[..]).map_err(io)?;
+    let mut reader = EventStreamReader::new(BinlogVersion::Version4);
+    let mut dec = Decoder::new(
+        binlog_table(),
+        "fuzz-bin.000001",
+        Some(GtidState::default()),
+    );
+    let mut feed =
+        |ev: &mysql_common::binlog::events::Event, outcome: &mut Outcome| -> Result<(), Error> {
+            outcome.messages += 1;
+            for step in dec.feed(ev)? {
+                if let Step::Rows(events) = step {
+                    for event in &events {
+                        render(event)?;
+                    }
+                    outcome.events += events.len();
                 }
             }
-        } else {
+            Ok(())
+        };
+    let mut pos = 4;
+    while pos < bytes.len() {
+        let size = event_len(&bytes, pos)?;
+        let one = &bytes[pos..pos + size];
+        pos += size;
+        let ev = reader
+            .read(one)
+            .map_err(io)?
+            .ok_or_else(|| Error::Decode("binlog: empty event".into()))?;
+        if ev.header().event_type_raw() != TRANSACTION_PAYLOAD {
             feed(&ev, outcome)?;
+            continue;
         }
-    }
-    if read < bytes.len() {
-        return Err(Error::Decode(format!(
-            "binlog: the event at byte {read} is cut off"
-        )));
+        let tpe: TransactionPayloadEvent<'_> = ev.read_event().map_err(io)?;
+        let mut inner = Vec::new();
+        tpe.decompressed()
+            .map_err(io)?
+            .take(MAX_PAYLOAD)
+            .read_to_end(&mut inner)
+            .map_err(io)?;
+        let mut at = 0;
+        while at < inner.len() {
+            // Inner events carry no magic: the same checks from offset 0.
+            let size = event_len(&inner, at)?;
+            let one = &inner[at..at + size];
+            at += size;
+            match reader.read_decompressed(one).map_err(io)? {
+                Some(inner_ev) => feed(&inner_ev, outcome)?,
+                None => break,
+            }
+        }
     }
     Ok(())
 }
