@@ -1,6 +1,6 @@
-//! Corpus replay on the stable toolchain: every seed and every regression input of the fuzz
-//! targets (fuzz/seeds/<target>/, fuzz/regressions/<target>/) goes through the same entry points
-//! the fuzzers call (`outboxd::fuzzing`). None may panic; the seeds, captured from real servers,
+//! Corpus replay on the stable toolchain: every seed, regression input and minimized corpus
+//! entry of the fuzz targets (fuzz/{seeds,regressions,minimized}/<target>/) goes through the same
+//! entry points the fuzzers call (`outboxd::fuzzing`). None may panic; the seeds, captured from real servers,
 //! must still decode to the events they hold. docs/fuzzing.md says how the fuzzers run.
 
 use outboxd::fuzzing::{self, Outcome};
@@ -12,8 +12,8 @@ fn files(target: &str, kind: &str) -> Vec<(String, Vec<u8>)> {
         .join("fuzz")
         .join(kind)
         .join(target);
-    if kind == "regressions" && !dir.exists() {
-        // Nothing found yet for this target (git keeps no empty directory).
+    if kind != "seeds" && !dir.exists() {
+        // Nothing found (or minimized) yet for this target: git keeps no empty directory.
         return Vec::new();
     }
     let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -36,7 +36,7 @@ fn files(target: &str, kind: &str) -> Vec<(String, Vec<u8>)> {
 fn replay<T>(target: &str, f: impl Fn(&[u8]) -> T) -> Vec<(String, T)> {
     let mut panicked = Vec::new();
     let mut seeds = Vec::new();
-    for kind in ["seeds", "regressions"] {
+    for kind in ["seeds", "regressions", "minimized"] {
         for (name, data) in files(target, kind) {
             match catch_unwind(AssertUnwindSafe(|| f(&data))) {
                 Ok(r) if kind == "seeds" => seeds.push((name, r)),
