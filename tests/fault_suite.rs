@@ -28,6 +28,7 @@ const T: Duration = Duration::from_secs(60);
 /// `--window`: small, so that the duplicate bound means something for trials of a few dozen
 /// events.
 const WINDOW: usize = 8;
+const TOPIC: &str = "fault.suite";
 /// Most events in one producer transaction: the "rest of the open source transaction".
 const TXN_MAX: usize = 4;
 
@@ -188,21 +189,24 @@ impl Producer {
         let outbox = outboxd::Outbox::new("outbox").unwrap();
         let mut ids = Vec::with_capacity(n);
         let payload = |i: usize| serde_json::json!({"seq": seq, "i": i, "commit": commit});
+        let aggregate = format!("{}", seq % 7);
         match self {
             Producer::Pg(c) => {
                 let tx = c.transaction().await.unwrap();
                 for i in 0..n {
-                    let id = outbox
-                        .write(&tx, "fault.suite", &format!("agg-{}", seq % 7), &payload(i))
-                        .await
-                        .unwrap();
-                    ids.push(id);
+                    ids.push(
+                        outbox
+                            .write(&tx, TOPIC, &aggregate, &payload(i))
+                            .await
+                            .unwrap(),
+                    );
                 }
                 if commit {
-                    tx.commit().await.unwrap()
+                    tx.commit().await
                 } else {
-                    tx.rollback().await.unwrap()
+                    tx.rollback().await
                 }
+                .unwrap()
             }
             Producer::My(c) => {
                 let mut tx = c
@@ -210,17 +214,15 @@ impl Producer {
                     .await
                     .unwrap();
                 for i in 0..n {
-                    let id = outbox
-                        .write_mysql(&mut tx, "fault.suite", &format!("{}", seq % 7), &payload(i))
-                        .await
-                        .unwrap();
-                    ids.push(id);
+                    let id = outbox.write_mysql(&mut tx, TOPIC, &aggregate, &payload(i));
+                    ids.push(id.await.unwrap());
                 }
                 if commit {
-                    tx.commit().await.unwrap()
+                    tx.commit().await
                 } else {
-                    tx.rollback().await.unwrap()
+                    tx.rollback().await
                 }
+                .unwrap()
             }
         }
         ids
