@@ -214,7 +214,8 @@ impl Producer {
                     .await
                     .unwrap();
                 for i in 0..n {
-                    let id = outbox.write_mysql(&mut tx, TOPIC, &aggregate, &payload(i));
+                    let body = payload(i);
+                    let id = outbox.write_mysql(&mut tx, TOPIC, &aggregate, &body);
                     ids.push(id.await.unwrap());
                 }
                 if commit {
