@@ -94,17 +94,27 @@ fn binlog_table() -> OutboxTable {
 const FORMAT_DESCRIPTION: u8 = 15;
 const CHECKSUM_CRC32: u8 = 1;
 const HEADER_LEN: usize = 19;
+const CHECKSUM_LEN: usize = 4;
+/// A format description ends in the checksum algorithm (1 byte) and a checksum (4).
+const FDE_FOOTER_LEN: usize = 5;
 
-/// The length of the event starting at `pos`, checked against the bytes there.
-/// `mysql_common`'s reader panics on an event shorter than its header claims (it unwraps the
-/// read of the body), so no event reaches it before this says it is whole.
-fn event_len(data: &[u8], pos: usize) -> Result<usize, Error> {
+/// The length of the event starting at `pos`, checked against the bytes there: at least its
+/// header and `min_body` bytes, at most what is left. `mysql_common`'s reader panics on an
+/// event shorter than its header claims (it unwraps the read of the body) and on a body too
+/// short for the checksum or the format description's footer it expects (it slices before
+/// its end), so no event reaches it before this says it is whole.
+fn event_len(data: &[u8], pos: usize, min_body: usize) -> Result<usize, Error> {
     let cut = || Error::Decode(format!("binlog: the event at byte {pos} is cut off"));
     let header = data.get(pos..pos + HEADER_LEN).ok_or_else(cut)?;
     let size = u32::from_le_bytes([header[9], header[10], header[11], header[12]]) as usize;
-    if size < HEADER_LEN {
+    let min_body = if header[4] == FORMAT_DESCRIPTION {
+        FDE_FOOTER_LEN
+    } else {
+        min_body
+    };
+    if size < HEADER_LEN + min_body {
         return Err(Error::Decode(format!(
-            "binlog: the event at byte {pos} claims {size} bytes, less than its header"
+            "binlog: the event at byte {pos} claims {size} bytes, less than its header and {min_body} more"
         )));
     }
     if size > data.len() - pos {
@@ -113,16 +123,21 @@ fn event_len(data: &[u8], pos: usize) -> Result<usize, Error> {
     Ok(size)
 }
 
+/// Whether a format description (whole, at least its footer long) announces checksums.
+fn announces_checksums(ev: &[u8]) -> bool {
+    ev[4] == FORMAT_DESCRIPTION && ev[ev.len() - FDE_FOOTER_LEN] != 0
+}
+
 /// Recomputes the CRC32 of every event once a format description announces checksums, so
 /// that mutated bytes reach the decoder instead of stopping at the checksum (the server's
 /// stream is checksummed too). Inputs that were valid stay unchanged.
 fn repair_checksums(data: &mut [u8]) {
     let mut pos = 4;
     let mut crc = false;
-    while let Ok(size) = event_len(data, pos) {
+    while let Ok(size) = event_len(data, pos, 0) {
         let ev = &mut data[pos..pos + size];
-        if ev[4] == FORMAT_DESCRIPTION && size >= HEADER_LEN + 5 {
-            crc = ev[size - 5] == CHECKSUM_CRC32;
+        if ev[4] == FORMAT_DESCRIPTION {
+            crc = ev[size - FDE_FOOTER_LEN] == CHECKSUM_CRC32;
         }
         if crc && size >= HEADER_LEN + 4 {
             let sum = crc32fast::hash(&ev[..size - 4]);
@@ -159,10 +174,15 @@ pub fn binlog(data: &[u8], outcome: &mut Outcome) -> Result<(), Error> {
             Ok(())
         };
     let mut pos = 4;
+    // Once a format description names a checksum algorithm, every event must hold one.
+    let mut checksums = false;
     while pos < bytes.len() {
-        let size = event_len(&bytes, pos)?;
+        let size = event_len(&bytes, pos, if checksums { CHECKSUM_LEN } else { 0 })?;
         let one = &bytes[pos..pos + size];
         pos += size;
+        if one[4] == FORMAT_DESCRIPTION {
+            checksums = announces_checksums(one);
+        }
         let ev = reader
             .read(one)
             .map_err(io)?
