@@ -221,7 +221,19 @@ pub async fn run_postgres(
                     format!("use another --slot, or SELECT pg_drop_replication_slot('{}'); if nothing else uses it", cfg.slot),
                 ));
             }
-            slot.confirmed_flush_lsn.unwrap_or(0)
+            // The slot learns durable positions through status updates, the state table through
+            // the lease keeper, each on its own one-second clock: after a SIGKILL either may be
+            // behind. Both only ever hold positions the sink made durable, so resume from the
+            // later one; the server skips transactions that committed before it.
+            let confirmed = slot.confirmed_flush_lsn.unwrap_or(0);
+            let stored = state::postgres::load(&sql, &cfg.name)
+                .await?
+                .and_then(|row| row.position_lsn)
+                .unwrap_or(0);
+            if stored > confirmed {
+                tracing::info!(slot_position = %format_lsn(confirmed), stored = %format_lsn(stored), "the stored position is ahead of the slot's: resuming from it");
+            }
+            confirmed.max(stored)
         }
         // The slot first, the table read after: overlap gives duplicates, never a gap.
         None if lease.first_start => admin::create_slot(&sql, &cfg.slot).await?,

@@ -13,6 +13,8 @@ pub mod crypto;
 pub mod dsn;
 pub mod error;
 pub mod event;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod operator;
 pub mod outbox;
 pub mod relay;

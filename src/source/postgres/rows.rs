@@ -312,7 +312,12 @@ pub fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
         let h = parts.next()?.ok()?;
         let m = parts.next().transpose().ok()?.unwrap_or(0);
         let sec = parts.next().transpose().ok()?.unwrap_or(0);
-        let offset = chrono::FixedOffset::east_opt(sign * (h * 3600 + m * 60 + sec))?;
+        // Checked: the text comes off the wire, and an absurd offset is no timestamp.
+        let secs = h
+            .checked_mul(3600)?
+            .checked_add(m.checked_mul(60)?)?
+            .checked_add(sec)?;
+        let offset = chrono::FixedOffset::east_opt(sign * secs)?;
         let naive = NaiveDateTime::parse_from_str(dt, "%Y-%m-%d %H:%M:%S%.f").ok()?;
         offset
             .from_local_datetime(&naive)

@@ -1,0 +1,232 @@
+//! Entry points for the fuzz targets in `fuzz/` and the corpus replay in `tests/fuzz_corpus.rs`:
+//! each takes raw bytes as they would arrive from the network and runs them through the same
+//! parsing and mapping code the relay runs, down to the rendered message. Not an API: hidden
+//! from the docs, and nothing else may depend on it. See docs/fuzzing.md.
+
+use crate::source::mysql::decode::{Decoder, Step};
+use crate::source::mysql::gtid::{self, GtidState};
+use crate::source::mysql::rows::{OutboxTable, SourceTz};
+use crate::source::postgres::pgoutput::{self, Message};
+use crate::source::postgres::rows::RowMapper;
+use crate::{ColumnMap, Error, OutboxEvent};
+use bytes::Bytes;
+use mysql_common::binlog::consts::BinlogVersion;
+use mysql_common::binlog::{BinlogFileHeader, EventStreamReader};
+
+/// What a run decoded before it ended (or failed).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Source messages or binlog events read.
+    pub messages: usize,
+    /// Outbox events produced (and rendered).
+    pub events: usize,
+}
+
+/// Renders an event the way the stdout sink does: the whole path to a message body.
+fn render(event: &OutboxEvent) -> Result<(), Error> {
+    crate::sink::stdout::render_line(event)
+        .map(|_| ())
+        .map_err(|e| Error::Decode(format!("render: {e}")))
+}
+
+/// A sequence of pgoutput messages, each framed as a big-endian u32 length and its bytes
+/// (the XLogData payloads of one replication stream), through the decoder and the row mapper
+/// of the outbox table `public.outbox`. Stops at the first error, as the relay does.
+pub fn pgoutput(data: &[u8], outcome: &mut Outcome) -> Result<(), Error> {
+    let table = crate::outbox::TableName {
+        schema: Some("public".into()),
+        name: "outbox".into(),
+    };
+    let mut mapper = RowMapper::new(table, ColumnMap::default());
+    let mut txn: Option<(u64, i64, u32)> = None;
+    let mut rest = data;
+    while !rest.is_empty() {
+        let (msg, next) = match rest.get(..4) {
+            Some(len) => {
+                let n = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+                let body = &rest[4..];
+                // A frame longer than the input takes what is there: the decoder must cope.
+                let n = n.min(body.len());
+                (&body[..n], &body[n..])
+            }
+            None => (rest, &[][..]),
+        };
+        rest = next;
+        outcome.messages += 1;
+        match pgoutput::decode(Bytes::copy_from_slice(msg))
+            .map_err(|e| Error::Decode(e.to_string()))?
+        {
+            Message::Begin {
+                final_lsn,
+                commit_time,
+                ..
+            } => txn = Some((final_lsn, commit_time, 0)),
+            Message::Commit { .. } => txn = None,
+            Message::Relation(rel) => mapper.relation(rel)?,
+            Message::Insert { relation_id, tuple } => {
+                let Some((lsn, time, index)) = txn.as_mut() else {
+                    return Err(Error::Decode("insert outside a transaction".into()));
+                };
+                if let Some(event) = mapper.insert(relation_id, &tuple, *lsn, *index, *time)? {
+                    *index += 1;
+                    render(&event)?;
+                    outcome.events += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The outbox table the binlog target maps: `outboxd_fuzz`.`outbox` with the default columns,
+/// where fuzz/capture-seeds.sh writes the seeds' rows.
+fn binlog_table() -> OutboxTable {
+    OutboxTable {
+        database: "outboxd_fuzz".into(),
+        table: "outbox".into(),
+        columns: ColumnMap::default(),
+        tz: SourceTz::Utc,
+    }
+}
+
+/// Event type codes the harness needs before `mysql_common` parses anything.
+const FORMAT_DESCRIPTION: u8 = 15;
+const CHECKSUM_CRC32: u8 = 1;
+const HEADER_LEN: usize = 19;
+const CHECKSUM_LEN: usize = 4;
+/// A format description ends in the checksum algorithm (1 byte) and a checksum (4).
+const FDE_FOOTER_LEN: usize = 5;
+
+/// The length of the event starting at `pos`, checked against the bytes there: at least its
+/// header and `min_body` bytes, at most what is left. `mysql_common`'s reader panics on an
+/// event shorter than its header claims (it unwraps the read of the body) and on a body too
+/// short for the checksum or the format description's footer it expects (it slices before
+/// its end), so no event reaches it before this says it is whole.
+fn event_len(data: &[u8], pos: usize, min_body: usize) -> Result<usize, Error> {
+    let cut = || Error::Decode(format!("binlog: the event at byte {pos} is cut off"));
+    let header = data.get(pos..pos + HEADER_LEN).ok_or_else(cut)?;
+    let size = u32::from_le_bytes([header[9], header[10], header[11], header[12]]) as usize;
+    let min_body = if header[4] == FORMAT_DESCRIPTION {
+        FDE_FOOTER_LEN
+    } else {
+        min_body
+    };
+    if size < HEADER_LEN + min_body {
+        return Err(Error::Decode(format!(
+            "binlog: the event at byte {pos} claims {size} bytes, less than its header and {min_body} more"
+        )));
+    }
+    if size > data.len() - pos {
+        return Err(cut());
+    }
+    Ok(size)
+}
+
+/// Whether a format description (whole, at least its footer long) announces checksums.
+fn announces_checksums(ev: &[u8]) -> bool {
+    ev[4] == FORMAT_DESCRIPTION && ev[ev.len() - FDE_FOOTER_LEN] != 0
+}
+
+/// Recomputes the CRC32 of every event once a format description announces checksums, so
+/// that mutated bytes reach the decoder instead of stopping at the checksum (the server's
+/// stream is checksummed too). Inputs that were valid stay unchanged.
+fn repair_checksums(data: &mut [u8]) {
+    let mut pos = 4;
+    let mut crc = false;
+    while let Ok(size) = event_len(data, pos, 0) {
+        let ev = &mut data[pos..pos + size];
+        if ev[4] == FORMAT_DESCRIPTION {
+            crc = ev[size - FDE_FOOTER_LEN] == CHECKSUM_CRC32;
+        }
+        if crc && size >= HEADER_LEN + 4 {
+            let sum = crc32fast::hash(&ev[..size - 4]);
+            ev[size - 4..].copy_from_slice(&sum.to_le_bytes());
+        }
+        pos += size;
+    }
+}
+
+/// A binlog file (magic, then events) through the decoder that maps rows of `outboxd_fuzz`.`outbox`
+/// to events, MariaDB GTID parsing included. Stops at the first error.
+pub fn binlog(data: &[u8], outcome: &mut Outcome) -> Result<(), Error> {
+    let mut bytes = data.to_vec();
+    repair_checksums(&mut bytes);
+    let io = |e: std::io::Error| Error::Decode(format!("binlog: {e}"));
+    BinlogFileHeader::read(&bytes[..]).map_err(io)?;
+    let mut reader = EventStreamReader::new(BinlogVersion::Version4);
+    let mut dec = Decoder::new(
+        binlog_table(),
+        "fuzz-bin.000001",
+        Some(GtidState::default()),
+    );
+    let mut feed =
+        |ev: &mysql_common::binlog::events::Event, outcome: &mut Outcome| -> Result<(), Error> {
+            outcome.messages += 1;
+            for step in dec.feed(ev)? {
+                if let Step::Rows(events) = step {
+                    for event in &events {
+                        render(event)?;
+                    }
+                    outcome.events += events.len();
+                }
+            }
+            Ok(())
+        };
+    let mut pos = 4;
+    // Once a format description names a checksum algorithm, every event must hold one.
+    let mut checksums = false;
+    while pos < bytes.len() {
+        let size = event_len(&bytes, pos, if checksums { CHECKSUM_LEN } else { 0 })?;
+        let one = &bytes[pos..pos + size];
+        pos += size;
+        if one[4] == FORMAT_DESCRIPTION {
+            checksums = announces_checksums(one);
+        }
+        let ev = reader
+            .read(one)
+            .map_err(io)?
+            .ok_or_else(|| Error::Decode("binlog: empty event".into()))?;
+        // Transaction payloads go to the decoder like every event: unpacking them is its
+        // business (`mysql_common`'s payload parser panics on a short header, so it must
+        // not be used on these bytes here).
+        feed(&ev, outcome)?;
+    }
+    Ok(())
+}
+
+/// MariaDB GTID parsing on its own: the bytes as a GTID event body, as a GTID list body, and
+/// (as text) as a GTID state such as `0-1-6,1-2-40`, which must survive a round trip.
+pub fn gtid(data: &[u8]) -> Result<(), Error> {
+    let _ = gtid::parse_gtid_event(data, 1);
+    let _ = gtid::parse_gtid_list(data);
+    let text = String::from_utf8_lossy(data);
+    if let Some(state) = GtidState::parse(&text) {
+        let again = GtidState::parse(&state.to_string());
+        if again.as_ref() != Some(&state) {
+            return Err(Error::Decode(format!(
+                "GTID state {text:?} printed as {state} parses as {again:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Key material, event and field of the known-answer vector in docs/encryption.md.
+pub const ENVELOPE_MATERIAL: [u8; 32] = [
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
+    26, 27, 28, 29, 30, 31,
+];
+pub const ENVELOPE_EVENT: &str = "0192f3a4-5b6c-7d8e-9f00-112233445566";
+pub const ENVELOPE_POINTER: &str = "/customer/tax_id";
+
+/// An `enc:v1:` value (the bytes as text) through the parser and, when it parses, the opener
+/// with the known-answer vector's key; returns the plaintext.
+pub fn envelope(data: &[u8]) -> Result<Vec<u8>, Error> {
+    use crate::crypto::envelope;
+    let text = String::from_utf8_lossy(data);
+    let event = uuid::Uuid::parse_str(ENVELOPE_EVENT).expect("constant");
+    let parsed = envelope::parse(&text, ENVELOPE_POINTER)?;
+    let plain = envelope::open(&ENVELOPE_MATERIAL, &parsed, event, ENVELOPE_POINTER)?;
+    Ok(plain.to_vec())
+}

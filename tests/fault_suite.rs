@@ -1,0 +1,654 @@
+//! Randomized fault injection, one test per source (Postgres CDC, MariaDB CDC), run side by
+//! side. Each trial has producers write committed and rolled-back transactions while one fault
+//! hits at a random moment: the TCP proxy between relay and database or between relay and
+//! RabbitMQ cuts, stalls or slows the traffic, or the relay is SIGKILLed and restarted. After
+//! every trial: every committed event arrived at least once, no event of a rolled-back
+//! transaction arrived, and the duplicates stay within the bound; across the whole run the
+//! stored position (sampled from `outboxd_state`) never went backwards. A summary line per
+//! fault kind: trials, events, lost, duplicates, bound.
+//!
+//! `OUTBOXD_FAULT_SEED` replays a run (the seed is printed); `OUTBOXD_FAULT_TRIALS` sets the
+//! trials per source (default 28, four per fault kind; 100+ for a long run). No service is restarted here: restarts
+//! live in pg_restart.rs, mysql_restart.rs and rabbitmq_restart.rs.
+
+mod common;
+
+use common::amqp::{self, Topology};
+use common::proxy::FaultProxy;
+use common::*;
+use futures::StreamExt;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(60);
+/// `--window`: small, so that the duplicate bound means something for trials of a few dozen
+/// events.
+const WINDOW: usize = 8;
+const TOPIC: &str = "fault.suite";
+/// Most events in one producer transaction: the "rest of the open source transaction".
+const TXN_MAX: usize = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Fault {
+    DbCut,
+    DbStall,
+    DbSlow,
+    BrokerCut,
+    BrokerStall,
+    BrokerSlow,
+    Kill,
+}
+
+const FAULTS: [Fault; 7] = [
+    Fault::DbCut,
+    Fault::DbStall,
+    Fault::DbSlow,
+    Fault::BrokerCut,
+    Fault::BrokerStall,
+    Fault::BrokerSlow,
+    Fault::Kill,
+];
+
+/// A stored position or an event's place in the log, comparable within one source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Pos {
+    /// Postgres: the stored end LSN, or an event's commit LSN.
+    Lsn(u64),
+    /// Binlog: (file sequence, end position of the transaction).
+    Binlog(u64, u64),
+}
+
+impl Pos {
+    /// Whether an event at `self` comes after the stored position `stored`: it is delivered
+    /// again when the relay resumes from there.
+    fn after(self, stored: Pos) -> bool {
+        match (self, stored) {
+            // A commit LSN is below its own end LSN, and at or above the previous one's.
+            (Pos::Lsn(e), Pos::Lsn(s)) => e >= s,
+            (a, b) => a > b,
+        }
+    }
+
+    /// From an `x-source-position` header: `commit_lsn:index` or `file:end_pos:index`.
+    fn of_event(s: &str) -> Option<Pos> {
+        let mut parts = s.rsplitn(3, ':');
+        let _index = parts.next()?;
+        let b = parts.next()?;
+        match parts.next() {
+            None => outboxd::event::parse_lsn(b).map(Pos::Lsn),
+            Some(file) => Some(Pos::Binlog(
+                outboxd::event::binlog_file_seq(file),
+                b.parse().ok()?,
+            )),
+        }
+    }
+}
+
+enum Db {
+    Pg(PgDb),
+    My(MyDb),
+}
+
+/// A producer session (straight to the server, never through the proxy).
+enum Producer {
+    Pg(tokio_postgres::Client),
+    My(mysql_async::Conn),
+}
+
+impl Db {
+    fn label(&self) -> &'static str {
+        match self {
+            Db::Pg(_) => "postgres",
+            Db::My(_) => "mariadb",
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            Db::Pg(_) => 5432,
+            Db::My(_) => MY_PORT,
+        }
+    }
+
+    fn dsn_via(&self, port: u16) -> String {
+        match self {
+            Db::Pg(d) => d.dsn_via(port),
+            Db::My(d) => d.dsn_via(port),
+        }
+    }
+
+    async fn producer(&self) -> Producer {
+        match self {
+            Db::Pg(d) => Producer::Pg(d.client().await),
+            Db::My(d) => Producer::My(d.conn().await),
+        }
+    }
+
+    /// A session that reads relay `name`'s stored position.
+    async fn sampler(&self, name: &str) -> Sampler {
+        let conn = match self {
+            Db::Pg(d) => SamplerConn::Pg(d.client().await),
+            Db::My(d) => SamplerConn::My(d.conn().await),
+        };
+        Sampler {
+            conn,
+            name: name.to_string(),
+        }
+    }
+}
+
+enum SamplerConn {
+    Pg(tokio_postgres::Client),
+    My(mysql_async::Conn),
+}
+
+struct Sampler {
+    conn: SamplerConn,
+    name: String,
+}
+
+impl Sampler {
+    /// The stored position, if one is stored yet.
+    async fn stored(&mut self) -> Option<Pos> {
+        match &mut self.conn {
+            SamplerConn::Pg(c) => {
+                let row = c
+                    .query_opt(
+                        "SELECT position_lsn::text FROM outboxd_state WHERE name = $1",
+                        &[&self.name],
+                    )
+                    .await
+                    .ok()??;
+                let lsn: Option<String> = row.get(0);
+                lsn.and_then(|l| outboxd::event::parse_lsn(&l))
+                    .map(Pos::Lsn)
+            }
+            SamplerConn::My(c) => {
+                use mysql_async::prelude::Queryable;
+                let row: Option<(Option<String>, Option<u64>)> = c
+                    .exec_first(
+                        "SELECT binlog_file, binlog_pos FROM outboxd_state WHERE name = ?",
+                        (&self.name,),
+                    )
+                    .await
+                    .ok()?;
+                let (f, p) = row?;
+                Some(Pos::Binlog(outboxd::event::binlog_file_seq(&f?), p?))
+            }
+        }
+    }
+}
+
+impl Producer {
+    /// One transaction of `n` events, committed or rolled back; returns the ids.
+    async fn txn(&mut self, n: usize, commit: bool, seq: usize) -> Vec<Uuid> {
+        let outbox = outboxd::Outbox::new("outbox").unwrap();
+        let mut ids = Vec::with_capacity(n);
+        let payload = |i: usize| serde_json::json!({"seq": seq, "i": i, "commit": commit});
+        let aggregate = format!("{}", seq % 7);
+        match self {
+            Producer::Pg(c) => {
+                let tx = c.transaction().await.unwrap();
+                for i in 0..n {
+                    ids.push(
+                        outbox
+                            .write(&tx, TOPIC, &aggregate, &payload(i))
+                            .await
+                            .unwrap(),
+                    );
+                }
+                if commit {
+                    tx.commit().await
+                } else {
+                    tx.rollback().await
+                }
+                .unwrap()
+            }
+            Producer::My(c) => {
+                let mut tx = c
+                    .start_transaction(mysql_async::TxOpts::default())
+                    .await
+                    .unwrap();
+                for i in 0..n {
+                    let body = payload(i);
+                    let id = outbox.write_mysql(&mut tx, TOPIC, &aggregate, &body);
+                    ids.push(id.await.unwrap());
+                }
+                if commit {
+                    tx.commit().await
+                } else {
+                    tx.rollback().await
+                }
+                .unwrap()
+            }
+        }
+        ids
+    }
+}
+
+/// Every delivery from the test's queue: (id, position, arrival).
+type Deliveries = Arc<Mutex<Vec<(Uuid, Option<Pos>, Instant)>>>;
+
+async fn consume(topo: &Topology, queue: &str, into: Deliveries) {
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    let ch = topo.channel().await;
+    ch.basic_qos(1000, BasicQosOptions::default())
+        .await
+        .expect("basic.qos");
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            unique("c").into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("basic.consume");
+    tokio::spawn(async move {
+        let _ch = ch;
+        while let Some(Ok(d)) = consumer.next().await {
+            let pos = amqp::header_str(&d, "x-source-position").and_then(|p| Pos::of_event(&p));
+            into.lock()
+                .unwrap()
+                .push((amqp::message_id(&d), pos, Instant::now()));
+        }
+    });
+}
+
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    trials: usize,
+    events: usize,
+    lost: usize,
+    duplicates: usize,
+    bound: usize,
+    rolled_back_seen: usize,
+}
+
+struct Suite {
+    db: Db,
+    name: String,
+    args: Vec<String>,
+    sink: String,
+    db_proxy: FaultProxy,
+    broker_proxy: FaultProxy,
+    relay: Relay,
+    /// Stored positions sampled over the whole run: (when, position).
+    samples: Arc<Mutex<Vec<(Instant, Pos)>>>,
+}
+
+impl Suite {
+    fn start_relay(&self) -> Relay {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        Relay::start_with_env(&args, &[("OUTBOXD_SINK", &self.sink)])
+    }
+
+    /// Sink recoveries logged by the running relay so far.
+    fn recoveries(&self) -> usize {
+        self.relay
+            .stderr()
+            .matches("sink failed; reconnecting")
+            .count()
+    }
+
+    /// When the stored position last changed before `t`.
+    fn last_store_before(&self, t: Instant) -> Option<Instant> {
+        let s = self.samples.lock().unwrap();
+        let mut last: Option<(Instant, Pos)> = None;
+        let mut changed_at = None;
+        for &(at, p) in s.iter().filter(|(at, _)| *at <= t) {
+            if last.map(|(_, q)| q) != Some(p) {
+                changed_at = Some(at);
+            }
+            last = Some((at, p));
+        }
+        changed_at
+    }
+}
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{key}={v:?} is not a number"))
+        })
+        .unwrap_or(default)
+}
+
+async fn run_suite(db: Db) {
+    let label = db.label();
+    let seed: u64 = std::env::var("OUTBOXD_FAULT_SEED")
+        .ok()
+        .map(|s| s.parse().expect("OUTBOXD_FAULT_SEED is a u64"))
+        .unwrap_or_else(rand::random);
+    let trials = env_usize("OUTBOXD_FAULT_TRIALS", 28);
+    // Each source has its own stream from the one seed.
+    let mut rng = StdRng::seed_from_u64(seed ^ if label == "postgres" { 0 } else { 0x5eed });
+    eprintln!(
+        "fault suite {label}: seed {seed} (replay: OUTBOXD_FAULT_SEED={seed}), {trials} trials"
+    );
+    let started = Instant::now();
+
+    let mut topo = Topology::new("fault").await;
+    let db_proxy = FaultProxy::start(format!("127.0.0.1:{}", db.port()).parse().unwrap())
+        .await
+        .unwrap();
+    let broker_proxy = FaultProxy::start(format!("127.0.0.1:{}", amqp::HOST_PORT).parse().unwrap())
+        .await
+        .unwrap();
+    let name = unique("f");
+    let args: Vec<String> = [
+        "run",
+        "--source",
+        &db.dsn_via(db_proxy.port()),
+        "--name",
+        &name,
+        "--exchange",
+        &topo.exchange,
+        "--window",
+        &WINDOW.to_string(),
+        "--log-level",
+        "info,lapin=warn",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let sink = amqp::url_via(broker_proxy.port());
+    let relay = Relay::start_with_env(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[("OUTBOXD_SINK", &sink)],
+    );
+    let mut suite = Suite {
+        db,
+        name,
+        args,
+        sink,
+        db_proxy,
+        broker_proxy,
+        relay,
+        samples: Arc::new(Mutex::new(Vec::new())),
+    };
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("all", "#").await;
+    let deliveries: Deliveries = Arc::new(Mutex::new(Vec::new()));
+    consume(&topo, &queue, deliveries.clone()).await;
+
+    // Sample the stored position through the whole run (its own session, never proxied).
+    let stop_sampling = tokio_util::sync::CancellationToken::new();
+    let sampler = {
+        let samples = suite.samples.clone();
+        let stop = stop_sampling.clone();
+        let mut sampler = suite.db.sampler(&suite.name).await;
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                if let Some(p) = sampler.stored().await {
+                    samples.lock().unwrap().push((Instant::now(), p));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let mut producer = suite.db.producer().await;
+    let mut stored_now = suite.db.sampler(&suite.name).await;
+    let mut tallies: BTreeMap<Fault, Tally> = BTreeMap::new();
+    let mut rolled_back: HashSet<Uuid> = HashSet::new();
+    let mut seq = 0usize;
+    let mut dups_before = 0usize;
+    // Each kind equally often, in a random order.
+    let mut kinds: Vec<Fault> = (0..trials).map(|i| FAULTS[i % FAULTS.len()]).collect();
+    for i in (1..kinds.len()).rev() {
+        kinds.swap(i, rng.random_range(0..=i));
+    }
+    let mut failures = Vec::new();
+
+    for (trial, fault) in kinds.into_iter().enumerate() {
+        let n_txn = rng.random_range(6..=12);
+        let fault_at = Duration::from_millis(rng.random_range(0..400));
+        let fault_len = Duration::from_millis(rng.random_range(200..1200));
+        let slow = Duration::from_millis(rng.random_range(5..40));
+        let restart_after = Duration::from_millis(rng.random_range(0..300));
+        let plan: Vec<(usize, bool, u64)> = (0..n_txn)
+            .map(|_| {
+                (
+                    rng.random_range(1..=TXN_MAX),
+                    rng.random_bool(0.75),
+                    rng.random_range(0..40),
+                )
+            })
+            .collect();
+        let recoveries_before = suite.recoveries();
+        let t0 = Instant::now();
+        let mut committed = Vec::new();
+        let mut faulted = false;
+        let mut cleared = false;
+        let mut unstored = 0usize;
+        let mut kills = 0usize;
+        let mut fault_started = t0;
+        for (n, commit, pause) in plan {
+            let ids = producer.txn(n, commit, seq).await;
+            seq += 1;
+            if commit {
+                committed.extend(ids);
+            } else {
+                rolled_back.extend(ids);
+            }
+            if !faulted && t0.elapsed() >= fault_at {
+                faulted = true;
+                fault_started = Instant::now();
+                match fault {
+                    Fault::DbCut => suite.db_proxy.cut(),
+                    Fault::DbStall => suite.db_proxy.stall(),
+                    Fault::DbSlow => suite.db_proxy.set_delay(slow),
+                    Fault::BrokerCut => suite.broker_proxy.cut(),
+                    Fault::BrokerStall => suite.broker_proxy.stall(),
+                    Fault::BrokerSlow => suite.broker_proxy.set_delay(slow),
+                    Fault::Kill => {
+                        let killed_at = Instant::now();
+                        suite.relay.sigkill();
+                        kills += 1;
+                        // Confirmed but not stored: events first delivered after the stored
+                        // position last moved (the broker may still be handing over confirmed
+                        // messages: count until the restart).
+                        tokio::time::sleep(restart_after.max(Duration::from_millis(100))).await;
+                        let since = suite.last_store_before(killed_at).unwrap_or(t0);
+                        let stored = stored_now.stored().await;
+                        let d = deliveries.lock().unwrap();
+                        let mut seen = HashSet::new();
+                        unstored = d
+                            .iter()
+                            .filter(|(id, p, at)| {
+                                seen.insert(*id)
+                                    && (*at >= since
+                                        || matches!((p, stored), (Some(p), Some(s)) if p.after(s)))
+                            })
+                            .count();
+                        drop(d);
+                        suite.relay = suite.start_relay();
+                        cleared = true;
+                    }
+                }
+            }
+            if faulted && !cleared && fault_started.elapsed() >= fault_len {
+                clear(&suite);
+                cleared = true;
+            }
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+        if !faulted {
+            // The producer finished before the fault time: a cut still hits an idle relay.
+            if fault == Fault::DbCut {
+                suite.db_proxy.cut();
+            } else if fault == Fault::BrokerCut {
+                suite.broker_proxy.cut();
+            }
+        }
+        if !cleared {
+            let left = fault_len.saturating_sub(fault_started.elapsed());
+            tokio::time::sleep(left).await;
+            clear(&suite);
+        }
+
+        // Every committed event of this trial, at least once.
+        let deadline = Instant::now() + T;
+        let lost = loop {
+            let got: HashSet<Uuid> = deliveries.lock().unwrap().iter().map(|d| d.0).collect();
+            let missing = committed.iter().filter(|i| !got.contains(i)).count();
+            if missing == 0 || Instant::now() > deadline {
+                break missing;
+            }
+            if let Ok(Some(status)) = suite.relay.child.try_wait() {
+                failures.push(format!(
+                    "trial {trial} ({fault:?}): the relay exited ({status}):\n{}",
+                    suite.relay.stderr()
+                ));
+                suite.relay = suite.start_relay();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        // Then until the stored position is past the trial's last committed event: whatever a
+        // restart or a recovery delivers again has been delivered by then, and is counted
+        // for this trial rather than the next one.
+        let last: Option<Pos> = {
+            let last_id = committed.last();
+            let d = deliveries.lock().unwrap();
+            d.iter()
+                .filter(|(id, _, _)| Some(id) == last_id)
+                .find_map(|(_, p, _)| *p)
+        };
+        if let Some(last) = last {
+            let deadline = Instant::now() + T;
+            loop {
+                match stored_now.stored().await {
+                    Some(s) if !last.after(s) => break,
+                    s if Instant::now() > deadline => {
+                        failures.push(format!(
+                            "trial {trial} ({fault:?}): the stored position {s:?} did not pass the last event at {last:?} within {T:?}"
+                        ));
+                        break;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        let (total, distinct, rb_seen) = {
+            let d = deliveries.lock().unwrap();
+            let distinct: HashSet<Uuid> = d.iter().map(|x| x.0).collect();
+            let rb = distinct.iter().filter(|i| rolled_back.contains(i)).count();
+            (d.len(), distinct.len(), rb)
+        };
+        let dups = (total - distinct) - dups_before;
+        dups_before = total - distinct;
+        let recoveries =
+            suite
+                .recoveries()
+                .saturating_sub(if kills > 0 { 0 } else { recoveries_before });
+        // In flight (the window) plus the rest of the open source transaction, per
+        // interruption, plus what was confirmed but not yet stored when the relay died.
+        let interruptions = kills + recoveries + usize::from(matches!(fault, Fault::DbCut));
+        let bound = interruptions * (WINDOW + TXN_MAX) + unstored;
+        let t = tallies.entry(fault).or_default();
+        t.trials += 1;
+        t.events += committed.len();
+        t.lost += lost;
+        t.duplicates += dups;
+        t.bound += bound;
+        t.rolled_back_seen = rb_seen;
+        if lost > 0 {
+            failures.push(format!(
+                "trial {trial} ({fault:?}): {lost} of {} committed events lost; relay stderr:\n{}",
+                committed.len(),
+                suite.relay.stderr()
+            ));
+        }
+        if dups > bound {
+            failures.push(format!(
+                "trial {trial} ({fault:?}): {dups} duplicates, bound {bound} (kills {kills}, sink recoveries {recoveries}, unstored {unstored})"
+            ));
+        }
+        if rb_seen > 0 {
+            failures.push(format!(
+                "trial {trial} ({fault:?}): {rb_seen} events of rolled-back transactions arrived"
+            ));
+        }
+    }
+    stop_sampling.cancel();
+    let _ = sampler.await;
+
+    // The stored position never went backwards, across faults and restarts.
+    let samples = suite.samples.lock().unwrap().clone();
+    for w in samples.windows(2) {
+        if w[1].1 < w[0].1 {
+            failures.push(format!(
+                "the stored position went backwards: {:?} then {:?}",
+                w[0].1, w[1].1
+            ));
+        }
+    }
+    let mut all = Tally::default();
+    for (fault, t) in &tallies {
+        eprintln!(
+            "fault suite {label} {:<12} trials {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})",
+            format!("{fault:?}"),
+            t.trials,
+            t.events,
+            t.lost,
+            t.duplicates,
+            t.bound
+        );
+        all.trials += t.trials;
+        all.events += t.events;
+        all.lost += t.lost;
+        all.duplicates += t.duplicates;
+        all.bound += t.bound;
+    }
+    eprintln!(
+        "fault suite {label} {:<12} trials {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})  rolled back {} (none arrived)  position samples {}  {:.0}s  seed {seed}",
+        "all",
+        all.trials,
+        all.events,
+        all.lost,
+        all.duplicates,
+        all.bound,
+        rolled_back.len(),
+        samples.len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(samples.len() > 1, "the stored position was sampled");
+    assert!(all.events > 0 && !rolled_back.is_empty());
+    assert!(
+        failures.is_empty(),
+        "{label}: {} failures (replay: OUTBOXD_FAULT_SEED={seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    suite.relay.signal("TERM");
+    let code = suite.relay.wait_exit(T).await;
+    assert_eq!(code, 0, "{}", suite.relay.stderr());
+}
+
+/// Ends a stall or slowdown on both proxies.
+fn clear(suite: &Suite) {
+    for p in [&suite.db_proxy, &suite.broker_proxy] {
+        p.resume();
+        p.set_delay(Duration::ZERO);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_cdc_under_random_faults() {
+    run_suite(Db::Pg(PgDb::create("fault").await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_cdc_under_random_faults() {
+    run_suite(Db::My(MyDb::create("fault").await)).await;
+}
