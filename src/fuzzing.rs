@@ -10,8 +10,6 @@ use crate::source::postgres::pgoutput::{self, Message};
 use crate::source::postgres::rows::RowMapper;
 use crate::{ColumnMap, Error, OutboxEvent};
 use bytes::Bytes;
-use mysql_common::binlog::consts::BinlogVersion;
-use mysql_common::binlog::{BinlogFileHeader, EventStreamReader};
 
 /// What a run decoded before it ended (or failed).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -87,6 +85,7 @@ fn binlog_table() -> OutboxTable {
         table: "outbox".into(),
         columns: ColumnMap::default(),
         tz: SourceTz::Utc,
+        label: None,
     }
 }
 
@@ -94,15 +93,13 @@ fn binlog_table() -> OutboxTable {
 const FORMAT_DESCRIPTION: u8 = 15;
 const CHECKSUM_CRC32: u8 = 1;
 const HEADER_LEN: usize = 19;
-const CHECKSUM_LEN: usize = 4;
 /// A format description ends in the checksum algorithm (1 byte) and a checksum (4).
 const FDE_FOOTER_LEN: usize = 5;
 
 /// The length of the event starting at `pos`, checked against the bytes there: at least its
-/// header and `min_body` bytes, at most what is left. `mysql_common`'s reader panics on an
-/// event shorter than its header claims (it unwraps the read of the body) and on a body too
-/// short for the checksum or the format description's footer it expects (it slices before
-/// its end), so no event reaches it before this says it is whole.
+/// header and `min_body` bytes, at most what is left. Only for repairing checksums: the
+/// decoding itself goes through the file source's framer, which checks every event whole
+/// before `mysql_common` reads it.
 fn event_len(data: &[u8], pos: usize, min_body: usize) -> Result<usize, Error> {
     let cut = || Error::Decode(format!("binlog: the event at byte {pos} is cut off"));
     let header = data.get(pos..pos + HEADER_LEN).ok_or_else(cut)?;
@@ -123,11 +120,6 @@ fn event_len(data: &[u8], pos: usize, min_body: usize) -> Result<usize, Error> {
     Ok(size)
 }
 
-/// Whether a format description (whole, at least its footer long) announces checksums.
-fn announces_checksums(ev: &[u8]) -> bool {
-    ev[4] == FORMAT_DESCRIPTION && ev[ev.len() - FDE_FOOTER_LEN] != 0
-}
-
 /// Recomputes the CRC32 of every event once a format description announces checksums, so
 /// that mutated bytes reach the decoder instead of stopping at the checksum (the server's
 /// stream is checksummed too). Inputs that were valid stay unchanged.
@@ -140,57 +132,36 @@ fn repair_checksums(data: &mut [u8]) {
             crc = ev[size - FDE_FOOTER_LEN] == CHECKSUM_CRC32;
         }
         if crc && size >= HEADER_LEN + 4 {
-            let sum = crc32fast::hash(&ev[..size - 4]);
+            let sum = crate::source::mysql::file::event_checksum(&ev[..size - 4]);
             ev[size - 4..].copy_from_slice(&sum.to_le_bytes());
         }
         pos += size;
     }
 }
 
-/// A binlog file (magic, then events) through the decoder that maps rows of `outboxd_fuzz`.`outbox`
-/// to events, MariaDB GTID parsing included. Stops at the first error.
+/// A binlog file (magic, then events) framed as the file source frames it (every event checked
+/// whole before `mysql_common` reads it) and fed to the decoder that maps rows of
+/// `outboxd_fuzz`.`outbox` to events, MariaDB GTID tracking included. Stops at the first error.
 pub fn binlog(data: &[u8], outcome: &mut Outcome) -> Result<(), Error> {
     let mut bytes = data.to_vec();
     repair_checksums(&mut bytes);
-    let io = |e: std::io::Error| Error::Decode(format!("binlog: {e}"));
-    BinlogFileHeader::read(&bytes[..]).map_err(io)?;
-    let mut reader = EventStreamReader::new(BinlogVersion::Version4);
-    let mut dec = Decoder::new(
-        binlog_table(),
-        "fuzz-bin.000001",
-        Some(GtidState::default()),
-    );
-    let mut feed =
-        |ev: &mysql_common::binlog::events::Event, outcome: &mut Outcome| -> Result<(), Error> {
-            outcome.messages += 1;
-            for step in dec.feed(ev)? {
-                if let Step::Rows(events) = step {
-                    for event in &events {
-                        render(event)?;
-                    }
-                    outcome.events += events.len();
+    let name = "fuzz-bin.000001";
+    let mut framer = crate::source::mysql::file::EventFramer::file(&bytes)
+        .map_err(|m| Error::Decode(format!("{name}: {m}")))?;
+    let mut dec = Decoder::new(vec![binlog_table()], name, Some(GtidState::default()));
+    while let Some((_, ev)) = framer
+        .next_event()
+        .map_err(|(at, m)| Error::Decode(format!("{name} at byte {at}: {m}")))?
+    {
+        outcome.messages += 1;
+        for step in dec.feed(&ev)? {
+            if let Step::Rows(events) = step {
+                for event in &events {
+                    render(event)?;
                 }
+                outcome.events += events.len();
             }
-            Ok(())
-        };
-    let mut pos = 4;
-    // Once a format description names a checksum algorithm, every event must hold one.
-    let mut checksums = false;
-    while pos < bytes.len() {
-        let size = event_len(&bytes, pos, if checksums { CHECKSUM_LEN } else { 0 })?;
-        let one = &bytes[pos..pos + size];
-        pos += size;
-        if one[4] == FORMAT_DESCRIPTION {
-            checksums = announces_checksums(one);
         }
-        let ev = reader
-            .read(one)
-            .map_err(io)?
-            .ok_or_else(|| Error::Decode("binlog: empty event".into()))?;
-        // Transaction payloads go to the decoder like every event: unpacking them is its
-        // business (`mysql_common`'s payload parser panics on a short header, so it must
-        // not be used on these bytes here).
-        feed(&ev, outcome)?;
     }
     Ok(())
 }

@@ -127,19 +127,7 @@ impl<'a> EventFramer<'a> {
                 ));
             }
             let (body, sum) = raw.split_at(size - CHECKSUM_LEN);
-            let mut hasher = crc32fast::Hasher::new();
-            if kind == FORMAT_DESCRIPTION {
-                // The server sets LOG_EVENT_BINLOG_IN_USE_F (flags bit 0) in the file after
-                // computing the checksum, and clears it when it closes the file.
-                let mut head = [0u8; HEADER_LEN];
-                head.copy_from_slice(&body[..HEADER_LEN]);
-                head[17] &= !1;
-                hasher.update(&head);
-                hasher.update(&body[HEADER_LEN..]);
-            } else {
-                hasher.update(body);
-            }
-            if hasher.finalize().to_le_bytes() != sum {
+            if event_checksum(body).to_le_bytes() != sum {
                 return fail(format!(
                     "corrupt event (type {kind}, {size} bytes): its CRC32 checksum does not match"
                 ));
@@ -451,6 +439,24 @@ fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| p.display().to_string())
+}
+
+/// The CRC32 a binlog event carries over `body` (the event without its checksum, header
+/// included). A format description's is computed with LOG_EVENT_BINLOG_IN_USE_F (flags bit 0)
+/// clear: the server sets that flag in the file after computing the checksum and clears it
+/// when it closes the file.
+pub fn event_checksum(body: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    if body.len() >= HEADER_LEN && body[4] == FORMAT_DESCRIPTION {
+        let mut head = [0u8; HEADER_LEN];
+        head.copy_from_slice(&body[..HEADER_LEN]);
+        head[17] &= !1;
+        hasher.update(&head);
+        hasher.update(&body[HEADER_LEN..]);
+    } else {
+        hasher.update(body);
+    }
+    hasher.finalize()
 }
 
 #[cfg(test)]
