@@ -729,11 +729,25 @@ fn guarded_rows(
             .map(|r| r.map_err(|e| Error::Decode(e.to_string())))
             .collect()
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode)).unwrap_or_else(|_| {
+    GUARDED.with(|g| g.set(true));
+    let rows = std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode));
+    GUARDED.with(|g| g.set(false));
+    rows.unwrap_or_else(|_| {
         Err(Error::Decode(
             "the rows event cannot be decoded (corrupt row data: the decoder panicked)".into(),
         ))
     })
+}
+
+thread_local! {
+    /// Set while [`guarded_rows`] decodes: a panic then is caught there. The fuzz targets'
+    /// panic hook reads it, so that only panics nothing catches count as findings.
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside the guarded row decoding (see [`guarded_rows`]).
+pub fn in_guarded_rows() -> bool {
+    GUARDED.with(|g| g.get())
 }
 
 /// The file name of a Rotate event. MariaDB sends the first (fake) Rotate of a dump before
