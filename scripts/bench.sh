@@ -42,7 +42,7 @@ if [[ ${OUTBOXD_BENCH_QUIET:-0} == 1 ]]; then
     for pid in $(ls /proc | grep -E '^[0-9]+$'); do
         [[ $keep == *" $pid "* ]] && continue
         # Kernel threads have an empty command line and stay where they are.
-        [[ -n $(tr -d '\0' <"/proc/$pid/cmdline" 2>/dev/null) ]] || continue
+        [[ -n $(tr -d '\0' 2>/dev/null <"/proc/$pid/cmdline") ]] || continue
         echo "$pid" >"$QUIET_CG/cgroup.procs" 2>/dev/null || true
     done
 fi
