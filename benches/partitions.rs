@@ -24,16 +24,12 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod support;
+
+use support::{confirmed_lsn, cpu_secs, new_backlog, pg, queue_len, rss_kib, wal_end};
+
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-async fn pg(conninfo: &str) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
-    tokio::spawn(conn);
-    c
-}
 
 /// The relay's base topology for `x` (as it declares it), with one queue `x.all` bound with `#`.
 async fn declare_with_one_queue(ch: &Channel, x: &str) {
@@ -86,32 +82,6 @@ async fn declare_with_one_queue(ch: &Channel, x: &str) {
     )
     .await
     .unwrap();
-}
-
-async fn queue_len(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
-}
-
-async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
-    let s: Option<String> = admin
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
 }
 
 /// Runs the relay until the slot confirmed `end`; returns (seconds, peak RSS KiB, CPU seconds).
@@ -168,81 +138,6 @@ async fn relay_drain(
     let status = child.wait().unwrap();
     assert!(status.success(), "outboxd stop: {status}");
     (secs, peak, cpu)
-}
-
-/// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
-fn cpu_secs(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
-}
-
-fn rss_kib(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
-
-/// `events` rows of ~300-byte JSON in transactions of 100 over 1,000 aggregates (the rows of
-/// `benches/drain.rs`).
-async fn write_backlog(client: &tokio_postgres::Client, events: usize) {
-    for i in 0..events / 100 {
-        client
-            .batch_execute(&format!(
-                "INSERT INTO outbox (id, aggregate_id, topic, payload)
-                 SELECT gen_random_uuid(), 'agg-' || (g % 1000), 'invoice.issued',
-                        json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
-                                          'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
-                                          json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
-                                          json_build_object('sku', 'B-200', 'qty', 1, 'price', '500.00')),
-                                          'note', repeat('x', 60))
-                   FROM generate_series({}, {}) g",
-                i * 100,
-                i * 100 + 99
-            ))
-            .await
-            .unwrap();
-    }
-}
-
-/// Fresh slot and state, then a backlog of `events`.
-async fn new_backlog(
-    bin: &str,
-    dsn: &str,
-    admin: &tokio_postgres::Client,
-    client: &tokio_postgres::Client,
-    events: usize,
-) {
-    let _ = admin
-        .batch_execute("SELECT pg_drop_replication_slot('outboxd_bench')")
-        .await;
-    // The state table exists only after the first setup.
-    let _ = client
-        .batch_execute("DELETE FROM outboxd_state WHERE name = 'bench'")
-        .await;
-    client.batch_execute("TRUNCATE outbox").await.unwrap();
-    let ok = Command::new(bin)
-        .args(["setup", "--source", dsn, "--name", "bench"])
-        .stdout(Stdio::null())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "outboxd setup failed");
-    write_backlog(client, events).await;
-}
-
-async fn wal_end(c: &tokio_postgres::Client) -> u64 {
-    let s: String = c
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    outboxd::event::parse_lsn(&s).unwrap()
 }
 
 async fn delete_all(ch: &Channel, queues: &[String], exchanges: &[String]) {

@@ -32,18 +32,10 @@ use lapin::{
 };
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{cpu_secs, rss_kib};
+use support::{confirmed_lsn, cpu_secs, new_backlog, pg, pg_backlog, queue_len, rss_kib, wal_end};
 
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-async fn pg(conninfo: &str) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(conninfo, tokio_postgres::NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("Postgres at {conninfo}: {e}; run scripts/services.sh"));
-    tokio::spawn(conn);
-    c
-}
 
 /// The relay's topology for `x`, with one queue `x.all` bound with `#`.
 async fn declare(ch: &Channel, x: &str) {
@@ -195,36 +187,10 @@ async fn raw_publish(
     rate
 }
 
-async fn queue_len(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
-}
-
 async fn purge(ch: &Channel, q: &str) {
     ch.queue_purge(q.into(), QueuePurgeOptions::default())
         .await
         .unwrap();
-}
-
-async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
-    let s: Option<String> = admin
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
 }
 
 /// Runs the relay until `done` says the backlog is confirmed; returns (seconds, peak RSS KiB,
@@ -282,62 +248,6 @@ async fn relay_drain(
     let status = child.wait().unwrap();
     assert!(status.success(), "outboxd stop: {status}");
     (secs, peak, cpu)
-}
-
-/// `events` rows of ~300-byte JSON in transactions of 100 (the same rows as `benches/drain.rs`).
-async fn write_backlog(client: &tokio_postgres::Client, events: usize) {
-    for i in 0..events / 100 {
-        client
-            .batch_execute(&format!(
-                "INSERT INTO outbox (id, aggregate_id, topic, payload)
-                 SELECT gen_random_uuid(), 'agg-' || (g % 1000), 'invoice.issued',
-                        json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
-                                          'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
-                                          json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
-                                          json_build_object('sku', 'B-200', 'qty', 1, 'price', '500.00')),
-                                          'note', repeat('x', 60))
-                   FROM generate_series({}, {}) g",
-                i * 100,
-                i * 100 + 99
-            ))
-            .await
-            .unwrap();
-    }
-}
-
-/// Fresh slot and state, so the next relay run finds a backlog of `events` again.
-async fn new_backlog(
-    bin: &str,
-    dsn: &str,
-    admin: &tokio_postgres::Client,
-    client: &tokio_postgres::Client,
-    events: usize,
-) {
-    admin
-        .batch_execute("SELECT pg_drop_replication_slot('outboxd_bench')")
-        .await
-        .unwrap();
-    client
-        .batch_execute("DELETE FROM outboxd_state WHERE name = 'bench'; TRUNCATE outbox")
-        .await
-        .unwrap();
-    let ok = Command::new(bin)
-        .args(["setup", "--source", dsn, "--name", "bench"])
-        .stdout(Stdio::null())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "outboxd setup failed");
-    write_backlog(client, events).await;
-}
-
-async fn wal_end(c: &tokio_postgres::Client) -> u64 {
-    let s: String = c
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    outboxd::event::parse_lsn(&s).unwrap()
 }
 
 /// One row of the result table.
@@ -447,7 +357,7 @@ async fn postgres(
     assert!(ok, "outboxd setup failed");
 
     let t = Instant::now();
-    write_backlog(&client, events).await;
+    pg_backlog(&client, events, 100).await;
     eprintln!(
         "Postgres: wrote {events} events in {:.1}s",
         t.elapsed().as_secs_f64()

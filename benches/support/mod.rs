@@ -340,3 +340,64 @@ impl Relay {
 pub fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
+
+pub async fn queue_len(ch: &lapin::Channel, q: &str) -> u32 {
+    ch.queue_declare(
+        q.into(),
+        lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+pub async fn confirmed_lsn(admin: &tokio_postgres::Client, slot: &str) -> u64 {
+    let s: Option<String> = admin
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    s.and_then(|s| outboxd::event::parse_lsn(&s)).unwrap_or(0)
+}
+
+pub async fn wal_end(c: &tokio_postgres::Client) -> u64 {
+    let s: String = c
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    outboxd::event::parse_lsn(&s).unwrap()
+}
+
+/// Fresh slot and state, then a backlog of `events`.
+pub async fn new_backlog(
+    bin: &str,
+    dsn: &str,
+    admin: &tokio_postgres::Client,
+    client: &tokio_postgres::Client,
+    events: usize,
+) {
+    let _ = admin
+        .batch_execute("SELECT pg_drop_replication_slot('outboxd_bench')")
+        .await;
+    // The state table exists only after the first setup.
+    let _ = client
+        .batch_execute("DELETE FROM outboxd_state WHERE name = 'bench'")
+        .await;
+    client.batch_execute("TRUNCATE outbox").await.unwrap();
+    let ok = Command::new(bin)
+        .args(["setup", "--source", dsn, "--name", "bench"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "outboxd setup failed");
+    pg_backlog(client, events, 100).await;
+}
