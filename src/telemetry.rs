@@ -28,6 +28,8 @@ pub struct Telemetry {
     pub events_confirmed: Counter,
     pub events_dead_lettered: Counter,
     pub events_republished: Counter,
+    /// Reserved header names a row's `headers` object tried to set (dropped).
+    pub row_headers_dropped: Counter,
     pub reconnects: Family<Cause, Counter>,
     pub publish_confirm_seconds: Histogram,
     pub commit_confirm_seconds: Histogram,
@@ -61,6 +63,7 @@ impl Telemetry {
             events_confirmed: Counter::default(),
             events_dead_lettered: Counter::default(),
             events_republished: Counter::default(),
+            row_headers_dropped: Counter::default(),
             reconnects: Family::default(),
             // 100 µs … ~27 min
             publish_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
@@ -101,6 +104,11 @@ impl Telemetry {
             "events_republished",
             "Unconfirmed events published again after a sink failure",
             t.events_republished.clone(),
+        );
+        registry.register(
+            "row_headers_dropped",
+            "Header names a row's headers object set that the relay reserves (dropped)",
+            t.row_headers_dropped.clone(),
         );
         registry.register(
             "reconnects",

@@ -3,9 +3,11 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod headers;
 pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
+pub mod template;
 pub mod topology;
 
 use crate::event::OutboxEvent;
@@ -168,5 +170,28 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flow_control(),
             AnySink::Rabbit(s) => s.flow_control(),
         }
+    }
+}
+
+/// One event as the sinks' unit tests use it.
+#[cfg(test)]
+pub(crate) fn test_event() -> OutboxEvent {
+    use chrono::TimeZone;
+    OutboxEvent {
+        id: uuid::Uuid::parse_str("0190a5c4-7e2b-7000-8000-00000000abcd").unwrap(),
+        aggregate_id: "agg-1".into(),
+        topic: "invoice.issued".into(),
+        payload: bytes::Bytes::from_static(br#"{"a": 1}"#),
+        created_at: chrono::Utc.timestamp_micros(1_750_000_000_123_456).unwrap(),
+        position: crate::event::SourcePosition::Pg {
+            commit_lsn: 0x16B3748,
+            index: 3,
+        },
+        headers: None,
+        version: Some(7),
+        gtid: None,
+        committed_at: None,
+        poison: None,
+        table: None,
     }
 }

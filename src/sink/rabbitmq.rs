@@ -24,6 +24,7 @@
 //! per-channel tracker that settles every confirmation only after recording all returns that
 //! arrived with or before it.
 
+use super::headers::{self, HeaderValue};
 use super::partition::{PartitionRouting, Partitioning};
 use super::topology::{self, Layout};
 use super::{Delivery, FlowControl, Sink, SinkError};
@@ -518,14 +519,13 @@ impl RabbitSink {
     /// Headers of a normal message, or the reason it is poison.
     fn headers(&self, event: &OutboxEvent, limit: usize) -> Result<FieldTable, String> {
         let mut t = FieldTable::default();
-        // The row's headers first, so the relay's own x- headers always win a name clash.
-        if let Some(h) = &event.headers {
-            for (k, v) in h {
-                let key = ShortString::try_new(k.as_str()).map_err(|_| {
-                    format!("header name of {} bytes: AMQP allows at most 255", k.len())
-                })?;
-                t.insert(key, json_to_amqp(v)?);
-            }
+        // The row's headers never include a reserved name (see `sink::headers`): a row can
+        // neither forge the relay's headers nor route its message elsewhere with `CC`/`BCC`.
+        for (k, v) in headers::row_headers(event) {
+            let key = ShortString::try_new(k.as_str()).map_err(|_| {
+                format!("header name of {} bytes: AMQP allows at most 255", k.len())
+            })?;
+            t.insert(key, json_to_amqp(v)?);
         }
         for (k, v) in standard_headers(event) {
             t.insert(k.into(), v);
@@ -950,24 +950,18 @@ fn expected_topology(x: &str) -> String {
     format!("outboxd expects: durable topic exchange {x} with argument alternate-exchange={x}.unrouted; durable fanout exchange {x}.unrouted bound to durable queue {x}.unrouted; durable queue {x}.dead")
 }
 
-/// The relay's own headers (CONTRACT §4).
+/// The relay's own headers in AMQP encoding.
 fn standard_headers(event: &OutboxEvent) -> Vec<(&'static str, AMQPValue)> {
-    let s = |v: String| AMQPValue::LongString(v.into());
-    let mut h = vec![
-        ("x-aggregate-id", s(event.aggregate_id.clone())),
-        ("x-outbox-created-at", s(event.created_at_rfc3339())),
-        ("x-source-position", s(event.position.to_string())),
-    ];
-    if let Some(g) = &event.gtid {
-        h.push(("x-source-gtid", s(g.clone())));
-    }
-    if let Some(v) = event.version {
-        h.push(("x-aggregate-version", AMQPValue::LongLongInt(v)));
-    }
-    if let Some(t) = &event.table {
-        h.push(("x-outbox-table", s(t.to_string())));
-    }
-    h
+    headers::relay_headers(event)
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
+                HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
+            };
+            (k, v)
+        })
+        .collect()
 }
 
 /// JSON → AMQP field value: strings as long strings, integers as signed 64-bit (larger ones
@@ -1101,8 +1095,6 @@ fn tls_config(cfg: &RabbitConfig, amqps: bool) -> Result<OwnedTLSConfig, crate::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::SourcePosition;
-    use chrono::TimeZone;
 
     fn sink(max: usize) -> RabbitSink {
         RabbitSink::new(RabbitConfig {
@@ -1121,25 +1113,8 @@ mod tests {
     }
 
     fn event() -> OutboxEvent {
-        OutboxEvent {
-            id: Uuid::parse_str("0190a5c4-7e2b-7000-8000-00000000abcd").unwrap(),
-            aggregate_id: "agg-1".into(),
-            topic: "invoice.issued".into(),
-            payload: Bytes::from_static(br#"{"a": 1}"#),
-            created_at: Utc.timestamp_micros(1_750_000_000_123_456).unwrap(),
-            position: SourcePosition::Pg {
-                commit_lsn: 0x16B3748,
-                index: 3,
-            },
-            headers: None,
-            version: Some(7),
-            gtid: None,
-            committed_at: None,
-            poison: None,
-            table: None,
-        }
+        crate::sink::test_event()
     }
-    use chrono::Utc;
 
     #[test]
     fn url_host_vhost_and_redaction() {

@@ -1,0 +1,151 @@
+//! The message headers every sink sends, independent of the broker's encoding: the relay's
+//! own headers of an event, and the rule that decides which names a row's `headers` object may
+//! not supply. The relay's headers carry what consumers trust (order, version, position,
+//! partition) and a broker's routing headers (RabbitMQ's `CC`/`BCC`) send a message to other
+//! destinations, so a row can never set either: such names are dropped, counted in
+//! `outboxd_row_headers_dropped_total` and logged once per name.
+
+use crate::event::OutboxEvent;
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+/// A header value before a sink encodes it (AMQP field value, NATS header text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderValue {
+    Str(String),
+    Int(i64),
+}
+
+impl HeaderValue {
+    /// The value as header text (NATS headers are text only).
+    pub fn to_text(&self) -> String {
+        match self {
+            HeaderValue::Str(s) => s.clone(),
+            HeaderValue::Int(i) => i.to_string(),
+        }
+    }
+}
+
+/// Name prefixes the relay owns (compared without case): its own headers, dead-letter records,
+/// partition placement, and the brokers' own (`Nats-Msg-Id` deduplicates a JetStream stream).
+const RESERVED_PREFIXES: &[&str] = &[
+    "x-aggregate-",
+    "x-source-",
+    "x-outbox-",
+    "x-partition",
+    "x-dead-",
+    "x-original-",
+    "x-death",
+    "nats-",
+    "cloudevents:",
+    "cloudevents_",
+];
+
+/// Whole names the relay or a broker owns (compared without case): RabbitMQ routes a message
+/// to the extra routing keys in `CC` and `BCC`.
+const RESERVED_NAMES: &[&str] = &["cc", "bcc"];
+
+/// Whether a row's `headers` object may not supply this name.
+pub fn is_reserved(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    RESERVED_NAMES.contains(&lower.as_str())
+        || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
+}
+
+/// The relay's own headers of an event, in the order they are documented.
+pub fn relay_headers(event: &OutboxEvent) -> Vec<(&'static str, HeaderValue)> {
+    let s = HeaderValue::Str;
+    let mut h = vec![
+        ("x-aggregate-id", s(event.aggregate_id.clone())),
+        ("x-outbox-created-at", s(event.created_at_rfc3339())),
+        ("x-source-position", s(event.position.to_string())),
+    ];
+    if let Some(g) = &event.gtid {
+        h.push(("x-source-gtid", s(g.clone())));
+    }
+    if let Some(v) = event.version {
+        h.push(("x-aggregate-version", HeaderValue::Int(v)));
+    }
+    if let Some(t) = &event.table {
+        h.push(("x-outbox-table", s(t.to_string())));
+    }
+    h
+}
+
+/// The entries of the row's `headers` object a sink may copy: every name but the reserved
+/// ones, which are dropped here (counted, and logged the first time each name is seen, so a
+/// producer that sets one on every row does not flood the log).
+pub fn row_headers(
+    event: &OutboxEvent,
+) -> impl Iterator<Item = (&String, &serde_json::Value)> + '_ {
+    event.headers.iter().flatten().filter(move |(k, _)| {
+        if !is_reserved(k) {
+            return true;
+        }
+        crate::telemetry::get().row_headers_dropped.inc();
+        static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+        let first = WARNED
+            .lock()
+            .map(|mut w| w.get_or_insert_with(HashSet::new).insert(k.to_ascii_lowercase()))
+            .unwrap_or(false);
+        if first {
+            tracing::warn!(header = %k, event_id = %event.id, "the row's headers object sets a header name the relay reserves: dropped (counted in outboxd_row_headers_dropped_total; logged once per name)");
+        }
+        false
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_names_are_recognised_without_case() {
+        for name in [
+            "x-aggregate-version",
+            "X-Aggregate-Id",
+            "x-source-position",
+            "x-source-gtid",
+            "x-outbox-created-at",
+            "x-outbox-table",
+            "x-partition",
+            "x-partition-4",
+            "x-dead-reason",
+            "x-original-topic",
+            "x-death",
+            "CC",
+            "cc",
+            "BCC",
+            "Nats-Msg-Id",
+            "cloudEvents:id",
+        ] {
+            assert!(is_reserved(name), "{name} should be reserved");
+        }
+        for name in [
+            "traceparent",
+            "tenant_id",
+            "x-tenant",
+            "ccx",
+            "content-kind",
+        ] {
+            assert!(!is_reserved(name), "{name} should be allowed");
+        }
+    }
+
+    #[test]
+    fn row_headers_drop_every_reserved_name_and_count_them() {
+        let mut event = crate::sink::test_event();
+        let row = serde_json::json!({
+            "traceparent": "00-abc-def-01",
+            "x-aggregate-version": "not a number",
+            "CC": ["other.topic"],
+            "x-source-position": "forged",
+            "tenant_id": 7
+        });
+        event.headers = row.as_object().cloned();
+        let before = crate::telemetry::get().row_headers_dropped.get();
+        let kept: Vec<&str> = row_headers(&event).map(|(k, _)| k.as_str()).collect();
+        assert_eq!(kept, ["traceparent", "tenant_id"]);
+        assert!(crate::telemetry::get().row_headers_dropped.get() >= before + 3);
+    }
+}
