@@ -1,4 +1,4 @@
-//! The command line (CONTRACT §1–§2): every flag also read from `OUTBOXD_<FLAG>`, secrets taken
+//! The command line (docs/configuration.md): every flag also read from `OUTBOXD_<FLAG>`, secrets taken
 //! from the environment or a file and never echoed, and one function per command.
 
 use crate::connector::{self, RunConfig};
@@ -240,7 +240,7 @@ pub struct RunArgs {
     pub mysql: MySqlArgs,
 }
 
-/// RabbitMQ sink settings (CONTRACT §4).
+/// RabbitMQ sink settings (docs/message-format.md).
 #[derive(Debug, Clone, Args)]
 pub struct RabbitArgs {
     /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead).
@@ -363,7 +363,7 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{s:?} is out of range"))
 }
 
-/// Checks `--name` (CONTRACT §1).
+/// Checks `--name` (docs/configuration.md).
 pub fn validate_name(name: &str) -> Result<(), Error> {
     if name.is_empty()
         || name.len() > 40

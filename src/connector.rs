@@ -669,7 +669,7 @@ pub async fn run_mysql(
             _ => unreachable!("matched above"),
         },
         None => {
-            // First start (CONTRACT §3): the rows already in the table come from a consistent
+            // First start (docs/message-format.md): the rows already in the table come from a consistent
             // snapshot whose binlog position is where streaming starts. The position and the
             // first start's end are stored once the snapshot is durable.
             let mut plans = Vec::with_capacity(tables.len());

@@ -1,4 +1,4 @@
-//! Connection strings: parsing the source and sink DSNs of CONTRACT §2, and rendering them
+//! Connection strings: parsing the source and sink DSNs (docs/configuration.md), and rendering them
 //! with the password redacted, so no log line, error or `--help` ever shows a secret.
 
 use crate::Error;

@@ -1,6 +1,6 @@
 //! The library's error type. Every error knows two things the caller needs: whether retrying
 //! the same operation can succeed (a reconnect, a backoff), and which process exit code it maps
-//! to (CONTRACT §1: 1 error, 2 usage or configuration, 3 stored position lost, 4 leadership
+//! to (docs/configuration.md: 1 error, 2 usage or configuration, 3 stored position lost, 4 leadership
 //! lost).
 
 use std::fmt;

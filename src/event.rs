@@ -83,7 +83,7 @@ pub struct OutboxEvent {
     /// JSON, …): the sink sends a dead-letter record with this reason instead of the body.
     pub poison: Option<String>,
     /// The outbox table the row came from, set only when the relay reads several tables
-    /// (`x-outbox-table`); one table's messages stay as CONTRACT §4 has them.
+    /// (`x-outbox-table`); one table's messages stay as docs/message-format.md has them.
     pub table: Option<std::sync::Arc<str>>,
 }
 

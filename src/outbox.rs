@@ -1,5 +1,5 @@
 //! The outbox table as both sides see it: the mapping from the contract's column names to a
-//! user's table (`--column` renames, CONTRACT §3), and the producer helper [`Outbox`] that
+//! user's table (`--column` renames, docs/message-format.md), and the producer helper [`Outbox`] that
 //! writes an event row inside the caller's own transaction — the whole point of the pattern.
 
 use crate::Error;

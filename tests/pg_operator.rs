@@ -1,4 +1,4 @@
-//! Day one with the Postgres relay: the first-start snapshot rules (CONTRACT §3) and the
+//! Day one with the Postgres relay: the first-start snapshot rules (docs/message-format.md) and the
 //! operator's commands — check, setup, status, teardown, offset.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Per-aggregate order on RabbitMQ (CONTRACT §4, `--partitions N`, `outboxd topology`): the
+//! Per-aggregate order on RabbitMQ (docs/partitions.md, `--partitions N`, `outboxd topology`): the
 //! relay's own partition queues, consumer groups with other partition counts, the declaration
 //! modes, and the consistent-hash option — against the real Postgres and RabbitMQ. (The same
 //! across a broker restart is in `tests/rabbitmq_restart.rs`, the only test binary that may

@@ -1,4 +1,4 @@
-//! Postgres source → RabbitMQ sink, end to end against the real servers (CONTRACT §4): what
+//! Postgres source → RabbitMQ sink, end to end against the real servers (docs/message-format.md): what
 //! arrives and exactly how, what never arrives, where poison goes, and that broker faults
 //! (stall, cut) and relay kills lose nothing.
 

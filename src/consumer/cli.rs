@@ -1,4 +1,4 @@
-//! Command-line pieces of the consumer kit: `outboxd prune` (CONTRACT §2) and [`ConsumeArgs`],
+//! Command-line pieces of the consumer kit: `outboxd prune` (docs/configuration.md) and [`ConsumeArgs`],
 //! the flags a consumer binary built on the runner shares (`examples/invoice_projection.rs`
 //! flattens them). Every flag has its `OUTBOXD_<FLAG>` environment variable.
 

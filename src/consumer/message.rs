@@ -1,5 +1,5 @@
 //! A received message as the consumer kit sees it: the event id from `message_id`, the
-//! relay's headers (CONTRACT §4) decoded, the body untouched. Built from a lapin delivery by
+//! relay's headers (docs/message-format.md) decoded, the body untouched. Built from a lapin delivery by
 //! the runner, or by hand ([`Message::new`]) for events that arrive some other way.
 
 use super::ConsumerError;

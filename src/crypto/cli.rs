@@ -1,4 +1,4 @@
-//! The encryption commands (CONTRACT §6): `keys generate|rotate|list|retire|blind-index`,
+//! The encryption commands (docs/encryption.md): `keys generate|rotate|list|retire|blind-index`,
 //! `encrypt`, `decrypt` and `reencrypt`. They live here so that `src/cli.rs` only names them.
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.

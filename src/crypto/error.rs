@@ -105,7 +105,7 @@ pub enum CryptoError {
 
 impl CryptoError {
     /// Whether this is a problem with configuration (keyring or schema) rather than with data:
-    /// the former exit 2, the latter 1 (CONTRACT §1).
+    /// the former exit 2, the latter 1 (docs/configuration.md).
     pub fn is_config(&self) -> bool {
         matches!(
             self,

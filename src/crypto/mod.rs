@@ -1,4 +1,4 @@
-//! Field-level encryption of personal data (CONTRACT §6). Producers encrypt the fields a schema
+//! Field-level encryption of personal data (docs/encryption.md). Producers encrypt the fields a schema
 //! marks `x-gdpr-sensitive` before the outbox INSERT, so their plaintext never reaches the table,
 //! the WAL/binlog or the broker; consumers decrypt with the same keyring. The relay never sees a
 //! key: it moves the payload as it is.

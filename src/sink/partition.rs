@@ -1,4 +1,4 @@
-//! Partitions (CONTRACT §4, `--partitions N`): which of N queues an aggregate's events go to.
+//! Partitions (docs/partitions.md, `--partitions N`): which of N queues an aggregate's events go to.
 //!
 //! The partition is Kafka's default partitioner applied to the aggregate id, so a consumer in
 //! any language can recompute it from the `x-aggregate-id` header:
@@ -25,7 +25,7 @@ use lapin::types::{AMQPValue, ShortString};
 pub const MAX_PARTITIONS: u32 = 1024;
 /// Most distinct partition counts the relay computes headers for (`--group-partitions`).
 pub const MAX_GROUP_COUNTS: usize = 16;
-/// The relay's own partition header (CONTRACT §4).
+/// The relay's own partition header (docs/message-format.md).
 pub const PARTITION_HEADER: &str = "x-partition";
 
 /// Kafka's `Utils.murmur2`: MurmurHash2 (32 bit) with seed `0x9747b28c`, as Java computes it

@@ -1,4 +1,4 @@
-//! The RabbitMQ sink (CONTRACT §4): every event becomes one persistent, `mandatory` message on
+//! The RabbitMQ sink (docs/message-format.md): every event becomes one persistent, `mandatory` message on
 //! the topic exchange `<exchange>` with the topic as routing key, and counts as durable only
 //! when the broker acknowledged it without returning it first. Events that cannot be messages
 //! (poison) become body-less records on the queue `<exchange>.dead`. Recovery is not done here:

@@ -1,4 +1,4 @@
-//! The stdout sink (CONTRACT §5): one JSON object per event per line, logs stay on stderr.
+//! The stdout sink (docs/message-format.md): one JSON object per event per line, logs stay on stderr.
 //! Lines are buffered and flushed before any position that covers them is acknowledged.
 
 use super::{Delivery, Sink, SinkError};

@@ -1,4 +1,4 @@
-//! Partition layouts on RabbitMQ, and the `outboxd topology` command (CONTRACT §2, §4).
+//! Partition layouts on RabbitMQ, and the `outboxd topology` command (docs/partitions.md).
 //!
 //! A layout is N durable queues with single active consumer behind one exchange that picks the
 //! queue by partition, fed from the relay's topic exchange by exchange-to-exchange bindings:

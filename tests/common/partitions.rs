@@ -47,7 +47,7 @@ pub fn kafka_murmur2(data: &[u8]) -> i32 {
     h
 }
 
-/// CONTRACT §4: `murmur2(aggregate id as UTF-8) & 0x7fffffff mod N`.
+/// docs/partitions.md: `murmur2(aggregate id as UTF-8) & 0x7fffffff mod N`.
 pub fn partition(aggregate_id: &str, n: u32) -> u32 {
     ((kafka_murmur2(aggregate_id.as_bytes()) & 0x7fff_ffff) as u32) % n
 }

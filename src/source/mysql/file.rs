@@ -8,7 +8,7 @@
 //! before `mysql_common` sees it: the header must be complete, the event's length must fit
 //! the bytes left and hold its checksum, and the CRC32 must match. `mysql_common` would
 //! allocate what a corrupt length claims and panics (an `unwrap`) when an event claims more
-//! bytes than it has (LAB.md); behind these checks it never gets such input. Every error names
+//! bytes than it has; behind these checks it never gets such input. Every error names
 //! the file and the byte offset of the event.
 
 use super::decode::{Decoder, Step};

@@ -2,7 +2,7 @@
 //! `binlog`), decoded by [`decode`] (shared with the binlog-file source), rows mapped by
 //! [`rows`], MariaDB GTIDs by [`gtid`]; plain SQL with `mysql_async` too.
 //!
-//! What the library leaves to us (LAB.md): `@mariadb_slave_capability=4` so MariaDB sends GTID
+//! What the library leaves to us: `@mariadb_slave_capability=4` so MariaDB sends GTID
 //! events, raw GTID/GTID_LIST parsing, GTID resume through `@slave_connect_state`, the CRC32
 //! bytes in the first (fake) Rotate's file name, heartbeats plus a read timeout on every read,
 //! and reconnecting — the library has none.

@@ -255,7 +255,7 @@ impl OutboxTable {
                         ty.map(|t| format!("{t:?}")).unwrap_or_else(|| "unknown".into())
                     ),
                     format!(
-                        "use one of the types CONTRACT §3 lists for {logical} (e.g. ALTER TABLE {table} MODIFY {actual} {})",
+                        "use one of the types docs/message-format.md lists for {logical} (e.g. ALTER TABLE {table} MODIFY {actual} {})",
                         match logical {
                             "id" => "BINARY(16) NOT NULL",
                             "aggregate_id" => "BIGINT NOT NULL",

@@ -1,4 +1,4 @@
-//! The first-start snapshot on MySQL/MariaDB (CONTRACT §3): rows already in the outbox table
+//! The first-start snapshot on MySQL/MariaDB (docs/message-format.md): rows already in the outbox table
 //! when a relay first starts must not be lost. A REPEATABLE READ session opens
 //! `START TRANSACTION WITH CONSISTENT SNAPSHOT`; on MariaDB the server then reports the exact
 //! binlog coordinates of that snapshot (`binlog_snapshot_file` / `binlog_snapshot_position`

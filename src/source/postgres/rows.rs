@@ -119,7 +119,7 @@ impl RowMapper {
                 Some(k) => Ok(Some((i, k))),
                 None => Err(Error::config(
                     format!("column {actual:?} of {table} has type oid {} which cannot hold the {logical} column", col.type_oid),
-                    format!("use one of the types CONTRACT §3 lists for {logical} (e.g. ALTER TABLE {table} ALTER COLUMN {actual} TYPE {} USING ...)", match logical {
+                    format!("use one of the types docs/message-format.md lists for {logical} (e.g. ALTER TABLE {table} ALTER COLUMN {actual} TYPE {} USING ...)", match logical {
                         "id" => "uuid",
                         "payload" | "headers" => "jsonb",
                         "created_at" => "timestamptz",

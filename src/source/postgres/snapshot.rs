@@ -1,4 +1,4 @@
-//! The first-start snapshot (CONTRACT §3): rows already in the outbox table when a relay first
+//! The first-start snapshot (docs/message-format.md): rows already in the outbox table when a relay first
 //! starts must not be lost. The slot is created first, then the table is read in a new
 //! REPEATABLE READ transaction, then the slot is streamed: a row committed in between is in
 //! both (a duplicate), never in neither (a gap). The same path replays rows after a deliberate
