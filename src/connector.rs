@@ -245,6 +245,23 @@ pub async fn run_postgres(
         }
     };
     tracing::info!(slot = %cfg.slot, position = %format_lsn(start), "resuming");
+    let mut snapshot_after = None;
+    if lease.first_start || lease.replay_since.is_some() {
+        if plan.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
+            // Nothing to publish from the table: the slot alone is the first start's position,
+            // and it is durable now. Marked done before the first event, so a relay killed at
+            // any moment from here on resumes from the slot, not from a new one.
+            state::postgres::mark_initialized(&sql, &lease).await?;
+            lease.first_start = false;
+            lease.replay_since = None;
+        } else {
+            // An earlier run of this first start got this far through the snapshot.
+            snapshot_after = state::postgres::load(&sql, &cfg.name)
+                .await?
+                .and_then(|row| row.snapshot_key)
+                .and_then(|k| snapshot::SnapshotKey::decode(&k));
+        }
+    }
 
     let source_cfg = PgSourceConfig {
         dsn: dsn.clone(),
@@ -253,12 +270,15 @@ pub async fn run_postgres(
         columns: cfg.columns.clone(),
         slot: cfg.slot.clone(),
         publication: cfg.publication.clone(),
-        status_interval: Duration::from_secs(1),
+        // Durable positions reach the slot promptly (at most every STORE_INTERVAL while they
+        // move; the library sends nothing more while they do not).
+        status_interval: state::STORE_INTERVAL,
         snapshot: plan,
+        snapshot_after,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
-    drive(&cfg, store, lease, commits_rx, move |link| {
+    drive(&cfg, store, lease, None, commits_rx, move |link| {
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
     .await
@@ -611,7 +631,17 @@ pub async fn run_mysql(
         }
     };
     tracing::info!(name = %cfg.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+    // A first start an earlier run began stored where it started (before publishing): this one
+    // goes on from there, never from the binlog head (which would skip what was committed in
+    // between).
+    let (stored, first_start_at) = if lease.first_start {
+        (None, stored)
+    } else {
+        (stored, None)
+    };
     let mut first = my::FirstStart::No;
+    // The first start's position, stored before the first event is published.
+    let mut store_first: Option<(crate::event::Checkpoint, bool)> = None;
     let mut resume_from = stored.as_ref().and_then(my::Resume::from_checkpoint);
     if let (Some(resume), PositionLostPolicy::Poll) = (&resume_from, cfg.on_position_lost) {
         // With recovery on, a purged stored file counts as lost even where the GTID state
@@ -651,19 +681,7 @@ pub async fn run_mysql(
         }
     }
     let start = match resume_from {
-        Some(mut resume) => {
-            // By GTID the server itself says whether it still has what follows; by file and
-            // position, the file must still be there.
-            if !resume.by_gtid(settings.mariadb) {
-                my_admin::require_position(&mut sql, &cfg.name, &resume.file).await?;
-                if settings.mariadb && resume.gtid.is_none() {
-                    // Track the GTID state from here on, complete in every domain.
-                    resume.gtid =
-                        Some(my_admin::gtid_at(&mut sql, &resume.file, resume.pos).await?);
-                }
-            }
-            resume
-        }
+        Some(resume) => resumable(&mut sql, &cfg.name, settings.mariadb, resume).await?,
         None if matches!(first, my::FirstStart::Snapshot(_)) => match &first {
             my::FirstStart::Snapshot(snap) => snap.at.clone(),
             _ => unreachable!("matched above"),
@@ -679,14 +697,39 @@ pub async fn run_mysql(
                     my::snapshot::plan(&mut sql, t, &cfg.snapshot).await?,
                 ));
             }
+            let restarted = match first_start_at
+                .as_ref()
+                .and_then(my::Resume::from_checkpoint)
+            {
+                Some(r) => Some(resumable(&mut sql, &cfg.name, settings.mariadb, r).await?),
+                None => None,
+            };
             if plans.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
                 first = my::FirstStart::Empty;
-                my::current_position(&mut sql, settings.mariadb).await?
+                let at = match restarted {
+                    Some(at) => at,
+                    None => my::current_position(&mut sql, settings.mariadb).await?,
+                };
+                store_first = Some((at.checkpoint(), true));
+                at
             } else {
-                let snap =
+                let mut snap =
                     my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plans)
                         .await?;
+                if let Some(at) = restarted {
+                    // The snapshot is newer than the stored start: streaming from the start
+                    // repeats what was committed in between (duplicates, never a gap), and the
+                    // rows an earlier run got durable are not read again.
+                    tracing::info!(position = %at.checkpoint(), "first start: an earlier run was interrupted; streaming from the position it stored");
+                    snap.at = at;
+                    let key = match &file_store {
+                        Some(store) => store.snapshot_key().map(str::to_string),
+                        None => state::mysql::load_snapshot_key(&mut sql, &cfg.name).await?,
+                    };
+                    snap.after = key.and_then(|k| snapshot::SnapshotKey::decode(&k));
+                }
                 let at = snap.at.clone();
+                store_first = Some((at.checkpoint(), false));
                 first = my::FirstStart::Snapshot(snap);
                 at
             }
@@ -708,21 +751,42 @@ pub async fn run_mysql(
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
     match file_store {
-        Some(store) => drive(&cfg, store, lease, commits_rx, source).await,
+        Some(store) => drive(&cfg, store, lease, store_first, commits_rx, source).await,
         None => {
             let store = state::mysql::MyStateStore::new(dsn.clone());
-            drive(&cfg, store, lease, commits_rx, source).await
+            drive(&cfg, store, lease, store_first, commits_rx, source).await
         }
     }
 }
 
+/// A stored position checked for resuming: by GTID the server itself says whether it still has
+/// what follows; by file and position, the file must still be there.
+async fn resumable(
+    sql: &mut mysql_async::Conn,
+    name: &str,
+    mariadb: bool,
+    mut resume: crate::source::mysql::Resume,
+) -> Result<crate::source::mysql::Resume, Error> {
+    use crate::source::mysql::admin as my_admin;
+    if !resume.by_gtid(mariadb) {
+        my_admin::require_position(sql, name, &resume.file).await?;
+        if mariadb && resume.gtid.is_none() {
+            // Track the GTID state from here on, complete in every domain.
+            resume.gtid = Some(my_admin::gtid_at(sql, &resume.file, resume.pos).await?);
+        }
+    }
+    Ok(resume)
+}
+
 /// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
 /// source ends (graceful stop) or something fails; then stores the final position and releases
-/// the lease.
+/// the lease. `first` is a first start's position (and whether that start is over with it),
+/// stored before the source may publish anything.
 async fn drive<St, F, Fut>(
     cfg: &RunConfig,
-    store: St,
-    lease: state::Lease,
+    mut store: St,
+    mut lease: state::Lease,
+    first: Option<(Checkpoint, bool)>,
     commits: watch::Receiver<state::DurableCommit>,
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
@@ -735,6 +799,13 @@ where
     let ack_rx = link.acks.clone();
     let lease_stop = CancellationToken::new();
     let mut sink = make_sink(cfg)?;
+    if let Some((start, done)) = &first {
+        store.store_start(&lease, start, *done).await?;
+        tracing::info!(position = %start, "first start: position stored");
+        if *done {
+            lease.first_start = false;
+        }
+    }
     let mut lease_task = tokio::spawn(state::keep_lease(
         store,
         lease,

@@ -116,6 +116,10 @@ pub enum Checkpoint {
         pos: u64,
         gtid_state: Option<String>,
     },
+    /// A first start's snapshot: every snapshot row up to `key` (in the snapshot's order) is
+    /// durable. `seq` counts the marks of one run; every streamed position comes after them.
+    /// The key is stored so that a snapshot interrupted by a crash goes on after it.
+    Snapshot { seq: u64, key: String },
 }
 
 impl Checkpoint {
@@ -124,6 +128,16 @@ impl Checkpoint {
         match (self, other) {
             (Checkpoint::Lsn(a), Checkpoint::Lsn(b)) => Some(a.cmp(b)),
             (Checkpoint::Batch(a), Checkpoint::Batch(b)) => Some(a.cmp(b)),
+            (Checkpoint::Snapshot { seq: a, .. }, Checkpoint::Snapshot { seq: b, .. }) => {
+                Some(a.cmp(b))
+            }
+            // The snapshot is published before the stream, at its start position.
+            (Checkpoint::Snapshot { .. }, Checkpoint::Lsn(_) | Checkpoint::Binlog { .. }) => {
+                Some(Ordering::Less)
+            }
+            (Checkpoint::Lsn(_) | Checkpoint::Binlog { .. }, Checkpoint::Snapshot { .. }) => {
+                Some(Ordering::Greater)
+            }
             (
                 Checkpoint::Binlog {
                     file: fa, pos: pa, ..
@@ -151,6 +165,7 @@ impl fmt::Display for Checkpoint {
         match self {
             Checkpoint::Lsn(lsn) => f.write_str(&format_lsn(*lsn)),
             Checkpoint::Batch(b) => write!(f, "batch {b}"),
+            Checkpoint::Snapshot { key, .. } => write!(f, "snapshot after {key}"),
             Checkpoint::Binlog {
                 file,
                 pos,

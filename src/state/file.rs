@@ -38,6 +38,9 @@ pub struct OffsetFile {
     pub gtid_state: Option<String>,
     /// The first start's snapshot is durable: later starts resume from the position.
     pub initialized: bool,
+    /// An unfinished first start's snapshot: the last row whose publication is durable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_key: Option<String>,
     pub updated_at: String,
 }
 
@@ -53,6 +56,7 @@ impl OffsetFile {
             binlog_pos: None,
             gtid_state: None,
             initialized: false,
+            snapshot_key: None,
             updated_at: String::new(),
         }
     }
@@ -218,8 +222,14 @@ pub struct FileStore {
 }
 
 impl FileStore {
+    /// How far an unfinished first start's snapshot got.
+    pub fn snapshot_key(&self) -> Option<&str> {
+        self.content.snapshot_key.as_deref()
+    }
+
     /// Takes the lock (refused while another relay holds it), reads the file and records this
-    /// start. Returns the lease and, after a finished first start, the stored position.
+    /// start. Returns the lease and the stored position (on a first start, the one an earlier,
+    /// interrupted run of it started from, if it got that far).
     pub fn acquire(
         path: &Path,
         name: &str,
@@ -241,11 +251,7 @@ impl FileStore {
             first_start: !content.initialized,
             replay_since: None,
         };
-        let stored = if content.initialized {
-            content.position()
-        } else {
-            None
-        };
+        let stored = content.position();
         Ok((
             FileStore {
                 path: path.to_path_buf(),
@@ -290,6 +296,7 @@ pub fn set_position(path: &Path, name: &str, cp: &Checkpoint) -> Result<(), Erro
     };
     content.set_position(cp)?;
     content.initialized = true;
+    content.snapshot_key = None;
     content.updated_at = now();
     write_atomic(path, &content)
 }
@@ -302,6 +309,12 @@ impl StateStore for FileStore {
         _commit: &super::DurableCommit,
     ) -> Result<(), Error> {
         let Some(cp) = position else { return Ok(()) };
+        if let Checkpoint::Snapshot { key, .. } = cp {
+            let mut next = self.content.clone();
+            next.snapshot_key = Some(key.clone());
+            next.updated_at = now();
+            return self.save(next).await;
+        }
         // Never backwards: an older position than the stored one is not written.
         if let Some(stored) = self.content.position() {
             if !cp.is_after(&stored) {
@@ -320,6 +333,22 @@ impl StateStore for FileStore {
         }
         let mut next = self.content.clone();
         next.initialized = true;
+        next.snapshot_key = None;
+        next.updated_at = now();
+        self.save(next).await
+    }
+
+    async fn store_start(
+        &mut self,
+        _lease: &Lease,
+        start: &Checkpoint,
+        done: bool,
+    ) -> Result<(), Error> {
+        let mut next = self.content.clone();
+        if next.position().is_none() {
+            next.set_position(start)?;
+        }
+        next.initialized |= done;
         next.updated_at = now();
         self.save(next).await
     }

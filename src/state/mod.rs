@@ -21,6 +21,10 @@ pub const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
 /// One renewal may take this long; a stalled connection must not stall the lease keeper.
 pub const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
 pub const RENEW_INTERVAL: Duration = Duration::from_secs(1);
+/// A newer durable position is stored this soon after the sink confirmed it, and the store is
+/// written at most this often: a relay killed at any moment resumes at most this much traffic
+/// (plus the relay's window) behind what it had confirmed. Idle, nothing is written.
+pub const STORE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Identifies this process as a lease holder: `host:pid:nonce`.
 pub fn holder_id() -> String {
@@ -140,6 +144,19 @@ pub trait StateStore: Send {
         commit: &DurableCommit,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
 
+    /// Stores the position a first start streams from, before its first event is published, so
+    /// that a relay killed at any moment of its first start resumes there (`done`: there is no
+    /// snapshot, the first start is over). Keeps a position already stored. Stores whose
+    /// position lives elsewhere (a Postgres slot) need not.
+    fn store_start(
+        &mut self,
+        _lease: &Lease,
+        _start: &Checkpoint,
+        _done: bool,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
+
     /// Records that the first start's snapshot (or a requested replay) is durable.
     fn mark_initialized(
         &mut self,
@@ -154,9 +171,20 @@ pub trait StateStore: Send {
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
 }
 
-/// Renews the lease about every second and stores the newest durable position with it (only
-/// when it changed); at the end, stores the final position and releases the lease. Ends early
-/// only when the lease was lost.
+/// Why the lease keeper woke up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// The renewal clock.
+    Tick,
+    /// A newer durable position to store.
+    Ack,
+    Stop,
+}
+
+/// Renews the lease about every second, and stores each newer durable position as soon as the
+/// relay acknowledges it (at most every [`STORE_INTERVAL`]; a position write renews the lease
+/// too). At the end, stores the final position and releases the lease. Ends early only when the
+/// lease was lost.
 pub async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
@@ -167,24 +195,56 @@ pub async fn keep_lease<S: StateStore>(
 ) -> Result<(), Error> {
     let mut renewed = std::time::Instant::now();
     let mut written: Option<Checkpoint> = None;
-    // Until the first acknowledgement, the first start's snapshot (or a requested replay) is
-    // not known to be durable: only then is it marked done.
+    // Until the first start's end is acknowledged, its snapshot (or a requested replay) is not
+    // known to be durable: only then is it marked done. Snapshot progress marks do not count.
     let mut needs_init = lease.first_start || lease.replay_since.is_some();
     let mut tick = tokio::time::interval(RENEW_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stopping = false;
     let mut failures_while_stopping = 0;
+    let mut acks_open = true;
+    // When a position was last written: the next one waits until STORE_INTERVAL has passed.
+    let mut stored_at: Option<tokio::time::Instant> = None;
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled(), if !stopping => stopping = true,
+        let wake = tokio::select! {
+            _ = tick.tick() => Wake::Tick,
+            _ = stop.cancelled(), if !stopping => Wake::Stop,
+            changed = acks.changed(), if acks_open && !stopping => {
+                if changed.is_err() {
+                    // The relay ended: the stop that follows stores its last acknowledgement.
+                    acks_open = false;
+                    continue;
+                }
+                Wake::Ack
+            }
+        };
+        if wake == Wake::Stop {
+            stopping = true;
+        }
+        if wake == Wake::Ack {
+            if let Some(at) = stored_at {
+                let due = at + STORE_INTERVAL;
+                if due > tokio::time::Instant::now() {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(due) => {}
+                        _ = stop.cancelled(), if !stopping => stopping = true,
+                    }
+                }
+            }
         }
         let _ = acks.has_changed();
         let pos = acks
             .borrow_and_update()
             .clone()
             .filter(|p| Some(p) != written.as_ref());
+        if wake == Wake::Ack && pos.is_none() && !stopping {
+            continue;
+        }
         let commit = commits.borrow().clone();
+        if pos.is_some() {
+            // Failed attempts count too: a store that keeps failing is retried at this pace.
+            stored_at = Some(tokio::time::Instant::now());
+        }
         // With self-fencing, a renewal stuck on a stalled connection must not stall the clock
         // that fences; without it, the store's own timeouts apply (cancelling a store midway
         // can leave its session inside a transaction).
@@ -209,10 +269,15 @@ pub async fn keep_lease<S: StateStore>(
                 let t = crate::telemetry::get();
                 t.leader.set(1);
                 if pos.is_some() {
+                    // The write renewed the lease: the next renewal is a period from now.
+                    tick.reset();
                     written = pos;
                     t.position_stored();
                 }
-                if needs_init && written.is_some() {
+                let past_first_start = written
+                    .as_ref()
+                    .is_some_and(|w| !matches!(w, Checkpoint::Snapshot { .. }));
+                if needs_init && past_first_start {
                     match store.mark_initialized(&lease).await {
                         Ok(()) => needs_init = false,
                         Err(e @ Error::Leadership(_)) => return Err(e),

@@ -50,7 +50,10 @@ pub struct StateRow {
 
 /// Columns added after the first release: (name, definition). Added to older state tables by
 /// [`ensure_table`] (MySQL 8 has no `ADD COLUMN IF NOT EXISTS`, so it looks first).
-const ADDED_COLUMNS: [(&str, &str); 1] = [("position_commit_at", "DATETIME(6) NULL")];
+const ADDED_COLUMNS: [(&str, &str); 2] = [
+    ("position_commit_at", "DATETIME(6) NULL"),
+    ("snapshot_key", "TEXT NULL"),
+];
 
 pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
     conn.query_drop(DDL).await?;
@@ -144,7 +147,8 @@ pub async fn load(conn: &mut Conn, name: &str) -> Result<Option<StateRow>, Error
 }
 
 /// Takes the lease for `name`, creating the state row on first use. Refused while another
-/// live process holds it. Returns the lease and the stored position (on a later start).
+/// live process holds it. Returns the lease and the stored position: on a first start, the
+/// position an earlier, interrupted run of it started from (if it got that far).
 pub async fn acquire(
     conn: &mut Conn,
     name: &str,
@@ -215,7 +219,7 @@ pub async fn acquire(
             first_start: !row.initialized,
             replay_since: None,
         },
-        if row.initialized { row.position } else { None },
+        row.position,
     ))
 }
 
@@ -239,11 +243,63 @@ fn parts(cp: &Checkpoint) -> Result<(String, u64, Option<String>), Error> {
     }
 }
 
+/// How far an unfinished first start's snapshot got (the last row whose publication is
+/// durable), as stored for relay `name`.
+pub async fn load_snapshot_key(conn: &mut Conn, name: &str) -> Result<Option<String>, Error> {
+    let key: Option<Option<String>> = conn
+        .exec_first(
+            "SELECT snapshot_key FROM outboxd_state WHERE name = ?",
+            (name,),
+        )
+        .await?;
+    Ok(key.flatten())
+}
+
+/// Stores a first start's position before its first event is published (`done`: it has no
+/// snapshot, so the first start is over). Only where no position is stored yet: a restarted
+/// first start keeps the position its first run stored.
+pub async fn store_start(
+    conn: &mut Conn,
+    lease: &Lease,
+    start: &Checkpoint,
+    done: bool,
+) -> Result<(), Error> {
+    let (file, pos, gtid) = parts(start)?;
+    let mut tx = conn.start_transaction(TxOpts::default()).await?;
+    tx.exec_drop(
+        "UPDATE outboxd_state SET initialized_at = IF(?, COALESCE(initialized_at, UTC_TIMESTAMP(6)), initialized_at),
+                updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (done, &lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    if tx.affected_rows() == 0 {
+        tx.rollback().await?;
+        return Err(lost(lease));
+    }
+    tx.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?
+          WHERE name = ? AND epoch = ? AND lease_holder = ? AND binlog_file IS NULL",
+        (
+            &file,
+            pos,
+            &gtid,
+            format!("{file}:{pos}"),
+            &lease.name,
+            lease.epoch,
+            &lease.holder,
+        ),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Marks the first start as done: its snapshot (if any) is durable and a position is stored.
 pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
         "UPDATE outboxd_state SET initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)),
-                updated_at = UTC_TIMESTAMP(6)
+                snapshot_key = NULL, updated_at = UTC_TIMESTAMP(6)
           WHERE name = ? AND epoch = ? AND lease_holder = ?",
         (&lease.name, lease.epoch, &lease.holder),
     )
@@ -298,7 +354,13 @@ pub async fn renew(
         tx.rollback().await?;
         return Err(lost(lease));
     }
-    if let Some(cp) = position {
+    if let Some(Checkpoint::Snapshot { key, .. }) = position {
+        tx.exec_drop(
+            "UPDATE outboxd_state SET snapshot_key = ? WHERE name = ? AND epoch = ? AND lease_holder = ?",
+            (key, &lease.name, lease.epoch, &lease.holder),
+        )
+        .await?;
+    } else if let Some(cp) = position {
         let (file, pos, gtid) = parts(cp)?;
         let seq = binlog_file_seq(&file);
         tx.exec_drop(
@@ -366,7 +428,8 @@ pub async fn set_position(
     }
     tx.exec_drop(
         "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,
-                initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)), updated_at = UTC_TIMESTAMP(6)
+                initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)), snapshot_key = NULL,
+                updated_at = UTC_TIMESTAMP(6)
           WHERE name = ?",
         (file, pos, gtid, format!("{file}:{pos}"), name),
     )
@@ -444,6 +507,22 @@ impl StateStore for MyStateStore {
         tokio::time::timeout(STATEMENT_TIMEOUT, async {
             let mut conn = self.take_conn().await?;
             let r = renew(&mut conn, lease, position, commit).await;
+            self.put_back(conn, &r);
+            r
+        })
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    async fn store_start(
+        &mut self,
+        lease: &Lease,
+        start: &Checkpoint,
+        done: bool,
+    ) -> Result<(), Error> {
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = store_start(&mut conn, lease, start, done).await;
             self.put_back(conn, &r);
             r
         })

@@ -48,11 +48,16 @@ impl StateStore for PgStateStore {
         position: Option<&Checkpoint>,
         commit: &DurableCommit,
     ) -> Result<(), Error> {
-        let lsn = match position {
-            Some(Checkpoint::Lsn(l)) => Some(*l),
-            _ => None,
+        let (lsn, snapshot_key) = match position {
+            Some(Checkpoint::Lsn(l)) => (Some(*l), None),
+            Some(Checkpoint::Snapshot { key, .. }) => (None, Some(key.as_str())),
+            _ => (None, None),
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
+        let r = match (r, snapshot_key) {
+            (Ok(()), Some(key)) => store_snapshot_key(self.client().await?, lease, key).await,
+            (r, _) => r,
+        };
         self.renewals += 1;
         if r.is_ok() && self.renewals % 5 == 1 {
             if let (Some(slot), Some(c)) = (&self.slot, &self.client) {
@@ -127,6 +132,8 @@ pub struct StateRow {
     /// Largest commit-minus-created_at gap seen (long producer transactions), in ms.
     pub commit_gap_ms: Option<i64>,
     pub created_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// An unfinished first start's snapshot: the last row whose publication is durable.
+    pub snapshot_key: Option<String>,
 }
 
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
@@ -134,7 +141,8 @@ pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     // Columns added after the first release, for state tables created before them.
     client
         .batch_execute(
-            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz",
+            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
+             ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text",
         )
         .await?;
     Ok(())
@@ -156,7 +164,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
                     initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at,
-                    position_commit_at, commit_gap_ms, created_at
+                    position_commit_at, commit_gap_ms, created_at, snapshot_key
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -176,6 +184,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         position_commit_at: r.get(11),
         commit_gap_ms: r.get(12),
         created_at: r.get(13),
+        snapshot_key: r.get(14),
     }))
 }
 
@@ -260,9 +269,25 @@ pub async fn acquire(
 pub async fn mark_initialized(client: &Client, lease: &Lease) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET initialized_at = coalesce(initialized_at, now()), replay_since = NULL
+            "UPDATE outboxd_state SET initialized_at = coalesce(initialized_at, now()), replay_since = NULL,
+                    snapshot_key = NULL
               WHERE name = $1 AND epoch = $2",
             &[&lease.name, &lease.epoch],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+/// Records how far the first start's snapshot (or a replay) is durable: a crash goes on after
+/// this row instead of reading the table again from the start.
+pub async fn store_snapshot_key(client: &Client, lease: &Lease, key: &str) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET snapshot_key = $3 WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch, &key],
         )
         .await?;
     if n == 0 {
@@ -329,7 +354,7 @@ pub async fn set_replay(
 ) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET replay_since = $3, updated_at = now() WHERE name = $1 AND epoch = $2",
+            "UPDATE outboxd_state SET replay_since = $3, snapshot_key = NULL, updated_at = now() WHERE name = $1 AND epoch = $2",
             &[&lease.name, &lease.epoch, &since],
         )
         .await?;
@@ -360,7 +385,7 @@ pub async fn request_replay(
 ) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET replay_since = $2, updated_at = now()
+            "UPDATE outboxd_state SET replay_since = $2, snapshot_key = NULL, updated_at = now()
               WHERE name = $1 AND (lease_holder IS NULL OR lease_expires_at < now())",
             &[&name, &since],
         )

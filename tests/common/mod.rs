@@ -1,6 +1,7 @@
 //! Shared test harness: real services (each test gets its own database, slot and names), the
 //! outboxd binary as a child process, and polling with deadlines instead of sleeps.
 #![allow(dead_code)]
+pub mod killloop;
 pub mod partitions;
 pub mod poll;
 pub mod proxy;
@@ -205,7 +206,12 @@ impl Relay {
     }
 
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Relay {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+        Self::start_bin(env!("CARGO_BIN_EXE_outboxd"), args, env)
+    }
+
+    /// Another outboxd binary than this crate's (an older build, to compare).
+    pub fn start_bin(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Relay {
+        let mut cmd = Command::new(bin);
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -12,8 +12,9 @@
 
 use super::rows::{ColumnInfo, OutboxTable, RowContext};
 use super::{admin, gtid::GtidState, Resume};
+use crate::event::Checkpoint;
 use crate::outbox::my_ident;
-use crate::source::postgres::snapshot::{SnapshotMode, SnapshotPlan};
+use crate::source::postgres::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::Outlet;
 use crate::Error;
 use mysql_async::binlog::value::BinlogValue;
@@ -137,6 +138,8 @@ pub struct Snapshot {
     /// What to read of each outbox table (one consistent snapshot covers them all).
     plans: Vec<(OutboxTable, SnapshotPlan)>,
     pub at: Resume,
+    /// How far an interrupted run of this first start got: only later rows are read.
+    pub after: Option<SnapshotKey>,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -144,6 +147,7 @@ impl std::fmt::Debug for Snapshot {
         f.debug_struct("Snapshot")
             .field("plans", &self.plans)
             .field("at", &self.at)
+            .field("after", &self.after)
             .finish()
     }
 }
@@ -210,7 +214,12 @@ pub async fn begin(
         }
     };
     tracing::info!(position = %at.checkpoint(), "first start: consistent snapshot opened");
-    Ok(Snapshot { conn, plans, at })
+    Ok(Snapshot {
+        conn,
+        plans,
+        at,
+        after: None,
+    })
 }
 
 impl Snapshot {
@@ -234,9 +243,16 @@ impl Snapshot {
     /// position; closes the snapshot. Returns how many rows were sent.
     pub async fn publish(mut self, outlet: &Outlet) -> Result<u64, Error> {
         let plans = std::mem::take(&mut self.plans);
+        let after = self.after.take();
         let mut n: u64 = 0;
-        for (table, plan) in &plans {
-            n = self.publish_table(table, plan, n, outlet).await?;
+        for (i, (table, plan)) in plans.iter().enumerate() {
+            let Some(resume) = SnapshotKey::applies(after.as_ref(), i) else {
+                continue;
+            };
+            let from = after.as_ref().filter(|_| resume);
+            n = self
+                .publish_table(table, plan, (i, from), n, outlet)
+                .await?;
         }
         self.conn.query_drop("COMMIT").await?;
         let _ = self.conn.disconnect().await;
@@ -244,11 +260,14 @@ impl Snapshot {
         Ok(n)
     }
 
-    /// One table's planned rows; `n` counts on across tables (the events' index).
+    /// One table's planned rows (the table at `index` in the plan; with `after`, only the rows
+    /// after that key); `n` counts on across tables (the events' index). After each row, a
+    /// [`Checkpoint::Snapshot`] mark with its key.
     async fn publish_table(
         &mut self,
         table: &OutboxTable,
         plan: &SnapshotPlan,
+        (index, after): (usize, Option<&SnapshotKey>),
         mut n: u64,
         outlet: &Outlet,
     ) -> Result<u64, Error> {
@@ -258,21 +277,52 @@ impl Snapshot {
         let infos = table_columns(&mut self.conn, table).await?;
         let mapping = table.map_columns(&infos)?;
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
+        let created = table.columns.get("created_at");
+        let id = table.columns.get("id");
+        let mut params = Vec::new();
+        let filter =
+            match after.and_then(|k| Some((decode_value(&k.created_at)?, decode_value(&k.id)?))) {
+                Some((c, i)) => {
+                    params = vec![c, i];
+                    and_where(
+                        filter,
+                        &format!("({}, {}) > (?, ?)", my_ident(created), my_ident(id)),
+                    )
+                }
+                None => filter.clone(),
+            };
         let sql = format!(
             "SELECT {} FROM {} {filter} ORDER BY {}, {}",
             select.join(", "),
             table.quoted(),
-            my_ident(table.columns.get("created_at")),
-            my_ident(table.columns.get("id"))
+            my_ident(created),
+            my_ident(id)
         );
-        tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows");
+        let position_of = |name: &str| infos.iter().position(|c| c.name.eq_ignore_ascii_case(name));
+        let key_columns = position_of(created).zip(position_of(id));
+        match after {
+            Some(k) => {
+                tracing::info!(table = %table.quoted(), what = %what, after_created_at = %k.created_at, after_id = %k.id, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
+            }
+            None => {
+                tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows")
+            }
+        }
         {
             // A prepared statement: values in the binary protocol (integers as integers,
             // dates as dates, bytes as bytes), read from the server one row at a time.
-            let mut result = self.conn.exec_iter(sql, ()).await?;
+            let mut result = self.conn.exec_iter(sql, params).await?;
             while let Some(row) = result.next().await? {
+                let raw = row.unwrap();
+                let key = key_columns.and_then(|(c, i)| {
+                    Some(SnapshotKey {
+                        table: index,
+                        created_at: encode_value(raw.get(c)?)?,
+                        id: encode_value(raw.get(i)?)?,
+                    })
+                });
                 let values: Vec<BinlogValue<'static>> =
-                    row.unwrap().into_iter().map(BinlogValue::Value).collect();
+                    raw.into_iter().map(BinlogValue::Value).collect();
                 let mut event = mapping.event_from(
                     |i| values.get(i),
                     RowContext {
@@ -288,8 +338,90 @@ impl Snapshot {
                 }
                 outlet.send_event(event).await?;
                 n += 1;
+                if let Some(key) = key {
+                    outlet
+                        .send_checkpoint(Checkpoint::Snapshot {
+                            seq: n,
+                            key: key.encode(),
+                        })
+                        .await?;
+                }
             }
         }
         Ok(n)
+    }
+}
+
+/// A key column's value as stored snapshot progress, tagged with its kind so that it is bound
+/// back as the same kind (`None`: a value that cannot be a key, such as NULL).
+fn encode_value(v: &Value) -> Option<String> {
+    Some(match v {
+        Value::Bytes(b) => {
+            let mut s = String::with_capacity(2 + 2 * b.len());
+            s.push_str("x:");
+            for byte in b {
+                s.push_str(&format!("{byte:02x}"));
+            }
+            s
+        }
+        Value::Int(i) => format!("i:{i}"),
+        Value::UInt(u) => format!("u:{u}"),
+        Value::Date(y, mo, d, h, mi, sec, us) => {
+            format!("d:{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{sec:02}.{us:06}")
+        }
+        _ => return None,
+    })
+}
+
+fn decode_value(s: &str) -> Option<Value> {
+    let (tag, rest) = s.split_once(':')?;
+    Some(match tag {
+        "x" => {
+            if rest.len() % 2 != 0 {
+                return None;
+            }
+            let bytes = (0..rest.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(rest.get(i..i + 2)?, 16).ok())
+                .collect::<Option<Vec<u8>>>()?;
+            Value::Bytes(bytes)
+        }
+        "i" => Value::Int(rest.parse().ok()?),
+        "u" => Value::UInt(rest.parse().ok()?),
+        "d" => {
+            let t = chrono::NaiveDateTime::parse_from_str(rest, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+            use chrono::{Datelike, Timelike};
+            Value::Date(
+                u16::try_from(t.year()).ok()?,
+                t.month() as u8,
+                t.day() as u8,
+                t.hour() as u8,
+                t.minute() as u8,
+                t.second() as u8,
+                t.nanosecond() / 1000,
+            )
+        }
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_key_values_round_trip() {
+        for v in [
+            Value::Bytes(b"0190-ab\x00'".to_vec()),
+            Value::Int(-42),
+            Value::UInt(u64::MAX),
+            Value::Date(2026, 12, 3, 8, 5, 59, 123456),
+        ] {
+            let s = encode_value(&v).unwrap();
+            assert_eq!(decode_value(&s), Some(v), "{s}");
+        }
+        assert_eq!(encode_value(&Value::NULL), None);
+        assert_eq!(decode_value("x:abc"), None);
+        assert_eq!(decode_value("q:1"), None);
     }
 }

@@ -43,6 +43,8 @@ pub struct PgSourceConfig {
     /// Existing rows to publish before streaming (first start, or a requested replay), per
     /// table.
     pub snapshot: Vec<(TableName, snapshot::SnapshotPlan)>,
+    /// How far an interrupted run got through that snapshot.
+    pub snapshot_after: Option<snapshot::SnapshotKey>,
 }
 
 /// Whether a Postgres error is worth a reconnect.
@@ -263,7 +265,11 @@ pub async fn run(
     {
         let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
         let mut sent = 0;
-        for (table, plan) in &cfg.snapshot {
+        for (i, (table, plan)) in cfg.snapshot.iter().enumerate() {
+            let Some(resume) = snapshot::SnapshotKey::applies(cfg.snapshot_after.as_ref(), i)
+            else {
+                continue;
+            };
             sent += snapshot::publish(
                 &mut sql,
                 &cfg.tables,
@@ -272,6 +278,7 @@ pub async fn run(
                 plan,
                 (start, sent),
                 &outlet,
+                (i, cfg.snapshot_after.as_ref().filter(|_| resume)),
             )
             .await?;
         }
@@ -504,6 +511,7 @@ mod tests {
             publication: "outboxd_billing".into(),
             status_interval: Duration::from_secs(1),
             snapshot: Vec::new(),
+            snapshot_after: None,
         }
     }
 

@@ -6,6 +6,7 @@
 
 use super::pgoutput::{Column, Relation};
 use super::rows::RowMapper;
+use crate::event::Checkpoint;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::Outlet;
 use crate::Error;
@@ -56,6 +57,61 @@ pub enum SnapshotPlan {
         filter: String,
         what: String,
     },
+}
+
+/// How far an interrupted snapshot got: every row of the planned tables before `table` (an
+/// index into the plan), and every row of that table up to (`created_at`, `id`) in the
+/// snapshot's order, is durable in the sink. A restart reads only the rows after it, so a relay
+/// that keeps dying mid-snapshot still gets through the table. The values are the source's text
+/// forms (MySQL tags the id with its type).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotKey {
+    pub table: usize,
+    pub created_at: String,
+    pub id: String,
+}
+
+impl SnapshotKey {
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// A stored key; an unreadable one (it was stored by this code, so only a hand edit) starts
+    /// the snapshot over, which gives duplicates, never a gap.
+    pub fn decode(s: &str) -> Option<SnapshotKey> {
+        let key = serde_json::from_str(s).ok();
+        if key.is_none() {
+            tracing::warn!(
+                key = s,
+                "unreadable snapshot progress: reading the table from the start"
+            );
+        }
+        key
+    }
+
+    /// The resume filter for the table at `index`: `Some(true)` to read after the key,
+    /// `Some(false)` to read the whole plan, `None` when the table is done.
+    pub fn applies(key: Option<&SnapshotKey>, index: usize) -> Option<bool> {
+        match key {
+            None => Some(false),
+            Some(k) if index < k.table => None,
+            Some(k) => Some(index == k.table),
+        }
+    }
+}
+
+/// Adds `extra` (a condition) to `filter` (empty or a `WHERE` clause).
+pub fn and_where(filter: &str, extra: &str) -> String {
+    if filter.trim().is_empty() {
+        format!("WHERE {extra}")
+    } else {
+        format!("{filter} AND {extra}")
+    }
+}
+
+/// A Postgres string literal (standard_conforming_strings: only quotes are doubled).
+fn pg_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
 }
 
 /// The table's columns as a pgoutput Relation would announce them, so the snapshot maps and
@@ -137,7 +193,10 @@ pub async fn plan(
 /// Reads the planned rows of `table` (one of the relay's `tables`) in a REPEATABLE READ
 /// transaction, in `created_at` order, a batch at a time (memory stays bounded), and sends them
 /// as events positioned at `at.0` (the slot's position: every streamed commit comes after it)
-/// with indexes from `at.1` on. Returns how many rows were sent.
+/// with indexes from `at.1` on. After each row a [`Checkpoint::Snapshot`] mark with its key
+/// (`table` is the table's index in the plan); with `after`, only rows after that key are read.
+/// Returns how many rows were sent.
+#[allow(clippy::too_many_arguments)]
 pub async fn publish(
     client: &mut Client,
     tables: &[TableName],
@@ -146,9 +205,24 @@ pub async fn publish(
     plan: &SnapshotPlan,
     at: (u64, u64),
     outlet: &Outlet,
+    (table_index, after): (usize, Option<&SnapshotKey>),
 ) -> Result<u64, Error> {
     let SnapshotPlan::Rows { filter, what } = plan else {
         return Ok(0);
+    };
+    let created = pg_ident(columns.get("created_at"));
+    let id = pg_ident(columns.get("id"));
+    // Untyped literals in a row comparison take the columns' types.
+    let filter = match after {
+        Some(k) => and_where(
+            filter,
+            &format!(
+                "({created}, {id}) > ({}, {})",
+                pg_literal(&k.created_at),
+                pg_literal(&k.id)
+            ),
+        ),
+        None => filter.clone(),
     };
     let (at, first_index) = at;
     let rel = table_relation(client, table).await?;
@@ -160,12 +234,12 @@ pub async fn publish(
         .map(|c| format!("{}::text", pg_ident(&c.name)))
         .collect();
     let sql = format!(
-        "SELECT {} FROM {} {filter} ORDER BY {}, {}",
+        "SELECT {} FROM {} {filter} ORDER BY {created}, {id}",
         select.join(", "),
         table.pg_quoted(),
-        pg_ident(columns.get("created_at")),
-        pg_ident(columns.get("id"))
     );
+    let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
+    let key_columns = position_of(columns.get("created_at")).zip(position_of(columns.get("id")));
     let tx = client
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -175,7 +249,14 @@ pub async fn publish(
     // The text forms must be the ones the stream carries: ISO dates in UTC.
     tx.batch_execute("SET LOCAL datestyle = ISO; SET LOCAL timezone = 'UTC'")
         .await?;
-    tracing::info!(table = %table.pg_quoted(), what = %what, "first start: publishing existing rows");
+    match after {
+        Some(k) => {
+            tracing::info!(table = %table.pg_quoted(), what = %what, after_created_at = %k.created_at, after_id = %k.id, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
+        }
+        None => {
+            tracing::info!(table = %table.pg_quoted(), what = %what, "first start: publishing existing rows")
+        }
+    }
     let stream = tx.query_raw(&sql, std::iter::empty::<i32>()).await?;
     pin_mut!(stream);
     let mut n: u64 = 0;
@@ -186,6 +267,21 @@ pub async fn publish(
             event.committed_at = None;
             outlet.send_event(event).await?;
             n += 1;
+            let key = key_columns.and_then(|(c, i)| {
+                Some(SnapshotKey {
+                    table: table_index,
+                    created_at: row.get::<_, Option<String>>(c)?,
+                    id: row.get::<_, Option<String>>(i)?,
+                })
+            });
+            if let Some(key) = key {
+                outlet
+                    .send_checkpoint(Checkpoint::Snapshot {
+                        seq: first_index + n,
+                        key: key.encode(),
+                    })
+                    .await?;
+            }
         }
     }
     tx.commit().await?;
