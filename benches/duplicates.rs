@@ -8,11 +8,21 @@
 //! Duplicates = messages received − distinct ids. The bound: the in-flight window (published,
 //! not yet confirmed) + what was confirmed but not yet stored (the drain rate × the relay's
 //! acknowledgement interval, 100 ms, plus the source's store period: the Postgres status
-//! update or the MariaDB position write, both once a second) + the rest of the open source
-//! transaction.
+//! update or the MariaDB position write, both at most every 100 ms while the position moves)
+//! + the rest of the open source transaction.
+//!
+//! Then a crash loop on each source (`tests/common/killloop.rs`, stdout sink, `--snapshot
+//! never`, `--window 100`): a producer commits `OUTBOXD_BENCH_RATE` (default 300) single-row
+//! transactions per second while the relay is SIGKILLed and restarted at once
+//! `OUTBOXD_BENCH_KILLS` (default 20) times, each life 0.4–0.9 s. Reported: duplicates per
+//! SIGKILL against the goal, the window + 200 ms of the producer's traffic.
 
 #[path = "support/mod.rs"]
 mod support;
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
 
 use futures::StreamExt;
 use lapin::options::{
@@ -29,7 +39,7 @@ use support::*;
 const WINDOW: usize = 1_000;
 const TX: usize = 100;
 const ACK_INTERVAL: f64 = 0.1;
-const STORE_PERIOD: f64 = 1.0;
+const STORE_PERIOD: f64 = 0.1;
 
 fn relay(source: &str, exchange: &str) -> Child {
     Command::new(BIN)
@@ -263,6 +273,84 @@ async fn main() {
             o.duplicates,
             o.bound(),
             if o.duplicates <= o.bound() {
+                "yes"
+            } else {
+                "NO"
+            }
+        );
+    }
+    kill_loops().await;
+}
+
+/// The crash loop on both sources: duplicates per SIGKILL against window + 200 ms of traffic.
+async fn kill_loops() {
+    use common::killloop::{self, Plan};
+    const KILL_WINDOW: usize = 100;
+    let kills = env_list("OUTBOXD_BENCH_KILLS", "20")[0];
+    let rate = env_list("OUTBOXD_BENCH_RATE", "300")[0] as u32;
+    let plan = Plan {
+        kills,
+        lives: [400, 700, 500, 900, 600, 800]
+            .iter()
+            .map(|&m| Duration::from_millis(m))
+            .collect(),
+        rate,
+        produce_after: Some("resuming"),
+    };
+    let window = KILL_WINDOW.to_string();
+    let base = |dsn: String, name: String| {
+        let v = [
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--commit-offsets",
+            "--window",
+            &window,
+            "--snapshot",
+            "never",
+        ];
+        v.iter().map(|s| s.to_string()).collect::<Vec<String>>()
+    };
+    let mut rows = Vec::new();
+    {
+        let mut db = common::PgDb::create("dup_kl").await;
+        let name = common::unique("kl");
+        db.slots.push(format!("outboxd_{name}"));
+        let args = base(db.dsn(), name);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = killloop::run(&args, &plan, Vec::new(), || {
+            killloop::pg_producer(&db, rate, "kl.bench")
+        })
+        .await;
+        rows.push(("Postgres", out));
+    }
+    {
+        let db = common::MyDb::create("dup_kl").await;
+        let name = common::unique("kl");
+        let args = base(db.dsn(), name);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = killloop::run(&args, &plan, Vec::new(), || {
+            killloop::my_producer(&db, rate, "kl.bench")
+        })
+        .await;
+        rows.push(("MariaDB", out));
+    }
+    println!();
+    println!("| crash loop | SIGKILLs | events | producer rate | lost | duplicates | per SIGKILL | goal per SIGKILL (window + 200 ms) | within |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    for (source, o) in &rows {
+        let per_kill = o.duplicates() as f64 / o.kills.max(1) as f64;
+        let goal = KILL_WINDOW as f64 + o.rate() * 0.2;
+        println!(
+            "| {source} | {} | {} | {:.0}/s | {} | {} | {per_kill:.1} | {goal:.0} | {} |",
+            o.kills,
+            o.expected.len(),
+            o.rate(),
+            o.lost().len(),
+            o.duplicates(),
+            if o.lost().is_empty() && per_kill <= goal {
                 "yes"
             } else {
                 "NO"
