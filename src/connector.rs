@@ -806,18 +806,25 @@ where
             lease.first_start = false;
         }
     }
+    // The relay publishes only while the lease keeper's last renewal is fresh.
+    let fence = state::Fence::new(state::SELF_FENCE_AFTER);
+    let relay_opts = RelayOptions {
+        fence: Some(fence.clone()),
+        ..cfg.relay.clone()
+    };
     let mut lease_task = tokio::spawn(state::keep_lease(
         store,
         lease,
         ack_rx,
         commits,
         cfg.ha,
+        fence,
         lease_stop.clone(),
     ));
     let source = source(link);
     let stats = Arc::new(RelayStats::default());
     crate::telemetry::get().mark_started();
-    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source);
+    let work = relay_and_source(&mut sink, ev_rx, ack_tx, &relay_opts, &stats, source);
     let result = tokio::select! {
         r = work => r,
         r = &mut lease_task => {

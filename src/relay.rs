@@ -1,14 +1,22 @@
 //! The relay core: takes events from a source in commit order, hands them to a sink with a
 //! bounded window of unconfirmed events, and acknowledges a source checkpoint only once every
 //! event before it is durable — in the order received, never backwards. On a retryable sink
-//! failure (nack, return, confirm timeout, lost connection) it reconnects with backoff and
-//! republishes every unconfirmed event in the original order: duplicates are possible, loss and
-//! reordering of first deliveries are not.
+//! failure (nack, return, confirm timeout, lost connection) it reconnects and republishes every
+//! unconfirmed event in the original order: duplicates are possible, loss and reordering of
+//! first deliveries are not.
+//!
+//! Recovery is paced, so an event the broker keeps refusing (an unroutable return, a nack, a
+//! channel closed over a missing exchange) costs a few reconnects a minute, not a storm: the
+//! reconnect backoff lasts across recoveries and is reset only by a confirmation, and each
+//! recovery first republishes the oldest unconfirmed event alone and waits for its confirmation
+//! before the rest follow. Publishing is also gated by the lease ([`RelayOptions::fence`]):
+//! nothing is published, republished or flushed while the last renewal is too old.
 
 use crate::backoff::Backoff;
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::sink::{Delivery, FlowControl, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
+use crate::state::Fence;
 use crate::telemetry;
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
@@ -28,6 +36,13 @@ pub struct RelayOptions {
     /// Longest time a durable checkpoint waits before it is acknowledged while events keep
     /// arriving (when the input is idle it is acknowledged at once).
     pub ack_interval: Duration,
+    /// Publishing (first attempts, republishes and flushes) waits while this is closed: the
+    /// lease was last renewed too long ago and another relay may hold it. `None` where no
+    /// lease exists (poll mode, binlog files).
+    pub fence: Option<Fence>,
+    /// Reconnect pacing of recoveries: the first wait, doubled per failure without a
+    /// confirmation in between, up to the second.
+    pub retry_backoff: (Duration, Duration),
 }
 
 impl Default for RelayOptions {
@@ -36,6 +51,8 @@ impl Default for RelayOptions {
             window: 1000,
             confirm_timeout: Duration::from_secs(30),
             ack_interval: Duration::from_millis(100),
+            fence: None,
+            retry_backoff: (Duration::from_millis(100), Duration::from_secs(30)),
         }
     }
 }
@@ -80,6 +97,7 @@ pub async fn run<S: Sink>(
     let mut acked: Option<Checkpoint> = None;
     let mut input_open = true;
     let mut last_ack = Instant::now();
+    let mut pacing = Pacing::new(opts.retry_backoff);
 
     connect_with_backoff(sink).await?;
     // An idle relay notices a broken sink connection on this tick, not at the next event.
@@ -98,9 +116,11 @@ pub async fn run<S: Sink>(
                     Ok(()) => {
                         stats.confirmed.fetch_add(1, Ordering::Relaxed);
                         pop_confirmed(&mut queue, &mut durable);
+                        pacing.confirmed();
                     }
                     Err(e) if e.is_retryable() => {
-                        recover(sink, &mut queue, &mut confirms, e, opts, stats).await?;
+                        let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
+                        recover(sink, &mut w, e, opts, stats).await?;
                     }
                     Err(e) => return Err(e.into()),
                 }
@@ -122,6 +142,7 @@ pub async fn run<S: Sink>(
                         } else {
                             tracing::debug!(event_id = %event.id, position = %event.position, topic = %event.topic, "publishing");
                         }
+                        gate(opts).await;
                         let published = publish_one(sink, &event, opts.confirm_timeout).await;
                         queue.push_back(Entry::Event { event, _permit: permit, sent: Instant::now() });
                         stats.published.fetch_add(1, Ordering::Relaxed);
@@ -129,7 +150,8 @@ pub async fn run<S: Sink>(
                         match published {
                             Ok(confirm) => confirms.push_back(confirm),
                             Err(e) if e.is_retryable() => {
-                                recover(sink, &mut queue, &mut confirms, e, opts, stats).await?;
+                                let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
+                                recover(sink, &mut w, e, opts, stats).await?;
                             }
                             Err(e) => return Err(e.into()),
                         }
@@ -140,7 +162,8 @@ pub async fn run<S: Sink>(
             _ = health.tick() => {
                 if sink.is_broken() {
                     let cause = SinkError::Connection("the connection was lost".into());
-                    recover(sink, &mut queue, &mut confirms, cause, opts, stats).await?;
+                    let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
+                    recover(sink, &mut w, cause, opts, stats).await?;
                 }
             }
         }
@@ -150,7 +173,9 @@ pub async fn run<S: Sink>(
             && (!input_open || rx.is_empty() || last_ack.elapsed() >= opts.ack_interval)
         {
             // Accepted-but-buffered events become durable only with this flush, so it must
-            // come before the acknowledgement that covers them.
+            // come before the acknowledgement that covers them. Flushing makes them visible:
+            // gated like a publish.
+            gate(opts).await;
             sink.flush().await?;
             if store {
                 acks.send_replace(durable.clone());
@@ -160,8 +185,58 @@ pub async fn run<S: Sink>(
             last_ack = Instant::now();
         }
     }
+    gate(opts).await;
     sink.flush().await?;
     Ok(())
+}
+
+/// Waits until the lease allows publishing (at once while it is fresh, or without a lease).
+async fn gate(opts: &RelayOptions) {
+    if let Some(fence) = &opts.fence {
+        if !fence.is_open() {
+            fence.wait_open().await;
+        }
+    }
+}
+
+/// Reconnect pacing that lasts across recoveries: consecutive failures without a confirmation
+/// in between back off up to the cap (by default 30 s: two to four attempts a minute), and only
+/// a confirmation resets it. A fresh backoff per recovery would reconnect many times a second for
+/// an event the broker keeps refusing.
+struct Pacing {
+    backoff: Backoff,
+    /// Failed attempts since the last confirmation.
+    attempts: u32,
+}
+
+impl Pacing {
+    fn new((min, max): (Duration, Duration)) -> Pacing {
+        Pacing {
+            backoff: Backoff::new(min, max),
+            attempts: 0,
+        }
+    }
+
+    /// One more failure: its number in the current run, and the wait before the next attempt.
+    fn failed(&mut self) -> (u32, Duration) {
+        self.attempts += 1;
+        (self.attempts, self.backoff.next_delay())
+    }
+
+    fn confirmed(&mut self) {
+        if self.attempts > 0 {
+            self.attempts = 0;
+            self.backoff.reset();
+        }
+    }
+}
+
+/// What a recovery works on: the relay's unconfirmed window and its pacing.
+struct Window<'a> {
+    queue: &'a mut VecDeque<Entry>,
+    confirms: &'a mut FuturesOrdered<Confirm>,
+    durable: &'a mut Option<Checkpoint>,
+    pacing: &'a mut Pacing,
 }
 
 /// The front event was confirmed: drop it, then every checkpoint it was holding back.
@@ -261,59 +336,288 @@ async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error>
     }
 }
 
-/// Reconnects and republishes every unconfirmed event, in order, until that succeeds or a
-/// non-retryable error says it never will.
+/// Reconnects and republishes every unconfirmed event, in order, until the oldest of them is
+/// confirmed and the rest are sent, or a non-retryable error says it never will. Every failed
+/// attempt is logged with the event it is about and the sink's reason, counted, and followed by
+/// the next step of the pacing backoff.
 async fn recover<S: Sink>(
     sink: &mut S,
-    queue: &mut VecDeque<Entry>,
-    confirms: &mut FuturesOrdered<Confirm>,
+    w: &mut Window<'_>,
     cause: SinkError,
     opts: &RelayOptions,
     stats: &RelayStats,
 ) -> Result<(), crate::Error> {
-    let unconfirmed = queue
-        .iter()
-        .filter(|e| matches!(e, Entry::Event { .. }))
-        .count();
-    tracing::warn!(sink = sink.name(), error = %cause, unconfirmed, "sink failed; reconnecting to republish unconfirmed events in order");
-    stats.recoveries.fetch_add(1, Ordering::Relaxed);
     let t = telemetry::get();
-    t.reconnect("sink");
-    t.sink_connected.set(0);
-    let mut backoff = Backoff::standard();
+    let mut cause = cause;
     loop {
         // Old confirmations belong to the broken channel: drop them before republishing.
-        *confirms = FuturesOrdered::new();
-        let attempt: Result<(), SinkError> = async {
-            sink.connect().await?;
-            for entry in queue.iter_mut() {
-                if let Entry::Event { event, sent, .. } = entry {
-                    let c = publish_one(sink, event, opts.confirm_timeout).await?;
-                    confirms.push_back(c);
-                    *sent = Instant::now();
-                    stats.republished.fetch_add(1, Ordering::Relaxed);
-                    t.events_republished.inc();
-                }
-            }
-            Ok(())
-        }
-        .await;
-        match attempt {
-            Ok(()) => {
-                tracing::info!(
-                    sink = sink.name(),
-                    republished = unconfirmed,
-                    "sink recovered"
-                );
+        *w.confirms = FuturesOrdered::new();
+        let (attempt, delay) = w.pacing.failed();
+        let front = front_event(w.queue).map(|e| (&e.id, &e.position));
+        t.sink_retry(cause.kind(), front, &cause, attempt, delay);
+        stats.recoveries.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(delay).await;
+        match republish(sink, w, opts, stats).await {
+            Ok(republished) => {
+                tracing::info!(sink = sink.name(), republished, "sink recovered");
                 t.sink_connected.set(1);
                 return Ok(());
             }
-            Err(e) if e.is_retryable() => {
-                let delay = backoff.next_delay();
-                tracing::warn!(sink = sink.name(), error = %e, retry_in = ?delay, "sink still unavailable");
-                tokio::time::sleep(delay).await;
-            }
+            Err(e) if e.is_retryable() => cause = e,
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+fn front_event(queue: &VecDeque<Entry>) -> Option<&OutboxEvent> {
+    queue.iter().find_map(|e| match e {
+        Entry::Event { event, .. } => Some(&**event),
+        Entry::Checkpoint(_) => None,
+    })
+}
+
+/// One recovery attempt: a fresh connection, then the oldest unconfirmed event alone until it
+/// is confirmed, then the others pipelined. Waiting for that one confirmation is what stops a
+/// refused event from being answered by an immediate reconnect, costs one message per attempt
+/// instead of the whole window, and lets a queue bound while it was refused receive it before
+/// the events after it. Returns how many events were sent.
+async fn republish<S: Sink>(
+    sink: &mut S,
+    w: &mut Window<'_>,
+    opts: &RelayOptions,
+    stats: &RelayStats,
+) -> Result<usize, SinkError> {
+    let t = telemetry::get();
+    sink.connect().await?;
+    let mut sent_count = 0;
+    let front = w.queue.iter_mut().find_map(|e| match e {
+        Entry::Event { event, sent, .. } => Some((&**event, sent)),
+        Entry::Checkpoint(_) => None,
+    });
+    if let Some((event, sent)) = front {
+        gate(opts).await;
+        let confirm = publish_one(sink, event, opts.confirm_timeout).await?;
+        *sent = Instant::now();
+        stats.republished.fetch_add(1, Ordering::Relaxed);
+        t.events_republished.inc();
+        sent_count += 1;
+        confirm.await?;
+        stats.confirmed.fetch_add(1, Ordering::Relaxed);
+        pop_confirmed(w.queue, w.durable);
+        w.pacing.confirmed();
+    }
+    for entry in w.queue.iter_mut() {
+        if let Entry::Event { event, sent, .. } = entry {
+            gate(opts).await;
+            let c = publish_one(sink, event, opts.confirm_timeout).await?;
+            w.confirms.push_back(c);
+            *sent = Instant::now();
+            stats.republished.fetch_add(1, Ordering::Relaxed);
+            t.events_republished.inc();
+            sent_count += 1;
+        }
+    }
+    Ok(sent_count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::SourcePosition;
+    use crate::sink::memory::{MemoryHandle, MemorySink};
+    use crate::source::Budget;
+
+    fn event(n: u32) -> OutboxEvent {
+        let mut e = crate::sink::test_event();
+        e.id = uuid::Uuid::now_v7();
+        e.position = SourcePosition::Pg {
+            commit_lsn: 0x1000 + n as u64,
+            index: 0,
+        };
+        e.topic = format!("t.{n}");
+        e
+    }
+
+    struct Harness {
+        tx: mpsc::Sender<SourceMsg>,
+        acks: watch::Receiver<Option<Checkpoint>>,
+        handle: MemoryHandle,
+        budget: Budget,
+        relay: tokio::task::JoinHandle<Result<(), crate::Error>>,
+    }
+
+    fn start(opts: RelayOptions) -> Harness {
+        let (sink, handle) = MemorySink::new();
+        let (tx, rx) = mpsc::channel(1024);
+        let (ack_tx, acks) = watch::channel(None);
+        let relay = tokio::spawn(async move {
+            let mut sink = sink;
+            run(&mut sink, rx, ack_tx, &opts, &RelayStats::default()).await
+        });
+        Harness {
+            tx,
+            acks,
+            handle,
+            budget: Budget::new(1 << 20),
+            relay,
+        }
+    }
+
+    impl Harness {
+        /// One event and the checkpoint after it (a one-event transaction).
+        async fn send(&self, e: &OutboxEvent) {
+            let permit = self.budget.acquire(e.size()).await;
+            let commit_lsn = match e.position {
+                SourcePosition::Pg { commit_lsn, .. } => commit_lsn,
+                _ => unreachable!(),
+            };
+            self.tx
+                .send(SourceMsg::Event(Box::new(e.clone()), permit))
+                .await
+                .unwrap();
+            self.tx
+                .send(SourceMsg::Checkpoint(Checkpoint::Lsn(commit_lsn)))
+                .await
+                .unwrap();
+        }
+
+        async fn wait_acked(&mut self, lsn: u64) {
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                self.acks
+                    .wait_for(|a| matches!(a, Some(Checkpoint::Lsn(l)) if *l >= lsn)),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("checkpoint {lsn:X} acknowledged"))
+            .unwrap();
+        }
+    }
+
+    async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_event_is_retried_at_the_backoffs_pace_then_delivered_in_order() {
+        // 1 ms doubling to 20 ms stands for 100 ms doubling to 30 s.
+        let cap = Duration::from_millis(20);
+        let mut h = start(RelayOptions {
+            retry_backoff: (Duration::from_millis(1), cap),
+            ..RelayOptions::default()
+        });
+        let events: Vec<OutboxEvent> = (0..10).map(event).collect();
+        let refused = events[2].id;
+        h.handle
+            .refuse_when(move |e| (e.id == refused).then(|| "no route".to_string()));
+        for e in &events {
+            h.send(e).await;
+        }
+        wait_until("the first refusal", || h.handle.refusals() >= 1).await;
+        let (c0, r0) = (h.handle.connects(), h.handle.refusals());
+        let window = Duration::from_millis(600);
+        tokio::time::sleep(window).await;
+        let (c1, r1) = (h.handle.connects(), h.handle.refusals());
+        // The ramp (1+2+4+8+16 ms) and then one attempt per 10–20 ms: at most ~65 in 600 ms.
+        // A fresh backoff per recovery reconnects as fast as the loop turns (thousands).
+        let attempts = c1 - c0;
+        assert!(
+            (10..=70).contains(&attempts),
+            "{attempts} reconnects in {window:?} with a {cap:?} cap"
+        );
+        // Only the refused event is sent again on each attempt, not the window behind it.
+        assert_eq!(r1 - r0, attempts, "one refusal per attempt");
+        assert_eq!(
+            h.handle.confirmed_ids(),
+            vec![events[0].id, events[1].id],
+            "nothing after the refused event is delivered while it is refused"
+        );
+
+        h.handle.accept_all();
+        h.wait_acked(0x1000 + 9).await;
+        let want: Vec<_> = events.iter().map(|e| e.id).collect();
+        assert_eq!(h.handle.confirmed_ids(), want, "every event once, in order");
+
+        // The confirmation reset the pacing: a new refusal starts again at the first step.
+        let later = event(10);
+        let refused = later.id;
+        h.handle
+            .refuse_when(move |e| (e.id == refused).then(|| "no route".to_string()));
+        let r_before = h.handle.refusals();
+        h.send(&later).await;
+        let started = Instant::now();
+        wait_until("three quick refusals", || {
+            h.handle.refusals() >= r_before + 3
+        })
+        .await;
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "the backoff was reset: {:?}",
+            started.elapsed()
+        );
+        h.handle.accept_all();
+        h.wait_acked(0x1000 + 10).await;
+        drop(h.tx);
+        h.relay.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn connect_failures_back_off_and_recover() {
+        let mut h = start(RelayOptions {
+            retry_backoff: (Duration::from_millis(1), Duration::from_millis(10)),
+            ..RelayOptions::default()
+        });
+        let events: Vec<OutboxEvent> = (0..3).map(event).collect();
+        let refused = events[0].id;
+        h.handle
+            .refuse_when(move |e| (e.id == refused).then(|| "nacked".to_string()));
+        h.handle.fail_connects(5);
+        for e in &events {
+            h.send(e).await;
+        }
+        wait_until("the injected failures used up", || h.handle.connects() >= 7).await;
+        h.handle.accept_all();
+        h.wait_acked(0x1000 + 2).await;
+        let want: Vec<_> = events.iter().map(|e| e.id).collect();
+        assert_eq!(h.handle.confirmed_ids(), want);
+        drop(h.tx);
+        h.relay.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn nothing_is_published_while_the_fence_is_closed() {
+        let fence = Fence::new(Duration::from_millis(300));
+        let mut h = start(RelayOptions {
+            fence: Some(fence.clone()),
+            ..RelayOptions::default()
+        });
+        // Never renewed: closed.
+        let first = event(0);
+        h.send(&first).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(h.handle.publishes(), 0, "nothing before the first renewal");
+        fence.renewed(Instant::now());
+        h.wait_acked(0x1000).await;
+        assert_eq!(h.handle.confirmed_ids(), vec![first.id]);
+
+        // The renewal ages past the limit: closed again, by time alone.
+        wait_until("the fence to close", || !fence.is_open()).await;
+        let second = event(1);
+        h.send(&second).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            h.handle.publishes(),
+            1,
+            "nothing once the renewal is too old"
+        );
+        // A renewal opens it again: what waited goes out.
+        fence.renewed(Instant::now());
+        h.wait_acked(0x1001).await;
+        assert_eq!(h.handle.confirmed_ids(), vec![first.id, second.id]);
+        drop(h.tx);
+        h.relay.await.unwrap().unwrap();
     }
 }

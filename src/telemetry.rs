@@ -31,6 +31,9 @@ pub struct Telemetry {
     /// Reserved header names a row's `headers` object tried to set (dropped).
     pub row_headers_dropped: Counter,
     pub reconnects: Family<Cause, Counter>,
+    /// Failed attempts to get the oldest unconfirmed event confirmed, by cause (see
+    /// [`Telemetry::sink_retry`]).
+    pub sink_retries: Family<Cause, Counter>,
     pub publish_confirm_seconds: Histogram,
     pub commit_confirm_seconds: Histogram,
     pub source_lag_bytes: Gauge,
@@ -40,6 +43,8 @@ pub struct Telemetry {
     pub source_streaming: Gauge,
     pub sink_connected: Gauge,
     pub sink_blocked: Gauge,
+    /// 1 while publishing waits for a lease renewal (the self-fence is closed).
+    pub publishing_fenced: Gauge,
     /// Unix time (s) of the last stored position; the age is computed at scrape time.
     position_stored_at: AtomicI64,
     position_age_seconds: Gauge<f64, AtomicU64>,
@@ -65,6 +70,7 @@ impl Telemetry {
             events_republished: Counter::default(),
             row_headers_dropped: Counter::default(),
             reconnects: Family::default(),
+            sink_retries: Family::default(),
             // 100 µs … ~27 min
             publish_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
             commit_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
@@ -75,6 +81,7 @@ impl Telemetry {
             source_streaming: Gauge::default(),
             sink_connected: Gauge::default(),
             sink_blocked: Gauge::default(),
+            publishing_fenced: Gauge::default(),
             position_stored_at: AtomicI64::new(0),
             position_age_seconds: Gauge::default(),
             started: AtomicBool::new(false),
@@ -114,6 +121,11 @@ impl Telemetry {
             "reconnects",
             "Reconnects by cause (source, sink)",
             t.reconnects.clone(),
+        );
+        registry.register(
+            "sink_retries",
+            "Failed attempts to get the oldest unconfirmed event confirmed (cause: rejected = returned or nacked, timeout, connection); each is followed by a paced reconnect",
+            t.sink_retries.clone(),
         );
         registry.register(
             "publish_confirm_seconds",
@@ -165,7 +177,72 @@ impl Telemetry {
             "1 while the broker blocks publishing (resource alarm)",
             t.sink_blocked.clone(),
         );
+        registry.register(
+            "publishing_fenced",
+            "1 while publishing waits for a lease renewal (the last one is older than the self-fence limit)",
+            t.publishing_fenced.clone(),
+        );
         Telemetry { registry, ..t }
+    }
+
+    /// The sink failed to confirm the oldest unconfirmed event (`event_id` at `position`; none
+    /// when nothing was in flight) for `reason`, for the `attempt`-th time in a row; the relay
+    /// reconnects and republishes it after `retry_in`. Logged and counted by cause.
+    pub fn sink_retry(
+        &self,
+        cause: &'static str,
+        event: Option<(&uuid::Uuid, &crate::event::SourcePosition)>,
+        reason: &dyn std::fmt::Display,
+        attempt: u32,
+        retry_in: std::time::Duration,
+    ) {
+        self.sink_retries
+            .get_or_create(&Cause {
+                cause: cause.to_string(),
+            })
+            .inc();
+        self.reconnect("sink");
+        self.sink_connected.set(0);
+        // The first failure of a run says what failed; the later ones what is still failing.
+        let what = match event {
+            Some((id, position)) => format!("the oldest unconfirmed event {id} at {position}"),
+            None => "nothing in flight".to_string(),
+        };
+        let (id, position) = match event {
+            Some((id, position)) => (id.to_string(), position.to_string()),
+            None => (String::new(), String::new()),
+        };
+        if attempt <= 1 {
+            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+                "sink failed; reconnecting to republish unconfirmed events in order ({what}: {reason})");
+        } else {
+            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+                "sink still unavailable or refusing ({what}, attempt {attempt}: {reason}); retrying in {retry_in:?}");
+        }
+    }
+
+    /// The relay stopped publishing: the lease was last renewed `age` ago (never: `None`),
+    /// not less than `limit`.
+    pub fn fence_closed(&self, age: Option<std::time::Duration>, limit: std::time::Duration) {
+        match age {
+            Some(age) => {
+                self.publishing_fenced.set(1);
+                tracing::warn!(
+                    lease_age = ?age,
+                    limit = ?limit,
+                    "publishing paused: the lease was last renewed {:.1}s ago, not less than the self-fence limit {:.1}s; nothing is published until a renewal succeeds (another relay may hold the lease by now)",
+                    age.as_secs_f64(),
+                    limit.as_secs_f64()
+                )
+            }
+            None => tracing::debug!("publishing waits for the first lease renewal"),
+        }
+    }
+
+    /// Publishing resumes after the fence was closed for `closed`.
+    pub fn fence_opened(&self, closed: std::time::Duration) {
+        self.publishing_fenced.set(0);
+        tracing::info!(paused = ?closed, "the lease was renewed: publishing resumes");
     }
 
     /// The position was stored just now.

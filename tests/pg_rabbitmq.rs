@@ -83,6 +83,7 @@ fn assert_same_ids(got: &[Uuid], expected: &[Uuid], what: &str) {
     );
 }
 
+#[track_caller]
 fn assert_none_lost(got: &[Uuid], expected: &[Uuid]) {
     let set: HashSet<&Uuid> = got.iter().collect();
     let missing: Vec<&Uuid> = expected.iter().filter(|i| !set.contains(i)).collect();
@@ -819,12 +820,17 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
             first_tx_end = wal_end(&client).await;
         }
     }
+    // The first orphan is refused, and refused again on a retry: by then the relay republishes
+    // only it, alone, until it is confirmed, and the first pipelined pass (which a queue bound
+    // meanwhile could see partly) is over.
+    let first_orphan = orphans[0].to_string();
     relay
         .wait_for_stderr(
             &[
                 "returned a message as unroutable",
                 "was returned as unroutable",
-                "sink recovered",
+                &first_orphan,
+                "sink still unavailable or refusing",
             ],
             T,
         )
@@ -849,8 +855,97 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
     wait_confirmed_past(&db, &slot, end, T).await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert!(relay.stderr().contains("sink recovered"));
+    // The orphans' queue was bound while the first orphan was being retried alone: it gets
+    // that one first, then the rest in order.
     assert_none_lost(&ids(&topo.take_all(&orphan_q).await), &orphans);
     assert_none_lost(&ids(&topo.take_all(&routed_q).await), &routed);
+}
+
+/// Reconnects of the relay's sink so far, from its metrics.
+async fn sink_reconnects(port: u16) -> f64 {
+    metric_value(
+        &scrape_metrics(port).await,
+        "outboxd_reconnects_total{cause=\"sink\"}",
+    )
+    .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_broker_keeps_refusing_costs_a_few_reconnects_then_resumes_in_order() {
+    let db = PgDb::create("rmqst").await;
+    let mut topo = Topology::new("xst").await;
+    // The user's exchange without an alternate exchange and no queue: every event is returned.
+    let ch = topo.channel().await;
+    ch.exchange_declare(
+        topo.exchange.clone().into(),
+        lapin::ExchangeKind::Topic,
+        lapin::options::ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let port = free_local_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut relay = start_relay(
+        &db,
+        &name,
+        &topo.exchange,
+        &amqp::url(),
+        &["--declare", "off", "--metrics-addr", &addr],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+    let expected = write_events(&mut client, 5, 1, "storm.refused").await;
+
+    // The refusal is named: the event, and the broker's reason.
+    let first = expected[0].to_string();
+    relay.wait_for_stderr(&[&first, "NO_ROUTE"], T).await;
+    let before = sink_reconnects(port).await;
+    assert!(before >= 1.0, "the refusal was counted as a reconnect");
+    // Measured before the pacing: 3,130 connections in 20 s. Paced (100 ms doubling to 30 s),
+    // at most 8 attempts fit in any 10 s from the first.
+    let window = Duration::from_secs(10);
+    tokio::time::sleep(window).await;
+    let during = sink_reconnects(port).await - before;
+    eprintln!("{during} reconnects in {window:?} while the event was refused");
+    assert!(
+        (1.0..=9.0).contains(&during),
+        "{during} reconnects in {window:?}: paced retries, not a storm\n{}",
+        relay.stderr()
+    );
+    let refusals = metric_value(
+        &scrape_metrics(port).await,
+        "outboxd_sink_retries_total{cause=\"rejected\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(refusals >= during, "each refusal counted: {refusals}");
+    let confirmed = db
+        .slot_confirmed(&slot)
+        .await
+        .and_then(|s| outboxd::event::parse_lsn(&s))
+        .unwrap_or(0);
+
+    // The broker accepts again: delivery resumes by itself, every event once, in order.
+    let q = topo.bind_queue("late", "storm.#").await;
+    let end = wal_end(&client).await;
+    assert!(confirmed < end, "the position waited for the refused event");
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let got = topo.take_all(&q).await;
+    assert_same_ids(&ids(&got), &expected, "once each, in commit order");
+    // The log line named the refused event's position too.
+    let position = header_str(&got[0], "x-source-position").unwrap();
+    assert!(
+        relay.stderr_plain().contains(&position),
+        "the refusal names position {position}"
+    );
 }
 
 const TLS_DIR: &str = "/etc/rabbitmq/outboxd-tls";

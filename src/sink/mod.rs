@@ -4,6 +4,7 @@
 //! so every sink gets it the same way.
 
 pub mod headers;
+pub mod memory;
 pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
@@ -43,6 +44,17 @@ pub enum SinkError {
 }
 
 impl SinkError {
+    /// A short name of the kind of failure (a metric label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SinkError::Connection(_) => "connection",
+            SinkError::Rejected(_) => "rejected",
+            SinkError::ConfirmTimeout(_) => "timeout",
+            SinkError::Config { .. } => "config",
+            SinkError::Io(_) => "io",
+        }
+    }
+
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,

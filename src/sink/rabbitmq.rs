@@ -45,7 +45,7 @@ use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -798,8 +798,9 @@ struct Outcome {
 #[derive(Default)]
 struct Tracker {
     pending: FuturesUnordered<BoxFuture<'static, Outcome>>,
-    /// Ids of returned messages whose confirmation has not been settled yet.
-    returned: HashSet<Uuid>,
+    /// Returned messages whose confirmation has not been settled yet, with the broker's
+    /// reason.
+    returned: HashMap<Uuid, String>,
     waker: Option<Waker>,
 }
 
@@ -830,23 +831,32 @@ impl Tracker {
                     reply_text = %ret.reply_text,
                     "RabbitMQ returned a message as unroutable: the topology is broken (is the alternate exchange <exchange>.unrouted bound to its queue? does the queue <exchange>.dead exist?); it is republished after a reconnect until it routes"
                 );
-                self.returned.insert(returned_id);
+                self.returned.insert(
+                    returned_id,
+                    format!(
+                        "RabbitMQ returned it: {} {} (exchange {:?}, routing key {:?})",
+                        ret.reply_code,
+                        ret.reply_text,
+                        ret.delivery.exchange.as_str(),
+                        ret.delivery.routing_key.as_str()
+                    ),
+                );
             }
         }
         for o in batch {
             let returned = self.returned.remove(&o.id);
-            let verdict = match o.result {
-                Err(e) => Err(channel_error(e)),
-                Ok(_) if returned => Err(SinkError::Rejected(format!(
-                    "message {} was returned as unroutable",
+            let verdict = match (o.result, returned) {
+                (Err(e), _) => Err(channel_error(e)),
+                (Ok(_), Some(why)) => Err(SinkError::Rejected(format!(
+                    "message {} was returned as unroutable: {why}",
                     o.id
                 ))),
-                Ok(Confirmation::Ack(_)) => Ok(()),
-                Ok(Confirmation::Nack(_)) => Err(SinkError::Rejected(format!(
-                    "RabbitMQ nacked message {}",
+                (Ok(Confirmation::Ack(_)), None) => Ok(()),
+                (Ok(Confirmation::Nack(_)), None) => Err(SinkError::Rejected(format!(
+                    "RabbitMQ nacked message {} (a queue it routes to refused it, e.g. one with x-overflow=reject-publish that is full, or the broker could not store it)",
                     o.id
                 ))),
-                Ok(Confirmation::NotRequested) => Err(SinkError::Connection(
+                (Ok(Confirmation::NotRequested), None) => Err(SinkError::Connection(
                     "publisher confirms are not enabled on the channel".into(),
                 )),
             };

@@ -1,5 +1,8 @@
 //! The stdout sink (docs/message-format.md): one JSON object per event per line, logs stay on stderr.
-//! Lines are buffered and flushed before any position that covers them is acknowledged.
+//! Lines are buffered and flushed before any position that covers them is acknowledged. Lines
+//! still buffered when the sink is dropped are discarded, not written: their positions were
+//! never acknowledged (they come again on the next start), and a relay that stops because it
+//! lost its lease must print nothing more.
 
 use super::{Delivery, Sink, SinkError};
 use crate::event::OutboxEvent;
@@ -8,7 +11,9 @@ use serde_json::value::RawValue;
 use std::io::Write;
 
 pub struct StdoutSink<W: Write + Send = std::io::Stdout> {
-    out: std::io::BufWriter<W>,
+    /// Always `Some` until dropped or taken apart (`BufWriter` would write its buffer out when
+    /// dropped).
+    out: Option<std::io::BufWriter<W>>,
     commit_offsets: bool,
 }
 
@@ -21,15 +26,30 @@ impl StdoutSink {
 impl<W: Write + Send> StdoutSink<W> {
     pub fn with_writer(writer: W, commit_offsets: bool) -> Self {
         StdoutSink {
-            out: std::io::BufWriter::with_capacity(256 * 1024, writer),
+            out: Some(std::io::BufWriter::with_capacity(256 * 1024, writer)),
             commit_offsets,
         }
     }
 
-    pub fn into_inner(self) -> W {
-        match self.out.into_inner() {
+    /// The writer, after writing out what is buffered.
+    pub fn into_inner(mut self) -> W {
+        let out = self.out.take().expect("present until dropped");
+        match out.into_inner() {
             Ok(w) => w,
             Err(e) => e.into_inner().into_parts().0,
+        }
+    }
+
+    fn out(&mut self) -> &mut std::io::BufWriter<W> {
+        self.out.as_mut().expect("present until dropped")
+    }
+}
+
+impl<W: Write + Send> Drop for StdoutSink<W> {
+    fn drop(&mut self) {
+        // Discard, do not write, what was never flushed.
+        if let Some(out) = self.out.take() {
+            drop(out.into_parts());
         }
     }
 }
@@ -91,12 +111,12 @@ impl<W: Write + Send> Sink for StdoutSink<W> {
     async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
         let mut line = render_line(event)?;
         line.push(b'\n');
-        self.out.write_all(&line)?;
+        self.out().write_all(&line)?;
         Ok(Delivery::Accepted)
     }
 
     async fn flush(&mut self) -> Result<(), SinkError> {
-        self.out.flush()?;
+        self.out().flush()?;
         Ok(())
     }
 }

@@ -9,14 +9,17 @@ pub mod postgres;
 
 use crate::event::Checkpoint;
 use crate::Error;
-use std::time::Duration;
-use tokio::sync::watch;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 /// How long a lease lasts without renewal; a relay renews it about every second.
 pub const LEASE_TTL: Duration = Duration::from_secs(5);
-/// With `--ha`, a leader that could not renew for this long stops publishing: before its
-/// lease can expire and a standby take over, so two relays never publish at once.
+/// A relay whose last successful renewal is older than this publishes nothing (see [`Fence`]):
+/// its lease may be about to expire and another relay take over, so two relays never publish
+/// at once. With `--ha`, a leader that cannot renew for this long also stops (exit 4).
 pub const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
 /// One renewal may take this long; a stalled connection must not stall the lease keeper.
 pub const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
@@ -25,6 +28,100 @@ pub const RENEW_INTERVAL: Duration = Duration::from_secs(1);
 /// written at most this often: a relay killed at any moment resumes at most this much traffic
 /// (plus the relay's window) behind what it had confirmed. Idle, nothing is written.
 pub const STORE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The gate between the lease and publishing: when the lease was last renewed, shared by the
+/// lease keeper (which opens it with every successful renewal) and the relay (which checks it
+/// before every publish, republish and flush). A renewal counts from the moment it was sent,
+/// not answered: the lease runs from the server's clock at the update, which is no earlier.
+/// The clock is monotonic and keeps running while the process is paused (SIGSTOP, a frozen
+/// VM), so a leader that resumes after its lease expired finds the gate closed before it can
+/// publish, whatever its tasks do first.
+#[derive(Clone)]
+pub struct Fence(Arc<FenceInner>);
+
+struct FenceInner {
+    base: Instant,
+    /// Nanoseconds after `base` of the last renewal, plus one; 0 = never renewed.
+    renewed: AtomicU64,
+    limit: Duration,
+    changed: Notify,
+}
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fence")
+            .field("age", &self.age())
+            .field("limit", &self.0.limit)
+            .finish()
+    }
+}
+
+impl Fence {
+    /// A gate that stays closed until the first renewal, and closes again `limit` after the
+    /// last one.
+    pub fn new(limit: Duration) -> Fence {
+        Fence(Arc::new(FenceInner {
+            base: Instant::now(),
+            renewed: AtomicU64::new(0),
+            limit,
+            changed: Notify::new(),
+        }))
+    }
+
+    /// A renewal sent at `at` succeeded (an older instant than the recorded one is ignored).
+    pub fn renewed(&self, at: Instant) {
+        let ns = at.saturating_duration_since(self.0.base).as_nanos() as u64 + 1;
+        self.0.renewed.fetch_max(ns, Ordering::AcqRel);
+        self.0.changed.notify_waiters();
+    }
+
+    /// Time since the last successful renewal was sent; `None` before the first.
+    pub fn age(&self) -> Option<Duration> {
+        match self.0.renewed.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(
+                self.0
+                    .base
+                    .elapsed()
+                    .saturating_sub(Duration::from_nanos(ns - 1)),
+            ),
+        }
+    }
+
+    /// Whether publishing is allowed now.
+    pub fn is_open(&self) -> bool {
+        self.age().is_some_and(|a| a < self.0.limit)
+    }
+
+    /// Returns once publishing is allowed: at once while the lease is fresh, otherwise after
+    /// the next successful renewal. Waits forever when none comes: then the lease keeper ends
+    /// the relay (with `--ha`, or when the lease was lost), or it never was the holder.
+    pub async fn wait_open(&self) {
+        // When it closed, and whether after a renewal (not merely before the first one).
+        let mut closed: Option<(Instant, bool)> = None;
+        loop {
+            let notified = self.0.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_open() {
+                if let Some((since, true)) = closed {
+                    crate::telemetry::get().fence_opened(since.elapsed());
+                }
+                return;
+            }
+            if closed.is_none() {
+                let age = self.age();
+                closed = Some((Instant::now(), age.is_some()));
+                crate::telemetry::get().fence_closed(age, self.0.limit);
+            }
+            tokio::select! {
+                _ = notified => {}
+                // The gate also closes by time alone; a renewal after that wakes us above.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+}
 
 /// Identifies this process as a lease holder: `host:pid:nonce`.
 pub fn holder_id() -> String {
@@ -169,6 +266,10 @@ pub trait StateStore: Send {
         &mut self,
         lease: &Lease,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+
+    /// A renewal was abandoned midway (it timed out): drop whatever session it used, so the
+    /// next call starts on a fresh one instead of queueing behind a stalled one.
+    fn abandon(&mut self) {}
 }
 
 /// Why the lease keeper woke up.
@@ -183,17 +284,20 @@ enum Wake {
 
 /// Renews the lease about every second, and stores each newer durable position as soon as the
 /// relay acknowledges it (at most every [`STORE_INTERVAL`]; a position write renews the lease
-/// too). At the end, stores the final position and releases the lease. Ends early only when the
-/// lease was lost.
+/// too). At the end, stores the final position and releases the lease. Every successful
+/// renewal opens `fence` (the relay publishes only while it is open). Ends early only when the
+/// lease was lost, or with `self_fence` (`--ha`) when it could not be renewed for
+/// [`SELF_FENCE_AFTER`].
 pub async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
     commits: watch::Receiver<DurableCommit>,
     self_fence: bool,
+    fence: Fence,
     stop: CancellationToken,
 ) -> Result<(), Error> {
-    let mut renewed = std::time::Instant::now();
+    let mut renewed = Instant::now();
     let mut written: Option<Checkpoint> = None;
     // Until the first start's end is acknowledged, its snapshot (or a requested replay) is not
     // known to be durable: only then is it marked done. Snapshot progress marks do not count.
@@ -245,16 +349,19 @@ pub async fn keep_lease<S: StateStore>(
             // Failed attempts count too: a store that keeps failing is retried at this pace.
             stored_at = Some(tokio::time::Instant::now());
         }
-        // With self-fencing, a renewal stuck on a stalled connection must not stall the clock
-        // that fences; without it, the store's own timeouts apply (cancelling a store midway
-        // can leave its session inside a transaction).
-        let attempt = if self_fence {
-            tokio::time::timeout(RENEW_TIMEOUT, store.renew(&lease, pos.as_ref(), &commit))
+        // A renewal stuck on a stalled connection must not stall the clock that fences; the
+        // store then drops the session it used (it may have been inside a transaction).
+        let sent = Instant::now();
+        let attempt =
+            match tokio::time::timeout(RENEW_TIMEOUT, store.renew(&lease, pos.as_ref(), &commit))
                 .await
-                .unwrap_or_else(|_| Err(Error::source("lease renewal timed out", true)))
-        } else {
-            store.renew(&lease, pos.as_ref(), &commit).await
-        };
+            {
+                Ok(r) => r,
+                Err(_) => {
+                    store.abandon();
+                    Err(Error::source("lease renewal timed out", true))
+                }
+            };
         if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {
             crate::telemetry::get().leader.set(0);
             return Err(Error::Leadership(format!(
@@ -265,7 +372,8 @@ pub async fn keep_lease<S: StateStore>(
         }
         match attempt {
             Ok(()) => {
-                renewed = std::time::Instant::now();
+                renewed = sent;
+                fence.renewed(sent);
                 let t = crate::telemetry::get();
                 t.leader.set(1);
                 if pos.is_some() {

@@ -85,6 +85,10 @@ impl StateStore for PgStateStore {
         release(self.client().await?, lease).await
     }
 
+    fn abandon(&mut self) {
+        self.client = None;
+    }
+
     async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
         mark_initialized(self.client().await?, lease).await
     }

@@ -966,3 +966,59 @@ pub async fn wait_lines(what: &str, relay: &Relay, n: usize, timeout: Duration) 
     })
     .await;
 }
+
+/// A TCP port free on 127.0.0.1 just now (for `--metrics-addr`).
+pub fn free_local_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The relay's `/metrics` text on `127.0.0.1:port` (empty when it does not answer).
+pub async fn scrape_metrics(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    let _ = s
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+/// The value of one series (`name{labels}` exactly as rendered) in a metrics text.
+pub fn metric_value(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// `--ha`: pauses `leader` (SIGSTOP) past its lease until `standby` has published `n` events,
+/// then resumes it (SIGCONT) and waits for it to exit. Returns how many lines the leader had
+/// printed when it was resumed, and its exit code. The pause is long (≥ the lease TTL) so the
+/// reader thread has every line the leader wrote before it stopped.
+pub async fn pause_until_taken_over(
+    leader: &mut Relay,
+    standby: &Relay,
+    n: usize,
+    timeout: Duration,
+) -> (usize, i32) {
+    leader.signal("STOP");
+    let paused = Instant::now();
+    wait_lines("the standby publishes", standby, n, timeout).await;
+    eprintln!(
+        "the standby published after the leader was paused for {:?}",
+        paused.elapsed()
+    );
+    let printed = leader.line_count();
+    leader.signal("CONT");
+    let code = leader.wait_exit(timeout).await;
+    (printed, code)
+}
