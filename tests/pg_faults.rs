@@ -337,3 +337,101 @@ async fn pgoutput_bytes_from_the_server_decode() {
         }
     }
 }
+
+/// A connection cut while one large transaction streams: the server sends the transaction
+/// again from its start, and the relay skips the events it already handed over (same commit
+/// LSN and index), so every cut costs at most the events in flight, not everything before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
+    const ROWS: usize = 50_000;
+    const CUTS: usize = 4;
+    const WINDOW: usize = 1000;
+    let db = PgDb::create("bigcut").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
+    let window = WINDOW.to_string();
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--window",
+        &window,
+    ]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let client = db.client().await;
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload)
+             SELECT gen_random_uuid(), 'agg-' || (g % 97), 'big.txn', json_build_object('n', g, 'pad', repeat('x', 100))
+               FROM generate_series(1, $1::int) g",
+            &[&(ROWS as i32)],
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+
+    // Cut at fixed points of the transaction's progress, so every cut lands inside it however
+    // fast this machine streams.
+    let mut cut_at = Vec::new();
+    for k in 1..=CUTS {
+        let threshold = ROWS * k / (CUTS + 1);
+        wait_for("progress inside the transaction", T, || {
+            let n = relay.line_count();
+            async move { n >= threshold }
+        })
+        .await;
+        let printed = relay.line_count();
+        proxy.cut();
+        cut_at.push(printed);
+        eprintln!("cut {k} at {printed} lines after {:?}", started.elapsed());
+        // The next cut only once the stream is back.
+        let breaks = k;
+        wait_for("the stream broke and resumed", T, || {
+            let seen = relay
+                .stderr_plain()
+                .matches("replication stream broke")
+                .count();
+            let active = db.slot_active(&slot);
+            async move { seen >= breaks && active.await }
+        })
+        .await;
+    }
+    wait_for("the whole transaction", T, || {
+        // Parsed only once enough lines are there: parsing them all on every poll is slow.
+        let done = relay.line_count() >= ROWS
+            && ids_of(&relay.lines()).into_iter().collect::<HashSet<_>>().len() >= ROWS;
+        async move { done }
+    })
+    .await;
+    eprintln!("streamed in {:?}", started.elapsed());
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    // Every cut landed inside the transaction and broke the replication stream.
+    assert!(
+        cut_at.iter().all(|&c| c > 0 && c < ROWS),
+        "cuts inside the transaction: {cut_at:?}"
+    );
+    let breaks = relay
+        .stderr_plain()
+        .matches("replication stream broke")
+        .count();
+    assert!(breaks >= CUTS, "{breaks} stream breaks for {CUTS} cuts");
+    assert!(proxy.accepted() > CUTS as u64, "the relay reconnected");
+    let ids = ids_of(&relay.lines());
+    let distinct = ids.iter().collect::<HashSet<_>>().len();
+    assert_eq!(distinct, ROWS, "every row of the transaction, once");
+    let dups = ids.len() - distinct;
+    eprintln!("{dups} duplicates over {CUTS} cuts at {cut_at:?}");
+    assert!(
+        dups <= CUTS * WINDOW,
+        "{dups} duplicates for {CUTS} cuts (bound: {WINDOW} per cut); cuts at {cut_at:?}"
+    );
+}

@@ -6,7 +6,9 @@
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
 //! them). A reconnect resumes from the slot and skips transactions this process already
-//! forwarded, so a dropped connection adds neither gaps nor duplicates.
+//! forwarded, and the events of a transaction it was forwarding when the stream broke that
+//! were already handed over (same commit LSN and index: the server sends the transaction again
+//! from its start), so a dropped connection adds neither gaps nor duplicates.
 
 pub mod admin;
 pub mod pgoutput;
@@ -284,6 +286,9 @@ pub async fn run(
     // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
     // repeated by the server and skipped here.
     let mut forwarded_commit: u64 = 0;
+    // The transaction being forwarded when the stream broke: (commit LSN, events handed over).
+    // The server sends it again from its start; those events are skipped, the rest follow.
+    let mut partial: Option<(u64, u32)> = None;
     let mut acked: u64 = start;
     let mut backoff = Backoff::standard();
 
@@ -376,6 +381,7 @@ pub async fn run(
                                 commit_time_micros,
                                 index: 0,
                                 skip: commit_lsn <= forwarded_commit,
+                                already_sent: resent_prefix(partial, commit_lsn),
                             });
                         }
                         ReplicationEvent::XLogData { data, .. } => {
@@ -387,12 +393,16 @@ pub async fn run(
                                         return Err(Error::Decode("insert outside a transaction".into()));
                                     };
                                     if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
+                                        let index = txn.index;
                                         txn.index += 1;
                                         if let Some(committed) = event.committed_at {
                                             commits.observe(committed, event.created_at);
                                         }
-                                        if !txn.skip {
+                                        // The server decodes a transaction the same way each
+                                        // time, so (commit LSN, index) names the same event.
+                                        if !txn.skip && index >= txn.already_sent {
                                             out.send_event(event).await?;
+                                            partial = Some((txn.commit_lsn, txn.index));
                                         }
                                     }
                                 }
@@ -404,6 +414,7 @@ pub async fn run(
                         ReplicationEvent::Commit { end_lsn, .. } => {
                             if let Some(txn) = in_txn.take() {
                                 if !txn.skip {
+                                    partial = None;
                                     commits.forwarded(end_lsn.as_u64(), rows::pg_time(txn.commit_time_micros));
                                     out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
                                     forwarded_commit = txn.commit_lsn;
@@ -441,7 +452,19 @@ struct Txn {
     commit_lsn: u64,
     commit_time_micros: i64,
     index: u32,
+    /// Forwarded whole before a reconnect: every event is skipped.
     skip: bool,
+    /// Events of this transaction forwarded before the stream broke mid-way: skipped.
+    already_sent: u32,
+}
+
+/// How many leading events of the transaction committing at `commit_lsn` were forwarded
+/// before the stream broke inside it.
+fn resent_prefix(partial: Option<(u64, u32)>, commit_lsn: u64) -> u32 {
+    match partial {
+        Some((lsn, sent)) if lsn == commit_lsn => sent,
+        _ => 0,
+    }
 }
 
 /// After the last event was handed over: take every acknowledgement until the relay ends, then
