@@ -129,16 +129,22 @@ pub struct StateRow {
     pub created_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
+/// Creates the state table (and columns added after the first release) when missing. One
+/// implicit transaction holding the setup lock: relays starting together on a fresh database
+/// would otherwise collide inside `CREATE TABLE IF NOT EXISTS`.
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
-    client.batch_execute(DDL).await?;
-    // Columns added after the first release, for state tables created before them.
     client
-        .batch_execute(
-            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz",
-        )
+        .batch_execute(&format!(
+            "SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
+            lock = crate::source::postgres::admin::SETUP_LOCK,
+        ))
         .await?;
     Ok(())
 }
+
+/// Columns added after the first release, for state tables created before them.
+const ADDED_COLUMNS: &str =
+    "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz";
 
 pub async fn table_exists(client: &Client) -> Result<bool, Error> {
     let row = client
