@@ -130,6 +130,7 @@ fn the_replay_starts_before_the_last_commit_by_the_largest_gap() {
         position_commit_at: Some(commit),
         commit_gap_ms: Some(3_600_000),
         created_at: None,
+        slot_created_lsn: None,
     };
     let small = Duration::from_secs(60);
     // The observed one-hour gap wins over a one-minute margin.

@@ -15,6 +15,9 @@ pub struct PgStateStore {
     /// The slot whose retained WAL is reported as a metric, every few renewals.
     slot: Option<String>,
     renewals: u64,
+    /// Told every position this store has written: the source confirms to the slot only
+    /// what the row already holds.
+    stored: Option<tokio::sync::watch::Sender<u64>>,
 }
 
 impl PgStateStore {
@@ -25,7 +28,14 @@ impl PgStateStore {
             client: None,
             slot: None,
             renewals: 0,
+            stored: None,
         }
+    }
+
+    /// Reports each position once it is written to the row.
+    pub fn with_stored(mut self, stored: tokio::sync::watch::Sender<u64>) -> Self {
+        self.stored = Some(stored);
+        self
     }
 
     pub fn with_slot(mut self, slot: &str) -> Self {
@@ -53,6 +63,16 @@ impl StateStore for PgStateStore {
             _ => None,
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
+        if let (Ok(()), Some(l), Some(tx)) = (&r, lsn, &self.stored) {
+            // The row keeps the larger of this and what it had: it holds at least `l`.
+            tx.send_if_modified(|v| {
+                let newer = l > *v;
+                if newer {
+                    *v = l;
+                }
+                newer
+            });
+        }
         self.renewals += 1;
         if r.is_ok() && self.renewals % 5 == 1 {
             if let (Some(slot), Some(c)) = (&self.slot, &self.client) {
@@ -102,6 +122,7 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     commit_gap_ms     bigint,
     replay_since      timestamptz,
     position_commit_at timestamptz,
+    slot_created_lsn  pg_lsn,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -127,6 +148,10 @@ pub struct StateRow {
     /// Largest commit-minus-created_at gap seen (long producer transactions), in ms.
     pub commit_gap_ms: Option<i64>,
     pub created_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Where the slot this row follows started, as this relay name created (or first adopted)
+    /// it. From then on the slot is confirmed only up to positions stored in this row, so a
+    /// slot ahead of both was moved by something else: see [`slot_replaced`].
+    pub slot_created_lsn: Option<u64>,
 }
 
 /// Creates the state table (and columns added after the first release) when missing. One
@@ -135,7 +160,7 @@ pub struct StateRow {
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     client
         .batch_execute(&format!(
-            "SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
+            "SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
             lock = crate::source::postgres::admin::SETUP_LOCK,
         ))
         .await?;
@@ -144,7 +169,9 @@ pub async fn ensure_table(client: &Client) -> Result<(), Error> {
 
 /// Columns added after the first release, for state tables created before them.
 const ADDED_COLUMNS: &str =
-    "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz";
+    "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS position_commit_at timestamptz;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS slot_created_lsn pg_lsn";
 
 pub async fn table_exists(client: &Client) -> Result<bool, Error> {
     let row = client
@@ -162,7 +189,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
                     initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at,
-                    position_commit_at, commit_gap_ms, created_at
+                    position_commit_at, commit_gap_ms, created_at, slot_created_lsn::text
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -182,7 +209,54 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         position_commit_at: r.get(11),
         commit_gap_ms: r.get(12),
         created_at: r.get(13),
+        slot_created_lsn: r.get::<_, Option<String>>(14).and_then(|s| parse_lsn(&s)),
     }))
+}
+
+/// Whether the slot was replaced behind this relay's back (dropped and created again under
+/// the same name, or moved by hand): its confirmed position is past everything this relay
+/// name ever let it confirm. The relay confirms to the slot only positions already stored in
+/// the row (see `PgStateStore::with_stored`), so a legitimate slot is never ahead of
+/// max(stored position, where the slot started); a slot created anew is, because it starts at
+/// the WAL's head, past every position stored before. `None` also when the row predates
+/// [`StateRow::slot_created_lsn`] (nothing to compare with yet).
+pub fn slot_replaced(row: &StateRow, confirmed: Option<u64>) -> Option<String> {
+    let floor = row.slot_created_lsn?;
+    let confirmed = confirmed?;
+    let bound = floor.max(row.position_lsn.unwrap_or(0));
+    (confirmed > bound).then(|| {
+        format!(
+            "replication slot {:?} confirms {} but relay {:?} never confirmed past {}: the slot was dropped and created again \
+             (or advanced by hand), so the events between those positions were never relayed",
+            row.slot.as_deref().unwrap_or_default(),
+            format_lsn(confirmed),
+            row.name,
+            format_lsn(bound),
+        )
+    })
+}
+
+/// Records where the slot this relay follows starts: always when this relay just created it
+/// (`created`), otherwise only when nothing was recorded yet (a slot made by `outboxd setup`,
+/// or a state row from before this was recorded).
+pub async fn record_slot_start(
+    client: &Client,
+    lease: &Lease,
+    at: u64,
+    created: bool,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET slot_created_lsn = CASE WHEN $4 OR slot_created_lsn IS NULL
+                                                          THEN $3::text::pg_lsn ELSE slot_created_lsn END
+              WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch, &format_lsn(at), &created],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
 }
 
 /// Takes the lease for `name`, creating the state row on first use. Refused while another

@@ -302,3 +302,14 @@ pub fn lost_slot_fix(name: &str, slot: &str) -> String {
         pg_literal(slot)
     )
 }
+
+/// The fix text for a slot that was dropped and created again under the relay's slot name.
+pub fn replaced_slot_fix(name: &str, slot: &str) -> String {
+    format!(
+        "events committed between the old slot's last position and the new slot's creation were not relayed. \
+         Either publish them again from the table (`outboxd run --on-position-lost poll ...` replays every row created since \
+         the last delivered one, then streams from a fresh slot), or start over: `outboxd teardown --name {name} --yes`, then \
+         `outboxd run --snapshot since=<time of the last delivered event> ...`. If slot {slot:?} was advanced on purpose, \
+         record that with `outboxd offset set --name {name} --lsn <its confirmed_flush_lsn>`"
+    )
+}
