@@ -166,11 +166,24 @@ pub async fn run_postgres(
     let mut plan = plan;
     let mut lease = lease;
     let mut slot_info = admin::slot(&sql, &cfg.slot).await?;
+    // A slot dropped and created again under our name (see state::postgres::slot_replaced).
+    let replaced = match (&slot_info, lease.first_start) {
+        (Some(s), false) => state::postgres::load(&sql, &cfg.name)
+            .await?
+            .and_then(|row| state::postgres::slot_replaced(&row, s.confirmed_flush_lsn)),
+        _ => None,
+    };
     let lost = match &slot_info {
         None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", cfg.slot, cfg.name)),
         Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", cfg.slot)),
-        _ => None,
+        _ => replaced.clone(),
     };
+    if let (Some(problem), PositionLostPolicy::Fail) = (&replaced, cfg.on_position_lost) {
+        return Err(Error::PositionLost {
+            problem: problem.clone(),
+            fix: admin::replaced_slot_fix(&cfg.name, &cfg.slot),
+        });
+    }
     if let (Some(problem), PositionLostPolicy::Poll) = (&lost, cfg.on_position_lost) {
         let row = state::postgres::load(&sql, &cfg.name)
             .await?
@@ -207,6 +220,7 @@ pub async fn run_postgres(
             "POSITION LOST: recovering through the table (--on-position-lost poll): opening a fresh slot and publishing again every row created since then; expect duplicates"
         );
     }
+    let created_slot = slot_info.is_none();
     let start = match slot_info {
         Some(slot) => {
             if slot.wal_status.as_deref() == Some("lost") {
@@ -262,6 +276,7 @@ pub async fn run_postgres(
                 .and_then(|k| snapshot::SnapshotKey::decode(&k));
         }
     }
+    state::postgres::record_slot_start(&sql, &lease, start, created_slot).await?;
 
     let source_cfg = PgSourceConfig {
         dsn: dsn.clone(),
@@ -277,9 +292,13 @@ pub async fn run_postgres(
         snapshot_after,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
+    // The slot is confirmed only up to what the state row holds (pg::run).
+    let (stored_tx, stored_rx) = watch::channel(start);
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
+        .with_slot(&cfg.slot)
+        .with_stored(stored_tx);
     drive(&cfg, store, lease, None, commits_rx, move |link| {
-        pg::run(source_cfg, link, start, commits_tx, shutdown)
+        pg::run(source_cfg, link, start, stored_rx, commits_tx, shutdown)
     })
     .await
 }

@@ -337,3 +337,240 @@ async fn pgoutput_bytes_from_the_server_decode() {
         }
     }
 }
+
+/// A connection cut while one large transaction streams: the server sends the transaction
+/// again from its start, and the relay skips the events it already handed over (same commit
+/// LSN and index), so every cut costs at most the events in flight, not everything before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
+    const ROWS: usize = 50_000;
+    const CUTS: usize = 4;
+    const WINDOW: usize = 1000;
+    let db = PgDb::create("bigcut").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
+    let window = WINDOW.to_string();
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--window",
+        &window,
+    ]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let client = db.client().await;
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload)
+             SELECT gen_random_uuid(), 'agg-' || (g % 97), 'big.txn', json_build_object('n', g, 'pad', repeat('x', 100))
+               FROM generate_series(1, $1::int) g",
+            &[&(ROWS as i32)],
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+
+    // Cut at fixed points of the transaction's progress, so every cut lands inside it however
+    // fast this machine streams.
+    let mut cut_at = Vec::new();
+    for k in 1..=CUTS {
+        let threshold = ROWS * k / (CUTS + 1);
+        wait_for("progress inside the transaction", T, || {
+            let n = relay.line_count();
+            async move { n >= threshold }
+        })
+        .await;
+        let printed = relay.line_count();
+        proxy.cut();
+        cut_at.push(printed);
+        eprintln!("cut {k} at {printed} lines after {:?}", started.elapsed());
+        // The next cut only once the stream is back.
+        let breaks = k;
+        wait_for("the stream broke and resumed", T, || {
+            let seen = relay
+                .stderr_plain()
+                .matches("replication stream broke")
+                .count();
+            let active = db.slot_active(&slot);
+            async move { seen >= breaks && active.await }
+        })
+        .await;
+    }
+    wait_for("the whole transaction", T, || {
+        // Parsed only once enough lines are there: parsing them all on every poll is slow.
+        let done = relay.line_count() >= ROWS
+            && ids_of(&relay.lines()).into_iter().collect::<HashSet<_>>().len() >= ROWS;
+        async move { done }
+    })
+    .await;
+    eprintln!("streamed in {:?}", started.elapsed());
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    // Every cut landed inside the transaction and broke the replication stream.
+    assert!(
+        cut_at.iter().all(|&c| c > 0 && c < ROWS),
+        "cuts inside the transaction: {cut_at:?}"
+    );
+    let breaks = relay
+        .stderr_plain()
+        .matches("replication stream broke")
+        .count();
+    assert!(breaks >= CUTS, "{breaks} stream breaks for {CUTS} cuts");
+    assert!(proxy.accepted() > CUTS as u64, "the relay reconnected");
+    let ids = ids_of(&relay.lines());
+    let distinct = ids.iter().collect::<HashSet<_>>().len();
+    assert_eq!(distinct, ROWS, "every row of the transaction, once");
+    let dups = ids.len() - distinct;
+    eprintln!("{dups} duplicates over {CUTS} cuts at {cut_at:?}");
+    assert!(
+        dups <= CUTS * WINDOW,
+        "{dups} duplicates for {CUTS} cuts (bound: {WINDOW} per cut); cuts at {cut_at:?}"
+    );
+}
+
+/// Drops the slot (ending any walsender still holding it) and creates it again, empty, under
+/// the same name, in the same database; returns the new slot's position.
+async fn recreate_slot(db: &PgDb, slot: &str) -> String {
+    let admin = db.client().await;
+    wait_for("the slot dropped", T, || {
+        let admin = &admin;
+        async move {
+            let _ = admin
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&slot],
+                )
+                .await;
+            admin
+                .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+                .await
+                .is_ok()
+        }
+    })
+    .await;
+    admin
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A slot dropped and created again under the same name while the relay is stopped (after a
+/// SIGKILL, so the row may trail the old slot) is a lost position: exit 3 with the fix, the
+/// new slot left alone; with `--on-position-lost poll` the rows written meanwhile come again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_created_again_while_stopped_is_a_lost_position() {
+    let db = PgDb::create("recreated").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let args = ["run", "--source", &dsn, "--name", &name, "--commit-offsets"];
+    let mut relay = Relay::start(&args);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+    let before = write_events(&mut client, 5, 10, "before").await;
+    wait_lines("the events before the kill", &relay, before.len(), T).await;
+    relay.sigkill();
+
+    // Written while the slot is being replaced: the new slot never sees them.
+    let old_slot = db.slot_confirmed(&slot).await.unwrap();
+    let skipped = write_events(&mut client, 2, 10, "skipped").await;
+    let new_slot = recreate_slot(&db, &slot).await;
+
+    let mut again = Relay::start(&args);
+    let code = again.wait_exit(T).await;
+    let err = again.stderr();
+    assert_eq!(
+        code, 3,
+        "exit 3 = position lost (old slot at {old_slot}, new at {new_slot}); stderr:\n{err}"
+    );
+    assert!(
+        err.contains("dropped and created again") && err.contains("fix:"),
+        "{err}"
+    );
+    assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
+    assert!(again.lines().is_empty(), "nothing streamed: {:?}", again.lines());
+    assert_eq!(
+        db.slot_confirmed(&slot).await.as_deref(),
+        Some(new_slot.as_str()),
+        "the slot is left as it was"
+    );
+
+    // The recovery policy publishes the skipped rows again from the table.
+    let mut recover = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--on-position-lost",
+        "poll",
+    ]);
+    wait_for("the skipped rows, replayed", T, || {
+        let got: HashSet<Uuid> = ids_of(&recover.lines()).into_iter().collect();
+        let all = skipped.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+    recover.signal("TERM");
+    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+}
+
+/// A slot dropped and created again while the relay's connection is down: the reconnect
+/// finds a slot ahead of everything it confirmed and stops with exit 3 instead of streaming
+/// on from the new slot's position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_created_again_during_a_reconnect_is_a_lost_position() {
+    let db = PgDb::create("recreated2").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+    let before = write_events(&mut client, 3, 10, "before").await;
+    wait_lines("the events before the cut", &relay, before.len(), T).await;
+
+    proxy.block();
+    proxy.cut();
+    let skipped = write_events(&mut client, 2, 10, "skipped").await;
+    recreate_slot(&db, &slot).await;
+    wait_for("a reconnect refused while the slot was replaced", T, || {
+        let n = proxy.refused();
+        async move { n > 0 }
+    })
+    .await;
+    proxy.unblock();
+
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert!(
+        err.contains("replication stream broke") || err.contains("reconnect"),
+        "the stream was cut: {err}"
+    );
+    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    assert!(
+        err.contains("dropped and created again") && err.contains("fix:"),
+        "{err}"
+    );
+    let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
+    assert!(
+        skipped.iter().all(|i| !got.contains(i)),
+        "the new slot never had them"
+    );
+}

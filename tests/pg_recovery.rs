@@ -131,6 +131,7 @@ fn the_replay_starts_before_the_last_commit_by_the_largest_gap() {
         commit_gap_ms: Some(3_600_000),
         created_at: None,
         snapshot_key: None,
+        slot_created_lsn: None,
     };
     let small = Duration::from_secs(60);
     // The observed one-hour gap wins over a one-minute margin.

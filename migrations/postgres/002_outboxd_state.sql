@@ -16,6 +16,9 @@ CREATE TABLE IF NOT EXISTS outboxd_state (
     gtid_state        text,
     commit_gap_ms     bigint,
     replay_since      timestamptz,
+    position_commit_at timestamptz,
+    slot_created_lsn  pg_lsn,
+    snapshot_key      text,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()

@@ -65,10 +65,28 @@ pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
         .await?;
     for (name, def) in ADDED_COLUMNS {
         if !have.iter().any(|c| c.eq_ignore_ascii_case(name)) {
-            conn.query_drop(format!("ALTER TABLE outboxd_state ADD COLUMN {name} {def}"))
-                .await?;
+            match conn
+                .query_drop(format!("ALTER TABLE outboxd_state ADD COLUMN {name} {def}"))
+                .await
+            {
+                // Added by a relay starting at the same moment (duplicate column name).
+                Err(e) if crate::source::mysql::server_code(&e) == Some(1060) => {}
+                r => r?,
+            }
         }
     }
+    Ok(())
+}
+
+/// Creates the state row of `name` when missing, in a statement of its own: inside the
+/// transaction that then locks the row, several relays starting at once would each hold a
+/// shared lock from the duplicate-key check and deadlock wanting the exclusive one.
+async fn insert_row(conn: &mut Conn, name: &str) -> Result<(), Error> {
+    conn.exec_drop(
+        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
+        (name,),
+    )
+    .await?;
     Ok(())
 }
 
@@ -155,12 +173,8 @@ pub async fn acquire(
     holder: &str,
 ) -> Result<(Lease, Option<Checkpoint>), Error> {
     ensure_table(conn).await?;
+    insert_row(conn, name).await?;
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
-    tx.exec_drop(
-        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
-        (name,),
-    )
-    .await?;
     let row: Raw = tx
         .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
         .await?
@@ -398,12 +412,8 @@ pub async fn set_position(
     gtid: Option<&str>,
 ) -> Result<(), Error> {
     ensure_table(conn).await?;
+    insert_row(conn, name).await?;
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
-    tx.exec_drop(
-        "INSERT IGNORE INTO outboxd_state (name, source) VALUES (?, 'mysql')",
-        (name,),
-    )
-    .await?;
     let row: Raw = tx
         .exec_first(format!("{SELECT_ROW} FOR UPDATE"), (name,))
         .await?

@@ -15,6 +15,9 @@ pub struct PgStateStore {
     /// The slot whose retained WAL is reported as a metric, every few renewals.
     slot: Option<String>,
     renewals: u64,
+    /// Told every position this store has written: the source confirms to the slot only
+    /// what the row already holds.
+    stored: Option<tokio::sync::watch::Sender<u64>>,
 }
 
 impl PgStateStore {
@@ -25,7 +28,14 @@ impl PgStateStore {
             client: None,
             slot: None,
             renewals: 0,
+            stored: None,
         }
+    }
+
+    /// Reports each position once it is written to the row.
+    pub fn with_stored(mut self, stored: tokio::sync::watch::Sender<u64>) -> Self {
+        self.stored = Some(stored);
+        self
     }
 
     pub fn with_slot(mut self, slot: &str) -> Self {
@@ -54,6 +64,16 @@ impl StateStore for PgStateStore {
             _ => (None, None),
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
+        if let (Ok(()), Some(l), Some(tx)) = (&r, lsn, &self.stored) {
+            // The row keeps the larger of this and what it had: it holds at least `l`.
+            tx.send_if_modified(|v| {
+                let newer = l > *v;
+                if newer {
+                    *v = l;
+                }
+                newer
+            });
+        }
         let r = match (r, snapshot_key) {
             (Ok(()), Some(key)) => store_snapshot_key(self.client().await?, lease, key).await,
             (r, _) => r,
@@ -111,6 +131,8 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     commit_gap_ms     bigint,
     replay_since      timestamptz,
     position_commit_at timestamptz,
+    slot_created_lsn  pg_lsn,
+    snapshot_key      text,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -138,19 +160,31 @@ pub struct StateRow {
     pub created_at: Option<chrono::DateTime<chrono::Utc>>,
     /// An unfinished first start's snapshot: the last row whose publication is durable.
     pub snapshot_key: Option<String>,
+    /// Where the slot this row follows started, as this relay name created (or first adopted)
+    /// it. From then on the slot is confirmed only up to positions stored in this row, so a
+    /// slot ahead of both was moved by something else: see [`slot_replaced`].
+    pub slot_created_lsn: Option<u64>,
 }
 
+/// Creates the state table (and columns added after the first release) when missing. One
+/// implicit transaction holding the setup lock: relays starting together on a fresh database
+/// would otherwise collide inside `CREATE TABLE IF NOT EXISTS`.
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
-    client.batch_execute(DDL).await?;
-    // Columns added after the first release, for state tables created before them.
     client
-        .batch_execute(
-            "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
-             ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text",
-        )
+        .batch_execute(&format!(
+            "SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
+            lock = crate::source::postgres::admin::SETUP_LOCK,
+        ))
         .await?;
     Ok(())
 }
+
+/// Columns added after the first release, for state tables created before them.
+const ADDED_COLUMNS: &str =
+    "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS position_commit_at timestamptz;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS slot_created_lsn pg_lsn;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text";
 
 pub async fn table_exists(client: &Client) -> Result<bool, Error> {
     let row = client
@@ -168,7 +202,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
                     initialized_at IS NOT NULL, replay_since, lease_expires_at, updated_at,
-                    position_commit_at, commit_gap_ms, created_at, snapshot_key
+                    position_commit_at, commit_gap_ms, created_at, snapshot_key, slot_created_lsn::text
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
@@ -189,7 +223,54 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         commit_gap_ms: r.get(12),
         created_at: r.get(13),
         snapshot_key: r.get(14),
+        slot_created_lsn: r.get::<_, Option<String>>(15).and_then(|s| parse_lsn(&s)),
     }))
+}
+
+/// Whether the slot was replaced behind this relay's back (dropped and created again under
+/// the same name, or moved by hand): its confirmed position is past everything this relay
+/// name ever let it confirm. The relay confirms to the slot only positions already stored in
+/// the row (see `PgStateStore::with_stored`), so a legitimate slot is never ahead of
+/// max(stored position, where the slot started); a slot created anew is, because it starts at
+/// the WAL's head, past every position stored before. `None` also when the row predates
+/// [`StateRow::slot_created_lsn`] (nothing to compare with yet).
+pub fn slot_replaced(row: &StateRow, confirmed: Option<u64>) -> Option<String> {
+    let floor = row.slot_created_lsn?;
+    let confirmed = confirmed?;
+    let bound = floor.max(row.position_lsn.unwrap_or(0));
+    (confirmed > bound).then(|| {
+        format!(
+            "replication slot {:?} confirms {} but relay {:?} never confirmed past {}: the slot was dropped and created again \
+             (or advanced by hand), so the events between those positions were never relayed",
+            row.slot.as_deref().unwrap_or_default(),
+            format_lsn(confirmed),
+            row.name,
+            format_lsn(bound),
+        )
+    })
+}
+
+/// Records where the slot this relay follows starts: always when this relay just created it
+/// (`created`), otherwise only when nothing was recorded yet (a slot made by `outboxd setup`,
+/// or a state row from before this was recorded).
+pub async fn record_slot_start(
+    client: &Client,
+    lease: &Lease,
+    at: u64,
+    created: bool,
+) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET slot_created_lsn = CASE WHEN $4 OR slot_created_lsn IS NULL
+                                                          THEN $3::text::pg_lsn ELSE slot_created_lsn END
+              WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch, &format_lsn(at), &created],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
 }
 
 /// Takes the lease for `name`, creating the state row on first use. Refused while another

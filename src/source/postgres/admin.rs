@@ -73,9 +73,39 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
+/// The advisory lock (per database) that serializes what relays and `outboxd setup` create:
+/// two sessions running `CREATE TABLE IF NOT EXISTS` (or `CREATE PUBLICATION` after both saw
+/// none) at the same instant collide on the catalog's unique indexes
+/// (`pg_type_typname_nsp_index`) instead of one of them finding the object there.
+pub const SETUP_LOCK: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
+
+/// Runs `body` holding [`SETUP_LOCK`] (a session lock: DDL and checks between them see each
+/// other's committed work); the lock is released whatever `body` returns.
+pub async fn with_setup_lock<T, F>(client: &Client, body: F) -> Result<T, Error>
+where
+    F: std::future::Future<Output = Result<T, Error>>,
+{
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&SETUP_LOCK])
+        .await?;
+    let r = body.await;
+    if let Err(e) = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&SETUP_LOCK])
+        .await
+    {
+        // The session ends soon after on every error path; it takes the lock with it.
+        tracing::debug!(error = %e, "could not release the setup lock");
+    }
+    r
+}
+
 /// Creates the contract's outbox table (the seed's columns, Postgres types) when missing;
 /// returns whether it did.
 pub async fn create_outbox_table(client: &Client, table: &TableName) -> Result<bool, Error> {
+    with_setup_lock(client, create_outbox_table_locked(client, table)).await
+}
+
+async fn create_outbox_table_locked(client: &Client, table: &TableName) -> Result<bool, Error> {
     let exists: bool = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
         .await?
@@ -111,6 +141,18 @@ pub enum PublicationChange {
 /// relay's list); refuses, with the fix, a publication that publishes no inserts or publishes
 /// a partitioned table by its leaves.
 pub async fn ensure_publication(
+    client: &Client,
+    publication: &str,
+    tables: &[TableName],
+) -> Result<PublicationChange, Error> {
+    with_setup_lock(
+        client,
+        ensure_publication_locked(client, publication, tables),
+    )
+    .await
+}
+
+async fn ensure_publication_locked(
     client: &Client,
     publication: &str,
     tables: &[TableName],
@@ -202,14 +244,30 @@ pub async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, 
         .get(0))
 }
 
-/// Creates the logical slot; returns its consistent point.
+/// Creates the logical slot; returns its consistent point. A slot of that name created by
+/// someone else a moment earlier (`outboxd setup` beside a first start) is taken as it is:
+/// its confirmed position, which is where a new slot would have started too.
 pub async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
-    let row = client
+    let row = match client
         .query_one(
             "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
             &[&slot],
         )
-        .await?;
+        .await
+    {
+        Ok(row) => row,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_OBJECT) => {
+            if let Some(lsn) = self::slot(client, slot)
+                .await?
+                .and_then(|s| s.confirmed_flush_lsn)
+            {
+                tracing::info!(slot, at = %crate::event::format_lsn(lsn), "replication slot created concurrently: using it");
+                return Ok(lsn);
+            }
+            return Err(e.into());
+        }
+        Err(e) => return Err(e.into()),
+    };
     let lsn: String = row.get(0);
     tracing::info!(slot, at = %lsn, "created replication slot");
     parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("slot LSN {lsn:?}")))
@@ -242,5 +300,16 @@ pub fn lost_slot_fix(name: &str, slot: &str) -> String {
          (`outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered event> ...`), \
          or re-create the slot and accept the gap: SELECT pg_create_logical_replication_slot({}, 'pgoutput');",
         pg_literal(slot)
+    )
+}
+
+/// The fix text for a slot that was dropped and created again under the relay's slot name.
+pub fn replaced_slot_fix(name: &str, slot: &str) -> String {
+    format!(
+        "events committed between the old slot's last position and the new slot's creation were not relayed. \
+         Either publish them again from the table (`outboxd run --on-position-lost poll ...` replays every row created since \
+         the last delivered one, then streams from a fresh slot), or start over: `outboxd teardown --name {name} --yes`, then \
+         `outboxd run --snapshot since=<time of the last delivered event> ...`. If slot {slot:?} was advanced on purpose, \
+         record that with `outboxd offset set --name {name} --lsn <its confirmed_flush_lsn>`"
     )
 }

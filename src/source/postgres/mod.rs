@@ -6,7 +6,9 @@
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
 //! them). A reconnect resumes from the slot and skips transactions this process already
-//! forwarded, so a dropped connection adds neither gaps nor duplicates.
+//! forwarded, and the events of a transaction it was forwarding when the stream broke that
+//! were already handed over (same commit LSN and index: the server sends the transaction again
+//! from its start), so a dropped connection adds neither gaps nor duplicates.
 
 pub mod admin;
 pub mod pgoutput;
@@ -53,18 +55,7 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
         return true;
     }
     match e.code() {
-        Some(code) => {
-            let c = code.code();
-            // connection exceptions, operator intervention (shutdown, restart), resource
-            // limits, serialization failures and deadlocks, and "object in use" (a slot still
-            // held by a dead relay's walsender).
-            c.starts_with("08")
-                || c.starts_with("57")
-                || c.starts_with("53")
-                || c == "40001"
-                || c == "40P01"
-                || c == "55006"
-        }
+        Some(code) => retryable_sqlstate(code.code()),
         // No SQLSTATE: retryable only when an I/O error is underneath (not, say, a value that
         // cannot be serialized).
         None => {
@@ -182,21 +173,31 @@ fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
 /// Starts the replication stream. With TLS (any `sslmode` but `disable`, over TCP) the
 /// connection is made and verified here and handed to pgwire-replication through a private
 /// Unix socket (see [`tls_bridge`]); Unix-socket hosts never use TLS, as in libpq.
-async fn connect_replication(cfg: &PgSourceConfig, start: u64) -> Result<ReplicationClient, Error> {
+async fn connect_replication(
+    cfg: &PgSourceConfig,
+    start: u64,
+    confirmed: u64,
+) -> Result<ReplicationClient, Error> {
     let via = if cfg.dsn.tls.mode == TlsMode::Disable || cfg.dsn.host.starts_with('/') {
         None
     } else {
         let upstream = tls_bridge::connect(&cfg.dsn).await?;
         Some(tls_bridge::serve(upstream, cfg.dsn.port)?)
     };
-    ReplicationClient::connect(replication_config(cfg, start, via))
+    ReplicationClient::connect(replication_config(cfg, start, confirmed, via))
         .await
         .map_err(|e| wire_error(e, &cfg.slot, &cfg.name))
 }
 
-/// The pgwire-replication settings; `via` is the socket directory of a TLS bridge, which then
-/// replaces the host (pgwire-replication itself always speaks plain protocol).
-fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> ReplicationConfig {
+/// The pgwire-replication settings: stream from `start`, confirming `confirmed` until told
+/// more; `via` is the socket directory of a TLS bridge, which then replaces the host
+/// (pgwire-replication itself always speaks plain protocol).
+fn replication_config(
+    cfg: &PgSourceConfig,
+    start: u64,
+    confirmed: u64,
+    via: Option<String>,
+) -> ReplicationConfig {
     ReplicationConfig::new(
         via.unwrap_or_else(|| cfg.dsn.host.clone()),
         cfg.dsn.user.clone(),
@@ -208,8 +209,8 @@ fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> 
     .with_port(cfg.dsn.port)
     .with_tls(TlsConfig::disabled())
     .with_start_lsn(Lsn::from_u64(start))
-    // Report exactly what is durable until the relay says more.
-    .with_ack_lsn(Lsn::from_u64(start))
+    // Report exactly what is durable and stored until the relay says more.
+    .with_ack_lsn(Lsn::from_u64(confirmed))
     .with_status_interval(cfg.status_interval)
     .with_wakeup_interval(Duration::from_secs(1))
     .with_buffer_size(2048)
@@ -221,7 +222,12 @@ fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> 
 
 fn wire_error(e: PgWireError, slot: &str, name: &str) -> Error {
     let text = e.to_string();
-    if text.contains("42704") || text.contains("does not exist") && text.contains("slot") {
+    let code = match &e {
+        PgWireError::Server(m) => server_sqlstate(m),
+        _ => None,
+    };
+    // undefined_object, said of the slot (a missing publication has the same code).
+    if code == Some("42704") && text.contains("replication slot") {
         return Error::PositionLost {
             problem: format!("replication slot {slot:?} does not exist: {text}"),
             fix: format!(
@@ -232,27 +238,47 @@ fn wire_error(e: PgWireError, slot: &str, name: &str) -> Error {
     }
     let retryable = match &e {
         PgWireError::Io(_) | PgWireError::Task(_) => true,
-        PgWireError::Server(m) => {
-            m.contains("55006")
-                || m.contains("57P01")
-                || m.contains("57P03")
-                || m.contains("53300")
-                || m.contains("08")
-                || m.contains("is active for PID")
-                || m.contains("the database system is")
-        }
+        PgWireError::Server(_) => code.is_some_and(retryable_sqlstate),
         PgWireError::Protocol(m) => m.contains("EOF") || m.contains("closed"),
         _ => false,
     };
     Error::source(format!("replication stream: {text}"), retryable)
 }
 
+/// The SQLSTATE of a server error as pgwire-replication words it: `<message> (SQLSTATE
+/// XXXXX)`, the code last. Only that position counts: digits elsewhere in the message (a
+/// slot, table or host name, an LSN) are not a code.
+fn server_sqlstate(message: &str) -> Option<&str> {
+    let rest = message.strip_suffix(')')?;
+    let at = rest.rfind("(SQLSTATE ")?;
+    let code = &rest[at + "(SQLSTATE ".len()..];
+    (code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric())).then_some(code)
+}
+
+/// Whether an error with this SQLSTATE is worth a reconnect: connection exceptions (class
+/// 08), operator intervention (57: shutdown, restart, "the database system is starting up"),
+/// insufficient resources (53: too many connections), serialization failures and deadlocks,
+/// and "object in use" (55006: a slot still held by a dead relay's walsender).
+fn retryable_sqlstate(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("57")
+        || code.starts_with("53")
+        || code == "40001"
+        || code == "40P01"
+        || code == "55006"
+}
+
 /// Streams from the slot until `shutdown`, then stops at a transaction boundary, waits for the
 /// relay to confirm everything, and makes sure the final position reached the server.
+///
+/// `stored` says which positions the state row holds: the slot is confirmed only up to
+/// min(durable, stored), so a slot found ahead of the row was moved by something else (it was
+/// dropped and created again) and is reported as a lost position, never streamed from.
 pub async fn run(
     cfg: PgSourceConfig,
     link: SourceLink,
     start: u64,
+    mut stored: tokio::sync::watch::Receiver<u64>,
     durable_commits: tokio::sync::watch::Sender<DurableCommit>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
@@ -291,11 +317,17 @@ pub async fn run(
     // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
     // repeated by the server and skipped here.
     let mut forwarded_commit: u64 = 0;
+    // The transaction being forwarded when the stream broke: (commit LSN, events handed over).
+    // The server sends it again from its start; those events are skipped, the rest follow.
+    let mut partial: Option<(u64, u32)> = None;
     let mut acked: u64 = start;
+    // The highest position ever confirmed to the server by this process.
+    let mut reported: u64 = start;
+    let mut stored_open = true;
     let mut backoff = Backoff::standard();
 
     'connect: loop {
-        let mut client = match connect_replication(&cfg, acked).await {
+        let mut client = match connect_replication(&cfg, acked, reported).await {
             Ok(c) => c,
             Err(err) => {
                 if !err.is_retryable() {
@@ -324,6 +356,18 @@ pub async fn run(
             tokio::time::sleep(d).await;
             continue;
         }
+        // Now that our walsender holds the slot nobody can swap it: check that it is still
+        // the one we confirmed to (it may have been dropped and created again meanwhile).
+        if let Err(err) = slot_is_ours(&cfg, reported).await {
+            client.abort();
+            if !err.is_retryable() {
+                return Err(err);
+            }
+            let d = backoff.next_delay();
+            tracing::warn!(error = %err, retry_in = ?d, "could not check the slot; reconnecting");
+            tokio::time::sleep(d).await;
+            continue;
+        }
         tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
         crate::telemetry::get().source_streaming.set(1);
         let mut in_txn: Option<Txn> = None;
@@ -345,11 +389,15 @@ pub async fn run(
                     if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
                         if l > acked {
                             acked = l;
-                            client.update_applied_lsn(Lsn::from_u64(l));
                             commits.durable_up_to(l, &durable_commits);
-                            tracing::debug!(position = %format_lsn(l), reported = %client.metrics().last_applied_lsn(), "durable; confirming to the server");
+                            confirm(&client, acked.min(*stored.borrow()), &mut reported);
                         }
                     }
+                }
+                changed = stored.changed(), if stored_open => {
+                    stored_open = changed.is_ok();
+                    let s = *stored.borrow_and_update();
+                    confirm(&client, acked.min(s), &mut reported);
                 }
                 _ = shutdown.cancelled(), if in_txn.is_none() => stop = true,
                 ev = client.recv() => {
@@ -383,6 +431,7 @@ pub async fn run(
                                 commit_time_micros,
                                 index: 0,
                                 skip: commit_lsn <= forwarded_commit,
+                                already_sent: resent_prefix(partial, commit_lsn),
                             });
                         }
                         ReplicationEvent::XLogData { data, .. } => {
@@ -394,12 +443,16 @@ pub async fn run(
                                         return Err(Error::Decode("insert outside a transaction".into()));
                                     };
                                     if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
+                                        let index = txn.index;
                                         txn.index += 1;
                                         if let Some(committed) = event.committed_at {
                                             commits.observe(committed, event.created_at);
                                         }
-                                        if !txn.skip {
+                                        // The server decodes a transaction the same way each
+                                        // time, so (commit LSN, index) names the same event.
+                                        if !txn.skip && index >= txn.already_sent {
                                             out.send_event(event).await?;
+                                            partial = Some((txn.commit_lsn, txn.index));
                                         }
                                     }
                                 }
@@ -411,6 +464,7 @@ pub async fn run(
                         ReplicationEvent::Commit { end_lsn, .. } => {
                             if let Some(txn) = in_txn.take() {
                                 if !txn.skip {
+                                    partial = None;
                                     commits.forwarded(end_lsn.as_u64(), rows::pg_time(txn.commit_time_micros));
                                     out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
                                     forwarded_commit = txn.commit_lsn;
@@ -436,7 +490,7 @@ pub async fn run(
                 tracing::info!("stopping at a transaction boundary");
                 // Closing the channel tells the relay that no more events come.
                 drop(outlet.take());
-                drain_and_confirm(&mut client, &mut acks, &mut acked).await;
+                drain_and_confirm(&mut client, &mut acks, &mut stored, &mut acked, &mut reported).await;
                 return Ok(());
             }
         }
@@ -444,11 +498,54 @@ pub async fn run(
     Ok(())
 }
 
+/// Tells the server the slot may move to `to`, if that is further than before.
+fn confirm(client: &ReplicationClient, to: u64, reported: &mut u64) {
+    if to > *reported {
+        *reported = to;
+        client.update_applied_lsn(Lsn::from_u64(to));
+        tracing::debug!(position = %format_lsn(to), "durable and stored; confirming to the server");
+    }
+}
+
+/// Fails with a lost position when the slot confirms more than this process ever reported:
+/// it is not the slot we streamed from.
+async fn slot_is_ours(cfg: &PgSourceConfig, reported: u64) -> Result<(), Error> {
+    let sql = connect_sql(&cfg.dsn, &format!("outboxd_{}", cfg.name)).await?;
+    let Some(info) = admin::slot(&sql, &cfg.slot).await? else {
+        return Ok(());
+    };
+    match info.confirmed_flush_lsn {
+        Some(c) if c > reported => Err(Error::PositionLost {
+            problem: format!(
+                "replication slot {:?} confirms {} but this relay never confirmed past {}: it was dropped and created again \
+                 while the stream was down, so the events between those positions were never relayed",
+                cfg.slot,
+                format_lsn(c),
+                format_lsn(reported)
+            ),
+            fix: admin::lost_slot_fix(&cfg.name, &cfg.slot),
+        }),
+        _ => Ok(()),
+    }
+}
+
 struct Txn {
     commit_lsn: u64,
     commit_time_micros: i64,
     index: u32,
+    /// Forwarded whole before a reconnect: every event is skipped.
     skip: bool,
+    /// Events of this transaction forwarded before the stream broke mid-way: skipped.
+    already_sent: u32,
+}
+
+/// How many leading events of the transaction committing at `commit_lsn` were forwarded
+/// before the stream broke inside it.
+fn resent_prefix(partial: Option<(u64, u32)>, commit_lsn: u64) -> u32 {
+    match partial {
+        Some((lsn, sent)) if lsn == commit_lsn => sent,
+        _ => 0,
+    }
 }
 
 /// After the last event was handed over: take every acknowledgement until the relay ends, then
@@ -457,14 +554,16 @@ struct Txn {
 async fn drain_and_confirm(
     client: &mut ReplicationClient,
     acks: &mut tokio::sync::watch::Receiver<Option<Checkpoint>>,
+    stored: &mut tokio::sync::watch::Receiver<u64>,
     acked: &mut u64,
+    reported: &mut u64,
 ) {
     loop {
         let changed = acks.changed().await;
         if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
             if l > *acked {
                 *acked = l;
-                client.update_applied_lsn(Lsn::from_u64(l));
+                confirm(client, (*acked).min(*stored.borrow()), reported);
             }
         }
         if changed.is_err() {
@@ -474,6 +573,9 @@ async fn drain_and_confirm(
     let metrics = client.metrics();
     let deadline = Instant::now() + Duration::from_secs(10);
     while metrics.last_applied_lsn().as_u64() < *acked && Instant::now() < deadline {
+        // The lease keeper stores the final position on its next renewal; only then may the
+        // slot have it.
+        confirm(client, (*acked).min(*stored.borrow()), reported);
         // Keep the stream's events flowing so the worker is not blocked on a full channel.
         let _ = tokio::time::timeout(Duration::from_millis(50), client.recv()).await;
     }
@@ -516,14 +618,46 @@ mod tests {
     }
 
     #[test]
+    fn replication_errors_are_classified_by_their_sqlstate_only() {
+        let server = |m: &str| wire_error(PgWireError::Server(m.into()), "outboxd_billing", "billing");
+        // Retryable by code.
+        for m in [
+            "terminating connection due to administrator command (SQLSTATE 57P01)",
+            "the database system is starting up (SQLSTATE 57P03)",
+            "replication slot \"outboxd_billing\" is active for PID 4242 (SQLSTATE 55006)",
+            "sorry, too many clients already (SQLSTATE 53300)",
+            "connection failure (SQLSTATE 08006)",
+        ] {
+            assert!(server(m).is_retryable(), "{m}");
+        }
+        // "08" in a name, an LSN or a PID is no connection exception.
+        for m in [
+            "publication \"pub_2008\" does not exist (SQLSTATE 42704)",
+            "syntax error at or near \"0/1A08\" (SQLSTATE 42601)",
+            "permission denied for database orders08 (SQLSTATE 42501)",
+            "could not find pg_class entry for 16408",
+            "invalid LSN 0/08 (SQLSTATE 22P02)",
+        ] {
+            let e = server(m);
+            assert!(!e.is_retryable(), "{m}");
+            assert!(!matches!(e, Error::PositionLost { .. }), "{m}");
+        }
+        let lost = server("replication slot \"outboxd_billing\" does not exist (SQLSTATE 42704)");
+        assert!(matches!(lost, Error::PositionLost { .. }), "{lost}");
+        assert_eq!(server_sqlstate("x (SQLSTATE 08P01)"), Some("08P01"));
+        assert_eq!(server_sqlstate("x (SQLSTATE 08P01) trailing"), None);
+        assert_eq!(server_sqlstate("no code"), None);
+    }
+
+    #[test]
     fn replication_speaks_plain_protocol_to_the_tls_bridge() {
         let c =
             cfg("postgres://app:pw@db.example:6543/orders?sslmode=verify-full&sslrootcert=/ca.pem");
-        let bridged = replication_config(&c, 0, Some("/tmp/outboxd-x".into()));
+        let bridged = replication_config(&c, 0, 0, Some("/tmp/outboxd-x".into()));
         assert_eq!(bridged.host, "/tmp/outboxd-x");
         assert_eq!(bridged.port, 6543);
         assert_eq!(bridged.tls, TlsConfig::disabled());
-        let direct = replication_config(&c, 0, None);
+        let direct = replication_config(&c, 0, 0, None);
         assert_eq!(direct.host, "db.example");
         assert_eq!(direct.tls, TlsConfig::disabled());
     }
