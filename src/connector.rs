@@ -465,6 +465,9 @@ pub struct MySqlOptions {
     pub time_zone: crate::source::mysql::rows::SourceTz,
     /// Largest transaction held until its commit (`--txn-buffer`).
     pub txn_buffer_bytes: usize,
+    /// Largest uncompressed size a compressed transaction may declare
+    /// (`--max-txn-payload-bytes`).
+    pub max_payload_bytes: u64,
     /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
     pub heartbeat: Duration,
     /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
@@ -476,6 +479,7 @@ impl Default for MySqlOptions {
         MySqlOptions {
             time_zone: Default::default(),
             txn_buffer_bytes: 16 * 1024 * 1024,
+            max_payload_bytes: crate::source::mysql::decode::DEFAULT_PAYLOAD_LIMIT,
             heartbeat: Duration::from_secs(1),
             offset_file: None,
         }
@@ -574,7 +578,11 @@ pub async fn run_file(
     let t = crate::telemetry::get();
     t.mark_started();
     t.source_streaming.set(1);
-    let source = file::run(paths, tables, link, shutdown);
+    let limits = file::Limits {
+        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        max_payload_bytes: cfg.mysql.max_payload_bytes,
+    };
+    let source = file::run(paths, tables, limits, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
 }
@@ -703,6 +711,7 @@ pub async fn run_mysql(
         heartbeat: cfg.mysql.heartbeat,
         read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        max_payload_bytes: cfg.mysql.max_payload_bytes,
         mariadb: settings.mariadb,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
