@@ -80,6 +80,10 @@ pub async fn run<S: Sink>(
     let mut acked: Option<Checkpoint> = None;
     let mut input_open = true;
     let mut last_ack = Instant::now();
+    // Events confirmed since the last flush. A source may hold its position back (a MySQL XA
+    // transaction prepared but not committed) while later events are confirmed: their
+    // buffered output is flushed once the input is idle even though no new position is.
+    let mut unflushed = false;
 
     connect_with_backoff(sink).await?;
     // An idle relay notices a broken sink connection on this tick, not at the next event.
@@ -98,6 +102,7 @@ pub async fn run<S: Sink>(
                     Ok(()) => {
                         stats.confirmed.fetch_add(1, Ordering::Relaxed);
                         pop_confirmed(&mut queue, &mut durable);
+                        unflushed = true;
                     }
                     Err(e) if e.is_retryable() => {
                         recover(sink, &mut queue, &mut confirms, e, opts, stats).await?;
@@ -152,12 +157,16 @@ pub async fn run<S: Sink>(
             // Accepted-but-buffered events become durable only with this flush, so it must
             // come before the acknowledgement that covers them.
             sink.flush().await?;
+            unflushed = false;
             if store {
                 acks.send_replace(durable.clone());
             }
             stats.acked_checkpoints.fetch_add(1, Ordering::Relaxed);
             acked = durable.clone();
             last_ack = Instant::now();
+        } else if unflushed && queue.is_empty() && rx.is_empty() {
+            sink.flush().await?;
+            unflushed = false;
         }
     }
     sink.flush().await?;
