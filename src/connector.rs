@@ -255,6 +255,7 @@ pub async fn run_postgres(
         publication: cfg.publication.clone(),
         status_interval: Duration::from_secs(1),
         snapshot: plan,
+        max_wire_message_bytes: pg::wire_message_limit(cfg.rabbit.max_message_bytes),
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
