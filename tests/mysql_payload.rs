@@ -65,11 +65,7 @@ fn lenenc(v: u64) -> Vec<u8> {
 /// the `declared` uncompressed size, `payload` as it is stored; with its CRC32.
 fn payload_event(at: usize, algorithm: u64, declared: u64, payload: &[u8]) -> Vec<u8> {
     let mut data = Vec::new();
-    for (field, value) in [
-        (1u64, payload.len() as u64),
-        (2, algorithm),
-        (3, declared),
-    ] {
+    for (field, value) in [(1u64, payload.len() as u64), (2, algorithm), (3, declared)] {
         let v = lenenc(value);
         data.extend(lenenc(field));
         data.extend(lenenc(v.len() as u64));
@@ -231,7 +227,10 @@ fn a_payload_declaring_more_than_the_limit_is_refused_before_inflating() {
         let mut dec = Decoder::new(vec![table()], "gen.000001", None).with_limits(1 << 20, 100);
         dec.feed(outer).map(|_| ()).unwrap_err().to_string()
     };
-    assert!(limited.contains("--max-txn-payload-bytes (100)"), "{limited}");
+    assert!(
+        limited.contains("--max-txn-payload-bytes (100)"),
+        "{limited}"
+    );
     // The same message as the constructor's.
     assert!(payload_too_large("f:4", 200, 100)
         .to_string()

@@ -89,13 +89,19 @@ async fn xa_start_position(from: &(String, u64), xid: &str) -> (String, u64) {
     let hex: String = xid.bytes().map(|b| format!("{b:02X}")).collect();
     let mut c = my_connect(None).await;
     let rows: Vec<mysql_async::Row> = c
-        .query(format!("SHOW BINLOG EVENTS IN '{}' FROM {}", from.0, from.1))
+        .query(format!(
+            "SHOW BINLOG EVENTS IN '{}' FROM {}",
+            from.0, from.1
+        ))
         .await
         .unwrap();
     for r in rows {
         let pos: u64 = r.get::<u64, _>("Pos").unwrap();
         let info: String = r.get::<String, _>("Info").unwrap_or_default();
-        if info.to_ascii_uppercase().contains(&format!("XA START X'{hex}'")) {
+        if info
+            .to_ascii_uppercase()
+            .contains(&format!("XA START X'{hex}'"))
+        {
             return (from.0.clone(), pos);
         }
     }
@@ -106,7 +112,10 @@ async fn head() -> (String, u64) {
     use mysql_async::prelude::Queryable;
     let mut c = my_connect(None).await;
     let row: mysql_async::Row = c.query_first("SHOW MASTER STATUS").await.unwrap().unwrap();
-    (row.get::<String, _>(0).unwrap(), row.get::<u64, _>(1).unwrap())
+    (
+        row.get::<String, _>(0).unwrap(),
+        row.get::<u64, _>(1).unwrap(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,7 +135,11 @@ async fn xa_rows_are_published_at_commit_in_commit_order_and_never_when_rolled_b
     exec(&db, &format!("XA ROLLBACK '{gone}'")).await;
     // The ordinary transaction is out while the XA transaction is still only prepared.
     wait_for_or_show(&relay, "N1 to be published", || relay.line_count() >= 1).await;
-    assert_eq!(tags(&relay.lines()), ["N1"], "nothing of a prepared XA transaction");
+    assert_eq!(
+        tags(&relay.lines()),
+        ["N1"],
+        "nothing of a prepared XA transaction"
+    );
     exec(&db, &format!("XA COMMIT '{two}'")).await;
     // One phase: an ordinary commit.
     {
@@ -145,7 +158,10 @@ async fn xa_rows_are_published_at_commit_in_commit_order_and_never_when_rolled_b
         v["position"].as_str().unwrap_or_default().to_string()
     };
     let (a1, a2, n1) = (pos(&lines[1]), pos(&lines[2]), pos(&lines[0]));
-    assert!(a1 > n1 && a2 > a1, "positions follow commit order: {n1} {a1} {a2}");
+    assert!(
+        a1 > n1 && a2 > a1,
+        "positions follow commit order: {n1} {a1} {a2}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,7 +178,10 @@ async fn a_relay_killed_while_an_xa_is_prepared_keeps_its_position_before_the_pr
     let floor = xa_start_position(&before, &xid).await;
     exec(&db, &insert("N1")).await;
     exec(&db, &insert("N2")).await;
-    wait_for_or_show(&relay, "N1 and N2 to be published", || relay.line_count() >= 2).await;
+    wait_for_or_show(&relay, "N1 and N2 to be published", || {
+        relay.line_count() >= 2
+    })
+    .await;
     assert_eq!(tags(&relay.lines()), ["N1", "N2"]);
     // Confirmed and stored: the position stops at the prepare's start, not after N2.
     wait_for("the position to be stored at the prepare", T, || async {
@@ -172,7 +191,11 @@ async fn a_relay_killed_while_an_xa_is_prepared_keeps_its_position_before_the_pr
     })
     .await;
     let stored = db.stored(&name).await.unwrap();
-    assert_eq!((stored.0.clone(), stored.1), floor, "held before the prepare");
+    assert_eq!(
+        (stored.0.clone(), stored.1),
+        floor,
+        "held before the prepare"
+    );
     relay.sigkill();
 
     exec(&db, &format!("XA COMMIT '{xid}'")).await;

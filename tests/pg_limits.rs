@@ -42,7 +42,8 @@ async fn a_replication_message_above_the_limit_stops_the_relay_naming_the_flag()
     let stderr = relay.stderr_plain();
     assert_ne!(code, 0, "{stderr}");
     assert!(
-        stderr.contains("more than the reader accepts") && stderr.contains("raise --max-message-bytes"),
+        stderr.contains("more than the reader accepts")
+            && stderr.contains("raise --max-message-bytes"),
         "{stderr}"
     );
     let lines = relay.lines();

@@ -1134,7 +1134,7 @@ fn parse_xa_prepare(data: &[u8]) -> Option<(bool, Xid)> {
 /// `0xhex`); `ONE PHASE` may follow.
 pub fn parse_xid(args: &[u8]) -> Option<Xid> {
     fn unhex(h: &[u8]) -> Option<Vec<u8>> {
-        if h.len() % 2 != 0 {
+        if !h.len().is_multiple_of(2) {
             return None;
         }
         h.chunks(2)
