@@ -275,6 +275,10 @@ pub struct MySqlArgs {
     /// twice (once to find its end position, once to stream it).
     #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
     pub txn_buffer: usize,
+    /// Largest uncompressed size a MySQL 8 compressed transaction (TRANSACTION_PAYLOAD) may
+    /// declare; a larger one stops the relay (e.g. 256MiB, 1GiB).
+    #[arg(long, env = "OUTBOXD_MAX_TXN_PAYLOAD_BYTES", value_parser = parse_bytes, default_value = "256MiB")]
+    pub max_txn_payload_bytes: usize,
     /// Keep the position (and the lease, as a lock on PATH.lock) in this file instead of the
     /// outboxd_state table.
     #[arg(long, env = "OUTBOXD_OFFSET_FILE", value_name = "PATH")]
@@ -726,6 +730,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         mysql: connector::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
             offset_file: args.mysql.offset_file.clone(),
             ..Default::default()
         },

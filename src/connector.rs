@@ -290,6 +290,7 @@ pub async fn run_postgres(
         status_interval: state::STORE_INTERVAL,
         snapshot: plan,
         snapshot_after,
+        max_wire_message_bytes: pg::wire_message_limit(cfg.rabbit.max_message_bytes),
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     // The slot is confirmed only up to what the state row holds (pg::run).
@@ -504,6 +505,9 @@ pub struct MySqlOptions {
     pub time_zone: crate::source::mysql::rows::SourceTz,
     /// Largest transaction held until its commit (`--txn-buffer`).
     pub txn_buffer_bytes: usize,
+    /// Largest uncompressed size a compressed transaction may declare
+    /// (`--max-txn-payload-bytes`).
+    pub max_payload_bytes: u64,
     /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
     pub heartbeat: Duration,
     /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
@@ -515,6 +519,7 @@ impl Default for MySqlOptions {
         MySqlOptions {
             time_zone: Default::default(),
             txn_buffer_bytes: 16 * 1024 * 1024,
+            max_payload_bytes: crate::source::mysql::decode::DEFAULT_PAYLOAD_LIMIT,
             heartbeat: Duration::from_secs(1),
             offset_file: None,
         }
@@ -613,7 +618,11 @@ pub async fn run_file(
     let t = crate::telemetry::get();
     t.mark_started();
     t.source_streaming.set(1);
-    let source = file::run(paths, tables, link, shutdown);
+    let limits = file::Limits {
+        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        max_payload_bytes: cfg.mysql.max_payload_bytes,
+    };
+    let source = file::run(paths, tables, limits, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
 }
@@ -765,6 +774,7 @@ pub async fn run_mysql(
         heartbeat: cfg.mysql.heartbeat,
         read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
+        max_payload_bytes: cfg.mysql.max_payload_bytes,
         mariadb: settings.mariadb,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());

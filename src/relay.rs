@@ -98,6 +98,10 @@ pub async fn run<S: Sink>(
     let mut input_open = true;
     let mut last_ack = Instant::now();
     let mut pacing = Pacing::new(opts.retry_backoff);
+    // Events confirmed since the last flush. A source may hold its position back (a MySQL XA
+    // transaction prepared but not committed) while later events are confirmed: their
+    // buffered output is flushed once the input is idle even though no new position is.
+    let mut unflushed = false;
 
     connect_with_backoff(sink).await?;
     // An idle relay notices a broken sink connection on this tick, not at the next event.
@@ -117,6 +121,7 @@ pub async fn run<S: Sink>(
                         stats.confirmed.fetch_add(1, Ordering::Relaxed);
                         pop_confirmed(&mut queue, &mut durable);
                         pacing.confirmed();
+                        unflushed = true;
                     }
                     Err(e) if e.is_retryable() => {
                         let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
@@ -177,12 +182,17 @@ pub async fn run<S: Sink>(
             // gated like a publish.
             gate(opts).await;
             sink.flush().await?;
+            unflushed = false;
             if store {
                 acks.send_replace(durable.clone());
             }
             stats.acked_checkpoints.fetch_add(1, Ordering::Relaxed);
             acked = durable.clone();
             last_ack = Instant::now();
+        } else if unflushed && queue.is_empty() && rx.is_empty() {
+            gate(opts).await;
+            sink.flush().await?;
+            unflushed = false;
         }
     }
     gate(opts).await;

@@ -194,7 +194,7 @@ pub fn events_from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<FileEvent>, Err
         .map_err(|(at, m)| at_offset(name, at, m))?
     {
         let unpacked = if event.header().event_type_raw() == super::decode::TRANSACTION_PAYLOAD {
-            super::decode::unpack_payload(&event)
+            super::decode::unpack_payload(&event, super::decode::DEFAULT_PAYLOAD_LIMIT)
                 .map_err(|m| at_offset(name, offset, format!("transaction payload: {m}")))?
         } else {
             Vec::new()
@@ -357,19 +357,41 @@ fn describe(files: &[(String, PathBuf)]) -> String {
     }
 }
 
+/// The memory bounds of the file source (the same flags as the live stream's).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Bytes of outbox rows held for prepared XA transactions at once (`--txn-buffer`).
+    pub txn_buffer_bytes: usize,
+    /// Largest uncompressed size a compressed transaction may declare
+    /// (`--max-txn-payload-bytes`).
+    pub max_payload_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            txn_buffer_bytes: super::decode::DEFAULT_TXN_BUFFER,
+            max_payload_bytes: super::decode::DEFAULT_PAYLOAD_LIMIT,
+        }
+    }
+}
+
 /// Reads `files` in order and sends their outbox events (each after its transaction's commit,
 /// with its position: file name, commit end position, index) and a checkpoint after the last
 /// commit of each file; then closes the relay's input, so the relay drains and the run ends.
-/// `shutdown` stops between transactions.
+/// `shutdown` stops between transactions. A compressed transaction's events are inflated and
+/// decoded one at a time.
 pub async fn run(
     files: Vec<PathBuf>,
     tables: Vec<OutboxTable>,
+    limits: Limits,
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, acks: _ } = link;
     let first = files.first().map(|p| file_name(p)).unwrap_or_default();
-    let mut dec = Decoder::new(tables, &first, None);
+    let mut dec = Decoder::new(tables, &first, None)
+        .with_limits(limits.txn_buffer_bytes, limits.max_payload_bytes);
     let mut published: u64 = 0;
     for path in &files {
         let name = file_name(path);
@@ -396,19 +418,35 @@ pub async fn run(
             else {
                 break;
             };
-            let steps = dec
-                .feed(&event)
+            let mut inner = dec
+                .payload_events(&event)
                 .map_err(|e| at_offset_err(&name, offset, e))?;
-            let mut batch = Vec::new();
-            if let Some(cp) = collect(steps, &mut open, |e| {
-                batch.push(e);
-                Ok(())
-            })? {
-                last = Some(cp);
-            }
-            for e in batch {
-                published += 1;
-                outlet.send_event(e).await?;
+            let mut whole = Some(&event);
+            loop {
+                // One event at a time, also inside a compressed transaction.
+                let steps = match inner.as_mut() {
+                    None => match whole.take() {
+                        Some(e) => dec.feed(e),
+                        None => break,
+                    },
+                    Some(p) => match p.next_event() {
+                        Ok(Some(e)) => dec.feed_inner(&e, &event),
+                        Ok(None) => break,
+                        Err(m) => Err(dec.payload_err(offset as u64, m)),
+                    },
+                }
+                .map_err(|e| at_offset_err(&name, offset, e))?;
+                let mut batch = Vec::new();
+                if let Some(cp) = collect(steps, &mut open, |e| {
+                    batch.push(e);
+                    Ok(())
+                })? {
+                    last = Some(cp);
+                }
+                for e in batch {
+                    published += 1;
+                    outlet.send_event(e).await?;
+                }
             }
         }
         if dec.in_txn() {

@@ -56,6 +56,9 @@ pub struct MySqlSourceConfig {
     /// Largest transaction (bytes of outbox events) held until its commit; a larger one is
     /// scanned to its end first, then re-read and streamed.
     pub txn_buffer_bytes: usize,
+    /// Largest uncompressed size a compressed transaction may declare
+    /// (`--max-txn-payload-bytes`).
+    pub max_payload_bytes: u64,
     /// Whether the server writes MariaDB GTIDs (then positions carry the GTID state and resume
     /// uses it).
     pub mariadb: bool,
@@ -478,6 +481,8 @@ pub async fn run(
     let mut partial: Option<Partial> = None;
     let mut pending: Option<Checkpoint> = None;
     let mut last_sent = Instant::now();
+    let mut dec = Decoder::new(cfg.tables.clone(), &resume.file, None)
+        .with_limits(cfg.txn_buffer_bytes, cfg.max_payload_bytes);
 
     'connect: loop {
         if shutdown.is_cancelled() {
@@ -505,17 +510,20 @@ pub async fn run(
             server_id = cfg.server_id, "streaming the binlog"
         );
         crate::telemetry::get().source_streaming.set(1);
-        let mut dec = Decoder::new(
-            cfg.tables.clone(),
+        // A new stream: the decoder keeps only the prepared XA transactions it holds.
+        dec.restart(
             &resume.file,
             cfg.mariadb.then(|| resume.gtid.clone().unwrap_or_default()),
-        )
-        .with_mysql_gtids(if cfg.mariadb {
-            None
-        } else {
-            resume.mysql_gtids.clone()
-        });
+            if cfg.mariadb {
+                None
+            } else {
+                resume.mysql_gtids.clone()
+            },
+        );
         let mut open: Option<Open> = None;
+        // The client library hands out the events of a compressed transaction again after
+        // the payload event (it inflates it itself): those copies are checked and skipped.
+        let mut copies = std::collections::VecDeque::<(u8, u32)>::new();
 
         loop {
             let flush_at = tokio::time::Instant::from_std(last_sent + IDLE_CHECKPOINT_INTERVAL);
@@ -531,12 +539,24 @@ pub async fn run(
                 }
                 // A checkpoint held back by the rate limit goes out once the stream pauses.
                 _ = tokio::time::sleep_until(flush_at), if pending.is_some() => {
-                    outlet.send_checkpoint(pending.take().expect("checked")).await?;
+                    outlet.send_checkpoint(held(pending.take().expect("checked"), &dec)).await?;
                     last_sent = Instant::now();
                     continue;
                 }
-                // `next()` keeps its partial read in the stream: dropping it is safe.
-                r = tokio::time::timeout(cfg.read_timeout, stream.next()) => r,
+                // `next()` keeps its partial read in the stream: dropping it is safe. The
+                // library parses events (and unpacks compressed transactions) inside it, and
+                // its parsers can panic on a corrupt event: that becomes an error here.
+                r = tokio::time::timeout(
+                    cfg.read_timeout,
+                    futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(stream.next())),
+                ) => match r {
+                    Ok(Err(_)) => return Err(Error::Decode(format!(
+                        "the binlog client library failed (panicked) on an event after {}:{}: the server sent an event it cannot parse",
+                        resume.file, resume.pos
+                    ))),
+                    Ok(Ok(item)) => Ok(item),
+                    Err(e) => Err(e),
+                },
             };
             let ev: Event = match item {
                 Err(_) => {
@@ -562,144 +582,179 @@ pub async fn run(
                 Ok(Some(Ok(ev))) => ev,
             };
             backoff.reset();
-            for step in dec.feed(&ev)? {
-                match step {
-                    Step::Nothing => {}
-                    Step::Begin { file, pos } => {
-                        let mode = match &known_end {
-                            Some((f, s, end)) if *f == file && *s == pos => {
-                                Mode::Stream { end: *end }
-                            }
-                            _ => Mode::Buffer,
-                        };
-                        let skip = match &partial {
-                            Some(p) if p.file == file && p.pos == pos => p.sent,
-                            _ => 0,
-                        };
-                        open = Some(Open {
-                            start_file: file,
-                            start_pos: pos,
-                            mode,
-                            buffered: Vec::new(),
-                            buffered_bytes: 0,
-                            skip,
-                            seen: 0,
-                            min_created: None,
-                        });
-                    }
-                    Step::Rows(events) => {
-                        let Some(o) = open.as_mut() else {
-                            return Err(Error::Decode("rows outside a transaction".into()));
-                        };
-                        for mut event in events {
-                            o.seen += 1;
-                            o.min_created = Some(
-                                o.min_created
-                                    .map_or(event.created_at, |m| m.min(event.created_at)),
-                            );
-                            match o.mode {
-                                Mode::Buffer => {
-                                    o.buffered_bytes += event.size();
-                                    o.buffered.push(event);
-                                    if o.buffered_bytes > cfg.txn_buffer_bytes {
-                                        tracing::info!(
-                                            file = %o.start_file, pos = o.start_pos, bytes = o.buffered_bytes,
-                                            "a transaction larger than the buffer: reading to its end, then streaming it from its start"
-                                        );
-                                        o.buffered = Vec::new();
-                                        o.mode = Mode::Scan;
-                                    }
-                                }
-                                Mode::Stream { end } => {
-                                    if o.seen <= o.skip {
-                                        continue;
-                                    }
-                                    set_end(&mut event, end);
-                                    outlet.send_event(event).await?;
-                                    partial = Some(Partial {
-                                        file: o.start_file.clone(),
-                                        pos: o.start_pos,
-                                        sent: o.seen,
-                                    });
-                                }
-                                Mode::Scan => {}
-                            }
+            if let Some((kind, size)) = copies.pop_front() {
+                let h = ev.header();
+                if h.event_type_raw() == kind && h.event_size() == size {
+                    continue;
+                }
+                return Err(Error::Decode(format!(
+                    "after the compressed transaction before {}:{}, the client library sent an event (type {}, {} bytes) that is not the next one of that transaction (type {kind}, {size} bytes)",
+                    dec.file(), resume.pos, h.event_type_raw(), h.event_size()
+                )));
+            }
+            let mut inner = dec.payload_events(&ev)?;
+            let mut whole = Some(&ev);
+            loop {
+                // One event at a time, also inside a compressed transaction, so that the
+                // transaction buffer applies to its rows as to any other's.
+                let steps = match inner.as_mut() {
+                    None => match whole.take() {
+                        Some(e) => dec.feed(e)?,
+                        None => break,
+                    },
+                    Some(p) => match p.next_event() {
+                        Ok(Some(e)) => {
+                            copies
+                                .push_back((e.header().event_type_raw(), e.header().event_size()));
+                            dec.feed_inner(&e, &ev)?
                         }
-                    }
-                    Step::Abort { .. } => {
-                        open = None;
-                    }
-                    Step::Commit {
-                        start_file,
-                        start_pos,
-                        checkpoint,
-                        own,
-                        committed_at,
-                    } => {
-                        let o = open.take();
-                        let Checkpoint::Binlog { pos: end, .. } = &checkpoint else {
-                            unreachable!("binlog checkpoints only")
-                        };
-                        let end = *end;
-                        let mut had_events = false;
-                        let o_min_created = o.as_ref().and_then(|o| o.min_created);
-                        if let Some(o) = o {
-                            match o.mode {
-                                Mode::Scan => {
-                                    known_end = Some((start_file, start_pos, end));
-                                    tracing::info!(end, "end of the large transaction found; re-reading it from its start");
-                                    continue 'connect;
+                        Ok(None) => break,
+                        Err(m) => return Err(dec.payload_err(decode::span(&ev).0, m)),
+                    },
+                };
+                for step in steps {
+                    match step {
+                        Step::Nothing => {}
+                        Step::Begin { file, pos } => {
+                            let mode = match &known_end {
+                                Some((f, s, end)) if *f == file && *s == pos => {
+                                    Mode::Stream { end: *end }
                                 }
-                                Mode::Stream { .. } => {
-                                    had_events = o.seen > 0;
-                                    known_end = None;
-                                    partial = None;
-                                }
-                                Mode::Buffer => {
-                                    had_events = !o.buffered.is_empty();
-                                    for mut event in o.buffered.into_iter().skip(o.skip as usize) {
+                                _ => Mode::Buffer,
+                            };
+                            let skip = match &partial {
+                                Some(p) if p.file == file && p.pos == pos => p.sent,
+                                _ => 0,
+                            };
+                            open = Some(Open {
+                                start_file: file,
+                                start_pos: pos,
+                                mode,
+                                buffered: Vec::new(),
+                                buffered_bytes: 0,
+                                skip,
+                                seen: 0,
+                                min_created: None,
+                            });
+                        }
+                        Step::Rows(events) => {
+                            let Some(o) = open.as_mut() else {
+                                return Err(Error::Decode("rows outside a transaction".into()));
+                            };
+                            for mut event in events {
+                                o.seen += 1;
+                                o.min_created = Some(
+                                    o.min_created
+                                        .map_or(event.created_at, |m| m.min(event.created_at)),
+                                );
+                                match o.mode {
+                                    Mode::Buffer => {
+                                        o.buffered_bytes += event.size();
+                                        o.buffered.push(event);
+                                        if o.buffered_bytes > cfg.txn_buffer_bytes {
+                                            tracing::info!(
+                                                file = %o.start_file, pos = o.start_pos, bytes = o.buffered_bytes,
+                                                "a transaction larger than the buffer: reading to its end, then streaming it from its start"
+                                            );
+                                            o.buffered = Vec::new();
+                                            o.mode = Mode::Scan;
+                                        }
+                                    }
+                                    Mode::Stream { end } => {
+                                        if o.seen <= o.skip {
+                                            continue;
+                                        }
                                         set_end(&mut event, end);
                                         outlet.send_event(event).await?;
+                                        partial = Some(Partial {
+                                            file: o.start_file.clone(),
+                                            pos: o.start_pos,
+                                            sent: o.seen,
+                                        });
                                     }
-                                    partial = None;
+                                    Mode::Scan => {}
                                 }
                             }
                         }
-                        resume = Resume {
-                            file: dec.file().to_string(),
-                            pos: end,
-                            gtid: dec.gtid_state().cloned(),
-                            mysql_gtids: dec.mysql_gtids().cloned(),
-                            by_position: resume.by_position,
-                        };
-                        if had_events {
-                            if let Some(at) = committed_at {
-                                if let Some(created) = o_min_created {
-                                    // Whole seconds: the commit may be up to 1 s later.
-                                    commits.observe(at + chrono::Duration::seconds(1), created);
+                        Step::Abort { .. } => {
+                            open = None;
+                        }
+                        Step::Commit {
+                            start_file,
+                            start_pos,
+                            checkpoint,
+                            own,
+                            committed_at,
+                        } => {
+                            let o = open.take();
+                            let Checkpoint::Binlog { pos: end, .. } = &checkpoint else {
+                                unreachable!("binlog checkpoints only")
+                            };
+                            let end = *end;
+                            let mut had_events = false;
+                            let o_min_created = o.as_ref().and_then(|o| o.min_created);
+                            if let Some(o) = o {
+                                match o.mode {
+                                    Mode::Scan => {
+                                        known_end = Some((start_file, start_pos, end));
+                                        tracing::info!(end, "end of the large transaction found; re-reading it from its start");
+                                        continue 'connect;
+                                    }
+                                    Mode::Stream { .. } => {
+                                        had_events = o.seen > 0;
+                                        known_end = None;
+                                        partial = None;
+                                    }
+                                    Mode::Buffer => {
+                                        had_events = !o.buffered.is_empty();
+                                        for mut event in
+                                            o.buffered.into_iter().skip(o.skip as usize)
+                                        {
+                                            set_end(&mut event, end);
+                                            outlet.send_event(event).await?;
+                                        }
+                                        partial = None;
+                                    }
                                 }
                             }
-                            commits.forwarded((binlog_file_seq(dec.file()), end), committed_at);
-                            outlet.send_checkpoint(checkpoint).await?;
-                            pending = None;
-                            last_sent = Instant::now();
-                        } else if !own {
-                            pending = Some(checkpoint);
-                            if last_sent.elapsed() >= IDLE_CHECKPOINT_INTERVAL {
-                                outlet.send_checkpoint(pending.take().expect("set")).await?;
+                            resume = Resume {
+                                file: dec.file().to_string(),
+                                pos: end,
+                                gtid: dec.gtid_state().cloned(),
+                                mysql_gtids: dec.mysql_gtids().cloned(),
+                                by_position: resume.by_position,
+                            };
+                            if had_events {
+                                if let Some(at) = committed_at {
+                                    if let Some(created) = o_min_created {
+                                        // Whole seconds: the commit may be up to 1 s later.
+                                        commits.observe(at + chrono::Duration::seconds(1), created);
+                                    }
+                                }
+                                commits.forwarded((binlog_file_seq(dec.file()), end), committed_at);
+                                outlet.send_checkpoint(held(checkpoint, &dec)).await?;
+                                pending = None;
+                                last_sent = Instant::now();
+                            } else if !own {
+                                pending = Some(checkpoint);
+                                if last_sent.elapsed() >= IDLE_CHECKPOINT_INTERVAL {
+                                    outlet
+                                        .send_checkpoint(held(pending.take().expect("set"), &dec))
+                                        .await?;
+                                    last_sent = Instant::now();
+                                }
+                            } else if pending.is_none()
+                                && last_sent.elapsed() >= OWN_CHECKPOINT_INTERVAL
+                            {
+                                outlet.send_checkpoint(held(checkpoint, &dec)).await?;
                                 last_sent = Instant::now();
                             }
-                        } else if pending.is_none()
-                            && last_sent.elapsed() >= OWN_CHECKPOINT_INTERVAL
-                        {
-                            outlet.send_checkpoint(checkpoint).await?;
-                            last_sent = Instant::now();
                         }
-                    }
-                    Step::Heartbeat => {
-                        if let Some(cp) = pending.take() {
-                            outlet.send_checkpoint(cp).await?;
-                            last_sent = Instant::now();
+                        Step::Heartbeat => {
+                            if let Some(cp) = pending.take() {
+                                outlet.send_checkpoint(held(cp, &dec)).await?;
+                                last_sent = Instant::now();
+                            }
                         }
                     }
                 }
@@ -707,12 +762,27 @@ pub async fn run(
         }
     }
     if let Some(cp) = pending.take() {
-        outlet.send_checkpoint(cp).await?;
+        outlet.send_checkpoint(held(cp, &dec)).await?;
+    }
+    if !dec.prepared_xids().is_empty() {
+        tracing::info!(xids = %dec.prepared_xids().iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" "), "XA transactions are prepared but not committed: the stored position stays before their prepare, so the next start reads them again");
     }
     tracing::info!(file = %resume.file, pos = resume.pos, "stopped at a transaction boundary");
     // Dropping the outlet closes the relay's input: it drains and ends.
     drop(outlet);
     Ok(())
+}
+
+/// The checkpoint to send instead of `cp` while an XA transaction is prepared and its outcome
+/// not read: the position before its prepare. Its rows live only in this process until its
+/// XA COMMIT; a stored position past the prepare would lose them on a restart. Holding the
+/// position there means a restart reads the transactions after the prepare again (duplicates,
+/// never a loss).
+fn held(cp: Checkpoint, dec: &Decoder) -> Checkpoint {
+    match dec.held_checkpoint() {
+        Some(floor) => floor.clone(),
+        None => cp,
+    }
 }
 
 fn set_end(event: &mut OutboxEvent, end: u64) {

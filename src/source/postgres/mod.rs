@@ -47,6 +47,22 @@ pub struct PgSourceConfig {
     pub snapshot: Vec<(TableName, snapshot::SnapshotPlan)>,
     /// How far an interrupted run got through that snapshot.
     pub snapshot_after: Option<snapshot::SnapshotKey>,
+    /// Largest replication message accepted ([`wire_message_limit`] of `--max-message-bytes`).
+    pub max_wire_message_bytes: usize,
+}
+
+/// Room for a row's other columns and the protocol's own bytes beside the payload.
+const WIRE_OVERHEAD: usize = 1024 * 1024;
+
+/// The largest replication message the reader accepts for `--max-message-bytes`
+/// `max_message_bytes`: the row travels as text, where a `bytea` payload takes two hex digits
+/// per byte, so twice the largest message the sink publishes plus room for the other columns.
+/// A row up to that size still arrives and is dead-lettered as too large to publish; a larger
+/// one is refused before the reader buffers it.
+pub fn wire_message_limit(max_message_bytes: usize) -> usize {
+    max_message_bytes
+        .saturating_mul(2)
+        .saturating_add(WIRE_OVERHEAD)
 }
 
 /// Whether a Postgres error is worth a reconnect.
@@ -214,6 +230,8 @@ fn replication_config(
     .with_status_interval(cfg.status_interval)
     .with_wakeup_interval(Duration::from_secs(1))
     .with_buffer_size(2048)
+    // A message is buffered whole at the length the server announces: bound it before that.
+    .with_max_message_size(cfg.max_wire_message_bytes)
     // Timestamps are parsed with their offset, but pinning the style keeps the text format
     // one we parse, whatever the server's defaults.
     .with_options("-c datestyle=ISO -c timezone=UTC -c intervalstyle=postgres")
@@ -235,6 +253,22 @@ fn wire_error(e: PgWireError, slot: &str, name: &str) -> Error {
                  `outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered event> ...`"
             ),
         };
+    }
+    if let PgWireError::MessageTooLarge {
+        payload_bytes,
+        limit_bytes,
+    } = &e
+    {
+        let need = payload_bytes.saturating_sub(WIRE_OVERHEAD).div_ceil(2);
+        return Error::config(
+            format!(
+                "the replication stream sent a message of {payload_bytes} bytes, more than the reader accepts ({limit_bytes}: twice --max-message-bytes plus 1 MiB): a row of the publication's tables is that large"
+            ),
+            format!(
+                "raise --max-message-bytes to at least {need} bytes (e.g. --max-message-bytes {}MiB); the relay reads the row then, and publishes it or dead-letters it as larger than the limit",
+                need.div_ceil(1024 * 1024).max(1)
+            ),
+        );
     }
     let retryable = match &e {
         PgWireError::Io(_) | PgWireError::Task(_) => true,
@@ -614,6 +648,7 @@ mod tests {
             status_interval: Duration::from_secs(1),
             snapshot: Vec::new(),
             snapshot_after: None,
+            max_wire_message_bytes: wire_message_limit(16 * 1024 * 1024),
         }
     }
 
@@ -647,6 +682,30 @@ mod tests {
         assert_eq!(server_sqlstate("x (SQLSTATE 08P01)"), Some("08P01"));
         assert_eq!(server_sqlstate("x (SQLSTATE 08P01) trailing"), None);
         assert_eq!(server_sqlstate("no code"), None);
+    }
+
+    #[test]
+    fn the_replication_reader_is_bounded_by_the_message_limit() {
+        let c = cfg("postgres://app@db.example/orders");
+        assert_eq!(
+            replication_config(&c, 0, 0, None).max_message_size,
+            33 * 1024 * 1024,
+            "twice 16 MiB plus 1 MiB, not the library's 1 GiB"
+        );
+        let err = wire_error(
+            PgWireError::MessageTooLarge {
+                payload_bytes: 5 * 1024 * 1024,
+                limit_bytes: wire_message_limit(1024 * 1024),
+            },
+            "s",
+            "n",
+        );
+        let text = err.to_string();
+        assert!(!err.is_retryable(), "{text}");
+        assert!(
+            text.contains("--max-message-bytes 2MiB") && text.contains("5242880"),
+            "{text}"
+        );
     }
 
     #[test]
