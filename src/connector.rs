@@ -258,7 +258,8 @@ pub async fn run_postgres(
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone()).with_slot(&cfg.slot);
-    drive(&cfg, store, lease, commits_rx, move |link| {
+    let resumed = Some(Checkpoint::Lsn(start));
+    drive(&cfg, store, lease, resumed, commits_rx, move |link| {
         pg::run(source_cfg, link, start, commits_tx, shutdown)
     })
     .await
@@ -706,23 +707,25 @@ pub async fn run_mysql(
         mariadb: settings.mariadb,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let resumed = Some(start.checkpoint());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
     match file_store {
-        Some(store) => drive(&cfg, store, lease, commits_rx, source).await,
+        Some(store) => drive(&cfg, store, lease, resumed, commits_rx, source).await,
         None => {
             let store = state::mysql::MyStateStore::new(dsn.clone());
-            drive(&cfg, store, lease, commits_rx, source).await
+            drive(&cfg, store, lease, resumed, commits_rx, source).await
         }
     }
 }
 
 /// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
 /// source ends (graceful stop) or something fails; then stores the final position and releases
-/// the lease.
+/// the lease. `resumed` is where the source starts: no position older than it is stored.
 async fn drive<St, F, Fut>(
     cfg: &RunConfig,
     store: St,
     lease: state::Lease,
+    resumed: Option<Checkpoint>,
     commits: watch::Receiver<state::DurableCommit>,
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
@@ -736,7 +739,7 @@ where
     let lease_stop = CancellationToken::new();
     let mut sink = make_sink(cfg)?;
     let mut lease_task = tokio::spawn(state::keep_lease(
-        store,
+        state::forward::ForwardOnly::new(store, resumed),
         lease,
         ack_rx,
         commits,
