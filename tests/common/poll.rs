@@ -158,13 +158,9 @@ pub async fn three_relays_each_event_once(db: &(impl PollDb + Sync)) {
 /// cannot be marked; the kill comes once such rows exist. A stall that caught the relay while
 /// claiming (nothing published) is resumed and tried again.
 pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
-    let proxy = FaultProxy::start(
-        format!("127.0.0.1:{}", db.server_port())
-            .parse()
-            .unwrap(),
-    )
-    .await
-    .unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", db.server_port()).parse().unwrap())
+        .await
+        .unwrap();
     let dsn = db.dsn_via(proxy.port());
     let args = stdout_args(&dsn, "k", "20ms", "50");
     let mut first = Relay::start(&args);
@@ -190,7 +186,10 @@ pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            assert!(attempts <= 20, "no stall caught a published batch in 20 attempts");
+            assert!(
+                attempts <= 20,
+                "no stall caught a published batch in 20 attempts"
+            );
             proxy.stall();
             let caught = tokio::time::timeout(Duration::from_secs(3), async {
                 loop {

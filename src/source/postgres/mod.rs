@@ -194,6 +194,10 @@ async fn connect_replication(cfg: &PgSourceConfig, start: u64) -> Result<Replica
 
 /// The pgwire-replication settings; `via` is the socket directory of a TLS bridge, which then
 /// replaces the host (pgwire-replication itself always speaks plain protocol).
+/// Replication messages the library may hold decoded before the relay takes them: memory is
+/// bounded by `--max-inflight-bytes` plus this many rows.
+pub const REPLICATION_BUFFER_EVENTS: usize = 32;
+
 fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> ReplicationConfig {
     ReplicationConfig::new(
         via.unwrap_or_else(|| cfg.dsn.host.clone()),
@@ -210,7 +214,9 @@ fn replication_config(cfg: &PgSourceConfig, start: u64, via: Option<String>) -> 
     .with_ack_lsn(Lsn::from_u64(start))
     .with_status_interval(cfg.status_interval)
     .with_wakeup_interval(Duration::from_secs(1))
-    .with_buffer_size(2048)
+    // Few decoded messages wait in the library: our byte budget (`--max-inflight-bytes`)
+    // starts after them, so with large rows its queue alone could hold many megabytes.
+    .with_buffer_size(REPLICATION_BUFFER_EVENTS)
     // Timestamps are parsed with their offset, but pinning the style keeps the text format
     // one we parse, whatever the server's defaults.
     .with_options("-c datestyle=ISO -c timezone=UTC -c intervalstyle=postgres")
