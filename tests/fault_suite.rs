@@ -16,7 +16,7 @@
 //! refused backwards store (the relay's own guard, `state::forward`).
 //!
 //! `OUTBOXD_FAULT_SEED` replays a run (the seed is printed); `OUTBOXD_FAULT_TRIALS` sets the
-//! trials per source (default 32, four per fault kind; 140+ for a long run). No service is
+//! trials per source (default 36, four per fault kind; 140+ for a long run). No service is
 //! restarted here: restarts live in pg_restart.rs, mysql_restart.rs and rabbitmq_restart.rs.
 
 mod common;
@@ -63,10 +63,13 @@ enum Fault {
     BrokerSlow,
     /// A broker stall longer than `--confirm-timeout`.
     BrokerLongStall,
+    /// A broker stall that ends in a cut: what the relay published into it never reached the
+    /// broker and must be republished, in order.
+    BrokerStallCut,
     Kill,
 }
 
-const FAULTS: [Fault; 8] = [
+const FAULTS: [Fault; 9] = [
     Fault::DbCut,
     Fault::DbStall,
     Fault::DbSlow,
@@ -74,6 +77,7 @@ const FAULTS: [Fault; 8] = [
     Fault::BrokerStall,
     Fault::BrokerSlow,
     Fault::BrokerLongStall,
+    Fault::BrokerStallCut,
     Fault::Kill,
 ];
 
@@ -358,7 +362,7 @@ async fn run_suite(db: Db) {
         .ok()
         .map(|s| s.parse().expect("OUTBOXD_FAULT_SEED is a u64"))
         .unwrap_or_else(rand::random);
-    let trials = env_usize("OUTBOXD_FAULT_TRIALS", 32);
+    let trials = env_usize("OUTBOXD_FAULT_TRIALS", 36);
     // Each source has its own stream from the one seed.
     let mut rng = StdRng::seed_from_u64(seed ^ if label == "postgres" { 0 } else { 0x5eed });
     eprintln!(
@@ -513,7 +517,10 @@ async fn run_suite(db: Db) {
                 delayed_before = proxy.delayed_chunks();
                 match fault {
                     Fault::DbCut | Fault::BrokerCut => proxy.cut(),
-                    Fault::DbStall | Fault::BrokerStall | Fault::BrokerLongStall => proxy.stall(),
+                    Fault::DbStall
+                    | Fault::BrokerStall
+                    | Fault::BrokerLongStall
+                    | Fault::BrokerStallCut => proxy.stall(),
                     Fault::DbSlow | Fault::BrokerSlow => proxy.set_delay(slow),
                     Fault::Kill => {
                         killed_alive = matches!(suite.relay.child.try_wait(), Ok(None));
@@ -549,7 +556,7 @@ async fn run_suite(db: Db) {
                 rolled_back.extend(ids);
             }
             if faulted && !cleared && fault_started.elapsed() >= fault_len {
-                bytes_at_clear = clear(&suite);
+                bytes_at_clear = clear_fault(&suite, fault);
                 cleared = true;
             }
             tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -557,7 +564,7 @@ async fn run_suite(db: Db) {
         if !cleared {
             let left = fault_len.saturating_sub(fault_started.elapsed());
             tokio::time::sleep(left).await;
-            bytes_at_clear = clear(&suite);
+            bytes_at_clear = clear_fault(&suite, fault);
         }
 
         // Every committed event of this trial, at least once.
@@ -635,6 +642,13 @@ async fn run_suite(db: Db) {
             Fault::DbStall => held(&suite.db_proxy, 0),
             Fault::BrokerStall => held(&suite.broker_proxy, 1),
             Fault::BrokerLongStall => held(&suite.broker_proxy, 1) && recoveries > 0,
+            // The stalled bytes were dropped by the cut, so only the reconnect shows.
+            Fault::BrokerStallCut => {
+                open_at_fault > 0
+                    && committed_during > 0
+                    && bytes_at_clear[1] == bytes_at_fault
+                    && reconnected(&suite.broker_proxy, broker_accepted_before)
+            }
             Fault::DbSlow => {
                 committed_during > 0 && suite.db_proxy.delayed_chunks() > delayed_before
             }
@@ -645,7 +659,8 @@ async fn run_suite(db: Db) {
         // In flight (the window) plus the rest of the open source transaction, per
         // interruption, plus what may have been confirmed but not yet stored when the relay
         // died (first delivered within the store lag before the kill).
-        let interruptions = kills + recoveries + usize::from(matches!(fault, Fault::DbCut));
+        let interruptions =
+            kills + recoveries + usize::from(matches!(fault, Fault::DbCut | Fault::BrokerStallCut));
         let bound = interruptions * (WINDOW + TXN_MAX) + unstored;
         let t = tallies.entry(fault).or_default();
         t.trials += 1;
@@ -802,6 +817,15 @@ fn clear(suite: &Suite) -> [u64; 2] {
         p.set_delay(Duration::ZERO);
     }
     before
+}
+
+/// Ends the trial's fault: a stall-then-cut cuts the stalled broker connections first (the
+/// bytes they held are lost), every other fault just ends.
+fn clear_fault(suite: &Suite, fault: Fault) -> [u64; 2] {
+    if fault == Fault::BrokerStallCut {
+        suite.broker_proxy.cut();
+    }
+    clear(suite)
 }
 
 /// Bytes a proxy forwarded so far, both directions.
