@@ -298,7 +298,8 @@ pub async fn run_postgres(
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
         .with_slot(&cfg.slot)
         .with_stored(stored_tx);
-    drive(&cfg, store, lease, None, commits_rx, move |link| {
+    let resumed = Some(Checkpoint::Lsn(start));
+    drive(&cfg, store, lease, None, resumed, commits_rx, move |link| {
         pg::run(source_cfg, link, start, stored_rx, commits_tx, shutdown)
     })
     .await
@@ -778,12 +779,13 @@ pub async fn run_mysql(
         mariadb: settings.mariadb,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
+    let resumed = Some(start.checkpoint());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
     match file_store {
-        Some(store) => drive(&cfg, store, lease, store_first, commits_rx, source).await,
+        Some(store) => drive(&cfg, store, lease, store_first, resumed, commits_rx, source).await,
         None => {
             let store = state::mysql::MyStateStore::new(dsn.clone());
-            drive(&cfg, store, lease, store_first, commits_rx, source).await
+            drive(&cfg, store, lease, store_first, resumed, commits_rx, source).await
         }
     }
 }
@@ -810,12 +812,14 @@ async fn resumable(
 /// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
 /// source ends (graceful stop) or something fails; then stores the final position and releases
 /// the lease. `first` is a first start's position (and whether that start is over with it),
-/// stored before the source may publish anything.
+/// stored before the source may publish anything; `resumed` is where the source starts: no
+/// position older than it is stored.
 async fn drive<St, F, Fut>(
     cfg: &RunConfig,
     mut store: St,
     mut lease: state::Lease,
     first: Option<(Checkpoint, bool)>,
+    resumed: Option<Checkpoint>,
     commits: watch::Receiver<state::DurableCommit>,
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
@@ -842,7 +846,7 @@ where
         ..cfg.relay.clone()
     };
     let mut lease_task = tokio::spawn(state::keep_lease(
-        store,
+        state::forward::ForwardOnly::new(store, resumed),
         lease,
         ack_rx,
         commits,

@@ -28,6 +28,8 @@ pub struct Telemetry {
     pub events_confirmed: Counter,
     pub events_dead_lettered: Counter,
     pub events_republished: Counter,
+    /// Attempts to store a position older than the stored one (a relay bug; refused).
+    pub position_backwards_refused: Counter,
     /// Reserved header names a row's `headers` object tried to set (dropped).
     pub row_headers_dropped: Counter,
     pub reconnects: Family<Cause, Counter>,
@@ -68,6 +70,7 @@ impl Telemetry {
             events_confirmed: Counter::default(),
             events_dead_lettered: Counter::default(),
             events_republished: Counter::default(),
+            position_backwards_refused: Counter::default(),
             row_headers_dropped: Counter::default(),
             reconnects: Family::default(),
             sink_retries: Family::default(),
@@ -116,6 +119,11 @@ impl Telemetry {
             "row_headers_dropped",
             "Header names a row's headers object set that the relay reserves (dropped)",
             t.row_headers_dropped.clone(),
+        );
+        registry.register(
+            "position_backwards_refused",
+            "Attempts to store a position older than the stored one (refused; a relay bug)",
+            t.position_backwards_refused.clone(),
         );
         registry.register(
             "reconnects",

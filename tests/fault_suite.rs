@@ -1,15 +1,23 @@
 //! Randomized fault injection, one test per source (Postgres CDC, MariaDB CDC), run side by
 //! side. Each trial has producers write committed and rolled-back transactions while one fault
-//! hits at a random moment: the TCP proxy between relay and database or between relay and
-//! RabbitMQ cuts, stalls or slows the traffic, or the relay is SIGKILLed and restarted. After
-//! every trial: every committed event arrived at least once, no event of a rolled-back
-//! transaction arrived, and the duplicates stay within the bound; across the whole run the
-//! stored position (sampled from `outboxd_state`) never went backwards. A summary line per
-//! fault kind: trials, events, lost, duplicates, bound.
+//! hits at a random point of the producer's progress (after a random transaction, never by the
+//! clock, so a short trial cannot finish before its fault): the TCP proxy between relay and
+//! database or between relay and RabbitMQ cuts, stalls or slows the traffic, a broker stall
+//! outlasts `--confirm-timeout` (timeout, reconnect, republish), or the relay is SIGKILLed and
+//! restarted. Every fault must show it was injected (connections were open when it hit, the
+//! producer committed while it lasted, a long stall made the relay reconnect, a kill found the
+//! relay alive); the run prints the injections per kind and fails if a kind was never injected.
+//!
+//! After every trial: every committed event arrived at least once, no event of a rolled-back
+//! transaction arrived, and the duplicates stay within a bound computed from the configured
+//! window and the relay's store period (never from what the test saw stored, so a store period
+//! that grows is caught). Across the whole run: first deliveries arrived in commit order, the
+//! stored position (sampled from `outboxd_state`) never went backwards, and no relay logged a
+//! refused backwards store (the relay's own guard, `state::forward`).
 //!
 //! `OUTBOXD_FAULT_SEED` replays a run (the seed is printed); `OUTBOXD_FAULT_TRIALS` sets the
-//! trials per source (default 28, four per fault kind; 100+ for a long run). No service is restarted here: restarts
-//! live in pg_restart.rs, mysql_restart.rs and rabbitmq_restart.rs.
+//! trials per source (default 36, four per fault kind; 140+ for a long run). No service is
+//! restarted here: restarts live in pg_restart.rs, mysql_restart.rs and rabbitmq_restart.rs.
 
 mod common;
 
@@ -31,6 +39,19 @@ const WINDOW: usize = 8;
 const TOPIC: &str = "fault.suite";
 /// Most events in one producer transaction: the "rest of the open source transaction".
 const TXN_MAX: usize = 4;
+/// `--confirm-timeout`: short, so that a long broker stall outlasts it.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
+/// The relay's documented store period (docs/guarantees.md), deliberately not read from the
+/// library: a relay whose period grows fails the duplicate bound instead of widening it.
+const STORE_PERIOD: Duration = Duration::from_millis(1000);
+/// How long after a confirmation the relay may take to store the position: the store period
+/// plus the acknowledgement interval and the write itself. Events confirmed within this
+/// before a kill may come again; anything older must have been stored.
+fn store_lag() -> Duration {
+    STORE_PERIOD + Duration::from_millis(400)
+}
+/// The line the relay's backwards-store guard logs.
+const BACKWARDS: &str = "refused to store a position older than the stored one";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Fault {
@@ -40,16 +61,23 @@ enum Fault {
     BrokerCut,
     BrokerStall,
     BrokerSlow,
+    /// A broker stall longer than `--confirm-timeout`.
+    BrokerLongStall,
+    /// A broker stall that ends in a cut: what the relay published into it never reached the
+    /// broker and must be republished, in order.
+    BrokerStallCut,
     Kill,
 }
 
-const FAULTS: [Fault; 7] = [
+const FAULTS: [Fault; 9] = [
     Fault::DbCut,
     Fault::DbStall,
     Fault::DbSlow,
     Fault::BrokerCut,
     Fault::BrokerStall,
     Fault::BrokerSlow,
+    Fault::BrokerLongStall,
+    Fault::BrokerStallCut,
     Fault::Kill,
 ];
 
@@ -230,8 +258,12 @@ impl Producer {
     }
 }
 
-/// Every delivery from the test's queue: (id, position, arrival).
-type Deliveries = Arc<Mutex<Vec<(Uuid, Option<Pos>, Instant)>>>;
+/// Every delivery from the test's queue: (id, position, arrival, `x-source-position` text,
+/// the trial running when it arrived).
+type Deliveries = Arc<Mutex<Vec<(Uuid, Option<Pos>, Instant, String, usize)>>>;
+
+/// The trial under way, for attributing deliveries in failure messages.
+static TRIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 async fn consume(topo: &Topology, queue: &str, into: Deliveries) {
     use lapin::options::{BasicConsumeOptions, BasicQosOptions};
@@ -254,10 +286,15 @@ async fn consume(topo: &Topology, queue: &str, into: Deliveries) {
     tokio::spawn(async move {
         let _ch = ch;
         while let Some(Ok(d)) = consumer.next().await {
-            let pos = amqp::header_str(&d, "x-source-position").and_then(|p| Pos::of_event(&p));
-            into.lock()
-                .unwrap()
-                .push((amqp::message_id(&d), pos, Instant::now()));
+            let text = amqp::header_str(&d, "x-source-position").unwrap_or_default();
+            let pos = Pos::of_event(&text);
+            into.lock().unwrap().push((
+                amqp::message_id(&d),
+                pos,
+                Instant::now(),
+                text,
+                TRIAL.load(std::sync::atomic::Ordering::Relaxed),
+            ));
         }
     });
 }
@@ -265,6 +302,7 @@ async fn consume(topo: &Topology, queue: &str, into: Deliveries) {
 #[derive(Default, Clone, Copy)]
 struct Tally {
     trials: usize,
+    injected: usize,
     events: usize,
     lost: usize,
     duplicates: usize,
@@ -280,6 +318,8 @@ struct Suite {
     db_proxy: FaultProxy,
     broker_proxy: FaultProxy,
     relay: Relay,
+    /// stderr of every relay this run replaced (killed, or exited).
+    past_stderr: String,
     /// Stored positions sampled over the whole run: (when, position).
     samples: Arc<Mutex<Vec<(Instant, Pos)>>>,
 }
@@ -290,26 +330,19 @@ impl Suite {
         Relay::start_with_env(&args, &[("OUTBOXD_SINK", &self.sink)])
     }
 
+    /// Starts a new relay in place of the one that ended, keeping the old one's stderr.
+    fn replace_relay(&mut self) {
+        let new = self.start_relay();
+        let old = std::mem::replace(&mut self.relay, new);
+        self.past_stderr.push_str(&old.stderr());
+    }
+
     /// Sink recoveries logged by the running relay so far.
     fn recoveries(&self) -> usize {
         self.relay
             .stderr()
             .matches("sink failed; reconnecting")
             .count()
-    }
-
-    /// When the stored position last changed before `t`.
-    fn last_store_before(&self, t: Instant) -> Option<Instant> {
-        let s = self.samples.lock().unwrap();
-        let mut last: Option<(Instant, Pos)> = None;
-        let mut changed_at = None;
-        for &(at, p) in s.iter().filter(|(at, _)| *at <= t) {
-            if last.map(|(_, q)| q) != Some(p) {
-                changed_at = Some(at);
-            }
-            last = Some((at, p));
-        }
-        changed_at
     }
 }
 
@@ -329,7 +362,7 @@ async fn run_suite(db: Db) {
         .ok()
         .map(|s| s.parse().expect("OUTBOXD_FAULT_SEED is a u64"))
         .unwrap_or_else(rand::random);
-    let trials = env_usize("OUTBOXD_FAULT_TRIALS", 28);
+    let trials = env_usize("OUTBOXD_FAULT_TRIALS", 36);
     // Each source has its own stream from the one seed.
     let mut rng = StdRng::seed_from_u64(seed ^ if label == "postgres" { 0 } else { 0x5eed });
     eprintln!(
@@ -345,6 +378,7 @@ async fn run_suite(db: Db) {
         .await
         .unwrap();
     let name = unique("f");
+    let confirm_timeout = format!("{}ms", CONFIRM_TIMEOUT.as_millis());
     let args: Vec<String> = [
         "run",
         "--source",
@@ -355,6 +389,8 @@ async fn run_suite(db: Db) {
         &topo.exchange,
         "--window",
         &WINDOW.to_string(),
+        "--confirm-timeout",
+        &confirm_timeout,
         "--log-level",
         "info,lapin=warn",
     ]
@@ -374,6 +410,7 @@ async fn run_suite(db: Db) {
         db_proxy,
         broker_proxy,
         relay,
+        past_stderr: String::new(),
         samples: Arc::new(Mutex::new(Vec::new())),
     };
     topo.wait_declared(T).await;
@@ -410,91 +447,124 @@ async fn run_suite(db: Db) {
     }
     let mut failures = Vec::new();
 
+    let fault_of: BTreeMap<usize, Fault> = kinds.iter().copied().enumerate().collect();
     for (trial, fault) in kinds.into_iter().enumerate() {
-        let n_txn = rng.random_range(6..=12);
-        let fault_at = Duration::from_millis(rng.random_range(0..400));
-        let fault_len = Duration::from_millis(rng.random_range(200..1200));
+        TRIAL.store(trial, std::sync::atomic::Ordering::Relaxed);
+        // A kill comes after at least twice the store lag of steady traffic, so that what
+        // was confirmed long enough before it must have been stored (the bound below checks
+        // it); about 25 ms a transaction.
+        let kill_after = 2 * store_lag();
+        let n_txn = match fault {
+            Fault::Kill => (kill_after.as_millis() / 25) as usize + rng.random_range(6..=12),
+            _ => rng.random_range(6..=12),
+        };
+        // The fault hits after this many transactions (a kill: once the producer has run for
+        // `kill_after`), and the next one commits: the producer is always still writing when
+        // the fault begins.
+        let mut fault_after = rng.random_range(1..=n_txn / 2);
+        let fault_len = match fault {
+            Fault::BrokerLongStall => {
+                CONFIRM_TIMEOUT + Duration::from_millis(rng.random_range(500..1500))
+            }
+            _ => Duration::from_millis(rng.random_range(200..1200)),
+        };
         let slow = Duration::from_millis(rng.random_range(5..40));
         let restart_after = Duration::from_millis(rng.random_range(0..300));
         let plan: Vec<(usize, bool, u64)> = (0..n_txn)
-            .map(|_| {
+            .map(|i| {
                 (
                     rng.random_range(1..=TXN_MAX),
-                    rng.random_bool(0.75),
+                    i == fault_after || rng.random_bool(0.75),
                     rng.random_range(0..40),
                 )
             })
             .collect();
         let recoveries_before = suite.recoveries();
+        let db_accepted_before = suite.db_proxy.accepted();
+        let broker_accepted_before = suite.broker_proxy.accepted();
         let t0 = Instant::now();
         let mut committed = Vec::new();
         let mut faulted = false;
         let mut cleared = false;
+        // What shows the fault really hit: connections open when it began, a committed
+        // transaction written while it lasted (the relay had work to do through it).
+        let mut open_at_fault = 0usize;
+        let mut bytes_at_fault = 0u64;
+        let mut bytes_at_clear = [0u64; 2];
+        let mut delayed_before = 0u64;
+        let mut committed_during = 0usize;
+        let mut killed_alive = false;
         let mut unstored = 0usize;
         let mut kills = 0usize;
         let mut fault_started = t0;
-        for (n, commit, pause) in plan {
-            let ids = producer.txn(n, commit, seq).await;
-            seq += 1;
-            if commit {
-                committed.extend(ids);
-            } else {
-                rolled_back.extend(ids);
+        for (k, (n, commit, pause)) in plan.into_iter().enumerate() {
+            if fault == Fault::Kill && !faulted {
+                fault_after = if t0.elapsed() >= kill_after || k + 4 >= n_txn {
+                    k
+                } else {
+                    usize::MAX
+                };
             }
-            if !faulted && t0.elapsed() >= fault_at {
+            if !faulted && k == fault_after {
                 faulted = true;
                 fault_started = Instant::now();
+                let proxy = match fault {
+                    Fault::DbCut | Fault::DbStall | Fault::DbSlow => &suite.db_proxy,
+                    _ => &suite.broker_proxy,
+                };
+                open_at_fault = proxy.open_connections();
+                bytes_at_fault = proxy_bytes(proxy);
+                delayed_before = proxy.delayed_chunks();
                 match fault {
-                    Fault::DbCut => suite.db_proxy.cut(),
-                    Fault::DbStall => suite.db_proxy.stall(),
-                    Fault::DbSlow => suite.db_proxy.set_delay(slow),
-                    Fault::BrokerCut => suite.broker_proxy.cut(),
-                    Fault::BrokerStall => suite.broker_proxy.stall(),
-                    Fault::BrokerSlow => suite.broker_proxy.set_delay(slow),
+                    Fault::DbCut | Fault::BrokerCut => proxy.cut(),
+                    Fault::DbStall
+                    | Fault::BrokerStall
+                    | Fault::BrokerLongStall
+                    | Fault::BrokerStallCut => proxy.stall(),
+                    Fault::DbSlow | Fault::BrokerSlow => proxy.set_delay(slow),
                     Fault::Kill => {
+                        killed_alive = matches!(suite.relay.child.try_wait(), Ok(None));
                         let killed_at = Instant::now();
                         suite.relay.sigkill();
                         kills += 1;
-                        // Confirmed but not stored: events first delivered after the stored
-                        // position last moved (the broker may still be handing over confirmed
-                        // messages: count until the restart).
+                        // Events whose first delivery came within the store lag before the
+                        // kill may not be stored yet: they come again. The broker may still
+                        // hand over messages confirmed just before the kill: count them
+                        // until the restart.
                         tokio::time::sleep(restart_after.max(Duration::from_millis(100))).await;
-                        let since = suite.last_store_before(killed_at).unwrap_or(t0);
-                        let stored = stored_now.stored().await;
+                        let since = killed_at.checked_sub(store_lag()).unwrap_or(t0);
                         let d = deliveries.lock().unwrap();
                         let mut seen = HashSet::new();
                         unstored = d
                             .iter()
-                            .filter(|(id, p, at)| {
-                                seen.insert(*id)
-                                    && (*at >= since
-                                        || matches!((p, stored), (Some(p), Some(s)) if p.after(s)))
-                            })
+                            .filter(|(id, _, at, _, _)| seen.insert(*id) && *at >= since)
                             .count();
                         drop(d);
-                        suite.relay = suite.start_relay();
+                        suite.replace_relay();
                         cleared = true;
                     }
                 }
             }
+            let ids = producer.txn(n, commit, seq).await;
+            seq += 1;
+            if commit {
+                if faulted && !cleared || k == fault_after {
+                    committed_during += 1;
+                }
+                committed.extend(ids);
+            } else {
+                rolled_back.extend(ids);
+            }
             if faulted && !cleared && fault_started.elapsed() >= fault_len {
-                clear(&suite);
+                bytes_at_clear = clear_fault(&suite, fault);
                 cleared = true;
             }
             tokio::time::sleep(Duration::from_millis(pause)).await;
         }
-        if !faulted {
-            // The producer finished before the fault time: a cut still hits an idle relay.
-            if fault == Fault::DbCut {
-                suite.db_proxy.cut();
-            } else if fault == Fault::BrokerCut {
-                suite.broker_proxy.cut();
-            }
-        }
         if !cleared {
             let left = fault_len.saturating_sub(fault_started.elapsed());
             tokio::time::sleep(left).await;
-            clear(&suite);
+            bytes_at_clear = clear_fault(&suite, fault);
         }
 
         // Every committed event of this trial, at least once.
@@ -510,7 +580,7 @@ async fn run_suite(db: Db) {
                     "trial {trial} ({fault:?}): the relay exited ({status}):\n{}",
                     suite.relay.stderr()
                 ));
-                suite.relay = suite.start_relay();
+                suite.replace_relay();
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
@@ -521,8 +591,8 @@ async fn run_suite(db: Db) {
             let last_id = committed.last();
             let d = deliveries.lock().unwrap();
             d.iter()
-                .filter(|(id, _, _)| Some(id) == last_id)
-                .find_map(|(_, p, _)| *p)
+                .filter(|(id, _, _, _, _)| Some(id) == last_id)
+                .find_map(|(_, p, _, _, _)| *p)
         };
         if let Some(last) = last {
             let deadline = Instant::now() + T;
@@ -551,12 +621,50 @@ async fn run_suite(db: Db) {
             suite
                 .recoveries()
                 .saturating_sub(if kills > 0 { 0 } else { recoveries_before });
+        // Whether the fault demonstrably hit this trial.
+        // A cut found open connections and the relay reconnected; a stall let nothing pass
+        // while the producer committed, and traffic flowed after it (it held real data); a
+        // long stall also made the relay time out and reconnect; a slowdown delayed traffic;
+        // a kill found the relay alive.
+        let reconnected = |p: &FaultProxy, before: u64| p.accepted() > before;
+        let held = |p: &FaultProxy, i: usize| {
+            open_at_fault > 0
+                && committed_during > 0
+                && bytes_at_clear[i] == bytes_at_fault
+                && proxy_bytes(p) > bytes_at_clear[i]
+        };
+        let injected = match fault {
+            Fault::Kill => killed_alive,
+            Fault::DbCut => open_at_fault > 0 && reconnected(&suite.db_proxy, db_accepted_before),
+            Fault::BrokerCut => {
+                open_at_fault > 0 && reconnected(&suite.broker_proxy, broker_accepted_before)
+            }
+            Fault::DbStall => held(&suite.db_proxy, 0),
+            Fault::BrokerStall => held(&suite.broker_proxy, 1),
+            Fault::BrokerLongStall => held(&suite.broker_proxy, 1) && recoveries > 0,
+            // The stalled bytes were dropped by the cut, so only the reconnect shows.
+            Fault::BrokerStallCut => {
+                open_at_fault > 0
+                    && committed_during > 0
+                    && bytes_at_clear[1] == bytes_at_fault
+                    && reconnected(&suite.broker_proxy, broker_accepted_before)
+            }
+            Fault::DbSlow => {
+                committed_during > 0 && suite.db_proxy.delayed_chunks() > delayed_before
+            }
+            Fault::BrokerSlow => {
+                committed_during > 0 && suite.broker_proxy.delayed_chunks() > delayed_before
+            }
+        };
         // In flight (the window) plus the rest of the open source transaction, per
-        // interruption, plus what was confirmed but not yet stored when the relay died.
-        let interruptions = kills + recoveries + usize::from(matches!(fault, Fault::DbCut));
+        // interruption, plus what may have been confirmed but not yet stored when the relay
+        // died (first delivered within the store lag before the kill).
+        let interruptions =
+            kills + recoveries + usize::from(matches!(fault, Fault::DbCut | Fault::BrokerStallCut));
         let bound = interruptions * (WINDOW + TXN_MAX) + unstored;
         let t = tallies.entry(fault).or_default();
         t.trials += 1;
+        t.injected += usize::from(injected);
         t.events += committed.len();
         t.lost += lost;
         t.duplicates += dups;
@@ -571,7 +679,8 @@ async fn run_suite(db: Db) {
         }
         if dups > bound {
             failures.push(format!(
-                "trial {trial} ({fault:?}): {dups} duplicates, bound {bound} (kills {kills}, sink recoveries {recoveries}, unstored {unstored})"
+                "trial {trial} ({fault:?}): {dups} duplicates, bound {bound} (kills {kills}, sink recoveries {recoveries}, first delivered within {:?} before the kill {unstored})",
+                store_lag()
             ));
         }
         if rb_seen > 0 {
@@ -583,7 +692,8 @@ async fn run_suite(db: Db) {
     stop_sampling.cancel();
     let _ = sampler.await;
 
-    // The stored position never went backwards, across faults and restarts.
+    // The stored position never went backwards, across faults and restarts: as sampled from
+    // the state table, and as the relay's own guard saw every store it attempted.
     let samples = suite.samples.lock().unwrap().clone();
     for w in samples.windows(2) {
         if w[1].1 < w[0].1 {
@@ -593,35 +703,94 @@ async fn run_suite(db: Db) {
             ));
         }
     }
+    let all_stderr = format!("{}{}", suite.past_stderr, suite.relay.stderr());
+    let backwards = all_stderr.matches(BACKWARDS).count();
+    if backwards > 0 {
+        failures.push(format!(
+            "a relay tried to store a position older than the stored one {backwards} times:\n{}",
+            all_stderr
+                .lines()
+                .filter(|l| l.contains(BACKWARDS))
+                .take(5)
+                .collect::<Vec<_>>()
+                .join("\n")
+        ));
+    }
+    // Guarantee 4: first deliveries in commit order (positions render so that text order is
+    // commit order).
+    let order_violations = {
+        let d = deliveries.lock().unwrap();
+        let mut seen = HashSet::new();
+        let firsts: Vec<(&str, usize)> = d
+            .iter()
+            .filter(|(id, _, _, _, _)| seen.insert(*id))
+            .map(|(_, _, _, text, trial)| (text.as_str(), *trial))
+            .collect();
+        let bad: Vec<String> = firsts
+            .windows(2)
+            .filter(|w| w[1].0 < w[0].0)
+            .map(|w| {
+                format!(
+                    "{} then {} (trial {} {:?})",
+                    w[0].0,
+                    w[1].0,
+                    w[1].1,
+                    fault_of.get(&w[1].1)
+                )
+            })
+            .collect();
+        (firsts.len(), bad)
+    };
+    if !order_violations.1.is_empty() {
+        failures.push(format!(
+            "{} of {} first deliveries arrived out of commit order, e.g. {}",
+            order_violations.1.len(),
+            order_violations.0,
+            order_violations.1[..order_violations.1.len().min(5)].join("; ")
+        ));
+    }
     let mut all = Tally::default();
+    eprintln!("fault suite {label} injections (a fault counts only where it demonstrably hit):");
     for (fault, t) in &tallies {
         eprintln!(
-            "fault suite {label} {:<12} trials {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})",
+            "fault suite {label} {:<15} trials {:>3}  injected {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})",
             format!("{fault:?}"),
             t.trials,
+            t.injected,
             t.events,
             t.lost,
             t.duplicates,
             t.bound
         );
         all.trials += t.trials;
+        all.injected += t.injected;
         all.events += t.events;
         all.lost += t.lost;
         all.duplicates += t.duplicates;
         all.bound += t.bound;
     }
     eprintln!(
-        "fault suite {label} {:<12} trials {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})  rolled back {} (none arrived)  position samples {}  {:.0}s  seed {seed}",
+        "fault suite {label} {:<15} trials {:>3}  injected {:>3}  events {:>5}  lost {}  duplicates {:>4}  (bound {:>4})  rolled back {} (none arrived)  first deliveries in commit order {}  backwards stores refused {backwards}  position samples {}  {:.0}s  seed {seed}",
         "all",
         all.trials,
+        all.injected,
         all.events,
         all.lost,
         all.duplicates,
         all.bound,
         rolled_back.len(),
+        order_violations.0,
         samples.len(),
         started.elapsed().as_secs_f64()
     );
+    for fault in FAULTS {
+        if trials >= FAULTS.len() && tallies.get(&fault).is_none_or(|t| t.injected == 0) {
+            failures.push(format!(
+                "fault {fault:?} was never injected in {} trials",
+                tallies.get(&fault).map_or(0, |t| t.trials)
+            ));
+        }
+    }
     assert!(samples.len() > 1, "the stored position was sampled");
     assert!(all.events > 0 && !rolled_back.is_empty());
     assert!(
@@ -635,12 +804,34 @@ async fn run_suite(db: Db) {
     assert_eq!(code, 0, "{}", suite.relay.stderr());
 }
 
-/// Ends a stall or slowdown on both proxies.
-fn clear(suite: &Suite) {
+/// Ends a stall or slowdown on both proxies; returns the bytes each had forwarded until then
+/// (database proxy, broker proxy), so a stall can show nothing passed while it lasted.
+fn clear(suite: &Suite) -> [u64; 2] {
+    let total = |p: &FaultProxy| {
+        let (up, down) = p.bytes();
+        up + down
+    };
+    let before = [total(&suite.db_proxy), total(&suite.broker_proxy)];
     for p in [&suite.db_proxy, &suite.broker_proxy] {
         p.resume();
         p.set_delay(Duration::ZERO);
     }
+    before
+}
+
+/// Ends the trial's fault: a stall-then-cut cuts the stalled broker connections first (the
+/// bytes they held are lost), every other fault just ends.
+fn clear_fault(suite: &Suite, fault: Fault) -> [u64; 2] {
+    if fault == Fault::BrokerStallCut {
+        suite.broker_proxy.cut();
+    }
+    clear(suite)
+}
+
+/// Bytes a proxy forwarded so far, both directions.
+fn proxy_bytes(p: &FaultProxy) -> u64 {
+    let (up, down) = p.bytes();
+    up + down
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

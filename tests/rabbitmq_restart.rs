@@ -1,6 +1,6 @@
 //! The broker goes away under a running relay: `rabbitmqctl stop_app` / `start_app` mid-stream,
 //! an outage longer than Postgres' `wal_sender_timeout`, and a memory alarm that blocks
-//! publishers. These tests disturb the shared broker, so they live in their own test binary
+//! publishers, under a Postgres and a MariaDB relay. These tests disturb the shared broker, so they live in their own test binary
 //! (cargo runs test binaries one after another) and run one at a time inside it; every one
 //! restores the broker (and the server setting it changed) in a Drop guard, also on panic.
 
@@ -503,5 +503,134 @@ async fn partitions_keep_every_aggregate_in_its_queue_across_a_broker_restart() 
     eprintln!(
         "per queue {:?}, {} duplicates after the restart",
         report.per_queue, report.duplicates
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same broker faults under a MariaDB relay.
+// ---------------------------------------------------------------------------------------------
+
+fn start_my_relay(db: &MyDb, name: &str, exchange: &str, extra: &[&str]) -> Relay {
+    let dsn = db.dsn();
+    let mut args = vec![
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        name,
+        "--exchange",
+        exchange,
+        "--log-level",
+        "info,lapin=off",
+    ];
+    args.extend_from_slice(extra);
+    Relay::start_with_env(&args, &[("OUTBOXD_SINK", &amqp::url())])
+}
+
+/// Waits until relay `name` stored a position at or past `head`.
+async fn wait_stored_past(db: &MyDb, name: &str, head: &(String, u64)) {
+    wait_for(
+        &format!("{name}'s position stored past {head:?}"),
+        T,
+        || async {
+            db.stored(name)
+                .await
+                .is_some_and(|(f, p, _)| binlog_ge(&(f, p), head))
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_broker_stopped_and_started_mid_stream_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let db = MyDb::create("my_rmqrs").await;
+    let mut topo = Topology::new("xmrs").await;
+    let name = unique("r");
+    let mut relay = start_my_relay(&db, &name, &topo.exchange, &["--confirm-timeout", "5s"]);
+    wait_for("the relay's binlog stream", T, || db.streaming()).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+
+    let mut c = db.conn().await;
+    let writer =
+        tokio::spawn(async move { my_write_events(&mut c, 40, 100, "restart.stream").await });
+    wait_for("1,000 events before the broker stops", T, || async {
+        topo.queue_len(&all).await >= 1000
+    })
+    .await;
+    let mut broker = BrokerStopped::stop();
+    wait_for("the relay to fail over to reconnecting", T, || {
+        let err = relay.stderr();
+        async move { err.contains("sink still unavailable") }
+    })
+    .await;
+    let expected = writer.await.unwrap();
+    broker.start();
+    let head = my_head().await;
+    wait_stored_past(&db, &name, &head).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert!(relay.stderr().contains("sink recovered"));
+
+    let got: Vec<Uuid> = topo.take_all(&all).await.iter().map(message_id).collect();
+    assert_none_lost(&got, &expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_memory_alarm_blocks_publishing_and_holds_the_position() {
+    let _serial = SERIAL.lock().await;
+    let db = MyDb::create("my_rmqra").await;
+    let mut topo = Topology::new("xmra").await;
+    let name = unique("r");
+    let confirm_timeout = Duration::from_secs(2);
+    let mut relay = start_my_relay(&db, &name, &topo.exchange, &["--confirm-timeout", "2s"]);
+    wait_for("the relay's binlog stream", T, || db.streaming()).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+
+    let mut c = db.conn().await;
+    let mut expected = my_write_events(&mut c, 1, 100, "before.alarm").await;
+    wait_for("the first 100 events", T, || async {
+        topo.queue_len(&all).await >= 100
+    })
+    .await;
+    let before_alarm = my_head().await;
+    wait_stored_past(&db, &name, &before_alarm).await;
+    let alarm = MemoryAlarm::raise();
+    expected.extend(my_write_events(&mut c, 2, 100, "during.alarm").await);
+    let head = my_head().await;
+    wait_for("the relay to report the blocked connection", T, || {
+        let err = relay.stderr();
+        async move { err.contains("RabbitMQ blocked the connection") }
+    })
+    .await;
+    assert!(
+        topo.queue_len(&all).await < 300,
+        "publishing is held during the alarm"
+    );
+    let stored = db.stored(&name).await.map(|(f, p, _)| (f, p)).unwrap();
+    assert!(
+        !binlog_ge(&stored, &head),
+        "the position stays while publishing is blocked: {stored:?} vs head {head:?}"
+    );
+    // The scenario: the alarm lasts more than twice the confirm timeout.
+    tokio::time::sleep(confirm_timeout * 2 + Duration::from_millis(500)).await;
+    assert!(
+        !relay.stderr().contains("sink failed"),
+        "an alarm longer than --confirm-timeout made the relay reconnect:\n{}",
+        relay.stderr()
+    );
+    drop(alarm);
+    wait_stored_past(&db, &name, &head).await;
+    assert!(relay.stderr().contains("RabbitMQ unblocked the connection"));
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let got: Vec<Uuid> = topo.take_all(&all).await.iter().map(message_id).collect();
+    assert_none_lost(&got, &expected);
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "no duplicates without a reconnect"
     );
 }

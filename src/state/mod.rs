@@ -4,6 +4,7 @@
 //! the lease holder of the current epoch.
 
 pub mod file;
+pub mod forward;
 pub mod mysql;
 pub mod postgres;
 

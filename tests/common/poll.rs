@@ -13,6 +13,10 @@ const T: Duration = Duration::from_secs(120);
 #[allow(async_fn_in_trait)]
 pub trait PollDb {
     fn dsn(&self) -> String;
+    /// The DSN through a proxy listening on `port`.
+    fn dsn_via(&self, port: u16) -> String;
+    /// The server's port on 127.0.0.1 (what a proxy forwards to).
+    fn server_port(&self) -> u16;
     /// Rows not yet marked published.
     async fn pending_ids(&self) -> HashSet<Uuid>;
     /// Writes `n_tx` transactions of `per_tx` events; returns their ids.
@@ -22,6 +26,14 @@ pub trait PollDb {
 impl PollDb for PgDb {
     fn dsn(&self) -> String {
         PgDb::dsn(self)
+    }
+
+    fn dsn_via(&self, port: u16) -> String {
+        PgDb::dsn_via(self, port)
+    }
+
+    fn server_port(&self) -> u16 {
+        5432
     }
 
     async fn pending_ids(&self) -> HashSet<Uuid> {
@@ -46,6 +58,14 @@ impl PollDb for PgDb {
 impl PollDb for MyDb {
     fn dsn(&self) -> String {
         MyDb::dsn(self)
+    }
+
+    fn dsn_via(&self, port: u16) -> String {
+        MyDb::dsn_via(self, port)
+    }
+
+    fn server_port(&self) -> u16 {
+        MY_PORT
     }
 
     async fn pending_ids(&self) -> HashSet<Uuid> {
@@ -132,10 +152,16 @@ pub async fn three_relays_each_event_once(db: &(impl PollDb + Sync)) {
     );
 }
 
-/// SIGKILL while batches are in flight: what the killed relay published but had not marked is
-/// published again by the next one; nothing is lost.
+/// SIGKILL in the middle of a batch: what the killed relay published but had not marked is
+/// published again by the next one; nothing is lost. The kill is forced mid-batch: the relay's
+/// database connection (through the proxy) is stalled, so a batch it has claimed and published
+/// cannot be marked; the kill comes once such rows exist. A stall that caught the relay while
+/// claiming (nothing published) is resumed and tried again.
 pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
-    let dsn = db.dsn();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", db.server_port()).parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
     let args = stdout_args(&dsn, "k", "20ms", "50");
     let mut first = Relay::start(&args);
     let writer = db.write(60, 100, "poll.kill");
@@ -145,19 +171,56 @@ pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
             async move { n >= 1500 }
         })
         .await;
+        // Published but not marked: a plain read (straight to the server, not through the
+        // proxy) does not wait for the relay's row locks and sees those rows pending.
+        let unmarked_now = |first: &Relay| {
+            let before: Vec<Uuid> = ids(first);
+            async move {
+                let pending = db.pending_ids().await;
+                before
+                    .into_iter()
+                    .filter(|i| pending.contains(i))
+                    .collect::<HashSet<Uuid>>()
+            }
+        };
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            assert!(
+                attempts <= 20,
+                "no stall caught a published batch in 20 attempts"
+            );
+            proxy.stall();
+            let caught = tokio::time::timeout(Duration::from_secs(3), async {
+                loop {
+                    if !unmarked_now(&first).await.is_empty() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await;
+            if caught.is_ok() {
+                break;
+            }
+            proxy.resume();
+            let n = first.line_count();
+            wait_for("the relay publishes again", T, || {
+                let m = first.line_count();
+                async move { m > n }
+            })
+            .await;
+        }
         first.sigkill();
-        // Published but not marked (its batch's transaction was still open): a plain read
-        // does not wait for the dead session's locks and sees those rows pending.
-        let pending = db.pending_ids().await;
-        let before = ids(&first);
-        let unmarked: HashSet<Uuid> = before
-            .iter()
-            .copied()
-            .filter(|i| pending.contains(i))
-            .collect();
-        (before, unmarked)
+        proxy.resume();
+        let unmarked = unmarked_now(&first).await;
+        (ids(&first), unmarked)
     };
     let (expected, (before, unmarked)) = tokio::join!(writer, kill);
+    assert!(
+        !unmarked.is_empty(),
+        "the kill came in the middle of a batch: published rows were not yet marked"
+    );
     let second = Relay::start(&args);
     wait_for("every row marked", T, || all_marked(db)).await;
     let again: HashSet<Uuid> = ids(&second).into_iter().collect();
@@ -173,7 +236,7 @@ pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
         unmarked.len()
     );
     eprintln!(
-        "killed with {} published-but-unmarked rows; all republished",
+        "killed mid-batch with {} published-but-unmarked rows; all republished",
         unmarked.len()
     );
 }

@@ -60,6 +60,8 @@ struct Counters {
     open: AtomicUsize,
     up: AtomicU64,
     down: AtomicU64,
+    /// Chunks forwarded after an added delay (proof that a slowdown hit traffic).
+    delayed: AtomicU64,
 }
 
 /// Handle to a running proxy. Cheap to clone; the proxy stops when the last clone is dropped.
@@ -194,6 +196,11 @@ impl FaultProxy {
         self.inner.counters.open.load(Ordering::SeqCst)
     }
 
+    /// Chunks forwarded late because of [`set_delay`](Self::set_delay), so far.
+    pub fn delayed_chunks(&self) -> u64 {
+        self.inner.counters.delayed.load(Ordering::SeqCst)
+    }
+
     /// Bytes forwarded (client -> upstream, upstream -> client) so far.
     pub fn bytes(&self) -> (u64, u64) {
         let c = &self.inner.counters;
@@ -295,8 +302,22 @@ async fn connection(
         let (client_rd, client_wr) = client.split();
         let (server_rd, server_wr) = server.split();
         tokio::try_join!(
-            pump(client_rd, server_wr, rx.clone(), gen, &counters.up),
-            pump(server_rd, client_wr, rx, gen, &counters.down),
+            pump(
+                client_rd,
+                server_wr,
+                rx.clone(),
+                gen,
+                &counters.up,
+                &counters.delayed
+            ),
+            pump(
+                server_rd,
+                client_wr,
+                rx,
+                gen,
+                &counters.down,
+                &counters.delayed
+            ),
         )
     };
     if outcome.is_err() {
@@ -332,6 +353,7 @@ async fn pump<R, W>(
     mut rx: watch::Receiver<State>,
     gen: u64,
     counter: &AtomicU64,
+    delayed: &AtomicU64,
 ) -> Result<(), Abort>
 where
     R: AsyncRead + Unpin,
@@ -360,6 +382,7 @@ where
                 _ = tokio::time::sleep(delay) => {}
                 _ = killed(&mut rx, gen) => return Err(Abort),
             }
+            delayed.fetch_add(1, Ordering::SeqCst);
         }
         let mut off = 0;
         while off < n {

@@ -205,6 +205,10 @@ async fn connect_replication(
         .map_err(|e| wire_error(e, &cfg.slot, &cfg.name))
 }
 
+/// Replication messages the library may hold decoded before the relay takes them: memory is
+/// bounded by `--max-inflight-bytes` plus this many rows.
+pub const REPLICATION_BUFFER_EVENTS: usize = 32;
+
 /// The pgwire-replication settings: stream from `start`, confirming `confirmed` until told
 /// more; `via` is the socket directory of a TLS bridge, which then replaces the host
 /// (pgwire-replication itself always speaks plain protocol).
@@ -229,7 +233,9 @@ fn replication_config(
     .with_ack_lsn(Lsn::from_u64(confirmed))
     .with_status_interval(cfg.status_interval)
     .with_wakeup_interval(Duration::from_secs(1))
-    .with_buffer_size(2048)
+    // Few decoded messages wait in the library: our byte budget (`--max-inflight-bytes`)
+    // starts after them, so with large rows its queue alone could hold many megabytes.
+    .with_buffer_size(REPLICATION_BUFFER_EVENTS)
     // A message is buffered whole at the length the server announces: bound it before that.
     .with_max_message_size(cfg.max_wire_message_bytes)
     // Timestamps are parsed with their offset, but pinning the style keeps the text format

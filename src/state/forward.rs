@@ -1,0 +1,125 @@
+//! A guard around any [`StateStore`] that refuses to store a position older than one it
+//! already stored, and says so. The SQL stores refuse such a write inside their UPDATE too, but
+//! silently: a relay that tried to move its position backwards would go unnoticed. Here the
+//! attempt is logged as an error and counted (`outboxd_position_backwards_refused_total`), so
+//! a regression in the relay's ordering shows up in tests and on dashboards instead of being
+//! absorbed.
+
+use super::{DurableCommit, Lease, StateStore};
+use crate::event::Checkpoint;
+use crate::Error;
+
+/// Wraps a store; see the module doc.
+pub struct ForwardOnly<S> {
+    inner: S,
+    stored: Option<Checkpoint>,
+}
+
+impl<S> ForwardOnly<S> {
+    /// `resumed_from` is the position this run started at, when the store had one: nothing
+    /// older may be stored by this run either.
+    pub fn new(inner: S, resumed_from: Option<Checkpoint>) -> ForwardOnly<S> {
+        ForwardOnly {
+            inner,
+            stored: resumed_from,
+        }
+    }
+
+    /// Whether storing `p` would move the position backwards; logs and counts it if so.
+    fn refuses(&self, p: &Checkpoint) -> bool {
+        let Some(cur) = &self.stored else {
+            return false;
+        };
+        if cur.compare(p) != Some(std::cmp::Ordering::Greater) {
+            return false;
+        }
+        crate::telemetry::get().position_backwards_refused.inc();
+        tracing::error!(stored = %cur, attempted = %p, "refused to store a position older than the stored one (a relay bug: positions only move forward)");
+        true
+    }
+}
+
+impl<S: StateStore> StateStore for ForwardOnly<S> {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let position = position.filter(|p| !self.refuses(p));
+        self.inner.renew(lease, position, commit).await?;
+        if let Some(p) = position {
+            self.stored = Some(p.clone());
+        }
+        Ok(())
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        self.inner.mark_initialized(lease).await
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        self.inner.release(lease).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what reaches the wrapped store.
+    #[derive(Default)]
+    struct Recorder {
+        stored: Vec<Checkpoint>,
+    }
+
+    impl StateStore for Recorder {
+        async fn renew(
+            &mut self,
+            _lease: &Lease,
+            position: Option<&Checkpoint>,
+            _commit: &DurableCommit,
+        ) -> Result<(), Error> {
+            self.stored.extend(position.cloned());
+            Ok(())
+        }
+
+        async fn release(&mut self, _lease: &Lease) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+
+    fn lease() -> Lease {
+        Lease {
+            name: "t".into(),
+            holder: "h".into(),
+            epoch: 1,
+            first_start: false,
+            replay_since: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_older_position_is_refused_and_counted() {
+        let mut s = ForwardOnly::new(Recorder::default(), Some(Checkpoint::Lsn(10)));
+        let c = DurableCommit::default();
+        let before = crate::telemetry::get().position_backwards_refused.get();
+        s.renew(&lease(), Some(&Checkpoint::Lsn(5)), &c)
+            .await
+            .unwrap();
+        s.renew(&lease(), Some(&Checkpoint::Lsn(10)), &c)
+            .await
+            .unwrap();
+        s.renew(&lease(), Some(&Checkpoint::Lsn(20)), &c)
+            .await
+            .unwrap();
+        s.renew(&lease(), Some(&Checkpoint::Lsn(15)), &c)
+            .await
+            .unwrap();
+        assert_eq!(s.inner.stored, [Checkpoint::Lsn(10), Checkpoint::Lsn(20)]);
+        assert_eq!(
+            crate::telemetry::get().position_backwards_refused.get() - before,
+            2
+        );
+    }
+}
