@@ -100,9 +100,15 @@ PG_WANTED=(
     "ssl_cert_file|$PG_TLS_DIR/server.crt|$PG_TLS_DIR/server.crt"
     "ssl_key_file|$PG_TLS_DIR/server.key|$PG_TLS_DIR/server.key"
 )
+# Order matters (missing lines go to the top in this order): the role outboxd_tls_only may log
+# in over TLS only, so a test can prove that a connection used TLS (tests/pg_poll.rs).
 PG_HBA_LINES=(
     "host replication all 127.0.0.1/32 trust"
     "host replication all ::1/128 trust"
+    "hostssl all outboxd_tls_only 127.0.0.1/32 trust"
+    "hostssl all outboxd_tls_only ::1/128 trust"
+    "host all outboxd_tls_only 0.0.0.0/0 reject"
+    "host all outboxd_tls_only ::/0 reject"
 )
 
 # Admin queries go through the Unix socket as the postgres OS user (works with Debian's default
@@ -190,7 +196,7 @@ postgres_section() {
         local tmp
         tmp=$(mktemp)
         {
-            echo "# added by outboxd scripts/services.sh: replication connections for the tests"
+            echo "# added by outboxd scripts/services.sh: replication connections and a TLS-only role for the tests"
             printf '%s\n' "${missing[@]}"
             cat "$hba"
         } >"$tmp"
@@ -252,6 +258,14 @@ postgres_section() {
     else
         pgq "CREATE DATABASE $PG_DB"
         changed postgres "created database $PG_DB"
+    fi
+    # The TLS-only role of PG_HBA_LINES (a superuser, as postgres is here: tests own their
+    # databases and need no grants).
+    if [[ $(pgq "SELECT count(*) FROM pg_roles WHERE rolname = 'outboxd_tls_only'") == 1 ]]; then
+        say postgres "role outboxd_tls_only exists (ok)"
+    else
+        pgq "CREATE ROLE outboxd_tls_only LOGIN SUPERUSER"
+        changed postgres "created role outboxd_tls_only (may log in over TLS only)"
     fi
 }
 

@@ -133,7 +133,7 @@ pub struct OffsetSetArgs {
 pub struct SourceArgs {
     /// Source DSN: postgres://user@host:5432/db?sslmode=…, mysql://…, file:///path/binlog.000001
     #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
+    pub source: Option<crate::dsn::DsnArg>,
     /// File holding the source DSN, or only its password (the file's first line).
     #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
     pub source_file: Option<std::path::PathBuf>,
@@ -177,7 +177,7 @@ pub struct RunArgs {
         hide_env_values = true,
         default_value = "stdout"
     )]
-    pub sink: String,
+    pub sink: crate::dsn::DsnArg,
     /// File holding the sink URL, or only its password.
     #[arg(long, env = "OUTBOXD_SINK_FILE")]
     pub sink_file: Option<std::path::PathBuf>,
@@ -252,7 +252,7 @@ pub struct RabbitArgs {
     /// Larger payloads go to <exchange>.dead as a record without the body (e.g. 16MiB, 512KiB, 4096).
     #[arg(long, env = "OUTBOXD_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "16MiB")]
     pub max_message_bytes: usize,
-    /// PEM CA certificate trusted for an amqps:// sink (in addition to the public roots).
+    /// PEM CA certificate for an amqps:// sink: replaces the public roots (pins a private CA).
     #[arg(long, env = "OUTBOXD_SINK_CA")]
     pub sink_ca: Option<std::path::PathBuf>,
     /// PEM client certificate for an amqps:// sink (needs --sink-key).
@@ -337,7 +337,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "d" => n * 86400.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h, d)")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    // try_from: a value too large for a Duration (or one that overflows to infinity) is an
+    // error, not a panic.
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
 }
 
 /// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
@@ -383,13 +385,35 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
     Ok(())
 }
 
+fn sink_url(sink: &SinkDsn) -> String {
+    match sink {
+        SinkDsn::Amqp(u) => u.clone(),
+        SinkDsn::Stdout => String::new(),
+    }
+}
+
+/// Checks `--slot` and `--publication`: the characters Postgres allows in a replication slot
+/// name ([a-z0-9_]) and at most 63 of them (its identifier limit), so neither can carry SQL
+/// nor be truncated by the server into another relay's name.
+pub fn validate_pg_object(flag: &str, value: &str) -> Result<(), Error> {
+    if value.is_empty()
+        || value.len() > 63
+        || !value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Err(Error::config(
+            format!("{flag} {value:?} is not valid"),
+            format!("use 1 to 63 characters of [a-z0-9_], e.g. {flag} outboxd_billing"),
+        ));
+    }
+    Ok(())
+}
+
+/// The first line of a `--*-file`: opened once and checked as every secret file is
+/// ([`crate::secret_file`]: owner, no group/other bits).
 fn read_secret_file(path: &std::path::Path) -> Result<String, Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::config(
-            format!("cannot read {}: {e}", path.display()),
-            "point the flag at a readable file",
-        )
-    })?;
+    let text = crate::secret_file::read_string(path).map_err(|e| e.into_config())?;
     Ok(text.lines().next().unwrap_or("").trim().to_string())
 }
 
@@ -486,6 +510,8 @@ fn resolve_source(args: &SourceArgs, m: &ArgMatches) -> Result<Resolved, Error> 
         .publication
         .clone()
         .unwrap_or_else(|| format!("outboxd_{}", args.name));
+    validate_pg_object("--slot", &slot)?;
+    validate_pg_object("--publication", &publication)?;
     Ok(Resolved {
         source,
         name: args.name.clone(),
@@ -668,6 +694,7 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
 
 async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
+    crate::tls::warn_if_unverified_source(&r.source);
     if let Some(addr) = &args.metrics_addr {
         crate::telemetry::serve(addr).await?;
     }
@@ -680,6 +707,9 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     )?
     .unwrap_or_else(|| "stdout".into());
     let sink = SinkDsn::parse(&sink)?;
+    if let Some(w) = crate::tls::plaintext_amqp_warning(&sink_url(&sink)) {
+        tracing::warn!("{w}");
+    }
     if args.window == 0 {
         return Err(Error::config(
             "--window 0 would never publish",
@@ -999,6 +1029,22 @@ mod tests {
         );
         assert_eq!(parse_duration("5").unwrap(), Duration::from_secs(5));
         assert!(parse_duration("5 parsecs").is_err());
+        // Larger than a Duration holds, and overflowing f64 to infinity: errors, no panic.
+        assert!(parse_duration("99999999999999999999999d").is_err());
+        assert!(parse_duration(&"9".repeat(400)).is_err());
+        assert!(parse_duration("1.5.5s").is_err());
+        assert!(validate_pg_object("--slot", "outboxd_billing").is_ok());
+        assert!(validate_pg_object("--slot", &"a".repeat(63)).is_ok());
+        for bad in ["", "Slot", "a-b", "x'; DROP TABLE t; --", "a b", "é"] {
+            let err = validate_pg_object("--publication", bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("--publication") && err.contains("[a-z0-9_]"),
+                "{err}"
+            );
+        }
+        assert!(validate_pg_object("--slot", &"a".repeat(64)).is_err());
         assert!(validate_name("billing_2").is_ok());
         assert!(validate_name("Billing").is_err());
         assert!(validate_name("").is_err());

@@ -157,6 +157,14 @@ fn db_dsn(url: &Url, default_port: u16, tls_key: &str) -> Result<DbDsn, Error> {
             }
         }
     }
+    crate::tls::check_verify_ca(
+        &tls,
+        if tls_key == "sslmode" {
+            "sslrootcert"
+        } else {
+            "ssl-ca"
+        },
+    )?;
     if host.is_empty() {
         host = "localhost".into();
     }
@@ -241,6 +249,56 @@ impl SinkDsn {
     }
 }
 
+/// A DSN as the command line or the environment gave it: used as the string it is, but its
+/// `Debug` shows it with the password redacted, so an argument struct printed with `{:?}` (a
+/// trace line, a panic message) never carries a secret. It has no `Display` on purpose.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct DsnArg(String);
+
+impl DsnArg {
+    pub fn new(s: impl Into<String>) -> DsnArg {
+        DsnArg(s.into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for DsnArg {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<DsnArg, Self::Err> {
+        Ok(DsnArg(s.to_string()))
+    }
+}
+
+impl std::ops::Deref for DsnArg {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for DsnArg {
+    fn from(s: &str) -> DsnArg {
+        DsnArg(s.to_string())
+    }
+}
+
+impl From<String> for DsnArg {
+    fn from(s: String) -> DsnArg {
+        DsnArg(s)
+    }
+}
+
+impl fmt::Debug for DsnArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&redact(&self.0), f)
+    }
+}
+
 /// The DSN with its password replaced by `***` (best effort on unparsable input: everything
 /// between `:` and `@` of the authority goes).
 pub fn redact(s: &str) -> String {
@@ -299,6 +357,17 @@ mod tests {
     }
 
     #[test]
+    fn dsn_arguments_debug_without_the_password() {
+        let arg: DsnArg = "amqp://relay:Hunter2-Xy@broker:5672/%2f".parse().unwrap();
+        let shown = format!("{arg:?} {:?}", Some(arg.clone()));
+        assert!(!shown.contains("Hunter2-Xy"), "{shown}");
+        assert!(shown.contains("relay:***@broker"), "{shown}");
+        assert_eq!(&*arg, "amqp://relay:Hunter2-Xy@broker:5672/%2f");
+        let odd = DsnArg::new("postgres://u:Hunter2-Xy@@not a url");
+        assert!(!format!("{odd:?}").contains("Hunter2-Xy"));
+    }
+
+    #[test]
     fn parses_other_schemes_and_refuses_unknown() {
         assert!(matches!(
             SourceDsn::parse("mariadb://root@127.0.0.1/test").unwrap(),
@@ -323,6 +392,16 @@ mod tests {
         ));
         assert!(SourceDsn::parse("redis://x").is_err());
         assert!(SourceDsn::parse("postgres://x/db?sslmode=bogus").is_err());
+        // verify-ca needs the CA (as in libpq): refused with the fix, naming the DSN's key.
+        let err = SourceDsn::parse("postgres://x/db?sslmode=verify-ca")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fix: add sslrootcert="), "{err}");
+        let err = SourceDsn::parse("mysql://x/db?ssl-mode=VERIFY_CA")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fix: add ssl-ca="), "{err}");
+        assert!(SourceDsn::parse("postgres://x/db?sslmode=verify-ca&sslrootcert=/ca.pem").is_ok());
         assert_eq!(SinkDsn::parse("stdout").unwrap(), SinkDsn::Stdout);
         assert!(SinkDsn::parse("kafka://x").is_err());
         let with = with_password("postgres://u@h/db", "p@ss").unwrap();

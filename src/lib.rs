@@ -18,6 +18,7 @@ pub mod fuzzing;
 pub mod operator;
 pub mod outbox;
 pub mod relay;
+pub mod secret_file;
 pub mod sink;
 pub mod source;
 pub mod state;

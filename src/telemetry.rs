@@ -32,6 +32,8 @@ pub struct Telemetry {
     pub position_backwards_refused: Counter,
     /// Reserved header names a row's `headers` object tried to set (dropped).
     pub row_headers_dropped: Counter,
+    /// Connections to the metrics endpoint closed unserved (over its connection limit).
+    pub http_connections_refused: Counter,
     pub reconnects: Family<Cause, Counter>,
     /// Failed attempts to get the oldest unconfirmed event confirmed, by cause (see
     /// [`Telemetry::sink_retry`]).
@@ -72,6 +74,7 @@ impl Telemetry {
             events_republished: Counter::default(),
             position_backwards_refused: Counter::default(),
             row_headers_dropped: Counter::default(),
+            http_connections_refused: Counter::default(),
             reconnects: Family::default(),
             sink_retries: Family::default(),
             // 100 µs … ~27 min
@@ -124,6 +127,11 @@ impl Telemetry {
             "position_backwards_refused",
             "Attempts to store a position older than the stored one (refused; a relay bug)",
             t.position_backwards_refused.clone(),
+        );
+        registry.register(
+            "http_connections_refused",
+            "Connections to this endpoint closed unserved, over its connection limit",
+            t.http_connections_refused.clone(),
         );
         registry.register(
             "reconnects",
@@ -306,8 +314,6 @@ pub fn get() -> &'static Telemetry {
     T.get_or_init(Telemetry::new)
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until the process ends. A tiny HTTP/1.1
-/// responder: one GET per connection, bounded request size, no keep-alive.
 /// `outboxd health`: one GET of `path` on the relay's metrics address; Ok on 200, otherwise an
 /// error carrying the status line and body (the reason /readyz gives).
 pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
@@ -340,6 +346,19 @@ pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
     }
 }
 
+/// Most connections served at once: beyond it a new connection is closed at once (so it does
+/// not wait in the backlog behind idle ones) and counted. Well below the usual 1024 file
+/// descriptors, well above what Prometheus and a prober need.
+pub const MAX_CONNECTIONS: usize = 512;
+/// A client must send its request head within this time.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// A whole connection (request and answer, a slow reader of /metrics included) ends after this.
+pub const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until the process ends, with hyper (HTTP/1.1,
+/// one request per connection): at most [`MAX_CONNECTIONS`] at once, each bounded by
+/// [`HEADER_TIMEOUT`] and [`REQUEST_DEADLINE`], and accept errors (such as running out of
+/// file descriptors) retried with a growing pause instead of a spinning loop.
 pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         crate::Error::config(
@@ -351,59 +370,91 @@ pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
         .local_addr()
         .map_err(|e| crate::Error::Other(e.to_string()))?;
     tracing::info!(addr = %local, "serving /metrics, /healthz and /readyz");
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut n = 0;
-                // Read until the end of the request head (or the buffer is full).
-                while n < buf.len() {
-                    match tokio::time::timeout(
-                        std::time::Duration::from_secs(5),
-                        sock.read(&mut buf[n..]),
-                    )
-                    .await
-                    {
-                        Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                        Ok(Ok(k)) => {
-                            n += k;
-                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                                break;
-                            }
-                        }
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]);
-                let path = head.split_whitespace().nth(1).unwrap_or("/");
-                let t = get();
-                let (status, ctype, body) = match path {
-                    "/metrics" => (
-                        "200 OK",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        t.render(),
-                    ),
-                    "/healthz" => ("200 OK", "text/plain", "ok\n".to_string()),
-                    "/readyz" => match t.not_ready() {
-                        None => ("200 OK", "text/plain", "ready\n".to_string()),
-                        Some(why) => (
-                            "503 Service Unavailable",
-                            "text/plain",
-                            format!("not ready: {why}\n"),
-                        ),
-                    },
-                    _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
-                };
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = sock.write_all(resp.as_bytes()).await;
-                let _ = sock.shutdown().await;
-            });
-        }
-    });
+    tokio::spawn(accept_loop(listener));
     Ok(local)
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener) {
+    use std::time::Duration;
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut pause = Duration::ZERO;
+    loop {
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => {
+                pause = Duration::ZERO;
+                sock
+            }
+            Err(e) => {
+                if pause.is_zero() {
+                    tracing::warn!(error = %e, "metrics endpoint: accept failed; retrying with backoff");
+                }
+                pause = (pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            get().http_connections_refused.inc();
+            drop(sock);
+            continue;
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
+                .max_buf_size(16 * 1024)
+                .serve_connection(
+                    hyper_util::rt::TokioIo::new(sock),
+                    hyper::service::service_fn(answer),
+                );
+            let _ = tokio::time::timeout(REQUEST_DEADLINE, conn).await;
+        });
+    }
+}
+
+type Body = http_body_util::Full<bytes::Bytes>;
+
+async fn answer(
+    req: hyper::Request<hyper::body::Incoming>,
+) -> Result<hyper::Response<Body>, std::convert::Infallible> {
+    use hyper::{Method, StatusCode};
+    let t = get();
+    let (status, ctype, body) = if req.method() != Method::GET && req.method() != Method::HEAD {
+        (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "use GET\n".to_string(),
+        )
+    } else {
+        match req.uri().path() {
+            "/metrics" => (
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                t.render(),
+            ),
+            "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+            "/readyz" => match t.not_ready() {
+                None => (StatusCode::OK, "text/plain", "ready\n".to_string()),
+                Some(why) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}\n"),
+                ),
+            },
+            _ => (
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "not found\n".to_string(),
+            ),
+        }
+    };
+    let mut resp = hyper::Response::new(Body::new(body.into()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(ctype),
+    );
+    Ok(resp)
 }

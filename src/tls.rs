@@ -12,6 +12,7 @@ use crate::Error;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
@@ -31,7 +32,7 @@ fn tls_err(what: impl std::fmt::Display) -> Error {
 
 pub fn load_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
     let data = std::fs::read(path).map_err(|e| tls_err(format!("cannot read {path}: {e}")))?;
-    let certs: Vec<_> = rustls_pemfile::certs(&mut data.as_slice())
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(&data)
         .collect::<Result<_, _>>()
         .map_err(|e| tls_err(format!("{path}: {e}")))?;
     if certs.is_empty() {
@@ -40,11 +41,22 @@ pub fn load_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
     Ok(certs)
 }
 
-fn load_key(path: &str) -> Result<PrivateKeyDer<'static>, Error> {
-    let data = std::fs::read(path).map_err(|e| tls_err(format!("cannot read {path}: {e}")))?;
-    rustls_pemfile::private_key(&mut data.as_slice())
-        .map_err(|e| tls_err(format!("{path}: {e}")))?
-        .ok_or_else(|| tls_err(format!("{path} holds no PEM private key")))
+/// A PEM private key, read as every secret file is ([`crate::secret_file`]: owner and mode
+/// checked on the open descriptor, as libpq checks `sslkey`).
+pub fn load_key(path: &str) -> Result<PrivateKeyDer<'static>, Error> {
+    let data = read_key_file(path)?;
+    PrivateKeyDer::from_pem_slice(&data).map_err(|e| match e {
+        pem::Error::NoItemsFound => tls_err(format!("{path} holds no PEM private key")),
+        e => tls_err(format!("{path}: {e}")),
+    })
+}
+
+/// The bytes of a private key file, checked as a secret file.
+pub fn read_key_file(path: &str) -> Result<zeroize::Zeroizing<Vec<u8>>, Error> {
+    crate::secret_file::read(std::path::Path::new(path)).map_err(|e| {
+        let fix = e.fix();
+        Error::config(format!("TLS private key: {e}"), fix)
+    })
 }
 
 fn roots(settings: &TlsSettings) -> Result<RootCertStore, Error> {
@@ -69,11 +81,82 @@ pub fn effective_mode(settings: &TlsSettings) -> TlsMode {
     }
 }
 
+/// `verify-ca` needs the CA to verify against: without one libpq refuses rather than trust
+/// every public root with no host name check (which any public CA's customer passes). `key`
+/// is the DSN's name for the CA file (`sslrootcert`, `ssl-ca`).
+pub fn check_verify_ca(settings: &TlsSettings, key: &str) -> Result<(), Error> {
+    if settings.mode == TlsMode::VerifyCa && settings.ca_file.is_none() {
+        return Err(Error::config(
+            format!("sslmode verify-ca is given without a CA file ({key}): it would accept any certificate a public CA signed, for any host"),
+            format!("add {key}=/path/to/ca.pem (the CA that signed the server's certificate) to the DSN, or use verify-full, which also checks the host name"),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `host` is this machine: a Unix socket directory, `localhost`, or a loopback
+/// address. Traffic to it never crosses a network, so an unverified connection is no risk.
+pub fn is_local_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.starts_with('/')
+        || h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The start-up warning for a database connection whose server is not verified (sslmode
+/// disable, prefer or require without a CA) to a host across a network; `None` when verified
+/// or local. `what` names the connection, e.g. `--source (Postgres)`.
+pub fn unverified_warning(what: &str, host: &str, settings: &TlsSettings) -> Option<String> {
+    if is_local_host(host) {
+        return None;
+    }
+    let how = match effective_mode(settings) {
+        TlsMode::VerifyCa | TlsMode::VerifyFull => return None,
+        TlsMode::Disable => "sends the password and every event in clear",
+        TlsMode::Prefer => {
+            "falls back to plaintext when the server offers no TLS, and checks no certificate"
+        }
+        TlsMode::Require => "checks no certificate: anyone on the path can impersonate the server",
+    };
+    Some(format!(
+        "{what} to {host} is not verified: its TLS mode {how}; for production use sslmode=verify-full with sslrootcert (ssl-mode=VERIFY_IDENTITY with ssl-ca for MySQL), see docs/operations.md, Production TLS"
+    ))
+}
+
+/// The same warning for an `amqp://` sink (no TLS at all) to a host across a network.
+pub fn plaintext_amqp_warning(url: &str) -> Option<String> {
+    let parsed = url::Url::parse(url).ok()?;
+    if parsed.scheme() != "amqp" {
+        return None;
+    }
+    let host = parsed.host_str().unwrap_or("localhost");
+    if is_local_host(host) {
+        return None;
+    }
+    Some(format!(
+        "the sink amqp://{host} is not encrypted: the broker password and every event cross the network in clear; for production use amqps:// (with --sink-ca for a private CA), see docs/operations.md, Production TLS"
+    ))
+}
+
+/// Logs the source's start-up TLS warning, if it has one.
+pub fn warn_if_unverified_source(source: &crate::dsn::SourceDsn) {
+    let (what, dsn) = match source {
+        crate::dsn::SourceDsn::Postgres(d) => ("the Postgres source (SQL and replication)", d),
+        crate::dsn::SourceDsn::Mysql(d) => ("the MySQL source", d),
+        crate::dsn::SourceDsn::File(_) => return,
+    };
+    if let Some(w) = unverified_warning(what, &dsn.host, &dsn.tls) {
+        tracing::warn!("{w}");
+    }
+}
+
 /// The rustls configuration for `settings`; `None` when TLS is disabled.
 pub fn client_config(settings: &TlsSettings) -> Result<Option<ClientConfig>, Error> {
     if settings.mode == TlsMode::Disable {
         return Ok(None);
     }
+    check_verify_ca(settings, "sslrootcert")?;
     let provider = provider();
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -301,14 +384,16 @@ mod tests {
         assert!(client_config(&settings(TlsMode::Disable, None))
             .unwrap()
             .is_none());
-        for mode in [
-            TlsMode::Prefer,
-            TlsMode::Require,
-            TlsMode::VerifyCa,
-            TlsMode::VerifyFull,
-        ] {
+        for mode in [TlsMode::Prefer, TlsMode::Require, TlsMode::VerifyFull] {
             assert!(client_config(&settings(mode, None)).unwrap().is_some());
         }
+        let err = client_config(&settings(TlsMode::VerifyCa, None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("verify-ca") && err.contains("fix: add sslrootcert="),
+            "{err}"
+        );
         let err = client_config(&settings(TlsMode::VerifyFull, Some("/nonexistent/ca.pem")))
             .unwrap_err()
             .to_string();
@@ -325,6 +410,48 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("both sslcert and sslkey"));
+    }
+
+    #[test]
+    fn unverified_remote_connections_are_warned_about_local_ones_not() {
+        for local in [
+            "localhost",
+            "127.0.0.1",
+            "127.0.0.2",
+            "::1",
+            "[::1]",
+            "/var/run/postgresql",
+        ] {
+            assert!(is_local_host(local), "{local}");
+            assert!(unverified_warning("x", local, &settings(TlsMode::Disable, None)).is_none());
+        }
+        for remote in ["db.example", "10.0.0.5", "2001:db8::1", "localhost.example"] {
+            assert!(!is_local_host(remote), "{remote}");
+        }
+        let w = |mode, ca: Option<&str>| {
+            unverified_warning("the source", "db.example", &settings(mode, ca))
+        };
+        for mode in [TlsMode::Disable, TlsMode::Prefer, TlsMode::Require] {
+            let text = w(mode, None).expect("warned");
+            assert!(
+                text.contains("db.example") && text.contains("verify-full"),
+                "{text}"
+            );
+        }
+        assert!(w(TlsMode::VerifyFull, None).is_none());
+        assert!(w(TlsMode::VerifyCa, Some("/ca.pem")).is_none());
+        // libpq's require with a CA file verifies the chain.
+        assert!(w(TlsMode::Require, Some("/ca.pem")).is_none());
+        assert!(w(TlsMode::Prefer, Some("/ca.pem")).is_some());
+
+        assert!(
+            plaintext_amqp_warning("amqp://u:pw@broker.example:5672/%2f")
+                .is_some_and(|t| t.contains("broker.example") && !t.contains("pw"))
+        );
+        assert!(plaintext_amqp_warning("amqp://u:pw@127.0.0.1:5672/%2f").is_none());
+        assert!(plaintext_amqp_warning("amqp://localhost").is_none());
+        assert!(plaintext_amqp_warning("amqps://broker.example:5671/%2f").is_none());
+        assert!(plaintext_amqp_warning("stdout").is_none());
     }
 
     #[test]

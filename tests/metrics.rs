@@ -155,3 +155,57 @@ async fn metrics_and_health_follow_the_pipeline() {
     );
     assert_eq!(get(port, "/nope").await.0, 404);
 }
+
+/// 500 idle connections (open, nothing sent) do not stop `/healthz` answering; the endpoint
+/// closes each idle one after its header timeout, and connections beyond its limit are closed
+/// at once instead of waiting in the backlog. In process: `serve` is the relay's own server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_do_not_stop_healthz() {
+    use tokio::io::AsyncReadExt;
+    let addr = outboxd::telemetry::serve("127.0.0.1:0").await.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..500 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let started = std::time::Instant::now();
+    let (code, body) = get(addr.port(), "/healthz").await;
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    // Past the limit (500 + 1 served + these): closed at once, counted.
+    let mut over = Vec::new();
+    for _ in 0..(outboxd::telemetry::MAX_CONNECTIONS - 500 + 5) {
+        over.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut closed = 0;
+    for s in &mut over {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await {
+            closed += 1;
+        }
+    }
+    assert!(
+        closed >= 5,
+        "closed {closed} of the connections over the limit"
+    );
+    // The idle ones are closed by the header timeout, not held for ever.
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(
+        outboxd::telemetry::HEADER_TIMEOUT + Duration::from_secs(10),
+        idle[0].read(&mut b),
+    )
+    .await;
+    assert!(
+        matches!(r, Ok(Ok(0)) | Ok(Err(_))),
+        "idle connection still open: {r:?}"
+    );
+    drop(idle);
+    drop(over);
+    wait_for("/healthz after the flood", T, || async {
+        get(addr.port(), "/healthz").await.0 == 200
+    })
+    .await;
+}

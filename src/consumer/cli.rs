@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 pub struct PruneArgs {
     /// Database DSN: postgres://user@host:5432/db or mysql://user@host:3306/db.
     #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
+    pub source: Option<crate::dsn::DsnArg>,
     /// File holding the DSN, or only its password (the file's first line).
     #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
     pub source_file: Option<std::path::PathBuf>,
@@ -127,7 +127,7 @@ pub struct ConsumeArgs {
     /// Broker URL, amqp://user:pass@host:5672/vhost (give it in the environment: it holds a
     /// password).
     #[arg(long, env = "OUTBOXD_BROKER", hide_env_values = true)]
-    pub broker: String,
+    pub broker: crate::dsn::DsnArg,
     /// Queue to consume.
     #[arg(long, env = "OUTBOXD_QUEUE")]
     pub queue: String,
@@ -136,7 +136,7 @@ pub struct ConsumeArgs {
     pub consumer: String,
     /// Database of the effect and the inbox: postgres://… or mysql://…
     #[arg(long, env = "OUTBOXD_DB", hide_env_values = true)]
-    pub db: String,
+    pub db: crate::dsn::DsnArg,
     /// Unacked messages the broker sends ahead.
     #[arg(long, env = "OUTBOXD_PREFETCH", default_value_t = 64)]
     pub prefetch: u16,

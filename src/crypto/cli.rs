@@ -45,7 +45,7 @@ pub struct KeystoreArgs {
     /// Database holding the per-aggregate data keys (postgres://…); table outboxd_data_keys,
     /// created on first use.
     #[arg(long, env = "OUTBOXD_KEYSTORE", hide_env_values = true)]
-    pub keystore: Option<String>,
+    pub keystore: Option<crate::dsn::DsnArg>,
     /// File holding the keystore DSN, or only its password.
     #[arg(long, env = "OUTBOXD_KEYSTORE_FILE")]
     pub keystore_file: Option<PathBuf>,
@@ -108,7 +108,7 @@ pub struct RetireArgs {
     pub file: KeyringFileArgs,
     /// Outbox database to count the rows still using the key (postgres://…).
     #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
+    pub source: Option<crate::dsn::DsnArg>,
     /// File holding the source DSN, or only its password.
     #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
     pub source_file: Option<PathBuf>,
@@ -184,7 +184,7 @@ pub struct DecryptArgs {
 pub struct ReencryptArgs {
     /// Outbox database: postgres://user@host:5432/db (MySQL comes later).
     #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
-    pub source: Option<String>,
+    pub source: Option<crate::dsn::DsnArg>,
     /// File holding the source DSN, or only its password.
     #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
     pub source_file: Option<PathBuf>,

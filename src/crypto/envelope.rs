@@ -25,6 +25,10 @@ pub const CHECK_LEN: usize = 4;
 pub const MAX_BODY: usize = (1 << 28) - 1;
 /// The HKDF `info` label of field keys.
 pub const FIELD_KEY_LABEL: &[u8] = b"outboxd field key";
+/// The HKDF `info` label of the keys that wrap per-aggregate data keys: a wrapping key is never
+/// a field key, so no value sealed for a payload can ever stand in for a wrapped key (or the
+/// reverse), whatever its event id and pointer.
+pub const WRAP_KEY_LABEL: &[u8] = b"outboxd data key wrap";
 
 /// A 256-bit key, wiped from memory when dropped.
 pub type KeyBytes = Zeroizing<[u8; 32]>;
@@ -57,8 +61,13 @@ pub fn associated_data(key_id: &str, event_id: Uuid, pointer: &str) -> Vec<u8> {
 /// key, so no two fields ever share a (key, nonce) space and a field key handed out can open one
 /// field only.
 pub fn field_key(material: &[u8; 32], key_id: &str, pointer: &str) -> KeyBytes {
+    derive_key(FIELD_KEY_LABEL, material, key_id, pointer)
+}
+
+/// [`field_key`] with another `info` label ([`FIELD_KEY_LABEL`] or [`WRAP_KEY_LABEL`]).
+fn derive_key(label: &[u8], material: &[u8; 32], key_id: &str, pointer: &str) -> KeyBytes {
     let info = length_prefixed(&[
-        FIELD_KEY_LABEL,
+        label,
         VERSION.as_bytes(),
         key_id.as_bytes(),
         pointer.as_bytes(),
@@ -125,13 +134,44 @@ pub fn seal(
     // chance of a repeat stays negligible far beyond any realistic number of values per key.
     let mut nonce = [0u8; NONCE_LEN];
     chacha20poly1305::aead::OsRng.fill_bytes(&mut nonce);
-    seal_with_nonce(material, key_id, event_id, pointer, plaintext, &nonce)
+    seal_with_nonce(
+        FIELD_KEY_LABEL,
+        material,
+        key_id,
+        event_id,
+        pointer,
+        plaintext,
+        &nonce,
+    )
 }
 
-/// [`seal`] with a given nonce: for the known-answer vector of docs/encryption.md only. A nonce
-/// must never be used twice with one field key; production code calls [`seal`].
-#[doc(hidden)]
-pub fn seal_with_nonce(
+/// Wraps a per-aggregate data key under a keyring key: the `enc:v1:` format, keyed by
+/// [`WRAP_KEY_LABEL`] (docs/encryption.md, "Per-aggregate data keys").
+pub fn seal_wrapped_key(
+    material: &[u8; 32],
+    key_id: &str,
+    pointer: &str,
+    plaintext: &[u8],
+) -> String {
+    use chacha20poly1305::aead::rand_core::RngCore;
+    let mut nonce = [0u8; NONCE_LEN];
+    chacha20poly1305::aead::OsRng.fill_bytes(&mut nonce);
+    seal_with_nonce(
+        WRAP_KEY_LABEL,
+        material,
+        key_id,
+        Uuid::nil(),
+        pointer,
+        plaintext,
+        &nonce,
+    )
+}
+
+/// [`seal`] with a given label and nonce. Private: a nonce must never be used twice with one
+/// key, and only [`seal`] and [`seal_wrapped_key`] (fresh random nonces) may call it; the
+/// known-answer vector of docs/encryption.md is checked by this module's tests.
+fn seal_with_nonce(
+    label: &[u8],
     material: &[u8; 32],
     key_id: &str,
     event_id: Uuid,
@@ -139,7 +179,7 @@ pub fn seal_with_nonce(
     plaintext: &[u8],
     nonce: &[u8; NONCE_LEN],
 ) -> String {
-    let key = field_key(material, key_id, pointer);
+    let key = derive_key(label, material, key_id, pointer);
     let cipher = XChaCha20Poly1305::new(key.as_ref().into());
     let ad = associated_data(key_id, event_id, pointer);
 
@@ -211,6 +251,25 @@ pub fn open(
     event_id: Uuid,
     pointer: &str,
 ) -> Result<Zeroizing<Vec<u8>>, CryptoError> {
+    open_labeled(FIELD_KEY_LABEL, material, parsed, event_id, pointer)
+}
+
+/// Unwraps a data key sealed by [`seal_wrapped_key`].
+pub fn open_wrapped_key(
+    material: &[u8; 32],
+    parsed: &Parsed<'_>,
+    pointer: &str,
+) -> Result<Zeroizing<Vec<u8>>, CryptoError> {
+    open_labeled(WRAP_KEY_LABEL, material, parsed, Uuid::nil(), pointer)
+}
+
+fn open_labeled(
+    label: &[u8],
+    material: &[u8; 32],
+    parsed: &Parsed<'_>,
+    event_id: Uuid,
+    pointer: &str,
+) -> Result<Zeroizing<Vec<u8>>, CryptoError> {
     let b = &parsed.bytes;
     let fixed = NONCE_LEN + CHECK_LEN;
     let truncated = |expected: usize| CryptoError::Truncated {
@@ -237,7 +296,7 @@ pub fn open(
             format!("{} bytes after the tag", b.len() - total),
         ));
     }
-    let key = field_key(material, parsed.key_id, pointer);
+    let key = derive_key(label, material, parsed.key_id, pointer);
     let cipher = XChaCha20Poly1305::new(key.as_ref().into());
     let ad = associated_data(parsed.key_id, event_id, pointer);
     let mut plain = Zeroizing::new(b[body_start..body_start + body_len].to_vec());
@@ -290,6 +349,7 @@ mod tests {
         let ev = Uuid::parse_str("0192f3a4-5b6c-7d8e-9f00-112233445566").unwrap();
         let key = field_key(&material, "k1f3a9c0d", "/customer/tax_id");
         let s = seal_with_nonce(
+            FIELD_KEY_LABEL,
             &material,
             "k1f3a9c0d",
             ev,

@@ -95,6 +95,11 @@ pub enum CryptoError {
     #[error("schema: {problem}\n  fix: {fix}")]
     Schema { problem: String, fix: String },
 
+    /// Encryption for the nil event id, which the keyring reserves for its canaries and the
+    /// wrapped data keys: a payload field sealed for it could be confused with them.
+    #[error("{pointer}: refusing to encrypt for the nil event id (00000000-0000-0000-0000-000000000000), which is reserved; give the event its real id")]
+    NilEventId { pointer: String },
+
     /// The aggregate's data key was deleted (crypto-shredding). Decryption turns this into an
     /// erased value rather than failing; the error form is for callers that want it.
     #[error(

@@ -545,19 +545,19 @@ impl Keyring {
             problem,
             fix: fix.to_string(),
         };
-        let meta = std::fs::metadata(path).map_err(|e| {
-            io(
-                format!("cannot read it: {e}"),
+        // Opened once, checked on the descriptor, read from it (crate::secret_file).
+        use crate::secret_file::SecretFileError as E;
+        let text = crate::secret_file::read_string(path).map_err(|e| match e {
+            E::Mode { mode, .. } => CryptoError::KeyringPermissions {
+                path: path.display().to_string(),
+                mode,
+            },
+            E::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => io(
+                format!("cannot read it: {source}"),
                 "create one with outboxd keys generate --keys PATH, or point --keys at it",
-            )
+            ),
+            other => io(other.to_string(), &other.fix()),
         })?;
-        check_private(path, &meta)?;
-        let text = Zeroizing::new(std::fs::read_to_string(path).map_err(|e| {
-            io(
-                format!("cannot read it: {e}"),
-                "make it readable by the user outboxd runs as",
-            )
-        })?);
         Keyring::from_json(&text)
     }
 

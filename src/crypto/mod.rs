@@ -56,7 +56,18 @@ pub fn encrypt_value(
     pointer: &str,
     value: &Value,
 ) -> Result<String, CryptoError> {
+    refuse_nil(event_id, pointer)?;
     Ok(SealingKey::current(keyring).seal(event_id, pointer, value))
+}
+
+/// The nil event id is the keyring's (canaries, wrapped keys): never a payload's.
+fn refuse_nil(event_id: Uuid, pointer: &str) -> Result<(), CryptoError> {
+    if event_id.is_nil() {
+        return Err(CryptoError::NilEventId {
+            pointer: if pointer.is_empty() { "/" } else { pointer }.to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// Decrypts one `enc:v1:` string found at `pointer` of event `event_id`.
@@ -254,6 +265,7 @@ pub fn encrypt_payload_with(
     event_id: Uuid,
     payload: &Value,
 ) -> Result<Value, CryptoError> {
+    refuse_nil(event_id, "")?;
     let mut out = payload.clone();
     let mut pointer = String::new();
     encrypt_walk(key, event_id, Some(&schema.root), &mut out, &mut pointer)?;
@@ -489,6 +501,22 @@ mod tests {
         assert!(!looks_encrypted("enc:v:x"));
         assert!(!looks_encrypted("enc: my note"));
         assert!(!looks_encrypted("encv1:"));
+    }
+
+    #[test]
+    fn the_nil_event_id_is_refused() {
+        let k = Keyring::generate(8).unwrap();
+        let s = Schema::from_pointers(&["/tax_id"]);
+        let p = json!({"tax_id": "1234567890"});
+        let err = encrypt_payload(&k, &s, Uuid::nil(), &p).unwrap_err();
+        assert!(matches!(err, CryptoError::NilEventId { .. }), "{err}");
+        assert!(err.to_string().contains("nil event id"), "{err}");
+        let err = encrypt_value(&k, Uuid::nil(), "/tax_id", &json!("x")).unwrap_err();
+        assert!(
+            matches!(&err, CryptoError::NilEventId { pointer } if pointer == "/tax_id"),
+            "{err}"
+        );
+        assert!(encrypt_payload(&k, &s, Uuid::now_v7(), &p).is_ok());
     }
 
     #[test]

@@ -50,10 +50,9 @@ fn wrap_pointer(key_id: &str, aggregate_id: &str) -> String {
 
 fn wrap(keyring: &Keyring, key_id: &str, aggregate_id: &str, material: &KeyBytes) -> String {
     let (id, kek) = keyring.current();
-    envelope::seal(
+    envelope::seal_wrapped_key(
         kek,
         id,
-        Uuid::nil(),
         &wrap_pointer(key_id, aggregate_id),
         material.as_ref(),
     )
@@ -68,7 +67,12 @@ fn unwrap(
     let at = wrap_pointer(key_id, aggregate_id);
     let parsed = envelope::parse(wrapped, &at)?;
     let kek = keyring.material(parsed.key_id, &at)?;
-    let plain = envelope::open(kek, &parsed, Uuid::nil(), &at)?;
+    // Keys wrapped before the wrapping label existed were sealed as a field (the field-key
+    // label, nil event id): still read, and re-wrapped under the new label by `reencrypt`.
+    let plain = match envelope::open_wrapped_key(kek, &parsed, &at) {
+        Ok(p) => p,
+        Err(e) => envelope::open(kek, &parsed, Uuid::nil(), &at).map_err(|_| e)?,
+    };
     let arr: [u8; 32] = plain
         .as_slice()
         .try_into()
@@ -273,5 +277,29 @@ impl KeyResolver for DataKeys<'_> {
                 known: "per-aggregate data keys of the given keystore".into(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wrapped_keys_use_their_own_label_and_old_wraps_still_open() {
+        let k = Keyring::generate(8).unwrap();
+        let material: KeyBytes = Zeroizing::new([7u8; 32]);
+        let wrapped = wrap(&k, "dk1", "order-1", &material);
+        assert_eq!(*unwrap(&k, "dk1", "order-1", &wrapped).unwrap(), [7u8; 32]);
+        // Not a field value: opening it as one (field-key label) fails.
+        let at = wrap_pointer("dk1", "order-1");
+        let (_, kek) = k.current();
+        let parsed = envelope::parse(&wrapped, &at).unwrap();
+        assert!(envelope::open(kek, &parsed, Uuid::nil(), &at).is_err());
+        // Moved to another aggregate's row: refused.
+        assert!(unwrap(&k, "dk1", "order-2", &wrapped).is_err());
+        // A key wrapped by an earlier build (sealed as a field for the nil event id).
+        let (id, kek) = k.current();
+        let legacy = envelope::seal(kek, id, Uuid::nil(), &at, material.as_ref());
+        assert_eq!(*unwrap(&k, "dk1", "order-1", &legacy).unwrap(), [7u8; 32]);
     }
 }

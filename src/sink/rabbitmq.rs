@@ -39,7 +39,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::tcp::{AMQPUriTcpExt, OwnedTLSConfig, RustlsConnector, TLSConfig};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{
@@ -144,7 +144,8 @@ fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
 pub struct RabbitSink {
     cfg: RabbitConfig,
     uri: AMQPUri,
-    tls: OwnedTLSConfig,
+    /// The TLS client configuration of an `amqps://` sink; `None` for `amqp://`.
+    tls: Option<Arc<rustls::ClientConfig>>,
     redacted: String,
     link: Option<Link>,
     flow: Arc<FlowControl>,
@@ -239,9 +240,34 @@ impl RabbitSink {
             .map_err(|e| SinkError::Connection(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default()
             .with_connection_name(self.cfg.connection_name.clone().into());
-        Connection::connect_uri_with_config(self.uri.clone(), props, self.tls.clone(), runtime)
+        let Some(tls) = &self.tls else {
+            return Connection::connect_uri_with_config(
+                self.uri.clone(),
+                props,
+                OwnedTLSConfig::default(),
+                runtime,
+            )
             .await
-            .map_err(|e| self.classify_connect(e))
+            .map_err(|e| self.classify_connect(e));
+        };
+        // amqps://: the TCP connection as lapin makes it, then the handshake with our own
+        // rustls configuration (lapin's would add the public roots to --sink-ca).
+        let connector = RustlsConnector::from(tls.clone());
+        Connection::connector(
+            self.uri.clone(),
+            runtime,
+            async move |uri: AMQPUri, runtime| {
+                let mut plain = uri.clone();
+                plain.scheme = AMQPScheme::AMQP;
+                let stream = plain
+                    .connect_with_config_async(TLSConfig::default(), &runtime)
+                    .await?;
+                Ok(stream.into_rustls(&connector, &uri.authority.host).await?)
+            },
+            props,
+        )
+        .await
+        .map_err(|e| self.classify_connect(e))
     }
 
     /// The relay's own partition layout (`--partitions N`), if any.
@@ -366,7 +392,9 @@ impl RabbitSink {
         if let lapin::ErrorKind::IOError(io) = e.kind() {
             // rustls reports certificate and handshake problems as InvalidData: retrying
             // cannot fix a certificate.
-            if io.kind() == std::io::ErrorKind::InvalidData {
+            if io.kind() == std::io::ErrorKind::InvalidData
+                || crate::tls::rustls_cause(io.as_ref()).is_some()
+            {
                 return config_err(
                     format!("TLS with RabbitMQ at {} failed: {io}", self.redacted),
                     "check --sink-ca (the CA that signed the broker's certificate), --sink-cert/--sink-key, and that the host name in --sink matches the certificate",
@@ -1047,9 +1075,14 @@ fn truncate(s: &str) -> String {
     format!("{}…", &s[..end])
 }
 
-/// TLS for `amqps://`: the CA file is trusted in addition to the public roots; a client
-/// certificate needs both the certificate and the key.
-fn tls_config(cfg: &RabbitConfig, amqps: bool) -> Result<OwnedTLSConfig, crate::Error> {
+/// TLS for `amqps://`: the broker's certificate is verified, chain and host name. `--sink-ca`
+/// replaces the public roots (a private CA is pinned: a certificate from any other CA, public
+/// ones included, is refused); without it the Mozilla roots are trusted. A client certificate
+/// needs both the certificate and the key; the key is read as a secret file.
+fn tls_config(
+    cfg: &RabbitConfig,
+    amqps: bool,
+) -> Result<Option<Arc<rustls::ClientConfig>>, crate::Error> {
     let any = cfg.ca_file.is_some() || cfg.cert_file.is_some() || cfg.key_file.is_some();
     if !amqps {
         if any {
@@ -1058,48 +1091,22 @@ fn tls_config(cfg: &RabbitConfig, amqps: bool) -> Result<OwnedTLSConfig, crate::
                 "use amqps://host:5671/vhost, or drop the TLS options",
             ));
         }
-        return Ok(OwnedTLSConfig::default());
+        return Ok(None);
     }
-    let read = |p: &PathBuf, what: &str| {
-        std::fs::read(p).map_err(|e| {
-            crate::Error::config(
-                format!("cannot read the {what} {}: {e}", p.display()),
-                format!("point --sink-{what} at a readable PEM file"),
-            )
-        })
+    if cfg.cert_file.is_some() != cfg.key_file.is_some() {
+        return Err(crate::Error::config(
+            "a client certificate needs both --sink-cert and --sink-key",
+            "give both, or neither",
+        ));
+    }
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
+    let settings = crate::dsn::TlsSettings {
+        mode: crate::dsn::TlsMode::VerifyFull,
+        ca_file: path(&cfg.ca_file),
+        cert_file: path(&cfg.cert_file),
+        key_file: path(&cfg.key_file),
     };
-    let cert_chain = match &cfg.ca_file {
-        Some(p) => {
-            let pem = String::from_utf8(read(p, "ca")?).map_err(|_| {
-                crate::Error::config(
-                    format!("{} is not a PEM file", p.display()),
-                    "give the CA certificate in PEM form (-----BEGIN CERTIFICATE-----)",
-                )
-            })?;
-            // Parse now: a file that holds no certificate would otherwise fail only in the
-            // handshake, with a less helpful message.
-            crate::tls::load_certs(&p.to_string_lossy())?;
-            Some(pem)
-        }
-        None => None,
-    };
-    let identity = match (&cfg.cert_file, &cfg.key_file) {
-        (Some(c), Some(k)) => Some(OwnedIdentity::PKCS8 {
-            pem: read(c, "cert")?,
-            key: read(k, "key")?,
-        }),
-        (None, None) => None,
-        _ => {
-            return Err(crate::Error::config(
-                "a client certificate needs both --sink-cert and --sink-key",
-                "give both, or neither",
-            ))
-        }
-    };
-    Ok(OwnedTLSConfig {
-        identity,
-        cert_chain,
-    })
+    Ok(crate::tls::client_config(&settings)?.map(Arc::new))
 }
 
 #[cfg(test)]

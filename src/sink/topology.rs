@@ -410,7 +410,7 @@ fn validate_pattern(p: &str) -> Result<(), Error> {
 pub struct TopologyArgs {
     /// RabbitMQ: amqp://user@host:5672/vhost (amqps:// for TLS).
     #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
-    pub sink: Option<String>,
+    pub sink: Option<crate::dsn::DsnArg>,
     /// File holding the sink URL, or only its password.
     #[arg(long, env = "OUTBOXD_SINK_FILE")]
     pub sink_file: Option<PathBuf>,
@@ -607,7 +607,7 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
 pub struct SinkCheckArgs {
     /// Also check this RabbitMQ sink: amqp://user@host:5672/vhost (amqps:// for TLS).
     #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
-    pub sink: Option<String>,
+    pub sink: Option<crate::dsn::DsnArg>,
     /// File holding the sink URL, or only its password.
     #[arg(long, env = "OUTBOXD_SINK_FILE")]
     pub sink_file: Option<PathBuf>,

@@ -11,7 +11,7 @@ use crate::event::{Checkpoint, OutboxEvent};
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::postgres::pgoutput::Value;
 use crate::source::postgres::rows::RowMapper;
-use crate::source::postgres::{connect_sql, snapshot};
+use crate::source::postgres::{connect_sql, snapshot, sql_config, tls_connect_error};
 use crate::source::SourceLink;
 use crate::Error;
 use futures::StreamExt;
@@ -178,20 +178,45 @@ pub fn notify_trigger_sql(table: &TableName) -> String {
     )
 }
 
-/// Opens a LISTEN session whose notifications tick `wake`.
+/// Opens a LISTEN session whose notifications tick `wake`: TLS and verification as every
+/// other SQL session of `dsn` ([`sql_config`]).
 async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<(), Error> {
-    let mut cfg = tokio_postgres::Config::new();
-    cfg.host(&dsn.host)
-        .port(dsn.port)
-        .user(&dsn.user)
-        .dbname(&dsn.database)
-        .application_name("outboxd_listen");
-    if let Some(p) = &dsn.password {
-        cfg.password(p);
-    }
-    let (client, mut conn) = cfg.connect(tokio_postgres::NoTls).await?;
-    let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
-    let driver = tokio::spawn(async move {
+    let (cfg, tls) = sql_config(dsn, "outboxd_listen")?;
+    let (client, driver) = match tls {
+        None => {
+            let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
+            (client, drive_listen(conn, wake))
+        }
+        Some(tls) => {
+            let (client, conn) = cfg
+                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+                .await
+                .map_err(|e| tls_connect_error(e, dsn))?;
+            (client, drive_listen(conn, wake))
+        }
+    };
+    client
+        .batch_execute(&format!("LISTEN {}", pg_ident(channel)))
+        .await?;
+    // The client must live as long as the session; the driver task owns the connection.
+    tokio::spawn(async move {
+        let _keep = client;
+        let _ = driver.await;
+    });
+    Ok(())
+}
+
+/// Drives a LISTEN session's connection in the background, ticking `wake` per notification.
+fn drive_listen<S, T>(
+    mut conn: tokio_postgres::Connection<S, T>,
+    wake: watch::Sender<u64>,
+) -> tokio::task::JoinHandle<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
         while let Some(m) = messages.next().await {
             match m {
                 Ok(tokio_postgres::AsyncMessage::Notification(_)) => {
@@ -204,16 +229,7 @@ async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<
                 }
             }
         }
-    });
-    client
-        .batch_execute(&format!("LISTEN {}", pg_ident(channel)))
-        .await?;
-    // The client must live as long as the session; the driver task owns the connection.
-    tokio::spawn(async move {
-        let _keep = client;
-        let _ = driver.await;
-    });
-    Ok(())
+    })
 }
 
 /// The Postgres side of the loop: one session, the table's columns read as text and mapped

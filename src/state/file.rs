@@ -164,14 +164,20 @@ fn write_atomic(path: &Path, content: &OffsetFile) -> Result<(), Error> {
     };
     let mut bytes = serde_json::to_vec_pretty(content).map_err(|e| Error::Other(e.to_string()))?;
     bytes.push(b'\n');
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let mut f = File::create(&tmp).map_err(|e| io("create the temporary file", e))?;
-    f.write_all(&bytes).map_err(|e| io("write", e))?;
-    f.sync_all().map_err(|e| io("fsync", e))?;
+    // A fresh name each time, created exclusively (O_CREAT|O_EXCL, which never follows a
+    // symbolic link): a link planted at a predictable temporary name cannot redirect the
+    // write to another file, and a leftover from a crash is never reused.
+    let (tmp, mut f) = create_temporary(path).map_err(|e| io("create the temporary file", e))?;
+    let written = f
+        .write_all(&bytes)
+        .map_err(|e| io("write", e))
+        .and_then(|()| f.sync_all().map_err(|e| io("fsync", e)));
     drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| io("rename", e))?;
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path).map_err(|e| io("rename", e)))
+    {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -180,6 +186,29 @@ fn write_atomic(path: &Path, content: &OffsetFile) -> Result<(), Error> {
         .and_then(|d| d.sync_all())
         .map_err(|e| io("fsync the directory", e))?;
     Ok(())
+}
+
+/// A new file `PATH.<random>.tmp` beside `path`, created with `create_new` (mode 0600): never
+/// an existing file, never through a symbolic link.
+fn create_temporary(path: &Path) -> std::io::Result<(PathBuf, File)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut last = None;
+    for _ in 0..8 {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{:016x}.tmp", rand::random::<u64>()));
+        let tmp = PathBuf::from(tmp);
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+        {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no free temporary name")))
 }
 
 /// Takes the lock of `path` without waiting: `LeaseHeld` while another process holds it.
@@ -370,6 +399,41 @@ mod tests {
             pos,
             gtid_state: Some("0-1-5".into()),
         }
+    }
+
+    #[test]
+    fn the_temporary_file_never_follows_a_symbolic_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("offsets.json");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        // The old fixed name, planted as a link to another file.
+        std::os::unix::fs::symlink(&victim, dir.path().join("offsets.json.tmp")).unwrap();
+        let content = OffsetFile::new("r1");
+        write_atomic(&path, &content).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert!(std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_file());
+        // Exclusive creation: an existing name (a link included) is refused, not opened.
+        let (tmp, _f) = create_temporary(&path).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let err = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&link)
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_ne!(tmp, dir.path().join("offsets.json.tmp"));
+        // No temporary file is left behind by a successful write.
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".tmp") && n != "offsets.json.tmp")
+            .collect();
+        assert_eq!(left.len(), 1, "only the one this test made: {left:?}");
     }
 
     #[tokio::test]

@@ -168,9 +168,11 @@ fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
     };
     match (&tls.cert_file, &tls.key_file) {
         (Some(c), Some(k)) => {
+            // The key is read here, checked as a secret file, and handed over as bytes.
+            let key = crate::tls::read_key_file(k)?;
             opts = opts.with_client_identity(Some(ClientIdentity::new(
                 PathBuf::from(c).into(),
-                PathBuf::from(k).into(),
+                key.to_vec().into(),
             )))
         }
         (None, None) => {}
@@ -810,8 +812,13 @@ mod tests {
         );
         let require = ssl_opts(&dsn("?ssl-mode=require")).unwrap().unwrap();
         assert!(require.accept_invalid_certs());
-        let ca = ssl_opts(&dsn("?ssl-mode=verify-ca")).unwrap().unwrap();
-        assert!(!ca.accept_invalid_certs() && ca.skip_domain_validation());
+        // verify-ca without ssl-ca is refused when the DSN is parsed (as libpq does).
+        assert!(
+            crate::dsn::SourceDsn::parse("mysql://u@h/db?ssl-mode=verify-ca")
+                .unwrap_err()
+                .to_string()
+                .contains("ssl-ca")
+        );
         let full = ssl_opts(&dsn("?ssl-mode=verify-identity"))
             .unwrap()
             .unwrap();

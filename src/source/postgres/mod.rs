@@ -112,8 +112,13 @@ pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
     }
 }
 
-/// Connects an ordinary SQL session (TLS per the DSN) and drives it in the background.
-pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgres::Client, Error> {
+/// The tokio-postgres settings and the TLS configuration (`None`: plain) for a session of
+/// `dsn`: every SQL connection of the relay, the poll mode's LISTEN session included, is made
+/// from these, so none can ignore the DSN's `sslmode`.
+pub(crate) fn sql_config(
+    dsn: &DbDsn,
+    application: &str,
+) -> Result<(tokio_postgres::Config, Option<rustls::ClientConfig>), Error> {
     let mut cfg = tokio_postgres::Config::new();
     if dsn.host.starts_with('/') {
         cfg.host_path(&dsn.host);
@@ -143,6 +148,12 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
     } else {
         crate::tls::client_config(&dsn.tls)?
     };
+    Ok((cfg, tls))
+}
+
+/// Connects an ordinary SQL session (TLS per the DSN) and drives it in the background.
+pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgres::Client, Error> {
+    let (cfg, tls) = sql_config(dsn, application)?;
     let client = match tls {
         None => {
             let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
@@ -171,7 +182,7 @@ pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgre
 
 /// A failed TLS connection: a refused certificate or a server without TLS is a configuration
 /// error (exit status 2, not retried); anything else is what it is.
-fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
+pub(crate) fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
     let what = format!("Postgres {}:{}", dsn.host, dsn.port);
     if let Some(r) = crate::tls::rustls_cause(&e) {
         return crate::tls::handshake_refused(&what, &dsn.tls, r);
