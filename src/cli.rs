@@ -297,7 +297,7 @@ pub struct MySqlArgs {
 pub struct SetupArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Also create the outbox table (the seed's columns) when it does not exist.
+    /// Also create the outbox table (the columns of migrations/*/001_outbox.sql) when it does not exist.
     #[arg(long, env = "OUTBOXD_CREATE_TABLE")]
     pub create_table: bool,
     /// Install the trigger that wakes poll-mode relays (`run --mode poll --notify`).

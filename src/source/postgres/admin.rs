@@ -73,7 +73,7 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
-/// Creates the contract's outbox table (the seed's columns, Postgres types) when missing;
+/// Creates the contract's outbox table (migrations/postgres/001_outbox.sql's columns) when missing;
 /// returns whether it did.
 pub async fn create_outbox_table(client: &Client, table: &TableName) -> Result<bool, Error> {
     let exists: bool = client
