@@ -2,7 +2,7 @@
 //!
 //! 1. Single fields: encrypt and decrypt of a 10-byte tax id and a 200-byte note (fields/s,
 //!    one core).
-//! 2. Payloads: the seed's invoice (6 fields, 2 sensitive) and a nested order (20 fields, 6
+//! 2. Payloads: a typical invoice (6 fields, 2 sensitive) and a nested order (20 fields, 6
 //!    sensitive across an array): encrypt_payload / decrypt_payload against the parse+serialise
 //!    a producer or consumer does anyway (the overhead a consumer sees per message).
 //! 3. Producer: `Outbox::write` into Postgres, transactions of 100, with and without the

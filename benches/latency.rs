@@ -57,6 +57,46 @@ pub(crate) fn latencies_ms(
         .collect()
 }
 
+/// One measured run: what was offered, what the producer achieved, and the latencies of the
+/// messages that arrived (those that never did are counted, and fail the bench).
+pub(crate) struct Run {
+    pub achieved: f64,
+    pub sent: usize,
+    pub latencies_ms: Vec<f64>,
+}
+
+impl Run {
+    /// Messages sent that never arrived within the deadline.
+    pub fn lost(&self) -> usize {
+        self.sent - self.latencies_ms.len()
+    }
+
+    /// A table row: the achieved rate and the number of messages each percentile is over; a
+    /// percentile is printed only when enough messages were measured for it to mean anything
+    /// (p99 needs 100, p99.9 1,000).
+    pub fn row(&self, path: &str, rate: u64) -> String {
+        let n = self.latencies_ms.len();
+        let mut v = self.latencies_ms.clone();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let at = |q: f64, min: usize| -> String {
+            if n == 0 || n < min {
+                format!("n/a (n={n})")
+            } else {
+                format!("{:.2} (n={n})", v[((n as f64 - 1.0) * q).round() as usize])
+            }
+        };
+        format!(
+            "| {path} | {rate}/s | {:.0}/s | {} | {} | {} | {n} | {} |",
+            self.achieved,
+            at(0.5, 1),
+            at(0.99, 100),
+            at(0.999, 1000),
+            self.lost()
+        )
+    }
+}
+
+#[allow(dead_code)] // benches/poll.rs uses it
 pub(crate) fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
@@ -266,7 +306,7 @@ async fn relay_run(
     rate: u64,
     seconds: u64,
     amqp: &Connection,
-) -> (&'static str, (f64, f64, f64, usize)) {
+) -> (&'static str, Run) {
     let db = format!("lat_{}_{source}_{rate}", std::process::id());
     let (mut producer, dsn) = Producer::create(source, &db).await;
     let exchange = db.clone();
@@ -360,10 +400,17 @@ async fn relay_run(
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;
     producer.drop_db(&db).await;
-    (label, percentiles(lat))
+    (
+        label,
+        Run {
+            achieved,
+            sent: n,
+            latencies_ms: lat,
+        },
+    )
 }
 
-async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, usize) {
+async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> Run {
     let queue = format!("lat_raw_{}_{rate}", std::process::id());
     declare_queue(amqp, None, &queue).await;
     let arrivals = Arc::new(Mutex::new(HashMap::new()));
@@ -402,6 +449,7 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, 
             .unwrap();
         confirms.push(c);
     }
+    let achieved = n as f64 / start.elapsed().as_secs_f64();
     for c in confirms {
         let _ = c.await;
     }
@@ -420,7 +468,11 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> (f64, f64, f64, 
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;
-    percentiles(lat)
+    Run {
+        achieved,
+        sent: n,
+        latencies_ms: lat,
+    }
 }
 
 #[tokio::main]
@@ -447,20 +499,43 @@ async fn main() {
     let amqp = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
-    println!("| path | offered rate | p50 ms | p99 ms | p99.9 ms | messages |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| path | offered rate | achieved rate | p50 ms | p99 ms | p99.9 ms | measured | never arrived |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut lost = Vec::new();
     for rate in rates {
-        let (p50, p99, p999, n) = raw_run(rate, seconds, &amqp).await;
-        println!(
-            "| raw lapin publish → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |"
-        );
+        let path = "raw lapin publish → consume";
+        let run = raw_run(rate, seconds, &amqp).await;
+        println!("{}", run.row(path, rate));
+        if run.lost() > 0 {
+            lost.push(format!(
+                "{path} at {rate}/s: {} of {}",
+                run.lost(),
+                run.sent
+            ));
+        }
         for source in &sources {
-            let (label, (p50, p99, p999, n)) = relay_run(source, rate, seconds, &amqp).await;
-            println!("| outboxd: {label} commit → consume | {rate}/s | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
+            let (label, run) = relay_run(source, rate, seconds, &amqp).await;
+            let path = format!("outboxd: {label} commit → consume");
+            println!("{}", run.row(&path, rate));
+            if run.lost() > 0 {
+                lost.push(format!(
+                    "{path} at {rate}/s: {} of {}",
+                    run.lost(),
+                    run.sent
+                ));
+            }
         }
     }
     println!(
         "\nload average before: {load_before}, after: {}",
         support::load_average()
     );
+    // A message that never arrived is not a slow one: the figures above would hide it.
+    if !lost.is_empty() {
+        eprintln!(
+            "latency: FAILED, messages never arrived: {}",
+            lost.join("; ")
+        );
+        std::process::exit(1);
+    }
 }

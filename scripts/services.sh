@@ -757,6 +757,22 @@ docker_compose_section() {
     fi
 }
 
+# python3-cryptography: scripts/crypto-vector.py (the independent known answer of
+# docs/encryption.md, run by tests/crypto_cli.rs) needs its ChaCha20-Poly1305.
+crypto_vector_section() {
+    if python3 -c 'import cryptography.hazmat.primitives.ciphers.aead' >/dev/null 2>&1; then
+        say crypto "ok: python3 cryptography"
+        return
+    fi
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y python3-cryptography >/tmp/outboxd-python-crypto.log 2>&1 \
+        || { apt-get update >>/tmp/outboxd-python-crypto.log 2>&1 \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y python3-cryptography >>/tmp/outboxd-python-crypto.log 2>&1; }; then
+        changed crypto "installed Debian's python3-cryptography package"
+    else
+        say crypto "WARNING: apt-get install -y python3-cryptography failed (see /tmp/outboxd-python-crypto.log); tests/crypto_cli.rs fails until it is installed"
+    fi
+}
+
 # ---------------------------------------------------------------------------------------------
 # Verification
 # ---------------------------------------------------------------------------------------------
@@ -862,6 +878,7 @@ main() {
     rabbitmq_section
     rabbitmq_tls_section
     docker_compose_section
+    crypto_vector_section
     verify
     echo "services.sh done in $((SECONDS - t0))s"
 }

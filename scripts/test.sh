@@ -8,6 +8,10 @@
 #                           or --nocapture: OUTBOXD_TEST_ARGS='postgres --nocapture' scripts/test.sh
 #   OUTBOXD_CARGO_ARGS      extra arguments for cargo clippy/build/test (before `--`), e.g. --release
 #   OUTBOXD_SKIP_SERVICES=1 do not run scripts/services.sh (services are managed elsewhere)
+#   CI=true                 strict: a missing rustfmt or clippy fails the run instead of being
+#                           skipped, and the fuzz-check and bench-smoke phases run
+#   OUTBOXD_FUZZ_CHECK=1    run the fuzz-check phase outside CI too (type-checks fuzz/ on stable)
+#   OUTBOXD_BENCH_SMOKE=1   run the bench-smoke phase outside CI too (every bench once, tiny sizes)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,6 +45,9 @@ trap on_exit EXIT
 
 warn() { echo "test.sh: WARNING: $*" >&2; }
 
+CI_STRICT=0
+if [[ ${CI:-} == true || ${CI:-} == 1 ]]; then CI_STRICT=1; fi
+
 # ensure_component TOOL COMPONENT: is `cargo TOOL` available (installing COMPONENT if not)?
 ensure_component() {
     if cargo "$1" --version >/dev/null 2>&1; then
@@ -48,6 +55,10 @@ ensure_component() {
     fi
     if command -v rustup >/dev/null 2>&1 && rustup component add "$2"; then
         cargo "$1" --version >/dev/null 2>&1 && return 0
+    fi
+    if [[ $CI_STRICT == 1 ]]; then
+        echo "test.sh: ERROR: cargo $1 is not available and 'rustup component add $2' failed; under CI=true the $1 phase is required" >&2
+        exit 1
     fi
     warn "cargo $1 is not available and 'rustup component add $2' failed (offline?): skipping the $1 phase"
     return 1
@@ -87,8 +98,35 @@ phase_begin build
 cargo build "${LOCKED[@]}" --all-targets "${CARGO_ARGS[@]}"
 phase_end
 
+# The fuzz targets (fuzz/, its own workspace) type-checked on stable, so an API change in
+# outboxd::fuzzing cannot leave them broken until the next nightly fuzz run. Without the
+# default feature libFuzzer's C++ is not compiled; the shared target dir reuses clippy's
+# dependency metadata.
+if [[ $CI_STRICT == 1 || ${OUTBOXD_FUZZ_CHECK:-0} == 1 ]]; then
+    phase_begin fuzz-check
+    CARGO_TARGET_DIR=$PWD/target cargo check "${LOCKED[@]}" --manifest-path fuzz/Cargo.toml \
+        --no-default-features --bins
+    phase_end
+fi
+
 phase_begin test
 status=0
 cargo test "${LOCKED[@]}" --all-targets "${CARGO_ARGS[@]}" -- --test-threads=2 "${TEST_ARGS[@]}" || status=$?
 phase_end "$status"
+
+# Every bench once, at a size that only proves it still runs (the figures mean nothing): the
+# bench binaries are already built by the test phase (dev profile), `--bench` makes each run
+# its real code path, the variables shrink it.
+if [[ $status -eq 0 && ( $CI_STRICT == 1 || ${OUTBOXD_BENCH_SMOKE:-0} == 1 ) ]]; then
+    phase_begin bench-smoke
+    bench_status=0
+    OUTBOXD_BENCH_EVENTS=300 OUTBOXD_BENCH_LATENCY_EVENTS=50 OUTBOXD_BENCH_RATES=100 \
+        OUTBOXD_BENCH_RATE=100 OUTBOXD_BENCH_SECONDS=1 OUTBOXD_BENCH_MESSAGES=200 \
+        OUTBOXD_BENCH_PRUNE_ROWS=500 OUTBOXD_BENCH_WRITES=100 OUTBOXD_BENCH_BACKLOGS=300 \
+        OUTBOXD_BENCH_UNRELATED_ROWS=1000 OUTBOXD_BENCH_ROUNDS=1 OUTBOXD_BENCH_BACKLOG=300 \
+        OUTBOXD_BENCH_IDLE_SECONDS=1 \
+        cargo test "${LOCKED[@]}" --benches "${CARGO_ARGS[@]}" -- --bench || bench_status=$?
+    phase_end "$bench_status"
+    status=$bench_status
+fi
 exit "$status"

@@ -13,10 +13,18 @@ use clap::{ArgMatches, Args, Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// `outboxd --version`: the crate version and the git commit it was built from (`build.rs`).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("OUTBOXD_COMMIT"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "outboxd",
-    version,
+    version = VERSION,
     about = "Transactional outbox relay: database log → RabbitMQ, at least once, in commit order"
 )]
 pub struct Cli {
@@ -263,6 +271,10 @@ pub struct RabbitArgs {
     pub sink_key: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub partitions: crate::sink::partition::PartitionArgs,
+    /// Queue type of <exchange>.unrouted and <exchange>.dead as --declare auto declares them
+    /// (quorum: replicated across a cluster).
+    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = crate::sink::partition::QueueType::Classic)]
+    pub dead_queue_type: crate::sink::partition::QueueType,
 }
 
 /// MySQL/MariaDB source settings.
@@ -289,7 +301,7 @@ pub struct MySqlArgs {
 pub struct SetupArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Also create the outbox table (the seed's columns) when it does not exist.
+    /// Also create the outbox table (the columns of migrations/*/001_outbox.sql) when it does not exist.
     #[arg(long, env = "OUTBOXD_CREATE_TABLE")]
     pub create_table: bool,
     /// Install the trigger that wakes poll-mode relays (`run --mode poll --notify`).
@@ -726,6 +738,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             cert_file: args.rabbit.sink_cert.clone(),
             key_file: args.rabbit.sink_key.clone(),
             partitioning: args.rabbit.partitions.validate()?,
+            dead_queue_type: args.rabbit.dead_queue_type,
         },
         name: r.name,
         slot: r.slot,

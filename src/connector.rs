@@ -60,6 +60,8 @@ pub struct RabbitOptions {
     pub key_file: Option<std::path::PathBuf>,
     /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
     pub partitioning: crate::sink::partition::Partitioning,
+    /// `--dead-queue-type`.
+    pub dead_queue_type: crate::sink::partition::QueueType,
 }
 
 /// `--on-position-lost`.
@@ -365,6 +367,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             key_file: cfg.rabbit.key_file.clone(),
             connection_name: format!("outboxd {}", cfg.name),
             partitioning: cfg.rabbit.partitioning.clone(),
+            dead_queue_type: cfg.rabbit.dead_queue_type,
         })?)),
     })
 }

@@ -65,6 +65,100 @@ pub struct PgTarget<'a> {
     pub publication: &'a str,
 }
 
+/// Roles of managed Postgres services that matter for logical replication, and the service.
+/// `rds_replication` (or `rds_superuser`, the master user's role) grants it on Amazon RDS and
+/// Aurora; `cloudsqlsuperuser` members on Cloud
+/// SQL may give themselves the REPLICATION attribute (which is what the walsender checks).
+pub const MANAGED_ROLES: &[(&str, &str)] = &[
+    ("rds_replication", "Amazon RDS / Aurora"),
+    ("rds_superuser", "Amazon RDS / Aurora"),
+    ("cloudsqlsuperuser", "Google Cloud SQL"),
+];
+
+/// What `check` found about the current role's right to replicate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicationGrant {
+    pub user: String,
+    pub superuser: bool,
+    /// The REPLICATION attribute (self-hosted, Cloud SQL, Azure, Supabase, Crunchy, …).
+    pub replication: bool,
+    /// The [`MANAGED_ROLES`] the role is a member of (directly or through other roles).
+    pub memberships: Vec<String>,
+}
+
+impl ReplicationGrant {
+    /// The check line: which grant was found, or what to run.
+    pub fn judge(&self) -> (Level, String, Option<String>) {
+        let user = &self.user;
+        let service = |r: &str| {
+            MANAGED_ROLES
+                .iter()
+                .find(|(n, _)| *n == r)
+                .map(|(_, s)| *s)
+                .unwrap_or("")
+        };
+        if self.superuser {
+            return (Level::Ok, format!("role {user}: superuser"), None);
+        }
+        if let Some(r) = ["rds_replication", "rds_superuser"]
+            .into_iter()
+            .find(|r| self.memberships.iter().any(|m| m == r))
+        {
+            return (
+                Level::Ok,
+                format!("role {user}: member of {r} ({})", service(r)),
+                None,
+            );
+        }
+        if self.replication {
+            let via = if self.memberships.iter().any(|m| m == "cloudsqlsuperuser") {
+                " (member of cloudsqlsuperuser: Google Cloud SQL)"
+            } else {
+                ""
+            };
+            return (
+                Level::Ok,
+                format!("role {user}: REPLICATION attribute{via}"),
+                None,
+            );
+        }
+        if self.memberships.iter().any(|m| m == "cloudsqlsuperuser") {
+            // Cloud SQL's walsender still wants the attribute, which a cloudsqlsuperuser
+            // member may set on itself: not a failure, but not enough yet.
+            return (
+                Level::Warn,
+                format!("role {user}: member of cloudsqlsuperuser (Google Cloud SQL) without the REPLICATION attribute"),
+                Some(format!("ALTER ROLE {} WITH REPLICATION;  (as a cloudsqlsuperuser member, with the flag cloudsql.logical_decoding=on)", pg_ident(user))),
+            );
+        }
+        (
+            Level::Fail,
+            format!("role {user} lacks REPLICATION (and is no member of rds_replication)"),
+            Some(format!(
+                "ALTER ROLE {u} WITH REPLICATION;  (Amazon RDS / Aurora: GRANT rds_replication TO {u};)",
+                u = pg_ident(user)
+            )),
+        )
+    }
+}
+
+/// How to get `wal_level = logical`, given which managed-service settings the server has.
+pub fn wal_level_fix(managed_settings: &[String]) -> String {
+    if managed_settings
+        .iter()
+        .any(|s| s == "rds.logical_replication")
+    {
+        "set rds.logical_replication = 1 in the instance's DB parameter group (Aurora: the DB cluster parameter group), then reboot the instance (docs/managed-postgres.md)".into()
+    } else if managed_settings
+        .iter()
+        .any(|s| s == "cloudsql.logical_decoding")
+    {
+        "gcloud sql instances patch INSTANCE --database-flags=cloudsql.logical_decoding=on (restarts the instance; docs/managed-postgres.md)".into()
+    } else {
+        "ALTER SYSTEM SET wal_level = logical; then restart Postgres (managed services: docs/managed-postgres.md)".into()
+    }
+}
+
 /// Runs every Postgres check; never stops at the first failure.
 pub async fn check_postgres(t: &PgTarget<'_>) -> Vec<CheckLine> {
     let mut out = Vec::new();
@@ -113,11 +207,21 @@ async fn check_server(
     out.push(if level == "logical" {
         line(Level::Ok, "wal_level", "logical", None)
     } else {
+        // Managed services do not allow ALTER SYSTEM: their own setting turns it on.
+        let managed: Vec<String> = client
+            .query(
+                "SELECT name::text FROM pg_settings WHERE name IN ('rds.logical_replication', 'cloudsql.logical_decoding')",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
         line(
             Level::Fail,
             "wal_level",
             format!("{level}, logical decoding needs logical"),
-            Some("ALTER SYSTEM SET wal_level = logical; then restart Postgres".into()),
+            Some(wal_level_fix(&managed)),
         )
     });
 
@@ -184,25 +288,28 @@ async fn check_server(
         line(Level::Ok, "max_slot_wal_keep_size", format!("{keep} MB"), None)
     });
 
+    // Managed services grant logical replication without the REPLICATION attribute (Amazon
+    // RDS / Aurora: membership of rds_replication) or through their admin role: membership
+    // is transitive (`pg_has_role … MEMBER`), so the RDS master user (rds_superuser) counts.
     let role = client
-        .query_one("SELECT rolname::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user", &[])
+        .query_one(
+            "SELECT rolname::text, rolsuper, rolreplication,
+                    ARRAY(SELECT g.rolname::text FROM pg_roles g
+                          WHERE g.rolname = ANY($1) AND pg_has_role(current_user, g.oid, 'MEMBER')
+                          ORDER BY g.rolname)
+             FROM pg_roles WHERE rolname = current_user",
+            &[&MANAGED_ROLES.iter().map(|(r, _)| *r).collect::<Vec<_>>()],
+        )
         .await?;
-    let (user, can): (String, bool) = (role.get(0), role.get(1));
-    out.push(if can {
-        line(
-            Level::Ok,
-            "replication privilege",
-            format!("role {user}"),
-            None,
-        )
-    } else {
-        line(
-            Level::Fail,
-            "replication privilege",
-            format!("role {user} lacks REPLICATION"),
-            Some(format!("ALTER ROLE {} WITH REPLICATION;", pg_ident(&user))),
-        )
-    });
+    let grant = ReplicationGrant {
+        user: role.get(0),
+        superuser: role.get(1),
+        replication: role.get(2),
+        memberships: role.get(3),
+    };
+    let (level, detail, fix) = grant.judge();
+    out.push(line(level, "replication privilege", detail, fix));
+    let user = grant.user;
 
     for table in t.tables {
         let exists: bool = client
@@ -509,4 +616,55 @@ pub async fn advance_slot(dsn: &DbDsn, name: &str, slot: &str, lsn: &str) -> Res
         )
         .await?;
     Ok(end)
+}
+
+#[cfg(test)]
+mod grant_tests {
+    use super::*;
+
+    fn grant(superuser: bool, replication: bool, memberships: &[&str]) -> ReplicationGrant {
+        ReplicationGrant {
+            user: "app".into(),
+            superuser,
+            replication,
+            memberships: memberships.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn each_grant_is_named() {
+        let (l, d, _) = grant(false, false, &["rds_replication"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("rds_replication") && d.contains("RDS"), "{d}");
+        let (l, d, _) = grant(false, false, &["rds_superuser"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("member of rds_superuser"), "{d}");
+        let (l, d, _) = grant(false, true, &[]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("REPLICATION attribute"), "{d}");
+        let (l, d, _) = grant(false, true, &["cloudsqlsuperuser"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("Cloud SQL"), "{d}");
+        let (l, d, fix) = grant(false, false, &["cloudsqlsuperuser"]).judge();
+        assert_eq!(l, Level::Warn);
+        assert!(d.contains("cloudsqlsuperuser"), "{d}");
+        assert!(fix.unwrap().contains("WITH REPLICATION"));
+        let (l, d, _) = grant(true, false, &[]).judge();
+        assert_eq!((l, d.as_str()), (Level::Ok, "role app: superuser"));
+        let (l, _, fix) = grant(false, false, &[]).judge();
+        assert_eq!(l, Level::Fail);
+        let fix = fix.unwrap();
+        assert!(
+            fix.contains("WITH REPLICATION") && fix.contains("GRANT rds_replication"),
+            "{fix}"
+        );
+    }
+
+    #[test]
+    fn wal_level_fix_names_the_services_setting() {
+        assert!(wal_level_fix(&["rds.logical_replication".into()]).contains("parameter group"));
+        assert!(wal_level_fix(&["cloudsql.logical_decoding".into()])
+            .contains("cloudsql.logical_decoding=on"));
+        assert!(wal_level_fix(&[]).starts_with("ALTER SYSTEM SET wal_level = logical"));
+    }
 }

@@ -149,10 +149,14 @@ fn compose_config_is_valid_with_and_without_the_mysql8_profile() {
         full["services"]["mysql8"]["image"].as_str(),
         Some("mysql:8.4")
     );
-    assert!(doc["services"]["rabbitmq"]["image"]
-        .as_str()
-        .unwrap()
-        .ends_with("-management"));
+    let rabbit = doc["services"]["rabbitmq"]["image"].as_str().unwrap();
+    assert!(rabbit.ends_with("-management"), "{rabbit}");
+    // A supported RabbitMQ release: 3.13 or 4.x.
+    let tag = rabbit.trim_start_matches("rabbitmq:");
+    assert!(
+        tag.starts_with("3.13") || tag.starts_with("4"),
+        "compose runs RabbitMQ {tag}: use a supported release (3.13 or 4.x)"
+    );
 
     // Every file a service mounts exists.
     for (name, svc) in full["services"].as_object().unwrap() {

@@ -330,3 +330,46 @@ fn blind_index_reads_stdin_and_normalises() {
         all
     );
 }
+
+/// docs/encryption.md's known-answer vector, rebuilt by an independent implementation
+/// (`scripts/crypto-vector.py`: pure-Python HKDF and HChaCha20, the `cryptography` package's
+/// ChaCha20-Poly1305) from the written spec alone, must be exactly the one the page prints.
+#[test]
+fn the_independent_python_implementation_gives_the_documented_vector() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = std::process::Command::new("python3")
+        .arg(format!("{root}/scripts/crypto-vector.py"))
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("python3 cannot run ({e}): install it with `apt-get install -y python3` (scripts/services.sh, as root, does)")
+        });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("No module named 'cryptography'"),
+        "scripts/crypto-vector.py needs the `cryptography` package: run scripts/services.sh (as root), or `apt-get install -y python3-cryptography` (or `pip install cryptography`)"
+    );
+    assert!(
+        out.status.success(),
+        "scripts/crypto-vector.py failed: {stderr}"
+    );
+    let printed = String::from_utf8(out.stdout).unwrap();
+    let doc = std::fs::read_to_string(format!("{root}/docs/encryption.md")).unwrap();
+    let line = |text: &str, prefix: &str| -> String {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line in {text}"))
+            .trim()
+            .to_string()
+    };
+    let doc_value = line(&doc, "value      ");
+    let doc_key = line(&doc, "field key  ");
+    assert!(doc_value.starts_with("enc:v1:"), "{doc_value}");
+    assert!(
+        printed.contains(&doc_value),
+        "python gives\n{printed}\nthe doc says {doc_value}"
+    );
+    assert!(
+        printed.contains(&doc_key),
+        "field key: {printed} vs {doc_key}"
+    );
+}

@@ -446,3 +446,113 @@ async fn check_reports_the_broker() {
         "{out}"
     );
 }
+
+/// Managed Postgres grants: `check` accepts membership of `rds_replication` (Amazon RDS /
+/// Aurora grant logical replication with it, not with the REPLICATION attribute) and says which
+/// grant it found; a `cloudsqlsuperuser` member without the attribute is a warning with the fix.
+/// The roles are created here as the services name them (cluster-wide, kept: other test runs
+/// may use them at the same time; NOLOGIN, granting nothing by themselves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_accepts_managed_replication_grants_and_names_them() {
+    let db = PgDb::create("grants").await;
+    let admin = pg_connect(PG_ADMIN).await;
+    for r in ["rds_replication", "cloudsqlsuperuser"] {
+        admin
+            .batch_execute(&format!(
+                "DO $$ BEGIN CREATE ROLE {r} NOLOGIN; EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$"
+            ))
+            .await
+            .unwrap();
+    }
+    let user = unique("app");
+    admin
+        .batch_execute(&format!("CREATE ROLE {user} LOGIN"))
+        .await
+        .unwrap();
+    struct DropRole(String);
+    impl Drop for DropRole {
+        fn drop(&mut self) {
+            let user = self.0.clone();
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    if let Ok((c, conn)) =
+                        tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls).await
+                    {
+                        tokio::spawn(conn);
+                        let _ = c
+                            .batch_execute(&format!("DROP ROLE IF EXISTS {user}"))
+                            .await;
+                    }
+                });
+            })
+            .join();
+        }
+    }
+    let _role = DropRole(user.clone());
+    let dsn = format!("postgres://{user}@127.0.0.1:5432/{}", db.name);
+    let privilege = || {
+        let dsn = dsn.clone();
+        async move {
+            let mut r = Relay::start(&["check", "--source", &dsn, "--name", "grants"]);
+            r.wait_exit(T).await;
+            // The check's line and its `fix:` line, if any.
+            let lines = r.lines();
+            let i = lines
+                .iter()
+                .position(|l| l.contains("replication privilege"))
+                .unwrap_or_else(|| panic!("no replication privilege line: {lines:?}"));
+            match lines.get(i + 1) {
+                Some(fix) if fix.trim_start().starts_with("fix:") => {
+                    format!("{}\n{fix}", lines[i])
+                }
+                _ => lines[i].clone(),
+            }
+        }
+    };
+
+    let line = privilege().await;
+    assert!(
+        line.starts_with("FAIL") && line.contains("GRANT rds_replication"),
+        "{line}"
+    );
+
+    admin
+        .batch_execute(&format!("GRANT cloudsqlsuperuser TO {user}"))
+        .await
+        .unwrap();
+    let line = privilege().await;
+    assert!(
+        line.starts_with("warn")
+            && line.contains("cloudsqlsuperuser")
+            && line.contains("WITH REPLICATION"),
+        "{line}"
+    );
+
+    admin
+        .batch_execute(&format!("ALTER ROLE {user} WITH REPLICATION"))
+        .await
+        .unwrap();
+    let line = privilege().await;
+    assert!(
+        line.starts_with("ok")
+            && line.contains("REPLICATION attribute")
+            && line.contains("Cloud SQL"),
+        "{line}"
+    );
+
+    admin
+        .batch_execute(&format!(
+            "ALTER ROLE {user} WITH NOREPLICATION; REVOKE cloudsqlsuperuser FROM {user}; GRANT rds_replication TO {user}"
+        ))
+        .await
+        .unwrap();
+    let line = privilege().await;
+    assert!(
+        line.starts_with("ok") && line.contains("member of rds_replication (Amazon RDS / Aurora)"),
+        "{line}"
+    );
+}

@@ -1,4 +1,4 @@
--- The seed's outbox table for MySQL 8 / MariaDB (CONTRACT §3). MariaDB stores JSON as
+-- The outbox table for MySQL 8 / MariaDB (docs/message-format.md). MariaDB stores JSON as
 -- LONGTEXT with a json_valid check: the payload then travels byte for byte.
 CREATE TABLE IF NOT EXISTS outbox (
     id            BINARY(16)   NOT NULL,        -- event id = idempotency key (RFC 4122 byte order)

@@ -1,4 +1,4 @@
--- The outbox table (CONTRACT §3). Producers insert into it in the same transaction as their
+-- The outbox table (docs/message-format.md). Producers insert into it in the same transaction as their
 -- business rows; outboxd relays each INSERT. `aggregate_id` may also be bigint or uuid, and
 -- `payload` jsonb (json keeps the body byte for byte; jsonb re-renders it).
 CREATE TABLE IF NOT EXISTS outbox (

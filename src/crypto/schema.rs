@@ -1,6 +1,6 @@
 //! The schema that says which payload fields are personal data: `"x-gdpr-sensitive": true` on a
 //! field, either JSON Schema style (`properties`, nested objects, `items` for every element of
-//! an array) or the seed's flat form (`{"tax_id": {"x-gdpr-sensitive": true}}`). A marker the
+//! an array) or a flat form (`{"tax_id": {"x-gdpr-sensitive": true}}`). A marker the
 //! walker would not reach (under `$ref`, `allOf`, `patternProperties`, …) is refused rather
 //! than ignored: ignoring it would leave personal data in clear while the operator believes
 //! it encrypted.

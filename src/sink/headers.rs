@@ -28,7 +28,7 @@ impl HeaderValue {
 
 /// Name prefixes the relay owns (compared without case): its own headers, dead-letter records,
 /// partition placement, and the brokers' own (`Nats-Msg-Id` deduplicates a JetStream stream).
-const RESERVED_PREFIXES: &[&str] = &[
+pub const RESERVED_PREFIXES: &[&str] = &[
     "x-aggregate-",
     "x-source-",
     "x-outbox-",
@@ -43,7 +43,7 @@ const RESERVED_PREFIXES: &[&str] = &[
 
 /// Whole names the relay or a broker owns (compared without case): RabbitMQ routes a message
 /// to the extra routing keys in `CC` and `BCC`.
-const RESERVED_NAMES: &[&str] = &["cc", "bcc"];
+pub const RESERVED_NAMES: &[&str] = &["cc", "bcc"];
 
 /// Whether a row's `headers` object may not supply this name.
 pub fn is_reserved(name: &str) -> bool {

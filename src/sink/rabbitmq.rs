@@ -25,7 +25,7 @@
 //! arrived with or before it.
 
 use super::headers::{self, HeaderValue};
-use super::partition::{PartitionRouting, Partitioning};
+use super::partition::{PartitionRouting, Partitioning, QueueType};
 use super::topology::{self, Layout};
 use super::{Delivery, FlowControl, Sink, SinkError};
 use crate::dsn::redact;
@@ -96,6 +96,8 @@ pub struct RabbitConfig {
     pub connection_name: String,
     /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
     pub partitioning: Partitioning,
+    /// `--dead-queue-type`: the type of the `<exchange>.unrouted` and `<exchange>.dead` queues.
+    pub dead_queue_type: QueueType,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -108,6 +110,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("op_timeout", &self.op_timeout)
             .field("ca_file", &self.ca_file)
             .field("cert_file", &self.cert_file)
+            .field("dead_queue_type", &self.dead_queue_type)
             .field("key_file", &self.key_file)
             .field("partitioning", &self.partitioning)
             .finish()
@@ -427,6 +430,17 @@ impl RabbitSink {
             "alternate-exchange".into(),
             AMQPValue::LongString(unrouted.clone().into()),
         );
+        // Classic queues are declared without `x-queue-type`, as before the flag existed (a
+        // broker whose default queue type is quorum then makes them quorum). A passive
+        // declaration checks only that the queue exists, so pre-declared queues of either
+        // type are accepted.
+        let mut qargs = FieldTable::default();
+        if self.cfg.dead_queue_type == QueueType::Quorum {
+            qargs.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString(QueueType::Quorum.as_str().into()),
+            );
+        }
         let what = |kind: &'static str, name: &str| (kind, name.to_string());
         // The alternate exchange first, so the main exchange never exists without it.
         let steps: Vec<DeclareStep<'_>> = vec![
@@ -442,7 +456,7 @@ impl RabbitSink {
             ),
             (
                 what("queue", &unrouted),
-                ch.queue_declare(unrouted.clone().into(), qopts, FieldTable::default())
+                ch.queue_declare(unrouted.clone().into(), qopts, qargs.clone())
                     .map(|r| r.map(|_| ()))
                     .boxed(),
             ),
@@ -453,14 +467,20 @@ impl RabbitSink {
             ),
             (
                 what("queue", &dead),
-                ch.queue_declare(dead.clone().into(), qopts, FieldTable::default())
+                ch.queue_declare(dead.clone().into(), qopts, qargs)
                     .map(|r| r.map(|_| ()))
                     .boxed(),
             ),
         ];
         for ((kind, name), step) in steps {
-            step.await
-                .map_err(|e| self.declare_error(e, kind, &name, &expected_topology(x)))?;
+            step.await.map_err(|e| {
+                self.declare_error(
+                    e,
+                    kind,
+                    &name,
+                    &expected_topology(x, self.cfg.dead_queue_type),
+                )
+            })?;
             if kind == "queue" && name == unrouted && !passive {
                 ch.queue_bind(
                     unrouted.clone().into(),
@@ -471,7 +491,12 @@ impl RabbitSink {
                 )
                 .await
                 .map_err(|e| {
-                    self.declare_error(e, "binding of queue", &name, &expected_topology(x))
+                    self.declare_error(
+                        e,
+                        "binding of queue",
+                        &name,
+                        &expected_topology(x, self.cfg.dead_queue_type),
+                    )
                 })?;
             }
         }
@@ -984,8 +1009,9 @@ fn describe_mismatch(text: &str) -> String {
     }
 }
 
-fn expected_topology(x: &str) -> String {
-    format!("outboxd expects: durable topic exchange {x} with argument alternate-exchange={x}.unrouted; durable fanout exchange {x}.unrouted bound to durable queue {x}.unrouted; durable queue {x}.dead")
+fn expected_topology(x: &str, queue_type: QueueType) -> String {
+    let qt = queue_type.as_str();
+    format!("outboxd expects: durable topic exchange {x} with argument alternate-exchange={x}.unrouted; durable fanout exchange {x}.unrouted bound to durable {qt} queue {x}.unrouted; durable {qt} queue {x}.dead")
 }
 
 /// The relay's own headers in AMQP encoding.
@@ -1125,6 +1151,7 @@ mod tests {
             key_file: None,
             connection_name: "test".into(),
             partitioning: Default::default(),
+            dead_queue_type: QueueType::Classic,
         })
         .unwrap()
     }

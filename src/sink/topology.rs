@@ -446,6 +446,9 @@ pub struct TopologyArgs {
     /// PEM private key of --sink-cert.
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<PathBuf>,
+    /// Queue type of <exchange>.unrouted and <exchange>.dead (as `run --dead-queue-type`).
+    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
+    pub dead_queue_type: QueueType,
 }
 
 impl TopologyArgs {
@@ -547,6 +550,7 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
             args.group.as_deref().unwrap_or(&args.exchange)
         ),
         partitioning: Default::default(),
+        dead_queue_type: args.dead_queue_type,
     })?;
     let passive = args.declare == DeclareMode::Passive;
     let warning = sink
@@ -629,6 +633,10 @@ pub struct SinkCheckArgs {
     pub sink_key: Option<PathBuf>,
     #[command(flatten)]
     pub partitions: partition::PartitionArgs,
+    /// The type `run --dead-queue-type` declares <exchange>.unrouted and <exchange>.dead with
+    /// (a passive check accepts either; this only shapes the expectation it reports).
+    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
+    pub dead_queue_type: QueueType,
 }
 
 fn check_line(
@@ -703,6 +711,7 @@ pub async fn check_rabbitmq(
         key_file: args.sink_key.clone(),
         connection_name: "outboxd check".into(),
         partitioning: partitioning.clone(),
+        dead_queue_type: args.dead_queue_type,
     };
     let sink = match RabbitSink::new(cfg) {
         Ok(s) => s,
@@ -874,6 +883,7 @@ mod tests {
             sink_ca: None,
             sink_cert: None,
             sink_key: None,
+            dead_queue_type: QueueType::Classic,
         }
     }
 

@@ -1,4 +1,4 @@
-//! Poll mode (the seed's first relay), for databases where the log cannot be read: one short
+//! Poll mode (the classic polling relay), for databases where the log cannot be read: one short
 //! READ COMMITTED transaction per batch — claim pending rows with `FOR UPDATE SKIP LOCKED`,
 //! hand them to the sink, wait until every one is confirmed, mark them published, commit.
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.

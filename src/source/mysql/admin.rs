@@ -279,7 +279,7 @@ impl Head {
     }
 }
 
-/// Creates the seed's outbox table (migrations/mysql/001_outbox.sql) under the table's name
+/// Creates the reference outbox table (migrations/mysql/001_outbox.sql) under the table's name
 /// when it does not exist; says whether it did.
 pub async fn create_outbox_table(conn: &mut Conn, table: &OutboxTable) -> Result<bool, Error> {
     let n: Option<i64> = conn

@@ -1,5 +1,5 @@
 //! Poll mode on MySQL/MariaDB: the MySQL side of the shared poll loop
-//! ([`crate::source::poll`]). The seed's table and statements: `SELECT … WHERE status =
+//! ([`crate::source::poll`]). The reference table and statements: `SELECT … WHERE status =
 //! 'pending' ORDER BY created_at LIMIT n FOR UPDATE SKIP LOCKED` on `idx_dispatch (status,
 //! created_at)` in a READ COMMITTED transaction (no gap locks, so producers' INSERTs never wait
 //! for it), then `UPDATE … SET status = 'published', published_at = …` for the claimed ids.

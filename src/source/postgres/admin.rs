@@ -73,6 +73,7 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
+
 /// The advisory lock (per database) that serializes what relays and `outboxd setup` create:
 /// two sessions running `CREATE TABLE IF NOT EXISTS` (or `CREATE PUBLICATION` after both saw
 /// none) at the same instant collide on the catalog's unique indexes
@@ -99,7 +100,7 @@ where
     r
 }
 
-/// Creates the contract's outbox table (the seed's columns, Postgres types) when missing;
+/// Creates the contract's outbox table (migrations/postgres/001_outbox.sql's columns) when missing;
 /// returns whether it did.
 pub async fn create_outbox_table(client: &Client, table: &TableName) -> Result<bool, Error> {
     with_setup_lock(client, create_outbox_table_locked(client, table)).await

@@ -1,0 +1,139 @@
+//! Packaging basics stay true: the license files Cargo.toml names exist, the changelog has an
+//! Unreleased section, `outboxd --version` names the commit it was built from, `ring` is the
+//! only TLS crypto provider in the lock file, and nothing the repository ships (README, docs,
+//! sources, scripts, migrations) points at a file outside it.
+
+use std::path::Path;
+use std::process::Command;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn read(p: &str) -> String {
+    std::fs::read_to_string(Path::new(ROOT).join(p)).unwrap_or_else(|e| panic!("{p}: {e}"))
+}
+
+#[test]
+fn licenses_and_changelog() {
+    let manifest = read("Cargo.toml");
+    assert!(manifest.contains(r#"license = "MIT OR Apache-2.0""#));
+    assert!(read("LICENSE-MIT").starts_with("MIT License"));
+    assert!(
+        read("LICENSE-APACHE").contains("Apache License\n                           Version 2.0")
+    );
+    let changelog = read("CHANGELOG.md");
+    assert!(
+        changelog.contains("## [Unreleased]"),
+        "CHANGELOG.md has an Unreleased section"
+    );
+    let version = env!("CARGO_PKG_VERSION");
+    assert!(
+        changelog.contains(&format!("## [{version}]")),
+        "CHANGELOG.md has a section for {version}"
+    );
+}
+
+#[test]
+fn version_names_the_commit() {
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(ROOT)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8(o.stdout).unwrap().trim().to_string());
+    let expected = match head {
+        Some(h) => h,
+        // A source archive without .git: the build says so instead of failing.
+        None => "unknown".to_string(),
+    };
+    assert_eq!(
+        text.trim(),
+        format!("outboxd {} (commit {expected})", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn ring_is_the_only_crypto_provider() {
+    for lock in ["Cargo.lock", "fuzz/Cargo.lock"] {
+        let text = read(lock);
+        let packages: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("name = \""))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        assert!(packages.contains(&"ring"), "{lock} has ring");
+        for p in [
+            "aws-lc-rs",
+            "aws-lc-sys",
+            "aws-lc-fips-sys",
+            "openssl",
+            "openssl-sys",
+        ] {
+            assert!(
+                !packages.contains(&p),
+                "{lock} pulls in {p}: find the dependency with `cargo tree -i {p}` and turn off its default features"
+            );
+        }
+    }
+}
+
+#[test]
+fn nothing_refers_to_files_outside_the_repository() {
+    // Names of documents that exist only where the project was written, not in a clone.
+    const FORBIDDEN: &[&str] = &[
+        "CONTRACT.md",
+        "CONTRACT §",
+        "LAB.md",
+        "design card",
+        "/work/shared",
+        "the seed's",
+        "shared folder",
+    ];
+    let mut offenders = Vec::new();
+    let mut stack: Vec<std::path::PathBuf> = [
+        "README.md",
+        "CHANGELOG.md",
+        "docs",
+        "src",
+        "scripts",
+        "migrations",
+        "benches",
+        "examples",
+        "Dockerfile",
+        "docker-compose.yml",
+        "fuzz/fuzz_targets",
+    ]
+    .iter()
+    .map(|p| Path::new(ROOT).join(p))
+    .collect();
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&p) else {
+            continue;
+        };
+        for (n, line) in text.lines().enumerate() {
+            for f in FORBIDDEN {
+                if line.contains(f) {
+                    offenders.push(format!(
+                        "{}:{}: {f}",
+                        p.strip_prefix(ROOT).unwrap().display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "these lines point at documents outside the repository; make them stand alone: {offenders:#?}"
+    );
+}
