@@ -60,6 +60,8 @@ pub struct RabbitOptions {
     pub key_file: Option<std::path::PathBuf>,
     /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
     pub partitioning: crate::sink::partition::Partitioning,
+    /// `--routing-key`, a templated `--exchange`, `--header`, `--format`.
+    pub message: crate::sink::format::MessageOptions,
 }
 
 /// `--on-position-lost`.
@@ -324,6 +326,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             key_file: cfg.rabbit.key_file.clone(),
             connection_name: format!("outboxd {}", cfg.name),
             partitioning: cfg.rabbit.partitioning.clone(),
+            message: cfg.rabbit.message.clone(),
         })?)),
     })
 }

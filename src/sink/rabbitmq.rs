@@ -24,6 +24,7 @@
 //! per-channel tracker that settles every confirmation only after recording all returns that
 //! arrived with or before it.
 
+use super::format::{Body, MessageOptions};
 use super::headers::{self, HeaderValue};
 use super::partition::{PartitionRouting, Partitioning};
 use super::topology::{self, Layout};
@@ -96,6 +97,8 @@ pub struct RabbitConfig {
     pub connection_name: String,
     /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
     pub partitioning: Partitioning,
+    /// `--routing-key`, a templated `--exchange`, `--header`, `--format`.
+    pub message: MessageOptions,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -110,6 +113,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("cert_file", &self.cert_file)
             .field("key_file", &self.key_file)
             .field("partitioning", &self.partitioning)
+            .field("message", &self.message)
             .finish()
     }
 }
@@ -148,6 +152,9 @@ pub struct RabbitSink {
     redacted: String,
     link: Option<Link>,
     flow: Arc<FlowControl>,
+    /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
+    /// declared (or checked) once, on a connection of its own.
+    known_exchanges: HashSet<String>,
 }
 
 /// Broker-side state of one connection, updated from lapin's connection events.
@@ -231,6 +238,7 @@ impl RabbitSink {
             redacted,
             link: None,
             flow: Arc::default(),
+            known_exchanges: HashSet::new(),
         })
     }
 
@@ -380,10 +388,27 @@ impl RabbitSink {
     }
 
     async fn declare(&self, ch: &Channel) -> Result<(), SinkError> {
-        let x = &self.cfg.exchange;
+        self.declare_exchange(
+            ch,
+            &self.cfg.exchange,
+            true,
+            self.cfg.declare == DeclareMode::Passive,
+        )
+        .await
+    }
+
+    /// Declares (or, `passive`, checks) exchange `x` with its alternate exchange and queue
+    /// `<x>.unrouted`, and with `with_dead` the queue `<x>.dead`.
+    async fn declare_exchange(
+        &self,
+        ch: &Channel,
+        x: &str,
+        with_dead: bool,
+        passive: bool,
+    ) -> Result<(), SinkError> {
+        let x = &x.to_string();
         let unrouted = format!("{x}.unrouted");
         let dead = format!("{x}.dead");
-        let passive = self.cfg.declare == DeclareMode::Passive;
         let xopts = ExchangeDeclareOptions {
             passive,
             durable: true,
@@ -401,7 +426,7 @@ impl RabbitSink {
         );
         let what = |kind: &'static str, name: &str| (kind, name.to_string());
         // The alternate exchange first, so the main exchange never exists without it.
-        let steps: Vec<DeclareStep<'_>> = vec![
+        let mut steps: Vec<DeclareStep<'_>> = vec![
             (
                 what("exchange", &unrouted),
                 ch.exchange_declare(
@@ -423,13 +448,15 @@ impl RabbitSink {
                 ch.exchange_declare(x.clone().into(), ExchangeKind::Topic, xopts, xargs)
                     .boxed(),
             ),
-            (
+        ];
+        if with_dead {
+            steps.push((
                 what("queue", &dead),
                 ch.queue_declare(dead.clone().into(), qopts, FieldTable::default())
                     .map(|r| r.map(|_| ()))
                     .boxed(),
-            ),
-        ];
+            ));
+        }
         for ((kind, name), step) in steps {
             step.await
                 .map_err(|e| self.declare_error(e, kind, &name, &expected_topology(x)))?;
@@ -517,7 +544,12 @@ impl RabbitSink {
     }
 
     /// Headers of a normal message, or the reason it is poison.
-    fn headers(&self, event: &OutboxEvent, limit: usize) -> Result<FieldTable, String> {
+    fn headers(
+        &self,
+        event: &OutboxEvent,
+        body: &Body,
+        limit: usize,
+    ) -> Result<FieldTable, String> {
         let mut t = FieldTable::default();
         // The row's headers never include a reserved name (see `sink::headers`): a row can
         // neither forge the relay's headers nor route its message elsewhere with `CC`/`BCC`.
@@ -526,6 +558,14 @@ impl RabbitSink {
                 format!("header name of {} bytes: AMQP allows at most 255", k.len())
             })?;
             t.insert(key, json_to_amqp(v)?);
+        }
+        // `--header COLUMN=NAME` (names checked at start: none is reserved) wins over the
+        // row's headers object.
+        for (k, v) in self.cfg.message.column_headers(event) {
+            t.insert(k.into(), AMQPValue::LongString(v.into()));
+        }
+        for (k, v) in body.headers.iter().cloned() {
+            t.insert(k.into(), amqp_value(v));
         }
         for (k, v) in standard_headers(event) {
             t.insert(k.into(), v);
@@ -543,7 +583,12 @@ impl RabbitSink {
     }
 
     /// What the event is sent as: a normal message, or a dead-letter record with a reason.
-    fn render(&self, event: &OutboxEvent, header_limit: usize) -> Outgoing {
+    fn render(
+        &self,
+        event: &OutboxEvent,
+        header_limit: usize,
+        route: Result<(String, String), String>,
+    ) -> Outgoing {
         let reason = if let Some(p) = &event.poison {
             Some(p.clone())
         } else if event.payload.len() > self.cfg.max_message_bytes {
@@ -554,33 +599,44 @@ impl RabbitSink {
             ))
         } else if event.topic.len() > 255 {
             Some(format!(
-                "topic is {} bytes: a routing key holds at most 255",
+                "topic is {} bytes: a message type holds at most 255",
                 event.topic.len()
             ))
         } else {
-            None
+            route.as_ref().err().cloned()
         };
-        let headers = match reason {
+        let message = match reason {
             Some(r) => Err(r),
-            None => self.headers(event, header_limit),
+            None => self.cfg.message.body(event).and_then(|body| {
+                if body.bytes.len() > self.cfg.max_message_bytes {
+                    return Err(format!(
+                        "the {:?} body is {} bytes, more than --max-message-bytes {}",
+                        self.cfg.message.format,
+                        body.bytes.len(),
+                        self.cfg.max_message_bytes
+                    ));
+                }
+                let h = self.headers(event, &body, header_limit)?;
+                Ok((body, h))
+            }),
         };
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_message_id(event.id.hyphenated().to_string().into())
             .with_timestamp(event.created_at.timestamp().max(0) as u64)
             .with_app_id(APP_ID.into());
-        match headers {
-            Ok(h) => Outgoing {
-                exchange: self.cfg.exchange.clone(),
-                routing_key: event.topic.clone(),
-                body: event.payload.clone(),
+        match (message, route) {
+            (Ok((body, h)), Ok((exchange, routing_key))) => Outgoing {
+                exchange,
+                routing_key,
+                body: body.bytes,
                 props: props
-                    .with_content_type("application/json".into())
+                    .with_content_type(body.content_type.into())
                     .with_type(event.topic.clone().into())
                     .with_headers(h),
                 dead: None,
             },
-            Err(reason) => {
+            (Ok(_), Err(reason)) | (Err(reason), _) => {
                 let mut h = FieldTable::default();
                 for (k, v) in [
                     ("x-dead-reason", truncate(&reason)),
@@ -603,6 +659,63 @@ impl RabbitSink {
                     dead: Some(reason),
                 }
             }
+        }
+    }
+
+    /// The exchange and routing key of an event, or why it cannot have them (the event then
+    /// goes to `<exchange>.dead`). An exchange a row names is declared (`--declare auto`) or
+    /// checked (`passive`, `off`: publishing to a missing exchange would close the channel
+    /// and loop through reconnects) once, on a connection of its own; a refusal is the row's
+    /// dead reason, a connection failure the sink's error (the relay retries).
+    async fn route(
+        &mut self,
+        event: &OutboxEvent,
+    ) -> Result<Result<(String, String), String>, SinkError> {
+        let rk = match self.cfg.message.routing_key(event) {
+            Ok(rk) => rk,
+            Err(why) => return Ok(Err(why)),
+        };
+        let Some(t) = &self.cfg.message.exchange else {
+            return Ok(Ok((self.cfg.exchange.clone(), rk)));
+        };
+        let x = match t.render(|n| super::format::lookup(event, n)) {
+            Ok(x) => x,
+            Err(why) => return Ok(Err(why)),
+        };
+        if x == self.cfg.exchange || self.known_exchanges.contains(&x) {
+            return Ok(Ok((x, rk)));
+        }
+        if let Err(e) = validate_exchange(&x) {
+            return Ok(Err(format!("the row names exchange {x:?}: {e}")));
+        }
+        let passive = self.cfg.declare != DeclareMode::Auto;
+        let work = async {
+            let conn = self.connection().await?;
+            let r = async {
+                let ch = conn.create_channel().await.map_err(io_or_protocol)?;
+                self.declare_exchange(&ch, &x, false, passive).await
+            }
+            .await;
+            let _ = conn.close(200, "OK".into()).await;
+            r
+        };
+        let result = match tokio::time::timeout(self.cfg.op_timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(SinkError::Connection(format!(
+                "declaring exchange {x:?} at RabbitMQ {} took longer than {:?}",
+                self.redacted, self.cfg.op_timeout
+            ))),
+        };
+        match result {
+            Ok(()) => {
+                tracing::info!(exchange = %x, declare = ?self.cfg.declare, "exchange named by a row is ready");
+                self.known_exchanges.insert(x.clone());
+                Ok(Ok((x, rk)))
+            }
+            Err(SinkError::Config { problem, .. }) => Ok(Err(format!(
+                "the row names exchange {x:?}, which cannot be used: {problem}"
+            ))),
+            Err(e) => Err(e),
         }
     }
 
@@ -702,8 +815,13 @@ impl Sink for RabbitSink {
 
     async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
         self.wait_until_writable().await?;
+        let route = if event.poison.is_some() {
+            Err(String::new())
+        } else {
+            self.route(event).await?
+        };
         let link = self.link.as_ref().expect("checked by wait_until_writable");
-        let out = self.render(event, link.header_limit);
+        let out = self.render(event, link.header_limit, route);
         if let Some(reason) = &out.dead {
             tracing::warn!(
                 id = %event.id,
@@ -954,14 +1072,15 @@ fn expected_topology(x: &str) -> String {
 fn standard_headers(event: &OutboxEvent) -> Vec<(&'static str, AMQPValue)> {
     headers::relay_headers(event)
         .into_iter()
-        .map(|(k, v)| {
-            let v = match v {
-                HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
-                HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
-            };
-            (k, v)
-        })
+        .map(|(k, v)| (k, amqp_value(v)))
         .collect()
+}
+
+fn amqp_value(v: HeaderValue) -> AMQPValue {
+    match v {
+        HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
+        HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
+    }
 }
 
 /// JSON → AMQP field value: strings as long strings, integers as signed 64-bit (larger ones
@@ -1108,6 +1227,7 @@ mod tests {
             key_file: None,
             connection_name: "test".into(),
             partitioning: Default::default(),
+            message: Default::default(),
         })
         .unwrap()
     }

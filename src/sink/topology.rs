@@ -547,6 +547,7 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
             args.group.as_deref().unwrap_or(&args.exchange)
         ),
         partitioning: Default::default(),
+        message: Default::default(),
     })?;
     let passive = args.declare == DeclareMode::Passive;
     let warning = sink
@@ -703,6 +704,7 @@ pub async fn check_rabbitmq(
         key_file: args.sink_key.clone(),
         connection_name: "outboxd check".into(),
         partitioning: partitioning.clone(),
+        message: Default::default(),
     };
     let sink = match RabbitSink::new(cfg) {
         Ok(s) => s,
