@@ -26,6 +26,10 @@ pub struct Cli {
     /// Log line format.
     #[arg(long, global = true, env = "OUTBOXD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// TOML file of flags (keys are the long flags with `_` for `-`, e.g. `source_file`);
+    /// flags and the environment override it; secrets only by reference (`*_file`, env).
+    #[arg(long, global = true, env = "OUTBOXD_CONFIG", value_name = "PATH")]
+    pub config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -69,6 +73,9 @@ pub enum Command {
     Reencrypt(crate::crypto::cli::ReencryptArgs),
     /// Delete old processed_messages or outbox rows in small batches.
     Prune(crate::consumer::cli::PruneArgs),
+    /// Print the effective configuration of `run` (flags, environment, --config file and
+    /// defaults, each value's origin), secrets redacted; takes the same flags as `run`.
+    Config(RunArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -605,6 +612,15 @@ pub async fn execute(
         Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
         Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
+        Command::Config(_) => {
+            use clap::CommandFactory;
+            let root = Cli::command();
+            let cmd = root
+                .find_subcommand("config")
+                .expect("the config subcommand exists");
+            print!("{}", crate::config_file::render_effective(cmd, sub));
+            Ok(())
+        }
     }
 }
 

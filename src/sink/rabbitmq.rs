@@ -1236,6 +1236,18 @@ mod tests {
         crate::sink::test_event()
     }
 
+    impl RabbitSink {
+        /// `render` with the constant exchange (no broker needed).
+        fn render_static(&self, event: &OutboxEvent, limit: usize) -> Outgoing {
+            let route = self
+                .cfg
+                .message
+                .routing_key(event)
+                .map(|rk| (self.cfg.exchange.clone(), rk));
+            self.render(event, limit, route)
+        }
+    }
+
     #[test]
     fn url_host_vhost_and_redaction() {
         let s = sink(10);
@@ -1269,7 +1281,7 @@ mod tests {
             .unwrap()
             .clone(),
         );
-        let out = s.render(&ev, MAX_HEADER_BYTES);
+        let out = s.render_static(&ev, MAX_HEADER_BYTES);
         assert!(out.dead.is_none());
         assert_eq!(out.exchange, "outbox");
         assert_eq!(out.routing_key, "invoice.issued");
@@ -1323,7 +1335,7 @@ mod tests {
         }
         .validate()
         .unwrap();
-        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let out = s.render_static(&event(), MAX_HEADER_BYTES);
         let h = out.props.headers().as_ref().unwrap().inner();
         let p4 = crate::sink::partition::partition_of("agg-1", 4).to_string();
         let p3 = crate::sink::partition::partition_of("agg-1", 3).to_string();
@@ -1340,7 +1352,7 @@ mod tests {
             Some(&AMQPValue::LongString(p3.into()))
         );
         // Off: no partition header at all.
-        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render(&event(), MAX_HEADER_BYTES);
+        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render_static(&event(), MAX_HEADER_BYTES);
         let h = out.props.headers().as_ref().unwrap().inner();
         assert!(h.keys().all(|k| !k.as_str().starts_with("x-partition")));
     }
@@ -1348,7 +1360,7 @@ mod tests {
     #[test]
     fn poison_becomes_a_dead_record_without_body() {
         let s = sink(7);
-        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let out = s.render_static(&event(), MAX_HEADER_BYTES);
         assert_eq!(out.exchange, "");
         assert_eq!(out.routing_key, "outbox.dead");
         assert!(out.body.is_empty());
@@ -1366,7 +1378,7 @@ mod tests {
         let mut ev = event();
         ev.topic = "t".repeat(300);
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("300 bytes"));
@@ -1378,7 +1390,7 @@ mod tests {
                 .clone(),
         );
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("header name"));
@@ -1390,14 +1402,14 @@ mod tests {
                 .clone(),
         );
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("headers encode"));
         let mut ev = event();
         ev.poison = Some("aggregate_id is NULL".into());
         assert_eq!(
-            s.render(&ev, MAX_HEADER_BYTES).dead.as_deref(),
+            s.render_static(&ev, MAX_HEADER_BYTES).dead.as_deref(),
             Some("aggregate_id is NULL")
         );
     }
