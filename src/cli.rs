@@ -34,6 +34,10 @@ pub struct Cli {
     /// Log line format.
     #[arg(long, global = true, env = "OUTBOXD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// TOML file of flags (keys are the long flags with `_` for `-`, e.g. `source_file`);
+    /// flags and the environment override it; secrets only by reference (`*_file`, env).
+    #[arg(long, global = true, env = "OUTBOXD_CONFIG", value_name = "PATH")]
+    pub config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -77,6 +81,9 @@ pub enum Command {
     Reencrypt(crate::crypto::cli::ReencryptArgs),
     /// Delete old processed_messages or outbox rows in small batches.
     Prune(crate::consumer::cli::PruneArgs),
+    /// Print the effective configuration of `run` (flags, environment, --config file and
+    /// defaults, each value's origin), secrets redacted; takes the same flags as `run`.
+    Config(RunArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -251,9 +258,36 @@ pub struct RunArgs {
 /// RabbitMQ sink settings (docs/message-format.md).
 #[derive(Debug, Clone, Args)]
 pub struct RabbitArgs {
-    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead).
+    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead);
+    /// a template over the row's columns (e.g. `{aggregate_type}.events`) routes each row to its
+    /// own exchange, declared under --declare auto (dead records then go to <base-exchange>.dead).
     #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
     pub exchange: String,
+    /// With a templated --exchange: the exchange whose .dead queue takes records that cannot be
+    /// published (and whose topology the relay declares at start).
+    #[arg(long, env = "OUTBOXD_BASE_EXCHANGE", default_value = "outbox")]
+    pub base_exchange: String,
+    /// Routing key template over the row's columns (default `{topic}`; with --column debezium
+    /// `outbox.event.{aggregate_type}`), e.g. `{tenant_id}.{topic}`.
+    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
+    pub routing_key: Option<String>,
+    /// Copy a column's value into a message header: COLUMN=NAME (repeat it, or comma
+    /// separate), e.g. traceparent=traceparent. A NULL value sets no header.
+    #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
+    pub headers: Vec<String>,
+    /// Message body: raw (the payload), envelope (JSON with id, aggregate, topic, payload,
+    /// created_at, position), cloudevents (structured, application/cloudevents+json) or
+    /// cloudevents-binary (the payload, with cloudEvents:* headers).
+    #[arg(long, env = "OUTBOXD_FORMAT", value_enum, default_value_t = crate::sink::format::BodyFormat::Raw)]
+    pub format: crate::sink::format::BodyFormat,
+    /// CloudEvents `source` attribute (a template, e.g. `/orders/{aggregate_type}`).
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE", default_value = "/outboxd")]
+    pub cloudevents_source: String,
+    /// Content type of payloads in text or binary columns (bytea, BLOB, TEXT): they are then
+    /// published as bytes instead of being checked as JSON (a `content_type` column mapped
+    /// with --column content_type=<column> overrides it per row).
+    #[arg(long, env = "OUTBOXD_PAYLOAD_CONTENT_TYPE")]
+    pub payload_content_type: Option<String>,
     /// auto: declare the topology; passive: only check it exists; off: check nothing.
     #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
     pub declare: DeclareMode,
@@ -329,6 +363,68 @@ pub struct TeardownArgs {
     /// Confirm: the slot, publication and stored position are dropped.
     #[arg(long)]
     pub yes: bool,
+}
+
+/// The message options of `run` (templates parsed, header names checked) and the column map
+/// extended by the columns they read.
+pub fn message_options(
+    args: &RabbitArgs,
+    mut columns: ColumnMap,
+) -> Result<(crate::sink::format::MessageOptions, ColumnMap), Error> {
+    use crate::sink::format::{self, BodyFormat, MessageOptions};
+    use crate::sink::template::Template;
+    let template = |flag: &str, text: &str| {
+        Template::parse(text).map_err(|e| {
+            Error::config(
+                format!("{flag}: {e}"),
+                "write placeholders as {column}, e.g. {topic} or {aggregate_type}.{topic} ({{ and }} for literal braces)",
+            )
+        })
+    };
+    let routing_key = match &args.routing_key {
+        Some(t) => template("--routing-key", t)?,
+        None if columns.is_debezium() => {
+            Template::parse("outbox.event.{aggregate_type}").expect("valid")
+        }
+        None => Template::parse("{topic}").expect("valid"),
+    };
+    let exchange = template("--exchange", &args.exchange)?;
+    let mut headers = format::parse_column_headers(&args.headers)?;
+    // Debezium's event router puts the event id in the header `id`.
+    if columns.is_debezium() && !headers.iter().any(|h| h.name.eq_ignore_ascii_case("id")) {
+        headers.push(format::ColumnHeader {
+            column: "id".into(),
+            name: "id".into(),
+        });
+    }
+    let message = MessageOptions {
+        routing_key,
+        exchange: (!exchange.is_constant()).then_some(exchange),
+        headers,
+        format: args.format,
+        ce_source: template("--cloudevents-source", &args.cloudevents_source)?,
+    };
+    for name in message.columns() {
+        columns.require_extra(name, true);
+    }
+    if matches!(
+        args.format,
+        BodyFormat::Envelope | BodyFormat::Cloudevents | BodyFormat::CloudeventsBinary
+    ) || columns.is_debezium()
+    {
+        // The envelope's aggregate.type, when the table has the column.
+        columns.require_extra("aggregate_type", false);
+    }
+    if let Some(ct) = &args.payload_content_type {
+        if ct.trim().is_empty() || ct.len() > 255 || ct.chars().any(|c| c.is_control()) {
+            return Err(Error::config(
+                format!("--payload-content-type {ct:?} is not a content type"),
+                "write e.g. --payload-content-type text/plain or application/octet-stream",
+            ));
+        }
+    }
+    columns.set_payload_content_type(args.payload_content_type.as_deref().map(str::trim));
+    Ok((message, columns))
 }
 
 /// `30s`, `500ms`, `2m`, `1h`, `7d`, or plain seconds.
@@ -558,6 +654,15 @@ pub async fn execute(
         Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
         Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
+        Command::Config(_) => {
+            use clap::CommandFactory;
+            let root = Cli::command();
+            let cmd = root
+                .find_subcommand("config")
+                .expect("the config subcommand exists");
+            print!("{}", crate::config_file::render_effective(cmd, sub));
+            Ok(())
+        }
     }
 }
 
@@ -728,10 +833,23 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
             "use --window 1000",
         ));
     }
-    rabbitmq::validate_exchange(&args.rabbit.exchange)?;
+    let (message, columns) = message_options(&args.rabbit, r.columns.clone())?;
+    let exchange = if message.exchange.is_some() {
+        if args.rabbit.partitions.validate()?.partitions > 0 {
+            return Err(Error::config(
+                "--partitions needs one exchange to feed its partition layout; --exchange is a template",
+                "use a constant --exchange with --partitions, or route by --routing-key instead",
+            ));
+        }
+        args.rabbit.base_exchange.clone()
+    } else {
+        args.rabbit.exchange.clone()
+    };
+    rabbitmq::validate_exchange(&exchange)?;
     let cfg = RunConfig {
         rabbit: connector::RabbitOptions {
-            exchange: args.rabbit.exchange.clone(),
+            message,
+            exchange,
             declare: args.rabbit.declare,
             max_message_bytes: args.rabbit.max_message_bytes,
             ca_file: args.rabbit.sink_ca.clone(),
@@ -744,7 +862,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         slot: r.slot,
         publication: r.publication,
         tables: r.tables,
-        columns: r.columns,
+        columns,
         sink,
         commit_offsets: args.commit_offsets,
         max_inflight_bytes: args.max_inflight_bytes,

@@ -62,6 +62,8 @@ pub struct RabbitOptions {
     pub partitioning: crate::sink::partition::Partitioning,
     /// `--dead-queue-type`.
     pub dead_queue_type: crate::sink::partition::QueueType,
+    /// `--routing-key`, a templated `--exchange`, `--header`, `--format`.
+    pub message: crate::sink::format::MessageOptions,
 }
 
 /// `--on-position-lost`.
@@ -368,6 +370,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             connection_name: format!("outboxd {}", cfg.name),
             partitioning: cfg.rabbit.partitioning.clone(),
             dead_queue_type: cfg.rabbit.dead_queue_type,
+            message: cfg.rabbit.message.clone(),
         })?)),
     })
 }

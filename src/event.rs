@@ -85,12 +85,39 @@ pub struct OutboxEvent {
     /// The outbox table the row came from, set only when the relay reads several tables
     /// (`x-outbox-table`); one table's messages stay as docs/message-format.md has them.
     pub table: Option<std::sync::Arc<str>>,
+    /// Values of the extra columns templates and `--header` name (empty unless configured;
+    /// a NULL value is absent), as text.
+    pub extra: Vec<(std::sync::Arc<str>, String)>,
+    /// The payload's content type when it is not JSON (`--payload-content-type`, or the row's
+    /// content type column); `None` is `application/json`.
+    pub content_type: Option<std::sync::Arc<str>>,
 }
 
 impl OutboxEvent {
     /// Bytes this event holds in memory, for the in-flight byte budget.
     pub fn size(&self) -> usize {
-        self.payload.len() + self.aggregate_id.len() + self.topic.len() + 128
+        self.payload.len()
+            + self.aggregate_id.len()
+            + self.topic.len()
+            + self
+                .extra
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 32)
+                .sum::<usize>()
+            + 128
+    }
+
+    /// The value of an extra column (see [`OutboxEvent::extra`]).
+    pub fn extra_value(&self, key: &str) -> Option<&str> {
+        self.extra
+            .iter()
+            .find(|(k, _)| &**k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether the payload is JSON (the default) rather than bytes of another content type.
+    pub fn payload_is_json(&self) -> bool {
+        self.content_type.is_none()
     }
 
     /// `created_at` as RFC 3339 with microseconds in UTC (`x-outbox-created-at`).

@@ -7,6 +7,7 @@
 
 pub mod backoff;
 pub mod cli;
+pub mod config_file;
 pub mod connector;
 pub mod consumer;
 pub mod crypto;

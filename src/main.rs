@@ -22,7 +22,10 @@ fn main() -> ExitCode {
 }
 
 fn try_main() -> anyhow::Result<()> {
-    let matches = match Cli::command().try_get_matches() {
+    // The config file fills in the environment for flags it names, before clap reads both.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    outboxd::config_file::apply(&Cli::command(), &argv)?;
+    let matches = match Cli::command().try_get_matches_from(argv) {
         Ok(m) => m,
         Err(e) => {
             // --help and --version print and exit 0; usage errors exit 2.

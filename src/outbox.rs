@@ -6,20 +6,44 @@ use crate::Error;
 use std::collections::BTreeMap;
 use uuid::Uuid;
 
-/// Logical columns the relay knows, in the contract's names.
-pub const REQUIRED: [&str; 5] = ["id", "aggregate_id", "topic", "payload", "created_at"];
-pub const OPTIONAL: [&str; 5] = [
+/// Logical columns the relay knows, in the contract's names. `created_at` may be missing
+/// (Debezium's table has none): the commit time stands in for it.
+pub const REQUIRED: [&str; 4] = ["id", "aggregate_id", "topic", "payload"];
+pub const OPTIONAL: [&str; 7] = [
+    "created_at",
     "status",
     "published_at",
     "headers",
     "version",
     "aggregate_type",
+    "content_type",
 ];
 
-/// Logical column name → the table's column name.
+/// One more column a row's event must carry because a template or `--header` names it:
+/// `key` as the template wrote it, `column` the table's name for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtraColumn {
+    pub key: std::sync::Arc<str>,
+    pub column: String,
+    /// Whether the table must have it (a column named by the user) or it is read only when
+    /// present (`aggregate_type` for the envelope formats).
+    pub required: bool,
+}
+
+/// Logical column name → the table's column name, and what else the sources must read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ColumnMap {
     names: BTreeMap<&'static str, String>,
+    /// Logical names mapped explicitly (`--column`, a preset): `content_type` is read only then.
+    explicit: std::collections::BTreeSet<&'static str>,
+    /// Columns beyond the contract's that templates and `--header` name (usually none: the
+    /// hot path carries nothing extra).
+    extra: Vec<ExtraColumn>,
+    /// `--payload-content-type`: payloads of text/binary columns are published as bytes with
+    /// this content type instead of being checked as JSON.
+    payload_content_type: Option<std::sync::Arc<str>>,
+    /// The `debezium` preset was chosen (routing defaults follow Debezium's event router).
+    debezium: bool,
 }
 
 impl Default for ColumnMap {
@@ -29,7 +53,13 @@ impl Default for ColumnMap {
             .chain(OPTIONAL.iter())
             .map(|&k| (k, k.to_string()))
             .collect();
-        ColumnMap { names }
+        ColumnMap {
+            names,
+            explicit: Default::default(),
+            extra: Vec::new(),
+            payload_content_type: None,
+            debezium: false,
+        }
     }
 }
 
@@ -47,6 +77,7 @@ impl ColumnMap {
                 map.set("aggregate_id", "aggregateid")?;
                 map.set("topic", "type")?;
                 map.set("aggregate_type", "aggregatetype")?;
+                map.debezium = true;
                 continue;
             }
             let (logical, actual) = spec.split_once('=').ok_or_else(|| {
@@ -90,7 +121,67 @@ impl ColumnMap {
             ));
         }
         self.names.insert(key, actual.to_string());
+        self.explicit.insert(key);
         Ok(())
+    }
+
+    /// Whether `--column debezium` was given.
+    pub fn is_debezium(&self) -> bool {
+        self.debezium
+    }
+
+    /// Whether a logical column was mapped explicitly.
+    pub fn is_explicit(&self, logical: &str) -> bool {
+        self.explicit.contains(logical)
+    }
+
+    /// Whether per-row content types are read (`--column content_type=<column>`).
+    pub fn reads_content_type(&self) -> bool {
+        self.is_explicit("content_type")
+    }
+
+    /// Adds a column the events must carry, by the name a template or `--header` uses: a
+    /// logical name resolves through the renames, anything else is the table's column name.
+    /// Names every event already has (see [`crate::sink::template::EVENT_FIELDS`]) need none.
+    pub fn require_extra(&mut self, key: &str, required: bool) {
+        if crate::sink::template::EVENT_FIELDS.contains(&key) {
+            return;
+        }
+        if let Some(e) = self.extra.iter_mut().find(|e| &*e.key == key) {
+            e.required |= required;
+            return;
+        }
+        let column = if REQUIRED.contains(&key) || OPTIONAL.contains(&key) {
+            self.get(key).to_string()
+        } else {
+            key.to_string()
+        };
+        self.extra.push(ExtraColumn {
+            key: key.into(),
+            column,
+            required,
+        });
+    }
+
+    /// The extra columns events carry (see [`ColumnMap::require_extra`]).
+    pub fn extra(&self) -> &[ExtraColumn] {
+        &self.extra
+    }
+
+    /// Sets `--payload-content-type`.
+    pub fn set_payload_content_type(&mut self, ct: Option<&str>) {
+        self.payload_content_type = ct.map(Into::into);
+    }
+
+    /// `--payload-content-type`, if set.
+    pub fn payload_content_type(&self) -> Option<&std::sync::Arc<str>> {
+        self.payload_content_type.as_ref()
+    }
+
+    /// Whether payloads of text and binary columns are bytes with a content type (a flag or a
+    /// column says which) rather than JSON that must parse.
+    pub fn opaque_payloads(&self) -> bool {
+        self.payload_content_type.is_some() || self.reads_content_type()
     }
 
     /// The table's name for a logical column.

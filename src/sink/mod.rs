@@ -3,6 +3,7 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod format;
 pub mod headers;
 pub mod memory;
 pub mod partition;
@@ -205,5 +206,7 @@ pub(crate) fn test_event() -> OutboxEvent {
         committed_at: None,
         poison: None,
         table: None,
+        extra: Vec::new(),
+        content_type: None,
     }
 }

@@ -24,6 +24,7 @@
 //! per-channel tracker that settles every confirmation only after recording all returns that
 //! arrived with or before it.
 
+use super::format::{Body, MessageOptions};
 use super::headers::{self, HeaderValue};
 use super::partition::{PartitionRouting, Partitioning, QueueType};
 use super::topology::{self, Layout};
@@ -98,6 +99,8 @@ pub struct RabbitConfig {
     pub partitioning: Partitioning,
     /// `--dead-queue-type`: the type of the `<exchange>.unrouted` and `<exchange>.dead` queues.
     pub dead_queue_type: QueueType,
+    /// `--routing-key`, a templated `--exchange`, `--header`, `--format`.
+    pub message: MessageOptions,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -113,6 +116,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("dead_queue_type", &self.dead_queue_type)
             .field("key_file", &self.key_file)
             .field("partitioning", &self.partitioning)
+            .field("message", &self.message)
             .finish()
     }
 }
@@ -152,6 +156,9 @@ pub struct RabbitSink {
     redacted: String,
     link: Option<Link>,
     flow: Arc<FlowControl>,
+    /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
+    /// declared (or checked) once, on a connection of its own.
+    known_exchanges: HashSet<String>,
 }
 
 /// Broker-side state of one connection, updated from lapin's connection events.
@@ -235,6 +242,7 @@ impl RabbitSink {
             redacted,
             link: None,
             flow: Arc::default(),
+            known_exchanges: HashSet::new(),
         })
     }
 
@@ -411,10 +419,27 @@ impl RabbitSink {
     }
 
     async fn declare(&self, ch: &Channel) -> Result<(), SinkError> {
-        let x = &self.cfg.exchange;
+        self.declare_exchange(
+            ch,
+            &self.cfg.exchange,
+            true,
+            self.cfg.declare == DeclareMode::Passive,
+        )
+        .await
+    }
+
+    /// Declares (or, `passive`, checks) exchange `x` with its alternate exchange and queue
+    /// `<x>.unrouted`, and with `with_dead` the queue `<x>.dead`.
+    async fn declare_exchange(
+        &self,
+        ch: &Channel,
+        x: &str,
+        with_dead: bool,
+        passive: bool,
+    ) -> Result<(), SinkError> {
+        let x = &x.to_string();
         let unrouted = format!("{x}.unrouted");
         let dead = format!("{x}.dead");
-        let passive = self.cfg.declare == DeclareMode::Passive;
         let xopts = ExchangeDeclareOptions {
             passive,
             durable: true,
@@ -443,7 +468,7 @@ impl RabbitSink {
         }
         let what = |kind: &'static str, name: &str| (kind, name.to_string());
         // The alternate exchange first, so the main exchange never exists without it.
-        let steps: Vec<DeclareStep<'_>> = vec![
+        let mut steps: Vec<DeclareStep<'_>> = vec![
             (
                 what("exchange", &unrouted),
                 ch.exchange_declare(
@@ -465,13 +490,15 @@ impl RabbitSink {
                 ch.exchange_declare(x.clone().into(), ExchangeKind::Topic, xopts, xargs)
                     .boxed(),
             ),
-            (
+        ];
+        if with_dead {
+            steps.push((
                 what("queue", &dead),
                 ch.queue_declare(dead.clone().into(), qopts, qargs)
                     .map(|r| r.map(|_| ()))
                     .boxed(),
-            ),
-        ];
+            ));
+        }
         for ((kind, name), step) in steps {
             step.await.map_err(|e| {
                 self.declare_error(
@@ -570,7 +597,12 @@ impl RabbitSink {
     }
 
     /// Headers of a normal message, or the reason it is poison.
-    fn headers(&self, event: &OutboxEvent, limit: usize) -> Result<FieldTable, String> {
+    fn headers(
+        &self,
+        event: &OutboxEvent,
+        body: &Body,
+        limit: usize,
+    ) -> Result<FieldTable, String> {
         let mut t = FieldTable::default();
         // The row's headers never include a reserved name (see `sink::headers`): a row can
         // neither forge the relay's headers nor route its message elsewhere with `CC`/`BCC`.
@@ -579,6 +611,14 @@ impl RabbitSink {
                 format!("header name of {} bytes: AMQP allows at most 255", k.len())
             })?;
             t.insert(key, json_to_amqp(v)?);
+        }
+        // `--header COLUMN=NAME` (names checked at start: none is reserved) wins over the
+        // row's headers object.
+        for (k, v) in self.cfg.message.column_headers(event) {
+            t.insert(k.into(), AMQPValue::LongString(v.into()));
+        }
+        for (k, v) in body.headers.iter().cloned() {
+            t.insert(k.into(), amqp_value(v));
         }
         for (k, v) in standard_headers(event) {
             t.insert(k.into(), v);
@@ -596,7 +636,12 @@ impl RabbitSink {
     }
 
     /// What the event is sent as: a normal message, or a dead-letter record with a reason.
-    fn render(&self, event: &OutboxEvent, header_limit: usize) -> Outgoing {
+    fn render(
+        &self,
+        event: &OutboxEvent,
+        header_limit: usize,
+        route: Result<(String, String), String>,
+    ) -> Outgoing {
         let reason = if let Some(p) = &event.poison {
             Some(p.clone())
         } else if event.payload.len() > self.cfg.max_message_bytes {
@@ -607,33 +652,44 @@ impl RabbitSink {
             ))
         } else if event.topic.len() > 255 {
             Some(format!(
-                "topic is {} bytes: a routing key holds at most 255",
+                "topic is {} bytes: a message type holds at most 255",
                 event.topic.len()
             ))
         } else {
-            None
+            route.as_ref().err().cloned()
         };
-        let headers = match reason {
+        let message = match reason {
             Some(r) => Err(r),
-            None => self.headers(event, header_limit),
+            None => self.cfg.message.body(event).and_then(|body| {
+                if body.bytes.len() > self.cfg.max_message_bytes {
+                    return Err(format!(
+                        "the {:?} body is {} bytes, more than --max-message-bytes {}",
+                        self.cfg.message.format,
+                        body.bytes.len(),
+                        self.cfg.max_message_bytes
+                    ));
+                }
+                let h = self.headers(event, &body, header_limit)?;
+                Ok((body, h))
+            }),
         };
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_message_id(event.id.hyphenated().to_string().into())
             .with_timestamp(event.created_at.timestamp().max(0) as u64)
             .with_app_id(APP_ID.into());
-        match headers {
-            Ok(h) => Outgoing {
-                exchange: self.cfg.exchange.clone(),
-                routing_key: event.topic.clone(),
-                body: event.payload.clone(),
+        match (message, route) {
+            (Ok((body, h)), Ok((exchange, routing_key))) => Outgoing {
+                exchange,
+                routing_key,
+                body: body.bytes,
                 props: props
-                    .with_content_type("application/json".into())
+                    .with_content_type(body.content_type.into())
                     .with_type(event.topic.clone().into())
                     .with_headers(h),
                 dead: None,
             },
-            Err(reason) => {
+            (Ok(_), Err(reason)) | (Err(reason), _) => {
                 let mut h = FieldTable::default();
                 for (k, v) in [
                     ("x-dead-reason", truncate(&reason)),
@@ -656,6 +712,63 @@ impl RabbitSink {
                     dead: Some(reason),
                 }
             }
+        }
+    }
+
+    /// The exchange and routing key of an event, or why it cannot have them (the event then
+    /// goes to `<exchange>.dead`). An exchange a row names is declared (`--declare auto`) or
+    /// checked (`passive`, `off`: publishing to a missing exchange would close the channel
+    /// and loop through reconnects) once, on a connection of its own; a refusal is the row's
+    /// dead reason, a connection failure the sink's error (the relay retries).
+    async fn route(
+        &mut self,
+        event: &OutboxEvent,
+    ) -> Result<Result<(String, String), String>, SinkError> {
+        let rk = match self.cfg.message.routing_key(event) {
+            Ok(rk) => rk,
+            Err(why) => return Ok(Err(why)),
+        };
+        let Some(t) = &self.cfg.message.exchange else {
+            return Ok(Ok((self.cfg.exchange.clone(), rk)));
+        };
+        let x = match t.render(|n| super::format::lookup(event, n)) {
+            Ok(x) => x,
+            Err(why) => return Ok(Err(why)),
+        };
+        if x == self.cfg.exchange || self.known_exchanges.contains(&x) {
+            return Ok(Ok((x, rk)));
+        }
+        if let Err(e) = validate_exchange(&x) {
+            return Ok(Err(format!("the row names exchange {x:?}: {e}")));
+        }
+        let passive = self.cfg.declare != DeclareMode::Auto;
+        let work = async {
+            let conn = self.connection().await?;
+            let r = async {
+                let ch = conn.create_channel().await.map_err(io_or_protocol)?;
+                self.declare_exchange(&ch, &x, false, passive).await
+            }
+            .await;
+            let _ = conn.close(200, "OK".into()).await;
+            r
+        };
+        let result = match tokio::time::timeout(self.cfg.op_timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(SinkError::Connection(format!(
+                "declaring exchange {x:?} at RabbitMQ {} took longer than {:?}",
+                self.redacted, self.cfg.op_timeout
+            ))),
+        };
+        match result {
+            Ok(()) => {
+                tracing::info!(exchange = %x, declare = ?self.cfg.declare, "exchange named by a row is ready");
+                self.known_exchanges.insert(x.clone());
+                Ok(Ok((x, rk)))
+            }
+            Err(SinkError::Config { problem, .. }) => Ok(Err(format!(
+                "the row names exchange {x:?}, which cannot be used: {problem}"
+            ))),
+            Err(e) => Err(e),
         }
     }
 
@@ -755,8 +868,13 @@ impl Sink for RabbitSink {
 
     async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
         self.wait_until_writable().await?;
+        let route = if event.poison.is_some() {
+            Err(String::new())
+        } else {
+            self.route(event).await?
+        };
         let link = self.link.as_ref().expect("checked by wait_until_writable");
-        let out = self.render(event, link.header_limit);
+        let out = self.render(event, link.header_limit, route);
         if let Some(reason) = &out.dead {
             tracing::warn!(
                 id = %event.id,
@@ -1018,14 +1136,15 @@ fn expected_topology(x: &str, queue_type: QueueType) -> String {
 fn standard_headers(event: &OutboxEvent) -> Vec<(&'static str, AMQPValue)> {
     headers::relay_headers(event)
         .into_iter()
-        .map(|(k, v)| {
-            let v = match v {
-                HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
-                HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
-            };
-            (k, v)
-        })
+        .map(|(k, v)| (k, amqp_value(v)))
         .collect()
+}
+
+fn amqp_value(v: HeaderValue) -> AMQPValue {
+    match v {
+        HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
+        HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
+    }
 }
 
 /// JSON → AMQP field value: strings as long strings, integers as signed 64-bit (larger ones
@@ -1152,12 +1271,25 @@ mod tests {
             connection_name: "test".into(),
             partitioning: Default::default(),
             dead_queue_type: QueueType::Classic,
+            message: Default::default(),
         })
         .unwrap()
     }
 
     fn event() -> OutboxEvent {
         crate::sink::test_event()
+    }
+
+    impl RabbitSink {
+        /// `render` with the constant exchange (no broker needed).
+        fn render_static(&self, event: &OutboxEvent, limit: usize) -> Outgoing {
+            let route = self
+                .cfg
+                .message
+                .routing_key(event)
+                .map(|rk| (self.cfg.exchange.clone(), rk));
+            self.render(event, limit, route)
+        }
     }
 
     #[test]
@@ -1193,7 +1325,7 @@ mod tests {
             .unwrap()
             .clone(),
         );
-        let out = s.render(&ev, MAX_HEADER_BYTES);
+        let out = s.render_static(&ev, MAX_HEADER_BYTES);
         assert!(out.dead.is_none());
         assert_eq!(out.exchange, "outbox");
         assert_eq!(out.routing_key, "invoice.issued");
@@ -1247,7 +1379,7 @@ mod tests {
         }
         .validate()
         .unwrap();
-        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let out = s.render_static(&event(), MAX_HEADER_BYTES);
         let h = out.props.headers().as_ref().unwrap().inner();
         let p4 = crate::sink::partition::partition_of("agg-1", 4).to_string();
         let p3 = crate::sink::partition::partition_of("agg-1", 3).to_string();
@@ -1264,7 +1396,7 @@ mod tests {
             Some(&AMQPValue::LongString(p3.into()))
         );
         // Off: no partition header at all.
-        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render(&event(), MAX_HEADER_BYTES);
+        let out = sink(DEFAULT_MAX_MESSAGE_BYTES).render_static(&event(), MAX_HEADER_BYTES);
         let h = out.props.headers().as_ref().unwrap().inner();
         assert!(h.keys().all(|k| !k.as_str().starts_with("x-partition")));
     }
@@ -1272,7 +1404,7 @@ mod tests {
     #[test]
     fn poison_becomes_a_dead_record_without_body() {
         let s = sink(7);
-        let out = s.render(&event(), MAX_HEADER_BYTES);
+        let out = s.render_static(&event(), MAX_HEADER_BYTES);
         assert_eq!(out.exchange, "");
         assert_eq!(out.routing_key, "outbox.dead");
         assert!(out.body.is_empty());
@@ -1290,7 +1422,7 @@ mod tests {
         let mut ev = event();
         ev.topic = "t".repeat(300);
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("300 bytes"));
@@ -1302,7 +1434,7 @@ mod tests {
                 .clone(),
         );
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("header name"));
@@ -1314,14 +1446,14 @@ mod tests {
                 .clone(),
         );
         assert!(s
-            .render(&ev, MAX_HEADER_BYTES)
+            .render_static(&ev, MAX_HEADER_BYTES)
             .dead
             .unwrap()
             .contains("headers encode"));
         let mut ev = event();
         ev.poison = Some("aggregate_id is NULL".into());
         assert_eq!(
-            s.render(&ev, MAX_HEADER_BYTES).dead.as_deref(),
+            s.render_static(&ev, MAX_HEADER_BYTES).dead.as_deref(),
             Some("aggregate_id is NULL")
         );
     }

@@ -164,14 +164,15 @@ impl std::str::FromStr for Template {
 }
 
 /// The fields every event has, by the names templates use: `id`, `topic`, `aggregate_id`,
-/// and `table` (the outbox table, when the relay reads several).
+/// and `table` (the outbox table, when the relay reads several); any other name is one of the
+/// row's extra columns (see [`crate::outbox::ColumnMap::require_extra`]), absent when NULL.
 pub fn event_field<'a>(event: &'a crate::event::OutboxEvent, name: &str) -> Option<Cow<'a, str>> {
     match name {
         "id" => Some(Cow::Owned(event.id.hyphenated().to_string())),
         "topic" => Some(Cow::Borrowed(event.topic.as_str())),
         "aggregate_id" => Some(Cow::Borrowed(event.aggregate_id.as_str())),
         "table" => event.table.as_deref().map(Cow::Borrowed),
-        _ => None,
+        _ => event.extra_value(name).map(Cow::Borrowed),
     }
 }
 

@@ -551,6 +551,7 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
         ),
         partitioning: Default::default(),
         dead_queue_type: args.dead_queue_type,
+        message: Default::default(),
     })?;
     let passive = args.declare == DeclareMode::Passive;
     let warning = sink
@@ -712,6 +713,7 @@ pub async fn check_rabbitmq(
         connection_name: "outboxd check".into(),
         partitioning: partitioning.clone(),
         dead_queue_type: args.dead_queue_type,
+        message: Default::default(),
     };
     let sink = match RabbitSink::new(cfg) {
         Ok(s) => s,

@@ -135,9 +135,18 @@ pub struct Mapping {
     aggregate_id: Col,
     topic: Col,
     payload: Col,
-    created_at: Col,
+    /// `None`: the table has no created_at column; the commit time stands in.
+    created_at: Option<Col>,
     headers: Option<Col>,
     version: Option<Col>,
+    /// `--column content_type=<column>`: the row's payload content type.
+    content_type: Option<Col>,
+    /// Extra columns templates and `--header` name: key and table index (`None`: an optional
+    /// one the table lacks).
+    extra: Vec<(std::sync::Arc<str>, Option<usize>)>,
+    /// `--payload-content-type`/a content type column: text and BLOB payloads are bytes.
+    opaque: bool,
+    payload_content_type: Option<std::sync::Arc<str>>,
     /// `x-outbox-table` of this table's events (several tables only).
     label: Option<std::sync::Arc<str>>,
 }
@@ -274,9 +283,30 @@ impl OutboxTable {
         let aggregate_id = find("aggregate_id", &[Int, Fixed, Var], true)?.expect("required");
         let topic = find("topic", &[Fixed, Var, Blob], true)?.expect("required");
         let payload = find("payload", &[Json, Blob, Var], true)?.expect("required");
-        let created_at = find("created_at", &[DateTime, Timestamp], true)?.expect("required");
+        let created_at = find("created_at", &[DateTime, Timestamp], false)?;
         let headers = find("headers", &[Json, Blob, Var], false)?;
         let version = find("version", &[Int], false)?;
+        let content_type = if self.columns.reads_content_type() {
+            find("content_type", &[Fixed, Var, Blob], true)?
+        } else {
+            None
+        };
+        let mut extra = Vec::with_capacity(self.columns.extra().len());
+        for e in self.columns.extra() {
+            let index = infos
+                .iter()
+                .position(|c| c.name.eq_ignore_ascii_case(&e.column));
+            if index.is_none() && e.required {
+                return Err(Error::config(
+                    format!(
+                        "the outbox table {table} has no column {:?}, which a template or --header names ({{{}}})",
+                        e.column, e.key
+                    ),
+                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} VARCHAR(255) NULL) or fix the --routing-key/--exchange/--header that names it", e.column),
+                ));
+            }
+            extra.push((e.key.clone(), index));
+        }
         Ok(Mapping {
             columns: infos.len(),
             id,
@@ -286,6 +316,10 @@ impl OutboxTable {
             created_at,
             headers,
             version,
+            content_type,
+            extra,
+            opaque: self.columns.opaque_payloads(),
+            payload_content_type: self.columns.payload_content_type().cloned(),
             label: self.label.clone(),
         })
     }
@@ -345,8 +379,10 @@ impl Mapping {
             ("aggregate_id", self.aggregate_id),
             ("topic", self.topic),
             ("payload", self.payload),
-            ("created_at", self.created_at),
         ];
+        if let Some(c) = self.created_at {
+            mapped.push(("created_at", c));
+        }
         if let Some(h) = self.headers {
             mapped.push(("headers", h));
         }
@@ -485,22 +521,59 @@ impl Mapping {
             ));
         }
 
-        let payload = match json_text(slot(self.payload)) {
-            Ok(b) => b,
-            Err(why) => {
-                poison.push(format!("payload {why}"));
-                Bytes::new()
+        // MariaDB's JSON is LONGTEXT: only MySQL 8's binary JSON is known to be JSON by type.
+        let content_type = if !self.opaque || self.payload.kind == Kind::Json {
+            None
+        } else {
+            let row_ct = match self.content_type.map(slot) {
+                Some(Some(BinlogValue::Value(Value::Bytes(b)))) => std::str::from_utf8(b)
+                    .ok()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(std::sync::Arc::<str>::from),
+                _ => None,
+            };
+            Some(
+                row_ct
+                    .or_else(|| self.payload_content_type.clone())
+                    .unwrap_or_else(|| "application/octet-stream".into()),
+            )
+        };
+        let payload = match content_type.as_deref() {
+            Some(ct) if !crate::source::postgres::rows::is_json_type(ct) => {
+                match slot(self.payload) {
+                    Some(BinlogValue::Value(Value::Bytes(b))) => Bytes::copy_from_slice(b),
+                    other => {
+                        poison.push(describe_bad("payload", other));
+                        Bytes::new()
+                    }
+                }
             }
+            _ => match json_text(slot(self.payload)) {
+                Ok(b) => b,
+                Err(why) => {
+                    poison.push(format!("payload {why}"));
+                    Bytes::new()
+                }
+            },
         };
 
         // DATETIME is wall-clock time in the source zone; a TIMESTAMP read as a date (the
         // snapshot reads with the session zone at UTC) is UTC.
-        let tz = if self.created_at.kind == Kind::Timestamp {
+        let tz = if self.created_at.is_some_and(|c| c.kind == Kind::Timestamp) {
             SourceTz::Utc
         } else {
             tz
         };
-        let created_at = match slot(self.created_at) {
+        let created_slot = match self.created_at {
+            Some(c) => slot(c),
+            // No created_at column: the commit time (a snapshot row's read time) stands in.
+            None => Some(&CREATED_PLACEHOLDER),
+        };
+        let created_at = match created_slot {
+            Some(BinlogValue::Value(Value::NULL)) if self.created_at.is_none() => {
+                Some(ctx.committed_at.unwrap_or_else(Utc::now))
+            }
             Some(BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us))) => {
                 let naive = NaiveDate::from_ymd_opt(*y as i32, *mo as u32, *d as u32)
                     .and_then(|date| date.and_hms_micro_opt(*h as u32, *mi as u32, *s as u32, *us));
@@ -574,12 +647,22 @@ impl Mapping {
             }
         };
 
+        let extra = self
+            .extra
+            .iter()
+            .filter_map(|(key, index)| {
+                value_text(index.and_then(&value)?).map(|v| (key.clone(), v))
+            })
+            .collect();
+
         OutboxEvent {
             id,
             aggregate_id,
             topic,
             payload,
             created_at,
+            extra,
+            content_type,
             position: SourcePosition::Binlog {
                 file: ctx.file.to_string(),
                 end_pos: 0,
@@ -597,6 +680,32 @@ impl Mapping {
             table: self.label.clone(),
         }
     }
+}
+
+/// Stands for the created_at value of a table without that column (never read as a date).
+static CREATED_PLACEHOLDER: BinlogValue<'static> = BinlogValue::Value(Value::NULL);
+
+/// An extra column's value as text (`None` for NULL): numbers in decimal, dates in ISO form,
+/// text as is (bytes that are not UTF-8 lossily), MySQL 8 JSON rendered.
+fn value_text(v: &BinlogValue<'_>) -> Option<String> {
+    Some(match v {
+        BinlogValue::Value(Value::NULL) => return None,
+        BinlogValue::Value(Value::Bytes(b)) => String::from_utf8_lossy(b).into_owned(),
+        BinlogValue::Value(Value::Int(i)) => i.to_string(),
+        BinlogValue::Value(Value::UInt(u)) => u.to_string(),
+        BinlogValue::Value(Value::Float(f)) => f.to_string(),
+        BinlogValue::Value(Value::Double(f)) => f.to_string(),
+        BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us)) => {
+            format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06}")
+        }
+        BinlogValue::Value(Value::Time(neg, d, h, mi, s, us)) => format!(
+            "{}{:02}:{mi:02}:{s:02}.{us:06}",
+            if *neg { "-" } else { "" },
+            *d * 24 + u32::from(*h)
+        ),
+        BinlogValue::Jsonb(j) => serde_json::Value::try_from(j.clone()).ok()?.to_string(),
+        BinlogValue::JsonDiff(_) => return None,
+    })
 }
 
 /// Pads a CHAR/BINARY value back to the column length: the binlog drops trailing 0x00 of

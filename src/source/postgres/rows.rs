@@ -20,6 +20,7 @@ const JSON_OID: u32 = 114;
 const JSONB_OID: u32 = 3802;
 const TIMESTAMPTZ_OID: u32 = 1184;
 const TIMESTAMP_OID: u32 = 1114;
+const BYTEA_OID: u32 = 17;
 
 /// Microseconds between 1970-01-01 and 2000-01-01 (Postgres' epoch).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -33,6 +34,7 @@ enum Kind {
     Jsonb,
     Timestamptz,
     Timestamp,
+    Bytea,
 }
 
 #[derive(Debug, Clone)]
@@ -41,9 +43,17 @@ struct Mapping {
     aggregate_id: (usize, Kind),
     topic: (usize, Kind),
     payload: (usize, Kind),
-    created_at: (usize, Kind),
+    /// `None`: the table has no created_at column; the commit time stands in.
+    created_at: Option<(usize, Kind)>,
     headers: Option<(usize, Kind)>,
     version: Option<(usize, Kind)>,
+    /// `--column content_type=<column>`: the row's payload content type.
+    content_type: Option<(usize, Kind)>,
+    /// Extra columns templates and `--header` name: key and tuple index (`None`: an optional
+    /// one the table lacks).
+    extra: Vec<(std::sync::Arc<str>, Option<usize>)>,
+    /// `--payload-content-type` or a content type column: text/binary payloads are bytes.
+    opaque: bool,
     /// `x-outbox-table` of this relation's events (several tables only).
     label: Option<std::sync::Arc<str>>,
 }
@@ -62,6 +72,7 @@ fn kind_of(oid: u32) -> Option<Kind> {
         JSONB_OID => Kind::Jsonb,
         TIMESTAMPTZ_OID => Kind::Timestamptz,
         TIMESTAMP_OID => Kind::Timestamp,
+        BYTEA_OID => Kind::Bytea,
         o if INT_OIDS.contains(&o) => Kind::Int,
         o if TEXT_OIDS.contains(&o) => Kind::Text,
         _ => return None,
@@ -130,14 +141,36 @@ impl RowMapper {
             }
         };
         use Kind::*;
+        let mut extra = Vec::with_capacity(self.columns.extra().len());
+        for e in self.columns.extra() {
+            let index = rel.columns.iter().position(|c| c.name == e.column);
+            if index.is_none() && e.required {
+                return Err(Error::config(
+                    format!(
+                        "the outbox table {table} has no column {:?}, which a template or --header names ({{{}}})",
+                        e.column, e.key
+                    ),
+                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} text) or fix the --routing-key/--exchange/--header that names it", e.column),
+                ));
+            }
+            extra.push((e.key.clone(), index));
+        }
+        let content_type = if self.columns.reads_content_type() {
+            Some(find("content_type", &[Text], true)?.expect("required"))
+        } else {
+            None
+        };
         let mapping = Mapping {
             id: find("id", &[Uuid, Text], true)?.expect("required"),
             aggregate_id: find("aggregate_id", &[Int, Text, Uuid], true)?.expect("required"),
             topic: find("topic", &[Text], true)?.expect("required"),
-            payload: find("payload", &[Json, Jsonb, Text], true)?.expect("required"),
-            created_at: find("created_at", &[Timestamptz, Timestamp], true)?.expect("required"),
+            payload: find("payload", &[Json, Jsonb, Text, Bytea], true)?.expect("required"),
+            created_at: find("created_at", &[Timestamptz, Timestamp], false)?,
             headers: find("headers", &[Json, Jsonb, Text], false)?,
             version: find("version", &[Int], false)?,
+            content_type,
+            extra,
+            opaque: self.columns.opaque_payloads(),
             label,
         };
         self.relations.insert(rel.id, Some(mapping));
@@ -214,25 +247,66 @@ impl RowMapper {
                 topic.len()
             ));
         }
-        let payload = text(mapping.payload, "payload", &mut poison).unwrap_or_default();
-        if mapping.payload.1 == Kind::Text
+        let mut payload = text(mapping.payload, "payload", &mut poison).unwrap_or_default();
+        if mapping.payload.1 == Kind::Bytea {
+            match decode_bytea(&payload) {
+                Some(b) => payload = b,
+                None => poison.push("payload is not bytea text (\\x…)".into()),
+            }
+        }
+        let json_column = matches!(mapping.payload.1, Kind::Json | Kind::Jsonb);
+        let content_type = if json_column || !mapping.opaque {
+            None
+        } else {
+            let row_ct = match mapping.content_type.and_then(|(i, _)| tuple.get(i)) {
+                Some(Value::Text(b)) => std::str::from_utf8(b)
+                    .ok()
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(std::sync::Arc::<str>::from),
+                _ => None,
+            };
+            Some(
+                row_ct
+                    .or_else(|| self.columns.payload_content_type().cloned())
+                    .unwrap_or_else(|| "application/octet-stream".into()),
+            )
+        };
+        if !json_column
+            && content_type.as_deref().is_none_or(is_json_type)
             && !payload.is_empty()
             && serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err()
         {
             poison.push("payload is not valid JSON".into());
         }
-        let created_at = text(mapping.created_at, "created_at", &mut poison)
-            .and_then(|b| utf8(&b, "created_at", &mut poison))
-            .and_then(
-                |s| match parse_timestamp(&s, mapping.created_at.1 == Kind::Timestamptz) {
+        // Snapshot rows have no commit time (0 stands for none).
+        let committed_at = (commit_time_micros != 0)
+            .then(|| pg_time(commit_time_micros))
+            .flatten();
+        let created_at = match mapping.created_at {
+            Some(col) => text(col, "created_at", &mut poison)
+                .and_then(|b| utf8(&b, "created_at", &mut poison))
+                .and_then(|s| match parse_timestamp(&s, col.1 == Kind::Timestamptz) {
                     Some(t) => Some(t),
                     None => {
                         poison.push(format!("created_at {s:?} is not a timestamp"));
                         None
                     }
-                },
-            )
-            .unwrap_or_default();
+                })
+                .unwrap_or_default(),
+            // No created_at column: the commit time (a snapshot row's read time).
+            None => committed_at.unwrap_or_else(Utc::now),
+        };
+        let extra = mapping
+            .extra
+            .iter()
+            .filter_map(|(key, index)| match index.and_then(|i| tuple.get(i)) {
+                Some(Value::Text(b)) => {
+                    Some((key.clone(), String::from_utf8_lossy(b).into_owned()))
+                }
+                _ => None,
+            })
+            .collect();
         let headers = match mapping.headers.and_then(|(i, _)| tuple.get(i)) {
             Some(Value::Text(b)) => match serde_json::from_slice::<serde_json::Value>(b) {
                 Ok(serde_json::Value::Object(m)) => Some(m),
@@ -257,10 +331,6 @@ impl RowMapper {
             },
             _ => None,
         };
-        // Snapshot rows have no commit time (0 stands for none).
-        let committed_at = (commit_time_micros != 0)
-            .then(|| pg_time(commit_time_micros))
-            .flatten();
         Ok(Some(OutboxEvent {
             id,
             aggregate_id,
@@ -278,8 +348,30 @@ impl RowMapper {
                 Some(poison.join("; "))
             },
             table: mapping.label.clone(),
+            extra,
+            content_type,
         }))
     }
+}
+
+/// Whether a content type is JSON (`application/json`, `…+json`): such payloads must parse.
+pub fn is_json_type(ct: &str) -> bool {
+    let base = ct.split(';').next().unwrap_or("").trim();
+    base.eq_ignore_ascii_case("application/json") || base.to_ascii_lowercase().ends_with("+json")
+}
+
+/// A bytea value in Postgres' text form (`\x` and hex digits) as its bytes.
+fn decode_bytea(text: &[u8]) -> Option<Bytes> {
+    let hex = text.strip_prefix(b"\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(hex.len() / 2);
+    for pair in hex.chunks(2) {
+        out.push(digit(pair[0])? << 4 | digit(pair[1])?);
+    }
+    Some(Bytes::from(out))
 }
 
 /// A row read over SQL with every column cast to text, as the tuple pgoutput would carry: the

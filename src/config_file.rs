@@ -1,0 +1,406 @@
+//! The configuration file (`--config PATH` or `OUTBOXD_CONFIG`, TOML; docs/configuration.md).
+//! Its keys are the long flags with `_` for `-` (`source_file`, `window`, `routing_key`), found
+//! by walking clap's command tree, so every flag works in the file without a list to keep.
+//! A key's value becomes the flag's environment variable when that variable is not set, which
+//! gives the precedence flags > environment > file from clap itself. Unknown keys are refused
+//! with the closest valid name; secret values only by reference: a flag whose environment
+//! value clap hides (`source`, `sink`) may not carry a password in the file, and names that
+//! say secret (`password`, `token`, …) are refused unless they end in `_file`.
+
+use crate::Error;
+use clap::{Arg, Command};
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// A config file larger than this is refused before it is read whole.
+const MAX_FILE_BYTES: u64 = 1024 * 1024;
+
+/// Environment variables this process took from the config file (for `outboxd config`).
+static FROM_FILE: OnceLock<(PathBuf, HashSet<String>)> = OnceLock::new();
+
+/// Words that mark a key as a secret value (allowed only as a `*_file` reference).
+const SECRET_WORDS: &[&str] = &["password", "passwd", "secret", "token", "passphrase"];
+
+/// The config file named by `--config`/`--config=` in `argv` or by `OUTBOXD_CONFIG`.
+pub fn path_from(argv: &[OsString]) -> Option<PathBuf> {
+    let mut it = argv.iter().skip(1);
+    while let Some(a) = it.next() {
+        let Some(s) = a.to_str() else { continue };
+        if s == "--" {
+            break;
+        }
+        if s == "--config" {
+            return it.next().map(PathBuf::from);
+        }
+        if let Some(p) = s.strip_prefix("--config=") {
+            return Some(PathBuf::from(p));
+        }
+    }
+    std::env::var_os("OUTBOXD_CONFIG")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Every long flag of `cmd` and its subcommands by config key (`source-file` → `source_file`).
+fn keys(cmd: &Command) -> BTreeMap<String, Vec<Arg>> {
+    fn walk(cmd: &Command, out: &mut BTreeMap<String, Vec<Arg>>) {
+        for a in cmd.get_arguments() {
+            if let Some(long) = a.get_long() {
+                if matches!(long, "help" | "version") {
+                    continue;
+                }
+                out.entry(long.replace('-', "_"))
+                    .or_default()
+                    .push(a.clone());
+            }
+        }
+        for s in cmd.get_subcommands() {
+            walk(s, out);
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(cmd, &mut out);
+    out
+}
+
+fn refuse(path: &Path, problem: impl std::fmt::Display, fix: impl Into<String>) -> Error {
+    Error::config(format!("config file {}: {problem}", path.display()), fix)
+}
+
+/// Whether a value holds a password inline: a URL's password, or a `password=` pair.
+fn has_inline_password(v: &str) -> bool {
+    if let Ok(u) = url::Url::parse(v.trim()) {
+        if u.password().is_some_and(|p| !p.is_empty()) {
+            return true;
+        }
+        if u.query_pairs()
+            .any(|(k, _)| k.eq_ignore_ascii_case("password"))
+        {
+            return true;
+        }
+    }
+    v.to_ascii_lowercase().contains("password=")
+}
+
+/// Reads the config file (if any) and sets, for each key, its flag's environment variable
+/// unless the environment already has it. Call before clap parses `argv`.
+pub fn apply(cmd: &Command, argv: &[OsString]) -> Result<(), Error> {
+    let Some(path) = path_from(argv) else {
+        return Ok(());
+    };
+    let vars = load(cmd, &path)?;
+    let mut taken = HashSet::new();
+    for (env, value) in vars {
+        if std::env::var_os(&env).is_none() {
+            // Single-threaded here: main calls this before the runtime starts.
+            std::env::set_var(&env, value);
+            taken.insert(env);
+        }
+    }
+    let _ = FROM_FILE.set((path, taken));
+    Ok(())
+}
+
+/// The file's keys as (environment variable, value) pairs, every key checked.
+pub fn load(cmd: &Command, path: &Path) -> Result<Vec<(String, String)>, Error> {
+    let meta = std::fs::metadata(path).map_err(|e| {
+        refuse(
+            path,
+            format!("cannot read it: {e}"),
+            "check the path given to --config / OUTBOXD_CONFIG",
+        )
+    })?;
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(refuse(
+            path,
+            format!(
+                "{} bytes, more than the {MAX_FILE_BYTES} allowed",
+                meta.len()
+            ),
+            "a config file holds flags only: keep it small",
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        refuse(
+            path,
+            format!("cannot read it: {e}"),
+            "check the file's permissions and that it is UTF-8",
+        )
+    })?;
+    let doc: toml_edit::DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| {
+        refuse(
+            path,
+            format!("not valid TOML: {}", e.to_string().trim()),
+            "write one `key = value` per line, e.g. window = 1000",
+        )
+    })?;
+    let known = keys(cmd);
+    let mut out = Vec::new();
+    for (key, item) in doc.iter() {
+        if !item.is_value() {
+            return Err(refuse(
+                path,
+                format!("{key:?} is a table; the file is flat"),
+                "write every key = value at the top level, before any [section]",
+            ));
+        }
+        let args = match known.get(key) {
+            Some(a) => a,
+            None => {
+                let underscored = key.replace('-', "_");
+                let fix = if known.contains_key(&underscored) {
+                    format!("write {underscored:?}: keys are the long flags with '_' for '-'")
+                } else {
+                    match closest(key, known.keys()) {
+                        Some(k) => format!("did you mean {k:?}? (keys are the long flags with '_' for '-')"),
+                        None => "keys are the long flags with '_' for '-' (outboxd run --help lists them)".to_string(),
+                    }
+                };
+                return Err(refuse(path, format!("unknown key {key:?}"), fix));
+            }
+        };
+        if key == "config" {
+            return Err(refuse(
+                path,
+                "a config file cannot name another config file",
+                "remove the config key",
+            ));
+        }
+        let arg = &args[0];
+        let Some(env) = args.iter().find_map(|a| a.get_env()) else {
+            return Err(refuse(
+                path,
+                format!(
+                    "--{} is a command-line-only flag",
+                    arg.get_long().unwrap_or(key)
+                ),
+                format!(
+                    "remove {key:?} from the file and pass --{} on the command line",
+                    arg.get_long().unwrap_or(key)
+                ),
+            ));
+        };
+        let env = env.to_string_lossy().into_owned();
+        let lower = key.to_ascii_lowercase();
+        if SECRET_WORDS.iter().any(|w| lower.contains(w)) && !lower.ends_with("_file") {
+            return Err(refuse(
+                path,
+                format!("{key:?} is a secret: the file may only refer to secrets"),
+                format!("put it in a file named by {key}_file, or in the environment ({env})"),
+            ));
+        }
+        let value = value_text(path, key, item, arg)?;
+        if args.iter().any(|a| a.is_hide_env_values_set()) && has_inline_password(&value) {
+            return Err(refuse(
+                path,
+                format!("{key:?} holds a password inline"),
+                format!(
+                    "remove the password from {key:?} and put it in a file named by {key}_file (the file may hold the whole DSN or only its password), or set {env} in the environment"
+                ),
+            ));
+        }
+        out.push((env, value));
+    }
+    Ok(out)
+}
+
+/// A TOML value as the flag's environment text: strings as they are, numbers and booleans
+/// as written, arrays joined with the flag's delimiter.
+fn value_text(path: &Path, key: &str, item: &toml_edit::Item, arg: &Arg) -> Result<String, Error> {
+    use toml_edit::Value as V;
+    let scalar = |v: &V| -> Option<String> {
+        Some(match v {
+            V::String(s) => s.value().clone(),
+            V::Integer(i) => i.value().to_string(),
+            V::Float(f) => f.value().to_string(),
+            V::Boolean(b) => b.value().to_string(),
+            _ => return None,
+        })
+    };
+    let Some(v) = item.as_value() else {
+        return Err(refuse(
+            path,
+            format!("{key:?} is a table; the file is flat"),
+            format!("write {key} = <value> at the top level"),
+        ));
+    };
+    if let V::Array(a) = v {
+        let parts: Option<Vec<String>> = a.iter().map(scalar).collect();
+        let Some(parts) = parts else {
+            return Err(refuse(
+                path,
+                format!("{key:?}: an array of nested values"),
+                "use an array of strings",
+            ));
+        };
+        return match arg.get_value_delimiter() {
+            Some(d) => Ok(parts.join(&d.to_string())),
+            None if parts.len() == 1 => Ok(parts.into_iter().next().unwrap_or_default()),
+            None => Err(refuse(
+                path,
+                format!("{key:?} takes one value"),
+                format!("write {key} = \"…\""),
+            )),
+        };
+    }
+    scalar(v).ok_or_else(|| {
+        refuse(
+            path,
+            format!("{key:?} has a value of a kind flags do not take"),
+            "use a string, a number or true/false",
+        )
+    })
+}
+
+/// The valid key nearest to a misspelt one (if any is near).
+fn closest<'a>(key: &str, known: impl Iterator<Item = &'a String>) -> Option<&'a String> {
+    known
+        .map(|k| (strsim::jaro_winkler(key, k), k))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
+}
+
+/// Where a value of `outboxd config` came from.
+fn origin(m: &clap::ArgMatches, arg: &Arg) -> &'static str {
+    use clap::parser::ValueSource;
+    match m.value_source(arg.get_id().as_str()) {
+        Some(ValueSource::CommandLine) => "flag",
+        Some(ValueSource::EnvVariable) => {
+            let from_file = FROM_FILE.get().is_some_and(|(_, vars)| {
+                arg.get_env()
+                    .is_some_and(|e| vars.contains(&*e.to_string_lossy()))
+            });
+            if from_file {
+                "file"
+            } else {
+                "env"
+            }
+        }
+        Some(ValueSource::DefaultValue) => "default",
+        _ => "unset",
+    }
+}
+
+/// `outboxd config`: the effective value of every flag of `cmd` (a subcommand's definition)
+/// as a config file would write it, with where it came from; secret values redacted.
+pub fn render_effective(cmd: &Command, m: &clap::ArgMatches) -> String {
+    let mut out = String::new();
+    if let Some((path, _)) = FROM_FILE.get() {
+        out.push_str(&format!("# config file: {}\n", path.display()));
+    }
+    out.push_str("# effective configuration of `outboxd run` (flag > env > file > default)\n");
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "help" | "version" | "config") {
+            continue;
+        }
+        let key = long.replace('-', "_");
+        let id = arg.get_id().as_str();
+        let values: Vec<String> = m
+            .get_raw(id)
+            .map(|vs| vs.map(|v| v.to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let origin = origin(m, arg);
+        if values.is_empty() {
+            let flag = matches!(
+                arg.get_action(),
+                clap::ArgAction::SetTrue | clap::ArgAction::SetFalse
+            );
+            if flag {
+                out.push_str(&format!("{key} = false  # {origin}\n"));
+            } else {
+                out.push_str(&format!("# {key} (not set)\n"));
+            }
+            continue;
+        }
+        let secret = arg.is_hide_env_values_set()
+            || SECRET_WORDS
+                .iter()
+                .any(|w| key.contains(w) && !key.ends_with("_file"));
+        let show = |v: &str| -> String {
+            let v = if secret {
+                crate::dsn::redact(v)
+            } else {
+                v.to_string()
+            };
+            toml_string(&v)
+        };
+        let flag = matches!(
+            arg.get_action(),
+            clap::ArgAction::SetTrue | clap::ArgAction::SetFalse
+        );
+        let rendered = if flag {
+            m.get_flag(id).to_string()
+        } else if matches!(arg.get_action(), clap::ArgAction::Append) || values.len() > 1 {
+            format!(
+                "[{}]",
+                values
+                    .iter()
+                    .map(|v| show(v))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        } else {
+            show(&values[0])
+        };
+        out.push_str(&format!("{key} = {rendered}  # {origin}\n"));
+    }
+    out
+}
+
+/// A TOML basic string (JSON's string escapes are TOML's).
+fn toml_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn write(text: &str) -> tempfile::NamedTempFile {
+        use std::io::Write;
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn keys_map_to_environment_variables() {
+        let f = write(
+            "source_file = \"/run/secrets/dsn\"\nwindow = 7\ntable = [\"a\", \"b\"]\nha = true\nrouting_key = \"{topic}\"\n",
+        );
+        let vars = load(&crate::cli::Cli::command(), f.path()).unwrap();
+        let get = |k: &str| vars.iter().find(|(e, _)| e == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("OUTBOXD_SOURCE_FILE"), Some("/run/secrets/dsn"));
+        assert_eq!(get("OUTBOXD_WINDOW"), Some("7"));
+        assert_eq!(get("OUTBOXD_TABLE"), Some("a,b"));
+        assert_eq!(get("OUTBOXD_HA"), Some("true"));
+        assert_eq!(get("OUTBOXD_ROUTING_KEY"), Some("{topic}"));
+    }
+
+    #[test]
+    fn unknown_dashed_secret_and_inline_password_keys_are_refused() {
+        let cmd = crate::cli::Cli::command();
+        for (text, needle) in [
+            ("windw = 3", "did you mean \"window\""),
+            ("source-file = \"/x\"", "write \"source_file\""),
+            ("source = \"postgres://u:hunter2@db/app\"", "source_file"),
+            ("sink = \"amqp://u:hunter2@mq/\"", "sink_file"),
+            ("lsn = \"0/1\"", "command-line-only"),
+            ("[run]\nwindow = 3", "is a table"),
+            ("window = ", "not valid TOML"),
+        ] {
+            let f = write(text);
+            let e = load(&cmd, f.path()).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text}: {e}");
+            assert!(!e.contains("hunter2"), "{text}: {e}");
+        }
+        // A DSN without a password is fine in the file.
+        let f = write("source = \"postgres://relay@db/app\"");
+        assert!(load(&cmd, f.path()).is_ok());
+    }
+}
