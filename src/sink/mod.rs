@@ -4,6 +4,7 @@
 //! so every sink gets it the same way.
 
 pub mod headers;
+pub mod nats;
 pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
@@ -120,6 +121,7 @@ impl FlowControl {
 pub enum AnySink {
     Stdout(stdout::StdoutSink),
     Rabbit(Box<rabbitmq::RabbitSink>),
+    Nats(Box<nats::NatsSink>),
 }
 
 impl Sink for AnySink {
@@ -127,6 +129,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.name(),
             AnySink::Rabbit(s) => s.name(),
+            AnySink::Nats(s) => s.name(),
         }
     }
 
@@ -134,6 +137,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.stores_position(),
             AnySink::Rabbit(s) => s.stores_position(),
+            AnySink::Nats(s) => s.stores_position(),
         }
     }
 
@@ -141,6 +145,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.connect().await,
             AnySink::Rabbit(s) => s.connect().await,
+            AnySink::Nats(s) => s.connect().await,
         }
     }
 
@@ -148,6 +153,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.publish(event).await,
             AnySink::Rabbit(s) => s.publish(event).await,
+            AnySink::Nats(s) => s.publish(event).await,
         }
     }
 
@@ -155,6 +161,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
+            AnySink::Nats(s) => s.flush().await,
         }
     }
 
@@ -162,6 +169,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.is_broken(),
             AnySink::Rabbit(s) => s.is_broken(),
+            AnySink::Nats(s) => s.is_broken(),
         }
     }
 
@@ -169,6 +177,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.flow_control(),
             AnySink::Rabbit(s) => s.flow_control(),
+            AnySink::Nats(s) => s.flow_control(),
         }
     }
 }
