@@ -26,6 +26,8 @@ use crate::event::OutboxEvent;
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
 use futures::FutureExt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -35,6 +37,10 @@ pub struct NatsSink {
     prefix: String,
     redacted: String,
     link: Option<Link>,
+    /// JetStream refusals in a row (a full stream with `discard new`, a store failure), reset
+    /// by the next acknowledgement. The relay's recovery succeeds as soon as the republish is
+    /// handed over, so without this a refusing stream would be reconnected to in a loop.
+    refusals: Arc<AtomicU32>,
 }
 
 /// One client and its JetStream context. Dropping it closes the connection.
@@ -56,6 +62,7 @@ impl NatsSink {
             cfg,
             prefix,
             link: None,
+            refusals: Arc::default(),
         })
     }
 
@@ -111,6 +118,15 @@ impl NatsSink {
     }
 }
 
+/// How long to wait before publishing again after `n` refusals in a row: 200 ms doubling to
+/// 30 s, jittered by up to a half so that relays sharing a stream do not retry in step.
+fn refusal_delay(n: u32) -> Duration {
+    let step = Duration::from_millis(200).saturating_mul(1u32 << n.min(8).saturating_sub(1));
+    let step = step.min(Duration::from_secs(30));
+    let half = step / 2;
+    half + Duration::from_micros(rand::random_range(0..=half.as_micros() as u64))
+}
+
 /// What a failed acknowledgement means to the relay.
 fn ack_error(e: async_nats::jetstream::context::PublishError, timeout: Duration) -> SinkError {
     match e.kind() {
@@ -145,6 +161,12 @@ impl Sink for NatsSink {
     async fn connect(&mut self) -> Result<(), SinkError> {
         // Always a fresh client: the old one closes when dropped, with its pending acks.
         self.link = None;
+        let refused = self.refusals.load(Ordering::Relaxed);
+        if refused > 0 {
+            let delay = refusal_delay(refused);
+            tracing::warn!(stream = %self.cfg.stream, refusals = refused, wait = ?delay, "JetStream keeps refusing messages: waiting before publishing again");
+            tokio::time::sleep(delay).await;
+        }
         let link = self.open().await?;
         tracing::info!(
             sink = %self.redacted,
@@ -192,6 +214,7 @@ impl Sink for NatsSink {
         let timeout = self.cfg.op_timeout;
         let stream = self.cfg.stream.clone();
         let mut broken = link.broken.clone();
+        let refusals = self.refusals.clone();
         Ok(Delivery::Pending(
             async move {
                 tokio::select! {
@@ -201,8 +224,17 @@ impl Sink for NatsSink {
                             problem: format!("the message was stored by stream {:?}, not by --stream {stream}", a.stream),
                             fix: format!("give --stream {} or change --subject so that only {stream} captures it", a.stream),
                         }),
-                        Ok(_) => Ok(()),
-                        Err(e) => Err(ack_error(e, timeout)),
+                        Ok(_) => {
+                            refusals.store(0, Ordering::Relaxed);
+                            Ok(())
+                        }
+                        Err(e) => {
+                            let e = ack_error(e, timeout);
+                            if matches!(e, SinkError::Rejected(_)) {
+                                refusals.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e)
+                        }
                     },
                     _ = broken.wait_for(|b| *b) => Err(SinkError::Connection(
                         "the NATS connection was lost before the acknowledgement".into(),
@@ -216,5 +248,20 @@ impl Sink for NatsSink {
     async fn flush(&mut self) -> Result<(), SinkError> {
         // Every event is Pending until acknowledged: nothing is buffered here.
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal_delay;
+    use std::time::Duration;
+
+    #[test]
+    fn refusal_delays_grow_to_a_cap() {
+        assert!(refusal_delay(1) <= Duration::from_millis(200));
+        assert!(refusal_delay(1) >= Duration::from_millis(100));
+        assert!(refusal_delay(4) >= Duration::from_millis(800));
+        assert!(refusal_delay(40) <= Duration::from_secs(30));
+        assert!(refusal_delay(40) >= Duration::from_secs(15));
     }
 }
