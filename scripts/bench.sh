@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-BENCHES=${OUTBOXD_BENCHES:-"rabbitmq latency poll memory duplicates"}
+BENCHES=${OUTBOXD_BENCHES:-"rabbitmq latency poll memory duplicates nats"}
 OUT=target/bench
 mkdir -p "$OUT"
 

@@ -7,6 +7,8 @@
 #   - RabbitMQ:   running, plugins rabbitmq_consistent_hash_exchange and rabbitmq_management,
 #                 a TLS listener on 127.0.0.1:5671 with a self-signed test CA (server and client
 #                 certificates under /etc/rabbitmq/outboxd-tls/)
+#   - NATS:       nats-server with JetStream on 127.0.0.1:4222, file store in /var/lib/nats-server
+#                 (installed from the distribution when missing; started when not answering)
 #   - docker-compose: Debian's package, installed when missing (validates docker-compose.yml;
 #                 no Docker engine runs here); a warning, not a failure, when apt is unreachable
 #
@@ -741,6 +743,46 @@ amqp_answers() {
 # docker-compose (only to validate docker-compose.yml in tests/compose.rs; no Docker engine runs)
 # ---------------------------------------------------------------------------------------------
 
+# ---- NATS with JetStream: the NATS sink's tests ---------------------------------------------
+NATS_PORT=4222
+NATS_STORE=/var/lib/nats-server
+NATS_LOG=/var/log/nats-server.log
+NATS_STARTED=no
+
+nats_jetstream_ok() { # the monitoring-free check: the server's INFO line advertises JetStream
+    timeout 3 bash -c "exec 3<>/dev/tcp/127.0.0.1/$NATS_PORT && head -n1 <&3" 2>/dev/null |
+        grep -q '"jetstream":true'
+}
+
+nats_section() {
+    echo "== nats"
+    if ! command -v nats-server >/dev/null; then
+        changed nats "installing nats-server"
+        apt-get install -y nats-server >/dev/null 2>&1 ||
+            { apt-get update >/dev/null 2>&1 && apt-get install -y nats-server >/dev/null; } ||
+            die "cannot install nats-server" "apt-get install -y nats-server"
+    fi
+    if [[ ! -d $NATS_STORE ]]; then
+        mkdir -p "$NATS_STORE"
+        chmod 750 "$NATS_STORE"
+        changed nats "created the JetStream store $NATS_STORE"
+    fi
+    if nats_jetstream_ok; then
+        say nats "ok: JetStream on 127.0.0.1:$NATS_PORT"
+        return
+    fi
+    if pgrep -x nats-server >/dev/null; then
+        die "a nats-server runs but does not offer JetStream on 127.0.0.1:$NATS_PORT" \
+            "stop it and let this script start one: nats-server -a 127.0.0.1 -p $NATS_PORT -js -sd $NATS_STORE"
+    fi
+    start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server)" -- \
+        -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$NATS_STORE" -l "$NATS_LOG"
+    NATS_STARTED=yes
+    wait_until "$TIMEOUT" nats_jetstream_ok ||
+        die "nats-server did not offer JetStream within ${TIMEOUT}s" "see $NATS_LOG"
+    changed nats "started nats-server with JetStream (store $NATS_STORE, log $NATS_LOG)"
+}
+
 docker_compose_section() {
     if command -v docker-compose >/dev/null 2>&1; then
         say compose "ok: docker-compose $(docker-compose version --short 2>/dev/null || echo present)"
@@ -867,6 +909,7 @@ verify() {
     echo "postgres  $pg_version ($PG_VERSION/$PG_CLUSTER) $PG_HOST:$PG_PORT db=$PG_DB wal_level=logical slots=20 senders=20 replication=ok tls=$PG_TLS_DIR/ca.crt restarted=$PG_RESTARTED"
     echo "mariadb   $my_version $MY_HOST:$MY_PORT db=$MY_DB log_bin=1 ROW/FULL/FULL server_id=1 tls=$PG_TLS_DIR/ca.crt restarted=$MY_RESTARTED"
     echo "rabbitmq  $rmq_version 127.0.0.1:$RMQ_PORT tls=127.0.0.1:$RMQ_TLS_PORT plugins=${RMQ_PLUGINS[*]} started=$RMQ_STARTED"
+    echo "nats      127.0.0.1:$NATS_PORT jetstream store=$NATS_STORE started=$NATS_STARTED"
     echo "changes   $CHANGES"
 }
 
@@ -877,6 +920,7 @@ main() {
     mariadb_section
     rabbitmq_section
     rabbitmq_tls_section
+    nats_section
     docker_compose_section
     crypto_vector_section
     verify

@@ -92,6 +92,8 @@ pub struct CheckArgs {
     pub source: SourceArgs,
     #[command(flatten)]
     pub sink: crate::sink::topology::SinkCheckArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -185,7 +187,8 @@ pub enum Mode {
 pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Sink: stdout, or amqp://user@host:5672/vhost (amqps:// for TLS).
+    /// Sink: stdout, amqp://user@host:5672/vhost (amqps:// for TLS), or NATS JetStream
+    /// nats://host:4222 (tls:// for TLS).
     #[arg(
         long,
         env = "OUTBOXD_SINK",
@@ -252,7 +255,33 @@ pub struct RunArgs {
     #[command(flatten)]
     pub rabbit: RabbitArgs,
     #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
     pub mysql: MySqlArgs,
+}
+
+/// NATS JetStream sink settings (docs/nats.md).
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    /// NATS sink: subject template over the event ({topic}, {aggregate_id}, {id}, {table});
+    /// its first token is the prefix (<prefix>.dead for poison records, <prefix>.> in the stream).
+    #[arg(long, env = "OUTBOXD_SUBJECT", default_value = crate::sink::nats::config::DEFAULT_SUBJECT)]
+    pub subject: String,
+    /// NATS sink: the JetStream stream (declared with --declare auto, checked with passive).
+    #[arg(long, env = "OUTBOXD_STREAM", default_value = crate::sink::nats::config::DEFAULT_STREAM)]
+    pub stream: String,
+}
+
+impl NatsArgs {
+    pub fn options(&self) -> Result<connector::NatsOptions, Error> {
+        let subject = crate::sink::template::Template::parse(&self.subject).map_err(|e| {
+            Error::config(format!("--subject: {e}"), "e.g. --subject outbox.{topic}")
+        })?;
+        Ok(connector::NatsOptions {
+            subject,
+            stream: self.stream.clone(),
+        })
+    }
 }
 
 /// RabbitMQ sink settings (docs/message-format.md).
@@ -714,6 +743,7 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     };
     let mut lines = lines;
     lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
+    lines.extend(check_nats(&args, m).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -732,6 +762,57 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
+async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::operator::CheckLine> {
+    use crate::operator::{CheckLine, Level};
+    let fail = |detail: String| CheckLine {
+        level: Level::Fail,
+        check: "nats settings".into(),
+        detail,
+        fix: None,
+    };
+    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    let url = match resolve_dsn(
+        args.sink.sink.as_deref(),
+        args.sink.sink_file.as_deref(),
+        from_argv,
+        "sink",
+    ) {
+        Ok(Some(u)) => u,
+        Ok(None) => return Vec::new(),
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let Ok(SinkDsn::Nats(url)) = SinkDsn::parse(&url) else {
+        return Vec::new();
+    };
+    let opts = match args.nats.options() {
+        Ok(o) => o,
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let partitions = match args.sink.partitions.validate() {
+        Ok(p) => p.partitions,
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let cfg = crate::sink::nats::NatsConfig {
+        url,
+        subject: opts.subject,
+        stream: opts.stream,
+        declare: args.sink.declare,
+        max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
+        op_timeout: Duration::from_secs(15),
+        window: 1,
+        ca_file: args.sink.sink_ca.clone(),
+        cert_file: args.sink.sink_cert.clone(),
+        key_file: args.sink.sink_key.clone(),
+        connection_name: "outboxd check".into(),
+        partitions,
+    };
+    if let Err(e) = cfg.validate() {
+        return vec![fail(e.to_string())];
+    }
+    crate::sink::nats::declare::check(&cfg).await
 }
 
 async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
@@ -847,6 +928,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     };
     rabbitmq::validate_exchange(&exchange)?;
     let cfg = RunConfig {
+        nats: args.nats.options()?,
         rabbit: connector::RabbitOptions {
             message,
             exchange,

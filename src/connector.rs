@@ -47,6 +47,26 @@ pub struct RunConfig {
     /// publishing by our own clock before our lease can expire.
     pub ha: bool,
     pub rabbit: RabbitOptions,
+    /// NATS JetStream sink settings (used when the sink is `nats://` or `tls://`).
+    pub nats: NatsOptions,
+}
+
+/// NATS sink settings from the command line (the URL is in [`RunConfig::sink`]; `--declare`,
+/// `--max-message-bytes`, `--partitions` and the TLS files are shared with RabbitMQ's).
+#[derive(Debug, Clone)]
+pub struct NatsOptions {
+    pub subject: crate::sink::template::Template,
+    pub stream: String,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        NatsOptions {
+            subject: crate::sink::template::Template::parse(crate::sink::nats::config::DEFAULT_SUBJECT)
+                .expect("the default subject parses"),
+            stream: crate::sink::nats::config::DEFAULT_STREAM.into(),
+        }
+    }
 }
 
 /// RabbitMQ sink settings from the command line (the URL is in [`RunConfig::sink`]).
@@ -372,6 +392,28 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             dead_queue_type: cfg.rabbit.dead_queue_type,
             message: cfg.rabbit.message.clone(),
         })?)),
+        SinkDsn::Nats(url) => {
+            let p = &cfg.rabbit.partitioning;
+            if !p.header_counts.is_empty() && p.header_counts != [p.partitions] {
+                tracing::warn!("--group-partitions applies to a RabbitMQ sink: the NATS sink ignores it (subjects carry the relay's own partition)");
+            }
+            AnySink::Nats(Box::new(crate::sink::nats::NatsSink::new(
+                crate::sink::nats::NatsConfig {
+                    url: url.clone(),
+                    subject: cfg.nats.subject.clone(),
+                    stream: cfg.nats.stream.clone(),
+                    declare: cfg.rabbit.declare,
+                    max_message_bytes: cfg.rabbit.max_message_bytes,
+                    op_timeout: cfg.relay.confirm_timeout,
+                    window: cfg.relay.window,
+                    ca_file: cfg.rabbit.ca_file.clone(),
+                    cert_file: cfg.rabbit.cert_file.clone(),
+                    key_file: cfg.rabbit.key_file.clone(),
+                    connection_name: format!("outboxd {}", cfg.name),
+                    partitions: p.partitions,
+                },
+            )?))
+        }
     })
 }
 

@@ -207,6 +207,8 @@ pub enum SinkDsn {
     Stdout,
     /// `amqp://` or `amqps://`, kept whole for the client (it carries the vhost and options).
     Amqp(String),
+    /// `nats://` or `tls://` (NATS JetStream), kept whole; credentials are split off at connect.
+    Nats(String),
 }
 
 impl fmt::Debug for SinkDsn {
@@ -214,6 +216,7 @@ impl fmt::Debug for SinkDsn {
         match self {
             SinkDsn::Stdout => f.write_str("Stdout"),
             SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
+            SinkDsn::Nats(u) => write!(f, "Nats({})", redact_token(u)),
         }
     }
 }
@@ -227,14 +230,15 @@ impl SinkDsn {
         let url = Url::parse(s).map_err(|e| {
             Error::config(
                 format!("cannot parse the sink {}: {e}", redact(s)),
-                "use stdout or amqp://user@host:5672/%2f",
+                "use stdout, amqp://user@host:5672/%2f or nats://host:4222",
             )
         })?;
         match url.scheme() {
             "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
+            "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
             other => Err(Error::config(
                 format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp:// or amqps://",
+                "use stdout, amqp://, amqps://, nats:// or tls://",
             )),
         }
     }
@@ -242,7 +246,7 @@ impl SinkDsn {
     pub fn password(&self) -> Option<String> {
         match self {
             SinkDsn::Stdout => None,
-            SinkDsn::Amqp(u) => Url::parse(u)
+            SinkDsn::Amqp(u) | SinkDsn::Nats(u) => Url::parse(u)
                 .ok()
                 .and_then(|u| u.password().map(str::to_string)),
         }
@@ -317,6 +321,18 @@ pub fn redact(s: &str) -> String {
             }
         }
         _ => s.to_string(),
+    }
+}
+
+/// [`redact`], and also a user without a password, which a NATS URL reads as a token
+/// (`nats://TOKEN@host:4222`).
+pub fn redact_token(s: &str) -> String {
+    match Url::parse(s) {
+        Ok(mut url) if url.password().is_none() && !url.username().is_empty() => {
+            let _ = url.set_username("***");
+            url.to_string()
+        }
+        _ => redact(s),
     }
 }
 

@@ -6,6 +6,7 @@
 pub mod format;
 pub mod headers;
 pub mod memory;
+pub mod nats;
 pub mod partition;
 pub mod rabbitmq;
 pub mod stdout;
@@ -133,6 +134,7 @@ impl FlowControl {
 pub enum AnySink {
     Stdout(stdout::StdoutSink),
     Rabbit(Box<rabbitmq::RabbitSink>),
+    Nats(Box<nats::NatsSink>),
 }
 
 impl Sink for AnySink {
@@ -140,6 +142,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.name(),
             AnySink::Rabbit(s) => s.name(),
+            AnySink::Nats(s) => s.name(),
         }
     }
 
@@ -147,6 +150,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.stores_position(),
             AnySink::Rabbit(s) => s.stores_position(),
+            AnySink::Nats(s) => s.stores_position(),
         }
     }
 
@@ -154,6 +158,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.connect().await,
             AnySink::Rabbit(s) => s.connect().await,
+            AnySink::Nats(s) => s.connect().await,
         }
     }
 
@@ -161,6 +166,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.publish(event).await,
             AnySink::Rabbit(s) => s.publish(event).await,
+            AnySink::Nats(s) => s.publish(event).await,
         }
     }
 
@@ -168,6 +174,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
+            AnySink::Nats(s) => s.flush().await,
         }
     }
 
@@ -175,6 +182,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.is_broken(),
             AnySink::Rabbit(s) => s.is_broken(),
+            AnySink::Nats(s) => s.is_broken(),
         }
     }
 
@@ -182,6 +190,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Stdout(s) => s.flow_control(),
             AnySink::Rabbit(s) => s.flow_control(),
+            AnySink::Nats(s) => s.flow_control(),
         }
     }
 }

@@ -2,6 +2,7 @@
 //! outboxd binary as a child process, and polling with deadlines instead of sleeps.
 #![allow(dead_code)]
 pub mod killloop;
+pub mod nats;
 pub mod partitions;
 pub mod poll;
 pub mod proxy;

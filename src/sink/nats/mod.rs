@@ -1,0 +1,267 @@
+//! The NATS JetStream sink (docs/nats.md): every event becomes one message on a subject from
+//! the `--subject` template, stored by the stream `--stream`, and counts as durable only when
+//! JetStream acknowledged it. `Nats-Msg-Id` is the event id, so within the stream's duplicate
+//! window a republished event (after a reconnect, or a relay restarted after a crash) is
+//! acknowledged as a duplicate and stored once. Poison events become body-less records on
+//! `<prefix>.dead`.
+//!
+//! Recovery is the relay's: the client never reconnects on its own, a lost connection fails
+//! every pending acknowledgement at once, and [`Sink::connect`] builds a fresh client before
+//! the relay republishes in order. Acknowledgements are pipelined; the relay bounds the window.
+//!
+//! The folder keeps the broker's parts apart: `config` (address, credentials, names),
+//! `connect` (the client), `declare` (the stream, and `outboxd check`), `publish` (one event
+//! as a message).
+
+pub mod config;
+pub mod connect;
+pub mod declare;
+pub mod publish;
+
+pub use config::NatsConfig;
+
+use super::{Delivery, Sink, SinkError};
+use crate::dsn::redact_token as redact;
+use crate::event::OutboxEvent;
+use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
+use async_nats::{Client, Event};
+use futures::FutureExt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The sink. Create with [`NatsSink::new`]; the relay calls `connect` before publishing.
+pub struct NatsSink {
+    cfg: NatsConfig,
+    prefix: String,
+    redacted: String,
+    link: Option<Link>,
+    /// JetStream refusals in a row (a full stream with `discard new`, a store failure), reset
+    /// by the next acknowledgement. The relay's recovery succeeds as soon as the republish is
+    /// handed over, so without this a refusing stream would be reconnected to in a loop.
+    refusals: Arc<AtomicU32>,
+}
+
+/// One client and its JetStream context. Dropping it closes the connection.
+struct Link {
+    client: Client,
+    js: Context,
+    /// Turns true when the connection is lost; never back.
+    broken: watch::Receiver<bool>,
+    max_payload: usize,
+}
+
+impl NatsSink {
+    /// Validates the configuration; connects only in [`Sink::connect`].
+    pub fn new(cfg: NatsConfig) -> Result<NatsSink, crate::Error> {
+        cfg.validate()?;
+        let prefix = config::subject_prefix(&cfg.subject)?;
+        Ok(NatsSink {
+            redacted: redact(&cfg.url),
+            cfg,
+            prefix,
+            link: None,
+            refusals: Arc::default(),
+        })
+    }
+
+    /// `<prefix>.dead`, where poison records go.
+    pub fn dead_subject(&self) -> String {
+        format!("{}.dead", self.prefix)
+    }
+
+    async fn open(&self) -> Result<Link, SinkError> {
+        let (tx, rx) = watch::channel(false);
+        let shown = self.redacted.clone();
+        let client = connect::connect_with_events(&self.cfg, move |event| {
+            let tx = tx.clone();
+            let shown = shown.clone();
+            async move {
+                match event {
+                    Event::Disconnected | Event::Closed => {
+                        tracing::warn!(sink = %shown, "NATS connection lost");
+                        tx.send_replace(true);
+                    }
+                    Event::ServerError(e) => tracing::warn!(sink = %shown, error = %e, "NATS server error"),
+                    Event::ClientError(e) => tracing::warn!(sink = %shown, error = %e, "NATS client error"),
+                    _ => {}
+                }
+            }
+        })
+        .await?;
+        let max_payload = client.server_info().max_payload;
+        let js = ContextBuilder::new()
+            .timeout(self.cfg.op_timeout)
+            // The relay's confirm timeout runs out first and says so.
+            .ack_timeout(self.cfg.op_timeout + Duration::from_secs(5))
+            .max_ack_inflight(self.cfg.window.max(1) + 64)
+            .build(client.clone());
+        let work = declare::ensure(&js, &self.cfg);
+        match tokio::time::timeout(self.cfg.op_timeout, work).await {
+            Ok(r) => {
+                r?;
+            }
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "declaring stream {} at NATS {} took longer than {:?}",
+                    self.cfg.stream, self.redacted, self.cfg.op_timeout
+                )))
+            }
+        }
+        Ok(Link {
+            client,
+            js,
+            broken: rx,
+            max_payload,
+        })
+    }
+}
+
+/// How long to wait before publishing again after `n` refusals in a row: 200 ms doubling to
+/// 30 s, jittered by up to a half so that relays sharing a stream do not retry in step.
+fn refusal_delay(n: u32) -> Duration {
+    let step = Duration::from_millis(200).saturating_mul(1u32 << n.min(8).saturating_sub(1));
+    let step = step.min(Duration::from_secs(30));
+    let half = step / 2;
+    half + Duration::from_micros(rand::random_range(0..=half.as_micros() as u64))
+}
+
+/// What a failed acknowledgement means to the relay.
+fn ack_error(e: async_nats::jetstream::context::PublishError, timeout: Duration) -> SinkError {
+    match e.kind() {
+        PublishErrorKind::TimedOut => SinkError::ConfirmTimeout(timeout),
+        PublishErrorKind::BrokenPipe => {
+            SinkError::Connection("the NATS connection closed before the acknowledgement".into())
+        }
+        PublishErrorKind::StreamNotFound => SinkError::Rejected(
+            "no JetStream stream captures the subject (was the stream deleted?)".into(),
+        ),
+        // A full stream with `discard new`, a store failure, …: the relay retries with backoff.
+        _ => SinkError::Rejected(format!("JetStream refused the message: {e}")),
+    }
+}
+
+impl Sink for NatsSink {
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    fn stores_position(&self) -> bool {
+        true
+    }
+
+    fn is_broken(&self) -> bool {
+        self.link.as_ref().is_none_or(|l| {
+            *l.broken.borrow()
+                || l.client.connection_state() == async_nats::connection::State::Disconnected
+        })
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        // Always a fresh client: the old one closes when dropped, with its pending acks.
+        self.link = None;
+        let refused = self.refusals.load(Ordering::Relaxed);
+        if refused > 0 {
+            let delay = refusal_delay(refused);
+            tracing::warn!(stream = %self.cfg.stream, refusals = refused, wait = ?delay, "JetStream keeps refusing messages: waiting before publishing again");
+            tokio::time::sleep(delay).await;
+        }
+        let link = self.open().await?;
+        tracing::info!(
+            sink = %self.redacted,
+            stream = %self.cfg.stream,
+            subject = %self.cfg.subject,
+            declare = ?self.cfg.declare,
+            partitions = self.cfg.partitions,
+            max_payload = link.max_payload,
+            "connected to NATS JetStream"
+        );
+        self.link = Some(link);
+        Ok(())
+    }
+
+    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
+        let Some(link) = self.link.as_ref() else {
+            return Err(SinkError::Connection("not connected".into()));
+        };
+        if *link.broken.borrow() {
+            return Err(SinkError::Connection("the NATS connection was lost".into()));
+        }
+        let out = publish::render(&self.cfg, &self.prefix, event, link.max_payload);
+        if let Some(reason) = &out.dead {
+            tracing::warn!(id = %event.id, position = %event.position, reason = %reason, subject = %out.subject, "poison event: publishing a dead record without the body");
+        }
+        let send = link
+            .js
+            .publish_with_headers(out.subject, out.headers, out.payload);
+        // Handing over waits only for room in the client's queue; a connection that stopped
+        // moving must not hold the relay here.
+        let ack = match tokio::time::timeout(self.cfg.op_timeout, send).await {
+            Ok(Ok(ack)) => ack,
+            Ok(Err(e)) => {
+                return Err(SinkError::Connection(format!(
+                    "handing a message to NATS failed: {e}"
+                )))
+            }
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "handing a message to NATS took longer than {:?}",
+                    self.cfg.op_timeout
+                )))
+            }
+        };
+        let timeout = self.cfg.op_timeout;
+        let stream = self.cfg.stream.clone();
+        let mut broken = link.broken.clone();
+        let refusals = self.refusals.clone();
+        Ok(Delivery::Pending(
+            async move {
+                tokio::select! {
+                    biased;
+                    r = std::future::IntoFuture::into_future(ack) => match r {
+                        Ok(a) if a.stream != stream => Err(SinkError::Config {
+                            problem: format!("the message was stored by stream {:?}, not by --stream {stream}", a.stream),
+                            fix: format!("give --stream {} or change --subject so that only {stream} captures it", a.stream),
+                        }),
+                        Ok(_) => {
+                            refusals.store(0, Ordering::Relaxed);
+                            Ok(())
+                        }
+                        Err(e) => {
+                            let e = ack_error(e, timeout);
+                            if matches!(e, SinkError::Rejected(_)) {
+                                refusals.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e)
+                        }
+                    },
+                    _ = broken.wait_for(|b| *b) => Err(SinkError::Connection(
+                        "the NATS connection was lost before the acknowledgement".into(),
+                    )),
+                }
+            }
+            .boxed(),
+        ))
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        // Every event is Pending until acknowledged: nothing is buffered here.
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal_delay;
+    use std::time::Duration;
+
+    #[test]
+    fn refusal_delays_grow_to_a_cap() {
+        assert!(refusal_delay(1) <= Duration::from_millis(200));
+        assert!(refusal_delay(1) >= Duration::from_millis(100));
+        assert!(refusal_delay(4) >= Duration::from_millis(800));
+        assert!(refusal_delay(40) <= Duration::from_secs(30));
+        assert!(refusal_delay(40) >= Duration::from_secs(15));
+    }
+}

@@ -1,0 +1,233 @@
+//! One event as a JetStream message: its subject (the template, with the partition token when
+//! `--partitions` is on), its headers (`Nats-Msg-Id` = event id, so the stream drops a
+//! republished copy within its duplicate window; the relay's headers as on RabbitMQ; the row's
+//! headers minus reserved names), or — when it cannot be a message — a body-less dead record
+//! on `<prefix>.dead` that says why.
+
+use super::config::{self, NatsConfig};
+use crate::event::OutboxEvent;
+use crate::sink::headers;
+use crate::sink::partition;
+use crate::sink::template::event_field;
+use async_nats::header::{HeaderMap, HeaderName};
+use bytes::Bytes;
+
+/// The header JetStream deduplicates by.
+pub const MSG_ID: &str = "Nats-Msg-Id";
+/// Values of dead records are cut here, so a record always fits.
+const DEAD_VALUE_MAX: usize = 1024;
+/// `NATS/1.0\r\n` and the blank line that end a header block.
+const HEADER_FRAMING: usize = 12;
+
+/// A message ready to go out.
+pub struct Outgoing {
+    pub subject: String,
+    pub headers: HeaderMap,
+    pub payload: Bytes,
+    /// The reason, when this is a dead record instead of the event.
+    pub dead: Option<String>,
+}
+
+/// The subject the event goes to, or why it has none.
+pub fn subject(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent) -> Result<String, String> {
+    let rendered = cfg.subject.render(|n| event_field(event, n))?;
+    let subject = if cfg.partitions > 0 {
+        let k = partition::partition_of(&event.aggregate_id, cfg.partitions);
+        // The template starts with the literal prefix and a '.', checked at start.
+        let rest = rendered.get(prefix.len() + 1..).unwrap_or("");
+        format!("{prefix}.p{k}.{rest}")
+    } else {
+        rendered
+    };
+    config::publishable(&subject)?;
+    Ok(subject)
+}
+
+fn header_bytes(h: &HeaderMap) -> usize {
+    h.iter()
+        .map(|(k, vs)| vs.iter().map(|v| k.to_string().len() + v.as_str().len() + 4).sum::<usize>())
+        .sum::<usize>()
+        + HEADER_FRAMING
+}
+
+/// The headers of a normal message, or why the event is poison.
+fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, String> {
+    let mut h = HeaderMap::new();
+    // Row headers first: the relay's own (and Nats-*) are reserved, dropped by row_headers.
+    for (k, v) in headers::row_headers(event) {
+        let name = HeaderName::try_from(k.as_str()).map_err(|_| {
+            format!("header name {k:?} cannot be a NATS header (printable ASCII without ':' or spaces)")
+        })?;
+        let text = match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if text.contains(['\r', '\n']) {
+            return Err(format!("the value of header {k:?} contains a line break, which NATS headers cannot carry"));
+        }
+        h.insert(name, text);
+    }
+    h.insert(MSG_ID, event.id.hyphenated().to_string());
+    for (k, v) in headers::relay_headers(event) {
+        // Every relay value is ours (ids, times, positions, versions); a line break in an
+        // aggregate id or table name would still be refused, not passed to the client.
+        let text = v.to_text();
+        if text.contains(['\r', '\n']) {
+            return Err(format!("{k} contains a line break, which NATS headers cannot carry"));
+        }
+        h.insert(k, text);
+    }
+    if cfg.partitions > 0 {
+        let k = partition::partition_of(&event.aggregate_id, cfg.partitions);
+        h.insert(partition::PARTITION_HEADER, k.to_string());
+    }
+    Ok(h)
+}
+
+fn clean(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
+        .collect();
+    if out.len() > DEAD_VALUE_MAX {
+        let mut end = DEAD_VALUE_MAX;
+        while !out.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.truncate(end);
+    }
+    out
+}
+
+/// The event as it goes out: the message, or its dead record. `max_payload` is the server's
+/// limit for headers and payload together.
+pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, max_payload: usize) -> Outgoing {
+    let normal = (|| {
+        if let Some(p) = &event.poison {
+            return Err(p.clone());
+        }
+        if event.payload.len() > cfg.max_message_bytes {
+            return Err(format!(
+                "payload is {} bytes, more than --max-message-bytes {}",
+                event.payload.len(),
+                cfg.max_message_bytes
+            ));
+        }
+        let subject = subject(cfg, prefix, event)?;
+        let headers = event_headers(cfg, event)?;
+        let size = event.payload.len() + header_bytes(&headers);
+        if max_payload > 0 && size > max_payload {
+            return Err(format!(
+                "message is {size} bytes with its headers, more than the server's max_payload {max_payload}"
+            ));
+        }
+        Ok((subject, headers))
+    })();
+    match normal {
+        Ok((subject, headers)) => Outgoing {
+            subject,
+            headers,
+            payload: event.payload.clone(),
+            dead: None,
+        },
+        Err(reason) => {
+            let mut h = HeaderMap::new();
+            h.insert(MSG_ID, event.id.hyphenated().to_string());
+            for (k, v) in [
+                ("x-dead-reason", clean(&reason)),
+                ("x-source-position", clean(&event.position.to_string())),
+                ("x-original-topic", clean(&event.topic)),
+                ("x-aggregate-id", clean(&event.aggregate_id)),
+                ("x-outbox-created-at", event.created_at_rfc3339()),
+                ("x-original-size", event.payload.len().to_string()),
+            ] {
+                h.insert(k, v);
+            }
+            Outgoing {
+                subject: format!("{prefix}.dead"),
+                headers: h,
+                payload: Bytes::new(),
+                dead: Some(reason),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::rabbitmq::DeclareMode;
+    use crate::sink::template::Template;
+    use std::time::Duration;
+
+    fn cfg(partitions: u32) -> NatsConfig {
+        NatsConfig {
+            url: "nats://127.0.0.1:4222".into(),
+            subject: Template::parse("outbox.{topic}").unwrap(),
+            stream: "OUTBOX".into(),
+            declare: DeclareMode::Auto,
+            max_message_bytes: 1024,
+            op_timeout: Duration::from_secs(5),
+            window: 10,
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            connection_name: "test".into(),
+            partitions,
+        }
+    }
+
+    fn get(h: &HeaderMap, k: &str) -> Option<String> {
+        h.get(k).map(|v| v.as_str().to_string())
+    }
+
+    #[test]
+    fn events_carry_the_msg_id_and_the_relay_headers() {
+        let mut ev = crate::sink::test_event();
+        ev.headers = serde_json::json!({"traceparent": "00-a-b-01", "Nats-Msg-Id": "forged", "n": 5})
+            .as_object()
+            .cloned();
+        let out = render(&cfg(0), "outbox", &ev, 1 << 20);
+        assert!(out.dead.is_none());
+        assert_eq!(out.subject, "outbox.invoice.issued");
+        assert_eq!(get(&out.headers, MSG_ID).unwrap(), ev.id.hyphenated().to_string());
+        assert_eq!(get(&out.headers, "x-aggregate-id").unwrap(), "agg-1");
+        assert_eq!(get(&out.headers, "x-aggregate-version").unwrap(), "7");
+        assert_eq!(get(&out.headers, "traceparent").unwrap(), "00-a-b-01");
+        assert_eq!(get(&out.headers, "n").unwrap(), "5");
+        assert!(get(&out.headers, "x-partition").is_none());
+    }
+
+    #[test]
+    fn partitions_insert_their_token_after_the_prefix() {
+        let ev = crate::sink::test_event();
+        let k = partition::partition_of("agg-1", 4);
+        let out = render(&cfg(4), "outbox", &ev, 1 << 20);
+        assert_eq!(out.subject, format!("outbox.p{k}.invoice.issued"));
+        assert_eq!(get(&out.headers, "x-partition").unwrap(), k.to_string());
+    }
+
+    #[test]
+    fn poison_goes_to_the_dead_subject_without_body() {
+        for (mutate, needle) in [
+            (Box::new(|e: &mut OutboxEvent| e.topic = "bad topic".into()) as Box<dyn Fn(&mut OutboxEvent)>, "whitespace"),
+            (Box::new(|e: &mut OutboxEvent| e.payload = Bytes::from(vec![b'x'; 2000])), "--max-message-bytes"),
+            (Box::new(|e: &mut OutboxEvent| e.poison = Some("not json".into())), "not json"),
+            (Box::new(|e: &mut OutboxEvent| e.headers = serde_json::json!({"a": "x\r\ny"}).as_object().cloned()), "line break"),
+            (Box::new(|e: &mut OutboxEvent| e.headers = serde_json::json!({"a b": 1}).as_object().cloned()), "cannot be a NATS header"),
+        ] {
+            let mut ev = crate::sink::test_event();
+            mutate(&mut ev);
+            let out = render(&cfg(0), "outbox", &ev, 1 << 20);
+            let reason = out.dead.expect("dead");
+            assert!(reason.contains(needle), "{reason}");
+            assert_eq!(out.subject, "outbox.dead");
+            assert!(out.payload.is_empty());
+            assert_eq!(get(&out.headers, MSG_ID).unwrap(), ev.id.hyphenated().to_string());
+            assert!(get(&out.headers, "x-dead-reason").unwrap().contains(needle));
+        }
+        let ev = crate::sink::test_event();
+        let out = render(&cfg(0), "outbox", &ev, 100);
+        assert!(out.dead.unwrap().contains("max_payload"));
+    }
+}
