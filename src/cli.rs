@@ -524,7 +524,7 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
 
 fn sink_url(sink: &SinkDsn) -> String {
     match sink {
-        SinkDsn::Amqp(u) => u.clone(),
+        SinkDsn::Amqp(u) | SinkDsn::Nats(u) => u.clone(),
         SinkDsn::Stdout => String::new(),
     }
 }

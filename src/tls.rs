@@ -127,15 +127,18 @@ pub fn unverified_warning(what: &str, host: &str, settings: &TlsSettings) -> Opt
 /// The same warning for an `amqp://` sink (no TLS at all) to a host across a network.
 pub fn plaintext_amqp_warning(url: &str) -> Option<String> {
     let parsed = url::Url::parse(url).ok()?;
-    if parsed.scheme() != "amqp" {
-        return None;
-    }
+    let secure = match parsed.scheme() {
+        "amqp" => "amqps://",
+        "nats" => "tls://",
+        _ => return None,
+    };
     let host = parsed.host_str().unwrap_or("localhost");
     if is_local_host(host) {
         return None;
     }
     Some(format!(
-        "the sink amqp://{host} is not encrypted: the broker password and every event cross the network in clear; for production use amqps:// (with --sink-ca for a private CA), see docs/operations.md, Production TLS"
+        "the sink {scheme}://{host} is not encrypted: the broker password and every event cross the network in clear; for production use {secure} (with --sink-ca for a private CA), see docs/operations.md, Production TLS",
+        scheme = parsed.scheme()
     ))
 }
 

@@ -600,6 +600,8 @@ async fn a_slot_created_again_during_a_reconnect_is_a_lost_position() {
     assert!(
         skipped.iter().all(|i| !got.contains(i)),
         "the new slot never had them"
+    );
+}
 
 /// Peak resident memory of a process (`VmHWM`), in bytes.
 fn peak_rss(pid: u32) -> u64 {
