@@ -22,7 +22,9 @@ use async_nats::jetstream::{self, stream};
 use std::collections::{HashSet, VecDeque};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{env_list, new_backlog, pg, pg_backlog, pg_database, pg_drop, skip_unless_bench, BIN, PG_ADMIN};
+use support::{
+    env_list, new_backlog, pg, pg_backlog, pg_database, pg_drop, skip_unless_bench, BIN, PG_ADMIN,
+};
 
 const NATS: &str = "nats://127.0.0.1:4222";
 
@@ -83,8 +85,23 @@ async fn raw(js: &jetstream::Context, prefix: &str, n: usize, window: usize) -> 
 
 fn relay(dsn: &str, stream: &str, prefix: &str) -> Child {
     Command::new(BIN)
-        .args(["run", "--source", dsn, "--name", "bench", "--snapshot", "never", "--log-level", "warn"])
-        .args(["--stream", stream, "--subject", &format!("{prefix}.{{topic}}")])
+        .args([
+            "run",
+            "--source",
+            dsn,
+            "--name",
+            "bench",
+            "--snapshot",
+            "never",
+            "--log-level",
+            "warn",
+        ])
+        .args([
+            "--stream",
+            stream,
+            "--subject",
+            &format!("{prefix}.{{topic}}"),
+        ])
         .env("OUTBOXD_SINK", NATS)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -95,7 +112,11 @@ fn relay(dsn: &str, stream: &str, prefix: &str) -> Child {
 async fn wait_held(js: &jetstream::Context, name: &str, n: u64, limit: Duration) {
     let t = Instant::now();
     while held(js, name).await.0 < n {
-        assert!(t.elapsed() < limit, "only {:?} of {n} within {limit:?}", held(js, name).await);
+        assert!(
+            t.elapsed() < limit,
+            "only {:?} of {n} within {limit:?}",
+            held(js, name).await
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -108,9 +129,11 @@ async fn main() {
     let events = env_list("OUTBOXD_BENCH_EVENTS", "50000")[0];
     let kill_events = env_list("OUTBOXD_BENCH_KILL_EVENTS", "20000")[0];
     let kills = env_list("OUTBOXD_BENCH_KILLS", "20")[0];
-    let js = jetstream::new(async_nats::connect(NATS).await.unwrap_or_else(|e| {
-        panic!("NATS at {NATS}: {e}; run scripts/services.sh")
-    }));
+    let js = jetstream::new(
+        async_nats::connect(NATS)
+            .await
+            .unwrap_or_else(|e| panic!("NATS at {NATS}: {e}; run scripts/services.sh")),
+    );
     let pid = std::process::id();
     let (raw_name, raw_prefix) = (format!("BENCHRAW_{pid}"), format!("benchraw_{pid}"));
     let (name, prefix) = (format!("BENCH_{pid}"), format!("bench_{pid}"));
@@ -130,13 +153,21 @@ async fn main() {
     wait_held(&js, &name, events as u64, Duration::from_secs(600)).await;
     let took = t.elapsed();
     let rate = events as f64 / took.as_secs_f64();
-    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
     let _ = child.wait();
 
     println!("| NATS JetStream, Postgres backlog of {events} | events/s | time |");
     println!("|---|---|---|");
-    println!("| bare async-nats publisher (window 1,000, acks) | {raw_rate:.0} | {:.2} s |", raw_took.as_secs_f64());
-    println!("| outboxd run (window 1,000), from process start | {rate:.0} | {:.2} s |", took.as_secs_f64());
+    println!(
+        "| bare async-nats publisher (window 1,000, acks) | {raw_rate:.0} | {:.2} s |",
+        raw_took.as_secs_f64()
+    );
+    println!(
+        "| outboxd run (window 1,000), from process start | {rate:.0} | {:.2} s |",
+        took.as_secs_f64()
+    );
     println!("| relay / raw | {:.2} | |", rate / raw_rate);
 
     // The proof: kills mid-stream, exactly once by Nats-Msg-Id.
@@ -162,14 +193,21 @@ async fn main() {
     }
     writer.await.unwrap();
     wait_held(&js, &name, kill_events as u64, Duration::from_secs(300)).await;
-    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
     let _ = child.wait();
     let (messages, last_seq) = held(&js, &name).await;
     let s = js.get_stream(&name).await.unwrap();
     let mut ids = HashSet::new();
     for seq in 1..=last_seq {
         if let Ok(m) = s.get_raw_message(seq).await {
-            ids.insert(m.headers.get("Nats-Msg-Id").map(|v| v.as_str().to_string()).unwrap_or_default());
+            ids.insert(
+                m.headers
+                    .get("Nats-Msg-Id")
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default(),
+            );
         }
     }
     println!();

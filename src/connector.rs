@@ -62,8 +62,10 @@ pub struct NatsOptions {
 impl Default for NatsOptions {
     fn default() -> Self {
         NatsOptions {
-            subject: crate::sink::template::Template::parse(crate::sink::nats::config::DEFAULT_SUBJECT)
-                .expect("the default subject parses"),
+            subject: crate::sink::template::Template::parse(
+                crate::sink::nats::config::DEFAULT_SUBJECT,
+            )
+            .expect("the default subject parses"),
             stream: crate::sink::nats::config::DEFAULT_STREAM.into(),
         }
     }

@@ -73,7 +73,10 @@ async fn settle(db: Db, relay: &mut Relay) -> Outcome {
         if err.contains("standby: waiting for the lease") {
             return Outcome::Standby;
         }
-        if err.lines().any(|l| l.contains(db.streaming()) && !l.contains("ERROR")) {
+        if err
+            .lines()
+            .any(|l| l.contains(db.streaming()) && !l.contains("ERROR"))
+        {
             return Outcome::Streaming;
         }
         assert!(

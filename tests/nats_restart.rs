@@ -19,11 +19,17 @@ fn serve(port: u16, store: &std::path::Path) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {SERVER}: {e}; install nats-server (scripts/services.sh does)"))
+        .unwrap_or_else(|e| {
+            panic!("cannot start {SERVER}: {e}; install nats-server (scripts/services.sh does)")
+        })
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,7 +42,15 @@ async fn a_restarted_server_loses_and_duplicates_nothing() {
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
-    let mut args = vec!["run".to_string(), "--source".into(), dsn, "--name".into(), name.clone(), "--confirm-timeout".into(), "5s".into()];
+    let mut args = vec![
+        "run".to_string(),
+        "--source".into(),
+        dsn,
+        "--name".into(),
+        name.clone(),
+        "--confirm-timeout".into(),
+        "5s".into(),
+    ];
     args.extend(s.args());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let sink = common::nats::url_via(port);
@@ -52,18 +66,32 @@ async fn a_restarted_server_loses_and_duplicates_nothing() {
         }
         ids
     });
-    wait_for("500 messages before the restart", T, || async { s.len().await >= 500 }).await;
+    wait_for("500 messages before the restart", T, || async {
+        s.len().await >= 500
+    })
+    .await;
     server.kill().unwrap();
     server.wait().unwrap();
     wait_for("the relay to notice", T, || {
         let e = relay.stderr();
-        async move { e.contains("NATS connection lost") && e.contains("sink unavailable") || e.contains("sink still unavailable") }
+        async move {
+            e.contains("NATS connection lost") && e.contains("sink unavailable")
+                || e.contains("sink still unavailable")
+        }
     })
     .await;
     let mut server = serve(port, store.path());
     let expected = writer.await.unwrap();
-    let s = TestStream { js: async_nats::jetstream::new(common::nats::connect_port(port).await), name: s.name.clone(), prefix: s.prefix.clone(), port };
-    wait_for("every event after the restart", T, || async { s.len().await >= expected.len() as u64 }).await;
+    let s = TestStream {
+        js: async_nats::jetstream::new(common::nats::connect_port(port).await),
+        name: s.name.clone(),
+        prefix: s.prefix.clone(),
+        port,
+    };
+    wait_for("every event after the restart", T, || async {
+        s.len().await >= expected.len() as u64
+    })
+    .await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     assert!(relay.stderr().contains("sink recovered"));

@@ -37,21 +37,43 @@ fn start(source: &str, name: &str, s: &TestStream, sink: &str, extra: &[&str]) -
 /// order.
 fn assert_exactly_once(order: &[Uuid], counts: &HashMap<Uuid, usize>, expected: &[Uuid]) {
     let dups: Vec<(&Uuid, &usize)> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(dups.is_empty(), "{} ids stored more than once, e.g. {:?}", dups.len(), &dups[..dups.len().min(3)]);
+    assert!(
+        dups.is_empty(),
+        "{} ids stored more than once, e.g. {:?}",
+        dups.len(),
+        &dups[..dups.len().min(3)]
+    );
     let have: HashSet<&Uuid> = order.iter().collect();
     let missing: Vec<&Uuid> = expected.iter().filter(|i| !have.contains(i)).collect();
-    assert!(missing.is_empty(), "{} of {} events missing, e.g. {:?}", missing.len(), expected.len(), &missing[..missing.len().min(3)]);
+    assert!(
+        missing.is_empty(),
+        "{} of {} events missing, e.g. {:?}",
+        missing.len(),
+        expected.len(),
+        &missing[..missing.len().min(3)]
+    );
     let want: HashSet<&Uuid> = expected.iter().collect();
     let kept: Vec<&Uuid> = order.iter().filter(|i| want.contains(i)).collect();
-    assert!(kept.iter().copied().eq(expected.iter()), "stream order is commit order");
-    assert_eq!(order.len(), expected.len(), "nothing but the expected events");
+    assert!(
+        kept.iter().copied().eq(expected.iter()),
+        "stream order is commit order"
+    );
+    assert_eq!(
+        order.len(),
+        expected.len(),
+        "nothing but the expected events"
+    );
 }
 
 async fn wait_len(s: &TestStream, n: u64, what: &str) {
     wait_for(what, T, || async { s.len().await >= n }).await;
 }
 
-fn write_pg_in_background(db: &PgDb, n_tx: usize, topic: &'static str) -> tokio::task::JoinHandle<Vec<Uuid>> {
+fn write_pg_in_background(
+    db: &PgDb,
+    n_tx: usize,
+    topic: &'static str,
+) -> tokio::task::JoinHandle<Vec<Uuid>> {
     let conninfo = db.conninfo();
     tokio::spawn(async move {
         let mut c = pg_connect(&conninfo).await;
@@ -82,19 +104,36 @@ async fn pg_events_are_stored_once_in_order_with_headers_and_poison_is_dead() {
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
 
     let msgs = s.messages().await;
-    let dead: Vec<_> = msgs.iter().filter(|m| m.subject.as_str() == s.dead()).collect();
+    let dead: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.subject.as_str() == s.dead())
+        .collect();
     assert_eq!(dead.len(), 1, "one dead record");
-    assert_eq!(header(dead[0], "Nats-Msg-Id").unwrap(), poison[0].to_string());
-    assert!(header(dead[0], "x-dead-reason").unwrap().contains("whitespace"));
+    assert_eq!(
+        header(dead[0], "Nats-Msg-Id").unwrap(),
+        poison[0].to_string()
+    );
+    assert!(header(dead[0], "x-dead-reason")
+        .unwrap()
+        .contains("whitespace"));
     assert_eq!(header(dead[0], "x-original-topic").unwrap(), "bad topic");
     assert!(dead[0].payload.is_empty());
     let (order, counts) = s.id_counts().await;
     let order: Vec<Uuid> = order.into_iter().filter(|i| *i != poison[0]).collect();
     assert_exactly_once(&order, &counts, &expected);
-    let first = msgs.iter().find(|m| header(m, "Nats-Msg-Id").unwrap() == expected[0].to_string()).unwrap();
-    assert_eq!(first.subject.as_str(), format!("{}.invoice.issued", s.prefix));
+    let first = msgs
+        .iter()
+        .find(|m| header(m, "Nats-Msg-Id").unwrap() == expected[0].to_string())
+        .unwrap();
+    assert_eq!(
+        first.subject.as_str(),
+        format!("{}.invoice.issued", s.prefix)
+    );
     assert_eq!(header(first, "x-aggregate-id").unwrap(), "agg-0");
-    assert!(header(first, "x-source-position").unwrap().contains('/'), "an LSN position");
+    assert!(
+        header(first, "x-source-position").unwrap().contains('/'),
+        "an LSN position"
+    );
     assert!(header(first, "x-outbox-created-at").unwrap().ends_with('Z'));
     let body: serde_json::Value = serde_json::from_slice(&first.payload).unwrap();
     assert_eq!(body["invoice"], 0);
@@ -139,7 +178,12 @@ async fn sigkill_restarts_leave_every_event_exactly_once() {
     let writer = write_pg_in_background(&db, 80, "kill.stream");
     let kills = 5;
     for k in 1..=kills {
-        wait_len(&s, k * 500, &format!("{} messages before kill {k}", k * 500)).await;
+        wait_len(
+            &s,
+            k * 500,
+            &format!("{} messages before kill {k}", k * 500),
+        )
+        .await;
         relay.sigkill();
         relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
     }
@@ -192,17 +236,28 @@ async fn past_the_duplicate_window_a_restart_duplicates() {
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     let (_, counts) = s.id_counts().await;
     let dups = counts.values().filter(|n| **n > 1).count();
-    assert!(dups > 0, "a restart past the window republishes acknowledged-but-unstored events as duplicates");
+    assert!(
+        dups > 0,
+        "a restart past the window republishes acknowledged-but-unstored events as duplicates"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
     let db = PgDb::create("natsc").await;
     let s = TestStream::new("nc").await;
-    let proxy = FaultProxy::start(([127, 0, 0, 1], nats::PORT).into()).await.unwrap();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], nats::PORT).into())
+        .await
+        .unwrap();
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url_via(proxy.port()), &["--confirm-timeout", "3s"]);
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &s,
+        &nats::url_via(proxy.port()),
+        &["--confirm-timeout", "3s"],
+    );
     wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
     let writer = write_pg_in_background(&db, 60, "cut.stream");
     for k in 1..=2u64 {
@@ -218,11 +273,15 @@ async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
     let before = s.len().await;
     let accepted = proxy.accepted();
     proxy.stall();
-    wait_for("a confirm timeout or lost connection, then a failed reconnect", T, || {
-        let err = relay.stderr();
-        let now = proxy.accepted();
-        async move { err.contains("sink still unavailable") && now > accepted }
-    })
+    wait_for(
+        "a confirm timeout or lost connection, then a failed reconnect",
+        T,
+        || {
+            let err = relay.stderr();
+            let now = proxy.accepted();
+            async move { err.contains("sink still unavailable") && now > accepted }
+        },
+    )
     .await;
     let during = s.len().await;
     proxy.resume();
@@ -231,7 +290,10 @@ async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     assert!(relay.stderr().contains("sink recovered"));
-    assert!(during <= before + 1000, "little passes a stalled connection ({before} → {during})");
+    assert!(
+        during <= before + 1000,
+        "little passes a stalled connection ({before} → {during})"
+    );
     let (order, counts) = s.id_counts().await;
     assert_exactly_once(&order, &counts, &expected);
 }
@@ -262,7 +324,8 @@ async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing() {
     })
     .await;
     // Held back: a few retries with growing delays, not a storm.
-    let retries = |e: &str| e.matches("sink still unavailable").count() + e.matches("sink failed").count();
+    let retries =
+        |e: &str| e.matches("sink still unavailable").count() + e.matches("sink failed").count();
     let at = retries(&relay.stderr());
     tokio::time::sleep(Duration::from_secs(5)).await;
     let during = retries(&relay.stderr()) - at;
@@ -288,7 +351,10 @@ async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing() {
     let (order, counts) = s.id_counts().await;
     assert!(counts.values().all(|n| *n == 1), "none stored twice");
     let want: HashSet<&Uuid> = expected.iter().collect();
-    assert!(order.iter().all(|i| want.contains(i)), "nothing but the events");
+    assert!(
+        order.iter().all(|i| want.contains(i)),
+        "nothing but the events"
+    );
     assert_eq!(order.len() as u64, st.messages);
 }
 
@@ -313,12 +379,22 @@ async fn partitions_give_each_aggregate_its_subject_in_order() {
         assert_eq!(m.subject.as_str(), format!("{}.p{k}.part.evt", s.prefix));
         assert_eq!(header(&m, "x-partition").unwrap(), k.to_string());
         seen.insert(k);
-        per_aggregate.entry(agg).or_default().push(header(&m, "Nats-Msg-Id").unwrap().parse().unwrap());
+        per_aggregate
+            .entry(agg)
+            .or_default()
+            .push(header(&m, "Nats-Msg-Id").unwrap().parse().unwrap());
     }
     assert_eq!(seen.len(), 4, "97 aggregates spread over all 4 partitions");
-    let pos: HashMap<Uuid, usize> = expected.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    let pos: HashMap<Uuid, usize> = expected
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i))
+        .collect();
     for ids in per_aggregate.values() {
-        assert!(ids.windows(2).all(|w| pos[&w[0]] < pos[&w[1]]), "an aggregate's events in commit order");
+        assert!(
+            ids.windows(2).all(|w| pos[&w[0]] < pos[&w[1]]),
+            "an aggregate's events in commit order"
+        );
     }
 }
 
@@ -327,11 +403,20 @@ async fn passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_chan
     let db = PgDb::create("natsd").await;
     let s = TestStream::new("nd").await;
     let name = unique("r");
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &["--declare", "passive"]);
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &s,
+        &nats::url(),
+        &["--declare", "passive"],
+    );
     let code = relay.wait_exit(T).await;
     assert_ne!(code, 0);
     let err = relay.stderr();
-    assert!(err.contains("does not exist") && err.contains(&format!("nats stream add {}", s.name)), "{err}");
+    assert!(
+        err.contains("does not exist") && err.contains(&format!("nats stream add {}", s.name)),
+        "{err}"
+    );
 
     s.js.create_stream(stream::Config {
         name: s.name.clone(),
@@ -343,22 +428,52 @@ async fn passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_chan
     .await
     .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["check", "--source", &db.dsn(), "--name", &name, "--sink", &nats::url(), "--stream", &s.name, "--subject", &format!("{}.{{topic}}", s.prefix)])
+        .args([
+            "check",
+            "--source",
+            &db.dsn(),
+            "--name",
+            &name,
+            "--sink",
+            &nats::url(),
+            "--stream",
+            &s.name,
+            "--subject",
+            &format!("{}.{{topic}}", s.prefix),
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("nats connect"), "{text}");
     assert!(text.contains(&format!("nats stream {}", s.name)), "{text}");
     assert!(text.contains("duplicate window 10s"), "{text}");
-    assert!(text.contains(&format!("nats stream edit {} --dupe-window 2m", s.name)), "{text}");
+    assert!(
+        text.contains(&format!("nats stream edit {} --dupe-window 2m", s.name)),
+        "{text}"
+    );
     assert!(text.contains("memory storage"), "{text}");
 
     // A stream that does not capture the relay's subjects is a failure with the fix.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
-        .args(["check", "--source", &db.dsn(), "--name", &name, "--sink", &nats::url(), "--stream", &s.name, "--subject", "elsewhere.{topic}"])
+        .args([
+            "check",
+            "--source",
+            &db.dsn(),
+            "--name",
+            &name,
+            "--sink",
+            &nats::url(),
+            "--stream",
+            &s.name,
+            "--subject",
+            "elsewhere.{topic}",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
-    assert!(text.contains("does not cover elsewhere.>") && text.contains("--subjects 'elsewhere.>'"), "{text}");
+    assert!(
+        text.contains("does not cover elsewhere.>") && text.contains("--subjects 'elsewhere.>'"),
+        "{text}"
+    );
 }

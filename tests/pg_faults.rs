@@ -434,7 +434,11 @@ async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
     wait_for("the whole transaction", T, || {
         // Parsed only once enough lines are there: parsing them all on every poll is slow.
         let done = relay.line_count() >= ROWS
-            && ids_of(&relay.lines()).into_iter().collect::<HashSet<_>>().len() >= ROWS;
+            && ids_of(&relay.lines())
+                .into_iter()
+                .collect::<HashSet<_>>()
+                .len()
+                >= ROWS;
         async move { done }
     })
     .await;
@@ -528,7 +532,11 @@ async fn a_slot_created_again_while_stopped_is_a_lost_position() {
         "{err}"
     );
     assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
-    assert!(again.lines().is_empty(), "nothing streamed: {:?}", again.lines());
+    assert!(
+        again.lines().is_empty(),
+        "nothing streamed: {:?}",
+        again.lines()
+    );
     assert_eq!(
         db.slot_confirmed(&slot).await.as_deref(),
         Some(new_slot.as_str()),

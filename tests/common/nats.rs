@@ -84,13 +84,21 @@ impl TestStream {
     }
 
     pub async fn config(&self) -> jetstream::stream::Config {
-        let mut s = self.js.get_stream(&self.name).await.expect("the stream exists");
+        let mut s = self
+            .js
+            .get_stream(&self.name)
+            .await
+            .expect("the stream exists");
         s.info().await.unwrap().config.clone()
     }
 
     /// Every message the stream holds, in stream order.
     pub async fn messages(&self) -> Vec<StreamMessage> {
-        let mut s = self.js.get_stream(&self.name).await.expect("the stream exists");
+        let mut s = self
+            .js
+            .get_stream(&self.name)
+            .await
+            .expect("the stream exists");
         let info = s.info().await.unwrap().clone();
         if info.state.messages == 0 {
             return Vec::new();

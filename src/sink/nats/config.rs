@@ -109,10 +109,12 @@ pub fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
             ))
         }
     };
-    let host = u
-        .host_str()
-        .filter(|h| !h.is_empty())
-        .ok_or_else(|| config_err(format!("the sink {shown} names no host"), "use nats://host:4222"))?;
+    let host = u.host_str().filter(|h| !h.is_empty()).ok_or_else(|| {
+        config_err(
+            format!("the sink {shown} names no host"),
+            "use nats://host:4222",
+        )
+    })?;
     let decode = |s: &str| {
         percent_encoding::percent_decode_str(s)
             .decode_utf8_lossy()
@@ -208,7 +210,11 @@ impl NatsConfig {
         subject_prefix(&self.subject)?;
         if self.partitions > crate::sink::partition::MAX_PARTITIONS {
             return Err(config_err(
-                format!("--partitions {} is more than the {} allowed", self.partitions, crate::sink::partition::MAX_PARTITIONS),
+                format!(
+                    "--partitions {} is more than the {} allowed",
+                    self.partitions,
+                    crate::sink::partition::MAX_PARTITIONS
+                ),
                 "use fewer partitions",
             ));
         }
@@ -227,13 +233,19 @@ pub fn publishable(subject: &str) -> Result<(), String> {
     }
     for token in subject.split('.') {
         if token.is_empty() {
-            return Err(format!("subject {subject:?} has an empty token (a leading, trailing or doubled '.')"));
+            return Err(format!(
+                "subject {subject:?} has an empty token (a leading, trailing or doubled '.')"
+            ));
         }
         if token == "*" || token == ">" {
-            return Err(format!("subject {subject:?} has the wildcard token {token:?}"));
+            return Err(format!(
+                "subject {subject:?} has the wildcard token {token:?}"
+            ));
         }
         if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(format!("subject {subject:?} contains whitespace or a control character"));
+            return Err(format!(
+                "subject {subject:?} contains whitespace or a control character"
+            ));
         }
     }
     Ok(())
@@ -266,7 +278,13 @@ mod tests {
         assert_eq!(p("acme.orders.{topic}.v1").unwrap(), "acme.orders");
         assert_eq!(p("acme.all").unwrap(), "acme");
         assert_eq!(p("acme.x{topic}").unwrap(), "acme");
-        for bad in ["{topic}", "outbox{topic}", "events", "*.{topic}", ".{topic}"] {
+        for bad in [
+            "{topic}",
+            "outbox{topic}",
+            "events",
+            "*.{topic}",
+            ".{topic}",
+        ] {
             let e = p(bad).unwrap_err().to_string();
             assert!(e.contains("--subject outbox.{topic}"), "{bad}: {e}");
         }
@@ -275,7 +293,14 @@ mod tests {
     #[test]
     fn publishable_subjects() {
         assert!(publishable("outbox.invoice.issued").is_ok());
-        for bad in ["outbox..x", "outbox.x.", "outbox.*", "outbox.>", "outbox.a b", "outbox.a\r\n"] {
+        for bad in [
+            "outbox..x",
+            "outbox.x.",
+            "outbox.*",
+            "outbox.>",
+            "outbox.a b",
+            "outbox.a\r\n",
+        ] {
             assert!(publishable(bad).is_err(), "{bad}");
         }
         assert!(publishable(&format!("outbox.{}", "a".repeat(2000))).is_err());

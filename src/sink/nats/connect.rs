@@ -49,7 +49,10 @@ async fn options(cfg: &NatsConfig, ep: &Endpoint) -> Result<ConnectOptions, Sink
             .await
             .map_err(|e| {
                 config_err(
-                    format!("cannot read the NATS credentials file {}: {e}", path.display()),
+                    format!(
+                        "cannot read the NATS credentials file {}: {e}",
+                        path.display()
+                    ),
                     "point creds= in --sink at a readable .creds file",
                 )
             })?,

@@ -66,17 +66,25 @@ pub async fn lookup(js: &Context, name: &str) -> Result<Option<stream::Info>, Si
             GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {
                 Ok(None)
             }
-            GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED
-                || j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT => Err(no_jetstream(&e.to_string())),
+            GetStreamErrorKind::JetStream(j)
+                if j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED
+                    || j.error_code() == ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT =>
+            {
+                Err(no_jetstream(&e.to_string()))
+            }
             GetStreamErrorKind::Request => {
                 let text = e.to_string();
                 if text.contains("no responders") {
                     Err(no_jetstream(&text))
                 } else {
-                    Err(SinkError::Connection(format!("asking NATS for stream {name}: {text}")))
+                    Err(SinkError::Connection(format!(
+                        "asking NATS for stream {name}: {text}"
+                    )))
                 }
             }
-            _ => Err(SinkError::Connection(format!("asking NATS for stream {name}: {e}"))),
+            _ => Err(SinkError::Connection(format!(
+                "asking NATS for stream {name}: {e}"
+            ))),
         },
     }
 }
@@ -98,7 +106,10 @@ pub fn mismatch(cfg: &NatsConfig, info: &stream::Info) -> Result<Option<String>,
         )));
     }
     if info.config.sealed {
-        return Ok(Some(format!("stream {} is sealed: it takes no messages", cfg.stream)));
+        return Ok(Some(format!(
+            "stream {} is sealed: it takes no messages",
+            cfg.stream
+        )));
     }
     Ok(None)
 }
@@ -123,7 +134,9 @@ pub fn weaknesses(cfg: &NatsConfig, info: &stream::Info) -> Vec<(String, String)
         ));
     }
     if info.config.discard == DiscardPolicy::Old
-        && (info.config.max_bytes > 0 || info.config.max_messages > 0 || !info.config.max_age.is_zero())
+        && (info.config.max_bytes > 0
+            || info.config.max_messages > 0
+            || !info.config.max_age.is_zero())
     {
         out.push((
             "discard old with a limit: when the stream is full, the oldest events are deleted whether consumed or not".into(),
@@ -205,7 +218,13 @@ fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String
 /// One line describing the stream's settings.
 pub fn describe(info: &stream::Info) -> String {
     let c = &info.config;
-    let limit = |v: i64| if v <= 0 { "unlimited".to_string() } else { v.to_string() };
+    let limit = |v: i64| {
+        if v <= 0 {
+            "unlimited".to_string()
+        } else {
+            v.to_string()
+        }
+    };
     format!(
         "subjects {:?}, storage {:?}, duplicate window {:?}, retention {:?}, discard {:?}, max_bytes {}, max_msgs {}, max_age {:?}, replicas {}; holds {} messages ({} bytes)",
         c.subjects,
@@ -232,7 +251,10 @@ pub async fn check(cfg: &NatsConfig) -> Vec<CheckLine> {
             out.push(line(
                 Level::Ok,
                 "nats connect",
-                format!("connected to nats-server {} (max_payload {} bytes)", info.version, info.max_payload),
+                format!(
+                    "connected to nats-server {} (max_payload {} bytes)",
+                    info.version, info.max_payload
+                ),
                 None,
             ));
             c
@@ -262,14 +284,19 @@ pub async fn check(cfg: &NatsConfig) -> Vec<CheckLine> {
                     Level::Fail,
                     &name,
                     format!("{detail}. {problem}"),
-                    Some(format!("nats stream edit {} --subjects '{}' (keeping the ones it has)", cfg.stream, stream_filter(cfg).unwrap_or_default())),
+                    Some(format!(
+                        "nats stream edit {} --subjects '{}' (keeping the ones it has)",
+                        cfg.stream,
+                        stream_filter(cfg).unwrap_or_default()
+                    )),
                 )),
                 Ok(None) => {
                     let weak = weaknesses(cfg, &info);
                     if weak.is_empty() {
                         out.push(line(Level::Ok, &name, detail, None));
                     } else {
-                        let (problems, fixes): (Vec<String>, Vec<String>) = weak.into_iter().unzip();
+                        let (problems, fixes): (Vec<String>, Vec<String>) =
+                            weak.into_iter().unzip();
                         out.push(line(
                             Level::Warn,
                             &name,
@@ -294,7 +321,10 @@ fn split(e: &SinkError) -> (String, Option<String>) {
         SinkError::Config { problem, fix } => (problem.clone(), Some(fix.clone())),
         other => (
             other.to_string(),
-            Some("check the host and port of --sink and that nats-server runs with JetStream (-js)".into()),
+            Some(
+                "check the host and port of --sink and that nats-server runs with JetStream (-js)"
+                    .into(),
+            ),
         ),
     }
 }

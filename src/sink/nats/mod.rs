@@ -83,8 +83,12 @@ impl NatsSink {
                         tracing::warn!(sink = %shown, "NATS connection lost");
                         tx.send_replace(true);
                     }
-                    Event::ServerError(e) => tracing::warn!(sink = %shown, error = %e, "NATS server error"),
-                    Event::ClientError(e) => tracing::warn!(sink = %shown, error = %e, "NATS client error"),
+                    Event::ServerError(e) => {
+                        tracing::warn!(sink = %shown, error = %e, "NATS server error")
+                    }
+                    Event::ClientError(e) => {
+                        tracing::warn!(sink = %shown, error = %e, "NATS client error")
+                    }
                     _ => {}
                 }
             }

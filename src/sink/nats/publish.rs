@@ -45,7 +45,11 @@ pub fn subject(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent) -> Result<St
 
 fn header_bytes(h: &HeaderMap) -> usize {
     h.iter()
-        .map(|(k, vs)| vs.iter().map(|v| k.to_string().len() + v.as_str().len() + 4).sum::<usize>())
+        .map(|(k, vs)| {
+            vs.iter()
+                .map(|v| k.to_string().len() + v.as_str().len() + 4)
+                .sum::<usize>()
+        })
         .sum::<usize>()
         + HEADER_FRAMING
 }
@@ -56,14 +60,18 @@ fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, Str
     // Row headers first: the relay's own (and Nats-*) are reserved, dropped by row_headers.
     for (k, v) in headers::row_headers(event) {
         let name = HeaderName::try_from(k.as_str()).map_err(|_| {
-            format!("header name {k:?} cannot be a NATS header (printable ASCII without ':' or spaces)")
+            format!(
+                "header name {k:?} cannot be a NATS header (printable ASCII without ':' or spaces)"
+            )
         })?;
         let text = match v {
             serde_json::Value::String(s) => s.clone(),
             other => other.to_string(),
         };
         if text.contains(['\r', '\n']) {
-            return Err(format!("the value of header {k:?} contains a line break, which NATS headers cannot carry"));
+            return Err(format!(
+                "the value of header {k:?} contains a line break, which NATS headers cannot carry"
+            ));
         }
         h.insert(name, text);
     }
@@ -73,7 +81,9 @@ fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, Str
         // aggregate id or table name would still be refused, not passed to the client.
         let text = v.to_text();
         if text.contains(['\r', '\n']) {
-            return Err(format!("{k} contains a line break, which NATS headers cannot carry"));
+            return Err(format!(
+                "{k} contains a line break, which NATS headers cannot carry"
+            ));
         }
         h.insert(k, text);
     }
@@ -184,13 +194,17 @@ mod tests {
     #[test]
     fn events_carry_the_msg_id_and_the_relay_headers() {
         let mut ev = crate::sink::test_event();
-        ev.headers = serde_json::json!({"traceparent": "00-a-b-01", "Nats-Msg-Id": "forged", "n": 5})
-            .as_object()
-            .cloned();
+        ev.headers =
+            serde_json::json!({"traceparent": "00-a-b-01", "Nats-Msg-Id": "forged", "n": 5})
+                .as_object()
+                .cloned();
         let out = render(&cfg(0), "outbox", &ev, 1 << 20);
         assert!(out.dead.is_none());
         assert_eq!(out.subject, "outbox.invoice.issued");
-        assert_eq!(get(&out.headers, MSG_ID).unwrap(), ev.id.hyphenated().to_string());
+        assert_eq!(
+            get(&out.headers, MSG_ID).unwrap(),
+            ev.id.hyphenated().to_string()
+        );
         assert_eq!(get(&out.headers, "x-aggregate-id").unwrap(), "agg-1");
         assert_eq!(get(&out.headers, "x-aggregate-version").unwrap(), "7");
         assert_eq!(get(&out.headers, "traceparent").unwrap(), "00-a-b-01");
@@ -210,11 +224,31 @@ mod tests {
     #[test]
     fn poison_goes_to_the_dead_subject_without_body() {
         for (mutate, needle) in [
-            (Box::new(|e: &mut OutboxEvent| e.topic = "bad topic".into()) as Box<dyn Fn(&mut OutboxEvent)>, "whitespace"),
-            (Box::new(|e: &mut OutboxEvent| e.payload = Bytes::from(vec![b'x'; 2000])), "--max-message-bytes"),
-            (Box::new(|e: &mut OutboxEvent| e.poison = Some("not json".into())), "not json"),
-            (Box::new(|e: &mut OutboxEvent| e.headers = serde_json::json!({"a": "x\r\ny"}).as_object().cloned()), "line break"),
-            (Box::new(|e: &mut OutboxEvent| e.headers = serde_json::json!({"a b": 1}).as_object().cloned()), "cannot be a NATS header"),
+            (
+                Box::new(|e: &mut OutboxEvent| e.topic = "bad topic".into())
+                    as Box<dyn Fn(&mut OutboxEvent)>,
+                "whitespace",
+            ),
+            (
+                Box::new(|e: &mut OutboxEvent| e.payload = Bytes::from(vec![b'x'; 2000])),
+                "--max-message-bytes",
+            ),
+            (
+                Box::new(|e: &mut OutboxEvent| e.poison = Some("not json".into())),
+                "not json",
+            ),
+            (
+                Box::new(|e: &mut OutboxEvent| {
+                    e.headers = serde_json::json!({"a": "x\r\ny"}).as_object().cloned()
+                }),
+                "line break",
+            ),
+            (
+                Box::new(|e: &mut OutboxEvent| {
+                    e.headers = serde_json::json!({"a b": 1}).as_object().cloned()
+                }),
+                "cannot be a NATS header",
+            ),
         ] {
             let mut ev = crate::sink::test_event();
             mutate(&mut ev);
@@ -223,7 +257,10 @@ mod tests {
             assert!(reason.contains(needle), "{reason}");
             assert_eq!(out.subject, "outbox.dead");
             assert!(out.payload.is_empty());
-            assert_eq!(get(&out.headers, MSG_ID).unwrap(), ev.id.hyphenated().to_string());
+            assert_eq!(
+                get(&out.headers, MSG_ID).unwrap(),
+                ev.id.hyphenated().to_string()
+            );
             assert!(get(&out.headers, "x-dead-reason").unwrap().contains(needle));
         }
         let ev = crate::sink::test_event();

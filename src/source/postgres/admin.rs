@@ -73,7 +73,6 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
-
 /// The advisory lock (per database) that serializes what relays and `outboxd setup` create:
 /// two sessions running `CREATE TABLE IF NOT EXISTS` (or `CREATE PUBLICATION` after both saw
 /// none) at the same instant collide on the catalog's unique indexes

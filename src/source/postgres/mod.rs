@@ -541,7 +541,14 @@ pub async fn run(
                 tracing::info!("stopping at a transaction boundary");
                 // Closing the channel tells the relay that no more events come.
                 drop(outlet.take());
-                drain_and_confirm(&mut client, &mut acks, &mut stored, &mut acked, &mut reported).await;
+                drain_and_confirm(
+                    &mut client,
+                    &mut acks,
+                    &mut stored,
+                    &mut acked,
+                    &mut reported,
+                )
+                .await;
                 return Ok(());
             }
         }
@@ -671,7 +678,8 @@ mod tests {
 
     #[test]
     fn replication_errors_are_classified_by_their_sqlstate_only() {
-        let server = |m: &str| wire_error(PgWireError::Server(m.into()), "outboxd_billing", "billing");
+        let server =
+            |m: &str| wire_error(PgWireError::Server(m.into()), "outboxd_billing", "billing");
         // Retryable by code.
         for m in [
             "terminating connection due to administrator command (SQLSTATE 57P01)",
