@@ -21,7 +21,6 @@
 mod support;
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use futures::StreamExt;
