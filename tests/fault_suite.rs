@@ -43,7 +43,7 @@ const TXN_MAX: usize = 4;
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
 /// The relay's documented store period (docs/guarantees.md), deliberately not read from the
 /// library: a relay whose period grows fails the duplicate bound instead of widening it.
-const STORE_PERIOD: Duration = Duration::from_millis(1000);
+const STORE_PERIOD: Duration = Duration::from_millis(100);
 /// How long after a confirmation the relay may take to store the position: the store period
 /// plus the acknowledgement interval and the write itself. Events confirmed within this
 /// before a kill may come again; anything older must have been stored.
