@@ -86,6 +86,8 @@ async fn a_relay_configured_by_the_file_publishes() {
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("sink");
     std::fs::write(&secret, amqp::url()).unwrap();
+    // Files holding secrets must be the user's alone.
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let f = file(&format!(
         "source = \"{}\"\nsink_file = \"{}\"\nname = \"{name}\"\nexchange = \"{}\"\nrouting_key = \"cfg.{{topic}}\"\nlog_level = \"info,lapin=warn\"\n",
         db.dsn(),

@@ -252,6 +252,8 @@ async fn passwords_never_reach_logs_or_help() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("pw");
     std::fs::write(&file, format!("{secret}\n")).unwrap();
+    // Files holding secrets must be the user's alone (a looser one is refused before use).
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let mut from_file = Relay::start(&[
         "run",
         "--source",
@@ -264,6 +266,11 @@ async fn passwords_never_reach_logs_or_help() {
         "missing_table",
     ]);
     assert_eq!(from_file.wait_exit(T).await, 2);
+    assert!(
+        from_file.stderr().contains("missing_table"),
+        "the file was read and the password used: {}",
+        from_file.stderr()
+    );
     assert!(!from_file.stderr().contains(secret));
     let mut help = Relay::start_with_env(&["run", "--help"], &[("OUTBOXD_SOURCE", &dsn)]);
     assert_eq!(help.wait_exit(T).await, 0);
