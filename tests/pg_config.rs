@@ -270,3 +270,167 @@ async fn passwords_never_reach_logs_or_help() {
     let out = help.lines().join("\n");
     assert!(out.contains("--source") && !out.contains(secret), "{out}");
 }
+
+/// Every form a password could take in a log line: the text, percent-encoded, and the byte
+/// list a `Debug` of raw bytes prints (how an AMQP frame dump shows the SASL PLAIN response).
+fn leaked_forms(secret: &str) -> Vec<String> {
+    let bytes = |sep: &str| {
+        secret
+            .bytes()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(sep)
+    };
+    vec![
+        secret.to_string(),
+        percent_encoding::utf8_percent_encode(secret, percent_encoding::NON_ALPHANUMERIC)
+            .to_string(),
+        bytes(", "),
+        bytes(","),
+        secret.bytes().map(|b| format!("{b:02x}")).collect(),
+    ]
+}
+
+#[track_caller]
+fn assert_no_secret(what: &str, text: &str, secrets: &[&str]) {
+    for s in secrets {
+        for form in leaked_forms(s) {
+            assert!(
+                !text.contains(&form),
+                "{what}: the password appears (as {form:?}) in:\n{text}"
+            );
+        }
+    }
+}
+
+/// `--log-level trace`, the most the log can say, over a whole run against a broker user with
+/// a password of the test's own: connecting to Postgres and RabbitMQ, publishing, stopping;
+/// then a sink that is not there (connection retries) and a wrong broker password (the login
+/// refused), `outboxd check`, and `--help`. No line holds either password in any encoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_logging_never_prints_a_password() {
+    const PG_SECRET: &str = "Sup3r-S3cret-pw-7a1f";
+    const AMQP_SECRET: &str = "Amqp-S3cret-pw-9c2e";
+    const WRONG_SECRET: &str = "Wr0ng-S3cret-pw-4d6b";
+    let secrets = [PG_SECRET, AMQP_SECRET, WRONG_SECRET];
+    let db = PgDb::create("tracepw").await;
+    let user = amqp::TempUser::create("tracepw", AMQP_SECRET);
+    let mut topo = amqp::Topology::new("xtracepw").await;
+    // Trust authentication ignores the password, but the DSN carries it through every
+    // connection's configuration.
+    let source = format!("postgres://postgres:{PG_SECRET}@127.0.0.1:5432/{}", db.name);
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let exchange = topo.exchange.clone();
+    let run = |sink: &str| {
+        Relay::start_with_env(
+            &[
+                "run",
+                "--name",
+                &name,
+                "--exchange",
+                &exchange,
+                "--log-level",
+                "trace",
+            ],
+            &[("OUTBOXD_SOURCE", &source), ("OUTBOXD_SINK", sink)],
+        )
+    };
+
+    // A whole run: connect, declare, publish, confirm, stop.
+    let mut relay = run(&user.url(5672));
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let q = topo.bind_queue("all", "#").await;
+    let mut client = db.client().await;
+    let written = write_events(&mut client, 1, 3, "trace.pw").await;
+    wait_for("the events in the queue", T, || async {
+        topo.queue_len(&q).await as usize >= written.len()
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let err = relay.stderr_plain();
+    assert!(
+        err.contains(" TRACE ") && err.contains("tokio_postgres"),
+        "trace-level output was written:\n{err}"
+    );
+    assert!(
+        err.contains(" DEBUG lapin"),
+        "the AMQP client's debug lines still are"
+    );
+    assert_no_secret("outboxd run", &err, &secrets);
+
+    // Nothing listens on the sink's port: the relay retries, logging each failure.
+    let closed = free_local_port();
+    let mut relay = run(&format!(
+        "amqp://{}:{WRONG_SECRET}@127.0.0.1:{closed}/%2f",
+        user.name
+    ));
+    wait_for("two sink failures logged", T, || {
+        let n = relay.stderr_plain().matches("sink unavailable").count();
+        async move { n >= 2 }
+    })
+    .await;
+    relay.signal("TERM");
+    relay.wait_exit(T).await;
+    assert_no_secret(
+        "outboxd run, sink unreachable",
+        &relay.stderr_plain(),
+        &secrets,
+    );
+
+    // The wrong password: the broker refuses the login, a configuration error.
+    let mut relay = run(&format!(
+        "amqp://{}:{WRONG_SECRET}@127.0.0.1:5672/%2f",
+        user.name
+    ));
+    assert_eq!(relay.wait_exit(T).await, 2, "stderr:\n{}", relay.stderr());
+    let err = relay.stderr_plain();
+    assert!(err.contains("refused the login"), "{err}");
+    assert_no_secret("outboxd run, login refused", &err, &secrets);
+
+    // The preflight, with both connections tried.
+    let mut check = Relay::start_with_env(
+        &[
+            "check",
+            "--name",
+            &name,
+            "--exchange",
+            &exchange,
+            "--log-level",
+            "trace",
+        ],
+        &[
+            ("OUTBOXD_SOURCE", &source),
+            ("OUTBOXD_SINK", &user.url(5672)),
+        ],
+    );
+    let code = check.wait_exit(T).await;
+    let out = format!("{}\n{}", check.lines().join("\n"), check.stderr_plain());
+    assert!(code == 0 || code == 1, "check ran: {code}\n{out}");
+    assert!(
+        out.contains(" TRACE "),
+        "trace-level output was written:\n{out}"
+    );
+    assert_no_secret("outboxd check", &out, &secrets);
+
+    // --help prints the environment's values nowhere.
+    for args in [
+        vec!["--help"],
+        vec!["run", "--help"],
+        vec!["check", "--help"],
+    ] {
+        let mut help = Relay::start_with_env(
+            &args,
+            &[
+                ("OUTBOXD_SOURCE", &source),
+                ("OUTBOXD_SINK", &user.url(5672)),
+            ],
+        );
+        assert_eq!(help.wait_exit(T).await, 0);
+        let out = format!("{}\n{}", help.lines().join("\n"), help.stderr());
+        assert!(out.contains("Usage"), "{out}");
+        assert_no_secret(&format!("outboxd {args:?}"), &out, &secrets);
+    }
+}
