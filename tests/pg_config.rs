@@ -372,8 +372,9 @@ async fn trace_logging_never_prints_a_password() {
         async move { n >= 2 }
     })
     .await;
-    relay.signal("TERM");
-    relay.wait_exit(T).await;
+    // SIGKILL: only what it printed matters here (and while it waits to reconnect it stops on
+    // SIGTERM only at the shutdown timeout).
+    relay.sigkill();
     assert_no_secret(
         "outboxd run, sink unreachable",
         &relay.stderr_plain(),
