@@ -252,6 +252,11 @@ async fn passwords_never_reach_logs_or_help() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("pw");
     std::fs::write(&file, format!("{secret}\n")).unwrap();
+    // 0600: a looser file is refused before the DSN is used at all.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let mut from_file = Relay::start(&[
         "run",
         "--source",
@@ -264,7 +269,12 @@ async fn passwords_never_reach_logs_or_help() {
         "missing_table",
     ]);
     assert_eq!(from_file.wait_exit(T).await, 2);
-    assert!(!from_file.stderr().contains(secret));
+    let err = from_file.stderr();
+    assert!(
+        err.contains("missing_table") && !err.contains("permissions"),
+        "the file was read and the DSN used: {err}"
+    );
+    assert!(!err.contains(secret));
     let mut help = Relay::start_with_env(&["run", "--help"], &[("OUTBOXD_SOURCE", &dsn)]);
     assert_eq!(help.wait_exit(T).await, 0);
     let out = help.lines().join("\n");
@@ -434,4 +444,228 @@ async fn trace_logging_never_prints_a_password() {
         assert!(out.contains("Usage"), "{out}");
         assert_no_secret(&format!("outboxd {args:?}"), &out, &secrets);
     }
+}
+
+/// A secret file of its own in `dir`, with `mode`.
+fn secret_file(dir: &std::path::Path, name: &str, text: &str, mode: u32) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// Whether the relay created its slot (it does so first thing once its configuration is read).
+async fn slot_exists(slot: &str) -> bool {
+    pg_connect(PG_ADMIN)
+        .await
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// `--source-file`, `--sink-file`, `--keystore-file` and `--sink-key` refuse a file other
+/// users may read (0644, 0640, 0604) before anything starts: exit status 2, the file's mode
+/// and the exact `chmod 600` fix, no slot, nothing on stdout, and the secret never printed.
+/// The same files at 0600 are read and used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loose_secret_files_are_refused_with_the_fix() {
+    const SECRET: &str = "F1le-S3cret-pw-3e8d";
+    let db = PgDb::create("secfile").await;
+    let dir = tempfile::tempdir().unwrap();
+    let dsn_with_secret = format!("postgres://postgres:{SECRET}@127.0.0.1:5432/{}", db.name);
+    let plain_dsn = db.dsn();
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let exchange = unique("xsecfile");
+    let client_key = "/etc/rabbitmq/outboxd-tls/client.key";
+    let key_text = std::fs::read_to_string(client_key)
+        .unwrap_or_else(|e| panic!("{client_key}: {e}: run `sudo scripts/services.sh`"));
+
+    // (flag, what the file holds, the rest of the command line)
+    type Case<'a> = (&'a str, String, Vec<&'a str>);
+    let cases: Vec<Case> = vec![
+        (
+            "--source-file",
+            format!("{dsn_with_secret}\n"),
+            vec!["run", "--name", &name],
+        ),
+        (
+            "--source-file",
+            format!("{SECRET}\n"),
+            vec!["check", "--source", &plain_dsn, "--name", &name],
+        ),
+        (
+            "--sink-file",
+            format!("{SECRET}\n"),
+            vec![
+                "run",
+                "--source",
+                &plain_dsn,
+                "--name",
+                &name,
+                "--sink",
+                "amqp://guest@127.0.0.1:5672/%2f",
+                "--exchange",
+                &exchange,
+            ],
+        ),
+        (
+            "--keystore-file",
+            format!("{dsn_with_secret}\n"),
+            vec!["keys", "forget", "--aggregate", "agg-1", "--yes"],
+        ),
+        (
+            "--sink-key",
+            key_text.clone(),
+            vec![
+                "run",
+                "--source",
+                &plain_dsn,
+                "--name",
+                &name,
+                "--sink",
+                "amqps://guest:guest@127.0.0.1:5671/%2f",
+                "--sink-ca",
+                "/etc/rabbitmq/outboxd-tls/ca.pem",
+                "--sink-cert",
+                "/etc/rabbitmq/outboxd-tls/client.pem",
+                "--exchange",
+                &exchange,
+            ],
+        ),
+    ];
+    for (i, (flag, text, args)) in cases.iter().enumerate() {
+        for mode in [0o644, 0o640, 0o604] {
+            let path = secret_file(dir.path(), &format!("loose-{i}-{mode:o}"), text, mode);
+            let mut argv = args.clone();
+            argv.extend([*flag, path.as_str()]);
+            let mut r = Relay::start(&argv);
+            assert_eq!(r.wait_exit(T).await, 2, "{argv:?}: {}", r.stderr());
+            let err = r.stderr();
+            assert!(
+                err.contains(&format!(
+                    "{path} has group or other permissions (mode 0{mode:o})"
+                )),
+                "{argv:?} names the file and its mode: {err}"
+            );
+            assert!(
+                err.contains(&format!("fix: chmod 600 {path}")),
+                "{argv:?} gives the fix: {err}"
+            );
+            assert!(!err.contains(SECRET), "{argv:?} printed the secret: {err}");
+            assert!(r.lines().is_empty(), "{argv:?} printed: {:?}", r.lines());
+            assert!(
+                !slot_exists(&slot).await,
+                "{argv:?} started: the slot exists"
+            );
+        }
+    }
+
+    // 0600: each file is read and used.
+    let source = secret_file(dir.path(), "source", &format!("{dsn_with_secret}\n"), 0o600);
+    let mut r = Relay::start(&["run", "--name", &name, "--source-file", &source]);
+    wait_for("the relay started from --source-file", T, || {
+        db.slot_active(&slot)
+    })
+    .await;
+    r.signal("TERM");
+    assert_eq!(r.wait_exit(T).await, 0, "{}", r.stderr());
+    assert!(!r.stderr().contains(SECRET));
+
+    let password = secret_file(dir.path(), "sink", "guest\n", 0o600);
+    let mut topo = amqp::Topology::new("xsecfile").await;
+    let mut r = Relay::start(&[
+        "run",
+        "--source",
+        &plain_dsn,
+        "--name",
+        &name,
+        "--sink",
+        "amqp://guest@127.0.0.1:5672/%2f",
+        "--sink-file",
+        &password,
+        "--exchange",
+        &topo.exchange,
+    ]);
+    // The exchange is declared once the broker accepted the file's password.
+    topo.wait_declared(T).await;
+    let q = topo.bind_queue("all", "#").await;
+    let mut client = db.client().await;
+    let written = write_events(&mut client, 1, 2, "secret.file").await;
+    wait_for(
+        "the events published with the file's password",
+        T,
+        || async { topo.queue_len(&q).await as usize >= written.len() },
+    )
+    .await;
+    r.signal("TERM");
+    assert_eq!(r.wait_exit(T).await, 0, "{}", r.stderr());
+
+    let key = secret_file(dir.path(), "client.key", &key_text, 0o600);
+    let mut r = Relay::start(&[
+        "run",
+        "--source",
+        &plain_dsn,
+        "--name",
+        &name,
+        "--sink",
+        "amqps://guest:guest@127.0.0.1:5671/%2f",
+        "--sink-ca",
+        "/etc/rabbitmq/outboxd-tls/ca.pem",
+        "--sink-cert",
+        "/etc/rabbitmq/outboxd-tls/client.pem",
+        "--sink-key",
+        &key,
+        "--exchange",
+        &topo.exchange,
+    ]);
+    let more = write_events(&mut client, 1, 2, "secret.key").await;
+    wait_for(
+        "the events published over TLS with the file's key",
+        T,
+        || async { topo.queue_len(&q).await as usize >= written.len() + more.len() },
+    )
+    .await;
+    r.signal("TERM");
+    assert_eq!(r.wait_exit(T).await, 0, "{}", r.stderr());
+
+    let keystore = secret_file(
+        dir.path(),
+        "keystore",
+        &format!("{dsn_with_secret}\n"),
+        0o600,
+    );
+    let mut r = Relay::start(&[
+        "keys",
+        "forget",
+        "--aggregate",
+        "agg-1",
+        "--yes",
+        "--keystore-file",
+        &keystore,
+    ]);
+    let code = r.wait_exit(T).await;
+    let err = r.stderr();
+    assert!(
+        !err.contains("permissions") && !err.contains(SECRET),
+        "the 0600 keystore file is read: {err}"
+    );
+    // The aggregate never had a data key: forget says so, which it can only know from the
+    // keystore the file named.
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("has no live data key"), "{err}");
+    let tables = client
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE tablename = 'outboxd_data_keys'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0);
+    assert_eq!(tables, 1, "forget reached the keystore database");
 }
