@@ -280,12 +280,9 @@ async fn run(cli: RunArgs) -> Result<(), ConsumerError> {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    // The relay's subscriber: the AMQP client's frame dumps (with the broker password) are
+    // never logged, whatever --log-level says.
+    outboxd::telemetry::init_logging(&cli.log_level, false);
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -995,6 +995,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
         interval: args.poll_interval,
         notify: args.notify,
     };
+    connector::check_sink(&cfg)?;
     let stats = match (r.source, args.mode) {
         (SourceDsn::Postgres(dsn), Mode::Cdc) => {
             connector::run_postgres(dsn, cfg, shutdown).await?

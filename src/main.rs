@@ -33,7 +33,7 @@ fn try_main() -> anyhow::Result<()> {
         }
     };
     let cli = Cli::from_arg_matches(&matches)?;
-    init_logging(&cli.log_level, cli.log_format);
+    outboxd::telemetry::init_logging(&cli.log_level, cli.log_format == LogFormat::Json);
     let shutdown_timeout = match &cli.command {
         outboxd::cli::Command::Run(a) => a.shutdown_timeout,
         _ => std::time::Duration::from_secs(30),
@@ -47,18 +47,6 @@ fn try_main() -> anyhow::Result<()> {
         outboxd::cli::execute(cli, &matches, shutdown).await
     })?;
     Ok(())
-}
-
-fn init_logging(level: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
 }
 
 /// First SIGINT/SIGTERM: graceful stop, bounded by the shutdown timeout. Second: exit at once.

@@ -1125,3 +1125,142 @@ fn crashed_message(p: &Proc, n: u64) -> Uuid {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no crash line for commit {n}:\n{err}"))
 }
+
+/// The stale gate cannot be fooled through the outbox row: the relay drops a row's
+/// `x-aggregate-version` header (a non-integer, or an integer bigger than the aggregate's
+/// next versions) and sends the version column's value, so every event of the aggregate is
+/// applied in turn and the consumer never halts. The control at the end shows what the gate
+/// does with such a header when it does arrive: a strict consumer halts on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_gate_is_not_fooled_by_a_row_forging_the_version_header() {
+    let db = PgDb::create("forgev").await;
+    setup_projection(&db.dsn()).await;
+    let mut topo = Topology::new("xfv").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let mut relay = start_relay(&db, &name, &topo.exchange);
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("invoices", "invoice.#").await;
+
+    // One aggregate's events, each committed on its own. The relay sends a row's version
+    // column as x-aggregate-version and drops the row's own header of that name: on a row
+    // with a version the column wins, on a row without one no version header goes out, so
+    // neither the non-integer (which halts a strict consumer) nor the huge integer (after
+    // which the gate would drop version 2 as stale) reaches the consumer.
+    let customer = "cust-fv";
+    let rows = [
+        (
+            Some(1_i64),
+            100_i64,
+            Some(serde_json::json!({"x-aggregate-version": "not-an-integer", "tenant": "t1"})),
+        ),
+        (
+            None,
+            150,
+            Some(serde_json::json!({"x-aggregate-version": "not-an-integer"})),
+        ),
+        (
+            None,
+            175,
+            Some(serde_json::json!({"x-aggregate-version": 999_999_999_i64})),
+        ),
+        (Some(2), 200, None),
+    ];
+    let mut client = db.client().await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    for (version, cents, headers) in &rows {
+        let tx = client.transaction().await.unwrap();
+        outbox
+            .write_event(
+                &tx,
+                &outboxd::NewEvent {
+                    topic: "invoice.issued",
+                    aggregate_id: customer,
+                    payload: &serde_json::json!({"invoice_id": cents, "customer": customer, "total_cents": cents}),
+                    headers: headers.as_ref(),
+                    version: *version,
+                },
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let conn = amqp::connect().await;
+    wait_for("the four events in the consumer's queue", T, || async {
+        ready(&conn, &queue).await >= 4
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(
+        relay.wait_exit(T).await,
+        0,
+        "relay stderr:\n{}",
+        relay.stderr()
+    );
+
+    let stopped = drain(
+        &conn,
+        &queue,
+        || {
+            start_consumer(
+                &db.dsn(),
+                &queue,
+                "forged",
+                &["--stale-gate", "--on-poison", "halt", "--until-empty"],
+            )
+        },
+        T,
+    )
+    .await;
+    assert_eq!(
+        pg_totals(&client).await,
+        BTreeMap::from([(customer.to_string(), (4, 625))]),
+        "all four applied, version 2 not dropped as stale"
+    );
+    assert_eq!(total_stat(&stopped, "stale"), 0);
+    assert_eq!(total_stat(&stopped, "failures"), 0);
+    assert_eq!(
+        pg_count(
+            &client,
+            "SELECT version FROM consumer_aggregate_versions WHERE consumer = 'forged'"
+        )
+        .await,
+        2,
+        "the gate holds the relay's version, not the forged 999999999"
+    );
+
+    // The control: the same non-integer header published straight to a queue halts the
+    // consumer, which is what the relay's drop prevented.
+    let ch = conn.create_channel().await.unwrap();
+    let q = OwnQueue::declare(&ch, &unique("forgev_control"), "", "", true).await;
+    let mut props = invoice_props(Uuid::now_v7(), "invoice.issued", customer, None);
+    let mut h = props.headers().clone().unwrap_or_default();
+    h.insert(
+        "x-aggregate-version".into(),
+        lapin::types::AMQPValue::LongString("not-an-integer".into()),
+    );
+    props = props.with_headers(h);
+    publish(
+        &publisher().await,
+        "",
+        &q.name,
+        props,
+        &invoice_body(4, customer, 400),
+    )
+    .await;
+    let mut consumer = start_consumer(
+        &db.dsn(),
+        &q.name,
+        "forged",
+        &["--stale-gate", "--on-poison", "halt", "--until-empty"],
+    );
+    assert_eq!(consumer.wait_exit(T).await, 1, "{}", consumer.stderr());
+    assert!(
+        consumer.stderr().contains("halted on poison message")
+            && consumer.stderr().contains("not an integer"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(ready(&conn, &q.name).await, 1, "the message stays queued");
+}

@@ -1,6 +1,7 @@
 //! Packaging basics stay true: the license files Cargo.toml names exist, the changelog has an
 //! Unreleased section, `outboxd --version` names the commit it was built from, `ring` is the
-//! only TLS crypto provider in the lock file, and nothing the repository ships (README, docs,
+//! only TLS crypto provider in the lock files (and the unmaintained `rustls-pemfile` in
+//! neither), and nothing the repository ships (README, docs,
 //! sources, scripts, migrations) points at a file outside it.
 
 use std::path::Path;
@@ -80,6 +81,14 @@ fn ring_is_the_only_crypto_provider() {
                 "{lock} pulls in {p}: find the dependency with `cargo tree -i {p}` and turn off its default features"
             );
         }
+        // Unmaintained; PEM files are parsed with rustls-pki-types. async-nats 0.51 (the NATS
+        // sink) does not use it either, so neither lock file may list it (docs/dependencies.md).
+        assert!(
+            !packages.contains(&"rustls-pemfile"),
+            "{lock} lists rustls-pemfile: find who pulls it in with `cargo tree -i rustls-pemfile` \
+             (for fuzz/Cargo.lock: `--manifest-path fuzz/Cargo.toml`); a stale fuzz/Cargo.lock is \
+             refreshed by copying Cargo.lock over it and running `cargo tree --manifest-path fuzz/Cargo.toml`"
+        );
     }
 }
 

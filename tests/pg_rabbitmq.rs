@@ -1048,3 +1048,377 @@ async fn amqps_verifies_the_broker_and_presents_a_client_certificate() {
     assert!(err.contains("TLS") && err.contains("--sink-ca"), "{err}");
     assert!(!err.contains("guest:guest"), "{err}");
 }
+
+/// The header names of a delivery, sorted.
+fn header_names(d: &Delivery) -> Vec<String> {
+    let mut names: Vec<String> = d
+        .properties
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().keys().map(|k| k.to_string()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// A row's `headers` object that sets every name the relay reserves (its own headers, the
+/// partition, dead-letter and broker ones, and RabbitMQ's `CC`/`BCC` routing headers, in
+/// case variants too) is published with the relay's own values only: the forged names are
+/// gone, the extra routing keys deliver no copy, each drop is counted, and the one
+/// non-reserved header passes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_headers_cannot_forge_the_relays_headers_or_routing() {
+    let db = PgDb::create("rmqforge").await;
+    let mut topo = Topology::new("xforge").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let port = free_local_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut relay = start_relay(
+        &db,
+        &name,
+        &topo.exchange,
+        &amqp::url(),
+        &["--metrics-addr", &addr],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+    // Where a copy would land if a row's CC/BCC reached the broker: RabbitMQ routes a message
+    // to every extra routing key in those headers as well as to its own.
+    let copies = topo.bind_queue("copies", "stolen.#").await;
+    let dropped_before = metric_value(
+        &scrape_metrics(port).await,
+        "outboxd_row_headers_dropped_total",
+    )
+    .expect("the relay serves outboxd_row_headers_dropped_total");
+
+    // Every reserved name, each with a value a consumer would trust if it got through.
+    let forged_common = serde_json::json!({
+        "x-aggregate-id": "forged-aggregate",
+        "x-aggregate-type": "forged",
+        "X-Aggregate-Version": 123456789,
+        "x-source-position": "FFFFFFFF/FFFFFFFF:9999999999",
+        "x-source-gtid": "0-1-999",
+        "x-outbox-created-at": "1970-01-01T00:00:00Z",
+        "x-outbox-table": "public.forged",
+        "x-partition": 3,
+        "x-partition-8": 7,
+        "X-Partition": 2,
+        "x-dead-reason": "forged",
+        "x-dead-at": "1970-01-01T00:00:00Z",
+        "x-original-topic": "forged",
+        "x-original-position": "forged",
+        "x-death": [{"count": 1}],
+        "X-Death": "forged",
+        "CC": ["stolen.cc"],
+        "BCC": ["stolen.bcc"],
+        "Cc": ["stolen.cc-variant"],
+        "bcc": ["stolen.bcc-variant"],
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    });
+    let with = |version: serde_json::Value| {
+        let mut h = forged_common.clone();
+        h["x-aggregate-version"] = version;
+        h
+    };
+    // A bigger integer (would make the consumer's stale gate drop the real next versions)
+    // and a non-integer string (would make a strict consumer reject the message), each on a
+    // row with a version (the relay's value must win) and on one without (the relay sends no
+    // version header, so the row's must not appear either).
+    let rows = [
+        (with(serde_json::json!(999_999_999)), Some(5_i64)),
+        (with(serde_json::json!("not-a-version")), Some(6_i64)),
+        (with(serde_json::json!(999_999_999)), None),
+        (with(serde_json::json!("not-a-version")), None),
+    ];
+    // Every name but traceparent is one the relay must drop (counted here, not by asking the
+    // relay's own rule).
+    let forged_names: Vec<&String> = rows[0]
+        .0
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| *k != "traceparent")
+        .collect();
+    let reserved_per_row = forged_names.len();
+
+    let mut client = db.client().await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut forged_ids = Vec::new();
+    {
+        let tx = client.transaction().await.unwrap();
+        for (headers, version) in &rows {
+            forged_ids.push(
+                outbox
+                    .write_event(
+                        &tx,
+                        &outboxd::NewEvent {
+                            topic: "invoice.forged",
+                            aggregate_id: "agg-forge",
+                            payload: &serde_json::json!({"v": version}),
+                            headers: Some(headers),
+                            version: *version,
+                        },
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        tx.commit().await.unwrap();
+    }
+    let end = wal_end(&client).await;
+    // Confirmed means routed: by then the broker has put the message in every queue it goes to.
+    wait_confirmed_past(&db, &slot, end, T).await;
+    // The control: a message the test publishes itself with CC does reach the copies queue, so
+    // that queue being empty of the relay's messages means something.
+    let control = Uuid::now_v7();
+    let mut cc = lapin::types::FieldTable::default();
+    cc.insert(
+        "CC".into(),
+        AMQPValue::FieldArray(vec![AMQPValue::LongString("stolen.cc".into())].into()),
+    );
+    let ch = topo.channel().await;
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.basic_publish(
+        topo.exchange.clone().into(),
+        "control.cc".into(),
+        Default::default(),
+        b"{}",
+        lapin::BasicProperties::default()
+            .with_message_id(control.to_string().into())
+            .with_headers(cc),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let got_copies = topo.take_all(&copies).await;
+    assert_eq!(
+        ids(&got_copies),
+        [control],
+        "only the control message reached the queue bound to the CC/BCC keys"
+    );
+    let dropped = metric_value(
+        &scrape_metrics(port).await,
+        "outboxd_row_headers_dropped_total",
+    )
+    .unwrap();
+    assert!(
+        dropped - dropped_before >= (rows.len() * reserved_per_row) as f64,
+        "every dropped name is counted: {dropped_before} → {dropped}, {} names dropped",
+        rows.len() * reserved_per_row
+    );
+
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let msgs: Vec<Delivery> = topo
+        .take_all(&all)
+        .await
+        .into_iter()
+        .filter(|m| message_id(m) != control)
+        .collect();
+    let mut seen = HashSet::new();
+    let firsts: Vec<&Delivery> = msgs.iter().filter(|m| seen.insert(message_id(m))).collect();
+    assert_eq!(
+        firsts.iter().map(|m| message_id(m)).collect::<Vec<_>>(),
+        forged_ids
+    );
+    for (m, (_, version)) in firsts.iter().zip(&rows) {
+        assert_eq!(m.routing_key.as_str(), "invoice.forged");
+        let mut expected_names = vec![
+            "traceparent",
+            "x-aggregate-id",
+            "x-outbox-created-at",
+            "x-source-position",
+        ];
+        if version.is_some() {
+            expected_names.push("x-aggregate-version");
+            expected_names.sort();
+        }
+        assert_eq!(
+            header_names(m),
+            expected_names,
+            "the relay's headers and the non-reserved one, nothing the row forged"
+        );
+        assert_eq!(
+            header(m, "x-aggregate-version"),
+            version.map(AMQPValue::LongLongInt),
+            "the version column, not the row's header"
+        );
+        assert_eq!(
+            header_str(m, "x-aggregate-id").as_deref(),
+            Some("agg-forge")
+        );
+        let pos = header_str(m, "x-source-position").unwrap();
+        let lsn = pos.split(':').next().unwrap().replace('/', "");
+        assert!(
+            u64::from_str_radix(&lsn, 16).is_ok_and(|l| l > 0 && l <= end),
+            "the relay's position {pos}, at or before the WAL end {end:X}"
+        );
+        let created = header_str(m, "x-outbox-created-at").unwrap();
+        assert!(!created.starts_with("1970"), "{created}");
+        assert_eq!(
+            header_str(m, "traceparent").as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        );
+    }
+    // Logged once per name, not once per row.
+    let err = relay.stderr_plain();
+    let warnings = err
+        .lines()
+        .filter(|l| l.contains("sets a header name the relay reserves"))
+        .count();
+    let distinct_names: HashSet<String> = forged_names
+        .iter()
+        .map(|k| k.to_ascii_lowercase())
+        .collect();
+    assert_eq!(
+        warnings,
+        distinct_names.len(),
+        "one warning per name (without case), not per row:\n{err}"
+    );
+    assert_eq!(
+        topo.queue_len(&topo.dead()).await,
+        0,
+        "nothing dead-lettered"
+    );
+}
+
+/// A fresh self-signed CA (EC P-256) in `dir`, made with the `openssl` CLI; returns its
+/// certificate's path. It signed nothing the broker serves.
+fn fresh_ca(dir: &std::path::Path) -> String {
+    let (key, crt) = (dir.join("other-ca.key"), dir.join("other-ca.pem"));
+    let out = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=outboxd unrelated test CA",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+            "-keyout",
+        ])
+        .arg(&key)
+        .arg("-out")
+        .arg(&crt)
+        .output()
+        .unwrap_or_else(|e| panic!("openssl cannot run ({e}): apt-get install -y openssl"));
+    assert!(
+        out.status.success(),
+        "openssl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    crt.to_str().unwrap().to_string()
+}
+
+/// `--sink-ca` pins the CA: the broker's own CA lets the relay connect and publish; a CA that
+/// did not sign the broker's certificate is refused at the handshake, a configuration error
+/// naming the certificate problem and the flag, and nothing is published.
+///
+/// The Mozilla roots would not trust the test broker either (its CA is private), so the
+/// refusal shows that the pinned file is the whole trust store, not that public roots were
+/// dropped; that no public root is added beside it is the construction of the rustls
+/// configuration (`tls::client_config` with only the file's certificates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sink_ca_pins_a_private_ca() {
+    let broker_ca = format!("{TLS_DIR}/ca.pem");
+    assert!(
+        std::path::Path::new(&broker_ca).exists(),
+        "{broker_ca} is missing: run `sudo scripts/services.sh` (it gives RabbitMQ a TLS listener on 5671)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let other_ca = fresh_ca(dir.path());
+    let db = PgDb::create("rmqpin").await;
+    let mut topo = Topology::new("xpin").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let exchange = topo.exchange.clone();
+    let tls_url = "amqps://guest:guest@127.0.0.1:5671/%2f";
+    let run = |ca: &str| {
+        Relay::start_with_env(
+            &[
+                "run",
+                "--source",
+                &dsn,
+                "--name",
+                &name,
+                "--exchange",
+                &exchange,
+                "--sink-ca",
+                ca,
+                "--log-level",
+                "info,lapin=warn",
+            ],
+            &[("OUTBOXD_SINK", tls_url)],
+        )
+    };
+
+    // The broker's CA: connects and publishes.
+    let mut relay = run(&broker_ca);
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+    let mut client = db.client().await;
+    let published = write_events(&mut client, 1, 20, "pin.ok").await;
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_same_ids(
+        &ids(&topo.take_all(&all).await),
+        &published,
+        "published with the pinned broker CA",
+    );
+
+    // Another CA: the handshake fails on the certificate, the relay stops with exit status 2
+    // and the fix, and the events waiting in the slot stay there.
+    let waiting = write_events(&mut client, 1, 20, "pin.refused").await;
+    let confirmed = db.slot_confirmed(&slot).await;
+    let mut relay = run(&other_ca);
+    assert_eq!(relay.wait_exit(T).await, 2, "stderr:\n{}", relay.stderr());
+    let err = relay.stderr_plain();
+    assert!(
+        err.contains("TLS with RabbitMQ at") && err.contains("127.0.0.1:5671"),
+        "names the broker: {err}"
+    );
+    assert!(
+        err.contains("invalid peer certificate") && err.contains("UnknownIssuer"),
+        "names the certificate problem: {err}"
+    );
+    assert!(err.contains("fix: check --sink-ca"), "{err}");
+    assert!(!err.contains("guest:guest"), "{err}");
+    assert_eq!(topo.queue_len(&all).await, 0, "nothing published");
+    assert_eq!(
+        db.slot_confirmed(&slot).await,
+        confirmed,
+        "the position did not move"
+    );
+
+    // The broker's CA again: the waiting events go out, so they were only held back.
+    let mut relay = run(&broker_ca);
+    wait_for("the restarted relay's slot to be active", T, || {
+        db.slot_active(&slot)
+    })
+    .await;
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_same_ids(
+        &ids(&topo.take_all(&all).await),
+        &waiting,
+        "held back, then published",
+    );
+}

@@ -611,6 +611,78 @@ pub mod amqp {
         }
     }
 
+    /// The management API on 127.0.0.1:15672 as guest: (status, body). `curl` does the HTTP.
+    pub fn mgmt(method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let mut cmd = std::process::Command::new("curl");
+        cmd.args([
+            "-s",
+            "-u",
+            "guest:guest",
+            "-X",
+            method,
+            "-w",
+            "\n%{http_code}",
+        ])
+        .arg(format!("http://127.0.0.1:15672/api/{path}"));
+        if let Some(b) = body {
+            cmd.args(["-H", "content-type: application/json", "--data-binary", b]);
+        }
+        let out = cmd.output().unwrap_or_else(|e| {
+            panic!("curl cannot run ({e}): install it with `apt-get install -y curl`")
+        });
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        let code: u16 = code.trim().parse().unwrap_or(0);
+        assert!(
+            code != 0,
+            "RabbitMQ's management API at 127.0.0.1:15672 does not answer: run `scripts/services.sh` (as root) to enable it"
+        );
+        (code, body.to_string())
+    }
+
+    /// A broker user of the test's own (a unique name, full rights on vhost `/`), deleted on
+    /// drop: a login with a password the test chose, without touching `guest`.
+    pub struct TempUser {
+        pub name: String,
+        pub password: String,
+    }
+
+    impl TempUser {
+        pub fn create(prefix: &str, password: &str) -> TempUser {
+            let name = super::unique(prefix);
+            let body = serde_json::json!({"password": password, "tags": ""}).to_string();
+            let (code, text) = mgmt("PUT", &format!("users/{name}"), Some(&body));
+            assert!(
+                code == 201 || code == 204,
+                "create user {name}: {code} {text}"
+            );
+            let rights = r#"{"configure": ".*", "write": ".*", "read": ".*"}"#;
+            let (code, text) = mgmt("PUT", &format!("permissions/%2F/{name}"), Some(rights));
+            assert!(
+                code == 201 || code == 204,
+                "permissions of {name}: {code} {text}"
+            );
+            TempUser {
+                name,
+                password: password.to_string(),
+            }
+        }
+
+        /// `amqp://name:password@127.0.0.1:port/%2f`.
+        pub fn url(&self, port: u16) -> String {
+            format!(
+                "amqp://{}:{}@127.0.0.1:{port}/%2f",
+                self.name, self.password
+            )
+        }
+    }
+
+    impl Drop for TempUser {
+        fn drop(&mut self) {
+            let _ = mgmt("DELETE", &format!("users/{}", self.name), None);
+        }
+    }
+
     impl Drop for Topology {
         fn drop(&mut self) {
             let x = self.exchange.clone();
