@@ -692,7 +692,7 @@ pub async fn run_mysql(
         my_admin::require_table(&mut sql, t).await?;
     }
     let holder = state::holder_id();
-    let (lease, stored, file_store) = loop {
+    let (lease, stored, mut file_store) = loop {
         let attempt = match &cfg.mysql.offset_file {
             Some(path) => state::file::FileStore::acquire(path, &cfg.name, &holder)
                 .map(|(store, lease, at)| (lease, at, Some(store))),
@@ -747,6 +747,18 @@ pub async fn run_mysql(
             }
             let mut snap =
                 my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plans).await?;
+            if !snap.at.checkpoint().is_after(&resume.checkpoint()) {
+                // The new binlog's positions sort before the lost one (it started again, or
+                // another server's numbers are lower): the store would never let them replace
+                // it. A marker sorting before all of them stands in, still a lost position to
+                // a start that finds it, so a replay cut off runs again.
+                let marker = my_admin::lost_marker(&resume.file);
+                match &mut file_store {
+                    Some(store) => store.mark_lost(&marker).await?,
+                    None => state::mysql::mark_lost(&mut sql, &lease, &marker).await?,
+                }
+                tracing::warn!(marker = %marker, "the new binlog's positions sort before the lost one: stored a marker until the replay is confirmed");
+            }
             let rows = snap.rows().await?;
             tracing::error!(
                 problem = %problem,

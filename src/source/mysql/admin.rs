@@ -423,6 +423,19 @@ pub fn replaced_binlog_fix(name: &str) -> String {
     )
 }
 
+/// The position stored while a recovery through the table runs whose new positions sort
+/// before the lost one (the server's binlog started again, or another server's numbers are
+/// lower): file number 0, which no server writes, so it sorts before every real position (the
+/// first one the recovery confirms replaces it) and a start that finds it is a lost position
+/// again (the replay did not finish: it runs again).
+pub fn lost_marker(lost_file: &str) -> crate::event::Checkpoint {
+    crate::event::Checkpoint::Binlog {
+        file: format!("{}.000000", split_name(lost_file).0),
+        pos: 4,
+        gtid_state: None,
+    }
+}
+
 /// What is at a position in its binlog file, as the server reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AtPosition {
@@ -522,12 +535,38 @@ pub fn position_problem(
     let first = &server.files[0];
     let by_gtid = from.by_gtid(mariadb);
     let stored_gtid = from.gtid.as_ref().filter(|g| mariadb && !g.is_empty());
+    let ahead = || -> Option<Lost> {
+        if let (Some(ours), Some(state)) = (stored_gtid, &server.gtid_binlog_state) {
+            let server_state = GtidState::from_list(state);
+            for g in ours.domains() {
+                let theirs = server_state.get(g.domain);
+                if theirs.is_none_or(|t| t.seq < g.seq) {
+                    return lost(format!(
+                    "relay {name:?} has read GTID {g} in domain {}, but the server's binlog {}: its history is older than \
+                     the relay's (RESET MASTER, or a failover to a server that had not received every transaction)",
+                    g.domain,
+                    match theirs {
+                        Some(t) => format!("ends at {t} there"),
+                        None => "has no transaction of that domain".into(),
+                    }
+                ));
+                }
+            }
+        }
+        None
+    };
     match server.files.iter().find(|f| f.name == from.file) {
         None => {
             let (base, seq) = split_name(&from.file);
             let (first_base, first_seq) = split_name(&first.name);
             let purged =
                 base == first_base && matches!((seq, first_seq), (Some(s), Some(f)) if s < f);
+            if seq == Some(0) {
+                return lost(format!(
+                    "relay {name:?} lost its position and its recovery through the table (--on-position-lost poll) was cut off \
+                     before the replayed rows were confirmed (stored {at}, a marker no server writes)"
+                ));
+            }
             if purged {
                 if strict || !by_gtid {
                     return Some(Lost {
@@ -562,6 +601,9 @@ pub fn position_problem(
                     f.size
                 ));
             }
+            if let Some(lost) = ahead() {
+                return Some(lost);
+            }
             match &server.at {
                 _ if from.pos < 4 => {
                     return lost(format!(
@@ -590,24 +632,7 @@ pub fn position_problem(
             }
         }
     }
-    if let (Some(ours), Some(state)) = (stored_gtid, &server.gtid_binlog_state) {
-        let server_state = GtidState::from_list(state);
-        for g in ours.domains() {
-            let theirs = server_state.get(g.domain);
-            if theirs.is_none_or(|t| t.seq < g.seq) {
-                return lost(format!(
-                    "relay {name:?} has read GTID {g} in domain {}, but the server's binlog {}: its history is older than \
-                     the relay's (RESET MASTER, or a failover to a server that had not received every transaction)",
-                    g.domain,
-                    match theirs {
-                        Some(t) => format!("ends at {t} there"),
-                        None => "has no transaction of that domain".into(),
-                    }
-                ));
-            }
-        }
-    }
-    None
+    ahead()
 }
 
 /// Reads what [`position_problem`] needs from the server.
