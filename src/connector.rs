@@ -703,7 +703,7 @@ pub async fn run_mysql(
         my_admin::require_table(&mut sql, t).await?;
     }
     let holder = state::holder_id();
-    let (lease, stored, file_store) = loop {
+    let (lease, stored, mut file_store) = loop {
         let attempt = match &cfg.mysql.offset_file {
             Some(path) => state::file::FileStore::acquire(path, &cfg.name, &holder)
                 .map(|(store, lease, at)| (lease, at, Some(store))),
@@ -733,12 +733,15 @@ pub async fn run_mysql(
     // The first start's position, stored before the first event is published.
     let mut store_first: Option<(crate::event::Checkpoint, bool)> = None;
     let mut resume_from = stored.as_ref().and_then(my::Resume::from_checkpoint);
+    // Whether the stored position was already checked against the server's binlog.
+    let mut checked = false;
     if let (Some(resume), PositionLostPolicy::Poll) = (&resume_from, cfg.on_position_lost) {
         // With recovery on, a purged stored file counts as lost even where the GTID state
         // might still resume: a needless replay gives duplicates, a wrong guess a gap.
-        if let Err(Error::PositionLost { problem, .. }) =
-            my_admin::require_position(&mut sql, &cfg.name, &resume.file).await
-        {
+        let verdict =
+            my_admin::require_position(&mut sql, &cfg.name, resume, settings.mariadb, true).await;
+        checked = verdict.is_ok();
+        if let Err(Error::PositionLost { problem, .. }) = verdict {
             let commit = state::mysql::load_commit(&mut sql, &cfg.name).await?;
             // Binlog commit times are whole seconds (truncated): one more second of margin.
             let since = replay_start(
@@ -755,6 +758,18 @@ pub async fn run_mysql(
             }
             let mut snap =
                 my::snapshot::begin(my::connect_sql(&dsn).await?, settings.mariadb, plans).await?;
+            if !snap.at.checkpoint().is_after(&resume.checkpoint()) {
+                // The new binlog's positions sort before the lost one (it started again, or
+                // another server's numbers are lower): the store would never let them replace
+                // it. A marker sorting before all of them stands in, still a lost position to
+                // a start that finds it, so a replay cut off runs again.
+                let marker = my_admin::lost_marker(&resume.file);
+                match &mut file_store {
+                    Some(store) => store.mark_lost(&marker).await?,
+                    None => state::mysql::mark_lost(&mut sql, &lease, &marker).await?,
+                }
+                tracing::warn!(marker = %marker, "the new binlog's positions sort before the lost one: stored a marker until the replay is confirmed");
+            }
             let rows = snap.rows().await?;
             tracing::error!(
                 problem = %problem,
@@ -771,7 +786,7 @@ pub async fn run_mysql(
         }
     }
     let start = match resume_from {
-        Some(resume) => resumable(&mut sql, &cfg.name, settings.mariadb, resume).await?,
+        Some(resume) => resumable(&mut sql, &cfg.name, settings.mariadb, resume, checked).await?,
         None if matches!(first, my::FirstStart::Snapshot(_)) => match &first {
             my::FirstStart::Snapshot(snap) => snap.at.clone(),
             _ => unreachable!("matched above"),
@@ -791,7 +806,7 @@ pub async fn run_mysql(
                 .as_ref()
                 .and_then(my::Resume::from_checkpoint)
             {
-                Some(r) => Some(resumable(&mut sql, &cfg.name, settings.mariadb, r).await?),
+                Some(r) => Some(resumable(&mut sql, &cfg.name, settings.mariadb, r, false).await?),
                 None => None,
             };
             if plans.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
@@ -851,21 +866,25 @@ pub async fn run_mysql(
     }
 }
 
-/// A stored position checked for resuming: by GTID the server itself says whether it still has
-/// what follows; by file and position, the file must still be there.
+/// A stored position checked for resuming (unless `checked` already): against the server's
+/// binlog files, their sizes and (MariaDB) GTID state, so that a binlog that started again or
+/// another server is a lost position, never a silent skip (see
+/// `source::mysql::admin::position_problem`). A purged file is lost by file and position; by
+/// GTID the server itself says whether it still has what follows.
 async fn resumable(
     sql: &mut mysql_async::Conn,
     name: &str,
     mariadb: bool,
     mut resume: crate::source::mysql::Resume,
+    checked: bool,
 ) -> Result<crate::source::mysql::Resume, Error> {
     use crate::source::mysql::admin as my_admin;
-    if !resume.by_gtid(mariadb) {
-        my_admin::require_position(sql, name, &resume.file).await?;
-        if mariadb && resume.gtid.is_none() {
-            // Track the GTID state from here on, complete in every domain.
-            resume.gtid = Some(my_admin::gtid_at(sql, &resume.file, resume.pos).await?);
-        }
+    if !checked {
+        my_admin::require_position(sql, name, &resume, mariadb, false).await?;
+    }
+    if mariadb && !resume.by_gtid(mariadb) && resume.gtid.is_none() {
+        // Track the GTID state from here on, complete in every domain.
+        resume.gtid = Some(my_admin::gtid_at(sql, &resume.file, resume.pos).await?);
     }
     Ok(resume)
 }

@@ -292,6 +292,14 @@ impl FileStore {
         ))
     }
 
+    /// Replaces the stored position by `marker`, as [`crate::state::mysql::mark_lost`] does.
+    pub async fn mark_lost(&mut self, marker: &Checkpoint) -> Result<(), Error> {
+        let mut next = self.content.clone();
+        next.set_position(marker)?;
+        next.updated_at = now();
+        self.save(next).await
+    }
+
     async fn save(&mut self, next: OffsetFile) -> Result<(), Error> {
         let path = self.path.clone();
         let c = next.clone();

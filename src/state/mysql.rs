@@ -448,6 +448,32 @@ pub async fn set_position(
     Ok(())
 }
 
+/// Replaces the stored position by `marker` (see [`crate::source::mysql::admin::lost_marker`])
+/// while this lease holds: a recovery whose new positions sort before the lost one, which the
+/// forward-only rule would otherwise never let replace it.
+pub async fn mark_lost(conn: &mut Conn, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+    let (file, pos, gtid) = parts(marker)?;
+    conn.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,
+                updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (
+            &file,
+            pos,
+            &gtid,
+            format!("{file}:{pos}"),
+            &lease.name,
+            lease.epoch,
+            &lease.holder,
+        ),
+    )
+    .await?;
+    if conn.affected_rows() == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
 /// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
 pub async fn release(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(

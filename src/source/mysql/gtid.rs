@@ -136,6 +136,11 @@ impl GtidState {
     pub fn get(&self, domain: u32) -> Option<Gtid> {
         self.domains.get(&domain).copied()
     }
+
+    /// The last GTID of every domain, by domain.
+    pub fn domains(&self) -> impl Iterator<Item = Gtid> + '_ {
+        self.domains.values().copied()
+    }
 }
 
 impl fmt::Display for GtidState {

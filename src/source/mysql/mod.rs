@@ -341,11 +341,17 @@ pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, 
 }
 
 /// Opens the dump stream at `from`: by GTID where the state has one, else by file/position.
+/// With `verify` the server's binlog is checked against `from` first (a reconnect may reach a
+/// server whose binlog started again, or another server behind the same address).
 async fn open_stream(
     cfg: &MySqlSourceConfig,
     from: &Resume,
+    verify: bool,
 ) -> Result<mysql_async::BinlogStream, Error> {
     let mut conn = connect_sql(&cfg.dsn).await?;
+    if verify {
+        admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await?;
+    }
     let setup = async {
         // MariaDB: send GTID events (not BEGIN/dummy queries).
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;
@@ -486,12 +492,17 @@ pub async fn run(
     let mut dec = Decoder::new(cfg.tables.clone(), &resume.file, None)
         .with_limits(cfg.txn_buffer_bytes, cfg.max_payload_bytes);
 
+    // The start position was checked before the source started; every reopen after a break
+    // checks again (not the re-read of a large transaction, which follows a read of the same
+    // stream at once).
+    let mut verify = false;
     'connect: loop {
         if shutdown.is_cancelled() {
             break 'connect;
         }
+        let check = std::mem::replace(&mut verify, true);
         let mut stream = tokio::select! {
-            r = open_stream(&cfg, &resume) => match r {
+            r = open_stream(&cfg, &resume, check) => match r {
                 Ok(s) => s,
                 Err(e) if e.is_retryable() => {
                     let d = backoff.next_delay();
@@ -700,6 +711,7 @@ pub async fn run(
                                     Mode::Scan => {
                                         known_end = Some((start_file, start_pos, end));
                                         tracing::info!(end, "end of the large transaction found; re-reading it from its start");
+                                        verify = false;
                                         continue 'connect;
                                     }
                                     Mode::Stream { .. } => {

@@ -314,22 +314,23 @@ async fn check_server(
             None,
         )),
         Some(row) => match &row.position {
-            Some(Checkpoint::Binlog { file, pos, .. }) if row.initialized => {
-                let files = admin::binlog_files(conn).await?;
-                if files.iter().any(|f| f == file) {
-                    out.push(line(
+            Some(cp @ Checkpoint::Binlog { file, pos, .. }) if row.initialized => {
+                let resume = super::Resume::from_checkpoint(cp).expect("a binlog checkpoint");
+                let mariadb = s.mariadb;
+                let server = admin::server_log(conn, &resume, mariadb).await?;
+                match admin::position_problem(name, &resume, mariadb, false, &server) {
+                    None => out.push(line(
                         Level::Ok,
                         "stored position",
                         format!("{file}:{pos}"),
                         None,
-                    ));
-                } else {
-                    out.push(line(
-                        Level::Fail,
-                        "stored position",
-                        format!("{file}:{pos}: that binlog file was purged"),
-                        Some(admin::lost_position_fix(name)),
-                    ));
+                    )),
+                    Some(lost) => {
+                        let Error::PositionLost { problem, fix } = lost.into_error(name) else {
+                            unreachable!("a lost position")
+                        };
+                        out.push(line(Level::Fail, "stored position", problem, Some(fix)));
+                    }
                 }
             }
             _ => out.push(line(
