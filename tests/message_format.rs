@@ -418,34 +418,7 @@ async fn mariadb_messages_carry_exactly_what_the_page_lists() {
 
 const CONFIG_DOC: &str = include_str!("../docs/configuration.md");
 
-/// The management API (127.0.0.1:15672, as scripts/services.sh enables it): (status, body).
-fn mgmt(method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut cmd = std::process::Command::new("curl");
-    cmd.args([
-        "-s",
-        "-u",
-        "guest:guest",
-        "-X",
-        method,
-        "-w",
-        "\n%{http_code}",
-    ])
-    .arg(format!("http://127.0.0.1:15672/api/{path}"));
-    if let Some(b) = body {
-        cmd.args(["-H", "content-type: application/json", "--data-binary", b]);
-    }
-    let out = cmd.output().unwrap_or_else(|e| {
-        panic!("curl cannot run ({e}): install it with `apt-get install -y curl`")
-    });
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    let code: u16 = code.trim().parse().unwrap_or(0);
-    assert!(
-        code != 0,
-        "RabbitMQ's management API at 127.0.0.1:15672 does not answer: run `scripts/services.sh` (as root) to enable it"
-    );
-    (code, body.to_string())
-}
+use common::amqp::mgmt;
 
 fn queue_type(queue: &str) -> String {
     let (code, body) = mgmt("GET", &format!("queues/%2F/{queue}"), None);
