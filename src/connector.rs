@@ -321,12 +321,23 @@ pub async fn run_postgres(
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     // The slot is confirmed only up to what the state row holds (pg::run).
     let (stored_tx, stored_rx) = watch::channel(start);
+    // A server shutting down waits for the replication stream to close (pg::run).
+    let (stopping_tx, stopping_rx) = watch::channel(None);
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
         .with_slot(&cfg.slot)
-        .with_stored(stored_tx);
+        .with_stored(stored_tx)
+        .with_server_stopping(stopping_tx);
     let resumed = Some(Checkpoint::Lsn(start));
     drive(&cfg, store, lease, None, resumed, commits_rx, move |link| {
-        pg::run(source_cfg, link, start, stored_rx, commits_tx, shutdown)
+        pg::run(
+            source_cfg,
+            link,
+            start,
+            stored_rx,
+            commits_tx,
+            stopping_rx,
+            shutdown,
+        )
     })
     .await
 }

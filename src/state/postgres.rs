@@ -18,6 +18,9 @@ pub struct PgStateStore {
     /// Told every position this store has written: the source confirms to the slot only
     /// what the row already holds.
     stored: Option<tokio::sync::watch::Sender<u64>>,
+    /// Told when the server answered that it is shutting down (see
+    /// [`PgStateStore::with_server_stopping`]).
+    server_stopping: Option<tokio::sync::watch::Sender<Option<std::time::Instant>>>,
 }
 
 impl PgStateStore {
@@ -29,7 +32,21 @@ impl PgStateStore {
             slot: None,
             renewals: 0,
             stored: None,
+            server_stopping: None,
         }
+    }
+
+    /// Reports when a renewal finds the server shutting down. The source then closes its
+    /// replication stream: the server's walsender waits, before the server may stop, until the
+    /// slot is confirmed up to the shutdown checkpoint, which the source confirms only once
+    /// this store has written it, and no write succeeds any more. Without this, every fast
+    /// shutdown of the source database would hang until `pg_ctl` gives up.
+    pub fn with_server_stopping(
+        mut self,
+        tx: tokio::sync::watch::Sender<Option<std::time::Instant>>,
+    ) -> Self {
+        self.server_stopping = Some(tx);
+        self
     }
 
     /// Reports each position once it is written to the row.
@@ -53,6 +70,35 @@ impl PgStateStore {
 
 impl StateStore for PgStateStore {
     async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let r = self.renew_once(lease, position, commit).await;
+        if let (Err(e), Some(tx)) = (&r, &self.server_stopping) {
+            if crate::source::postgres::is_server_stopping(e) {
+                tx.send_replace(Some(std::time::Instant::now()));
+            }
+        }
+        r
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        release(self.client().await?, lease).await
+    }
+
+    fn abandon(&mut self) {
+        self.client = None;
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        mark_initialized(self.client().await?, lease).await
+    }
+}
+
+impl PgStateStore {
+    async fn renew_once(
         &mut self,
         lease: &Lease,
         position: Option<&Checkpoint>,
@@ -99,18 +145,6 @@ impl StateStore for PgStateStore {
             self.client = None;
         }
         r
-    }
-
-    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
-        release(self.client().await?, lease).await
-    }
-
-    fn abandon(&mut self) {
-        self.client = None;
-    }
-
-    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
-        mark_initialized(self.client().await?, lease).await
     }
 }
 

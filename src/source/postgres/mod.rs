@@ -87,6 +87,22 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
     }
 }
 
+/// Whether an error (as [`describe_pg_error`] words it) says the server is shutting down and
+/// takes no new sessions: SQLSTATE 57P03 ("cannot connect now", also said while it starts up)
+/// or 57P02 (crash shutdown). The lease keeper's reconnect meets it first; the source then
+/// closes its replication stream, which the server waits for before it can stop (see
+/// [`run`]). A terminated session (57P01) alone does not count: `pg_terminate_backend` says
+/// the same to a server that keeps running.
+pub fn is_server_stopping(e: &Error) -> bool {
+    let Error::Source { message, .. } = e else {
+        return false;
+    };
+    message.match_indices("(SQLSTATE ").any(|(at, tag)| {
+        let code = message.get(at + tag.len()..at + tag.len() + 5);
+        matches!(code, Some("57P03" | "57P02"))
+    })
+}
+
 pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => {
@@ -331,6 +347,7 @@ pub async fn run(
     start: u64,
     mut stored: tokio::sync::watch::Receiver<u64>,
     durable_commits: tokio::sync::watch::Sender<DurableCommit>,
+    mut server_stopping: tokio::sync::watch::Receiver<Option<Instant>>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let mut commits = crate::state::CommitLog::<u64>::default();
@@ -375,6 +392,7 @@ pub async fn run(
     // The highest position ever confirmed to the server by this process.
     let mut reported: u64 = start;
     let mut stored_open = true;
+    let mut stopping_open = true;
     let mut backoff = Backoff::standard();
 
     'connect: loop {
@@ -419,6 +437,7 @@ pub async fn run(
             tokio::time::sleep(d).await;
             continue;
         }
+        let streaming_since = Instant::now();
         tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
         crate::telemetry::get().source_streaming.set(1);
         let mut in_txn: Option<Txn> = None;
@@ -449,6 +468,25 @@ pub async fn run(
                     stored_open = changed.is_ok();
                     let s = *stored.borrow_and_update();
                     confirm(&client, acked.min(s), &mut reported);
+                }
+                changed = server_stopping.changed(), if stopping_open => {
+                    stopping_open = changed.is_ok();
+                    let seen = *server_stopping.borrow_and_update();
+                    // Only a shutdown seen while this stream ran: an older one is over.
+                    if seen.is_some_and(|at| at > streaming_since) {
+                        // The server's walsender keeps it from stopping until the slot is
+                        // confirmed up to its shutdown checkpoint; that position cannot be
+                        // stored any more, so it is never confirmed. Closing the stream lets
+                        // the server stop; the slot keeps the last stored position.
+                        client.abort();
+                        let d = backoff.next_delay();
+                        let t = crate::telemetry::get();
+                        t.source_streaming.set(0);
+                        t.reconnect("source");
+                        tracing::warn!(retry_in = ?d, "the server is shutting down: closed the replication stream so that it can; resuming from the slot");
+                        tokio::time::sleep(d).await;
+                        continue 'connect;
+                    }
                 }
                 _ = shutdown.cancelled(), if in_txn.is_none() => stop = true,
                 ev = client.recv() => {
@@ -674,6 +712,26 @@ mod tests {
             snapshot_after: None,
             max_wire_message_bytes: wire_message_limit(16 * 1024 * 1024),
         }
+    }
+
+    #[test]
+    fn a_server_shutting_down_is_told_from_a_terminated_session() {
+        let e = |m: &str| Error::source(m.to_string(), true);
+        assert!(is_server_stopping(&e(
+            "the database system is shutting down (SQLSTATE 57P03)"
+        )));
+        assert!(is_server_stopping(&e(
+            "terminating connection because of crash of another server process (SQLSTATE 57P02); hint: reconnect"
+        )));
+        for m in [
+            "terminating connection due to administrator command (SQLSTATE 57P01)",
+            "connection closed",
+            "relation \"t_57P03\" does not exist (SQLSTATE 42P01)",
+            "(SQLSTATE 57P0",
+        ] {
+            assert!(!is_server_stopping(&e(m)), "{m}");
+        }
+        assert!(!is_server_stopping(&Error::Leadership("57P03".into())));
     }
 
     #[test]
