@@ -212,6 +212,10 @@ pub async fn sigkill_between_publish_and_mark(db: &(impl PollDb + Sync)) {
             .await;
         }
         first.sigkill();
+        // Reset the stalled connections before resuming: the relay may have sent its mark
+        // (or COMMIT) into the stalled proxy just before the kill, and a plain resume would
+        // still deliver it to the server. Reset, the server rolls the batch back.
+        proxy.cut();
         proxy.resume();
         let unmarked = unmarked_now(&first).await;
         (ids(&first), unmarked)
