@@ -376,7 +376,7 @@ async fn a_100k_row_transaction_on_another_table_keeps_memory_flat() {
     )
     .await;
     let after = my_write_events(&mut c, 1, 1, "after.big").await;
-    let head = my_head().await;
+    let head = db.head_past_writes().await;
     wait_for("the event after the big transaction", T, || {
         all_arrived(&relay, &after)
     })

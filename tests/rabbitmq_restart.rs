@@ -567,7 +567,7 @@ async fn mariadb_broker_stopped_and_started_mid_stream_loses_nothing() {
     .await;
     let expected = writer.await.unwrap();
     broker.start();
-    let head = my_head().await;
+    let head = db.head_past_writes().await;
     wait_stored_past(&db, &name, &head).await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
@@ -595,11 +595,11 @@ async fn mariadb_memory_alarm_blocks_publishing_and_holds_the_position() {
         topo.queue_len(&all).await >= 100
     })
     .await;
-    let before_alarm = my_head().await;
+    let before_alarm = db.head_past_writes().await;
     wait_stored_past(&db, &name, &before_alarm).await;
     let alarm = MemoryAlarm::raise();
     expected.extend(my_write_events(&mut c, 2, 100, "during.alarm").await);
-    let head = my_head().await;
+    let head = db.head_past_writes().await;
     wait_for("the relay to report the blocked connection", T, || {
         let err = relay.stderr();
         async move { err.contains("RabbitMQ blocked the connection") }

@@ -897,6 +897,83 @@ pub async fn my_head() -> (String, u64) {
     (file, pos)
 }
 
+impl MyDb {
+    /// Where this database's relay ends up storing once everything written so far is
+    /// confirmed: the end of the last transaction in the binlog that wrote anything but this
+    /// database's `outboxd_state`. The relay's own lease and position writes never move its
+    /// position (each would cause the next), so the raw head, taken while a relay renews its
+    /// lease every second, may never be reached.
+    pub async fn head_past_writes(&self) -> (String, u64) {
+        use mysql_async::prelude::Queryable;
+        let mut c = my_connect(None).await;
+        let own = format!("({}.outboxd_state)", self.name);
+        let files: Vec<String> = c
+            .query_map("SHOW BINARY LOGS", |row: mysql_async::Row| {
+                row.get::<String, _>(0).unwrap()
+            })
+            .await
+            .unwrap();
+        for file in files.iter().rev() {
+            let events: Vec<(String, u64, String)> = c
+                .query_map(
+                    format!("SHOW BINLOG EVENTS IN '{file}'"),
+                    |row: mysql_async::Row| {
+                        (
+                            row.get::<String, _>(2).unwrap(),
+                            row.get::<u64, _>(4).unwrap(),
+                            row.get::<Vec<u8>, _>(5)
+                                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                                .unwrap_or_default(),
+                        )
+                    },
+                )
+                .await
+                .unwrap();
+            // (all its tables were our state table, it wrote some table, it is transactional)
+            let mut open: Option<(bool, bool, bool)> = None;
+            let mut last = None;
+            for (kind, end, info) in events {
+                match kind.as_str() {
+                    "Gtid" => open = Some((true, false, info.starts_with("BEGIN"))),
+                    "Table_map" => {
+                        if let Some(t) = open.as_mut() {
+                            t.1 = true;
+                            t.0 &= info.ends_with(&own);
+                        }
+                    }
+                    "Xid" => {
+                        if let Some((only_own, wrote, _)) = open.take() {
+                            if !(only_own && wrote) {
+                                last = Some(end);
+                            }
+                        }
+                    }
+                    "Query" => match open {
+                        // A transaction's COMMIT (non-transactional tables) ends it.
+                        Some((only_own, wrote, true)) if info == "COMMIT" => {
+                            open = None;
+                            if !(only_own && wrote) {
+                                last = Some(end);
+                            }
+                        }
+                        // A statement of its own (DDL) is a transaction of its own.
+                        Some((_, _, false)) => {
+                            open = None;
+                            last = Some(end);
+                        }
+                        _ => {}
+                    },
+                    _ => {}
+                }
+            }
+            if let Some(end) = last {
+                return (file.clone(), end);
+            }
+        }
+        panic!("no transaction in the binlog but {own}")
+    }
+}
+
 /// Orders binlog coordinates like the server does (file sequence, then position).
 pub fn binlog_ge(a: &(String, u64), b: &(String, u64)) -> bool {
     let seq = |f: &str| -> u64 {
