@@ -382,12 +382,13 @@ async fn standby(held: &str, shutdown: &CancellationToken) -> bool {
 }
 
 /// Checks the sink's settings before the source is touched: the RabbitMQ sink reads its TLS
-/// files (`--sink-ca`, `--sink-cert`, and `--sink-key` as a secret file) when it is built, and
-/// a wrong one must stop the relay before it creates a replication slot or takes a lease.
+/// files (`--sink-ca`, `--sink-cert`, and `--sink-key` as a secret file) when it is built, the
+/// NATS sink checks its secret files (`--sink-key`, a `creds=` file), and a wrong one must stop
+/// the relay before it creates a replication slot or takes a lease.
 /// Nothing connects here.
 pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
     match cfg.sink {
-        SinkDsn::Amqp(_) => make_sink(cfg).map(drop),
+        SinkDsn::Amqp(_) | SinkDsn::Nats(_) => make_sink(cfg).map(drop),
         _ => Ok(()),
     }
 }

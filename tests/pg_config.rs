@@ -538,6 +538,25 @@ async fn loose_secret_files_are_refused_with_the_fix() {
                 &exchange,
             ],
         ),
+        (
+            "--sink-key",
+            key_text.clone(),
+            vec![
+                "run",
+                "--source",
+                &plain_dsn,
+                "--name",
+                &name,
+                "--sink",
+                "tls://127.0.0.1:4222",
+                "--sink-cert",
+                "/etc/rabbitmq/outboxd-tls/client.pem",
+                "--stream",
+                "SECFILE",
+                "--subject",
+                "secfile.{topic}",
+            ],
+        ),
     ];
     for (i, (flag, text, args)) in cases.iter().enumerate() {
         for mode in [0o644, 0o640, 0o604] {

@@ -197,7 +197,22 @@ pub fn subject_prefix(subject: &Template) -> Result<String, crate::Error> {
 impl NatsConfig {
     /// Checks the template's placeholders, the stream name and the address.
     pub fn validate(&self) -> Result<(), crate::Error> {
-        endpoint(&self.url)?;
+        let ep = endpoint(&self.url)?;
+        // Files holding a secret (a `.creds` file's NKey seed, the client key) are checked for
+        // owner and mode as every secret file of the relay is, before anything starts.
+        let secrets = [
+            (
+                ep.creds_file.as_deref(),
+                "NATS credentials file (creds= in --sink)",
+            ),
+            (self.key_file.as_deref(), "TLS private key (--sink-key)"),
+        ];
+        for (path, what) in secrets {
+            if let Some(path) = path {
+                crate::secret_file::read(path)
+                    .map_err(|e| config_err(format!("{what}: {e}"), e.fix()))?;
+            }
+        }
         validate_stream(&self.stream)?;
         self.subject
             .check_vars(template::EVENT_FIELDS.iter().copied())
