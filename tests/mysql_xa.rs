@@ -52,7 +52,20 @@ async fn prepare(db: &MyDb, xid: &str, rows: &[&str]) {
     }
     my_exec(&mut c, &format!("XA END '{xid}'")).await;
     my_exec(&mut c, &format!("XA PREPARE '{xid}'")).await;
-    drop(c);
+    // Another session may end a prepared XA transaction only once the server has detached it
+    // from this one (XAER_NOTA before that): disconnect and wait until the session is gone.
+    let id = my_value(&mut c, "SELECT CONNECTION_ID()").await.unwrap();
+    c.disconnect().await.unwrap();
+    let mut admin = db.conn().await;
+    let gone = format!("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = {id}");
+    let deadline = std::time::Instant::now() + T;
+    while my_value(&mut admin, &gone).await.as_deref() != Some("0") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "session {id} still open {T:?} after it disconnected"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 async fn exec(db: &MyDb, sql: &str) {
