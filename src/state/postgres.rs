@@ -66,38 +66,7 @@ impl PgStateStore {
         }
         Ok(self.client.as_ref().expect("connected above"))
     }
-}
 
-impl StateStore for PgStateStore {
-    async fn renew(
-        &mut self,
-        lease: &Lease,
-        position: Option<&Checkpoint>,
-        commit: &DurableCommit,
-    ) -> Result<(), Error> {
-        let r = self.renew_once(lease, position, commit).await;
-        if let (Err(e), Some(tx)) = (&r, &self.server_stopping) {
-            if crate::source::postgres::is_server_stopping(e) {
-                tx.send_replace(Some(std::time::Instant::now()));
-            }
-        }
-        r
-    }
-
-    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
-        release(self.client().await?, lease).await
-    }
-
-    fn abandon(&mut self) {
-        self.client = None;
-    }
-
-    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
-        mark_initialized(self.client().await?, lease).await
-    }
-}
-
-impl PgStateStore {
     async fn renew_once(
         &mut self,
         lease: &Lease,
@@ -145,6 +114,35 @@ impl PgStateStore {
             self.client = None;
         }
         r
+    }
+}
+
+impl StateStore for PgStateStore {
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let r = self.renew_once(lease, position, commit).await;
+        if let (Err(e), Some(tx)) = (&r, &self.server_stopping) {
+            if crate::source::postgres::is_server_stopping(e) {
+                tx.send_replace(Some(std::time::Instant::now()));
+            }
+        }
+        r
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        release(self.client().await?, lease).await
+    }
+
+    fn abandon(&mut self) {
+        self.client = None;
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        mark_initialized(self.client().await?, lease).await
     }
 }
 
