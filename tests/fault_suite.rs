@@ -23,6 +23,7 @@ mod common;
 
 use common::amqp::{self, Topology};
 use common::proxy::FaultProxy;
+use common::source_db::Pos;
 use common::*;
 use futures::StreamExt;
 use rand::rngs::StdRng;
@@ -80,41 +81,6 @@ const FAULTS: [Fault; 9] = [
     Fault::BrokerStallCut,
     Fault::Kill,
 ];
-
-/// A stored position or an event's place in the log, comparable within one source.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Pos {
-    /// Postgres: the stored end LSN, or an event's commit LSN.
-    Lsn(u64),
-    /// Binlog: (file sequence, end position of the transaction).
-    Binlog(u64, u64),
-}
-
-impl Pos {
-    /// Whether an event at `self` comes after the stored position `stored`: it is delivered
-    /// again when the relay resumes from there.
-    fn after(self, stored: Pos) -> bool {
-        match (self, stored) {
-            // A commit LSN is below its own end LSN, and at or above the previous one's.
-            (Pos::Lsn(e), Pos::Lsn(s)) => e >= s,
-            (a, b) => a > b,
-        }
-    }
-
-    /// From an `x-source-position` header: `commit_lsn:index` or `file:end_pos:index`.
-    fn of_event(s: &str) -> Option<Pos> {
-        let mut parts = s.rsplitn(3, ':');
-        let _index = parts.next()?;
-        let b = parts.next()?;
-        match parts.next() {
-            None => outboxd::event::parse_lsn(b).map(Pos::Lsn),
-            Some(file) => Some(Pos::Binlog(
-                outboxd::event::binlog_file_seq(file),
-                b.parse().ok()?,
-            )),
-        }
-    }
-}
 
 enum Db {
     Pg(PgDb),

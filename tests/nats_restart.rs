@@ -1,10 +1,12 @@
 //! nats-server restarted mid-stream. The test starts a nats-server of its own (its own port
 //! and store directory, so the shared one is never touched), kills it while the relay
-//! publishes and starts it again on the same store: every event is stored exactly once.
+//! publishes and starts it again on the same store: every event is stored exactly once. The
+//! scenario runs on both sources.
 
 mod common;
 
 use common::nats::TestStream;
+use common::source_db::SourceDb;
 use common::*;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -33,14 +35,22 @@ fn free_port() -> u16 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_server_loses_and_duplicates_nothing() {
+async fn a_restarted_server_loses_and_duplicates_nothing_postgres() {
+    a_restarted_server_loses_and_duplicates_nothing::<PgDb>().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_loses_and_duplicates_nothing_mariadb() {
+    a_restarted_server_loses_and_duplicates_nothing::<MyDb>().await
+}
+
+async fn a_restarted_server_loses_and_duplicates_nothing<D: SourceDb>() {
     let store = tempfile::tempdir().unwrap();
     let port = free_port();
     let mut server = serve(port, store.path());
-    let db = PgDb::create("natsr").await;
+    let db = D::create("natsr").await;
     let s = TestStream::on_port("nr", port).await;
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
     let mut args = vec![
         "run".to_string(),
@@ -55,17 +65,8 @@ async fn a_restarted_server_loses_and_duplicates_nothing() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let sink = common::nats::url_via(port);
     let mut relay = Relay::start_with_env(&args, &[("OUTBOXD_SINK", &sink)]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let conninfo = db.conninfo();
-    let writer = tokio::spawn(async move {
-        let mut c = pg_connect(&conninfo).await;
-        let mut ids = Vec::new();
-        for _ in 0..40 {
-            ids.extend(write_events(&mut c, 1, 50, "restart.stream").await);
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        ids
-    });
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(40, 50, Duration::from_millis(25), "restart.stream");
     wait_for("500 messages before the restart", T, || async {
         s.len().await >= 500
     })

@@ -2,19 +2,52 @@
 //! (docs/nats.md): what the stream holds and how (exactly once by `Nats-Msg-Id`, in commit
 //! order, with the relay's headers), where poison goes, the stream's declaration and check,
 //! partitions, and that relay kills, cut and stalled connections and a full stream lose
-//! nothing and duplicate nothing within the duplicate window.
+//! nothing and duplicate nothing within the duplicate window. Each scenario is written once
+//! over [`SourceDb`] and runs as `<scenario>::postgres` and `<scenario>::mariadb`.
 
 mod common;
 
 use async_nats::jetstream::stream::{self, DiscardPolicy, StorageType};
 use common::nats::{self, header, TestStream};
 use common::proxy::FaultProxy;
+use common::source_db::{Pos, SourceDb};
 use common::*;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
+/// Between a background writer's transactions.
+const PAUSE: Duration = Duration::from_millis(20);
+
+/// Runs each scenario as `<scenario>::postgres` and `<scenario>::mariadb`.
+macro_rules! on_both_sources {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$scenario::<PgDb>().await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mariadb() {
+                super::$scenario::<MyDb>().await
+            }
+        }
+    )*};
+}
+
+on_both_sources!(
+    events_are_stored_once_in_order_with_headers_and_poison_is_dead,
+    sigkill_restarts_leave_every_event_exactly_once,
+    past_the_duplicate_window_a_restart_duplicates,
+    cut_and_stalled_connections_lose_and_duplicate_nothing,
+    a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing,
+    partitions_give_each_aggregate_its_subject_in_order,
+    passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_change,
+);
 
 /// `outboxd run` with the NATS sink given through the environment.
 fn start(source: &str, name: &str, s: &TestStream, sink: &str, extra: &[&str]) -> Relay {
@@ -69,36 +102,16 @@ async fn wait_len(s: &TestStream, n: u64, what: &str) {
     wait_for(what, T, || async { s.len().await >= n }).await;
 }
 
-fn write_pg_in_background(
-    db: &PgDb,
-    n_tx: usize,
-    topic: &'static str,
-) -> tokio::task::JoinHandle<Vec<Uuid>> {
-    let conninfo = db.conninfo();
-    tokio::spawn(async move {
-        let mut c = pg_connect(&conninfo).await;
-        let mut ids = Vec::new();
-        for _ in 0..n_tx {
-            ids.extend(write_events(&mut c, 1, 50, topic).await);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        ids
-    })
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pg_events_are_stored_once_in_order_with_headers_and_poison_is_dead() {
-    let db = PgDb::create("nats").await;
+async fn events_are_stored_once_in_order_with_headers_and_poison_is_dead<D: SourceDb>() {
+    let db = D::create("nats").await;
     let s = TestStream::new("ns").await;
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let mut client = db.client().await;
-    let mut expected = write_events(&mut client, 10, 100, "invoice.issued").await;
+    db.wait_streaming(&name).await;
+    let mut expected = db.write(10, 100, "invoice.issued").await;
     // A topic with a space cannot be a subject token: a dead record, and the stream goes on.
-    let poison = write_events(&mut client, 1, 1, "bad topic").await;
-    expected.extend(write_events(&mut client, 1, 10, "invoice.paid").await);
+    let poison = db.write(1, 1, "bad topic").await;
+    expected.extend(db.write(1, 10, "invoice.paid").await);
     wait_len(&s, 1011, "1,011 messages in the stream").await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
@@ -129,11 +142,9 @@ async fn pg_events_are_stored_once_in_order_with_headers_and_poison_is_dead() {
         first.subject.as_str(),
         format!("{}.invoice.issued", s.prefix)
     );
-    assert_eq!(header(first, "x-aggregate-id").unwrap(), "agg-0");
-    assert!(
-        header(first, "x-source-position").unwrap().contains('/'),
-        "an LSN position"
-    );
+    assert_eq!(header(first, "x-aggregate-id").unwrap(), D::aggregate(0));
+    let pos = header(first, "x-source-position").unwrap();
+    assert!(D::is_position(&pos), "a {} position: {pos}", D::LABEL);
     assert!(header(first, "x-outbox-created-at").unwrap().ends_with('Z'));
     let body: serde_json::Value = serde_json::from_slice(&first.payload).unwrap();
     assert_eq!(body["invoice"], 0);
@@ -144,38 +155,15 @@ async fn pg_events_are_stored_once_in_order_with_headers_and_poison_is_dead() {
     assert_eq!(cfg.duplicate_window, Duration::from_secs(120));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_events_are_stored_once_across_a_sigkill() {
-    let db = MyDb::create("natsmy").await;
-    let s = TestStream::new("nm").await;
-    let name = unique("r");
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    let mut conn = db.conn().await;
-    let mut expected = my_write_events(&mut conn, 5, 100, "order.placed").await;
-    wait_len(&s, 500, "500 messages before the kill").await;
-    relay.sigkill();
-    expected.extend(my_write_events(&mut conn, 5, 100, "order.placed").await);
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    wait_len(&s, 1000, "1,000 messages after the restart").await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
-    let (order, counts) = s.id_counts().await;
-    assert_exactly_once(&order, &counts, &expected);
-    let msgs = s.messages().await;
-    assert!(header(&msgs[0], "x-source-position").is_some());
-}
-
 /// The proof: SIGKILL the relay mid-stream, again and again, while a producer writes; within
 /// the duplicate window the stream holds every committed event exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_restarts_leave_every_event_exactly_once() {
-    let db = PgDb::create("natsk").await;
+async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
+    let db = D::create("natsk").await;
     let s = TestStream::new("nk").await;
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let writer = write_pg_in_background(&db, 80, "kill.stream");
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(80, 50, PAUSE, "kill.stream");
     let kills = 5;
     for k in 1..=kills {
         wait_len(
@@ -197,9 +185,8 @@ async fn sigkill_restarts_leave_every_event_exactly_once() {
 
 /// The control for the proof, and what the documentation says happens past the window: with
 /// a duplicate window shorter than the restart, a SIGKILL leaves duplicates (and no loss).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_duplicate_window_a_restart_duplicates() {
-    let db = PgDb::create("natsw").await;
+async fn past_the_duplicate_window_a_restart_duplicates<D: SourceDb>() {
+    let db = D::create("natsw").await;
     let s = TestStream::new("nw").await;
     s.js.create_stream(stream::Config {
         name: s.name.clone(),
@@ -211,16 +198,38 @@ async fn past_the_duplicate_window_a_restart_duplicates() {
     .await
     .unwrap();
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    db.wait_streaming(&name).await;
     wait_for("the warning about the short window", T, || {
         let e = relay.stderr();
         async move { e.contains("duplicate window") && e.contains("--dupe-window 2m") }
     })
     .await;
-    let writer = write_pg_in_background(&db, 40, "window.stream");
+    let writer = db.write_in_background(40, 50, PAUSE, "window.stream");
     wait_len(&s, 500, "500 messages before the kill").await;
+    // The fault: a kill while the stream holds acknowledged events past the stored position.
+    // The relay is stopped while we look, so it stores nothing between the look and the kill.
+    let deadline = std::time::Instant::now() + T;
+    let unstored = loop {
+        relay.signal("STOP");
+        let stored = db.stored_pos(&name).await;
+        let past = s
+            .messages()
+            .await
+            .iter()
+            .filter_map(|m| Pos::of_event(&header(m, "x-source-position")?))
+            .filter(|p| stored.is_none_or(|st| p.after(st)))
+            .count();
+        if past > 0 {
+            break past;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never an acknowledged event past the stored position"
+        );
+        relay.signal("CONT");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     relay.sigkill();
     // The republished events arrive after the window: the stream keeps them again.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -238,19 +247,18 @@ async fn past_the_duplicate_window_a_restart_duplicates() {
     let dups = counts.values().filter(|n| **n > 1).count();
     assert!(
         dups > 0,
-        "a restart past the window republishes acknowledged-but-unstored events as duplicates"
+        "a restart past the window republishes acknowledged-but-unstored events as duplicates \
+         ({unstored} were unstored at the kill)"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
-    let db = PgDb::create("natsc").await;
+async fn cut_and_stalled_connections_lose_and_duplicate_nothing<D: SourceDb>() {
+    let db = D::create("natsc").await;
     let s = TestStream::new("nc").await;
     let proxy = FaultProxy::start(([127, 0, 0, 1], nats::PORT).into())
         .await
         .unwrap();
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(
         &db.dsn(),
         &name,
@@ -258,8 +266,8 @@ async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
         &nats::url_via(proxy.port()),
         &["--confirm-timeout", "3s"],
     );
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let writer = write_pg_in_background(&db, 60, "cut.stream");
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(60, 50, PAUSE, "cut.stream");
     for k in 1..=2u64 {
         let accepted = proxy.accepted();
         wait_len(&s, k * 700, &format!("{} messages before cut {k}", k * 700)).await;
@@ -298,9 +306,8 @@ async fn cut_and_stalled_connections_lose_and_duplicate_nothing() {
     assert_exactly_once(&order, &counts, &expected);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing() {
-    let db = PgDb::create("natsf").await;
+async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing<D: SourceDb>() {
+    let db = D::create("natsf").await;
     let s = TestStream::new("nf").await;
     let mut cfg = stream::Config {
         name: s.name.clone(),
@@ -313,11 +320,9 @@ async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing() {
     };
     s.js.create_stream(cfg.clone()).await.unwrap();
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let mut client = db.client().await;
-    let expected = write_events(&mut client, 10, 100, "full.stream").await;
+    db.wait_streaming(&name).await;
+    let expected = db.write(10, 100, "full.stream").await;
     wait_for("the stream to refuse messages", T, || {
         let e = relay.stderr();
         async move { e.contains("JetStream refused the message") }
@@ -358,16 +363,13 @@ async fn a_full_stream_holds_the_relay_back_with_backoff_and_loses_nothing() {
     assert_eq!(order.len() as u64, st.messages);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partitions_give_each_aggregate_its_subject_in_order() {
-    let db = PgDb::create("natsp").await;
+async fn partitions_give_each_aggregate_its_subject_in_order<D: SourceDb>() {
+    let db = D::create("natsp").await;
     let s = TestStream::new("np").await;
     let name = unique("r");
-    let slot = format!("outboxd_{name}");
     let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &["--partitions", "4"]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    let mut client = db.client().await;
-    let expected = write_events(&mut client, 5, 100, "part.evt").await;
+    db.wait_streaming(&name).await;
+    let expected = db.write(5, 100, "part.evt").await;
     wait_len(&s, 500, "500 messages").await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
@@ -398,9 +400,8 @@ async fn partitions_give_each_aggregate_its_subject_in_order() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_change() {
-    let db = PgDb::create("natsd").await;
+async fn passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_change<D: SourceDb>() {
+    let db = D::create("natsd").await;
     let s = TestStream::new("nd").await;
     let name = unique("r");
     let mut relay = start(

@@ -1,13 +1,25 @@
-//! Opening a NATS connection for the relay: credentials and TLS from the configuration, and
-//! the client's own reconnection cut to one attempt (the client counts its first connection
-//! against the same limit, so zero would refuse that), with every loss reported to the relay —
-//! which replaces the client, with backoff, and republishes in order — instead of being papered
-//! over while acknowledgements silently go missing.
+//! Opening a NATS connection for the relay: credentials and TLS from the configuration, and a
+//! client that never reconnects on its own, with every loss reported to the relay — which
+//! replaces the client, with backoff, and republishes in order — instead of being papered over
+//! while acknowledgements silently go missing.
+//!
+//! Why the client must not reconnect: messages still queued in it when the connection drops
+//! would go out on its new connection, after the ones lost with the old one. The stream would
+//! then store a later event before an earlier one, and the relay's republish (deduplicated by
+//! `Nats-Msg-Id`) would store the earlier one after it: out of order. The client's own limit
+//! (`max_reconnects`) cannot say "none": it counts attempts since the last success and allows
+//! at least one. So the client is given a second address that refuses every connection, and
+//! a reconnect callback that picks it once the first connection has succeeded: the reconnect
+//! fails at once, the client gives up and drops what it still queued.
 
 use super::config::{self, Endpoint, NatsConfig};
 use crate::dsn::redact_token as redact;
 use crate::sink::SinkError;
-use async_nats::{Client, ConnectErrorKind, ConnectOptions};
+use async_nats::{Client, ConnectErrorKind, ConnectOptions, ReconnectToServer, ServerAddr};
+use std::time::Duration;
+
+/// An address nothing can listen on (TCP port 0): every connection to it is refused at once.
+const NOWHERE: &str = "nats://127.0.0.1:0";
 
 fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
     SinkError::Config {
@@ -32,7 +44,25 @@ where
     let shown = redact(&cfg.url);
     let ep = config::endpoint(&cfg.url).map_err(|e| config_err(e.to_string(), "fix --sink"))?;
     let opts = options(cfg, &ep).await?.event_callback(on_event);
-    let work = opts.connect(ep.address.clone());
+    let (server, nowhere) = addresses(&ep.address).map_err(|e| {
+        config_err(
+            format!("cannot use the NATS address {shown}: {e}"),
+            "use nats://host:4222 or tls://host:4222",
+        )
+    })?;
+    let pool = vec![server.clone(), nowhere.clone()];
+    let opts = opts.reconnect_to_server_callback(move |pool, _| {
+        let server = server.clone();
+        let nowhere = nowhere.clone();
+        async move {
+            let connected = pool.iter().any(|s| s.addr == server && s.did_connect);
+            Some(ReconnectToServer {
+                addr: if connected { nowhere } else { server },
+                delay: Some(Duration::ZERO),
+            })
+        }
+    });
+    let work = opts.connect(pool);
     match tokio::time::timeout(cfg.op_timeout, work).await {
         Ok(Ok(client)) => Ok(client),
         Ok(Err(e)) => Err(classify(&e, &shown, &ep)),
@@ -91,6 +121,13 @@ async fn options(cfg: &NatsConfig, ep: &Endpoint) -> Result<ConnectOptions, Sink
         // Room for the whole window in the client's outgoing queue, so a publish never waits
         // for it while the connection is healthy.
         .client_capacity(cfg.window.max(1) * 2 + 64))
+}
+
+/// The server's address and the one that refuses (see the module's comment).
+fn addresses(address: &str) -> Result<(ServerAddr, ServerAddr), String> {
+    let server: ServerAddr = address.parse().map_err(|e| format!("{e}"))?;
+    let nowhere: ServerAddr = NOWHERE.parse().map_err(|e| format!("{e}"))?;
+    Ok((server, nowhere))
 }
 
 fn classify(e: &async_nats::ConnectError, shown: &str, ep: &Endpoint) -> SinkError {

@@ -86,7 +86,9 @@ impl NatsSink {
                     Event::ServerError(e) => {
                         tracing::warn!(sink = %shown, error = %e, "NATS server error")
                     }
-                    Event::ClientError(e) => {
+                    // After a loss, the client's refused reconnect (by design, see `connect`)
+                    // reports errors of its own: the loss was already said.
+                    Event::ClientError(e) if !*tx.borrow() => {
                         tracing::warn!(sink = %shown, error = %e, "NATS client error")
                     }
                     _ => {}
@@ -125,7 +127,8 @@ impl NatsSink {
 /// How long to wait before publishing again after `n` refusals in a row: 200 ms doubling to
 /// 30 s, jittered by up to a half so that relays sharing a stream do not retry in step.
 fn refusal_delay(n: u32) -> Duration {
-    let step = Duration::from_millis(200).saturating_mul(1u32 << n.min(8).saturating_sub(1));
+    // 2^8 × 200 ms is past the cap: the cap is reached (at 9 refusals) and the shift stays small.
+    let step = Duration::from_millis(200).saturating_mul(1u32 << n.min(9).saturating_sub(1));
     let step = step.min(Duration::from_secs(30));
     let half = step / 2;
     half + Duration::from_micros(rand::random_range(0..=half.as_micros() as u64))
