@@ -29,6 +29,9 @@ pub struct Telemetry {
     pub events_confirmed: Counter,
     pub events_dead_lettered: Counter,
     pub events_republished: Counter,
+    /// Published events the sink reported as already stored, so not stored again (NATS
+    /// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
+    pub events_deduplicated: Counter,
     /// Attempts to store a position older than the stored one (a relay bug; refused).
     pub position_backwards_refused: Counter,
     /// Reserved header names a row's `headers` object tried to set (dropped).
@@ -73,6 +76,7 @@ impl Telemetry {
             events_confirmed: Counter::default(),
             events_dead_lettered: Counter::default(),
             events_republished: Counter::default(),
+            events_deduplicated: Counter::default(),
             position_backwards_refused: Counter::default(),
             row_headers_dropped: Counter::default(),
             http_connections_refused: Counter::default(),
@@ -118,6 +122,11 @@ impl Telemetry {
             "events_republished",
             "Unconfirmed events published again after a sink failure",
             t.events_republished.clone(),
+        );
+        registry.register(
+            "events_deduplicated",
+            "Published events the sink reported as already stored and did not store again (NATS JetStream: the same Nats-Msg-Id within the stream's duplicate window)",
+            t.events_deduplicated.clone(),
         );
         registry.register(
             "row_headers_dropped",

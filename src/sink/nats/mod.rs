@@ -231,8 +231,13 @@ impl Sink for NatsSink {
                             problem: format!("the message was stored by stream {:?}, not by --stream {stream}", a.stream),
                             fix: format!("give --stream {} or change --subject so that only {stream} captures it", a.stream),
                         }),
-                        Ok(_) => {
+                        Ok(a) => {
                             refusals.store(0, Ordering::Relaxed);
+                            if a.duplicate {
+                                // A republished event the stream already held (an earlier
+                                // life's, or one sent before a lost connection): stored once.
+                                crate::telemetry::get().events_deduplicated.inc();
+                            }
                             Ok(())
                         }
                         Err(e) => {
