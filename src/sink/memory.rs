@@ -2,24 +2,59 @@
 //! confirmed (what a consumer bound from the start would see, duplicates included), counts
 //! connects and publishes, and fails on request — refusing events a predicate picks, as a
 //! broker returns or nacks them, or failing the next connects — so recovery can be driven
-//! without a broker. Confirmations are immediate.
+//! without a broker. Confirmations are immediate, or held on request
+//! ([`MemoryHandle::hold_confirms`]) until the test confirms or fails each one, in any order: a
+//! broker whose confirms arrive late or out of order.
 
 use super::{Delivery, Sink, SinkError};
 use crate::event::OutboxEvent;
 use futures::FutureExt;
 use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::oneshot;
 
 /// Picks the events to refuse, with the reason to give.
 type Refuse = Box<dyn Fn(&OutboxEvent) -> Option<String> + Send>;
 
+/// A confirmation the test has not given yet.
+struct Held {
+    event: OutboxEvent,
+    answer: oneshot::Sender<Result<(), SinkError>>,
+}
+
 #[derive(Default)]
 struct Shared {
     confirmed: Vec<OutboxEvent>,
+    /// Ids of every event handed to the sink, in order (republishes included).
+    published: Vec<uuid::Uuid>,
     connects: u64,
     publishes: u64,
     refusals: u64,
     refuse: Option<Refuse>,
     failing_connects: u32,
+    hold: bool,
+    held: Vec<Held>,
+    /// The most confirmations outstanding at once.
+    most_held: usize,
+}
+
+impl Shared {
+    /// Forgets confirmations nobody waits for any more (the relay dropped them on a reconnect).
+    fn prune(&mut self) {
+        self.held.retain(|h| !h.answer.is_closed());
+    }
+
+    /// Answers the oldest outstanding confirmation of `id`; false when there is none.
+    fn answer(&mut self, id: uuid::Uuid, verdict: Result<(), SinkError>) -> bool {
+        self.prune();
+        let Some(i) = self.held.iter().position(|h| h.event.id == id) else {
+            return false;
+        };
+        let h = self.held.remove(i);
+        if verdict.is_ok() {
+            self.confirmed.push(h.event);
+        }
+        h.answer.send(verdict).is_ok()
+    }
 }
 
 /// The sink; [`MemorySink::new`] also returns the handle a test inspects and steers it with.
@@ -65,6 +100,39 @@ impl MemoryHandle {
         lock(&self.shared).failing_connects = n;
     }
 
+    /// From now on confirmations wait for [`MemoryHandle::confirm`] or [`MemoryHandle::fail`].
+    pub fn hold_confirms(&self) {
+        lock(&self.shared).hold = true;
+    }
+
+    /// Ids of the events whose confirmation is outstanding, oldest first.
+    pub fn held(&self) -> Vec<uuid::Uuid> {
+        let mut s = lock(&self.shared);
+        s.prune();
+        s.held.iter().map(|h| h.event.id).collect()
+    }
+
+    /// The most confirmations that were outstanding at once.
+    pub fn most_held(&self) -> usize {
+        lock(&self.shared).most_held
+    }
+
+    /// Confirms the oldest outstanding publish of `id`; false when none is outstanding.
+    pub fn confirm(&self, id: uuid::Uuid) -> bool {
+        lock(&self.shared).answer(id, Ok(()))
+    }
+
+    /// Nacks the oldest outstanding publish of `id` (a retryable rejection).
+    pub fn fail(&self, id: uuid::Uuid, reason: &str) -> bool {
+        let e = SinkError::Rejected(format!("message {id} was nacked: {reason}"));
+        lock(&self.shared).answer(id, Err(e))
+    }
+
+    /// Ids of every event handed to the sink, in order (republishes included).
+    pub fn published_ids(&self) -> Vec<uuid::Uuid> {
+        lock(&self.shared).published.clone()
+    }
+
     /// Ids of the confirmed events, in confirmation order (duplicates included).
     pub fn confirmed_ids(&self) -> Vec<uuid::Uuid> {
         lock(&self.shared).confirmed.iter().map(|e| e.id).collect()
@@ -105,6 +173,22 @@ impl Sink for MemorySink {
     async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
         let mut s = lock(&self.shared);
         s.publishes += 1;
+        s.published.push(event.id);
+        if s.hold {
+            let (answer, rx) = oneshot::channel();
+            s.held.push(Held {
+                event: event.clone(),
+                answer,
+            });
+            s.prune();
+            s.most_held = s.most_held.max(s.held.len());
+            let confirm = async move {
+                rx.await.unwrap_or_else(|_| {
+                    Err(SinkError::Connection("the memory sink is gone".into()))
+                })
+            };
+            return Ok(Delivery::Pending(confirm.boxed()));
+        }
         let refused = s.refuse.as_ref().and_then(|f| f(event));
         let verdict = match refused {
             Some(reason) => {

@@ -10,7 +10,7 @@
 //! the process dies, however it dies. (The lock is not on `PATH` itself: every write renames a
 //! new file over it, and a lock stays with the old one.)
 
-use super::{Lease, StateStore};
+use super::{Lease, StateStore, Stored};
 use crate::event::Checkpoint;
 use crate::Error;
 use serde::{Deserialize, Serialize};
@@ -256,6 +256,15 @@ impl FileStore {
         self.content.snapshot_key.as_deref()
     }
 
+    /// A store on `path` that holds no lock yet: [`StateStore::acquire`] takes it.
+    pub fn open(path: &Path) -> FileStore {
+        FileStore {
+            path: path.to_path_buf(),
+            lock: None,
+            content: OffsetFile::new(""),
+        }
+    }
+
     /// Takes the lock (refused while another relay holds it), reads the file and records this
     /// start. Returns the lease and the stored position (on a first start, the one an earlier,
     /// interrupted run of it started from, if it got that far).
@@ -264,6 +273,17 @@ impl FileStore {
         name: &str,
         holder: &str,
     ) -> Result<(FileStore, Lease, Option<Checkpoint>), Error> {
+        let mut store = FileStore::open(path);
+        let (lease, stored) = store.take_lease(name, holder)?;
+        Ok((store, lease, stored))
+    }
+
+    fn take_lease(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        let path = self.path.as_path();
         let lock = lock(path)?;
         let mut content = read(path, name)?.unwrap_or_else(|| OffsetFile::new(name));
         if let Some(prev) = &content.holder {
@@ -281,15 +301,9 @@ impl FileStore {
             replay_since: None,
         };
         let stored = content.position();
-        Ok((
-            FileStore {
-                path: path.to_path_buf(),
-                lock: Some(lock),
-                content,
-            },
-            lease,
-            stored,
-        ))
+        self.lock = Some(lock);
+        self.content = content;
+        Ok((lease, stored))
     }
 
     /// Replaces the stored position by `marker`, as [`crate::state::mysql::mark_lost`] does.
@@ -339,6 +353,25 @@ pub fn set_position(path: &Path, name: &str, cp: &Checkpoint) -> Result<(), Erro
 }
 
 impl StateStore for FileStore {
+    async fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        self.take_lease(name, holder)
+    }
+
+    async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
+        Ok(read(&self.path, name)?.map(|f| Stored {
+            position: f.position(),
+            initialized: f.initialized,
+            snapshot_key: f.snapshot_key.clone(),
+            // The file keeps no commit times: recovery through the table replays from the
+            // fallback (see connector::replay_start).
+            commit: Default::default(),
+        }))
+    }
+
     async fn renew(
         &mut self,
         _lease: &Lease,

@@ -5,7 +5,7 @@
 //! a regression in the relay's ordering shows up in tests and on dashboards instead of being
 //! absorbed.
 
-use super::{DurableCommit, Lease, StateStore};
+use super::{DurableCommit, Lease, StateStore, Stored};
 use crate::event::Checkpoint;
 use crate::Error;
 
@@ -40,6 +40,34 @@ impl<S> ForwardOnly<S> {
 }
 
 impl<S: StateStore> StateStore for ForwardOnly<S> {
+    async fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        let (lease, at) = self.inner.acquire(name, holder).await?;
+        // What the store holds is a floor for this run too.
+        if let Some(p) = &at {
+            if self.stored.as_ref().is_none_or(|cur| p.is_after(cur)) {
+                self.stored = Some(p.clone());
+            }
+        }
+        Ok((lease, at))
+    }
+
+    async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
+        self.inner.load(name).await
+    }
+
+    async fn store_start(
+        &mut self,
+        lease: &Lease,
+        start: &Checkpoint,
+        done: bool,
+    ) -> Result<(), Error> {
+        self.inner.store_start(lease, start, done).await
+    }
+
     async fn renew(
         &mut self,
         lease: &Lease,
@@ -61,6 +89,12 @@ impl<S: StateStore> StateStore for ForwardOnly<S> {
     async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
         self.inner.release(lease).await
     }
+
+    // Forwarded: the keeper calls it on this wrapper when a renewal timed out, and the store
+    // inside must drop the session that stalled (the Postgres store keeps one otherwise).
+    fn abandon(&mut self) {
+        self.inner.abandon()
+    }
 }
 
 #[cfg(test)]
@@ -74,6 +108,18 @@ mod tests {
     }
 
     impl StateStore for Recorder {
+        async fn acquire(
+            &mut self,
+            _name: &str,
+            _holder: &str,
+        ) -> Result<(Lease, Option<Checkpoint>), Error> {
+            Ok((lease(), None))
+        }
+
+        async fn load(&mut self, _name: &str) -> Result<Option<Stored>, Error> {
+            Ok(None)
+        }
+
         async fn renew(
             &mut self,
             _lease: &Lease,

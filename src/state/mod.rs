@@ -5,6 +5,7 @@
 
 pub mod file;
 pub mod forward;
+pub mod memory;
 pub mod mysql;
 pub mod postgres;
 
@@ -12,8 +13,12 @@ use crate::event::Checkpoint;
 use crate::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{watch, Notify};
+// The tokio clock, not std's: outside paused-time tests it is the same monotonic clock (it keeps
+// running while the process is stopped), and under `start_paused` the lease, the fence and the
+// keeper's self-fencing follow the test's virtual time, so they can be tested in milliseconds.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// How long a lease lasts without renewal; a relay renews it about every second.
@@ -70,7 +75,8 @@ impl Fence {
     }
 
     /// A renewal sent at `at` succeeded (an older instant than the recorded one is ignored).
-    pub fn renewed(&self, at: Instant) {
+    pub fn renewed(&self, at: impl Into<Instant>) {
+        let at: Instant = at.into();
         let ns = at.saturating_duration_since(self.0.base).as_nanos() as u64 + 1;
         self.0.renewed.fetch_max(ns, Ordering::AcqRel);
         self.0.changed.notify_waiters();
@@ -230,10 +236,41 @@ pub struct Lease {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-/// What the lease keeper needs from a state store: renew the lease (storing a newer position
-/// with it, never an older one) and give it up. A store reconnects by itself on the next call
-/// after a failure.
+/// What a state store holds for a relay name, as a start reads it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// The end of the last transaction whose events were all confirmed (Postgres: what the
+    /// row holds; the slot may be ahead of it).
+    pub position: Option<Checkpoint>,
+    /// A finished first start is on record: later starts resume from the position.
+    pub initialized: bool,
+    /// How far an unfinished first start's snapshot got (the last row whose publication is
+    /// durable).
+    pub snapshot_key: Option<String>,
+    /// What is known of the position's commit: where a recovery through the table replays from.
+    pub commit: DurableCommit,
+}
+
+/// The one interface to a relay's state, whatever keeps it (the source database's
+/// `outboxd_state`, an offset file, memory in tests): take the lease, read what is stored,
+/// renew the lease (storing a newer position with it, never an older one), record a first
+/// start, and give the lease up. A store reconnects by itself on the next call after a failure.
 pub trait StateStore: Send {
+    /// Takes the lease of relay `name` for `holder`, creating its record on first use (a new
+    /// epoch: the previous holder's writes are refused from now on). `Error::LeaseHeld` while
+    /// another live process holds it. Returns the lease and the stored position.
+    fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> impl std::future::Future<Output = Result<(Lease, Option<Checkpoint>), Error>> + Send;
+
+    /// What is stored for relay `name`; `None` when it has no record yet.
+    fn load(
+        &mut self,
+        name: &str,
+    ) -> impl std::future::Future<Output = Result<Option<Stored>, Error>> + Send;
+
     /// Renews the lease; stores `position` (and what is known of its commit) when given.
     fn renew(
         &mut self,

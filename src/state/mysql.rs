@@ -8,7 +8,7 @@
 //! turns a transaction that only wrote this table into a checkpoint, so a stored position is
 //! always one another transaction moved, and storing it causes no further write.
 
-use super::{holder_is_dead_locally, Lease, StateStore, LEASE_TTL};
+use super::{holder_is_dead_locally, Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint};
 use crate::Error;
@@ -534,6 +534,43 @@ fn no_answer() -> Error {
 }
 
 impl StateStore for MyStateStore {
+    // Not bounded by STATEMENT_TIMEOUT: relays starting together wait for each other's row
+    // lock here, and a start has no lease to keep yet.
+    async fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        let mut conn = self.take_conn().await?;
+        let r = acquire(&mut conn, name, holder).await;
+        // A refusal rolled its transaction back: the session is clean for the next attempt
+        // (a standby retries on it every renewal period).
+        if matches!(r, Err(Error::LeaseHeld(_))) {
+            self.conn = Some(conn);
+        } else {
+            self.put_back(conn, &r);
+        }
+        r
+    }
+
+    async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
+        let mut conn = self.take_conn().await?;
+        let r = async {
+            let Some(row) = load(&mut conn, name).await? else {
+                return Ok(None);
+            };
+            Ok(Some(Stored {
+                position: row.position,
+                initialized: row.initialized,
+                snapshot_key: load_snapshot_key(&mut conn, name).await?,
+                commit: load_commit(&mut conn, name).await?,
+            }))
+        }
+        .await;
+        self.put_back(conn, &r);
+        r
+    }
+
     async fn renew(
         &mut self,
         lease: &Lease,

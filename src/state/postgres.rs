@@ -1,7 +1,7 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
-use super::{holder_is_dead_locally, Lease, StateStore, LEASE_TTL};
+use super::{holder_is_dead_locally, Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
 use crate::Error;
@@ -12,8 +12,11 @@ pub struct PgStateStore {
     dsn: DbDsn,
     app: String,
     client: Option<Client>,
-    /// The slot whose retained WAL is reported as a metric, every few renewals.
+    /// The slot whose retained WAL is reported as a metric, every few renewals (and which
+    /// [`StateStore::acquire`] records for the relay name).
     slot: Option<String>,
+    /// The publication [`StateStore::acquire`] records for the relay name.
+    publication: Option<String>,
     renewals: u64,
     /// Told every position this store has written: the source confirms to the slot only
     /// what the row already holds.
@@ -30,6 +33,7 @@ impl PgStateStore {
             app,
             client: None,
             slot: None,
+            publication: None,
             renewals: 0,
             stored: None,
             server_stopping: None,
@@ -60,11 +64,16 @@ impl PgStateStore {
         self
     }
 
-    async fn client(&mut self) -> Result<&Client, Error> {
+    pub fn with_publication(mut self, publication: &str) -> Self {
+        self.publication = Some(publication.to_string());
+        self
+    }
+
+    async fn client(&mut self) -> Result<&mut Client, Error> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
             self.client = Some(crate::source::postgres::connect_sql(&self.dsn, &self.app).await?);
         }
-        Ok(self.client.as_ref().expect("connected above"))
+        Ok(self.client.as_mut().expect("connected above"))
     }
 
     async fn renew_once(
@@ -118,6 +127,36 @@ impl PgStateStore {
 }
 
 impl StateStore for PgStateStore {
+    /// Needs [`PgStateStore::with_slot`] and [`PgStateStore::with_publication`]: the row
+    /// records both, and refuses a relay name that uses another slot.
+    async fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        let (Some(slot), Some(publication)) = (self.slot.clone(), self.publication.clone()) else {
+            return Err(Error::Other(
+                "a Postgres state store takes a lease only for a slot and a publication".into(),
+            ));
+        };
+        let client = self.client().await?;
+        let lease = acquire(client, name, &slot, &publication, holder).await?;
+        let at = load(client, name).await?.and_then(|row| row.position_lsn);
+        Ok((lease, at.map(Checkpoint::Lsn)))
+    }
+
+    async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
+        Ok(load(self.client().await?, name).await?.map(|row| Stored {
+            position: row.position_lsn.map(Checkpoint::Lsn),
+            initialized: row.initialized,
+            snapshot_key: row.snapshot_key,
+            commit: DurableCommit {
+                commit_at: row.position_commit_at,
+                max_gap_ms: row.commit_gap_ms,
+            },
+        }))
+    }
+
     async fn renew(
         &mut self,
         lease: &Lease,

@@ -1,0 +1,320 @@
+//! An in-memory [`StateStore`] for tests of the lease keeper and the relay in one process. It
+//! owns one relay's record — lease (holder, epoch, expiry on the tokio clock), position, first
+//! start, snapshot progress — with the rules of the real stores: a new epoch per acquisition,
+//! writes only from the current epoch's holder. It records every position it was asked to
+//! store, and a position older than the stored one is a relay bug here, not a no-op: it panics,
+//! so a test that lets one through fails where the SQL stores would silently ignore it.
+//! Renewals fail on request (to drive self-fencing). [`MemoryStore::new`] also returns a
+//! handle that shares the record, for inspection while the store is owned by a lease keeper.
+
+use super::{DurableCommit, Lease, StateStore, Stored, LEASE_TTL};
+use crate::event::Checkpoint;
+use crate::Error;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::time::Instant;
+
+#[derive(Debug, Default)]
+struct Record {
+    name: Option<String>,
+    epoch: i64,
+    holder: Option<String>,
+    expires: Option<Instant>,
+    position: Option<Checkpoint>,
+    initialized: bool,
+    snapshot_key: Option<String>,
+    commit: DurableCommit,
+    /// Every position stored, in the order written (snapshot marks included).
+    history: Vec<Checkpoint>,
+    fail_renewals: bool,
+    renewals: u64,
+    failed_renewals: u64,
+    releases: u64,
+}
+
+/// The store; clones of its [`MemoryStoreHandle`] see the same record.
+pub struct MemoryStore {
+    shared: Arc<Mutex<Record>>,
+}
+
+/// The test's side of a [`MemoryStore`].
+#[derive(Clone)]
+pub struct MemoryStoreHandle {
+    shared: Arc<Mutex<Record>>,
+}
+
+fn lock(s: &Mutex<Record>) -> MutexGuard<'_, Record> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl MemoryStore {
+    pub fn new() -> (MemoryStore, MemoryStoreHandle) {
+        let shared = Arc::new(Mutex::new(Record::default()));
+        (
+            MemoryStore {
+                shared: shared.clone(),
+            },
+            MemoryStoreHandle { shared },
+        )
+    }
+
+    /// Another store on the same record: what a restarted relay (or a second one) opens.
+    pub fn reopen(handle: &MemoryStoreHandle) -> MemoryStore {
+        MemoryStore {
+            shared: handle.shared.clone(),
+        }
+    }
+}
+
+impl MemoryStoreHandle {
+    /// Every renewal fails (a retryable error) until called with `false`.
+    pub fn fail_renewals(&self, fail: bool) {
+        lock(&self.shared).fail_renewals = fail;
+    }
+
+    /// Every position stored, in the order written.
+    pub fn positions(&self) -> Vec<Checkpoint> {
+        lock(&self.shared).history.clone()
+    }
+
+    /// The stored position.
+    pub fn position(&self) -> Option<Checkpoint> {
+        lock(&self.shared).position.clone()
+    }
+
+    pub fn epoch(&self) -> i64 {
+        lock(&self.shared).epoch
+    }
+
+    /// The lease holder; `None` once released.
+    pub fn holder(&self) -> Option<String> {
+        lock(&self.shared).holder.clone()
+    }
+
+    pub fn initialized(&self) -> bool {
+        lock(&self.shared).initialized
+    }
+
+    /// Renewals attempted, and how many of them failed.
+    pub fn renewals(&self) -> (u64, u64) {
+        let r = lock(&self.shared);
+        (r.renewals, r.failed_renewals)
+    }
+
+    pub fn releases(&self) -> u64 {
+        lock(&self.shared).releases
+    }
+}
+
+fn lost(lease: &Lease) -> Error {
+    Error::Leadership(format!(
+        "lease of relay {:?} lost: another relay took epoch {} over",
+        lease.name, lease.epoch
+    ))
+}
+
+impl Record {
+    /// Whether `lease` is the current one: its epoch and holder.
+    fn holds(&self, lease: &Lease) -> bool {
+        self.epoch == lease.epoch && self.holder.as_deref() == Some(lease.holder.as_str())
+    }
+
+    /// Stores `p`, which must not be older than the stored position.
+    fn store(&mut self, p: &Checkpoint) {
+        self.history.push(p.clone());
+        if let Checkpoint::Snapshot { key, .. } = p {
+            // As in the SQL stores: snapshot progress is its own column, not the position.
+            self.snapshot_key = Some(key.clone());
+            return;
+        }
+        if let Some(cur) = &self.position {
+            let order = cur.compare(p);
+            assert!(
+                matches!(
+                    order,
+                    Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+                ),
+                "MemoryStore: position {p} stored over {cur} moves it backwards (or is not comparable): positions only move forward"
+            );
+        }
+        self.position = Some(p.clone());
+    }
+}
+
+impl StateStore for MemoryStore {
+    async fn acquire(
+        &mut self,
+        name: &str,
+        holder: &str,
+    ) -> Result<(Lease, Option<Checkpoint>), Error> {
+        let mut r = lock(&self.shared);
+        if let Some(owner) = r.name.as_deref().filter(|n| *n != name) {
+            return Err(Error::config(
+                format!("this memory store holds the state of relay {owner:?}, not {name:?}"),
+                "give each relay name its own store",
+            ));
+        }
+        let live = r.expires.is_some_and(|e| e > Instant::now());
+        if let Some(h) = r.holder.as_deref().filter(|h| live && *h != holder) {
+            return Err(Error::LeaseHeld(format!(
+                "relay {name:?} is already running: lease held by {h}"
+            )));
+        }
+        r.name = Some(name.to_string());
+        r.epoch += 1;
+        r.holder = Some(holder.to_string());
+        r.expires = Some(Instant::now() + LEASE_TTL);
+        let lease = Lease {
+            name: name.to_string(),
+            holder: holder.to_string(),
+            epoch: r.epoch,
+            first_start: !r.initialized,
+            replay_since: None,
+        };
+        Ok((lease, r.position.clone()))
+    }
+
+    async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
+        let r = lock(&self.shared);
+        Ok((r.name.as_deref() == Some(name)).then(|| Stored {
+            position: r.position.clone(),
+            initialized: r.initialized,
+            snapshot_key: r.snapshot_key.clone(),
+            commit: r.commit.clone(),
+        }))
+    }
+
+    async fn renew(
+        &mut self,
+        lease: &Lease,
+        position: Option<&Checkpoint>,
+        commit: &DurableCommit,
+    ) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        r.renewals += 1;
+        if r.fail_renewals {
+            r.failed_renewals += 1;
+            return Err(Error::source("injected renewal failure", true));
+        }
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        r.expires = Some(Instant::now() + LEASE_TTL);
+        if let Some(p) = position {
+            r.store(p);
+        }
+        // Like the SQL stores: commit time and gap only grow.
+        r.commit.commit_at = r.commit.commit_at.max(commit.commit_at);
+        r.commit.max_gap_ms = r.commit.max_gap_ms.max(commit.max_gap_ms);
+        Ok(())
+    }
+
+    async fn store_start(
+        &mut self,
+        lease: &Lease,
+        start: &Checkpoint,
+        done: bool,
+    ) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        // A restarted first start keeps the position its first run stored.
+        if r.position.is_none() {
+            r.store(start);
+        }
+        r.initialized |= done;
+        Ok(())
+    }
+
+    async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        r.initialized = true;
+        r.snapshot_key = None;
+        Ok(())
+    }
+
+    async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if r.holds(lease) {
+            r.holder = None;
+            r.expires = None;
+            r.releases += 1;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn commit() -> DurableCommit {
+        DurableCommit::default()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leases_epochs_and_positions_follow_the_real_stores_rules() {
+        let (mut a, h) = MemoryStore::new();
+        let (lease, at) = a.acquire("r1", "a").await.unwrap();
+        assert_eq!((lease.epoch, lease.first_start, at), (1, true, None));
+        // Held and live: refused; another name: refused.
+        let mut b = MemoryStore::reopen(&h);
+        assert!(matches!(
+            b.acquire("r1", "b").await,
+            Err(Error::LeaseHeld(_))
+        ));
+        assert!(matches!(
+            b.acquire("r2", "b").await,
+            Err(Error::Config { .. })
+        ));
+        a.store_start(&lease, &Checkpoint::Lsn(10), false)
+            .await
+            .unwrap();
+        a.renew(&lease, Some(&Checkpoint::Lsn(20)), &commit())
+            .await
+            .unwrap();
+        a.mark_initialized(&lease).await.unwrap();
+        assert_eq!(h.positions(), [Checkpoint::Lsn(10), Checkpoint::Lsn(20)]);
+        // Expired (no renewal for the lease's TTL): taken over, and the old epoch is refused.
+        tokio::time::advance(LEASE_TTL).await;
+        let (lease_b, at) = b.acquire("r1", "b").await.unwrap();
+        assert_eq!((lease_b.epoch, lease_b.first_start), (2, false));
+        assert_eq!(at, Some(Checkpoint::Lsn(20)));
+        assert!(matches!(
+            a.renew(&lease, Some(&Checkpoint::Lsn(30)), &commit()).await,
+            Err(Error::Leadership(_))
+        ));
+        assert_eq!(h.position(), Some(Checkpoint::Lsn(20)));
+        // Injected failures are counted and store nothing.
+        h.fail_renewals(true);
+        assert!(b
+            .renew(&lease_b, Some(&Checkpoint::Lsn(40)), &commit())
+            .await
+            .is_err());
+        h.fail_renewals(false);
+        b.renew(&lease_b, Some(&Checkpoint::Lsn(50)), &commit())
+            .await
+            .unwrap();
+        assert_eq!(h.renewals(), (4, 1));
+        assert_eq!(h.position(), Some(Checkpoint::Lsn(50)));
+        b.release(&lease_b).await.unwrap();
+        assert_eq!((h.holder(), h.releases()), (None, 1));
+        let stored = b.load("r1").await.unwrap().unwrap();
+        assert!(stored.initialized);
+        assert_eq!(stored.position, Some(Checkpoint::Lsn(50)));
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "moves it backwards")]
+    async fn a_backwards_store_panics() {
+        let (mut s, _h) = MemoryStore::new();
+        let (lease, _) = s.acquire("r1", "a").await.unwrap();
+        s.renew(&lease, Some(&Checkpoint::Lsn(20)), &commit())
+            .await
+            .unwrap();
+        let _ = s.renew(&lease, Some(&Checkpoint::Lsn(19)), &commit()).await;
+    }
+}
