@@ -295,14 +295,32 @@ pub async fn run_postgres(
             lease.first_start = false;
             lease.replay_since = None;
         } else {
-            // An earlier run of this first start got this far through the snapshot.
-            snapshot_after = state::postgres::load(&sql, &cfg.name)
-                .await?
-                .and_then(|row| row.snapshot_key)
-                .and_then(|k| snapshot::SnapshotKey::decode(&k));
+            let row = state::postgres::load(&sql, &cfg.name).await?;
+            if lease.replay_since.is_none()
+                && row.as_ref().is_some_and(|r| r.position_lsn.is_some())
+            {
+                // A stream position is stored only once the snapshot's end was acknowledged:
+                // an earlier run finished this first start and was killed before marking it
+                // done. Publishing the table again would only repeat it.
+                tracing::info!(
+                    "first start: an earlier run finished the snapshot; marking it done"
+                );
+                state::postgres::mark_initialized(&sql, &lease).await?;
+                lease.first_start = false;
+                plan.clear();
+            } else {
+                // An earlier run of this first start got this far through the snapshot.
+                snapshot_after = row
+                    .and_then(|row| row.snapshot_key)
+                    .and_then(|k| snapshot::SnapshotKey::decode(&k));
+            }
         }
     }
     state::postgres::record_slot_start(&sql, &lease, start, created_slot).await?;
+    // The snapshot's progress marks sort before every stream position, the start included: a
+    // run that publishes one has no floor but its own marks (the keeper's ForwardOnly).
+    let snapshot_pending = (lease.first_start || lease.replay_since.is_some())
+        && plan.iter().any(|(_, p)| *p != SnapshotPlan::Nothing);
 
     let source_cfg = PgSourceConfig {
         dsn: dsn.clone(),
@@ -327,7 +345,7 @@ pub async fn run_postgres(
         .with_slot(&cfg.slot)
         .with_stored(stored_tx)
         .with_server_stopping(stopping_tx);
-    let resumed = Some(Checkpoint::Lsn(start));
+    let resumed = (!snapshot_pending).then_some(Checkpoint::Lsn(start));
     drive(&cfg, store, lease, None, resumed, commits_rx, move |link| {
         pg::run(
             source_cfg,
@@ -867,7 +885,9 @@ pub async fn run_mysql(
         mariadb: settings.mariadb,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let resumed = Some(start.checkpoint());
+    // As for Postgres: a run that publishes a snapshot stores its marks first, which sort
+    // before the start position.
+    let resumed = (!matches!(first, my::FirstStart::Snapshot(_))).then(|| start.checkpoint());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
     match file_store {
         Some(store) => drive(&cfg, store, lease, store_first, resumed, commits_rx, source).await,

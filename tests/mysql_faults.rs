@@ -50,11 +50,12 @@ fn args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
 }
 
 async fn start_streaming(db: &MyDb, args: &[&str]) -> Relay {
-    let relay = Relay::start(args);
-    wait_for("the relay's binlog dump to be connected", T, || {
-        db.streaming()
-    })
-    .await;
+    let mut relay = Relay::start(args);
+    relay
+        .wait_running("the relay's binlog dump to be connected", T, || {
+            db.streaming()
+        })
+        .await;
     relay
 }
 

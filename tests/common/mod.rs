@@ -342,6 +342,36 @@ impl Relay {
         lines
     }
 
+    /// Polls `cond` like [`wait_for`] while the relay runs: panics at once if the relay exits,
+    /// and on timeout, showing its stderr either way (a relay that died or hangs at startup
+    /// says where).
+    pub async fn wait_running<F, Fut>(&mut self, what: &str, timeout: Duration, mut cond: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if cond().await {
+                return;
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                self.join_readers();
+                panic!(
+                    "outboxd exited ({status}) while waiting for: {what}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out after {timeout:?} waiting for: {what}; the relay's stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Waits until stderr holds every one of `needles`; on timeout, panics showing stderr.
     pub async fn wait_for_stderr(&self, needles: &[&str], timeout: Duration) {
         let deadline = Instant::now() + timeout;
