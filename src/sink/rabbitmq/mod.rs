@@ -1,0 +1,272 @@
+//! The RabbitMQ sink (docs/message-format.md): every event becomes one persistent, `mandatory` message on
+//! the topic exchange `<exchange>` with the topic as routing key, and counts as durable only
+//! when the broker acknowledged it without returning it first. Events that cannot be messages
+//! (poison) become body-less records on the queue `<exchange>.dead`. Recovery is not done here:
+//! on any failure the relay calls [`Sink::connect`] again, which builds a fresh connection and
+//! channel, and republishes what was unconfirmed, so lapin's own auto-recovery stays off.
+//!
+//! Topology (declared with `--declare auto`, checked with `passive`, left alone with `off`):
+//!
+//! - `<exchange>`: durable topic exchange, argument `alternate-exchange = <exchange>.unrouted`;
+//! - `<exchange>.unrouted`: durable fanout exchange, bound to the durable queue of the same
+//!   name, so an event no queue wants is kept rather than dropped or returned;
+//! - `<exchange>.dead`: durable queue for poison records, published to through the default
+//!   exchange (routing key = queue name). The default exchange needs no declaration or
+//!   binding and cannot be misrouted, so a dead record reaches that queue or is returned.
+//!
+//! With `--partitions N` (or `--group-partitions`) every message also carries its partition
+//! headers, and the relay's own partition layout is declared after the above (see
+//! [`super::topology`] and [`super::partition`]).
+//!
+//! Confirms are pipelined (the relay bounds the window). lapin attaches a `basic.return` to
+//! whichever confirmation it completes next, which under multiple-acks may be another message
+//! than the one returned, so returns are matched to events by `message_id` (= event id) in a
+//! per-channel tracker that settles every confirmation only after recording all returns that
+//! arrived with or before it.
+//!
+//! The folder keeps the concerns apart, so each can be read (and changed) without the
+//! others: `config` (what the command line hands over, checked once), `link` (one connection
+//! and its publishing channel, TLS included), `declare` (the topology, and what a refused
+//! declaration means for the operator), `encode` (one event as an AMQP message or a dead
+//! record), `confirms` (settling confirmations against returns). This file holds only the
+//! sink itself: construction and the [`Sink`] methods the relay calls, which tie the parts
+//! together in order.
+
+mod config;
+mod confirms;
+mod declare;
+mod encode;
+mod link;
+#[cfg(test)]
+mod tests;
+
+pub use config::{
+    validate_exchange, DeclareMode, RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES,
+};
+pub use encode::{json_to_amqp, table_size};
+
+use super::topology;
+use super::{Delivery, FlowControl, Sink, SinkError};
+use crate::dsn::redact;
+use crate::event::OutboxEvent;
+use confirms::{lock, Outcome};
+use encode::Outgoing;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use lapin::options::BasicPublishOptions;
+use lapin::uri::{AMQPScheme, AMQPUri};
+use link::{tls_config, Link};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::sync::oneshot;
+
+/// The sink. Create with [`RabbitSink::new`]; the relay calls `connect` before publishing.
+pub struct RabbitSink {
+    cfg: RabbitConfig,
+    uri: AMQPUri,
+    /// The TLS client configuration of an `amqps://` sink; `None` for `amqp://`.
+    tls: Option<Arc<rustls::ClientConfig>>,
+    redacted: String,
+    link: Option<Link>,
+    flow: Arc<FlowControl>,
+    /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
+    /// declared (or checked) once, on a connection of its own.
+    known_exchanges: HashSet<String>,
+}
+
+impl RabbitSink {
+    /// Parses the URL and loads the TLS files; connects only in [`Sink::connect`].
+    pub fn new(cfg: RabbitConfig) -> Result<RabbitSink, crate::Error> {
+        let redacted = redact(&cfg.url);
+        let url = url::Url::parse(&cfg.url).map_err(|e| {
+            crate::Error::config(
+                format!("cannot parse the sink {redacted}: {e}"),
+                "use amqp://user@host:5672/vhost (amqps:// for TLS)",
+            )
+        })?;
+        let mut uri: AMQPUri = cfg.url.parse().map_err(|e: String| {
+            crate::Error::config(
+                format!(
+                    "cannot parse the sink {redacted}: {}",
+                    e.replace(&cfg.url, &redacted)
+                ),
+                "use amqp://user@host:5672/vhost (amqps:// for TLS)",
+            )
+        })?;
+        // lapin takes the host from `Url::domain`, which is empty for IP addresses (it then
+        // falls back to "localhost", possibly ::1): use the host as written.
+        if let Some(host) = url.host_str() {
+            uri.authority.host = host.trim_start_matches('[').trim_end_matches(']').into();
+        }
+        // `amqp://host/` means the vhost "" by the URI spec, which no broker has; everyone
+        // who writes it means the default vhost.
+        if uri.vhost.is_empty() {
+            uri.vhost = "/".into();
+        }
+        // TLS files: the flags win over the URL's query parameters (RabbitMQ's URI names).
+        let mut cfg = cfg;
+        for (k, v) in url.query_pairs() {
+            let slot = match k.as_ref() {
+                "cacertfile" => &mut cfg.ca_file,
+                "certfile" => &mut cfg.cert_file,
+                "keyfile" => &mut cfg.key_file,
+                _ => continue,
+            };
+            if slot.is_none() {
+                *slot = Some(PathBuf::from(v.as_ref()));
+            }
+        }
+        let tls = tls_config(&cfg, uri.scheme == AMQPScheme::AMQPS)?;
+        if cfg.partitioning.partitions > 0 {
+            topology::validate_name("--exchange", &cfg.exchange)?;
+        }
+        Ok(RabbitSink {
+            cfg,
+            uri,
+            tls,
+            redacted,
+            link: None,
+            flow: Arc::default(),
+            known_exchanges: HashSet::new(),
+        })
+    }
+}
+
+impl Sink for RabbitSink {
+    fn name(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn stores_position(&self) -> bool {
+        true
+    }
+
+    fn flow_control(&self) -> Option<Arc<FlowControl>> {
+        Some(self.flow.clone())
+    }
+
+    fn is_broken(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_none_or(|l| l.state.borrow().error.is_some())
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        // Always a fresh connection: the old one (if any) is closed by dropping it, and its
+        // unsettled confirmations with it.
+        self.link = None;
+        self.flow.unblock();
+        let link = match tokio::time::timeout(self.cfg.op_timeout, self.open()).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "connecting to RabbitMQ at {} took longer than {:?}",
+                    self.redacted, self.cfg.op_timeout
+                )))
+            }
+        };
+        tracing::info!(
+            sink = %self.redacted,
+            exchange = %self.cfg.exchange,
+            declare = ?self.cfg.declare,
+            partitions = self.cfg.partitioning.partitions,
+            frame_max = link.conn.configuration().frame_max(),
+            "connected to RabbitMQ"
+        );
+        self.link = Some(link);
+        Ok(())
+    }
+
+    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
+        self.wait_until_writable().await?;
+        let route = if event.poison.is_some() {
+            Err(String::new())
+        } else {
+            self.route(event).await?
+        };
+        let link = self.link.as_ref().expect("checked by wait_until_writable");
+        let out = self.render(event, link.header_limit, route);
+        if let Some(reason) = &out.dead {
+            tracing::warn!(
+                id = %event.id,
+                position = %event.position,
+                reason = %reason,
+                queue = %out.routing_key,
+                "poison event: publishing a dead-letter record without the body"
+            );
+        }
+        let (done_tx, done_rx) = oneshot::channel();
+        let id = event.id;
+        let channel = link.channel.clone();
+        let Outgoing {
+            exchange,
+            routing_key,
+            body,
+            props,
+            ..
+        } = out;
+        let mut fut: BoxFuture<'static, Outcome> = async move {
+            let result = match channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    &body,
+                    props,
+                )
+                .await
+            {
+                Ok(confirm) => confirm.await,
+                Err(e) => Err(e),
+            };
+            Outcome {
+                id,
+                result,
+                done: done_tx,
+            }
+        }
+        .boxed();
+
+        // Start the publish here, under the tracker's lock: the first poll hands the frames to
+        // lapin (so they go out in the relay's order) and registers the delivery tag, and the
+        // confirmation is tracked before anything can settle it. The socket write and the
+        // confirmation then complete in the tracker's task, so publishing is pipelined.
+        {
+            let t = lock(&link.tracker);
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            // On a busy machine the whole round trip can finish inside this first poll; the
+            // outcome is then settled by the tracker like any other, after the returns that
+            // came before it.
+            if let Poll::Ready(outcome) = fut.poll_unpin(&mut cx) {
+                fut = futures::future::ready(outcome).boxed();
+            }
+            t.pending.push(fut);
+            if let Some(w) = &t.waker {
+                w.wake_by_ref();
+            }
+        }
+
+        // A write that does not finish is caught by the relay's confirm timeout; while the
+        // broker blocks the connection the confirmation may take as long as the alarm lasts.
+        Ok(Delivery::Pending(
+            async move {
+                done_rx.await.unwrap_or_else(|_| {
+                    Err(SinkError::Connection(
+                        "the RabbitMQ connection was replaced before the confirmation".into(),
+                    ))
+                })
+            }
+            .boxed(),
+        ))
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        // Every event is Pending until confirmed: nothing is buffered here.
+        Ok(())
+    }
+}
