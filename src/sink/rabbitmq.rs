@@ -66,7 +66,7 @@ const DEAD_VALUE_MAX: usize = 1024;
 const APP_ID: &str = "outboxd";
 
 /// How the sink treats the topology (`--declare`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeclareMode {
     /// Declare exchanges, queues and the binding (idempotent; needs configure permission).
     #[default]
@@ -1372,7 +1372,7 @@ mod tests {
     #[test]
     fn partition_headers_with_partitions_on() {
         let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
-        s.cfg.partitioning = crate::sink::partition::PartitionArgs {
+        s.cfg.partitioning = crate::sink::partition::PartitionSpec {
             partitions: 4,
             group_partitions: vec![3],
             ..Default::default()
