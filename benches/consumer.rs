@@ -228,7 +228,7 @@ fn prune_opts(table: &str) -> PruneOptions {
         pause: Duration::ZERO,
         dry_run: false,
         force: false,
-        mode: outboxd::cli::Mode::Cdc,
+        mode: outboxd::outbox::Mode::Cdc,
         consumer: None,
     }
 }

@@ -18,7 +18,7 @@
 //! prints its counters as one JSON line on stdout.
 
 use clap::Parser;
-use outboxd::consumer::cli::{ConsumeArgs, Database};
+use outboxd::commands::consumer::{ConsumeArgs, Database};
 use outboxd::consumer::mysql::{MyHandler, MyProcessor};
 use outboxd::consumer::postgres::{PgHandler, PgProcessor};
 use outboxd::consumer::runner::Runner;

@@ -89,7 +89,7 @@ pub struct RabbitOptions {
 }
 
 /// `--on-position-lost`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PositionLostPolicy {
     /// Stop with exit 3 and the fix.
     #[default]

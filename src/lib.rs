@@ -6,8 +6,7 @@
 //! the position and lease, and [`connector`] wiring them together for `outboxd run`.
 
 pub mod backoff;
-pub mod cli;
-pub mod config_file;
+pub mod commands;
 pub mod connector;
 pub mod consumer;
 pub mod crypto;

@@ -2,7 +2,7 @@
 //! command, and maps its result to the contract's exit codes.
 
 use clap::{CommandFactory, FromArgMatches};
-use outboxd::cli::{Cli, LogFormat};
+use outboxd::commands::{Cli, LogFormat};
 use outboxd::ExitStatus;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -24,7 +24,7 @@ fn main() -> ExitCode {
 fn try_main() -> anyhow::Result<()> {
     // The config file fills in the environment for flags it names, before clap reads both.
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    outboxd::config_file::apply(&Cli::command(), &argv)?;
+    outboxd::commands::config_file::apply(&Cli::command(), &argv)?;
     let matches = match Cli::command().try_get_matches_from(argv) {
         Ok(m) => m,
         Err(e) => {
@@ -35,7 +35,7 @@ fn try_main() -> anyhow::Result<()> {
     let cli = Cli::from_arg_matches(&matches)?;
     outboxd::telemetry::init_logging(&cli.log_level, cli.log_format == LogFormat::Json);
     let shutdown_timeout = match &cli.command {
-        outboxd::cli::Command::Run(a) => a.shutdown_timeout,
+        outboxd::commands::Command::Run(a) => a.shutdown_timeout,
         _ => std::time::Duration::from_secs(30),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -44,7 +44,7 @@ fn try_main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone(), shutdown_timeout));
-        outboxd::cli::execute(cli, &matches, shutdown).await
+        outboxd::commands::execute(cli, &matches, shutdown).await
     })?;
     Ok(())
 }

@@ -6,6 +6,16 @@ use crate::Error;
 use std::collections::BTreeMap;
 use uuid::Uuid;
 
+/// How the outbox is read (`--mode`): from the database's log, or by claiming rows from the
+/// table itself (which then carries a `status` column the relay stamps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Change data capture: the Postgres WAL or the MySQL/MariaDB binlog.
+    Cdc,
+    /// `SELECT … FOR UPDATE SKIP LOCKED` on the table, for databases without log access.
+    Poll,
+}
+
 /// Logical columns the relay knows, in the contract's names. `created_at` may be missing
 /// (Debezium's table has none): the commit time stands in for it.
 pub const REQUIRED: [&str; 4] = ["id", "aggregate_id", "topic", "payload"];

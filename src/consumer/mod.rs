@@ -29,7 +29,6 @@
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.
 
-pub mod cli;
 pub mod key;
 pub mod message;
 pub mod mysql;

@@ -19,8 +19,8 @@
 //! before it — in poll mode only rows already `published` (a pending one is still to be sent).
 
 use super::ConsumerError;
-use crate::cli::Mode;
 use crate::dsn::DbDsn;
+use crate::outbox::Mode;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use std::fmt;
 use std::time::{Duration, Instant};

@@ -93,7 +93,7 @@ pub struct BatchResult {
 }
 
 /// What happens to a message that failed `max_failures` times (`--on-poison`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnPoison {
     /// Stop the consumer, leaving the message in the queue (an operator fixes the cause).
     #[default]

@@ -9,7 +9,6 @@
 //! decrypt. Decryption reads the key id from the value and never tries keys in turn.
 
 pub mod blind;
-pub mod cli;
 pub mod envelope;
 pub mod error;
 pub mod keyring;

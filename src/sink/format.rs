@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 
 /// `--format`: the message body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BodyFormat {
     /// The payload column byte for byte (content type `application/json`, or the payload's
     /// own content type).

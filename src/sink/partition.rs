@@ -80,7 +80,7 @@ pub fn group_header(n: u32) -> String {
 }
 
 /// How partition queues are fed (`--partition-routing`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PartitionRouting {
     /// The relay computes the partition (murmur2, as Kafka) and sends it as a header; a
     /// headers exchange routes on it. Placement never depends on the broker's state.
@@ -92,7 +92,7 @@ pub enum PartitionRouting {
 }
 
 /// `x-queue-type` of partition queues (`--queue-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QueueType {
     #[default]
     Classic,
@@ -108,24 +108,13 @@ impl QueueType {
     }
 }
 
-/// The `run` flags for partitions (flattened into the RabbitMQ sink's flags).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct PartitionArgs {
-    /// Partition queues <exchange>.p0 … p<N-1>: every event of one aggregate goes to one of
-    /// them, in commit order (0 = off). The partition is Kafka's murmur2 of the aggregate id,
-    /// sent as header x-partition.
-    #[arg(long, env = "OUTBOXD_PARTITIONS", default_value_t = 0)]
+/// The partition settings as given (`--partitions`, `--group-partitions`, `--queue-type`,
+/// `--partition-routing`), before [`PartitionSpec::validate`] checks them.
+#[derive(Debug, Clone, Default)]
+pub struct PartitionSpec {
     pub partitions: u32,
-    /// Also send x-partition-<N> for each of these partition counts (comma separated), for
-    /// consumer groups declared with `outboxd topology --group NAME --partitions N`.
-    #[arg(long, env = "OUTBOXD_GROUP_PARTITIONS", value_delimiter = ',')]
     pub group_partitions: Vec<u32>,
-    /// x-queue-type of the partition queues this relay declares.
-    #[arg(long, env = "OUTBOXD_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
     pub queue_type: QueueType,
-    /// headers: the relay computes the partition; consistent-hash: RabbitMQ's plugin places
-    /// aggregates (its ring can move keys when the broker restarts).
-    #[arg(long, env = "OUTBOXD_PARTITION_ROUTING", value_enum, default_value_t = PartitionRouting::Headers)]
     pub partition_routing: PartitionRouting,
 }
 
@@ -151,7 +140,7 @@ fn check_count(n: u32, flag: &str) -> Result<(), crate::Error> {
     Ok(())
 }
 
-impl PartitionArgs {
+impl PartitionSpec {
     pub fn validate(&self) -> Result<Partitioning, crate::Error> {
         if self.partitions > MAX_PARTITIONS {
             check_count(self.partitions, "--partitions")?;
@@ -277,7 +266,7 @@ mod tests {
 
     #[test]
     fn headers_for_own_and_group_counts() {
-        let p = PartitionArgs {
+        let p = PartitionSpec {
             partitions: 4,
             group_partitions: vec![8, 4, 3],
             ..Default::default()
@@ -308,11 +297,11 @@ mod tests {
         );
         assert_eq!(h.len(), 4);
 
-        let off = PartitionArgs::default().validate().unwrap();
+        let off = PartitionSpec::default().validate().unwrap();
         assert!(off.headers("agg-7").is_empty());
         assert!(!off.sends_headers());
 
-        let groups_only = PartitionArgs {
+        let groups_only = PartitionSpec {
             group_partitions: vec![5],
             ..Default::default()
         }
@@ -322,7 +311,7 @@ mod tests {
         assert_eq!(h.len(), 1);
         assert_eq!(h[0].0.as_str(), "x-partition-5");
 
-        let ch = PartitionArgs {
+        let ch = PartitionSpec {
             partitions: 4,
             partition_routing: PartitionRouting::ConsistentHash,
             ..Default::default()
@@ -338,7 +327,7 @@ mod tests {
     #[test]
     fn invalid_counts_are_refused() {
         let bad = |partitions, groups: Vec<u32>, routing| {
-            PartitionArgs {
+            PartitionSpec {
                 partitions,
                 group_partitions: groups,
                 queue_type: QueueType::Classic,

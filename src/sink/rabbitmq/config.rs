@@ -22,7 +22,7 @@ pub(super) const DEAD_VALUE_MAX: usize = 1024;
 pub(super) const APP_ID: &str = "outboxd";
 
 /// How the sink treats the topology (`--declare`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeclareMode {
     /// Declare exchanges, queues and the binding (idempotent; needs configure permission).
     #[default]

@@ -123,7 +123,7 @@ fn message_properties_and_headers() {
 #[test]
 fn partition_headers_with_partitions_on() {
     let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
-    s.cfg.partitioning = crate::sink::partition::PartitionArgs {
+    s.cfg.partitioning = crate::sink::partition::PartitionSpec {
         partitions: 4,
         group_partitions: vec![3],
         ..Default::default()

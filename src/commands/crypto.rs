@@ -3,8 +3,8 @@
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
-use super::shred::Keystore;
-use super::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
+use crate::crypto::shred::Keystore;
+use crate::crypto::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
 use clap::parser::ValueSource;
@@ -84,7 +84,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub file: KeyringFileArgs,
     /// Bytes kept of each blind-index HMAC (1–32; see docs/encryption.md for sizing).
-    #[arg(long, env = "OUTBOXD_BLIND_INDEX_LENGTH", default_value_t = super::keyring::DEFAULT_BLIND_LEN)]
+    #[arg(long, env = "OUTBOXD_BLIND_INDEX_LENGTH", default_value_t = crate::crypto::keyring::DEFAULT_BLIND_LEN)]
     pub blind_index_length: usize,
 }
 
@@ -438,7 +438,7 @@ fn blind_index(a: BlindIndexArgs) -> Result<(), Error> {
 
 async fn keystore(a: &KeystoreArgs, m: &ArgMatches) -> Result<Option<Keystore>, Error> {
     let from_argv = m.value_source("keystore") == Some(ValueSource::CommandLine);
-    match crate::cli::resolve_dsn(
+    match crate::commands::resolve_dsn(
         a.keystore.as_deref(),
         a.keystore_file.as_deref(),
         from_argv,
@@ -529,13 +529,14 @@ async fn connect(
     m: &ArgMatches,
 ) -> Result<(tokio_postgres::Client, TableName, ColumnMap), Error> {
     let from_argv = m.value_source("source") == Some(ValueSource::CommandLine);
-    let dsn =
-        crate::cli::resolve_dsn(source, source_file, from_argv, "source")?.ok_or_else(|| {
+    let dsn = crate::commands::resolve_dsn(source, source_file, from_argv, "source")?.ok_or_else(
+        || {
             Error::config(
             "no source given",
             "pass --source postgres://user@host:5432/db (or set OUTBOXD_SOURCE, or --source-file)",
         )
-        })?;
+        },
+    )?;
     let crate::dsn::SourceDsn::Postgres(dsn) = crate::dsn::SourceDsn::parse(&dsn)? else {
         return Err(Error::config(
             "re-encryption supports Postgres sources in this build",

@@ -3,7 +3,7 @@
 
 use crate::connector::{self, RunConfig};
 use crate::dsn::{self, SinkDsn, SourceDsn};
-use crate::outbox::{ColumnMap, TableName};
+use crate::outbox::{ColumnMap, Mode, TableName};
 use crate::relay::RelayOptions;
 use crate::sink::rabbitmq::{self, DeclareMode};
 use crate::source::postgres::{self as pg, admin};
@@ -13,6 +13,12 @@ use clap::{ArgMatches, Args, Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+pub mod config_file;
+pub mod consumer;
+pub mod crypto;
+pub mod topology;
+mod values;
+
 /// `outboxd --version`: the crate version and the git commit it was built from (`build.rs`).
 pub const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
@@ -20,6 +26,44 @@ pub const VERSION: &str = concat!(
     env!("OUTBOXD_COMMIT"),
     ")"
 );
+
+/// The `run` flags for partitions (flattened into the RabbitMQ sink's flags).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PartitionArgs {
+    /// Partition queues <exchange>.p0 … p<N-1>: every event of one aggregate goes to one of
+    /// them, in commit order (0 = off). The partition is Kafka's murmur2 of the aggregate id,
+    /// sent as header x-partition.
+    #[arg(long, env = "OUTBOXD_PARTITIONS", default_value_t = 0)]
+    pub partitions: u32,
+    /// Also send x-partition-<N> for each of these partition counts (comma separated), for
+    /// consumer groups declared with `outboxd topology --group NAME --partitions N`.
+    #[arg(long, env = "OUTBOXD_GROUP_PARTITIONS", value_delimiter = ',')]
+    pub group_partitions: Vec<u32>,
+    /// x-queue-type of the partition queues this relay declares.
+    #[arg(long, env = "OUTBOXD_QUEUE_TYPE", value_enum, default_value_t = crate::sink::partition::QueueType::Classic)]
+    pub queue_type: crate::sink::partition::QueueType,
+    /// headers: the relay computes the partition; consistent-hash: RabbitMQ's plugin places
+    /// aggregates (its ring can move keys when the broker restarts).
+    #[arg(long, env = "OUTBOXD_PARTITION_ROUTING", value_enum, default_value_t = crate::sink::partition::PartitionRouting::Headers)]
+    pub partition_routing: crate::sink::partition::PartitionRouting,
+}
+
+impl PartitionArgs {
+    /// The settings as given, for the sink's validation.
+    pub fn spec(&self) -> crate::sink::partition::PartitionSpec {
+        crate::sink::partition::PartitionSpec {
+            partitions: self.partitions,
+            group_partitions: self.group_partitions.clone(),
+            queue_type: self.queue_type,
+            partition_routing: self.partition_routing,
+        }
+    }
+
+    /// The validated partitioning (`PartitionSpec::validate`).
+    pub fn validate(&self) -> Result<crate::sink::partition::Partitioning, Error> {
+        self.spec().validate()
+    }
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -69,18 +113,18 @@ pub enum Command {
     /// (a container healthcheck that needs no curl or wget in the image).
     Health(HealthArgs),
     /// Declare a consumer group's partition queues (or the relay's own), idempotently.
-    Topology(crate::sink::topology::TopologyArgs),
+    Topology(topology::TopologyArgs),
     /// Field-level encryption keys: generate, rotate, list, retire, blind-index.
     #[command(subcommand)]
-    Keys(crate::crypto::cli::KeysCommand),
+    Keys(crate::commands::crypto::KeysCommand),
     /// Encrypt the schema's x-gdpr-sensitive fields of the JSON payload on stdin.
-    Encrypt(crate::crypto::cli::EncryptArgs),
+    Encrypt(crate::commands::crypto::EncryptArgs),
     /// Decrypt every encrypted field of the JSON payload on stdin.
-    Decrypt(crate::crypto::cli::DecryptArgs),
+    Decrypt(crate::commands::crypto::DecryptArgs),
     /// Rewrite outbox rows under the current key, in small batches (resumable).
-    Reencrypt(crate::crypto::cli::ReencryptArgs),
+    Reencrypt(crate::commands::crypto::ReencryptArgs),
     /// Delete old processed_messages or outbox rows in small batches.
-    Prune(crate::consumer::cli::PruneArgs),
+    Prune(crate::commands::consumer::PruneArgs),
     /// Print the effective configuration of `run` (flags, environment, --config file and
     /// defaults, each value's origin), secrets redacted; takes the same flags as `run`.
     Config(RunArgs),
@@ -91,7 +135,7 @@ pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
     #[command(flatten)]
-    pub sink: crate::sink::topology::SinkCheckArgs,
+    pub sink: topology::SinkCheckArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Print the checks as JSON lines.
@@ -175,12 +219,6 @@ pub struct SourceArgs {
     /// Column renames: logical=actual, comma separated (or the preset `debezium`).
     #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
     pub columns: Vec<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Mode {
-    Cdc,
-    Poll,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -333,7 +371,7 @@ pub struct RabbitArgs {
     #[arg(long, env = "OUTBOXD_SINK_KEY")]
     pub sink_key: Option<std::path::PathBuf>,
     #[command(flatten)]
-    pub partitions: crate::sink::partition::PartitionArgs,
+    pub partitions: PartitionArgs,
     /// Queue type of <exchange>.unrouted and <exchange>.dead as --declare auto declares them
     /// (quorum: replicated across a cluster).
     #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = crate::sink::partition::QueueType::Classic)]
@@ -677,19 +715,22 @@ pub async fn execute(
             offset(cmd, sub).await
         }
         Command::Health(args) => crate::telemetry::probe(&args.addr, &args.path).await,
-        Command::Topology(args) => crate::sink::topology::run(args, sub).await,
-        Command::Keys(cmd) => crate::crypto::cli::keys(cmd, sub).await,
-        Command::Encrypt(args) => crate::crypto::cli::encrypt(args, sub).await,
-        Command::Decrypt(args) => crate::crypto::cli::decrypt(args, sub).await,
-        Command::Reencrypt(args) => crate::crypto::cli::reencrypt(args, sub, shutdown).await,
-        Command::Prune(args) => crate::consumer::cli::prune(args, sub, shutdown).await,
+        Command::Topology(args) => topology::run(args, sub).await,
+        Command::Keys(cmd) => crate::commands::crypto::keys(cmd, sub).await,
+        Command::Encrypt(args) => crate::commands::crypto::encrypt(args, sub).await,
+        Command::Decrypt(args) => crate::commands::crypto::decrypt(args, sub).await,
+        Command::Reencrypt(args) => crate::commands::crypto::reencrypt(args, sub, shutdown).await,
+        Command::Prune(args) => crate::commands::consumer::prune(args, sub, shutdown).await,
         Command::Config(_) => {
             use clap::CommandFactory;
             let root = Cli::command();
             let cmd = root
                 .find_subcommand("config")
                 .expect("the config subcommand exists");
-            print!("{}", crate::config_file::render_effective(cmd, sub));
+            print!(
+                "{}",
+                crate::commands::config_file::render_effective(cmd, sub)
+            );
             Ok(())
         }
     }
@@ -742,7 +783,7 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         .await
     };
     let mut lines = lines;
-    lines.extend(crate::sink::topology::check_rabbitmq(&args.sink, m).await);
+    lines.extend(topology::check_rabbitmq(&args.sink, m).await);
     lines.extend(check_nats(&args, m).await);
     for l in &lines {
         if args.json {

@@ -2,11 +2,12 @@
 //! the flags a consumer binary built on the runner shares (`examples/invoice_projection.rs`
 //! flattens them). Every flag has its `OUTBOXD_<FLAG>` environment variable.
 
-use super::prune::{self, PruneOptions, PruneReport};
-use super::runner::{Declare, OnPoison, RunnerOptions};
-use super::{ConsumerError, Inbox};
-use crate::cli::{parse_duration, Mode};
+use super::parse_duration;
+use crate::consumer::prune::{self, PruneOptions, PruneReport};
+use crate::consumer::runner::{Declare, OnPoison, RunnerOptions};
+use crate::consumer::{ConsumerError, Inbox};
 use crate::dsn::{redact, DbDsn, SourceDsn};
+use crate::outbox::Mode;
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
 use clap::parser::ValueSource;
@@ -59,7 +60,7 @@ pub async fn prune(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let from_argv = m.value_source("source") == Some(ValueSource::CommandLine);
-    let dsn = crate::cli::resolve_dsn(
+    let dsn = crate::commands::resolve_dsn(
         args.source.as_deref(),
         args.source_file.as_deref(),
         from_argv,

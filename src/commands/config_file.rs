@@ -373,7 +373,7 @@ mod tests {
         let f = write(
             "source_file = \"/run/secrets/dsn\"\nwindow = 7\ntable = [\"a\", \"b\"]\nha = true\nrouting_key = \"{topic}\"\n",
         );
-        let vars = load(&crate::cli::Cli::command(), f.path()).unwrap();
+        let vars = load(&crate::commands::Cli::command(), f.path()).unwrap();
         let get = |k: &str| vars.iter().find(|(e, _)| e == k).map(|(_, v)| v.as_str());
         assert_eq!(get("OUTBOXD_SOURCE_FILE"), Some("/run/secrets/dsn"));
         assert_eq!(get("OUTBOXD_WINDOW"), Some("7"));
@@ -384,7 +384,7 @@ mod tests {
 
     #[test]
     fn unknown_dashed_secret_and_inline_password_keys_are_refused() {
-        let cmd = crate::cli::Cli::command();
+        let cmd = crate::commands::Cli::command();
         for (text, needle) in [
             ("windw = 3", "did you mean \"window\""),
             ("source-file = \"/x\"", "write \"source_file\""),
