@@ -4,6 +4,21 @@
 //!
 //! The data path, in module order: [`source`] → [`relay`] → [`sink`], with [`state`] holding
 //! the position and lease, and [`connector`] wiring them together for `outboxd run`.
+//!
+//! # Layout
+//!
+//! - The data path: [`source`] (Postgres WAL, MySQL/MariaDB binlog, poll mode) sends
+//!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s; [`relay`] keeps the window of
+//!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
+//!   RabbitMQ, NATS JetStream); [`state`] stores the acknowledged position and keeps the lease.
+//! - Startup, resume and recovery: [`connector`], one function per source that decides where
+//!   to start and then one `drive` for all of them.
+//! - The kits users call from their own services: [`outbox`] (the producer's write),
+//!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
+//! - Operations: [`telemetry`] (logs, metrics, health), [`operator`] (`check`, `status`).
+//! - Leaves every module may use: [`dsn`], [`tls`], [`secret_file`], [`backoff`], [`error`].
+//! - The edge: [`commands`], the only module that knows `clap`; `main.rs` maps its result to
+//!   exit codes. Nothing in the library imports it.
 
 pub mod backoff;
 pub mod commands;

@@ -1,5 +1,5 @@
 //! The encryption commands (docs/encryption.md): `keys generate|rotate|list|retire|blind-index`,
-//! `encrypt`, `decrypt` and `reencrypt`. They live here so that `src/cli.rs` only names them.
+//! `encrypt`, `decrypt` and `reencrypt`. The command enum in `commands/mod.rs` only names them.
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
