@@ -20,6 +20,7 @@
 //! - The edge: [`commands`], the only module that knows `clap`; `main.rs` maps its result to
 //!   exit codes. Nothing in the library imports it.
 
+pub mod amqp;
 pub mod backoff;
 pub mod commands;
 pub mod connector;

@@ -30,10 +30,10 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
-use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::protocol::AMQPErrorKind;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::Acker;
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -394,55 +394,37 @@ impl<P: Processor> Runner<P> {
 /// Connecting, declaring and starting the consumer together take at most this long.
 const SESSION_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Connects to the broker. The host is used as written (lapin would take `localhost` for an
-/// IP address) and an empty vhost means the default one, as in the relay's sink.
+/// Connects to the broker, read as the relay's sink reads its URL (`crate::amqp`): the host
+/// as written, an empty vhost for the default one, and for `amqps://` the CA and client
+/// certificate files RabbitMQ's URI parameters name (`cacertfile`, `certfile`, `keyfile`).
 pub async fn connect_broker(url: &str, name: &str) -> Result<Connection, ConsumerError> {
-    let redacted = redact(url);
-    let parsed = url::Url::parse(url).map_err(|e| {
-        ConsumerError::config(
-            format!("cannot parse the broker URL {redacted}: {e}"),
-            "use amqp://user@host:5672/vhost (amqps:// for TLS)",
-        )
-    })?;
-    let mut uri: lapin::uri::AMQPUri = url.parse().map_err(|e: String| {
-        ConsumerError::config(
-            format!(
-                "cannot parse the broker URL {redacted}: {}",
-                e.replace(url, &redacted)
-            ),
-            "use amqp://user@host:5672/vhost (amqps:// for TLS)",
-        )
-    })?;
-    if let Some(host) = parsed.host_str() {
-        uri.authority.host = host.trim_start_matches('[').trim_end_matches(']').into();
-    }
-    if uri.vhost.is_empty() {
-        uri.vhost = "/".into();
-    }
-    let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-    match tokio::time::timeout(
-        Duration::from_secs(30),
-        Connection::connect_uri(uri.clone(), props),
+    let ep = crate::amqp::Endpoint::parse(
+        url,
+        "the broker URL",
+        crate::amqp::TlsFiles::default(),
+        "cacertfile/certfile/keyfile",
     )
-    .await
-    {
+    .map_err(|e| match e {
+        crate::Error::Config { problem, fix } => ConsumerError::config(problem, fix),
+        other => ConsumerError::config(
+            other.to_string(),
+            "use amqp://user@host:5672/vhost (amqps:// for TLS)",
+        ),
+    })?;
+    let redacted = &ep.redacted;
+    match tokio::time::timeout(Duration::from_secs(30), ep.connect(name)).await {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(match e.kind() {
-            lapin::ErrorKind::ProtocolError(p)
-                if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
-            {
-                ConsumerError::config(
-                    format!(
-                        "RabbitMQ refused the login at {redacted}: {}",
-                        p.get_message()
-                    ),
-                    "check the user, password and vhost of the broker URL",
-                )
-            }
-            _ => ConsumerError::Broker {
-                message: format!("cannot connect to {redacted}: {e}"),
-                retryable: true,
-            },
+        Ok(Err(crate::amqp::ConnectError::Login { message, .. })) => Err(ConsumerError::config(
+            format!("RabbitMQ refused the login at {redacted}: {message}"),
+            "check the user, password and vhost of the broker URL",
+        )),
+        Ok(Err(crate::amqp::ConnectError::Tls(io))) => Err(ConsumerError::config(
+            format!("TLS with RabbitMQ at {redacted} failed: {io}"),
+            "check cacertfile (the CA that signed the broker's certificate), certfile/keyfile, and that the host name in the broker URL matches the certificate",
+        )),
+        Ok(Err(e)) => Err(ConsumerError::Broker {
+            message: format!("cannot connect to {redacted}: {e}"),
+            retryable: true,
         }),
         Err(_) => Err(ConsumerError::Broker {
             message: format!("no connection to {redacted} within 30s"),

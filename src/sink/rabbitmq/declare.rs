@@ -79,7 +79,7 @@ impl RabbitSink {
             Ok(r) => r,
             Err(_) => Err(SinkError::Connection(format!(
                 "declaring at RabbitMQ {} took longer than {:?}",
-                self.redacted, self.cfg.op_timeout
+                self.endpoint.redacted, self.cfg.op_timeout
             ))),
         }
     }
@@ -229,8 +229,8 @@ impl RabbitSink {
 
     /// Turns a failed declaration into what differs and how to fix it.
     fn declare_error(&self, e: lapin::Error, kind: &str, name: &str, expected: &str) -> SinkError {
-        let vhost = self.uri.vhost.clone();
-        let user = self.uri.authority.userinfo.username.clone();
+        let vhost = self.endpoint.uri.vhost.clone();
+        let user = self.endpoint.uri.authority.userinfo.username.clone();
         let x = &self.cfg.exchange;
         let lapin::ErrorKind::ProtocolError(p) = e.kind() else {
             return io_or_protocol(e);
@@ -303,7 +303,7 @@ impl RabbitSink {
             Ok(r) => r,
             Err(_) => Err(SinkError::Connection(format!(
                 "declaring exchange {x:?} at RabbitMQ {} took longer than {:?}",
-                self.redacted, self.cfg.op_timeout
+                self.endpoint.redacted, self.cfg.op_timeout
             ))),
         };
         match result {

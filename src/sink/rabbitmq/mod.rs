@@ -47,17 +47,15 @@ pub use encode::{json_to_amqp, table_size};
 
 use super::topology;
 use super::{Delivery, FlowControl, Sink, SinkError};
-use crate::dsn::redact;
+use crate::amqp::Endpoint;
 use crate::event::OutboxEvent;
 use confirms::{lock, Outcome};
 use encode::Outgoing;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use lapin::options::BasicPublishOptions;
-use lapin::uri::{AMQPScheme, AMQPUri};
-use link::{tls_config, Link};
+use link::Link;
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::oneshot;
@@ -65,10 +63,8 @@ use tokio::sync::oneshot;
 /// The sink. Create with [`RabbitSink::new`]; the relay calls `connect` before publishing.
 pub struct RabbitSink {
     cfg: RabbitConfig,
-    uri: AMQPUri,
-    /// The TLS client configuration of an `amqps://` sink; `None` for `amqp://`.
-    tls: Option<Arc<rustls::ClientConfig>>,
-    redacted: String,
+    /// The broker's URI, its redacted form and the TLS configuration of an `amqps://` sink.
+    endpoint: Endpoint,
     link: Option<Link>,
     flow: Arc<FlowControl>,
     /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
@@ -79,54 +75,23 @@ pub struct RabbitSink {
 impl RabbitSink {
     /// Parses the URL and loads the TLS files; connects only in [`Sink::connect`].
     pub fn new(cfg: RabbitConfig) -> Result<RabbitSink, crate::Error> {
-        let redacted = redact(&cfg.url);
-        let url = url::Url::parse(&cfg.url).map_err(|e| {
-            crate::Error::config(
-                format!("cannot parse the sink {redacted}: {e}"),
-                "use amqp://user@host:5672/vhost (amqps:// for TLS)",
-            )
-        })?;
-        let mut uri: AMQPUri = cfg.url.parse().map_err(|e: String| {
-            crate::Error::config(
-                format!(
-                    "cannot parse the sink {redacted}: {}",
-                    e.replace(&cfg.url, &redacted)
-                ),
-                "use amqp://user@host:5672/vhost (amqps:// for TLS)",
-            )
-        })?;
-        // lapin takes the host from `Url::domain`, which is empty for IP addresses (it then
-        // falls back to "localhost", possibly ::1): use the host as written.
-        if let Some(host) = url.host_str() {
-            uri.authority.host = host.trim_start_matches('[').trim_end_matches(']').into();
-        }
-        // `amqp://host/` means the vhost "" by the URI spec, which no broker has; everyone
-        // who writes it means the default vhost.
-        if uri.vhost.is_empty() {
-            uri.vhost = "/".into();
-        }
-        // TLS files: the flags win over the URL's query parameters (RabbitMQ's URI names).
-        let mut cfg = cfg;
-        for (k, v) in url.query_pairs() {
-            let slot = match k.as_ref() {
-                "cacertfile" => &mut cfg.ca_file,
-                "certfile" => &mut cfg.cert_file,
-                "keyfile" => &mut cfg.key_file,
-                _ => continue,
-            };
-            if slot.is_none() {
-                *slot = Some(PathBuf::from(v.as_ref()));
-            }
-        }
-        let tls = tls_config(&cfg, uri.scheme == AMQPScheme::AMQPS)?;
+        let files = crate::amqp::TlsFiles {
+            ca_file: cfg.ca_file.clone(),
+            cert_file: cfg.cert_file.clone(),
+            key_file: cfg.key_file.clone(),
+        };
+        let endpoint = Endpoint::parse(
+            &cfg.url,
+            "the sink",
+            files,
+            "--sink-ca/--sink-cert/--sink-key",
+        )?;
         if cfg.partitioning.partitions > 0 {
             topology::validate_name("--exchange", &cfg.exchange)?;
         }
         Ok(RabbitSink {
             cfg,
-            uri,
-            tls,
-            redacted,
+            endpoint,
             link: None,
             flow: Arc::default(),
             known_exchanges: HashSet::new(),
@@ -163,12 +128,12 @@ impl Sink for RabbitSink {
             Err(_) => {
                 return Err(SinkError::Connection(format!(
                     "connecting to RabbitMQ at {} took longer than {:?}",
-                    self.redacted, self.cfg.op_timeout
+                    self.endpoint.redacted, self.cfg.op_timeout
                 )))
             }
         };
         tracing::info!(
-            sink = %self.redacted,
+            sink = %self.endpoint.redacted,
             exchange = %self.cfg.exchange,
             declare = ?self.cfg.declare,
             partitions = self.cfg.partitioning.partitions,

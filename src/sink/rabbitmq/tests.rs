@@ -46,17 +46,17 @@ impl RabbitSink {
 #[test]
 fn url_host_vhost_and_redaction() {
     let s = sink(10);
-    assert_eq!(s.uri.authority.host, "127.0.0.1");
-    assert_eq!(s.uri.vhost, "/");
+    assert_eq!(s.endpoint.uri.authority.host, "127.0.0.1");
+    assert_eq!(s.endpoint.uri.vhost, "/");
     assert!(!format!("{:?}", s.cfg).contains("secret"));
     let s2 = RabbitSink::new(RabbitConfig {
         url: "amqp://u:p@[::1]:5673/prod".into(),
         ..s.cfg.clone()
     })
     .unwrap();
-    assert_eq!(s2.uri.authority.host, "::1");
-    assert_eq!(s2.uri.authority.port, 5673);
-    assert_eq!(s2.uri.vhost, "prod");
+    assert_eq!(s2.endpoint.uri.authority.host, "::1");
+    assert_eq!(s2.endpoint.uri.authority.port, 5673);
+    assert_eq!(s2.endpoint.uri.vhost, "prod");
     let tls_on_plain = RabbitSink::new(RabbitConfig {
         ca_file: Some("/nonexistent".into()),
         ..s.cfg.clone()
