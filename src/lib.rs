@@ -16,7 +16,8 @@
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health), [`operator`] (`check`, `status`).
-//! - Leaves every module may use: [`dsn`], [`tls`], [`secret_file`], [`backoff`], [`error`].
+//! - Leaves every module may use: [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
+//!   [`error`].
 //! - The edge: [`commands`], the only module that knows `clap`; `main.rs` maps its result to
 //!   exit codes. Nothing in the library imports it.
 
