@@ -324,9 +324,14 @@ pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Erro
     Ok(())
 }
 
-/// Renews the lease and, when given, stores a newer position, in one transaction (one binlog
-/// transaction). A position older than the stored one is ignored by the statement itself, so
-/// the row never moves backwards. Needs a session with found-rows semantics
+/// Renews the lease and, when given, stores a newer position. A position older than the stored
+/// one is ignored by the statement itself, so the row never moves backwards.
+///
+/// Each statement commits on its own, never inside an open transaction: a relay paused
+/// between two statements of one (SIGSTOP, a VM pause, a long GC stall) would keep the row
+/// locked for as long as it stays paused, and the standby's takeover (`acquire` locks the row)
+/// would wait behind it instead of taking the expired lease. Every statement checks the epoch
+/// and holder itself, so none needs the others to be safe. Needs a session with found-rows semantics
 /// ([`crate::source::mysql::connect_state`]).
 pub async fn renew(
     conn: &mut Conn,
@@ -337,9 +342,8 @@ pub async fn renew(
     let commit_at = commit
         .commit_at
         .map(|t| t.naive_utc().format("%Y-%m-%d %H:%M:%S%.6f").to_string());
-    let mut tx = conn.start_transaction(TxOpts::default()).await?;
     // Commit time and gap only ever grow (NULL leaves them as they are).
-    tx.exec_drop(
+    conn.exec_drop(
         "UPDATE outboxd_state SET lease_renewed_at = UTC_TIMESTAMP(6),
                 lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL ? SECOND,
                 position_commit_at = CASE WHEN ? IS NOT NULL
@@ -364,12 +368,11 @@ pub async fn renew(
         ),
     )
     .await?;
-    if tx.affected_rows() == 0 {
-        tx.rollback().await?;
+    if conn.affected_rows() == 0 {
         return Err(lost(lease));
     }
     if let Some(Checkpoint::Snapshot { key, .. }) = position {
-        tx.exec_drop(
+        conn.exec_drop(
             "UPDATE outboxd_state SET snapshot_key = ? WHERE name = ? AND epoch = ? AND lease_holder = ?",
             (key, &lease.name, lease.epoch, &lease.holder),
         )
@@ -377,7 +380,7 @@ pub async fn renew(
     } else if let Some(cp) = position {
         let (file, pos, gtid) = parts(cp)?;
         let seq = binlog_file_seq(&file);
-        tx.exec_drop(
+        conn.exec_drop(
             "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?
               WHERE name = ? AND epoch = ? AND lease_holder = ?
                 AND (binlog_file IS NULL
@@ -398,7 +401,6 @@ pub async fn renew(
         )
         .await?;
     }
-    tx.commit().await?;
     Ok(())
 }
 
