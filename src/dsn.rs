@@ -157,7 +157,7 @@ fn db_dsn(url: &Url, default_port: u16, tls_key: &str) -> Result<DbDsn, Error> {
             }
         }
     }
-    crate::tls::check_verify_ca(
+    check_verify_ca(
         &tls,
         if tls_key == "sslmode" {
             "sslrootcert"
@@ -347,6 +347,19 @@ pub fn with_password(dsn: &str, password: &str) -> Result<String, Error> {
     url.set_password(Some(password))
         .map_err(|_| Error::config("this DSN cannot carry a password", "use a URL with a host"))?;
     Ok(url.to_string())
+}
+
+/// `verify-ca` needs the CA to verify against: without one libpq refuses rather than trust
+/// every public root with no host name check (which any public CA's customer passes). `key`
+/// is the DSN's name for the CA file (`sslrootcert`, `ssl-ca`).
+pub fn check_verify_ca(settings: &TlsSettings, key: &str) -> Result<(), Error> {
+    if settings.mode == TlsMode::VerifyCa && settings.ca_file.is_none() {
+        return Err(Error::config(
+            format!("sslmode verify-ca is given without a CA file ({key}): it would accept any certificate a public CA signed, for any host"),
+            format!("add {key}=/path/to/ca.pem (the CA that signed the server's certificate) to the DSN, or use verify-full, which also checks the host name"),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -92,9 +92,9 @@ impl Error {
 
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Self {
-        let retryable = crate::source::postgres::is_retryable_pg(&e);
+        let retryable = crate::db::postgres::is_retryable_pg(&e);
         Error::Source {
-            message: crate::source::postgres::describe_pg_error(&e),
+            message: crate::db::postgres::describe_pg_error(&e),
             retryable,
         }
     }

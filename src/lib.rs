@@ -15,9 +15,11 @@
 //!   to start and then one `drive` for all of them.
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
-//! - Operations: [`telemetry`] (logs, metrics, health), [`operator`] (`check`, `status`).
-//! - Leaves every module may use: [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
-//!   [`error`].
+//! - Operations: [`telemetry`] (logs, metrics, health); `check`, `status` and `offset` of each
+//!   source in `source::postgres::operator` and `source::mysql::operator`.
+//! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
+//!   Postgres and MySQL clients), [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
+//!   [`operator`] (the `check` line), [`error`].
 //! - The edge: [`commands`], the only module that knows `clap`; `main.rs` maps its result to
 //!   exit codes. Nothing in the library imports it.
 
@@ -27,11 +29,13 @@ pub mod commands;
 pub mod connector;
 pub mod consumer;
 pub mod crypto;
+pub mod db;
 pub mod dsn;
 pub mod error;
 pub mod event;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod names;
 pub mod operator;
 pub mod outbox;
 pub mod relay;

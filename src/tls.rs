@@ -81,18 +81,7 @@ pub fn effective_mode(settings: &TlsSettings) -> TlsMode {
     }
 }
 
-/// `verify-ca` needs the CA to verify against: without one libpq refuses rather than trust
-/// every public root with no host name check (which any public CA's customer passes). `key`
-/// is the DSN's name for the CA file (`sslrootcert`, `ssl-ca`).
-pub fn check_verify_ca(settings: &TlsSettings, key: &str) -> Result<(), Error> {
-    if settings.mode == TlsMode::VerifyCa && settings.ca_file.is_none() {
-        return Err(Error::config(
-            format!("sslmode verify-ca is given without a CA file ({key}): it would accept any certificate a public CA signed, for any host"),
-            format!("add {key}=/path/to/ca.pem (the CA that signed the server's certificate) to the DSN, or use verify-full, which also checks the host name"),
-        ));
-    }
-    Ok(())
-}
+pub use crate::dsn::check_verify_ca;
 
 /// Whether `host` is this machine: a Unix socket directory, `localhost`, or a loopback
 /// address. Traffic to it never crosses a network, so an unverified connection is no risk.

@@ -543,7 +543,7 @@ async fn connect(
             "use a postgres:// source",
         ));
     };
-    let client = crate::source::postgres::connect_sql(&dsn, "outboxd_reencrypt").await?;
+    let client = crate::db::postgres::connect_sql(&dsn, "outboxd_reencrypt").await?;
     Ok((client, TableName::parse(table)?, ColumnMap::parse(columns)?))
 }
 

@@ -772,14 +772,16 @@ async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
         lines
     } else {
         let dsn = postgres_only(r.source, "check")?;
-        crate::operator::check_postgres(&crate::operator::PgTarget {
-            dsn: &dsn,
-            name: &r.name,
-            tables: &r.tables,
-            columns: &r.columns,
-            slot: &r.slot,
-            publication: &r.publication,
-        })
+        crate::source::postgres::operator::check_postgres(
+            &crate::source::postgres::operator::PgTarget {
+                dsn: &dsn,
+                name: &r.name,
+                tables: &r.tables,
+                columns: &r.columns,
+                slot: &r.slot,
+                publication: &r.publication,
+            },
+        )
         .await
     };
     let mut lines = lines;
@@ -868,7 +870,7 @@ async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
         return Ok(());
     }
     let dsn = postgres_only(r.source, "status")?;
-    let st = crate::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
+    let st = crate::source::postgres::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
     if args.json {
         println!("{}", serde_json::to_string(&st).unwrap_or_default());
     } else {
@@ -907,7 +909,9 @@ async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Error> {
             }
             let dsn = postgres_only(r.source, "offset set")?;
             if let Some(lsn) = args.lsn {
-                let end = crate::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn).await?;
+                let end =
+                    crate::source::postgres::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn)
+                        .await?;
                 println!("ok   slot {} moved to {end}", r.slot);
             } else if let Some(since) = args.replay_since {
                 let since = chrono::DateTime::parse_from_rfc3339(since.trim())
@@ -1246,7 +1250,7 @@ async fn teardown_mysql(dsn: dsn::DbDsn, r: &Resolved, yes: bool) -> Result<(), 
             "add --yes to confirm",
         ));
     }
-    let mut conn = crate::source::mysql::connect_sql(&dsn).await?;
+    let mut conn = crate::db::mysql::connect_sql(&dsn).await?;
     if let Some(state) = crate::state::mysql::load(&mut conn, &r.name).await? {
         if state.lease_live {
             if let Some(h) = state

@@ -25,7 +25,7 @@
 //! - [`runner`]: a RabbitMQ consumer loop that acks only after commit, retries in place, and
 //!   parks, skips or halts on poison;
 //! - [`prune`]: `outboxd prune`, batched deletion of old `processed_messages` and outbox rows;
-//! - `crate::commands::consumer`: the flags of `outboxd prune` and of consumer binaries built on
+//! - `commands::consumer`: the flags of `outboxd prune` and of consumer binaries built on
 //!   [`runner`] (outside this module: the command line is the only place clap lives).
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.

@@ -30,19 +30,8 @@ pub fn classify(e: mysql_async::Error) -> ConsumerError {
                     message,
                     "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql",
                 ),
-                // Too many connections, shutdown in progress, connection killed, query
-                // interrupted, disconnected for inactivity, read-only (a failover).
-                1040
-                | 1053
-                | 1077
-                | 1152
-                | 1153
-                | 1158..=1161
-                | 1290
-                | 1317
-                | 1836
-                | 1927
-                | 4031 => ConsumerError::Database {
+                // The relay's own list (lock waits and deadlocks are conflicts, above).
+                code if crate::db::mysql::is_retryable_code(code) => ConsumerError::Database {
                     message,
                     retryable: true,
                 },
@@ -217,7 +206,7 @@ pub trait MyHandler: Send + Sync + 'static {
 
 /// Connects a session the way the relay does (TLS per the DSN's `ssl-mode`, bounded).
 pub async fn connect(dsn: &DbDsn) -> Result<Conn, ConsumerError> {
-    Ok(crate::source::mysql::connect_sql(dsn).await?)
+    Ok(crate::db::mysql::connect_sql(dsn).await?)
 }
 
 /// One connection and one transaction per message on MySQL/MariaDB (see

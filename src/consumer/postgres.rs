@@ -16,7 +16,7 @@ use uuid::Uuid;
 /// available 55P03) are [`ConsumerError::Conflict`]; lost connections and server shutdowns are
 /// retryable; a missing inbox table says which migration creates it.
 pub fn classify(e: &tokio_postgres::Error) -> ConsumerError {
-    let message = crate::source::postgres::describe_pg_error(e);
+    let message = crate::db::postgres::describe_pg_error(e);
     match e.code().map(|c| c.code()) {
         Some("40001" | "40P01" | "55P03") => ConsumerError::Conflict(message),
         Some("42P01") => ConsumerError::config(
@@ -25,7 +25,7 @@ pub fn classify(e: &tokio_postgres::Error) -> ConsumerError {
         ),
         _ => ConsumerError::Database {
             message,
-            retryable: crate::source::postgres::is_retryable_pg(e),
+            retryable: crate::db::postgres::is_retryable_pg(e),
         },
     }
 }
@@ -198,7 +198,7 @@ impl<H: PgHandler> PgProcessor<H> {
         msgs: &[Message],
     ) -> Result<Vec<Claim<()>>, (usize, ConsumerError)> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            let c = crate::source::postgres::connect_sql(&self.dsn, &self.application)
+            let c = crate::db::postgres::connect_sql(&self.dsn, &self.application)
                 .await
                 .map_err(|e| (0, e.into()))?;
             self.client = Some(c);

@@ -240,7 +240,7 @@ pub async fn prune_postgres(
     progress: &mut (dyn FnMut(&PruneReport) + Send),
     shutdown: &CancellationToken,
 ) -> Result<PruneReport, ConsumerError> {
-    let client = crate::source::postgres::connect_sql(dsn, "outboxd_prune").await?;
+    let client = crate::db::postgres::connect_sql(dsn, "outboxd_prune").await?;
     let shown = opts.table.pg_quoted();
     let schema = opts.table.pg_schema().to_string();
     let cols: Vec<String> = client

@@ -9,7 +9,7 @@
 //! once consumers no longer need it either.
 
 use super::{key_ids_in, reencrypt_payload, Encryptor};
-use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::names::{pg_ident, ColumnMap, TableName};
 use crate::Error;
 use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;

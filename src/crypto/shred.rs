@@ -119,7 +119,7 @@ impl Keystore {
                 "pass --keystore postgres://user@host:5432/db",
             ));
         };
-        Keystore::new(crate::source::postgres::connect_sql(&d, "outboxd_keystore").await?).await
+        Keystore::new(crate::db::postgres::connect_sql(&d, "outboxd_keystore").await?).await
     }
 
     /// The live data key of `aggregate_id`, created (and wrapped by the keyring's current key)

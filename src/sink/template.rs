@@ -165,7 +165,7 @@ impl std::str::FromStr for Template {
 
 /// The fields every event has, by the names templates use: `id`, `topic`, `aggregate_id`,
 /// and `table` (the outbox table, when the relay reads several); any other name is one of the
-/// row's extra columns (see [`crate::outbox::ColumnMap::require_extra`]), absent when NULL.
+/// row's extra columns (see `names::ColumnMap::require_extra`), absent when NULL.
 pub fn event_field<'a>(event: &'a crate::event::OutboxEvent, name: &str) -> Option<Cow<'a, str>> {
     match name {
         "id" => Some(Cow::Owned(event.id.hyphenated().to_string())),
@@ -177,7 +177,7 @@ pub fn event_field<'a>(event: &'a crate::event::OutboxEvent, name: &str) -> Opti
 }
 
 /// The names [`event_field`] knows.
-pub const EVENT_FIELDS: &[&str] = &["id", "topic", "aggregate_id", "table"];
+pub use crate::names::EVENT_FIELDS;
 
 #[cfg(test)]
 mod tests {

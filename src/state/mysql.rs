@@ -70,7 +70,7 @@ pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
                 .await
             {
                 // Added by a relay starting at the same moment (duplicate column name).
-                Err(e) if crate::source::mysql::server_code(&e) == Some(1060) => {}
+                Err(e) if crate::db::mysql::server_code(&e) == Some(1060) => {}
                 r => r?,
             }
         }
@@ -331,8 +331,8 @@ pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Erro
 /// between two statements of one (SIGSTOP, a VM pause, a long GC stall) would keep the row
 /// locked for as long as it stays paused, and the standby's takeover (`acquire` locks the row)
 /// would wait behind it instead of taking the expired lease. Every statement checks the epoch
-/// and holder itself, so none needs the others to be safe. Needs a session with found-rows semantics
-/// ([`crate::source::mysql::connect_state`]).
+/// and holder itself, so none needs the others to be safe. Needs a session with found-rows
+/// semantics ([`crate::db::mysql::connect_state`]).
 pub async fn renew(
     conn: &mut Conn,
     lease: &Lease,
@@ -450,7 +450,7 @@ pub async fn set_position(
     Ok(())
 }
 
-/// Replaces the stored position by `marker` (see [`crate::source::mysql::admin::lost_marker`])
+/// Replaces the stored position by `marker` (see `source::mysql::admin::lost_marker`)
 /// while this lease holds: a recovery whose new positions sort before the lost one, which the
 /// forward-only rule would otherwise never let replace it.
 pub async fn mark_lost(conn: &mut Conn, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
@@ -514,7 +514,7 @@ impl MyStateStore {
     async fn take_conn(&mut self) -> Result<Conn, Error> {
         match self.conn.take() {
             Some(c) => Ok(c),
-            None => crate::source::mysql::connect_state(&self.dsn).await,
+            None => crate::db::mysql::connect_state(&self.dsn).await,
         }
     }
 

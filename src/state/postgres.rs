@@ -71,7 +71,7 @@ impl PgStateStore {
 
     async fn client(&mut self) -> Result<&mut Client, Error> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            self.client = Some(crate::source::postgres::connect_sql(&self.dsn, &self.app).await?);
+            self.client = Some(crate::db::postgres::connect_sql(&self.dsn, &self.app).await?);
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -165,7 +165,7 @@ impl StateStore for PgStateStore {
     ) -> Result<(), Error> {
         let r = self.renew_once(lease, position, commit).await;
         if let (Err(e), Some(tx)) = (&r, &self.server_stopping) {
-            if crate::source::postgres::is_server_stopping(e) {
+            if crate::db::postgres::is_server_stopping(e) {
                 tx.send_replace(Some(std::time::Instant::now()));
             }
         }
@@ -244,7 +244,7 @@ pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     client
         .batch_execute(&format!(
             "SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
-            lock = crate::source::postgres::admin::SETUP_LOCK,
+            lock = crate::db::postgres::SETUP_LOCK,
         ))
         .await?;
     Ok(())

@@ -73,11 +73,7 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
-/// The advisory lock (per database) that serializes what relays and `outboxd setup` create:
-/// two sessions running `CREATE TABLE IF NOT EXISTS` (or `CREATE PUBLICATION` after both saw
-/// none) at the same instant collide on the catalog's unique indexes
-/// (`pg_type_typname_nsp_index`) instead of one of them finding the object there.
-pub const SETUP_LOCK: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
+pub use crate::db::postgres::SETUP_LOCK;
 
 /// Runs `body` holding [`SETUP_LOCK`] (a session lock: DDL and checks between them see each
 /// other's committed work); the lock is released whatever `body` returns.

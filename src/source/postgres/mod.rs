@@ -11,12 +11,20 @@
 //! from its start), so a dropped connection adds neither gaps nor duplicates.
 
 pub mod admin;
+pub mod operator;
 pub mod pgoutput;
 pub mod rows;
 pub mod snapshot;
 pub mod tls_bridge;
 
 use crate::backoff::Backoff;
+// The Postgres client every module uses lives in `crate::db::postgres`; re-exported here for
+// the source's own modules.
+pub(crate) use crate::db::postgres::retryable_sqlstate;
+pub use crate::db::postgres::{
+    connect_sql, describe_pg_error, is_retryable_pg, is_server_stopping,
+};
+pub(crate) use crate::db::postgres::{sql_config, tls_connect_error};
 use crate::dsn::{DbDsn, TlsMode};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
@@ -63,154 +71,6 @@ pub fn wire_message_limit(max_message_bytes: usize) -> usize {
     max_message_bytes
         .saturating_mul(2)
         .saturating_add(WIRE_OVERHEAD)
-}
-
-/// Whether a Postgres error is worth a reconnect.
-pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
-    if e.is_closed() {
-        return true;
-    }
-    match e.code() {
-        Some(code) => retryable_sqlstate(code.code()),
-        // No SQLSTATE: retryable only when an I/O error is underneath (not, say, a value that
-        // cannot be serialized).
-        None => {
-            let mut src = std::error::Error::source(e);
-            while let Some(s) = src {
-                if s.is::<std::io::Error>() {
-                    return true;
-                }
-                src = s.source();
-            }
-            false
-        }
-    }
-}
-
-/// Whether an error (as [`describe_pg_error`] words it) says the server is shutting down and
-/// takes no new sessions: SQLSTATE 57P03 ("cannot connect now", also said while it starts up)
-/// or 57P02 (crash shutdown). The lease keeper's reconnect meets it first; the source then
-/// closes its replication stream, which the server waits for before it can stop (see
-/// [`run`]). A terminated session (57P01) alone does not count: `pg_terminate_backend` says
-/// the same to a server that keeps running.
-pub fn is_server_stopping(e: &Error) -> bool {
-    let Error::Source { message, .. } = e else {
-        return false;
-    };
-    message.match_indices("(SQLSTATE ").any(|(at, tag)| {
-        let code = message.get(at + tag.len()..at + tag.len() + 5);
-        matches!(code, Some("57P03" | "57P02"))
-    })
-}
-
-pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => {
-            let mut s = format!("{} (SQLSTATE {})", db.message(), db.code().code());
-            if let Some(h) = db.hint() {
-                s.push_str("; hint: ");
-                s.push_str(h);
-            }
-            s
-        }
-        None => {
-            // tokio-postgres keeps the cause out of its message ("error performing TLS
-            // handshake", "error connecting to server"): add it.
-            let mut s = e.to_string();
-            let mut cause = std::error::Error::source(e);
-            while let Some(c) = cause {
-                s.push_str(": ");
-                s.push_str(&c.to_string());
-                cause = c.source();
-            }
-            s
-        }
-    }
-}
-
-/// The tokio-postgres settings and the TLS configuration (`None`: plain) for a session of
-/// `dsn`: every SQL connection of the relay, the poll mode's LISTEN session included, is made
-/// from these, so none can ignore the DSN's `sslmode`.
-pub(crate) fn sql_config(
-    dsn: &DbDsn,
-    application: &str,
-) -> Result<(tokio_postgres::Config, Option<rustls::ClientConfig>), Error> {
-    let mut cfg = tokio_postgres::Config::new();
-    if dsn.host.starts_with('/') {
-        cfg.host_path(&dsn.host);
-    } else {
-        cfg.host(&dsn.host);
-    }
-    cfg.port(dsn.port)
-        .user(&dsn.user)
-        .dbname(&dsn.database)
-        .application_name(application)
-        .connect_timeout(Duration::from_secs(10))
-        .keepalives(true)
-        .keepalives_idle(Duration::from_secs(30));
-    if let Some(p) = &dsn.password {
-        cfg.password(p);
-    }
-    // As in libpq, sslmode is ignored on Unix sockets.
-    let unix = dsn.host.starts_with('/');
-    cfg.ssl_mode(match dsn.tls.mode {
-        _ if unix => tokio_postgres::config::SslMode::Disable,
-        TlsMode::Disable => tokio_postgres::config::SslMode::Disable,
-        TlsMode::Prefer => tokio_postgres::config::SslMode::Prefer,
-        _ => tokio_postgres::config::SslMode::Require,
-    });
-    let tls = if unix {
-        None
-    } else {
-        crate::tls::client_config(&dsn.tls)?
-    };
-    Ok((cfg, tls))
-}
-
-/// Connects an ordinary SQL session (TLS per the DSN) and drives it in the background.
-pub async fn connect_sql(dsn: &DbDsn, application: &str) -> Result<tokio_postgres::Client, Error> {
-    let (cfg, tls) = sql_config(dsn, application)?;
-    let client = match tls {
-        None => {
-            let (client, conn) = cfg.connect(tokio_postgres::NoTls).await?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "postgres connection ended");
-                }
-            });
-            client
-        }
-        Some(tls) => {
-            let (client, conn) = cfg
-                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                .await
-                .map_err(|e| tls_connect_error(e, dsn))?;
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "postgres connection ended");
-                }
-            });
-            client
-        }
-    };
-    Ok(client)
-}
-
-/// A failed TLS connection: a refused certificate or a server without TLS is a configuration
-/// error (exit status 2, not retried); anything else is what it is.
-pub(crate) fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error {
-    let what = format!("Postgres {}:{}", dsn.host, dsn.port);
-    if let Some(r) = crate::tls::rustls_cause(&e) {
-        return crate::tls::handshake_refused(&what, &dsn.tls, r);
-    }
-    if describe_pg_error(&e).contains("server does not support TLS") {
-        return Error::config(
-            format!("TLS: {what} does not accept TLS connections"),
-            "turn TLS on in the server (ssl = on, ssl_cert_file, ssl_key_file), \
-             or set sslmode=prefer or disable in the DSN",
-        );
-    }
-    Error::from(e)
 }
 
 /// Starts the replication stream. With TLS (any `sslmode` but `disable`, over TCP) the
@@ -320,19 +180,6 @@ fn server_sqlstate(message: &str) -> Option<&str> {
     let at = rest.rfind("(SQLSTATE ")?;
     let code = &rest[at + "(SQLSTATE ".len()..];
     (code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric())).then_some(code)
-}
-
-/// Whether an error with this SQLSTATE is worth a reconnect: connection exceptions (class
-/// 08), operator intervention (57: shutdown, restart, "the database system is starting up"),
-/// insufficient resources (53: too many connections), serialization failures and deadlocks,
-/// and "object in use" (55006: a slot still held by a dead relay's walsender).
-fn retryable_sqlstate(code: &str) -> bool {
-    code.starts_with("08")
-        || code.starts_with("57")
-        || code.starts_with("53")
-        || code == "40001"
-        || code == "40P01"
-        || code == "55006"
 }
 
 /// Streams from the slot until `shutdown`, then stops at a transaction boundary, waits for the

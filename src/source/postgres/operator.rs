@@ -1,0 +1,629 @@
+//! The operator's commands for a Postgres source: `check` (a preflight with one line per check
+//! and the exact fix for each failure), `status` (position, head, lag, slot, lease) and
+//! `offset show|set`. They print to stdout; failures that stop them are errors as usual.
+
+use crate::dsn::DbDsn;
+use crate::event::{format_lsn, parse_lsn};
+use crate::operator::{line, CheckLine, Level};
+use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
+use crate::source::postgres::{self as pg, admin, rows::RowMapper, snapshot};
+use crate::state;
+use crate::Error;
+use serde::Serialize;
+use tokio_postgres::Client;
+
+/// Everything `check` looks at for a Postgres source.
+pub struct PgTarget<'a> {
+    pub dsn: &'a DbDsn,
+    pub name: &'a str,
+    /// The outbox tables (`--table`, one or more): each is checked, and the publication must
+    /// cover all of them.
+    pub tables: &'a [TableName],
+    pub columns: &'a ColumnMap,
+    pub slot: &'a str,
+    pub publication: &'a str,
+}
+
+/// Roles of managed Postgres services that matter for logical replication, and the service.
+/// `rds_replication` (or `rds_superuser`, the master user's role) grants it on Amazon RDS and
+/// Aurora; `cloudsqlsuperuser` members on Cloud
+/// SQL may give themselves the REPLICATION attribute (which is what the walsender checks).
+pub const MANAGED_ROLES: &[(&str, &str)] = &[
+    ("rds_replication", "Amazon RDS / Aurora"),
+    ("rds_superuser", "Amazon RDS / Aurora"),
+    ("cloudsqlsuperuser", "Google Cloud SQL"),
+];
+
+/// What `check` found about the current role's right to replicate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicationGrant {
+    pub user: String,
+    pub superuser: bool,
+    /// The REPLICATION attribute (self-hosted, Cloud SQL, Azure, Supabase, Crunchy, …).
+    pub replication: bool,
+    /// The [`MANAGED_ROLES`] the role is a member of (directly or through other roles).
+    pub memberships: Vec<String>,
+}
+
+impl ReplicationGrant {
+    /// The check line: which grant was found, or what to run.
+    pub fn judge(&self) -> (Level, String, Option<String>) {
+        let user = &self.user;
+        let service = |r: &str| {
+            MANAGED_ROLES
+                .iter()
+                .find(|(n, _)| *n == r)
+                .map(|(_, s)| *s)
+                .unwrap_or("")
+        };
+        if self.superuser {
+            return (Level::Ok, format!("role {user}: superuser"), None);
+        }
+        if let Some(r) = ["rds_replication", "rds_superuser"]
+            .into_iter()
+            .find(|r| self.memberships.iter().any(|m| m == r))
+        {
+            return (
+                Level::Ok,
+                format!("role {user}: member of {r} ({})", service(r)),
+                None,
+            );
+        }
+        if self.replication {
+            let via = if self.memberships.iter().any(|m| m == "cloudsqlsuperuser") {
+                " (member of cloudsqlsuperuser: Google Cloud SQL)"
+            } else {
+                ""
+            };
+            return (
+                Level::Ok,
+                format!("role {user}: REPLICATION attribute{via}"),
+                None,
+            );
+        }
+        if self.memberships.iter().any(|m| m == "cloudsqlsuperuser") {
+            // Cloud SQL's walsender still wants the attribute, which a cloudsqlsuperuser
+            // member may set on itself: not a failure, but not enough yet.
+            return (
+                Level::Warn,
+                format!("role {user}: member of cloudsqlsuperuser (Google Cloud SQL) without the REPLICATION attribute"),
+                Some(format!("ALTER ROLE {} WITH REPLICATION;  (as a cloudsqlsuperuser member, with the flag cloudsql.logical_decoding=on)", pg_ident(user))),
+            );
+        }
+        (
+            Level::Fail,
+            format!("role {user} lacks REPLICATION (and is no member of rds_replication)"),
+            Some(format!(
+                "ALTER ROLE {u} WITH REPLICATION;  (Amazon RDS / Aurora: GRANT rds_replication TO {u};)",
+                u = pg_ident(user)
+            )),
+        )
+    }
+}
+
+/// How to get `wal_level = logical`, given which managed-service settings the server has.
+pub fn wal_level_fix(managed_settings: &[String]) -> String {
+    if managed_settings
+        .iter()
+        .any(|s| s == "rds.logical_replication")
+    {
+        "set rds.logical_replication = 1 in the instance's DB parameter group (Aurora: the DB cluster parameter group), then reboot the instance (docs/managed-postgres.md)".into()
+    } else if managed_settings
+        .iter()
+        .any(|s| s == "cloudsql.logical_decoding")
+    {
+        "gcloud sql instances patch INSTANCE --database-flags=cloudsql.logical_decoding=on (restarts the instance; docs/managed-postgres.md)".into()
+    } else {
+        "ALTER SYSTEM SET wal_level = logical; then restart Postgres (managed services: docs/managed-postgres.md)".into()
+    }
+}
+
+/// Runs every Postgres check; never stops at the first failure.
+pub async fn check_postgres(t: &PgTarget<'_>) -> Vec<CheckLine> {
+    let mut out = Vec::new();
+    let client = match pg::connect_sql(t.dsn, "outboxd_check").await {
+        Ok(c) => {
+            out.push(line(
+                Level::Ok,
+                "connect",
+                format!("{}:{} database {}", t.dsn.host, t.dsn.port, t.dsn.database),
+                None,
+            ));
+            c
+        }
+        Err(e) => {
+            out.push(line(
+                Level::Fail,
+                "connect",
+                e.to_string(),
+                Some(format!(
+                    "make Postgres reachable at {}:{} for user {} (pg_hba.conf, password, sslmode)",
+                    t.dsn.host, t.dsn.port, t.dsn.user
+                )),
+            ));
+            return out;
+        }
+    };
+    if let Err(e) = check_server(&client, t, &mut out).await {
+        out.push(line(Level::Fail, "query", e.to_string(), None));
+    }
+    out
+}
+
+async fn setting(client: &Client, name: &str) -> Result<String, Error> {
+    Ok(client
+        .query_one("SELECT setting FROM pg_settings WHERE name = $1", &[&name])
+        .await?
+        .get(0))
+}
+
+async fn check_server(
+    client: &Client,
+    t: &PgTarget<'_>,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let level = admin::wal_level(client).await?;
+    out.push(if level == "logical" {
+        line(Level::Ok, "wal_level", "logical", None)
+    } else {
+        // Managed services do not allow ALTER SYSTEM: their own setting turns it on.
+        let managed: Vec<String> = client
+            .query(
+                "SELECT name::text FROM pg_settings WHERE name IN ('rds.logical_replication', 'cloudsql.logical_decoding')",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        line(
+            Level::Fail,
+            "wal_level",
+            format!("{level}, logical decoding needs logical"),
+            Some(wal_level_fix(&managed)),
+        )
+    });
+
+    let max_slots: i64 = setting(client, "max_replication_slots")
+        .await?
+        .parse()
+        .unwrap_or(0);
+    let used: i64 = client
+        .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+        .await?
+        .get(0);
+    let ours_exists = admin::slot(client, t.slot).await?.is_some();
+    let needed = used + if ours_exists { 0 } else { 1 };
+    out.push(if needed <= max_slots {
+        line(
+            Level::Ok,
+            "max_replication_slots",
+            format!("{max_slots} ({used} in use)"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "max_replication_slots",
+            format!("{max_slots}, all {used} in use"),
+            Some(format!(
+                "ALTER SYSTEM SET max_replication_slots = {}; then restart Postgres",
+                used + 10
+            )),
+        )
+    });
+
+    let senders: i64 = setting(client, "max_wal_senders")
+        .await?
+        .parse()
+        .unwrap_or(0);
+    let active: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_replication", &[])
+        .await?
+        .get(0);
+    out.push(if senders > active {
+        line(
+            Level::Ok,
+            "max_wal_senders",
+            format!("{senders} ({active} in use)"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "max_wal_senders",
+            format!("{senders}, all in use"),
+            Some(format!(
+                "ALTER SYSTEM SET max_wal_senders = {}; then restart Postgres",
+                active + 10
+            )),
+        )
+    });
+
+    let keep = setting(client, "max_slot_wal_keep_size").await?;
+    out.push(if keep == "-1" {
+        line(Level::Warn, "max_slot_wal_keep_size", "unlimited: an abandoned slot can fill the disk", Some("ALTER SYSTEM SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf();  -- or monitor `outboxd status`".into()))
+    } else {
+        line(Level::Ok, "max_slot_wal_keep_size", format!("{keep} MB"), None)
+    });
+
+    // Managed services grant logical replication without the REPLICATION attribute (Amazon
+    // RDS / Aurora: membership of rds_replication) or through their admin role: membership
+    // is transitive (`pg_has_role … MEMBER`), so the RDS master user (rds_superuser) counts.
+    let role = client
+        .query_one(
+            "SELECT rolname::text, rolsuper, rolreplication,
+                    ARRAY(SELECT g.rolname::text FROM pg_roles g
+                          WHERE g.rolname = ANY($1) AND pg_has_role(current_user, g.oid, 'MEMBER')
+                          ORDER BY g.rolname)
+             FROM pg_roles WHERE rolname = current_user",
+            &[&MANAGED_ROLES.iter().map(|(r, _)| *r).collect::<Vec<_>>()],
+        )
+        .await?;
+    let grant = ReplicationGrant {
+        user: role.get(0),
+        superuser: role.get(1),
+        replication: role.get(2),
+        memberships: role.get(3),
+    };
+    let (level, detail, fix) = grant.judge();
+    out.push(line(level, "replication privilege", detail, fix));
+    let user = grant.user;
+
+    for table in t.tables {
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+            .await?
+            .get(0);
+        if !exists {
+            out.push(line(
+                Level::Fail,
+                "outbox table",
+                format!("{} does not exist", table.pg_quoted()),
+                Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", table.pg_quoted())),
+            ));
+        } else {
+            let rel = snapshot::table_relation(client, table).await?;
+            let mut mapper = RowMapper::new(table.clone(), t.columns.clone());
+            out.push(match mapper.relation(rel) {
+                Ok(()) => line(
+                    Level::Ok,
+                    "outbox table",
+                    format!(
+                        "{} has the mapped columns with usable types",
+                        table.pg_quoted()
+                    ),
+                    None,
+                ),
+                Err(Error::Config { problem, fix }) => {
+                    line(Level::Fail, "outbox table", problem, Some(fix))
+                }
+                Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
+            });
+            let privileged: bool = client
+                .query_one(
+                    "SELECT has_table_privilege($1, 'SELECT')",
+                    &[&table.pg_quoted()],
+                )
+                .await?
+                .get(0);
+            if !privileged {
+                out.push(line(
+                    Level::Fail,
+                    "table privilege",
+                    format!("{user} cannot SELECT {}", table.pg_quoted()),
+                    Some(format!(
+                        "GRANT SELECT ON {} TO {};",
+                        table.pg_quoted(),
+                        pg_ident(&user)
+                    )),
+                ));
+            }
+        }
+
+        let publication = client
+            .query_opt(
+                "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
+                &[&t.publication],
+            )
+            .await?;
+        let covers: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+                &[&t.publication, &table.pg_schema(), &table.name],
+            )
+            .await?
+            .get(0);
+        let create_pub = format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
+            pg_ident(t.publication),
+            table.pg_quoted()
+        );
+        let partitioned = admin::is_partitioned(client, table).await?;
+        out.push(match publication {
+            Some(r) if partitioned && !r.get::<_, bool>(1) => line(
+                Level::Fail,
+                "publication",
+                format!("{} publishes the partitions of {} under their own names (publish_via_partition_root is off)", t.publication, table.pg_quoted()),
+                Some(format!("ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true);", pg_ident(t.publication))),
+            ),
+            None => line(Level::Fail, "publication", format!("{} does not exist", t.publication), Some(create_pub)),
+            Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", t.publication, table.pg_quoted()), None),
+            Some(_) => line(
+                Level::Fail,
+                "publication",
+                format!("{} does not publish inserts of {}", t.publication, table.pg_quoted()),
+                Some(format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(t.publication), table.pg_quoted())),
+            ),
+        });
+    }
+
+    let state_row = state::postgres::load(client, t.name).await?;
+    match admin::slot(client, t.slot).await? {
+        None if state_row.as_ref().is_some_and(|s| s.initialized) => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!(
+                "{} is gone but relay {} has a stored position: events may be lost",
+                t.slot, t.name
+            ),
+            Some(admin::lost_slot_fix(t.name, t.slot)),
+        )),
+        None => out.push(line(
+            Level::Warn,
+            "replication slot",
+            format!(
+                "{} does not exist yet (the first `outboxd run` creates it)",
+                t.slot
+            ),
+            Some(format!(
+                "outboxd setup --name {}  -- creates it now",
+                t.name
+            )),
+        )),
+        Some(s) if s.wal_status.as_deref() == Some("lost") => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!("{} was invalidated (wal_status lost)", t.slot),
+            Some(admin::lost_slot_fix(t.name, t.slot)),
+        )),
+        Some(s) if s.plugin.as_deref() != Some("pgoutput") => out.push(line(
+            Level::Fail,
+            "replication slot",
+            format!("{} uses plugin {:?}, not pgoutput", t.slot, s.plugin),
+            Some(format!(
+                "SELECT pg_drop_replication_slot({}); then `outboxd setup`",
+                pg_literal(t.slot)
+            )),
+        )),
+        Some(s) => out.push(line(
+            if s.wal_status.as_deref() == Some("unreserved") {
+                Level::Warn
+            } else {
+                Level::Ok
+            },
+            "replication slot",
+            format!(
+                "{} (wal_status {}, {})",
+                t.slot,
+                s.wal_status.as_deref().unwrap_or("?"),
+                if s.active { "active" } else { "inactive" }
+            ),
+            None,
+        )),
+    }
+    Ok(())
+}
+
+/// What `status` shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub name: String,
+    pub slot: String,
+    pub stored_position: Option<String>,
+    pub slot_confirmed: Option<String>,
+    pub server_head: String,
+    pub lag_bytes: Option<i64>,
+    pub lag_seconds: Option<f64>,
+    pub slot_active: Option<bool>,
+    pub wal_status: Option<String>,
+    pub retained_wal_bytes: Option<i64>,
+    pub lease_holder: Option<String>,
+    pub lease_live: bool,
+    pub epoch: Option<i64>,
+    pub replay_requested_since: Option<String>,
+}
+
+pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Status, Error> {
+    let client = pg::connect_sql(dsn, "outboxd_status").await?;
+    let head: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let s = client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text, active, wal_status,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8,
+                    (SELECT extract(epoch FROM r.flush_lag)::float8 FROM pg_stat_replication r WHERE r.pid = s.active_pid)
+               FROM pg_replication_slots s WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let row = state::postgres::load(&client, name).await?;
+    Ok(Status {
+        name: name.to_string(),
+        slot: slot.to_string(),
+        stored_position: row.as_ref().and_then(|r| r.position_lsn).map(format_lsn),
+        slot_confirmed: s.as_ref().and_then(|s| s.get(0)),
+        server_head: head,
+        lag_bytes: s.as_ref().and_then(|s| s.get(3)),
+        lag_seconds: s.as_ref().and_then(|s| s.get(5)),
+        slot_active: s.as_ref().map(|s| s.get(1)),
+        wal_status: s.as_ref().and_then(|s| s.get(2)),
+        retained_wal_bytes: s.as_ref().and_then(|s| s.get(4)),
+        lease_holder: row.as_ref().and_then(|r| r.lease_holder.clone()),
+        lease_live: row.as_ref().is_some_and(|r| r.lease_live),
+        epoch: row.as_ref().map(|r| r.epoch),
+        replay_requested_since: row
+            .as_ref()
+            .and_then(|r| r.replay_since)
+            .map(|t| t.to_rfc3339()),
+    })
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let o = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        writeln!(f, "relay            {}", self.name)?;
+        writeln!(f, "stored position  {}", o(&self.stored_position))?;
+        writeln!(
+            f,
+            "slot             {} (confirmed {}, {}, wal_status {})",
+            self.slot,
+            o(&self.slot_confirmed),
+            match self.slot_active {
+                Some(true) => "active",
+                Some(false) => "inactive",
+                None => "missing",
+            },
+            o(&self.wal_status)
+        )?;
+        writeln!(f, "server head      {}", self.server_head)?;
+        writeln!(
+            f,
+            "lag              {} bytes, {} s",
+            self.lag_bytes.map(|b| b.to_string()).unwrap_or("-".into()),
+            self.lag_seconds
+                .map(|s| format!("{s:.3}"))
+                .unwrap_or("-".into())
+        )?;
+        writeln!(
+            f,
+            "retained WAL     {} bytes",
+            self.retained_wal_bytes
+                .map(|b| b.to_string())
+                .unwrap_or("-".into())
+        )?;
+        write!(
+            f,
+            "lease            {}{}",
+            o(&self.lease_holder),
+            if self.lease_live {
+                " (live)"
+            } else {
+                " (expired or free)"
+            }
+        )?;
+        if let Some(s) = &self.replay_requested_since {
+            write!(f, "\nreplay requested since {s}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `offset set --lsn`: moves the slot forward (skipping events). A logical slot cannot move
+/// backwards; replays go through the table (`--replay-since`).
+pub async fn advance_slot(dsn: &DbDsn, name: &str, slot: &str, lsn: &str) -> Result<String, Error> {
+    let target = parse_lsn(lsn).ok_or_else(|| {
+        Error::config(
+            format!("{lsn:?} is not an LSN"),
+            "write it as Postgres does, e.g. 0/16B3748",
+        )
+    })?;
+    let client = pg::connect_sql(dsn, "outboxd_offset").await?;
+    if let Some(row) = state::postgres::load(&client, name).await? {
+        if row.lease_live
+            && row
+                .lease_holder
+                .as_deref()
+                .is_some_and(|h| !state::holder_is_dead_locally(h))
+        {
+            return Err(Error::config(
+                format!(
+                    "relay {name:?} is running (lease held by {})",
+                    row.lease_holder.unwrap_or_default()
+                ),
+                "stop it first",
+            ));
+        }
+    }
+    let info = admin::slot(&client, slot).await?.ok_or_else(|| {
+        Error::config(
+            format!("slot {slot:?} does not exist"),
+            format!("outboxd setup --name {name}"),
+        )
+    })?;
+    let current = info.confirmed_flush_lsn.unwrap_or(0);
+    if target < current {
+        return Err(Error::config(
+            format!("{lsn} is before the slot's position {}: a logical slot cannot move backwards", format_lsn(current)),
+            format!("to publish again, replay from the table: outboxd offset set --name {name} --replay-since <RFC 3339 time>"),
+        ));
+    }
+    let row = client
+        .query_one(
+            "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+            &[&slot, &lsn],
+        )
+        .await?;
+    let end: String = row.get(0);
+    client
+        .execute(
+            "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2, updated_at = now() WHERE name = $1",
+            &[&name, &end],
+        )
+        .await?;
+    Ok(end)
+}
+
+#[cfg(test)]
+mod grant_tests {
+    use super::*;
+
+    fn grant(superuser: bool, replication: bool, memberships: &[&str]) -> ReplicationGrant {
+        ReplicationGrant {
+            user: "app".into(),
+            superuser,
+            replication,
+            memberships: memberships.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn each_grant_is_named() {
+        let (l, d, _) = grant(false, false, &["rds_replication"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("rds_replication") && d.contains("RDS"), "{d}");
+        let (l, d, _) = grant(false, false, &["rds_superuser"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("member of rds_superuser"), "{d}");
+        let (l, d, _) = grant(false, true, &[]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("REPLICATION attribute"), "{d}");
+        let (l, d, _) = grant(false, true, &["cloudsqlsuperuser"]).judge();
+        assert_eq!(l, Level::Ok);
+        assert!(d.contains("Cloud SQL"), "{d}");
+        let (l, d, fix) = grant(false, false, &["cloudsqlsuperuser"]).judge();
+        assert_eq!(l, Level::Warn);
+        assert!(d.contains("cloudsqlsuperuser"), "{d}");
+        assert!(fix.unwrap().contains("WITH REPLICATION"));
+        let (l, d, _) = grant(true, false, &[]).judge();
+        assert_eq!((l, d.as_str()), (Level::Ok, "role app: superuser"));
+        let (l, _, fix) = grant(false, false, &[]).judge();
+        assert_eq!(l, Level::Fail);
+        let fix = fix.unwrap();
+        assert!(
+            fix.contains("WITH REPLICATION") && fix.contains("GRANT rds_replication"),
+            "{fix}"
+        );
+    }
+
+    #[test]
+    fn wal_level_fix_names_the_services_setting() {
+        assert!(wal_level_fix(&["rds.logical_replication".into()]).contains("parameter group"));
+        assert!(wal_level_fix(&["cloudsql.logical_decoding".into()])
+            .contains("cloudsql.logical_decoding=on"));
+        assert!(wal_level_fix(&[]).starts_with("ALTER SYSTEM SET wal_level = logical"));
+    }
+}
