@@ -132,18 +132,27 @@ impl Source {
     }
 }
 
-/// Publishes every body with at most `window` unconfirmed; returns messages per second.
+/// Publishes every body with at most `window` unconfirmed in all, on `channels` channels
+/// (message `seq` on channel `seq % channels`; with more than one, each message also carries
+/// `x-partition` = its channel, so a partition layout puts each channel's messages in a queue
+/// of their own, as the relay's `--partitions` does); returns messages per second.
 async fn raw_publish(
     conn: &Connection,
     x: &str,
     bodies: &[Vec<u8>],
     window: usize,
+    channels: usize,
     source: Source,
 ) -> f64 {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let mut chans = Vec::new();
+    for _ in 0..channels {
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        chans.push(ch);
+    }
+    // Oldest first across every channel, as the relay waits for its window.
     let mut inflight = futures::stream::FuturesOrdered::new();
     let t = Instant::now();
     for (seq, body) in bodies.iter().enumerate() {
@@ -151,10 +160,22 @@ async fn raw_publish(
             let c: lapin::Result<Confirmation> = inflight.next().await.unwrap();
             assert!(matches!(c, Ok(Confirmation::Ack(None))), "{c:?}");
         }
+        let lane = seq % channels;
+        let ch = &chans[lane];
         // The relay's headers, so the raw messages are the same size on the wire.
         let mut headers = FieldTable::default();
         for (k, v) in source.headers(seq) {
             headers.insert(k.into(), AMQPValue::LongString(v.into()));
+        }
+        if channels > 1 {
+            headers.insert(
+                "x-partition".into(),
+                AMQPValue::LongString(lane.to_string().into()),
+            );
+            headers.insert(
+                format!("x-partition-{channels}").into(),
+                AMQPValue::LongString(lane.to_string().into()),
+            );
         }
         let props = BasicProperties::default()
             .with_headers(headers)
@@ -183,7 +204,9 @@ async fn raw_publish(
         assert!(matches!(c, Ok(Confirmation::Ack(None))), "{c:?}");
     }
     let rate = bodies.len() as f64 / t.elapsed().as_secs_f64();
-    let _ = ch.close(200, "OK".into()).await;
+    for ch in chans {
+        let _ = ch.close(200, "OK".into()).await;
+    }
     rate
 }
 
@@ -199,10 +222,18 @@ async fn relay_drain(
     bin: &str,
     dsn: &str,
     x: &str,
-    window: usize,
+    run: RelayRun,
     mut done: impl AsyncFnMut() -> bool,
 ) -> (f64, u64, f64) {
     let t = Instant::now();
+    let mut extra = Vec::new();
+    // No flag at all for the defaults: the row then shows what a user gets untuned.
+    if let Some(w) = run.window {
+        extra.extend(["--window".to_string(), w.to_string()]);
+    }
+    if run.partitions > 0 {
+        extra.extend(["--partitions".to_string(), run.partitions.to_string()]);
+    }
     let mut child = Command::new(bin)
         .args([
             "run",
@@ -216,11 +247,10 @@ async fn relay_drain(
             "bench",
             "--exchange",
             x,
-            "--window",
-            &window.to_string(),
             "--log-level",
             "warn",
         ])
+        .args(&extra)
         .env("OUTBOXD_SINK", AMQP)
         .stdout(Stdio::null())
         .spawn()
@@ -250,32 +280,66 @@ async fn relay_drain(
     (secs, peak, cpu)
 }
 
+/// How one relay run is started: `window: None` passes no `--window` (the default).
+#[derive(Clone, Copy)]
+struct RelayRun {
+    window: Option<usize>,
+    partitions: u32,
+}
+
+impl RelayRun {
+    fn window_label(self) -> String {
+        match self.window {
+            None => format!("{} (default)", outboxd::relay::DEFAULT_WINDOW),
+            Some(w) => w.to_string(),
+        }
+    }
+}
+
 /// One row of the result table.
 struct Row {
     what: String,
-    window: usize,
+    channels: usize,
+    window: String,
     rate: f64,
+    /// Against the best raw run with the same number of channels.
     ratio: f64,
+    /// The goal this row has, if any: (minimum ratio, its name).
+    goal: Option<f64>,
     relay: Option<(f64, f64, u64)>,
 }
 
-/// The raw publisher on `bodies` with windows 100, 1,000 and 5,000; returns (window, rate) and
-/// the best of them.
+/// The raw publisher on `bodies` with `windows` in all over `channels` channels, each run into
+/// the queues `queues` (purged first, checked to hold every body after); returns (window, rate)
+/// and the best of them.
+#[allow(clippy::too_many_arguments)]
 async fn raw_runs(
     conn: &Connection,
     ch: &Channel,
     x: &str,
+    queues: &[String],
     bodies: &[Vec<u8>],
     source: Source,
+    channels: usize,
+    windows: &[usize],
 ) -> (Vec<(usize, f64)>, (usize, f64)) {
-    let all = format!("{x}.all");
     let mut raw = Vec::new();
-    for window in [100, 1000, 5000] {
-        purge(ch, &all).await;
-        let rate = raw_publish(conn, x, bodies, window, source).await;
-        assert_eq!(queue_len(ch, &all).await as usize, bodies.len());
+    for &window in windows {
+        for q in queues {
+            purge(ch, q).await;
+        }
+        let rate = raw_publish(conn, x, bodies, window, channels, source).await;
+        let mut held = 0;
+        for q in queues {
+            held += queue_len(ch, q).await as usize;
+        }
+        assert_eq!(
+            held,
+            bodies.len(),
+            "the raw publisher's messages in {queues:?}"
+        );
         eprintln!(
-            "{}: raw lapin, window {window}: {rate:.0} msg/s",
+            "{}: raw lapin, {channels} channel(s), window {window}: {rate:.0} msg/s",
             source.label()
         );
         raw.push((window, rate));
@@ -288,43 +352,86 @@ async fn raw_runs(
     (raw, best)
 }
 
-/// The relay's windows: its default, and the raw publisher's best when that is another.
-fn relay_windows(best_window: usize) -> Vec<usize> {
-    let mut windows = vec![1000];
-    if best_window != 1000 {
-        windows.push(best_window);
+/// The relay's runs on one channel: its defaults (no flag), and the raw publisher's best
+/// window when that is another.
+fn relay_runs(best_window: usize) -> Vec<RelayRun> {
+    let mut runs = vec![RelayRun {
+        window: None,
+        partitions: 0,
+    }];
+    if best_window != outboxd::relay::DEFAULT_WINDOW {
+        runs.push(RelayRun {
+            window: Some(best_window),
+            partitions: 0,
+        });
     }
-    windows
+    runs
 }
 
-fn rows(
-    source: Source,
-    events: usize,
-    raw: &[(usize, f64)],
-    best: f64,
-    relay: &[(usize, f64, u64, f64, f64)],
-) -> Vec<Row> {
-    let mut out: Vec<Row> = raw
-        .iter()
+/// The goal of the default run: ≥ 0.9 × the best raw window on one channel; of a partitioned
+/// run: ≥ 0.8 × the best raw run on as many channels.
+fn goal_of(run: RelayRun) -> Option<f64> {
+    match (run.window, run.partitions) {
+        (None, 0) => Some(0.9),
+        (None, _) => Some(0.8),
+        _ => None,
+    }
+}
+
+fn raw_rows(source: Source, channels: usize, raw: &[(usize, f64)], best: f64) -> Vec<Row> {
+    raw.iter()
         .map(|(w, r)| Row {
             what: format!("raw lapin publisher, {} bodies", source.label()),
-            window: *w,
+            channels,
+            window: w.to_string(),
             rate: *r,
             ratio: r / best,
+            goal: None,
             relay: None,
         })
-        .collect();
-    for (w, r, peak, cpu, secs) in relay {
-        out.push(Row {
-            what: format!("outboxd relay, {} backlog → RabbitMQ", source.label()),
-            window: *w,
-            rate: *r,
-            ratio: r / best,
-            relay: Some((*cpu, *secs, *peak)),
-        });
-        let _ = events;
+        .collect()
+}
+
+fn relay_row(source: Source, run: RelayRun, best: f64, r: (f64, u64, f64, f64)) -> Row {
+    let (rate, peak, cpu, secs) = r;
+    let what = if run.partitions > 0 {
+        format!(
+            "outboxd relay `--partitions {}`, {} backlog → RabbitMQ",
+            run.partitions,
+            source.label()
+        )
+    } else {
+        format!("outboxd relay, {} backlog → RabbitMQ", source.label())
+    };
+    Row {
+        what,
+        channels: (run.partitions as usize).max(1),
+        window: run.window_label(),
+        rate,
+        ratio: rate / best,
+        goal: goal_of(run),
+        relay: Some((cpu, secs, peak)),
     }
-    out
+}
+
+/// Channels (and partitions) of the multi-channel ceiling and the partitioned relay run.
+const LANES: usize = 4;
+
+/// Declares the relay's own partition layout for `x` (`<x>.partitioned` and `<x>.p0…`) the way
+/// the relay does, with `outboxd topology`; returns the queue names.
+fn declare_partitions(bin: &str, x: &str, n: usize) -> Vec<String> {
+    let ok = Command::new(bin)
+        .args(["topology", "--exchange", x, "--partitions", &n.to_string()])
+        .env("OUTBOXD_SINK", AMQP)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    assert!(
+        ok,
+        "outboxd topology --exchange {x} --partitions {n} failed"
+    );
+    (0..n).map(|k| format!("{x}.p{k}")).collect()
 }
 
 async fn postgres(
@@ -372,34 +479,81 @@ async fn postgres(
         .map(|r| r.get::<_, String>(0).into_bytes())
         .collect();
     let avg = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
-    let all = format!("{x}.all");
-    let (raw, (best_window, best)) = raw_runs(conn, ch, x, &bodies, Source::Postgres).await;
+    let all = vec![format!("{x}.all")];
+    let src = Source::Postgres;
+    let (raw, (best_window, best)) =
+        raw_runs(conn, ch, x, &all, &bodies, src, 1, &[100, 1000, 5000]).await;
+    let mut out = raw_rows(src, 1, &raw, best);
+    // The ceiling past one channel: the same bodies on LANES channels, each into a partition
+    // queue of its own (the layout `--partitions LANES` uses), same total windows.
+    let xp = format!("{x}_p{LANES}");
+    let pqueues = declare_partitions(bin, &xp, LANES);
+    let (raw_p, (_, best_p)) =
+        raw_runs(conn, ch, &xp, &pqueues, &bodies, src, LANES, &[1000, 5000]).await;
+    let mut runs: Vec<(RelayRun, &str, &[String], f64)> = relay_runs(best_window)
+        .into_iter()
+        .map(|r| (r, x, all.as_slice(), best))
+        .collect();
+    let partitioned = RelayRun {
+        window: None,
+        partitions: LANES as u32,
+    };
+    runs.push((partitioned, &xp, pqueues.as_slice(), best_p));
 
     // On a new backlog for every run after the first: a slot cannot be rewound.
-    let mut relay = Vec::new();
-    for (k, window) in relay_windows(best_window).into_iter().enumerate() {
+    for (k, (run, exchange, queues, ceiling)) in runs.into_iter().enumerate() {
         if k > 0 {
             new_backlog(bin, &dsn, &admin, &client, events).await;
         }
-        purge(ch, &all).await;
+        for q in queues {
+            purge(ch, q).await;
+        }
         let end = wal_end(&client).await;
-        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, window, async || {
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, exchange, run, async || {
             confirmed_lsn(&admin, "outboxd_bench").await >= end
         })
         .await;
-        let got = queue_len(ch, &all).await as usize;
+        let mut got = 0;
+        for q in queues {
+            got += queue_len(ch, q).await as usize;
+        }
         assert!(got >= events, "relay delivered {got} of {events}");
         let rate = events as f64 / secs;
-        eprintln!("Postgres: relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
-        relay.push((window, rate, peak, cpu, secs));
+        eprintln!("Postgres: relay, window {}, partitions {}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)", run.window_label(), run.partitions);
+        if run.partitions > 0 {
+            out.extend(raw_rows(src, LANES, &raw_p, best_p));
+        }
+        out.push(relay_row(src, run, ceiling, (rate, peak, cpu, secs)));
     }
+    delete_partitions(ch, &xp, &pqueues).await;
     let _ = admin
         .batch_execute(&format!(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{db}';
              DROP DATABASE {db} WITH (FORCE);"
         ))
         .await;
-    (rows(Source::Postgres, events, &raw, best, &relay), avg)
+    (out, avg)
+}
+
+async fn delete_partitions(ch: &Channel, x: &str, queues: &[String]) {
+    for q in queues
+        .iter()
+        .cloned()
+        .chain([format!("{x}.unrouted"), format!("{x}.dead")])
+    {
+        let _ = ch
+            .queue_delete(q.into(), QueueDeleteOptions::default())
+            .await;
+    }
+    for e in [
+        format!("{x}.partitioned"),
+        format!("{x}.unrouted"),
+        x.to_string(),
+    ] {
+        let _ = ch
+            .exchange_delete(e.into(), ExchangeDeleteOptions::default())
+            .await;
+    }
 }
 
 async fn mariadb(
@@ -426,10 +580,21 @@ async fn mariadb(
     };
     let avg = bodies.iter().map(Vec::len).sum::<usize>() / bodies.len();
     let all = format!("{x}.all");
-    let (raw, (best_window, best)) = raw_runs(conn, ch, x, &bodies, Source::MariaDb).await;
+    let src = Source::MariaDb;
+    let (raw, (best_window, best)) = raw_runs(
+        conn,
+        ch,
+        x,
+        std::slice::from_ref(&all),
+        &bodies,
+        src,
+        1,
+        &[100, 1000, 5000],
+    )
+    .await;
+    let mut out = raw_rows(src, 1, &raw, best);
 
-    let mut relay = Vec::new();
-    for window in relay_windows(best_window) {
+    for run in relay_runs(best_window) {
         let ok = Command::new(bin)
             .args(["offset", "set", "--source", &dsn, "--name", "bench"])
             .args(["--binlog-position", &start])
@@ -439,18 +604,18 @@ async fn mariadb(
             .success();
         assert!(ok, "outboxd offset set failed");
         purge(ch, &all).await;
-        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, window, async || {
+        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, run, async || {
             queue_len(ch, &all).await as usize >= events
         })
         .await;
         let got = queue_len(ch, &all).await as usize;
         let rate = events as f64 / secs;
-        eprintln!("MariaDB: relay, window {window}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)");
-        relay.push((window, rate, peak, cpu, secs));
+        eprintln!("MariaDB: relay, window {}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)", run.window_label());
+        out.push(relay_row(src, run, best, (rate, peak, cpu, secs)));
     }
     drop(c);
     support::my_drop_db(&db).await;
-    (rows(Source::MariaDb, events, &raw, best, &relay), avg)
+    (out, avg)
 }
 
 #[tokio::main]
@@ -493,18 +658,24 @@ async fn main() {
     }
 
     println!(
-        "\n| run | window | msg/s | vs best raw (same source's bodies) | relay CPU | peak RSS |"
+        "\n| run | channels | window | msg/s | vs best raw (same bodies, same channels) | goal | relay CPU | peak RSS |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---|---:|---:|");
     for r in &table {
+        let goal = match r.goal {
+            Some(g) if r.ratio >= g => format!("≥ {g} met"),
+            Some(g) => format!("≥ {g} **missed**"),
+            None => String::new(),
+        };
         match r.relay {
             None => println!(
-                "| {} | {} | {:.0} | {:.2} | | |",
-                r.what, r.window, r.rate, r.ratio
+                "| {} | {} | {} | {:.0} | {:.2} | | | |",
+                r.what, r.channels, r.window, r.rate, r.ratio
             ),
             Some((cpu, secs, peak)) => println!(
-                "| {} | {} | {:.0} | {:.2} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
+                "| {} | {} | {} | {:.0} | **{:.2}** | {goal} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
                 r.what,
+                r.channels,
                 r.window,
                 r.rate,
                 r.ratio,

@@ -138,6 +138,21 @@ async fn two_hundred_aggregates_keep_commit_order_in_four_partitions() {
     let mut client = db.client().await;
     let written = write_interleaved(&mut client, 200, 50, 8, |_, _| "invoice.issued".into()).await;
     assert_eq!(written.len(), 10_000);
+    // Each partition is published on a channel of its own, so their confirms overlap: the
+    // relay's connection holds four channels that each carried messages.
+    let conn_name = format!("outboxd {name}");
+    wait_for(
+        "four channels of the relay to carry messages",
+        T,
+        || async {
+            amqp::published_per_channel(&conn_name)
+                .iter()
+                .filter(|&&n| n > 0)
+                .count()
+                == 4
+        },
+    )
+    .await;
     drain_and_stop(&db, &slot, &mut relay).await;
 
     // Declaring (and probing for an earlier N) left the publishing connection alone.

@@ -247,7 +247,7 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_MAX_INFLIGHT_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_inflight_bytes: usize,
     /// Most events published and not yet confirmed.
-    #[arg(long, env = "OUTBOXD_WINDOW", default_value_t = 1000)]
+    #[arg(long, env = "OUTBOXD_WINDOW", default_value_t = crate::relay::DEFAULT_WINDOW)]
     pub window: usize,
     /// A broker confirmation that takes longer is a failure (reconnect, republish).
     #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
@@ -956,7 +956,7 @@ async fn run(args: RunArgs, m: &ArgMatches, shutdown: CancellationToken) -> Resu
     if args.window == 0 {
         return Err(Error::config(
             "--window 0 would never publish",
-            "use --window 1000",
+            "use --window 5000 (the default)",
         ));
     }
     let (message, columns) = message_options(&args.rabbit, r.columns.clone())?;

@@ -671,6 +671,34 @@ pub mod amqp {
         (code, body.to_string())
     }
 
+    /// Messages published on each channel of the open connection the client named
+    /// `connection_name` (the relay names its connection `outboxd <name>`), from the
+    /// management API; empty while no such connection is open. The broker refreshes these
+    /// statistics every few seconds, so wait for a condition on them rather than read once.
+    pub fn published_per_channel(connection_name: &str) -> Vec<u64> {
+        let (code, body) = mgmt("GET", "connections?columns=name,user_provided_name", None);
+        assert_eq!(code, 200, "list connections: {body}");
+        let conns: Vec<serde_json::Value> = serde_json::from_str(&body).expect("connections JSON");
+        let Some(conn) = conns
+            .iter()
+            .find(|c| c["user_provided_name"].as_str() == Some(connection_name))
+            .and_then(|c| c["name"].as_str())
+        else {
+            return Vec::new();
+        };
+        let enc = percent_encoding::utf8_percent_encode(conn, percent_encoding::NON_ALPHANUMERIC);
+        let (code, body) = mgmt("GET", &format!("connections/{enc}/channels"), None);
+        if code == 404 {
+            return Vec::new();
+        }
+        assert_eq!(code, 200, "channels of {conn}: {body}");
+        let chans: Vec<serde_json::Value> = serde_json::from_str(&body).expect("channels JSON");
+        chans
+            .iter()
+            .map(|c| c["message_stats"]["publish"].as_u64().unwrap_or(0))
+            .collect()
+    }
+
     /// A broker user of the test's own (a unique name, full rights on vhost `/`), deleted on
     /// drop: a login with a password the test chose, without touching `guest`.
     pub struct TempUser {

@@ -1,4 +1,4 @@
-//! One connection to the broker and its publishing channel. Kept apart because it is the
+//! One connection to the broker and its publishing channels. Kept apart because it is the
 //! only part that holds sockets and background tasks: connecting (with our own rustls
 //! configuration for `amqps://`), telling a login or certificate problem (which retrying
 //! cannot fix) from a broker that is away, and waiting while the broker blocks the
@@ -22,15 +22,35 @@ pub(super) struct LinkState {
     pub(super) error: Option<String>,
 }
 
-/// One connection and its publishing channel, with the tasks that serve it. Dropping it
+/// Most channels one sink publishes on. With `--partitions N` every partition is published on
+/// a channel of its own (partition `p` on lane `p % lanes`), so their confirmations overlap:
+/// one channel's confirms are serialised by the broker and cap a single channel well below
+/// what the broker can persist. Past a handful of channels the broker's disk is the limit, and
+/// each channel costs a process on the broker and a task here, so the count is capped.
+pub(super) const MAX_LANES: u32 = 16;
+
+/// One publishing channel and the tracker settling its confirmations. Events of one aggregate
+/// always take the same lane, so their order on the wire and in the queue is the relay's.
+pub(super) struct Lane {
+    pub(super) channel: Channel,
+    pub(super) tracker: Arc<Mutex<Tracker>>,
+}
+
+/// One connection and its publishing channels, with the tasks that serve them. Dropping it
 /// closes the connection and abandons its unsettled confirmations (the relay republishes).
 pub(super) struct Link {
     pub(super) conn: Connection,
-    pub(super) channel: Channel,
+    pub(super) lanes: Vec<Lane>,
     pub(super) state: watch::Receiver<LinkState>,
-    pub(super) tracker: Arc<Mutex<Tracker>>,
     pub(super) header_limit: usize,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// How many lanes a sink with `partitions` own partitions (0 = off) publishes on: one without
+/// partitions (every event in one channel keeps the relay's total order on the wire), else one
+/// per partition up to [`MAX_LANES`].
+pub(super) fn lane_count(partitions: u32) -> u32 {
+    partitions.clamp(1, MAX_LANES)
 }
 
 impl Drop for Link {
@@ -76,11 +96,17 @@ impl RabbitSink {
             self.declare_all(&conn, self.own_layout().as_slice())
                 .await?;
         }
-        let channel = conn.create_channel().await.map_err(io_or_protocol)?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(io_or_protocol)?;
+        let mut lanes = Vec::new();
+        for _ in 0..lane_count(self.cfg.partitioning.partitions) {
+            let channel = conn.create_channel().await.map_err(io_or_protocol)?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(io_or_protocol)?;
+            let tracker = Arc::new(Mutex::new(Tracker::default()));
+            tasks.push(tokio::spawn(drive_confirms(tracker.clone())));
+            lanes.push(Lane { channel, tracker });
+        }
 
         let frame_max = conn.configuration().frame_max() as usize;
         let header_limit = if frame_max == 0 {
@@ -88,13 +114,10 @@ impl RabbitSink {
         } else {
             MAX_HEADER_BYTES.min(frame_max.saturating_sub(FRAME_RESERVE))
         };
-        let tracker = Arc::new(Mutex::new(Tracker::default()));
-        tasks.push(tokio::spawn(drive_confirms(tracker.clone())));
         Ok(Link {
             conn,
-            channel,
+            lanes,
             state: state_rx,
-            tracker,
             header_limit,
             tasks,
         })

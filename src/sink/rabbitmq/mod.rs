@@ -18,7 +18,10 @@
 //! headers, and the relay's own partition layout is declared after the above (see
 //! [`super::topology`] and [`super::partition`]).
 //!
-//! Confirms are pipelined (the relay bounds the window). lapin attaches a `basic.return` to
+//! Confirms are pipelined (the relay bounds the window). Without partitions the sink publishes
+//! on one channel; with `--partitions N` on one channel per partition (at most
+//! [`link::MAX_LANES`]), so the partitions' confirmations overlap instead of queueing behind one
+//! channel's. lapin attaches a `basic.return` to
 //! whichever confirmation it completes next, which under multiple-acks may be another message
 //! than the one returned, so returns are matched to events by `message_id` (= event id) in a
 //! per-channel tracker that settles every confirmation only after recording all returns that
@@ -164,7 +167,11 @@ impl Sink for RabbitSink {
         }
         let (done_tx, done_rx) = oneshot::channel();
         let id = event.id;
-        let channel = link.channel.clone();
+        // Events of one aggregate always take the same lane (the partition's), so per-aggregate
+        // order holds on the wire; the relay finalises acknowledgements in its own order across
+        // lanes, so the stored position still only passes the confirmed prefix of the stream.
+        let lane = &link.lanes[lane_of(&event.aggregate_id, &self.cfg, link.lanes.len())];
+        let channel = lane.channel.clone();
         let Outgoing {
             exchange,
             routing_key,
@@ -202,7 +209,7 @@ impl Sink for RabbitSink {
         // confirmation is tracked before anything can settle it. The socket write and the
         // confirmation then complete in the tracker's task, so publishing is pipelined.
         {
-            let t = lock(&link.tracker);
+            let t = lock(&lane.tracker);
             let mut cx = Context::from_waker(futures::task::noop_waker_ref());
             // On a busy machine the whole round trip can finish inside this first poll; the
             // outcome is then settled by the tracker like any other, after the returns that
@@ -234,4 +241,13 @@ impl Sink for RabbitSink {
         // Every event is Pending until confirmed: nothing is buffered here.
         Ok(())
     }
+}
+
+/// The lane of an event: its partition's (`--partitions N`), folded onto the lanes there are.
+fn lane_of(aggregate_id: &str, cfg: &RabbitConfig, lanes: usize) -> usize {
+    if lanes <= 1 {
+        return 0;
+    }
+    let p = crate::sink::partition::partition_of(aggregate_id, cfg.partitioning.partitions);
+    p as usize % lanes
 }
