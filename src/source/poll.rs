@@ -1,6 +1,9 @@
 //! Poll mode (the classic polling relay), for databases where the log cannot be read: one short
 //! READ COMMITTED transaction per batch — claim pending rows with `FOR UPDATE SKIP LOCKED`,
 //! hand them to the sink, wait until every one is confirmed, mark them published, commit.
+//! Batches overlap on [`SESSIONS`] sessions: while one awaits its confirms, the next is
+//! claimed (skipping the first one's locked rows) and handed over, so the broker's pipeline
+//! never drains between batches.
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.
 //! Several relays on one table take disjoint batches; they need no lease. The loop is one for
 //! both databases ([`run`]); each database supplies its statements through [`PollTable`]
@@ -70,79 +73,140 @@ pub trait PollTable: Send {
     fn rollback(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
-/// Runs the poll loop until `shutdown`; the batch in flight is finished first. `wake` ticks
-/// when rows may have arrived before the interval is over (Postgres NOTIFY).
+/// Sessions the loop keeps: while one batch's rows await their confirms (its transaction open,
+/// its rows locked), the next session claims the following batch (`SKIP LOCKED` passes over
+/// the locked rows) and hands it over, so the broker is never idle waiting for a mark and a
+/// commit. Two keep one batch in the broker's pipeline while the other is marked.
+pub const SESSIONS: usize = 2;
+
+/// A batch handed over and not yet marked: its session, its rows, and when its transaction
+/// must end.
+struct InFlight<D: PollTable> {
+    db: D,
+    batch: u64,
+    ids: Vec<D::Id>,
+    deadline: tokio::time::Instant,
+}
+
+/// Waits until the relay says batch `batch` (and so every earlier one) is confirmed; `false`
+/// when the relay ended.
+async fn confirmed(acks: &mut watch::Receiver<Option<Checkpoint>>, batch: u64) -> bool {
+    loop {
+        if let Some(Checkpoint::Batch(b)) = &*acks.borrow_and_update() {
+            if *b >= batch {
+                return true;
+            }
+        }
+        if acks.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Runs the poll loop until `shutdown`; the batches in flight are finished first. `wake`
+/// ticks when rows may have arrived before the interval is over (Postgres NOTIFY).
+///
+/// Each session in `dbs` carries at most one batch; batches are handed over one after the
+/// other, each only once the previous one is wholly handed over, so the relay sees the rows in
+/// claim order, and are marked and committed in that order as their confirms arrive.
 pub async fn run<D: PollTable>(
-    mut db: D,
+    dbs: Vec<D>,
     cfg: LoopConfig,
     mut wake: watch::Receiver<u64>,
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, mut acks } = link;
+    let mut idle = dbs;
+    let mut flight: std::collections::VecDeque<InFlight<D>> = Default::default();
     let mut batch_no: u64 = 0;
     let mut waking = true;
+    // The last claim was full: there may be more to claim at once.
+    let mut more = true;
     loop {
+        if more && !shutdown.is_cancelled() {
+            if let Some(mut db) = idle.pop() {
+                let deadline = tokio::time::Instant::now() + cfg.deadline;
+                db.begin().await?;
+                let claimed = db.claim(cfg.batch).await?;
+                let n = claimed.len();
+                more = n as i64 >= cfg.batch;
+                if n == 0 {
+                    db.commit().await?;
+                    idle.push(db);
+                    continue;
+                }
+                batch_no += 1;
+                let batch = batch_no;
+                let mut ids = Vec::with_capacity(n);
+                let hand_over = async {
+                    for (i, (id, mut event)) in claimed.into_iter().enumerate() {
+                        event.position = crate::event::SourcePosition::Poll {
+                            batch,
+                            index: i as u32,
+                        };
+                        ids.push(id);
+                        outlet.send_event(event).await?;
+                    }
+                    outlet.send_checkpoint(Checkpoint::Batch(batch)).await
+                };
+                // The handing over counts against the transaction's deadline: a sink that takes
+                // nothing must not keep the transaction open either.
+                match tokio::time::timeout_at(deadline, hand_over).await {
+                    Ok(Ok(())) => {
+                        flight.push_back(InFlight {
+                            db,
+                            batch,
+                            ids,
+                            deadline,
+                        });
+                    }
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, "batch not handed over in time; releasing its rows");
+                        db.rollback().await?;
+                        idle.push(db);
+                    }
+                }
+                continue;
+            }
+        }
+        // No session free, nothing more to claim now, or shutting down: finish the oldest batch.
+        if let Some(front) = flight.front_mut() {
+            let batch = front.batch;
+            match tokio::time::timeout_at(front.deadline, confirmed(&mut acks, batch)).await {
+                Ok(true) => {
+                    let mut done = flight.pop_front().expect("front exists");
+                    done.db.mark(&done.ids).await?;
+                    done.db.commit().await?;
+                    tracing::debug!(batch, rows = done.ids.len(), "batch published and marked");
+                    idle.push(done.db);
+                }
+                // The relay ended (it failed, and says why): the rows stay pending.
+                Ok(false) => return Ok(()),
+                Err(_) => {
+                    // Not confirmed in time: let the rows go; this or another relay publishes
+                    // them again (a duplicate, never a loss). Later batches keep their own
+                    // deadlines: an ack of a later batch confirms them as well.
+                    let mut late = flight.pop_front().expect("front exists");
+                    tracing::warn!(batch, rows = late.ids.len(), deadline = ?cfg.deadline, "batch not confirmed in time; releasing its rows");
+                    late.db.rollback().await?;
+                    idle.push(late.db);
+                }
+            }
+            continue;
+        }
         if shutdown.is_cancelled() {
             return Ok(());
         }
-        db.begin().await?;
-        let claimed = db.claim(cfg.batch).await?;
-        let n = claimed.len();
-        if n == 0 {
-            db.commit().await?;
-        } else {
-            batch_no += 1;
-            let mut ids = Vec::with_capacity(n);
-            let hand_over = async {
-                for (i, (id, mut event)) in claimed.into_iter().enumerate() {
-                    event.position = crate::event::SourcePosition::Poll {
-                        batch: batch_no,
-                        index: i as u32,
-                    };
-                    ids.push(id);
-                    outlet.send_event(event).await?;
-                }
-                outlet.send_checkpoint(Checkpoint::Batch(batch_no)).await?;
-                loop {
-                    if let Some(Checkpoint::Batch(b)) = &*acks.borrow_and_update() {
-                        if *b >= batch_no {
-                            return Ok(true);
-                        }
-                    }
-                    if acks.changed().await.is_err() {
-                        return Ok::<_, Error>(false);
-                    }
-                }
-            };
-            // The whole batch, handing over included: a sink that takes nothing must not
-            // keep the transaction open either.
-            match tokio::time::timeout(cfg.deadline, hand_over).await {
-                Ok(Ok(true)) => {
-                    db.mark(&ids).await?;
-                    db.commit().await?;
-                    tracing::debug!(batch = batch_no, rows = n, "batch published and marked");
-                }
-                // The relay ended (it failed, and says why): the rows stay pending.
-                Ok(Ok(false)) => return Ok(()),
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    // Not confirmed in time: let the rows go; this or another relay publishes
-                    // them again (a duplicate, never a loss).
-                    tracing::warn!(batch = batch_no, rows = n, deadline = ?cfg.deadline, "batch not confirmed in time; releasing its rows");
-                    db.rollback().await?;
-                }
-            }
+        // Everything is marked and the last claim was short: wait for the interval or a wake.
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(cfg.interval) => {}
+            // A closed wake channel (no NOTIFY, or its session ended) leaves the interval.
+            r = wake.changed(), if waking => waking = r.is_ok(),
         }
-        // A full batch polls again at once.
-        if (n as i64) < cfg.batch {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(cfg.interval) => {}
-                // A closed wake channel (no NOTIFY, or its session ended) leaves the interval.
-                r = wake.changed(), if waking => waking = r.is_ok(),
-            }
-        }
+        more = true;
     }
 }
 
@@ -357,10 +421,179 @@ pub async fn run_postgres(
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let db = PgPoll::open(&cfg).await?;
+    let mut dbs = Vec::with_capacity(SESSIONS);
+    for _ in 0..SESSIONS {
+        dbs.push(PgPoll::open(&cfg).await?);
+    }
     let (wake_tx, wake) = watch::channel(0u64);
     if let Some(channel) = &cfg.notify_channel {
         listen(&cfg.dsn, channel, wake_tx).await?;
     }
-    run(db, cfg.run, wake, link, shutdown).await
+    run(dbs, cfg.run, wake, link, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::{Budget, Outlet, SourceMsg};
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::mpsc;
+
+    /// A row of the fake table: who holds its lock, and whether it is published.
+    #[derive(Default)]
+    struct Row {
+        locked_by: Option<usize>,
+        marked: bool,
+        published: bool,
+    }
+
+    /// An in-memory table with `SKIP LOCKED` claims; each session holds its locks until it
+    /// commits or rolls back.
+    #[derive(Clone)]
+    struct FakeTable(Arc<Mutex<Vec<Row>>>);
+
+    struct FakeSession {
+        table: FakeTable,
+        me: usize,
+    }
+
+    impl FakeSession {
+        fn end(&mut self, commit: bool) {
+            for r in self.table.0.lock().unwrap().iter_mut() {
+                if r.locked_by == Some(self.me) {
+                    r.locked_by = None;
+                    r.published |= commit && r.marked;
+                    r.marked = false;
+                }
+            }
+        }
+    }
+
+    impl PollTable for FakeSession {
+        type Id = usize;
+
+        async fn begin(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+
+        async fn claim(&mut self, limit: i64) -> Result<Vec<(usize, OutboxEvent)>, Error> {
+            let mut rows = self.table.0.lock().unwrap();
+            let mut out = Vec::new();
+            for (i, r) in rows.iter_mut().enumerate() {
+                if out.len() as i64 == limit {
+                    break;
+                }
+                if !r.published && r.locked_by.is_none() {
+                    r.locked_by = Some(self.me);
+                    let mut e = crate::sink::test_event();
+                    e.topic = format!("row.{i}");
+                    out.push((i, e));
+                }
+            }
+            Ok(out)
+        }
+
+        async fn mark(&mut self, ids: &[usize]) -> Result<(), Error> {
+            let mut rows = self.table.0.lock().unwrap();
+            for &i in ids {
+                assert_eq!(rows[i].locked_by, Some(self.me), "marks only its own rows");
+                rows[i].marked = true;
+            }
+            Ok(())
+        }
+
+        async fn commit(&mut self) -> Result<(), Error> {
+            self.end(true);
+            Ok(())
+        }
+
+        async fn rollback(&mut self) -> Result<(), Error> {
+            self.end(false);
+            Ok(())
+        }
+    }
+
+    /// The next message from the loop, bounded so that a loop that stops handing over fails
+    /// the test instead of hanging it.
+    async fn next(rx: &mut mpsc::Receiver<SourceMsg>) -> Option<SourceMsg> {
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    #[tokio::test]
+    async fn the_next_batch_is_claimed_and_handed_over_before_the_first_is_confirmed() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..6).map(|_| Row::default()).collect(),
+        )));
+        let dbs = (0..SESSIONS)
+            .map(|me| FakeSession {
+                table: table.clone(),
+                me,
+            })
+            .collect();
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 2,
+            interval: Duration::from_secs(3600),
+            // Far longer than the test: no batch is released for being late.
+            deadline: Duration::from_secs(3600),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+
+        // Batch 1 is never acknowledged on its own: a stop-and-wait loop would wait for it
+        // forever and hand nothing more over.
+        let mut topics = Vec::new();
+        let mut handed = Vec::new();
+        while handed.len() < 2 {
+            match next(&mut rx).await {
+                Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                Some(SourceMsg::Checkpoint(Checkpoint::Batch(b))) => handed.push(b),
+                Some(SourceMsg::Checkpoint(other)) => panic!("unexpected checkpoint {other:?}"),
+                None => panic!("batch 2 was not handed over while batch 1 awaited its confirms"),
+            }
+        }
+        assert_eq!(handed, [1, 2]);
+        // Batch 2 skipped batch 1's locked rows, and the relay sees rows in claim order.
+        assert_eq!(topics, ["row.0", "row.1", "row.2", "row.3"]);
+        assert!(
+            !table.0.lock().unwrap().iter().any(|r| r.published),
+            "nothing is marked before its confirm"
+        );
+
+        // One ack for both (the relay confirms in order); then every later batch in turn.
+        ack_tx.send_replace(Some(Checkpoint::Batch(2)));
+        while handed.len() < 3 {
+            match next(&mut rx).await {
+                Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                Some(SourceMsg::Checkpoint(cp)) => {
+                    if let Checkpoint::Batch(b) = cp {
+                        handed.push(b);
+                    }
+                    ack_tx.send_replace(Some(cp));
+                }
+                None => panic!("the last rows were not handed over"),
+            }
+        }
+        assert_eq!(handed, [1, 2, 3]);
+        assert_eq!(topics[4..], ["row.4", "row.5"]);
+        // Shutdown finishes the batches in flight: every row ends marked.
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
+        assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+    }
 }
