@@ -433,45 +433,58 @@ async fn idle_run(db: Db, seconds: u64) -> (f64, f64) {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let server_stat = match db {
-        Db::Postgres => {
-            let pid: i32 = pg(PG_ADMIN)
+    // The relay opens `SESSIONS` database sessions; wait until all of them are connected
+    // (bounded), then measure every one of them: an idle poller costs what all its sessions do.
+    let want = outboxd::source::poll::SESSIONS;
+    let waited = Instant::now();
+    let server_stats: Vec<String> = loop {
+        let stats = match db {
+            Db::Postgres => pg(PG_ADMIN)
                 .await
-                .query_one(
+                .query(
                     "SELECT pid FROM pg_stat_activity WHERE application_name = 'outboxd_idle_poll' AND datname = $1",
                     &[&fresh.name],
                 )
                 .await
-                .expect("the poller's session")
-                .get(0);
-            format!("/proc/{pid}/stat")
+                .expect("the poller's sessions")
+                .iter()
+                .map(|r| format!("/proc/{}/stat", r.get::<_, i32>(0)))
+                .collect::<Vec<_>>(),
+            Db::Maria => {
+                let mut c = my(None).await;
+                let tids: Vec<u64> = c
+                    .exec(
+                        "SELECT TID FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID()",
+                        (&fresh.name,),
+                    )
+                    .await
+                    .unwrap();
+                let server = Command::new("pgrep")
+                    .args(["-x", "mariadbd"])
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+                    .unwrap_or_default();
+                let server = server.lines().next().unwrap_or("0").to_string();
+                tids.iter()
+                    .map(|t| format!("/proc/{server}/task/{t}/stat"))
+                    .collect()
+            }
+        };
+        if stats.len() >= want {
+            break stats;
         }
-        Db::Maria => {
-            let mut c = my(None).await;
-            let tid: Option<u64> = c
-                .exec_first(
-                    "SELECT TID FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID()",
-                    (&fresh.name,),
-                )
-                .await
-                .unwrap();
-            let server = Command::new("pgrep")
-                .args(["-x", "mariadbd"])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-                .unwrap_or_default();
-            format!(
-                "/proc/{}/task/{}/stat",
-                server.lines().next().unwrap_or("0"),
-                tid.expect("the poller's session")
-            )
-        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(30),
+            "the idle poller opened {} of its {want} sessions within 30 s",
+            stats.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    let server_ticks = || server_stats.iter().map(|p| cpu_ticks(p)).sum::<u64>();
     let relay_stat = format!("/proc/{}/stat", child.id());
-    let (s0, r0) = (cpu_ticks(&server_stat), cpu_ticks(&relay_stat));
+    let (s0, r0) = (server_ticks(), cpu_ticks(&relay_stat));
     tokio::time::sleep(Duration::from_secs(seconds)).await;
-    let (s1, r1) = (cpu_ticks(&server_stat), cpu_ticks(&relay_stat));
+    let (s1, r1) = (server_ticks(), cpu_ticks(&relay_stat));
     stop(child);
     fresh.drop_db().await;
     let per_min = |d: u64| d as f64 / clk_tck() * 1000.0 * 60.0 / seconds as f64;
@@ -547,7 +560,7 @@ async fn main() {
     println!(
         "\nIdle poller (empty table, --poll-interval 200 ms) over {idle} s, CPU ms per minute:\n"
     );
-    println!("| database | server (the poller's session) | relay process |");
+    println!("| database | server (the poller's sessions) | relay process |");
     println!("|---|---:|---:|");
     for db in [Db::Postgres, Db::Maria] {
         let (server, relay) = idle_run(db, idle).await;
