@@ -436,6 +436,19 @@ async fn idle_run(db: Db, seconds: u64) -> (f64, f64) {
     // The relay opens `SESSIONS` database sessions; wait until all of them are connected
     // (bounded), then measure every one of them: an idle poller costs what all its sessions do.
     let want = outboxd::source::poll::SESSIONS;
+    // The MariaDB server's pid, looked up once: its sessions are threads of this one process.
+    let mariadbd = Command::new("pgrep")
+        .args(["-x", "mariadbd"])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("0")
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_default();
     let waited = Instant::now();
     let server_stats: Vec<String> = loop {
         let stats = match db {
@@ -459,14 +472,8 @@ async fn idle_run(db: Db, seconds: u64) -> (f64, f64) {
                     )
                     .await
                     .unwrap();
-                let server = Command::new("pgrep")
-                    .args(["-x", "mariadbd"])
-                    .output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-                    .unwrap_or_default();
-                let server = server.lines().next().unwrap_or("0").to_string();
                 tids.iter()
-                    .map(|t| format!("/proc/{server}/task/{t}/stat"))
+                    .map(|t| format!("/proc/{mariadbd}/task/{t}/stat"))
                     .collect()
             }
         };
