@@ -103,7 +103,7 @@ PG_WANTED=(
     "ssl_key_file|$PG_TLS_DIR/server.key|$PG_TLS_DIR/server.key"
 )
 # Order matters (missing lines go to the top in this order): the role outboxd_tls_only may log
-# in over TLS only, so a test can prove that a connection used TLS (tests/pg_poll.rs).
+# in over TLS only, so a test can prove that a connection used TLS (tests/postgres/pg_poll.rs).
 PG_HBA_LINES=(
     "host replication all 127.0.0.1/32 trust"
     "host replication all ::1/128 trust"
@@ -753,7 +753,7 @@ amqp_answers() {
 }
 
 # ---------------------------------------------------------------------------------------------
-# docker-compose (only to validate docker-compose.yml in tests/compose.rs; no Docker engine runs)
+# docker-compose (only to validate docker-compose.yml in tests/surface/compose.rs; no Docker engine runs)
 # ---------------------------------------------------------------------------------------------
 
 # ---- NATS with JetStream: the NATS sink's tests ---------------------------------------------
@@ -808,12 +808,12 @@ docker_compose_section() {
             && DEBIAN_FRONTEND=noninteractive apt-get install -y docker-compose >>/tmp/outboxd-docker-compose.log 2>&1; }; then
         changed compose "installed Debian's docker-compose package"
     else
-        say compose "WARNING: apt-get install -y docker-compose failed (see /tmp/outboxd-docker-compose.log); tests/compose.rs fails until it is installed"
+        say compose "WARNING: apt-get install -y docker-compose failed (see /tmp/outboxd-docker-compose.log); tests/surface/compose.rs fails until it is installed"
     fi
 }
 
 # python3-cryptography: scripts/crypto-vector.py (the independent known answer of
-# docs/encryption.md, run by tests/crypto_cli.rs) needs its ChaCha20-Poly1305.
+# docs/encryption.md, run by tests/kit/crypto_cli.rs) needs its ChaCha20-Poly1305.
 crypto_vector_section() {
     if python3 -c 'import cryptography.hazmat.primitives.ciphers.aead' >/dev/null 2>&1; then
         say crypto "ok: python3 cryptography"
@@ -824,7 +824,7 @@ crypto_vector_section() {
             && DEBIAN_FRONTEND=noninteractive apt-get install -y python3-cryptography >>/tmp/outboxd-python-crypto.log 2>&1; }; then
         changed crypto "installed Debian's python3-cryptography package"
     else
-        say crypto "WARNING: apt-get install -y python3-cryptography failed (see /tmp/outboxd-python-crypto.log); tests/crypto_cli.rs fails until it is installed"
+        say crypto "WARNING: apt-get install -y python3-cryptography failed (see /tmp/outboxd-python-crypto.log); tests/kit/crypto_cli.rs fails until it is installed"
     fi
 }
 

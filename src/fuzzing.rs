@@ -1,4 +1,4 @@
-//! Entry points for the fuzz targets in `fuzz/` and the corpus replay in `tests/fuzz_corpus.rs`:
+//! Entry points for the fuzz targets in `fuzz/` and the corpus replay in `tests/surface/fuzz_corpus.rs`:
 //! each takes raw bytes as they would arrive from the network and runs them through the same
 //! parsing and mapping code the relay runs, down to the rendered message. Not an API: hidden
 //! from the docs, and nothing else may depend on it. See docs/fuzzing.md.

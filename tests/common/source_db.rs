@@ -4,6 +4,7 @@
 //! so a test is written once and run as a `pg_…` and a `mariadb_…` test.
 
 use super::*;
+use std::sync::Arc;
 use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
@@ -30,16 +31,19 @@ impl Pos {
 
     /// From an `x-source-position` header: `commit_lsn:index` or `file:end_pos:index`.
     pub fn of_event(s: &str) -> Option<Pos> {
+        Pos::of_event_indexed(s).map(|(pos, _)| pos)
+    }
+
+    /// The same with the event's index in its transaction: the event's place in the log.
+    pub fn of_event_indexed(s: &str) -> Option<(Pos, u64)> {
         let mut parts = s.rsplitn(3, ':');
-        let _index = parts.next()?;
+        let index = parts.next()?.parse().ok()?;
         let b = parts.next()?;
-        match parts.next() {
-            None => outboxd::event::parse_lsn(b).map(Pos::Lsn),
-            Some(file) => Some(Pos::Binlog(
-                outboxd::event::binlog_file_seq(file),
-                b.parse().ok()?,
-            )),
-        }
+        let pos = match parts.next() {
+            None => outboxd::event::parse_lsn(b).map(Pos::Lsn)?,
+            Some(file) => Pos::Binlog(outboxd::event::binlog_file_seq(file), b.parse().ok()?),
+        };
+        Some((pos, index))
     }
 }
 
@@ -62,7 +66,37 @@ pub trait SourceDb: Sized {
         per_tx: usize,
         pause: Duration,
         topic: &'static str,
+    ) -> tokio::task::JoinHandle<Vec<Uuid>> {
+        self.background_writer(per_tx, pause, topic, move |written| written < n_tx)
+    }
+    /// Transactions of `per_tx` events from a task of its own until `stop` is set, `pause`
+    /// between them; the ids in commit order.
+    fn write_until(
+        &self,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+        per_tx: usize,
+        pause: Duration,
+        topic: &'static str,
+    ) -> tokio::task::JoinHandle<Vec<Uuid>> {
+        self.background_writer(per_tx, pause, topic, move |_| {
+            !stop.load(std::sync::atomic::Ordering::Relaxed)
+        })
+    }
+    /// What both of the above run: one transaction of `per_tx` events at a time, on a
+    /// connection of the task's own, while `more(transactions written so far)` holds.
+    fn background_writer(
+        &self,
+        per_tx: usize,
+        pause: Duration,
+        topic: &'static str,
+        more: impl FnMut(usize) -> bool + Send + 'static,
     ) -> tokio::task::JoinHandle<Vec<Uuid>>;
+    /// A DSN for this database through a local port (the TCP fault proxy's).
+    fn dsn_via(&self, port: u16) -> String;
+    /// The server's address, for a proxy in front of it.
+    fn server_addr() -> std::net::SocketAddr;
+    /// The `lease_holder` of relay `name` in `outboxd_state` (`None`: no row or no holder).
+    async fn lease_holder(&self, name: &str) -> Option<String>;
     /// The position relay `name` has stored (`None`: none yet).
     async fn stored_pos(&self, name: &str) -> Option<Pos>;
     /// The aggregate id the writers give the `n`-th event.
@@ -94,23 +128,45 @@ impl SourceDb for PgDb {
         write_events(&mut self.client().await, n_tx, per_tx, topic).await
     }
 
-    fn write_in_background(
+    fn background_writer(
         &self,
-        n_tx: usize,
         per_tx: usize,
         pause: Duration,
         topic: &'static str,
+        mut more: impl FnMut(usize) -> bool + Send + 'static,
     ) -> tokio::task::JoinHandle<Vec<Uuid>> {
         let conninfo = self.conninfo();
         tokio::spawn(async move {
             let mut c = pg_connect(&conninfo).await;
             let mut ids = Vec::new();
-            for _ in 0..n_tx {
+            let mut written = 0;
+            while more(written) {
                 ids.extend(write_events(&mut c, 1, per_tx, topic).await);
+                written += 1;
                 tokio::time::sleep(pause).await;
             }
             ids
         })
+    }
+
+    fn dsn_via(&self, port: u16) -> String {
+        PgDb::dsn_via(self, port)
+    }
+
+    fn server_addr() -> std::net::SocketAddr {
+        "127.0.0.1:5432".parse().unwrap()
+    }
+
+    async fn lease_holder(&self, name: &str) -> Option<String> {
+        self.client()
+            .await
+            .query_opt(
+                "SELECT lease_holder FROM outboxd_state WHERE name = $1",
+                &[&name],
+            )
+            .await
+            .ok()??
+            .get(0)
     }
 
     async fn stored_pos(&self, name: &str) -> Option<Pos> {
@@ -157,23 +213,42 @@ impl SourceDb for MyDb {
         my_write_events(&mut self.conn().await, n_tx, per_tx, topic).await
     }
 
-    fn write_in_background(
+    fn background_writer(
         &self,
-        n_tx: usize,
         per_tx: usize,
         pause: Duration,
         topic: &'static str,
+        mut more: impl FnMut(usize) -> bool + Send + 'static,
     ) -> tokio::task::JoinHandle<Vec<Uuid>> {
         let name = self.name.clone();
         tokio::spawn(async move {
             let mut c = my_connect(Some(&name)).await;
             let mut ids = Vec::new();
-            for _ in 0..n_tx {
+            let mut written = 0;
+            while more(written) {
                 ids.extend(my_write_events(&mut c, 1, per_tx, topic).await);
+                written += 1;
                 tokio::time::sleep(pause).await;
             }
             ids
         })
+    }
+
+    fn dsn_via(&self, port: u16) -> String {
+        MyDb::dsn_via(self, port)
+    }
+
+    fn server_addr() -> std::net::SocketAddr {
+        format!("{MY_HOST}:{MY_PORT}").parse().unwrap()
+    }
+
+    async fn lease_holder(&self, name: &str) -> Option<String> {
+        let mut c = self.conn().await;
+        my_value(
+            &mut c,
+            &format!("SELECT lease_holder FROM outboxd_state WHERE name = '{name}'"),
+        )
+        .await
     }
 
     async fn stored_pos(&self, name: &str) -> Option<Pos> {
@@ -191,3 +266,24 @@ impl SourceDb for MyDb {
         parts.len() == 3 && parts[1].parse::<u64>().is_ok() && parts[2].parse::<u64>().is_ok()
     }
 }
+
+/// Runs each named scenario `async fn name<D: SourceDb>()` as two tests, `name::postgres` and
+/// `name::mariadb`.
+#[allow(unused_macros)] // not every test binary has scenarios over both sources
+macro_rules! on_both_sources {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$scenario::<$crate::common::PgDb>().await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mariadb() {
+                super::$scenario::<$crate::common::MyDb>().await
+            }
+        }
+    )*};
+}
+#[allow(unused_imports)] // the same
+pub(crate) use on_both_sources;

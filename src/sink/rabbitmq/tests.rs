@@ -1,7 +1,7 @@
 //! Unit tests of the RabbitMQ sink that need no broker: URL parsing and redaction, message
 //! properties and headers, poison records, header sizes and declaration error texts. They
 //! sit in their own file so the sink's code files stay short; the broker tests are in
-//! `tests/pg_rabbitmq.rs`.
+//! `tests/postgres/pg_rabbitmq.rs`.
 
 use super::declare::describe_mismatch;
 use super::*;

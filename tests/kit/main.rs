@@ -1,0 +1,16 @@
+//! The consumer and producer kits against real services: the inbox (`processed_messages`) on
+//! Postgres and MariaDB, the AMQP consumer runner end to end, pruning, and per-field encryption
+//! (library, command line and the documented cross-language format).
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../consumer_support/mod.rs"]
+mod consumer_support;
+
+mod consumer_e2e;
+mod consumer_inbox;
+mod consumer_prune;
+mod crypto_cli;
+mod crypto_fields;
+mod crypto_mysql;
+mod crypto_pg;

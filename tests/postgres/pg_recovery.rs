@@ -1,0 +1,155 @@
+//! Recovery through the table (`--on-position-lost poll`): when the slot is gone, the rows are
+//! usually still in the table. The relay opens a fresh slot, publishes again every row that
+//! may have been committed after the last confirmed one — with a margin covering long producer
+//! transactions — and streams on. Duplicates are allowed; loss is not.
+
+use crate::common;
+
+use common::*;
+use std::collections::HashSet;
+use std::time::Duration;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(60);
+
+fn ids(relay: &Relay) -> HashSet<Uuid> {
+    parse_lines(&relay.lines())
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_is_recovered_through_the_table() {
+    let db = PgDb::create("recover").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let args = [
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--on-position-lost",
+        "poll",
+    ];
+    let mut relay = Relay::start(&args);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+
+    // A producer transaction that stays open 1.5 s commits while the relay runs: its gap is
+    // recorded with the position.
+    let mut slow = db.client().await;
+    {
+        let tx = slow.transaction().await.unwrap();
+        outbox
+            .write(&tx, "slow", "s", &serde_json::json!({"slow": true}))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await; // the long transaction itself
+        tx.commit().await.unwrap();
+    }
+    // Another one opens now and commits only after the slot is gone.
+    let mut long = db.client().await;
+    let long_tx = long.transaction().await.unwrap();
+    let long_id = outbox
+        .write(&long_tx, "long", "l", &serde_json::json!({"long": true}))
+        .await
+        .unwrap();
+
+    let mut client = db.client().await;
+    let before = write_events(&mut client, 5, 10, "before").await;
+    wait_for("the events before the stop", T, || {
+        let got = ids(&relay);
+        let all = before.iter().all(|i| got.contains(i));
+        async move { all }
+    })
+    .await;
+    wait_for("the gap and commit time stored", T, || async {
+        let row = db
+            .client()
+            .await
+            .query_one("SELECT coalesce(commit_gap_ms, 0), position_commit_at IS NOT NULL FROM outboxd_state WHERE name = $1", &[&name])
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) >= 1500 && row.get::<_, bool>(1)
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    pg_connect(PG_ADMIN)
+        .await
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    let while_lost = write_events(&mut client, 3, 10, "while.lost").await;
+    long_tx.commit().await.unwrap();
+
+    let again = Relay::start(&args);
+    wait_for("the slot again", T, || db.slot_active(&slot)).await;
+    let after = write_events(&mut client, 2, 10, "after").await;
+    let mut expected: Vec<Uuid> = while_lost.clone();
+    expected.push(long_id);
+    expected.extend(&after);
+    wait_for(
+        "every row committed while the position was lost, and after",
+        T,
+        || {
+            let got = ids(&again);
+            let all = expected.iter().all(|i| got.contains(i));
+            async move { all }
+        },
+    )
+    .await;
+    let err = again.stderr();
+    assert!(
+        err.contains("POSITION LOST") && err.contains("replay_since"),
+        "said loudly: {err}"
+    );
+}
+
+#[test]
+fn the_replay_starts_before_the_last_commit_by_the_largest_gap() {
+    use chrono::TimeZone;
+    let commit = chrono::Utc.with_ymd_and_hms(2026, 6, 22, 10, 0, 0).unwrap();
+    let row = outboxd::state::postgres::StateRow {
+        name: "x".into(),
+        slot: None,
+        publication: None,
+        epoch: 1,
+        lease_holder: None,
+        lease_live: false,
+        position_lsn: None,
+        initialized: true,
+        replay_since: None,
+        lease_expires_at: None,
+        updated_at: None,
+        position_commit_at: Some(commit),
+        commit_gap_ms: Some(3_600_000),
+        created_at: None,
+        snapshot_key: None,
+        slot_created_lsn: None,
+    };
+    let small = Duration::from_secs(60);
+    // The observed one-hour gap wins over a one-minute margin.
+    let since = outboxd::connector::recovery_since(&row, None, small);
+    assert!(since <= commit - chrono::Duration::hours(1), "{since}");
+    // A larger margin wins over a smaller gap.
+    let row2 = outboxd::state::postgres::StateRow {
+        commit_gap_ms: Some(10),
+        ..row.clone()
+    };
+    assert_eq!(
+        outboxd::connector::recovery_since(&row2, None, Duration::from_secs(600)),
+        commit - chrono::Duration::minutes(10)
+    );
+    // --replay-since wins over both.
+    let explicit = commit - chrono::Duration::days(2);
+    assert_eq!(
+        outboxd::connector::recovery_since(&row, Some(explicit), small),
+        explicit
+    );
+}

@@ -1,0 +1,19 @@
+//! What holds for both sources and every sink: randomized fault injection and the kill loop,
+//! concurrent starts, NATS JetStream, routing and partitions, the outbox table's shapes, the
+//! message format, metrics, and the TCP fault proxy the fault tests rely on.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod concurrent_start;
+mod fault_suite;
+mod faults;
+mod ha;
+mod kill_loop;
+mod message_format;
+mod metrics;
+mod nats_restart;
+mod nats_sink;
+mod proxy_selftest;
+mod routing;
+mod tables;

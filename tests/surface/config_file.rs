@@ -1,0 +1,111 @@
+//! The configuration file (docs/configuration.md): precedence flags > environment > file,
+//! refusals with the fix (unknown keys, inline passwords), `outboxd config` redacting secrets,
+//! and a relay configured by the file alone publishing to the real RabbitMQ from Postgres.
+
+use crate::common;
+
+use common::amqp::{self, message_id, Topology};
+use common::*;
+use std::io::Write;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(90);
+
+fn file(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+/// `key = value  # origin` of `outboxd config`'s output.
+fn effective(lines: &[String], key: &str) -> Option<(String, String)> {
+    lines.iter().find_map(|l| {
+        let (k, rest) = l.split_once(" = ")?;
+        if k != key {
+            return None;
+        }
+        let (v, origin) = rest.rsplit_once("  # ")?;
+        Some((v.to_string(), origin.to_string()))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flags_beat_environment_beats_file_and_secrets_are_redacted() {
+    let f = file(
+        "window = 7\nconfirm_timeout = \"5s\"\nexchange = \"from_file\"\nrouting_key = \"{topic}.f\"\ntable = [\"a\", \"b\"]\nha = true\n",
+    );
+    let path = f.path().to_str().unwrap();
+    let mut relay = Relay::start_with_env(
+        &["config", "--config", path, "--window", "9"],
+        &[
+            ("OUTBOXD_EXCHANGE", "from_env"),
+            ("OUTBOXD_SINK", "amqp://relay:hunter2@mq:5672/prod"),
+        ],
+    );
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let lines = relay.lines();
+    let get = |k: &str| effective(&lines, k).unwrap_or_else(|| panic!("{k} in {lines:#?}"));
+    assert_eq!(get("window"), ("\"9\"".into(), "flag".into()));
+    assert_eq!(get("exchange"), ("\"from_env\"".into(), "env".into()));
+    assert_eq!(get("routing_key"), ("\"{topic}.f\"".into(), "file".into()));
+    assert_eq!(get("confirm_timeout"), ("\"5s\"".into(), "file".into()));
+    assert_eq!(get("table"), ("[\"a\", \"b\"]".into(), "file".into()));
+    assert_eq!(get("ha"), ("true".into(), "file".into()));
+    assert_eq!(get("max_inflight_bytes").1, "default");
+    let sink = get("sink");
+    assert_eq!(sink.1, "env");
+    assert!(sink.0.contains("relay:***@mq"), "{sink:?}");
+    assert!(!lines.concat().contains("hunter2"), "{lines:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_files_are_refused_with_the_fix() {
+    for (text, needle) in [
+        ("windw = 3\n", "did you mean \"window\""),
+        ("routing-key = \"x\"\n", "write \"routing_key\""),
+        (
+            "source = \"postgres://relay:hunter2@127.0.0.1/app\"\n",
+            "source_file",
+        ),
+        ("window = \"many\"\n", "many"),
+    ] {
+        let f = file(text);
+        let mut relay = Relay::start(&["config", "--config", f.path().to_str().unwrap()]);
+        assert_eq!(relay.wait_exit(T).await, 2, "{text}: {}", relay.stderr());
+        let err = relay.stderr();
+        assert!(err.contains(needle), "{text}: {err}");
+        assert!(!err.contains("hunter2"), "{text}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_configured_by_the_file_publishes() {
+    let db = PgDb::create("cfg").await;
+    let mut topo = Topology::new("cf").await;
+    let name = unique("r");
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("sink");
+    std::fs::write(&secret, amqp::url()).unwrap();
+    // Files holding secrets must be the user's alone.
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let f = file(&format!(
+        "source = \"{}\"\nsink_file = \"{}\"\nname = \"{name}\"\nexchange = \"{}\"\nrouting_key = \"cfg.{{topic}}\"\nlog_level = \"info,lapin=warn\"\n",
+        db.dsn(),
+        secret.display(),
+        topo.exchange
+    ));
+    let mut relay = Relay::start(&["run", "--config", f.path().to_str().unwrap()]);
+    wait_for("the relay's slot to be active", T, || {
+        db.slot_active(format!("outboxd_{name}"))
+    })
+    .await;
+    topo.wait_declared(T).await;
+    let q = topo.bind_queue("all", "cfg.#").await;
+    let mut client = db.client().await;
+    let ids = write_events(&mut client, 1, 3, "order.placed").await;
+    let got = topo.take(&q, 3, T).await;
+    assert_eq!(got.iter().map(message_id).collect::<Vec<_>>(), ids);
+    assert_eq!(got[0].routing_key.as_str(), "cfg.order.placed");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+}

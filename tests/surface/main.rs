@@ -1,0 +1,12 @@
+//! The user-facing surface that needs little or no service: the docs against `--help`,
+//! packaging, the fuzz corpus replay, the config file, the quickstart and docker-compose.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod compose;
+mod config_file;
+mod docs;
+mod fuzz_corpus;
+mod packaging;
+mod quickstart;
