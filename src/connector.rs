@@ -91,6 +91,7 @@ pub struct RabbitOptions {
     pub message: crate::sink::format::MessageOptions,
 }
 
+// Defined by the startups that use them; `commands` and the tests name them through here.
 pub use crate::source::postgres::startup::recovery_since;
 pub use crate::source::startup::{replay_start, PositionLostPolicy};
 
