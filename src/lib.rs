@@ -11,8 +11,9 @@
 //!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s; [`relay`] keeps the window of
 //!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
 //!   RabbitMQ, NATS JetStream); [`state`] stores the acknowledged position and keeps the lease.
-//! - Startup, resume and recovery: [`connector`], one function per source that decides where
-//!   to start and then one `drive` for all of them.
+//! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
+//!   one function per source that decides where to start and returns a `StartPlan` (what both
+//!   share is in `source::startup`); [`connector`] runs every plan through one `drive`.
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health); `check`, `status` and `offset` of each

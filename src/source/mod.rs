@@ -6,6 +6,7 @@
 pub mod mysql;
 pub mod poll;
 pub mod postgres;
+pub mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};
 use std::sync::Arc;

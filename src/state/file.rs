@@ -367,7 +367,7 @@ impl StateStore for FileStore {
             initialized: f.initialized,
             snapshot_key: f.snapshot_key.clone(),
             // The file keeps no commit times: recovery through the table replays from the
-            // fallback (see connector::replay_start).
+            // fallback (see source::startup::replay_start).
             commit: Default::default(),
         }))
     }

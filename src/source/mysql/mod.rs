@@ -24,6 +24,7 @@ pub mod operator;
 pub mod poll;
 pub mod rows;
 pub mod snapshot;
+pub mod startup;
 
 use crate::backoff::Backoff;
 // The MySQL client every module uses lives in `crate::db::mysql`; re-exported here for the

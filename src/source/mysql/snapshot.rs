@@ -69,6 +69,20 @@ pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<C
         .collect())
 }
 
+/// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
+/// table in their order.
+pub async fn plan_tables(
+    conn: &mut Conn,
+    tables: &[OutboxTable],
+    mode: &SnapshotMode,
+) -> Result<Vec<(OutboxTable, SnapshotPlan)>, Error> {
+    let mut plans = Vec::with_capacity(tables.len());
+    for t in tables {
+        plans.push((t.clone(), plan(conn, t, mode).await?));
+    }
+    Ok(plans)
+}
+
 /// Decides what a first start publishes. `auto` on a table without a status column refuses
 /// (exit 2) when rows exist, saying how many and which options there are.
 pub async fn plan(

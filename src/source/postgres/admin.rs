@@ -3,7 +3,7 @@
 //! an operator the exact SQL to run when something is missing.
 
 use crate::event::parse_lsn;
-use crate::outbox::{pg_ident, pg_literal, TableName};
+use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
 use crate::Error;
 use tokio_postgres::Client;
 
@@ -277,6 +277,38 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<bool, Error> {
         .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
         .await?;
     Ok(true)
+}
+
+/// Ends the walsender of another session that still holds `slot` (a paused old leader's), so
+/// that this relay can stream from it; how many sessions it ended. Never this session.
+pub async fn end_other_slot_holder(client: &Client, slot: &str) -> Result<u64, Error> {
+    Ok(client
+        .execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
+            &[&slot],
+        )
+        .await?)
+}
+
+/// How many rows of `table` were created at or after `since` (its `created_at` column as
+/// `columns` maps it): what a replay through the table publishes again, for its log line.
+pub async fn rows_created_since(
+    client: &Client,
+    table: &TableName,
+    columns: &ColumnMap,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<i64, Error> {
+    Ok(client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE {} >= $1",
+                table.pg_quoted(),
+                pg_ident(columns.get("created_at"))
+            ),
+            &[&since],
+        )
+        .await?
+        .get::<_, i64>(0))
 }
 
 pub async fn drop_publication(client: &Client, publication: &str) -> Result<(), Error> {

@@ -15,6 +15,7 @@ pub mod operator;
 pub mod pgoutput;
 pub mod rows;
 pub mod snapshot;
+pub mod startup;
 pub mod tls_bridge;
 
 use crate::backoff::Backoff;

@@ -143,6 +143,21 @@ pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relati
     })
 }
 
+/// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
+/// table in their order.
+pub async fn plan_tables(
+    client: &Client,
+    tables: &[TableName],
+    columns: &ColumnMap,
+    mode: &SnapshotMode,
+) -> Result<Vec<(TableName, SnapshotPlan)>, Error> {
+    let mut plans = Vec::with_capacity(tables.len());
+    for t in tables {
+        plans.push((t.clone(), plan(client, t, columns, mode).await?));
+    }
+    Ok(plans)
+}
+
 /// Decides what a first start publishes. `auto` on a table without a status column refuses
 /// (exit 2) when rows exist, saying how many and which options there are.
 pub async fn plan(
