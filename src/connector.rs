@@ -17,6 +17,7 @@ use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::startup::StartOptions;
 use crate::source::{Budget, Outlet, SourceLink};
 use crate::state;
+use crate::telemetry::events::{InternalEvent, PipelineStarted, SourceRunning};
 use crate::Error;
 use std::sync::Arc;
 use std::time::Duration;
@@ -335,10 +336,9 @@ where
     }
     let (link, ev_rx, ack_tx) = source_link(cfg);
     let stats = Arc::new(RelayStats::default());
-    let t = crate::telemetry::get();
-    t.mark_started();
+    PipelineStarted.emit();
     // Poll mode has no stream: it is "streaming" while it can poll.
-    t.source_streaming.set(1);
+    SourceRunning.emit();
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source(link)).await?;
     Ok(stats)
 }
@@ -501,9 +501,8 @@ pub async fn run_file(
     let mut sink = make_sink(&cfg)?;
     let (link, ev_rx, ack_tx) = source_link(&cfg);
     let stats = Arc::new(RelayStats::default());
-    let t = crate::telemetry::get();
-    t.mark_started();
-    t.source_streaming.set(1);
+    PipelineStarted.emit();
+    SourceRunning.emit();
     let limits = file::Limits {
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
         max_payload_bytes: cfg.mysql.max_payload_bytes,
@@ -609,7 +608,7 @@ where
     ));
     let source = source(link);
     let stats = Arc::new(RelayStats::default());
-    crate::telemetry::get().mark_started();
+    PipelineStarted.emit();
     let work = relay_and_source(&mut sink, ev_rx, ack_tx, &relay_opts, &stats, source);
     let result = tokio::select! {
         r = work => r,

@@ -17,7 +17,10 @@ use crate::event::{Checkpoint, OutboxEvent};
 use crate::sink::{Delivery, FlowControl, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
 use crate::state::Fence;
-use crate::telemetry;
+use crate::telemetry::events::{
+    EventConfirmed, EventPublishing, EventRepublished, InternalEvent, SinkConnected, SinkRecovered,
+    SinkRetry,
+};
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
@@ -68,7 +71,8 @@ impl Default for RelayOptions {
     }
 }
 
-/// Counters of what went through the relay (the metrics endpoint reads them).
+/// Counters of what went through one relay run, returned to its caller (`run` and tests read
+/// them); the process-wide metrics the endpoint serves are written by `telemetry::events`.
 #[derive(Debug, Default)]
 pub struct RelayStats {
     pub published: AtomicU64,
@@ -154,15 +158,12 @@ pub async fn run<S: Sink>(
                     Some(SourceMsg::Event(event, permit)) => {
                         if event.poison.is_some() {
                             stats.poison.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(event_id = %event.id, position = %event.position, reason = event.poison.as_deref().unwrap_or(""), "poison event: dead-lettered without its body");
-                        } else {
-                            tracing::debug!(event_id = %event.id, position = %event.position, topic = %event.topic, "publishing");
                         }
                         gate(opts).await;
+                        EventPublishing { event: &event }.emit();
                         let published = publish_one(sink, &event, opts.confirm_timeout).await;
                         queue.push_back(Entry::Event { event, _permit: permit, sent: Instant::now() });
                         stats.published.fetch_add(1, Ordering::Relaxed);
-                        telemetry::get().events_published.inc();
                         match published {
                             Ok(confirm) => confirms.push_back(confirm),
                             Err(e) if e.is_retryable() => {
@@ -265,21 +266,11 @@ fn pop_confirmed(queue: &mut VecDeque<Entry>, durable: &mut Option<Checkpoint>) 
     let front = queue.pop_front();
     debug_assert!(matches!(front, Some(Entry::Event { .. })));
     if let Some(Entry::Event { event, sent, .. }) = front {
-        let t = telemetry::get();
-        t.events_confirmed.inc();
-        if event.poison.is_some() {
-            t.events_dead_lettered.inc();
+        EventConfirmed {
+            event: &event,
+            sent_ago: sent.elapsed(),
         }
-        t.publish_confirm_seconds
-            .observe(sent.elapsed().as_secs_f64());
-        if let Some(committed) = event.committed_at {
-            let age = (chrono::Utc::now() - committed)
-                .num_microseconds()
-                .unwrap_or(0) as f64
-                / 1e6;
-            t.commit_confirm_seconds.observe(age.max(0.0));
-            t.source_lag_seconds.set(age.max(0.0));
-        }
+        .emit();
     }
     while let Some(Entry::Checkpoint(_)) = queue.front() {
         if let Some(Entry::Checkpoint(cp)) = queue.pop_front() {
@@ -344,7 +335,7 @@ async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error>
     loop {
         match sink.connect().await {
             Ok(()) => {
-                telemetry::get().sink_connected.set(1);
+                SinkConnected.emit();
                 return Ok(());
             }
             Err(e) if e.is_retryable() => {
@@ -368,20 +359,29 @@ async fn recover<S: Sink>(
     opts: &RelayOptions,
     stats: &RelayStats,
 ) -> Result<(), crate::Error> {
-    let t = telemetry::get();
     let mut cause = cause;
     loop {
         // Old confirmations belong to the broken channel: drop them before republishing.
         *w.confirms = FuturesOrdered::new();
         let (attempt, delay) = w.pacing.failed();
         let front = front_event(w.queue).map(|e| (&e.id, &e.position));
-        t.sink_retry(cause.kind(), front, &cause, attempt, delay);
+        SinkRetry {
+            cause: cause.kind(),
+            event: front,
+            reason: &cause,
+            attempt,
+            retry_in: delay,
+        }
+        .emit();
         stats.recoveries.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(delay).await;
         match republish(sink, w, opts, stats).await {
             Ok(republished) => {
-                tracing::info!(sink = sink.name(), republished, "sink recovered");
-                t.sink_connected.set(1);
+                SinkRecovered {
+                    sink: sink.name(),
+                    republished,
+                }
+                .emit();
                 return Ok(());
             }
             Err(e) if e.is_retryable() => cause = e,
@@ -408,7 +408,6 @@ async fn republish<S: Sink>(
     opts: &RelayOptions,
     stats: &RelayStats,
 ) -> Result<usize, SinkError> {
-    let t = telemetry::get();
     sink.connect().await?;
     let mut sent_count = 0;
     let front = w.queue.iter_mut().find_map(|e| match e {
@@ -420,7 +419,7 @@ async fn republish<S: Sink>(
         let confirm = publish_one(sink, event, opts.confirm_timeout).await?;
         *sent = Instant::now();
         stats.republished.fetch_add(1, Ordering::Relaxed);
-        t.events_republished.inc();
+        EventRepublished.emit();
         sent_count += 1;
         confirm.await?;
         stats.confirmed.fetch_add(1, Ordering::Relaxed);
@@ -434,7 +433,7 @@ async fn republish<S: Sink>(
             w.confirms.push_back(c);
             *sent = Instant::now();
             stats.republished.fetch_add(1, Ordering::Relaxed);
-            t.events_republished.inc();
+            EventRepublished.emit();
             sent_count += 1;
         }
     }
@@ -447,6 +446,7 @@ mod tests {
     use crate::event::SourcePosition;
     use crate::sink::memory::{MemoryHandle, MemorySink};
     use crate::source::Budget;
+    use crate::telemetry;
 
     fn event(n: u32) -> OutboxEvent {
         let mut e = crate::sink::test_event();

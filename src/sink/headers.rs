@@ -6,6 +6,7 @@
 //! `outboxd_row_headers_dropped_total` and logged once per name.
 
 use crate::event::OutboxEvent;
+use crate::telemetry::events::{InternalEvent, RowHeaderDropped};
 use std::collections::HashSet;
 use std::sync::Mutex;
 
@@ -82,15 +83,20 @@ pub fn row_headers(
         if !is_reserved(k) {
             return true;
         }
-        crate::telemetry::get().row_headers_dropped.inc();
         static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
-        let first = WARNED
+        let first_time = WARNED
             .lock()
-            .map(|mut w| w.get_or_insert_with(HashSet::new).insert(k.to_ascii_lowercase()))
+            .map(|mut w| {
+                w.get_or_insert_with(HashSet::new)
+                    .insert(k.to_ascii_lowercase())
+            })
             .unwrap_or(false);
-        if first {
-            tracing::warn!(header = %k, event_id = %event.id, "the row's headers object sets a header name the relay reserves: dropped (counted in outboxd_row_headers_dropped_total; logged once per name)");
+        RowHeaderDropped {
+            name: k,
+            event_id: &event.id,
+            first_time,
         }
+        .emit();
         false
     })
 }

@@ -9,6 +9,7 @@ pub mod postgres;
 pub mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};
+use crate::telemetry::events::{EventRead, InternalEvent};
 use std::sync::Arc;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -62,7 +63,7 @@ pub struct Outlet {
 impl Outlet {
     /// Sends an event after reserving its bytes. Errors when the relay is gone.
     pub async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
-        crate::telemetry::get().events_read.inc();
+        EventRead.emit();
         let permit = self.budget.acquire(event.size()).await;
         self.events
             .send(SourceMsg::Event(Box::new(event), permit))

@@ -7,6 +7,7 @@
 
 use super::{DurableCommit, Lease, StateStore, Stored};
 use crate::event::Checkpoint;
+use crate::telemetry::events::{InternalEvent, PositionBackwardsRefused};
 use crate::Error;
 
 /// Wraps a store; see the module doc.
@@ -33,8 +34,11 @@ impl<S> ForwardOnly<S> {
         if cur.compare(p) != Some(std::cmp::Ordering::Greater) {
             return false;
         }
-        crate::telemetry::get().position_backwards_refused.inc();
-        tracing::error!(stored = %cur, attempted = %p, "refused to store a position older than the stored one (a relay bug: positions only move forward)");
+        PositionBackwardsRefused {
+            stored: cur,
+            attempted: p,
+        }
+        .emit();
         true
     }
 }

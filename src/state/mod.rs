@@ -10,6 +10,7 @@ pub mod mysql;
 pub mod postgres;
 
 use crate::event::Checkpoint;
+use crate::telemetry::events::{FenceClosed, FenceOpened, InternalEvent, LeaseEnded, LeaseRenewed};
 use crate::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -112,14 +113,21 @@ impl Fence {
             notified.as_mut().enable();
             if self.is_open() {
                 if let Some((since, true)) = closed {
-                    crate::telemetry::get().fence_opened(since.elapsed());
+                    FenceOpened {
+                        closed: since.elapsed(),
+                    }
+                    .emit();
                 }
                 return;
             }
             if closed.is_none() {
                 let age = self.age();
                 closed = Some((Instant::now(), age.is_some()));
-                crate::telemetry::get().fence_closed(age, self.0.limit);
+                FenceClosed {
+                    age,
+                    limit: self.0.limit,
+                }
+                .emit();
             }
             tokio::select! {
                 _ = notified => {}
@@ -401,7 +409,7 @@ pub async fn keep_lease<S: StateStore>(
                 }
             };
         if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {
-            crate::telemetry::get().leader.set(0);
+            LeaseEnded.emit();
             return Err(Error::Leadership(format!(
                 "could not renew the lease of {:?} for {:.1}s: stopping before it can expire (a standby takes over)",
                 lease.name,
@@ -412,13 +420,14 @@ pub async fn keep_lease<S: StateStore>(
             Ok(()) => {
                 renewed = sent;
                 fence.renewed(sent);
-                let t = crate::telemetry::get();
-                t.leader.set(1);
+                LeaseRenewed {
+                    stored: pos.is_some(),
+                }
+                .emit();
                 if pos.is_some() {
                     // The write renewed the lease: the next renewal is a period from now.
                     tick.reset();
                     written = pos;
-                    t.position_stored();
                 }
                 let past_first_start = written
                     .as_ref()
@@ -434,7 +443,7 @@ pub async fn keep_lease<S: StateStore>(
                 }
             }
             Err(e @ Error::Leadership(_)) => {
-                crate::telemetry::get().leader.set(0);
+                LeaseEnded.emit();
                 return Err(e);
             }
             Err(e) => {
@@ -453,7 +462,7 @@ pub async fn keep_lease<S: StateStore>(
             if let Err(e) = store.release(&lease).await {
                 tracing::warn!(error = %e, "could not release the lease; it expires by itself");
             }
-            crate::telemetry::get().leader.set(0);
+            LeaseEnded.emit();
             return Ok(());
         }
     }

@@ -4,6 +4,7 @@
 use super::{holder_is_dead_locally, Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
+use crate::telemetry::events::{InternalEvent, SlotRetainedWal};
 use crate::Error;
 use tokio_postgres::Client;
 
@@ -115,7 +116,7 @@ impl PgStateStore {
                     .flatten()
                     .and_then(|row| row.get(0));
                 if let Some(b) = retained {
-                    crate::telemetry::get().slot_retained_wal_bytes.set(b);
+                    SlotRetainedWal { bytes: b }.emit();
                 }
             }
         }

@@ -23,6 +23,7 @@ pub use config::NatsConfig;
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact_token as redact;
 use crate::event::OutboxEvent;
+use crate::telemetry::events::{EventDeduplicated, InternalEvent};
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
 use futures::FutureExt;
@@ -236,7 +237,7 @@ impl Sink for NatsSink {
                             if a.duplicate {
                                 // A republished event the stream already held (an earlier
                                 // life's, or one sent before a lost connection): stored once.
-                                crate::telemetry::get().events_deduplicated.inc();
+                                EventDeduplicated.emit();
                             }
                             Ok(())
                         }

@@ -8,6 +8,7 @@
 use super::declare::channel_error;
 use super::link::LinkState;
 use crate::sink::{FlowControl, SinkError};
+use crate::telemetry::events::{InternalEvent, SinkBlocked, SinkConnectionFailed, SinkUnblocked};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -129,23 +130,18 @@ pub(super) async fn watch_events(
     while let Some(ev) = events.next().await {
         match ev {
             lapin::Event::ConnectionBlocked(reason) => {
-                tracing::warn!(%reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
                 flow.block();
-                crate::telemetry::get().sink_blocked.set(1);
+                SinkBlocked { reason: &reason }.emit();
                 state.send_modify(|s| s.blocked = true);
             }
             lapin::Event::ConnectionUnblocked => {
-                tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
                 flow.unblock();
-                crate::telemetry::get().sink_blocked.set(0);
+                SinkUnblocked.emit();
                 state.send_modify(|s| s.blocked = false);
             }
             lapin::Event::Error(e) => {
-                tracing::warn!(error = %e, "RabbitMQ connection or channel failed");
                 flow.unblock();
-                let t = crate::telemetry::get();
-                t.sink_blocked.set(0);
-                t.sink_connected.set(0);
+                SinkConnectionFailed { error: &e }.emit();
                 state.send_modify(|s| {
                     s.blocked = false;
                     s.error = Some(e.to_string());

@@ -33,6 +33,7 @@ pub use crate::db::mysql::{classify, connect_sql, connect_state, server_code};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
+use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceReconnecting};
 use crate::Error;
 use decode::{Decoder, Step};
 use futures::StreamExt;
@@ -353,13 +354,22 @@ pub async fn run(
             },
             _ = shutdown.cancelled() => break 'connect,
         };
-        tracing::info!(
-            file = %resume.file, pos = resume.pos,
-            gtid = %resume.gtid.as_ref().map(|g| g.to_string()).unwrap_or_default(),
-            by = if resume.by_gtid(cfg.mariadb) { "gtid" } else { "position" },
-            server_id = cfg.server_id, "streaming the binlog"
-        );
-        crate::telemetry::get().source_streaming.set(1);
+        BinlogStreaming {
+            file: &resume.file,
+            pos: resume.pos,
+            gtid: &resume
+                .gtid
+                .as_ref()
+                .map(|g| g.to_string())
+                .unwrap_or_default(),
+            by: if resume.by_gtid(cfg.mariadb) {
+                "gtid"
+            } else {
+                "position"
+            },
+            server_id: cfg.server_id,
+        }
+        .emit();
         // A new stream: the decoder keeps only the prepared XA transactions it holds.
         dec.restart(
             &resume.file,
@@ -410,11 +420,23 @@ pub async fn run(
             };
             let ev: Event = match item {
                 Err(_) => {
-                    tracing::warn!(timeout = ?cfg.read_timeout, "no binlog event and no heartbeat in time: reconnecting");
+                    SourceReconnecting {
+                        message: "no binlog event and no heartbeat in time: reconnecting",
+                        error: None,
+                        timeout: Some(cfg.read_timeout),
+                        retry_in: None,
+                    }
+                    .emit();
                     continue 'connect;
                 }
                 Ok(None) => {
-                    tracing::warn!("the server ended the binlog stream: reconnecting");
+                    SourceReconnecting {
+                        message: "the server ended the binlog stream: reconnecting",
+                        error: None,
+                        timeout: None,
+                        retry_in: None,
+                    }
+                    .emit();
                     continue 'connect;
                 }
                 Ok(Some(Err(e))) => {
@@ -423,7 +445,13 @@ pub async fn run(
                         return Err(err);
                     }
                     let d = backoff.next_delay();
-                    tracing::warn!(error = %err, retry_in = ?d, "binlog stream broke; resuming from the last transaction boundary");
+                    SourceReconnecting {
+                        message: "binlog stream broke; resuming from the last transaction boundary",
+                        error: Some(&err),
+                        timeout: None,
+                        retry_in: Some(d),
+                    }
+                    .emit();
                     tokio::select! {
                         _ = tokio::time::sleep(d) => continue 'connect,
                         _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,

@@ -31,6 +31,7 @@ use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
 use crate::source::SourceLink;
 use crate::state::postgres::DurableCommit;
+use crate::telemetry::events::{InternalEvent, PgStreaming, SourceLag, SourceReconnecting};
 use crate::Error;
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
@@ -286,8 +287,11 @@ pub async fn run(
             continue;
         }
         let streaming_since = Instant::now();
-        tracing::info!(slot = %cfg.slot, from = %format_lsn(acked), "streaming");
-        crate::telemetry::get().source_streaming.set(1);
+        PgStreaming {
+            slot: &cfg.slot,
+            from: &format_lsn(acked),
+        }
+        .emit();
         let mut in_txn: Option<Txn> = None;
         let mut last_idle_checkpoint: u64 = 0;
 
@@ -328,10 +332,13 @@ pub async fn run(
                         // the server stop; the slot keeps the last stored position.
                         client.abort();
                         let d = backoff.next_delay();
-                        let t = crate::telemetry::get();
-                        t.source_streaming.set(0);
-                        t.reconnect("source");
-                        tracing::warn!(retry_in = ?d, "the server is shutting down: closed the replication stream so that it can; resuming from the slot");
+                        SourceReconnecting {
+                            message: "the server is shutting down: closed the replication stream so that it can; resuming from the slot",
+                            error: None,
+                            timeout: None,
+                            retry_in: Some(d),
+                        }
+                        .emit();
                         tokio::time::sleep(d).await;
                         continue 'connect;
                     }
@@ -342,7 +349,13 @@ pub async fn run(
                         Ok(Some(ev)) => ev,
                         Ok(None) => {
                             let err = Error::source("replication stream ended", true);
-                            tracing::warn!(error = %err, "reconnecting");
+                            SourceReconnecting {
+                                message: "reconnecting",
+                                error: Some(&err),
+                                timeout: None,
+                                retry_in: None,
+                            }
+                            .emit();
                             continue 'connect;
                         }
                         Err(e) => {
@@ -351,10 +364,13 @@ pub async fn run(
                                 return Err(err);
                             }
                             let d = backoff.next_delay();
-                            let t = crate::telemetry::get();
-                            t.source_streaming.set(0);
-                            t.reconnect("source");
-                            tracing::warn!(error = %err, retry_in = ?d, "replication stream broke; resuming from the slot");
+                            SourceReconnecting {
+                                message: "replication stream broke; resuming from the slot",
+                                error: Some(&err),
+                                timeout: None,
+                                retry_in: Some(d),
+                            }
+                            .emit();
                             tokio::time::sleep(d).await;
                             continue 'connect;
                         }
@@ -410,7 +426,7 @@ pub async fn run(
                         }
                         ReplicationEvent::KeepAlive { wal_end, .. } => {
                             let w = wal_end.as_u64();
-                            crate::telemetry::get().source_lag_bytes.set(w.saturating_sub(acked) as i64);
+                            SourceLag { bytes: w.saturating_sub(acked) }.emit();
                             // Everything before a keepalive has been sent to us, so once the
                             // events before it are durable the slot may move here: an idle
                             // outbox beside busy tables keeps the slot near the head.

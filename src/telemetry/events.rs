@@ -1,0 +1,403 @@
+//! The data path's internal events, one struct each: where something happens, the code builds
+//! the event and calls [`InternalEvent::emit`], which logs it and updates its instruments in
+//! one place, so a log line and the metric that counts it cannot drift apart (a reconnect that
+//! is logged is also counted, and readiness follows it). Hot-path events that only count
+//! ([`EventRead`]) go through the same trait, so every instrument has one writer.
+
+use super::get;
+use crate::event::{OutboxEvent, SourcePosition};
+use std::fmt::Display;
+use std::time::Duration;
+
+/// Something that happened inside the relay: `emit` logs it (when it is worth a line) and
+/// counts or sets what the metrics endpoint shows of it.
+pub trait InternalEvent {
+    fn emit(self);
+}
+
+/// A pipeline (source, relay, sink) runs: from now on `/readyz` reports its parts instead of
+/// "starting".
+pub struct PipelineStarted;
+
+impl InternalEvent for PipelineStarted {
+    fn emit(self) {
+        get().mark_started();
+    }
+}
+
+/// The source decoded an outbox row and hands it to the relay.
+pub struct EventRead;
+
+impl InternalEvent for EventRead {
+    fn emit(self) {
+        get().events_read.inc();
+    }
+}
+
+/// The Postgres replication stream is open from `from`.
+pub struct PgStreaming<'a> {
+    pub slot: &'a str,
+    pub from: &'a str,
+}
+
+impl InternalEvent for PgStreaming<'_> {
+    fn emit(self) {
+        tracing::info!(slot = %self.slot, from = %self.from, "streaming");
+        get().source_streaming.set(1);
+    }
+}
+
+/// The binlog dump stream is open at `file:pos` (and `gtid`), resumed `by` GTID or position.
+pub struct BinlogStreaming<'a> {
+    pub file: &'a str,
+    pub pos: u64,
+    pub gtid: &'a str,
+    pub by: &'static str,
+    pub server_id: u32,
+}
+
+impl InternalEvent for BinlogStreaming<'_> {
+    fn emit(self) {
+        tracing::info!(
+            file = %self.file, pos = self.pos, gtid = %self.gtid, by = self.by,
+            server_id = self.server_id, "streaming the binlog"
+        );
+        get().source_streaming.set(1);
+    }
+}
+
+/// A source without a stream (poll mode, binlog files) runs: it counts as streaming while it
+/// can read.
+pub struct SourceRunning;
+
+impl InternalEvent for SourceRunning {
+    fn emit(self) {
+        get().source_streaming.set(1);
+    }
+}
+
+/// The source's stream is gone and the source connects again: `message` says why and from
+/// where it resumes; `error` is the cause when there is one, `timeout` the read timeout that
+/// expired, `retry_in` the pause before the next attempt.
+pub struct SourceReconnecting<'a> {
+    pub message: &'static str,
+    pub error: Option<&'a dyn Display>,
+    pub timeout: Option<Duration>,
+    pub retry_in: Option<Duration>,
+}
+
+impl InternalEvent for SourceReconnecting<'_> {
+    fn emit(self) {
+        let t = get();
+        t.source_streaming.set(0);
+        t.reconnect("source");
+        // Absent fields are not recorded: each line carries what its cause has.
+        tracing::warn!(
+            error = self.error.map(tracing::field::display),
+            timeout = self.timeout.map(tracing::field::debug),
+            retry_in = self.retry_in.map(tracing::field::debug),
+            "{}",
+            self.message
+        );
+    }
+}
+
+/// The log bytes between the server's position and the acknowledged one.
+pub struct SourceLag {
+    pub bytes: u64,
+}
+
+impl InternalEvent for SourceLag {
+    fn emit(self) {
+        get()
+            .source_lag_bytes
+            .set(i64::try_from(self.bytes).unwrap_or(i64::MAX));
+    }
+}
+
+/// The WAL the replication slot keeps on the server.
+pub struct SlotRetainedWal {
+    pub bytes: i64,
+}
+
+impl InternalEvent for SlotRetainedWal {
+    fn emit(self) {
+        get().slot_retained_wal_bytes.set(self.bytes);
+    }
+}
+
+/// The relay hands `event` to the sink for the first time.
+pub struct EventPublishing<'a> {
+    pub event: &'a OutboxEvent,
+}
+
+impl InternalEvent for EventPublishing<'_> {
+    fn emit(self) {
+        let e = self.event;
+        match e.poison.as_deref() {
+            Some(reason) => {
+                tracing::warn!(event_id = %e.id, position = %e.position, reason, "poison event: dead-lettered without its body")
+            }
+            None => {
+                tracing::debug!(event_id = %e.id, position = %e.position, topic = %e.topic, "publishing")
+            }
+        }
+        get().events_published.inc();
+    }
+}
+
+/// The sink made `event` durable, `sent_ago` after it was (last) handed over.
+pub struct EventConfirmed<'a> {
+    pub event: &'a OutboxEvent,
+    pub sent_ago: Duration,
+}
+
+impl InternalEvent for EventConfirmed<'_> {
+    fn emit(self) {
+        let t = get();
+        t.events_confirmed.inc();
+        if self.event.poison.is_some() {
+            t.events_dead_lettered.inc();
+        }
+        t.publish_confirm_seconds
+            .observe(self.sent_ago.as_secs_f64());
+        if let Some(committed) = self.event.committed_at {
+            let age = (chrono::Utc::now() - committed)
+                .num_microseconds()
+                .unwrap_or(0) as f64
+                / 1e6;
+            t.commit_confirm_seconds.observe(age.max(0.0));
+            t.source_lag_seconds.set(age.max(0.0));
+        }
+    }
+}
+
+/// An unconfirmed event was published again after a sink failure.
+pub struct EventRepublished;
+
+impl InternalEvent for EventRepublished {
+    fn emit(self) {
+        get().events_republished.inc();
+    }
+}
+
+/// The sink reported a published event as already stored and did not store it again (NATS
+/// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
+pub struct EventDeduplicated;
+
+impl InternalEvent for EventDeduplicated {
+    fn emit(self) {
+        tracing::debug!("the stream already held a published event: stored once");
+        get().events_deduplicated.inc();
+    }
+}
+
+/// A row's `headers` object set `name`, which the relay reserves: dropped. Logged once per
+/// name and process (`first_time`; a producer bug repeats on every row), counted every time.
+pub struct RowHeaderDropped<'a> {
+    pub name: &'a str,
+    pub event_id: &'a uuid::Uuid,
+    pub first_time: bool,
+}
+
+impl InternalEvent for RowHeaderDropped<'_> {
+    fn emit(self) {
+        get().row_headers_dropped.inc();
+        if self.first_time {
+            tracing::warn!(header = %self.name, event_id = %self.event_id, "the row's headers object sets a header name the relay reserves: dropped (counted in outboxd_row_headers_dropped_total; logged once per name)");
+        }
+    }
+}
+
+/// The sink connected (the first time, or again after a failure).
+pub struct SinkConnected;
+
+impl InternalEvent for SinkConnected {
+    fn emit(self) {
+        get().sink_connected.set(1);
+    }
+}
+
+/// The sink recovered: connected again and `republished` events sent again.
+pub struct SinkRecovered<'a> {
+    pub sink: &'a str,
+    pub republished: usize,
+}
+
+impl InternalEvent for SinkRecovered<'_> {
+    fn emit(self) {
+        tracing::info!(
+            sink = self.sink,
+            republished = self.republished,
+            "sink recovered"
+        );
+        get().sink_connected.set(1);
+    }
+}
+
+/// The sink failed to confirm the oldest unconfirmed event (`event`: its id and position; none
+/// when nothing was in flight) for `reason`, for the `attempt`-th time in a row; the relay
+/// reconnects and republishes it after `retry_in`.
+pub struct SinkRetry<'a> {
+    pub cause: &'static str,
+    pub event: Option<(&'a uuid::Uuid, &'a SourcePosition)>,
+    pub reason: &'a dyn Display,
+    pub attempt: u32,
+    pub retry_in: Duration,
+}
+
+impl InternalEvent for SinkRetry<'_> {
+    fn emit(self) {
+        let t = get();
+        t.sink_retries
+            .get_or_create(&super::Cause {
+                cause: self.cause.to_string(),
+            })
+            .inc();
+        t.reconnect("sink");
+        t.sink_connected.set(0);
+        let SinkRetry {
+            cause,
+            event,
+            reason,
+            attempt,
+            retry_in,
+        } = self;
+        // The first failure of a run says what failed; the later ones what is still failing.
+        let what = match event {
+            Some((id, position)) => format!("the oldest unconfirmed event {id} at {position}"),
+            None => "nothing in flight".to_string(),
+        };
+        let (id, position) = match event {
+            Some((id, position)) => (id.to_string(), position.to_string()),
+            None => (String::new(), String::new()),
+        };
+        if attempt <= 1 {
+            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+                "sink failed; reconnecting to republish unconfirmed events in order ({what}: {reason})");
+        } else {
+            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+                "sink still unavailable or refusing ({what}, attempt {attempt}: {reason}); retrying in {retry_in:?}");
+        }
+    }
+}
+
+/// The broker blocked the connection (a resource alarm) for `reason`.
+pub struct SinkBlocked<'a> {
+    pub reason: &'a dyn Display,
+}
+
+impl InternalEvent for SinkBlocked<'_> {
+    fn emit(self) {
+        tracing::warn!(reason = %self.reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
+        get().sink_blocked.set(1);
+    }
+}
+
+/// The broker unblocked the connection.
+pub struct SinkUnblocked;
+
+impl InternalEvent for SinkUnblocked {
+    fn emit(self) {
+        tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
+        get().sink_blocked.set(0);
+    }
+}
+
+/// The broker connection or a channel failed with `error`: neither blocked nor connected.
+pub struct SinkConnectionFailed<'a> {
+    pub error: &'a dyn Display,
+}
+
+impl InternalEvent for SinkConnectionFailed<'_> {
+    fn emit(self) {
+        tracing::warn!(error = %self.error, "RabbitMQ connection or channel failed");
+        let t = get();
+        t.sink_blocked.set(0);
+        t.sink_connected.set(0);
+    }
+}
+
+/// The relay stopped publishing: the lease was last renewed `age` ago (never: `None`), not
+/// less than `limit`.
+pub struct FenceClosed {
+    pub age: Option<Duration>,
+    pub limit: Duration,
+}
+
+impl InternalEvent for FenceClosed {
+    fn emit(self) {
+        match self.age {
+            Some(age) => {
+                get().publishing_fenced.set(1);
+                tracing::warn!(
+                    lease_age = ?age,
+                    limit = ?self.limit,
+                    "publishing paused: the lease was last renewed {:.1}s ago, not less than the self-fence limit {:.1}s; nothing is published until a renewal succeeds (another relay may hold the lease by now)",
+                    age.as_secs_f64(),
+                    self.limit.as_secs_f64()
+                )
+            }
+            None => tracing::debug!("publishing waits for the first lease renewal"),
+        }
+    }
+}
+
+/// Publishing resumes after the fence was closed for `closed`.
+pub struct FenceOpened {
+    pub closed: Duration,
+}
+
+impl InternalEvent for FenceOpened {
+    fn emit(self) {
+        get().publishing_fenced.set(0);
+        tracing::info!(paused = ?self.closed, "the lease was renewed: publishing resumes");
+    }
+}
+
+/// The lease was renewed; `stored` when the renewal also stored a newer position.
+pub struct LeaseRenewed {
+    pub stored: bool,
+}
+
+impl InternalEvent for LeaseRenewed {
+    fn emit(self) {
+        let t = get();
+        t.leader.set(1);
+        if self.stored {
+            t.position_stored();
+        }
+    }
+}
+
+/// This process no longer holds the lease (released, lost, or given up before it could
+/// expire); the reason is the error or log line of whoever ends the run.
+pub struct LeaseEnded;
+
+impl InternalEvent for LeaseEnded {
+    fn emit(self) {
+        get().leader.set(0);
+    }
+}
+
+/// A position older than the stored one was about to be stored, and was refused.
+pub struct PositionBackwardsRefused<'a> {
+    pub stored: &'a dyn Display,
+    pub attempted: &'a dyn Display,
+}
+
+impl InternalEvent for PositionBackwardsRefused<'_> {
+    fn emit(self) {
+        get().position_backwards_refused.inc();
+        tracing::error!(stored = %self.stored, attempted = %self.attempted, "refused to store a position older than the stored one (a relay bug: positions only move forward)");
+    }
+}
+
+/// A connection to the metrics endpoint was closed unserved, over its connection limit.
+pub struct HttpConnectionRefused;
+
+impl InternalEvent for HttpConnectionRefused {
+    fn emit(self) {
+        get().http_connections_refused.inc();
+    }
+}

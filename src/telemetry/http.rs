@@ -1,0 +1,152 @@
+//! The metrics endpoint (`--metrics-addr`): `/metrics`, `/healthz` and `/readyz` served on a
+//! bounded number of connections with deadlines (input from the network is bounded before it
+//! is read), and `outboxd health`, the one-GET probe of it.
+
+use super::events::{HttpConnectionRefused, InternalEvent};
+use super::get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `outboxd health`: one GET of `path` on the relay's metrics address; Ok on 200, otherwise an
+/// error carrying the status line and body (the reason /readyz gives).
+pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
+    let fail = |what: String| crate::Error::Other(format!("{addr}{path}: {what}"));
+    let exchange = async {
+        let mut sock = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| fail(format!("cannot connect: {e}")))?;
+        sock.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+        let mut answer = Vec::new();
+        sock.read_to_end(&mut answer)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        Ok::<_, crate::Error>(String::from_utf8_lossy(&answer).into_owned())
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| fail("no answer in 5 s".into()))??;
+    let status = answer.lines().next().unwrap_or_default();
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
+    if status.split_whitespace().nth(1) == Some("200") {
+        println!("ok   {path}: {body}");
+        Ok(())
+    } else {
+        Err(fail(format!("{status}: {body}")))
+    }
+}
+
+/// Most connections served at once: beyond it a new connection is closed at once (so it does
+/// not wait in the backlog behind idle ones) and counted. Well below the usual 1024 file
+/// descriptors, well above what Prometheus and a prober need.
+pub const MAX_CONNECTIONS: usize = 512;
+/// A client must send its request head within this time.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// A whole connection (request and answer, a slow reader of /metrics included) ends after this.
+pub const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until the process ends, with hyper (HTTP/1.1,
+/// one request per connection): at most [`MAX_CONNECTIONS`] at once, each bounded by
+/// [`HEADER_TIMEOUT`] and [`REQUEST_DEADLINE`], and accept errors (such as running out of
+/// file descriptors) retried with a growing pause instead of a spinning loop.
+pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        crate::Error::config(
+            format!("--metrics-addr {addr}: {e}"),
+            "use a free HOST:PORT, e.g. --metrics-addr 127.0.0.1:9187",
+        )
+    })?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| crate::Error::Other(e.to_string()))?;
+    tracing::info!(addr = %local, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(accept_loop(listener));
+    Ok(local)
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener) {
+    use std::time::Duration;
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut pause = Duration::ZERO;
+    loop {
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => {
+                pause = Duration::ZERO;
+                sock
+            }
+            Err(e) => {
+                if pause.is_zero() {
+                    tracing::warn!(error = %e, "metrics endpoint: accept failed; retrying with backoff");
+                }
+                pause = (pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            HttpConnectionRefused.emit();
+            drop(sock);
+            continue;
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
+                .max_buf_size(16 * 1024)
+                .serve_connection(
+                    hyper_util::rt::TokioIo::new(sock),
+                    hyper::service::service_fn(answer),
+                );
+            let _ = tokio::time::timeout(REQUEST_DEADLINE, conn).await;
+        });
+    }
+}
+
+type Body = http_body_util::Full<bytes::Bytes>;
+
+async fn answer(
+    req: hyper::Request<hyper::body::Incoming>,
+) -> Result<hyper::Response<Body>, std::convert::Infallible> {
+    use hyper::{Method, StatusCode};
+    let t = get();
+    let (status, ctype, body) = if req.method() != Method::GET && req.method() != Method::HEAD {
+        (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "use GET\n".to_string(),
+        )
+    } else {
+        match req.uri().path() {
+            "/metrics" => (
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                t.render(),
+            ),
+            "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+            "/readyz" => match t.not_ready() {
+                None => (StatusCode::OK, "text/plain", "ready\n".to_string()),
+                Some(why) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}\n"),
+                ),
+            },
+            _ => (
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "not found\n".to_string(),
+            ),
+        }
+    };
+    let mut resp = hyper::Response::new(Body::new(body.into()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(ctype),
+    );
+    Ok(resp)
+}

@@ -1,0 +1,272 @@
+//! Metrics and health. One process-wide set of instruments (a relay runs one pipeline), written
+//! only by the internal events in [`events`] — one struct per event, whose `emit` logs it and
+//! counts it — and read by the endpoint in `http`: `--metrics-addr` serves `/metrics`
+//! (OpenMetrics text, which Prometheus scrapes), `/healthz` (the process serves) and `/readyz`
+//! (source streaming, sink connected and not blocked; 503 with the reason otherwise). Also the
+//! log subscriber every binary installs, with the one filter no `--log-level` can lift
+//! ([`init_logging`], in `logging`).
+
+pub mod events;
+mod http;
+mod logging;
+
+pub use http::{probe, serve, HEADER_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE};
+pub use logging::{init_logging, loggable};
+
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Cause {
+    pub cause: String,
+}
+
+/// Every instrument the relay keeps.
+pub struct Telemetry {
+    registry: Registry,
+    pub events_read: Counter,
+    pub events_published: Counter,
+    pub events_confirmed: Counter,
+    pub events_dead_lettered: Counter,
+    pub events_republished: Counter,
+    /// Published events the sink reported as already stored, so not stored again (NATS
+    /// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
+    pub events_deduplicated: Counter,
+    /// Attempts to store a position older than the stored one (a relay bug; refused).
+    pub position_backwards_refused: Counter,
+    /// Reserved header names a row's `headers` object tried to set (dropped).
+    pub row_headers_dropped: Counter,
+    /// Connections to the metrics endpoint closed unserved (over its connection limit).
+    pub http_connections_refused: Counter,
+    pub reconnects: Family<Cause, Counter>,
+    /// Failed attempts to get the oldest unconfirmed event confirmed, by cause (see
+    /// [`events::SinkRetry`]).
+    pub sink_retries: Family<Cause, Counter>,
+    pub publish_confirm_seconds: Histogram,
+    pub commit_confirm_seconds: Histogram,
+    pub source_lag_bytes: Gauge,
+    pub source_lag_seconds: Gauge<f64, AtomicU64>,
+    pub slot_retained_wal_bytes: Gauge,
+    pub leader: Gauge,
+    pub source_streaming: Gauge,
+    pub sink_connected: Gauge,
+    pub sink_blocked: Gauge,
+    /// 1 while publishing waits for a lease renewal (the self-fence is closed).
+    pub publishing_fenced: Gauge,
+    /// Unix time (s) of the last stored position; the age is computed at scrape time.
+    position_stored_at: AtomicI64,
+    position_age_seconds: Gauge<f64, AtomicU64>,
+    /// Set once a pipeline runs; `/readyz` says "starting" before.
+    started: AtomicBool,
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Telemetry {
+    fn new() -> Telemetry {
+        let mut registry = Registry::with_prefix("outboxd");
+        let t = Telemetry {
+            events_read: Counter::default(),
+            events_published: Counter::default(),
+            events_confirmed: Counter::default(),
+            events_dead_lettered: Counter::default(),
+            events_republished: Counter::default(),
+            events_deduplicated: Counter::default(),
+            position_backwards_refused: Counter::default(),
+            row_headers_dropped: Counter::default(),
+            http_connections_refused: Counter::default(),
+            reconnects: Family::default(),
+            sink_retries: Family::default(),
+            // 100 µs … ~27 min
+            publish_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
+            commit_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
+            source_lag_bytes: Gauge::default(),
+            source_lag_seconds: Gauge::default(),
+            slot_retained_wal_bytes: Gauge::default(),
+            leader: Gauge::default(),
+            source_streaming: Gauge::default(),
+            sink_connected: Gauge::default(),
+            sink_blocked: Gauge::default(),
+            publishing_fenced: Gauge::default(),
+            position_stored_at: AtomicI64::new(0),
+            position_age_seconds: Gauge::default(),
+            started: AtomicBool::new(false),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "events_read",
+            "Outbox rows decoded from the source",
+            t.events_read.clone(),
+        );
+        registry.register(
+            "events_published",
+            "Events handed to the sink (first attempts)",
+            t.events_published.clone(),
+        );
+        registry.register(
+            "events_confirmed",
+            "Events the sink made durable",
+            t.events_confirmed.clone(),
+        );
+        registry.register(
+            "events_dead_lettered",
+            "Poison events sent to <exchange>.dead",
+            t.events_dead_lettered.clone(),
+        );
+        registry.register(
+            "events_republished",
+            "Unconfirmed events published again after a sink failure",
+            t.events_republished.clone(),
+        );
+        registry.register(
+            "events_deduplicated",
+            "Published events the sink reported as already stored and did not store again (NATS JetStream: the same Nats-Msg-Id within the stream's duplicate window)",
+            t.events_deduplicated.clone(),
+        );
+        registry.register(
+            "row_headers_dropped",
+            "Header names a row's headers object set that the relay reserves (dropped)",
+            t.row_headers_dropped.clone(),
+        );
+        registry.register(
+            "position_backwards_refused",
+            "Attempts to store a position older than the stored one (refused; a relay bug)",
+            t.position_backwards_refused.clone(),
+        );
+        registry.register(
+            "http_connections_refused",
+            "Connections to this endpoint closed unserved, over its connection limit",
+            t.http_connections_refused.clone(),
+        );
+        registry.register(
+            "reconnects",
+            "Reconnects by cause (source, sink)",
+            t.reconnects.clone(),
+        );
+        registry.register(
+            "sink_retries",
+            "Failed attempts to get the oldest unconfirmed event confirmed (cause: rejected = returned or nacked, timeout, connection); each is followed by a paced reconnect",
+            t.sink_retries.clone(),
+        );
+        registry.register(
+            "publish_confirm_seconds",
+            "From handing an event to the sink to its confirmation",
+            t.publish_confirm_seconds.clone(),
+        );
+        registry.register(
+            "commit_confirm_seconds",
+            "From the source transaction's commit to the event's confirmation",
+            t.commit_confirm_seconds.clone(),
+        );
+        registry.register(
+            "source_lag_bytes",
+            "Log bytes between the server's position and the acknowledged one",
+            t.source_lag_bytes.clone(),
+        );
+        registry.register(
+            "source_lag_seconds",
+            "Age of the newest confirmed event's commit when it was confirmed",
+            t.source_lag_seconds.clone(),
+        );
+        registry.register(
+            "slot_retained_wal_bytes",
+            "WAL the replication slot keeps on the server",
+            t.slot_retained_wal_bytes.clone(),
+        );
+        registry.register(
+            "position_age_seconds",
+            "Time since the position was last stored",
+            t.position_age_seconds.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this process holds the lease",
+            t.leader.clone(),
+        );
+        registry.register(
+            "source_streaming",
+            "1 while the source stream is open",
+            t.source_streaming.clone(),
+        );
+        registry.register(
+            "sink_connected",
+            "1 while the sink is connected",
+            t.sink_connected.clone(),
+        );
+        registry.register(
+            "sink_blocked",
+            "1 while the broker blocks publishing (resource alarm)",
+            t.sink_blocked.clone(),
+        );
+        registry.register(
+            "publishing_fenced",
+            "1 while publishing waits for a lease renewal (the last one is older than the self-fence limit)",
+            t.publishing_fenced.clone(),
+        );
+        Telemetry { registry, ..t }
+    }
+
+    /// The position was stored just now.
+    fn position_stored(&self) {
+        self.position_stored_at
+            .store(now_unix() as i64, Ordering::Relaxed);
+    }
+
+    fn reconnect(&self, cause: &str) {
+        self.reconnects
+            .get_or_create(&Cause {
+                cause: cause.to_string(),
+            })
+            .inc();
+    }
+
+    fn mark_started(&self) {
+        self.started.store(true, Ordering::Relaxed);
+    }
+
+    /// The text `/metrics` serves.
+    pub fn render(&self) -> String {
+        let stored = self.position_stored_at.load(Ordering::Relaxed);
+        if stored > 0 {
+            self.position_age_seconds.set(now_unix() - stored as f64);
+        }
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// `None` when ready, else why not.
+    pub fn not_ready(&self) -> Option<&'static str> {
+        if !self.started.load(Ordering::Relaxed) {
+            return Some("starting");
+        }
+        if self.source_streaming.get() == 0 {
+            return Some("source not streaming");
+        }
+        if self.sink_connected.get() == 0 {
+            return Some("sink not connected");
+        }
+        if self.sink_blocked.get() != 0 {
+            return Some("sink blocked by the broker (resource alarm)");
+        }
+        None
+    }
+}
+
+/// The process's instruments.
+pub fn get() -> &'static Telemetry {
+    static T: OnceLock<Telemetry> = OnceLock::new();
+    T.get_or_init(Telemetry::new)
+}
