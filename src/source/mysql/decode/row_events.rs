@@ -53,10 +53,11 @@ type RowImages = (
 );
 
 /// Every row of a rows event, decoded by `mysql_common`. The table map was checked
-/// ([`crate::source::mysql::rows::table_map_fits`]) and the image holds the mapped columns, but its value
-/// decoders still index and subtract unchecked on corrupt bytes (a DECIMAL whose scale
-/// exceeds its precision, …; found by tests/mysql_file.rs mutating binlog files). As the last
-/// resort — and only here — a panic inside it becomes a decode error instead of a crash.
+/// ([`crate::source::mysql::rows::table_map_fits`]) and the image holds the mapped columns,
+/// but its value decoders still index and subtract unchecked on corrupt bytes (a DECIMAL
+/// whose scale exceeds its precision, …; found by tests/mysql_file.rs mutating binlog files).
+/// As the last resort — and only here — a panic inside it becomes a decode error instead of a
+/// crash.
 fn guarded_rows(
     data: &RowsEventData<'_>,
     tme: &TableMapEvent<'static>,
