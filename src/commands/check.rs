@@ -1,0 +1,141 @@
+//! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB), the RabbitMQ
+//! sink (`topology::check_rabbitmq`) and a NATS sink, one line per check.
+
+use super::{postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, SourceArgs};
+use crate::connector;
+use crate::dsn::{SinkDsn, SourceDsn};
+use crate::outbox::Mode;
+use crate::sink::rabbitmq;
+use crate::Error;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    #[command(flatten)]
+    pub sink: topology::SinkCheckArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Print the checks as JSON lines.
+    #[arg(long, env = "OUTBOXD_JSON")]
+    pub json: bool,
+    /// Check for poll mode (MySQL/MariaDB: the status column, its index and the grants
+    /// instead of the binlog).
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
+}
+
+pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let lines = if let SourceDsn::Mysql(dsn) = &r.source {
+        let mut lines = Vec::new();
+        for table in connector::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
+            let table_lines = crate::source::mysql::operator::check_mysql(
+                dsn,
+                &r.name,
+                &table,
+                args.mode == Mode::Poll,
+            )
+            .await;
+            // The server-wide lines once; each further table adds its own.
+            let seen: Vec<String> = lines
+                .iter()
+                .map(|l: &crate::operator::CheckLine| l.to_string())
+                .collect();
+            lines.extend(
+                table_lines
+                    .into_iter()
+                    .filter(|l| !seen.contains(&l.to_string())),
+            );
+        }
+        lines
+    } else {
+        let dsn = postgres_only(r.source, "check")?;
+        crate::source::postgres::operator::check_postgres(
+            &crate::source::postgres::operator::PgTarget {
+                dsn: &dsn,
+                name: &r.name,
+                tables: &r.tables,
+                columns: &r.columns,
+                slot: &r.slot,
+                publication: &r.publication,
+            },
+        )
+        .await
+    };
+    let mut lines = lines;
+    lines.extend(topology::check_rabbitmq(&args.sink, m).await);
+    lines.extend(check_nats(&args, m).await);
+    for l in &lines {
+        if args.json {
+            println!("{}", serde_json::to_string(l).unwrap_or_default());
+        } else {
+            println!("{l}");
+        }
+    }
+    let failed = lines
+        .iter()
+        .filter(|l| l.level == crate::operator::Level::Fail)
+        .count();
+    if failed > 0 {
+        return Err(Error::Other(format!(
+            "{failed} check{} failed",
+            if failed == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(())
+}
+
+/// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
+async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::operator::CheckLine> {
+    use crate::operator::{CheckLine, Level};
+    let fail = |detail: String| CheckLine {
+        level: Level::Fail,
+        check: "nats settings".into(),
+        detail,
+        fix: None,
+    };
+    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    let url = match resolve_dsn(
+        args.sink.sink.as_deref(),
+        args.sink.sink_file.as_deref(),
+        from_argv,
+        "sink",
+    ) {
+        Ok(Some(u)) => u,
+        Ok(None) => return Vec::new(),
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let Ok(SinkDsn::Nats(url)) = SinkDsn::parse(&url) else {
+        return Vec::new();
+    };
+    let opts = match args.nats.options() {
+        Ok(o) => o,
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let partitions = match args.sink.partitions.validate() {
+        Ok(p) => p.partitions,
+        Err(e) => return vec![fail(e.to_string())],
+    };
+    let cfg = crate::sink::nats::NatsConfig {
+        url,
+        subject: opts.subject,
+        stream: opts.stream,
+        declare: args.sink.declare,
+        max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
+        op_timeout: Duration::from_secs(15),
+        window: 1,
+        ca_file: args.sink.sink_ca.clone(),
+        cert_file: args.sink.sink_cert.clone(),
+        key_file: args.sink.sink_key.clone(),
+        connection_name: "outboxd check".into(),
+        partitions,
+    };
+    if let Err(e) = cfg.validate() {
+        return vec![fail(e.to_string())];
+    }
+    crate::sink::nats::declare::check(&cfg).await
+}

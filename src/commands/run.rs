@@ -1,0 +1,376 @@
+//! `outboxd run` (and the flags `config` prints): the relay's flags — the sink, the window,
+//! recovery, poll mode, the RabbitMQ and MySQL settings — turned into a `RunConfig`, then the
+//! connector for the source and mode.
+
+use super::{
+    parse_bytes, parse_duration, resolve_dsn, resolve_source, NatsArgs, PartitionArgs, SourceArgs,
+};
+use crate::connector::{self, RunConfig};
+use crate::dsn::{SinkDsn, SourceDsn};
+use crate::outbox::{ColumnMap, Mode};
+use crate::relay::RelayOptions;
+use crate::sink::rabbitmq::{self, DeclareMode};
+use crate::Error;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Sink: stdout, amqp://user@host:5672/vhost (amqps:// for TLS), or NATS JetStream
+    /// nats://host:4222 (tls:// for TLS).
+    #[arg(
+        long,
+        env = "OUTBOXD_SINK",
+        hide_env_values = true,
+        default_value = "stdout"
+    )]
+    pub sink: crate::dsn::DsnArg,
+    /// File holding the sink URL, or only its password.
+    #[arg(long, env = "OUTBOXD_SINK_FILE")]
+    pub sink_file: Option<std::path::PathBuf>,
+    /// cdc (read the database log) or poll (query the table).
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
+    /// With the stdout sink: store the position (otherwise trying stdout never moves it).
+    #[arg(long, env = "OUTBOXD_COMMIT_OFFSETS")]
+    pub commit_offsets: bool,
+    /// Most bytes of events between source read and sink confirmation.
+    #[arg(long, env = "OUTBOXD_MAX_INFLIGHT_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub max_inflight_bytes: usize,
+    /// Most events published and not yet confirmed.
+    #[arg(long, env = "OUTBOXD_WINDOW", default_value_t = crate::relay::DEFAULT_WINDOW)]
+    pub window: usize,
+    /// A broker confirmation that takes longer is a failure (reconnect, republish).
+    #[arg(long, env = "OUTBOXD_CONFIRM_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
+    pub confirm_timeout: Duration,
+    /// When the log position cannot be resumed (slot dropped or invalidated): fail (exit 3) or
+    /// poll (open a fresh position and publish again from the table every row committed after
+    /// the last confirmed event).
+    #[arg(long, env = "OUTBOXD_ON_POSITION_LOST", value_enum, default_value_t = connector::PositionLostPolicy::Fail)]
+    pub on_position_lost: connector::PositionLostPolicy,
+    /// Recovery through the table: replay rows created since this RFC 3339 time instead of the
+    /// computed one.
+    #[arg(long, env = "OUTBOXD_REPLAY_SINCE")]
+    pub replay_since: Option<String>,
+    /// Recovery through the table: the smallest margin subtracted from the last confirmed
+    /// commit time (the largest commit-vs-created_at gap seen is used when larger).
+    #[arg(long, env = "OUTBOXD_RECOVERY_MARGIN", value_parser = parse_duration, default_value = "10m")]
+    pub recovery_margin: Duration,
+    /// High availability: relays with the same --name share one lease; the others wait as
+    /// standbys and take over when it expires.
+    #[arg(long, env = "OUTBOXD_HA")]
+    pub ha: bool,
+    /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
+    /// Poll mode: how long to wait before polling again after a batch that was not full.
+    #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
+    pub poll_interval: Duration,
+    /// Poll mode: most rows claimed per batch (one short transaction each).
+    #[arg(long, env = "OUTBOXD_POLL_BATCH", default_value_t = 500)]
+    pub poll_batch: i64,
+    /// Poll mode on Postgres: LISTEN for the trigger `setup --notify` installs and poll at once
+    /// when rows are committed.
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
+    /// First start: which rows already in the table to publish (auto, all, never,
+    /// since=RFC3339). With `auto`, a status column selects pending rows; without one, a
+    /// non-empty table needs a choice.
+    #[arg(long, env = "OUTBOXD_SNAPSHOT", default_value = "auto")]
+    pub snapshot: String,
+    /// Bound on the graceful stop after SIGINT/SIGTERM.
+    #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
+    pub shutdown_timeout: Duration,
+    #[command(flatten)]
+    pub rabbit: RabbitArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub mysql: MySqlArgs,
+}
+
+/// RabbitMQ sink settings (docs/message-format.md).
+#[derive(Debug, Clone, Args)]
+pub struct RabbitArgs {
+    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead);
+    /// a template over the row's columns (e.g. `{aggregate_type}.events`) routes each row to its
+    /// own exchange, declared under --declare auto (dead records then go to <base-exchange>.dead).
+    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
+    /// With a templated --exchange: the exchange whose .dead queue takes records that cannot be
+    /// published (and whose topology the relay declares at start).
+    #[arg(long, env = "OUTBOXD_BASE_EXCHANGE", default_value = "outbox")]
+    pub base_exchange: String,
+    /// Routing key template over the row's columns (default `{topic}`; with --column debezium
+    /// `outbox.event.{aggregate_type}`), e.g. `{tenant_id}.{topic}`.
+    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
+    pub routing_key: Option<String>,
+    /// Copy a column's value into a message header: COLUMN=NAME (repeat it, or comma
+    /// separate), e.g. traceparent=traceparent. A NULL value sets no header.
+    #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
+    pub headers: Vec<String>,
+    /// Message body: raw (the payload), envelope (JSON with id, aggregate, topic, payload,
+    /// created_at, position), cloudevents (structured, application/cloudevents+json) or
+    /// cloudevents-binary (the payload, with cloudEvents:* headers).
+    #[arg(long, env = "OUTBOXD_FORMAT", value_enum, default_value_t = crate::sink::format::BodyFormat::Raw)]
+    pub format: crate::sink::format::BodyFormat,
+    /// CloudEvents `source` attribute (a template, e.g. `/orders/{aggregate_type}`).
+    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE", default_value = "/outboxd")]
+    pub cloudevents_source: String,
+    /// Content type of payloads in text or binary columns (bytea, BLOB, TEXT): they are then
+    /// published as bytes instead of being checked as JSON (a `content_type` column mapped
+    /// with --column content_type=<column> overrides it per row).
+    #[arg(long, env = "OUTBOXD_PAYLOAD_CONTENT_TYPE")]
+    pub payload_content_type: Option<String>,
+    /// auto: declare the topology; passive: only check it exists; off: check nothing.
+    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
+    pub declare: DeclareMode,
+    /// Larger payloads go to <exchange>.dead as a record without the body (e.g. 16MiB, 512KiB, 4096).
+    #[arg(long, env = "OUTBOXD_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "16MiB")]
+    pub max_message_bytes: usize,
+    /// PEM CA certificate for an amqps:// sink: replaces the public roots (pins a private CA).
+    #[arg(long, env = "OUTBOXD_SINK_CA")]
+    pub sink_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for an amqps:// sink (needs --sink-key).
+    #[arg(long, env = "OUTBOXD_SINK_CERT")]
+    pub sink_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --sink-cert.
+    #[arg(long, env = "OUTBOXD_SINK_KEY")]
+    pub sink_key: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub partitions: PartitionArgs,
+    /// Queue type of <exchange>.unrouted and <exchange>.dead as --declare auto declares them
+    /// (quorum: replicated across a cluster).
+    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = crate::sink::partition::QueueType::Classic)]
+    pub dead_queue_type: crate::sink::partition::QueueType,
+}
+
+/// MySQL/MariaDB source settings.
+#[derive(Debug, Clone, Args)]
+pub struct MySqlArgs {
+    /// Zone of the outbox's DATETIME values (UTC, +02:00, Europe/Berlin); TIMESTAMP needs none.
+    #[arg(long, env = "OUTBOXD_SOURCE_TIME_ZONE", default_value = "UTC")]
+    pub source_time_zone: String,
+    /// Largest transaction (bytes of outbox rows) held until its commit; a larger one is read
+    /// twice (once to find its end position, once to stream it).
+    #[arg(long, env = "OUTBOXD_TXN_BUFFER", default_value_t = 16 * 1024 * 1024)]
+    pub txn_buffer: usize,
+    /// Largest uncompressed size a MySQL 8 compressed transaction (TRANSACTION_PAYLOAD) may
+    /// declare; a larger one stops the relay (e.g. 256MiB, 1GiB).
+    #[arg(long, env = "OUTBOXD_MAX_TXN_PAYLOAD_BYTES", value_parser = parse_bytes, default_value = "256MiB")]
+    pub max_txn_payload_bytes: usize,
+    /// Keep the position (and the lease, as a lock on PATH.lock) in this file instead of the
+    /// outboxd_state table.
+    #[arg(long, env = "OUTBOXD_OFFSET_FILE", value_name = "PATH")]
+    pub offset_file: Option<std::path::PathBuf>,
+}
+
+/// The message options of `run` (templates parsed, header names checked) and the column map
+/// extended by the columns they read.
+pub fn message_options(
+    args: &RabbitArgs,
+    mut columns: ColumnMap,
+) -> Result<(crate::sink::format::MessageOptions, ColumnMap), Error> {
+    use crate::sink::format::{self, BodyFormat, MessageOptions};
+    use crate::sink::template::Template;
+    let template = |flag: &str, text: &str| {
+        Template::parse(text).map_err(|e| {
+            Error::config(
+                format!("{flag}: {e}"),
+                "write placeholders as {column}, e.g. {topic} or {aggregate_type}.{topic} ({{ and }} for literal braces)",
+            )
+        })
+    };
+    let routing_key = match &args.routing_key {
+        Some(t) => template("--routing-key", t)?,
+        None if columns.is_debezium() => {
+            Template::parse("outbox.event.{aggregate_type}").expect("valid")
+        }
+        None => Template::parse("{topic}").expect("valid"),
+    };
+    let exchange = template("--exchange", &args.exchange)?;
+    let mut headers = format::parse_column_headers(&args.headers)?;
+    // Debezium's event router puts the event id in the header `id`.
+    if columns.is_debezium() && !headers.iter().any(|h| h.name.eq_ignore_ascii_case("id")) {
+        headers.push(format::ColumnHeader {
+            column: "id".into(),
+            name: "id".into(),
+        });
+    }
+    let message = MessageOptions {
+        routing_key,
+        exchange: (!exchange.is_constant()).then_some(exchange),
+        headers,
+        format: args.format,
+        ce_source: template("--cloudevents-source", &args.cloudevents_source)?,
+    };
+    for name in message.columns() {
+        columns.require_extra(name, true);
+    }
+    if matches!(
+        args.format,
+        BodyFormat::Envelope | BodyFormat::Cloudevents | BodyFormat::CloudeventsBinary
+    ) || columns.is_debezium()
+    {
+        // The envelope's aggregate.type, when the table has the column.
+        columns.require_extra("aggregate_type", false);
+    }
+    if let Some(ct) = &args.payload_content_type {
+        if ct.trim().is_empty() || ct.len() > 255 || ct.chars().any(|c| c.is_control()) {
+            return Err(Error::config(
+                format!("--payload-content-type {ct:?} is not a content type"),
+                "write e.g. --payload-content-type text/plain or application/octet-stream",
+            ));
+        }
+    }
+    columns.set_payload_content_type(args.payload_content_type.as_deref().map(str::trim));
+    Ok((message, columns))
+}
+
+fn sink_url(sink: &SinkDsn) -> String {
+    match sink {
+        SinkDsn::Amqp(u) | SinkDsn::Nats(u) => u.clone(),
+        SinkDsn::Stdout => String::new(),
+    }
+}
+
+pub(super) async fn run(
+    args: RunArgs,
+    m: &ArgMatches,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    crate::tls::warn_if_unverified_source(&r.source);
+    if let Some(addr) = &args.metrics_addr {
+        crate::telemetry::serve(addr).await?;
+    }
+    let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    let sink = resolve_dsn(
+        Some(&args.sink),
+        args.sink_file.as_deref(),
+        sink_from_argv,
+        "sink",
+    )?
+    .unwrap_or_else(|| "stdout".into());
+    let sink = SinkDsn::parse(&sink)?;
+    if let Some(w) = crate::tls::plaintext_amqp_warning(&sink_url(&sink)) {
+        tracing::warn!("{w}");
+    }
+    if args.window == 0 {
+        return Err(Error::config(
+            "--window 0 would never publish",
+            "use --window 5000 (the default)",
+        ));
+    }
+    let (message, columns) = message_options(&args.rabbit, r.columns.clone())?;
+    let exchange = if message.exchange.is_some() {
+        if args.rabbit.partitions.validate()?.partitions > 0 {
+            return Err(Error::config(
+                "--partitions needs one exchange to feed its partition layout; --exchange is a template",
+                "use a constant --exchange with --partitions, or route by --routing-key instead",
+            ));
+        }
+        args.rabbit.base_exchange.clone()
+    } else {
+        args.rabbit.exchange.clone()
+    };
+    rabbitmq::validate_exchange(&exchange)?;
+    let cfg = RunConfig {
+        nats: args.nats.options()?,
+        rabbit: connector::RabbitOptions {
+            message,
+            exchange,
+            declare: args.rabbit.declare,
+            max_message_bytes: args.rabbit.max_message_bytes,
+            ca_file: args.rabbit.sink_ca.clone(),
+            cert_file: args.rabbit.sink_cert.clone(),
+            key_file: args.rabbit.sink_key.clone(),
+            partitioning: args.rabbit.partitions.validate()?,
+            dead_queue_type: args.rabbit.dead_queue_type,
+        },
+        name: r.name,
+        slot: r.slot,
+        publication: r.publication,
+        tables: r.tables,
+        columns,
+        sink,
+        commit_offsets: args.commit_offsets,
+        max_inflight_bytes: args.max_inflight_bytes,
+        relay: RelayOptions {
+            window: args.window,
+            confirm_timeout: args.confirm_timeout,
+            ..RelayOptions::default()
+        },
+        snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,
+        on_position_lost: args.on_position_lost,
+        replay_since: match &args.replay_since {
+            None => None,
+            Some(t) => Some(
+                chrono::DateTime::parse_from_rfc3339(t.trim())
+                    .map_err(|e| {
+                        Error::config(
+                            format!("--replay-since {t}: {e}"),
+                            "write e.g. 2026-06-22T10:00:00Z",
+                        )
+                    })?
+                    .with_timezone(&chrono::Utc),
+            ),
+        },
+        recovery_margin: args.recovery_margin,
+        ha: args.ha,
+        mysql: connector::MySqlOptions {
+            time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
+            txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+            max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
+            offset_file: args.mysql.offset_file.clone(),
+            ..Default::default()
+        },
+    };
+    if matches!(r.source, SourceDsn::Postgres(_)) && args.mysql.offset_file.is_some() {
+        return Err(Error::config(
+            "--offset-file is for MySQL/MariaDB sources: a Postgres relay's position is its replication slot's confirmed_flush_lsn, which the server keeps",
+            "remove --offset-file",
+        ));
+    }
+    if args.mode == Mode::Poll && args.poll_batch < 1 {
+        return Err(Error::config(
+            "--poll-batch must be at least 1",
+            "use --poll-batch 500",
+        ));
+    }
+    let poll = crate::source::poll::PollOptions {
+        batch: args.poll_batch,
+        interval: args.poll_interval,
+        notify: args.notify,
+    };
+    connector::check_sink(&cfg)?;
+    let stats = match (r.source, args.mode) {
+        (SourceDsn::Postgres(dsn), Mode::Cdc) => {
+            connector::run_postgres(dsn, cfg, shutdown).await?
+        }
+        (SourceDsn::Postgres(dsn), Mode::Poll) => {
+            connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::Mysql(dsn), Mode::Cdc) => connector::run_mysql(dsn, cfg, shutdown).await?,
+        (SourceDsn::Mysql(dsn), Mode::Poll) => {
+            connector::run_poll_mysql(dsn, cfg, poll, shutdown).await?
+        }
+        (SourceDsn::File(files), Mode::Cdc) => connector::run_file(files, cfg, shutdown).await?,
+        (SourceDsn::File(_), Mode::Poll) => {
+            return Err(Error::config(
+                "poll mode queries a database table; a binlog-file source has none",
+                "drop --mode poll to replay the files, or poll the database: --source mysql://…",
+            ))
+        }
+    };
+    tracing::info!(
+        published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+        confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+        "stopped"
+    );
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! `outboxd setup` and `outboxd teardown`, on Postgres (state table, publication, slot,
+//! notify trigger) and MySQL/MariaDB (binlog checks, state table): what `run` needs, created
+//! idempotently, and dropped again.
+
+use super::{resolve_source, Resolved, SourceArgs};
+use crate::connector;
+use crate::dsn::{self, SourceDsn};
+use crate::outbox::{Mode, TableName};
+use crate::source::postgres::{self as pg, admin};
+use crate::Error;
+use clap::{ArgMatches, Args};
+
+#[derive(Debug, Clone, Args)]
+pub struct SetupArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Also create the outbox table (the columns of migrations/*/001_outbox.sql) when it does not exist.
+    #[arg(long, env = "OUTBOXD_CREATE_TABLE")]
+    pub create_table: bool,
+    /// Install the trigger that wakes poll-mode relays (`run --mode poll --notify`).
+    #[arg(long, env = "OUTBOXD_NOTIFY")]
+    pub notify: bool,
+    /// Poll mode only: create the table (and trigger) but no slot or publication.
+    #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
+    pub mode: Mode,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct TeardownArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Confirm: the slot, publication and stored position are dropped.
+    #[arg(long)]
+    pub yes: bool,
+}
+
+pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return setup_mysql(dsn, &r, &args).await,
+        SourceDsn::File(_) => return Err(Error::config(
+            "a binlog-file source needs no setup",
+            "run it directly: outboxd run --source file:///path/binlog.000001 --table db.outbox",
+        )),
+    };
+    let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
+    for table in &r.tables {
+        if args.create_table {
+            let created = admin::create_outbox_table(&client, table).await?;
+            println!(
+                "ok   outbox table {} ({})",
+                table.pg_quoted(),
+                if created { "created" } else { "exists" }
+            );
+        }
+        admin::require_table(&client, table).await?;
+        if args.notify {
+            client
+                .batch_execute(&crate::source::poll::notify_trigger_sql(table))
+                .await?;
+            println!(
+                "ok   notify trigger on {} (channel {})",
+                table.pg_quoted(),
+                crate::source::poll::notify_channel(table)
+            );
+        }
+    }
+    if args.mode == Mode::Poll {
+        return Ok(());
+    }
+    admin::require_logical(&client).await?;
+    crate::state::postgres::ensure_table(&client).await?;
+    println!("ok   state table outboxd_state");
+    let list = r
+        .tables
+        .iter()
+        .map(TableName::pg_quoted)
+        .collect::<Vec<_>>()
+        .join(", ");
+    match admin::ensure_publication(&client, &r.publication, &r.tables).await? {
+        admin::PublicationChange::Created => {
+            println!("ok   publication {} on {list} (created)", r.publication)
+        }
+        admin::PublicationChange::Exists => {
+            println!("ok   publication {} on {list} (exists)", r.publication)
+        }
+        admin::PublicationChange::Added(added) => println!(
+            "ok   publication {} on {list}: added {} — a running relay publishes their inserts committed from now on; rows already in them are not published (replay them with `outboxd offset set --replay-since` if needed)",
+            r.publication,
+            added.iter().map(TableName::pg_quoted).collect::<Vec<_>>().join(", ")
+        ),
+    }
+    match admin::slot(&client, &r.slot).await? {
+        Some(_) => println!("ok   replication slot {} (exists)", r.slot),
+        None => {
+            let state = crate::state::postgres::load(&client, &r.name).await?;
+            if state.is_some_and(|s| s.initialized) {
+                return Err(Error::PositionLost {
+                    problem: format!(
+                        "relay {:?} has state but its slot {:?} is gone",
+                        r.name, r.slot
+                    ),
+                    fix: admin::lost_slot_fix(&r.name, &r.slot),
+                });
+            }
+            admin::create_slot(&client, &r.slot).await?;
+            println!("ok   replication slot {} (created)", r.slot);
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
+    let r = resolve_source(&args.source, m)?;
+    let dsn = match r.source.clone() {
+        SourceDsn::Postgres(dsn) => dsn,
+        SourceDsn::Mysql(dsn) => return teardown_mysql(dsn, &r, args.yes).await,
+        SourceDsn::File(_) => {
+            return Err(Error::config(
+                "a binlog-file source keeps no state",
+                "nothing to tear down",
+            ))
+        }
+    };
+    if !args.yes {
+        return Err(Error::config(
+            format!(
+                "teardown drops slot {}, publication {} and the stored position of relay {:?}",
+                r.slot, r.publication, r.name
+            ),
+            "add --yes to confirm",
+        ));
+    }
+    let client = pg::connect_sql(&dsn, "outboxd_teardown").await?;
+    if let Some(state) = crate::state::postgres::load(&client, &r.name).await? {
+        if state.lease_live {
+            if let Some(h) = state
+                .lease_holder
+                .filter(|h| !crate::state::holder_is_dead_locally(h))
+            {
+                return Err(Error::config(
+                    format!("relay {:?} is running (lease held by {h})", r.name),
+                    "stop it first",
+                ));
+            }
+        }
+    }
+    let dropped = admin::drop_slot(&client, &r.slot).await?;
+    println!(
+        "ok   replication slot {} ({})",
+        r.slot,
+        if dropped { "dropped" } else { "absent" }
+    );
+    admin::drop_publication(&client, &r.publication).await?;
+    println!("ok   publication {} (dropped)", r.publication);
+    let n = crate::state::postgres::delete(&client, &r.name).await?;
+    println!(
+        "ok   state of {} ({} row{})",
+        r.name,
+        n,
+        if n == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// `setup` for MySQL/MariaDB: the binlog settings and the table are checked, the state table
+/// created. (There is no slot or publication: the binlog is read from a position.)
+async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved, args: &SetupArgs) -> Result<(), Error> {
+    use crate::source::mysql::{self as my, admin as my_admin};
+    if args.notify {
+        return Err(Error::config(
+            "--notify installs a Postgres LISTEN/NOTIFY trigger; MySQL has none",
+            "drop --notify",
+        ));
+    }
+    let mut conn = my::connect_sql(&dsn).await?;
+    let tables = connector::mysql_tables(&dsn, &r.tables, &r.columns, Default::default())?;
+    if args.create_table {
+        for table in &tables {
+            let created = my_admin::create_outbox_table(&mut conn, table).await?;
+            println!(
+                "ok   outbox table {} ({})",
+                table.quoted(),
+                if created { "created" } else { "exists" }
+            );
+        }
+    }
+    if args.mode == Mode::Poll {
+        // No binlog and no state: poll mode needs only the table.
+        for table in &tables {
+            my_admin::require_table(&mut conn, table).await?;
+            println!("ok   outbox table {}", table.quoted());
+        }
+        return Ok(());
+    }
+    let settings = my_admin::require_binlog(&mut conn).await?;
+    println!(
+        "ok   binlog: log_bin=ON binlog_format=ROW binlog_row_image=FULL binlog_row_metadata=FULL ({})",
+        settings.version
+    );
+    for table in &tables {
+        my_admin::require_table(&mut conn, table).await?;
+        println!("ok   outbox table {}", table.quoted());
+    }
+    crate::state::mysql::ensure_table(&mut conn).await?;
+    println!("ok   state table outboxd_state");
+    Ok(())
+}
+
+/// `teardown` for MySQL/MariaDB: the relay's state row (its stored position) goes.
+async fn teardown_mysql(dsn: dsn::DbDsn, r: &Resolved, yes: bool) -> Result<(), Error> {
+    if !yes {
+        return Err(Error::config(
+            format!("teardown drops the stored position of relay {:?}", r.name),
+            "add --yes to confirm",
+        ));
+    }
+    let mut conn = crate::db::mysql::connect_sql(&dsn).await?;
+    if let Some(state) = crate::state::mysql::load(&mut conn, &r.name).await? {
+        if state.lease_live {
+            if let Some(h) = state
+                .lease_holder
+                .filter(|h| !crate::state::holder_is_dead_locally(h))
+            {
+                return Err(Error::config(
+                    format!("relay {:?} is running (lease held by {h})", r.name),
+                    "stop it first",
+                ));
+            }
+        }
+    }
+    let n = crate::state::mysql::delete(&mut conn, &r.name).await?;
+    println!(
+        "ok   state of {} ({} row{})",
+        r.name,
+        n,
+        if n == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
