@@ -1,5 +1,5 @@
-//! The key ring's unit tests: generate, rotate and retire through the JSON file format, and
-//! the file checks.
+//! The key ring's unit tests: generate, rotate and retire through the JSON file format, a
+//! changed key failing its canary, parse errors that never quote a value, key ids.
 
 use super::*;
 
