@@ -47,8 +47,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use worker::{worker, ACK_TIMEOUT};
 
-/// One message, one transaction. Implemented by [`super::postgres::PgProcessor`] and
-/// [`super::mysql::MyProcessor`]; implement it directly for other stores.
+/// One message, one transaction. Implemented by [`super::InboxProcessor`] for every
+/// [`super::Database`]; implement it directly for other stores.
 ///
 /// `process` returns once the transaction committed (then the runner acks) or with the error
 /// that rolled it back (then nothing was done, and the runner retries or gives up).
