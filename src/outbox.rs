@@ -176,13 +176,7 @@ impl OutboxBackend for tokio_postgres::Transaction<'_> {
     ) -> Result<(), Error> {
         use tokio_postgres::types::{ToSql, Type};
         let c = |k| pg_ident(outbox.columns.get(k));
-        let mut cols = vec![
-            c("id"),
-            c("aggregate_id"),
-            c("topic"),
-            c("payload"),
-            c("created_at"),
-        ];
+        let mut cols = outbox.base_columns(pg_ident);
         let mut vals = vec!["$1", "$2", "$3", "$4", "now()"];
         if ev.headers.is_some() {
             cols.push(c("headers"));
@@ -257,6 +251,16 @@ impl OutboxBackend for tokio_postgres::Transaction<'_> {
 }
 
 impl Outbox {
+    /// The columns every row fills, quoted by `quote`: the four values the caller gives, in
+    /// parameter order, then `created_at` from the database clock. Headers and version follow
+    /// when the event has them.
+    fn base_columns(&self, quote: fn(&str) -> String) -> Vec<String> {
+        ["id", "aggregate_id", "topic", "payload", "created_at"]
+            .into_iter()
+            .map(|k| quote(self.columns.get(k)))
+            .collect()
+    }
+
     /// `db`.`table` or `table` (the session's database).
     fn my_quoted(&self) -> String {
         match &self.table.schema {
@@ -327,13 +331,7 @@ impl OutboxBackend for mysql_async::Transaction<'_> {
         };
         let payload_text = payload.to_string();
         let c = |k| my_ident(outbox.columns.get(k));
-        let mut cols = vec![
-            c("id"),
-            c("aggregate_id"),
-            c("topic"),
-            c("payload"),
-            c("created_at"),
-        ];
+        let mut cols = outbox.base_columns(my_ident);
         let mut vals = vec!["?", "?", "?", "?", "NOW(6)"];
         let id_value = if types.id_binary {
             Value::Bytes(id.as_bytes().to_vec())

@@ -85,6 +85,23 @@ fn declare_error(e: lapin::Error, what: &str, fix: &str) -> ConsumerError {
     ConsumerError::from(e)
 }
 
+/// Declares `queue` (or, with `passive`, checks that it exists) on the setup channel; a
+/// refusal comes back as a setup problem saying `what` and `fix`.
+async fn declare_queue(
+    setup: &Channel,
+    queue: &str,
+    options: QueueDeclareOptions,
+    args: FieldTable,
+    what: &str,
+    fix: &str,
+) -> Result<(), ConsumerError> {
+    setup
+        .queue_declare(queue.to_string().into(), options, args)
+        .await
+        .map(drop)
+        .map_err(|e| declare_error(e, what, fix))
+}
+
 pub(super) async fn open_session(
     opts: &RunnerOptions,
 ) -> Result<(Session, lapin::Consumer), ConsumerError> {
@@ -116,23 +133,18 @@ pub(super) async fn open_session(
             if d.single_active {
                 args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
             }
-            setup
-                .queue_declare(
-                    q.clone().into(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    args,
-                )
-                .await
-                .map_err(|e| {
-                    declare_error(
-                        e,
-                        &format!("cannot declare queue {q:?}"),
-                        "a queue of that name exists with other arguments (x-single-active-consumer?): use it as it is (drop --bind) or another --queue",
-                    )
-                })?;
+            declare_queue(
+                &setup,
+                q,
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+                &format!("cannot declare queue {q:?}"),
+                "a queue of that name exists with other arguments (x-single-active-consumer?): use it as it is (drop --bind) or another --queue",
+            )
+            .await?;
             for pattern in &d.bindings {
                 setup
                     .queue_bind(
@@ -149,44 +161,34 @@ pub(super) async fn open_session(
             }
         }
         None => {
-            setup
-                .queue_declare(
-                    q.clone().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| {
-                    declare_error(
-                        e,
-                        &format!("queue {q:?} does not exist"),
-                        "declare it (e.g. outboxd topology), or let the consumer declare and bind it: --exchange outbox --bind 'invoice.#'",
-                    )
-                })?;
+            declare_queue(
+                &setup,
+                q,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+                &format!("queue {q:?} does not exist"),
+                "declare it (e.g. outboxd topology), or let the consumer declare and bind it: --exchange outbox --bind 'invoice.#'",
+            )
+            .await?;
         }
     }
     let park = if opts.on_poison == OnPoison::Park {
         let dead = opts.dead_queue();
-        setup
-            .queue_declare(
-                dead.clone().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| {
-                declare_error(
-                    e,
-                    &format!("cannot declare the poison queue {dead:?}"),
-                    "grant configure permission on it, or use --on-poison halt|skip",
-                )
-            })?;
+        declare_queue(
+            &setup,
+            &dead,
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+            &format!("cannot declare the poison queue {dead:?}"),
+            "grant configure permission on it, or use --on-poison halt|skip",
+        )
+        .await?;
         let ch = conn.create_channel().await?;
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
         Some(ch)
