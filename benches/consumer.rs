@@ -16,11 +16,11 @@ use futures::future::join_all;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
-use outboxd::consumer::mysql::{MyHandler, MyProcessor};
-use outboxd::consumer::postgres::{PgHandler, PgProcessor};
 use outboxd::consumer::prune::{self, PruneOptions};
 use outboxd::consumer::runner::{Runner, RunnerOptions};
-use outboxd::consumer::{ConsumerError, Inbox, Message, Processor};
+use outboxd::consumer::{
+    ConsumerError, Handler, Inbox, Message, MyProcessor, PgProcessor, Processor,
+};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -40,10 +40,10 @@ struct Invoice {
 /// The invoice projection's effect (examples/invoice_projection.rs), without its extras.
 struct Projection;
 
-impl PgHandler for Projection {
+impl Handler<tokio_postgres::Transaction<'_>> for Projection {
     async fn handle(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
+        tx: &mut tokio_postgres::Transaction<'_>,
         msg: &Message,
     ) -> Result<(), ConsumerError> {
         let ev: Invoice = msg.json()?;
@@ -63,7 +63,7 @@ impl PgHandler for Projection {
     }
 }
 
-impl MyHandler for Projection {
+impl Handler<mysql_async::Transaction<'_>> for Projection {
     async fn handle(
         &self,
         tx: &mut mysql_async::Transaction<'_>,

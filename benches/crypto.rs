@@ -126,9 +126,11 @@ async fn producer(keyring: &Keyring) {
         for (k, ob) in [(0, &plain), (1, &sealed)] {
             let start = Instant::now();
             for _ in 0..writes / 4 / 100 {
-                let tx = client.transaction().await.unwrap();
+                let mut tx = client.transaction().await.unwrap();
                 for _ in 0..100 {
-                    ob.write(&tx, "invoice.issued", "inv", &p).await.unwrap();
+                    ob.write(&mut tx, "invoice.issued", "inv", &p)
+                        .await
+                        .unwrap();
                 }
                 tx.commit().await.unwrap();
             }

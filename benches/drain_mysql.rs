@@ -159,7 +159,7 @@ async fn main() {
         tick.tick().await;
         let mut tx = c.start_transaction(Default::default()).await.unwrap();
         let id = outbox
-            .write_mysql(
+            .write(
                 &mut tx,
                 "latency.probe",
                 &(i % 1000).to_string(),

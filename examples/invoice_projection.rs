@@ -19,10 +19,10 @@
 
 use clap::Parser;
 use outboxd::commands::consumer::{ConsumeArgs, Database};
-use outboxd::consumer::mysql::{MyHandler, MyProcessor};
-use outboxd::consumer::postgres::{PgHandler, PgProcessor};
 use outboxd::consumer::runner::Runner;
-use outboxd::consumer::{ConsumerError, IdempotencyKey, Message};
+use outboxd::consumer::{
+    ConsumerError, Handler, IdempotencyKey, Message, MyProcessor, PgProcessor,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -128,10 +128,10 @@ impl Projection {
     }
 }
 
-impl PgHandler for Projection {
+impl Handler<tokio_postgres::Transaction<'_>> for Projection {
     async fn handle(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
+        tx: &mut tokio_postgres::Transaction<'_>,
         msg: &Message,
     ) -> Result<(), ConsumerError> {
         let (ev, n, cents) = self.delta(msg)?;
@@ -159,7 +159,7 @@ impl PgHandler for Projection {
     }
 }
 
-impl MyHandler for Projection {
+impl Handler<mysql_async::Transaction<'_>> for Projection {
     async fn handle(
         &self,
         tx: &mut mysql_async::Transaction<'_>,

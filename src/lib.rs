@@ -49,4 +49,4 @@ pub mod tls;
 
 pub use error::{Error, ExitStatus, Result};
 pub use event::{Checkpoint, OutboxEvent, SourcePosition};
-pub use outbox::{ColumnMap, NewEvent, Outbox};
+pub use outbox::{ColumnMap, NewEvent, Outbox, OutboxBackend};

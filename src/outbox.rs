@@ -1,9 +1,17 @@
 //! The producer side of the pattern: [`Outbox`] writes an event row inside the caller's own
-//! transaction (tokio-postgres or mysql_async), encrypting the schema's personal fields first
-//! when asked, and [`Mode`] says how the relay reads the table. The table's names and column
-//! mapping are in `crate::names` (re-exported here).
+//! transaction, encrypting the schema's personal fields first when asked, and [`Mode`] says how
+//! the relay reads the table. The table's names and column mapping are in `crate::names`
+//! (re-exported here).
+//!
+//! [`Outbox::write`] and [`Outbox::write_event`] are written once, generic over
+//! [`OutboxBackend`], which the `tokio_postgres` and `mysql_async` transaction types implement:
+//! the steps (draw the id, seal the payload for it, insert) are the same, while the INSERT
+//! itself is not — Postgres converts the aggregate id and version to the column types its
+//! prepared statement reports, MySQL/MariaDB encodes them for the column types read once from
+//! `information_schema`.
 
 use crate::Error;
+use std::future::Future;
 use uuid::Uuid;
 
 // The names of the outbox table and its columns, shared with every other module, are in
@@ -42,7 +50,7 @@ pub struct Outbox {
     my_types: std::sync::Arc<std::sync::OnceLock<MyTypes>>,
 }
 
-/// How [`Outbox::write_mysql`] encodes the id and aggregate id for the table's column types.
+/// How the MySQL/MariaDB insert encodes the id and aggregate id for the table's column types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct MyTypes {
     /// `BINARY(16)` (bytes in RFC 4122 order); otherwise `CHAR(36)` text.
@@ -75,11 +83,16 @@ impl Outbox {
         self
     }
 
-    /// Writes one event in `tx` and returns its id (UUID v7). `created_at` comes from the
-    /// database clock. Commit `tx` and the event exists; roll it back and it never did.
-    pub async fn write(
+    /// Writes one event in `tx` (a `tokio_postgres` or `mysql_async` transaction) and returns
+    /// its id (UUID v7). `created_at` comes from the database clock. Commit `tx` and the event
+    /// exists; roll it back and it never did.
+    ///
+    /// On MySQL/MariaDB the id is stored as `BINARY(16)` in RFC 4122 byte order, or as text in
+    /// a `CHAR(36)` column, and `created_at` is `NOW(6)`, the session's time zone: run the
+    /// relay with the same `--source-time-zone`.
+    pub async fn write<B: OutboxBackend>(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
+        tx: &mut B,
         topic: &str,
         aggregate_id: &str,
         payload: &serde_json::Value,
@@ -98,12 +111,14 @@ impl Outbox {
     }
 
     /// [`Outbox::write`] with the optional headers and version.
-    pub async fn write_event(
+    pub async fn write_event<B: OutboxBackend>(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
+        tx: &mut B,
         ev: &NewEvent<'_>,
     ) -> Result<Uuid, Error> {
-        use tokio_postgres::types::{ToSql, Type};
+        // What the backend must look up about the table comes before the id is drawn and the
+        // payload sealed: on MySQL/MariaDB a missing table then fails before any key is used.
+        let plan = tx.plan(self).await?;
         let id = Uuid::now_v7();
         // Encrypt with the id the row will carry: the ciphertext is bound to it.
         let encrypted;
@@ -114,14 +129,54 @@ impl Outbox {
             }
             None => ev.payload,
         };
-        let c = |k| pg_ident(self.columns.get(k));
-        let mut cols = vec![
-            c("id"),
-            c("aggregate_id"),
-            c("topic"),
-            c("payload"),
-            c("created_at"),
-        ];
+        tx.insert(self, plan, id, ev, payload).await?;
+        Ok(id)
+    }
+}
+
+/// The INSERT of one outbox row, inside an open transaction (`self`). Implemented for
+/// `tokio_postgres::Transaction` and `mysql_async::Transaction`; [`Outbox::write_event`] is
+/// the flow around it.
+pub trait OutboxBackend: Send {
+    /// Inserts the row `id` with `payload` (already sealed when the outbox encrypts) and the
+    /// rest of `ev`, `created_at` from the database clock.
+    fn insert(
+        &mut self,
+        outbox: &Outbox,
+        plan: Plan,
+        id: Uuid,
+        ev: &NewEvent<'_>,
+        payload: &serde_json::Value,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// What the insert needs to know of the table before the id is drawn and the payload
+    /// sealed (nothing by default).
+    fn plan(&mut self, outbox: &Outbox) -> impl Future<Output = Result<Plan, Error>> + Send {
+        let _ = outbox;
+        async { Ok(Plan(None)) }
+    }
+}
+
+/// What [`OutboxBackend::plan`] learnt of the table for [`OutboxBackend::insert`]. Opaque: only
+/// the backends in this module fill it in.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan(Option<MyTypes>);
+
+impl OutboxBackend for tokio_postgres::Transaction<'_> {
+    /// A prepared INSERT: its parameter types say what the aggregate id and version columns
+    /// are (bigint, uuid or text; smallint, integer or bigint), and the values are converted
+    /// to them. The prepare round trip is the price of accepting every column variant.
+    async fn insert(
+        &mut self,
+        outbox: &Outbox,
+        _plan: Plan,
+        id: Uuid,
+        ev: &NewEvent<'_>,
+        payload: &serde_json::Value,
+    ) -> Result<(), Error> {
+        use tokio_postgres::types::{ToSql, Type};
+        let c = |k| pg_ident(outbox.columns.get(k));
+        let mut cols = outbox.base_columns(pg_ident);
         let mut vals = vec!["$1", "$2", "$3", "$4", "now()"];
         if ev.headers.is_some() {
             cols.push(c("headers"));
@@ -133,11 +188,11 @@ impl Outbox {
         }
         let sql = format!(
             "INSERT INTO {} ({}) VALUES ({})",
-            self.table.pg_quoted(),
+            outbox.table.pg_quoted(),
             cols.join(", "),
             vals.join(", ")
         );
-        let stmt = tx.prepare(&sql).await?;
+        let stmt = self.prepare(&sql).await?;
         // The aggregate id column may be bigint, uuid or text: convert to what it is.
         let agg_i64;
         let agg_uuid;
@@ -190,12 +245,22 @@ impl Outbox {
                 }
             }
         }
-        tx.execute(&stmt, &params).await?;
-        Ok(id)
+        self.execute(&stmt, &params).await?;
+        Ok(())
     }
 }
 
 impl Outbox {
+    /// The columns every row fills, quoted by `quote`: the four values the caller gives, in
+    /// parameter order, then `created_at` from the database clock. Headers and version follow
+    /// when the event has them.
+    fn base_columns(&self, quote: fn(&str) -> String) -> Vec<String> {
+        ["id", "aggregate_id", "topic", "payload", "created_at"]
+            .into_iter()
+            .map(|k| quote(self.columns.get(k)))
+            .collect()
+    }
+
     /// `db`.`table` or `table` (the session's database).
     fn my_quoted(&self) -> String {
         match &self.table.schema {
@@ -240,57 +305,33 @@ impl Outbox {
         let _ = self.my_types.set(t);
         Ok(t)
     }
+}
 
-    /// [`Outbox::write`] for MySQL/MariaDB: writes one event in `tx` (a `mysql_async`
-    /// transaction) and returns its id (UUID v7, stored as `BINARY(16)` in RFC 4122 byte order,
-    /// or as text in a `CHAR(36)` column). `created_at` comes from the database clock
-    /// (`NOW(6)`, the session's time zone: run the relay with the same `--source-time-zone`).
-    pub async fn write_mysql(
-        &self,
-        tx: &mut mysql_async::Transaction<'_>,
-        topic: &str,
-        aggregate_id: &str,
-        payload: &serde_json::Value,
-    ) -> Result<Uuid, Error> {
-        self.write_event_mysql(
-            tx,
-            &NewEvent {
-                topic,
-                aggregate_id,
-                payload,
-                headers: None,
-                version: None,
-            },
-        )
-        .await
+impl OutboxBackend for mysql_async::Transaction<'_> {
+    /// The id and aggregate id column types, looked up once per [`Outbox`] (they decide how
+    /// the values are encoded).
+    async fn plan(&mut self, outbox: &Outbox) -> Result<Plan, Error> {
+        Ok(Plan(Some(outbox.my_types(self).await?)))
     }
 
-    /// [`Outbox::write_mysql`] with the optional headers and version.
-    pub async fn write_event_mysql(
-        &self,
-        tx: &mut mysql_async::Transaction<'_>,
+    async fn insert(
+        &mut self,
+        outbox: &Outbox,
+        plan: Plan,
+        id: Uuid,
         ev: &NewEvent<'_>,
-    ) -> Result<Uuid, Error> {
+        payload: &serde_json::Value,
+    ) -> Result<(), Error> {
         use mysql_async::prelude::Queryable;
         use mysql_async::Value;
-        let types = self.my_types(tx).await?;
-        let id = Uuid::now_v7();
-        // As for Postgres: sealed for the row's own id before the INSERT.
-        let payload_text = match &self.encryptor {
-            Some(enc) => enc
-                .encrypt_event(id, ev.aggregate_id, ev.payload)
-                .await?
-                .to_string(),
-            None => ev.payload.to_string(),
+        // A plan made by another backend carries no types: look them up here.
+        let types = match plan.0 {
+            Some(t) => t,
+            None => outbox.my_types(self).await?,
         };
-        let c = |k| my_ident(self.columns.get(k));
-        let mut cols = vec![
-            c("id"),
-            c("aggregate_id"),
-            c("topic"),
-            c("payload"),
-            c("created_at"),
-        ];
+        let payload_text = payload.to_string();
+        let c = |k| my_ident(outbox.columns.get(k));
+        let mut cols = outbox.base_columns(my_ident);
         let mut vals = vec!["?", "?", "?", "?", "NOW(6)"];
         let id_value = if types.id_binary {
             Value::Bytes(id.as_bytes().to_vec())
@@ -336,11 +377,11 @@ impl Outbox {
         }
         let sql = format!(
             "INSERT INTO {} ({}) VALUES ({})",
-            self.my_quoted(),
+            outbox.my_quoted(),
             cols.join(", "),
             vals.join(", ")
         );
-        tx.exec_drop(sql, params).await?;
-        Ok(id)
+        self.exec_drop(sql, params).await?;
+        Ok(())
     }
 }

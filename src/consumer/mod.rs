@@ -18,8 +18,12 @@
 //! What is here:
 //!
 //! - [`Inbox`]: the claim, the optional stale gate (drop versions older than or equal to the
-//!   last applied one per aggregate) and the "claim, then effect" wrapper, for `tokio-postgres`
-//!   ([`postgres`]) and `mysql_async` ([`mysql`]) transactions;
+//!   last applied one per aggregate) and the "claim, then effect" wrapper ([`Inbox::run`]),
+//!   written once in [`inbox`] over [`InboxBackend`], which `tokio-postgres` ([`postgres`]) and
+//!   `mysql_async` ([`mysql`]) transactions implement;
+//! - [`processor`]: [`InboxProcessor`], one transaction per message (or batch) for the
+//!   [`runner`], over [`Database`] ([`postgres::Postgres`], [`mysql::Mysql`]) with your
+//!   [`Handler`];
 //! - [`key`]: stable idempotency keys for calls that leave the transaction (payment and
 //!   e-invoice APIs);
 //! - [`runner`]: a RabbitMQ consumer loop that acks only after commit, retries in place, and
@@ -30,15 +34,21 @@
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.
 
+pub mod inbox;
 pub mod key;
 pub mod message;
 pub mod mysql;
 pub mod postgres;
+pub mod processor;
 pub mod prune;
 pub mod runner;
 
+pub use inbox::InboxBackend;
 pub use key::IdempotencyKey;
 pub use message::Message;
+pub use mysql::{MyProcessor, Mysql};
+pub use postgres::{PgProcessor, Postgres};
+pub use processor::{Database, Handler, InboxProcessor};
 pub use runner::{OnPoison, Processor, RunnerOptions, Stats};
 
 use std::fmt;

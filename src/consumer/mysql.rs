@@ -1,16 +1,19 @@
-//! The inbox on MySQL 8 / MariaDB (`mysql_async`): claim, stale gate and "claim, then effect"
-//! inside the caller's transaction, and [`MyProcessor`] for the runner.
+//! The inbox on MySQL 8 / MariaDB (`mysql_async`): the claim and stale-gate statements
+//! ([`InboxBackend`] for `Transaction`), error classification, and [`Mysql`], which lets
+//! [`super::processor::InboxProcessor`] run one transaction per message on its own connection.
 //!
 //! The claim is `INSERT IGNORE`, which reports a repeat as 0 affected rows plus warning 1062
 //! (duplicate key). `IGNORE` also turns other errors into warnings — a consumer name too long
 //! for the column is silently cut, a NULL becomes a default — so every warning other than
 //! 1062 fails the claim, and 0 rows count as a duplicate only when warning 1062 says so.
 
-use super::{Claim, ConsumerError, Inbox, Message};
+use super::inbox::InboxBackend;
+use super::processor::Database;
+use super::ConsumerError;
 use crate::dsn::DbDsn;
+use crate::outbox::TableName;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, IsolationLevel, Transaction, TxOpts};
-use std::future::Future;
 use uuid::Uuid;
 
 /// MySQL's "duplicate entry" error, which `INSERT IGNORE` reports as a warning.
@@ -62,7 +65,7 @@ pub fn classify(e: mysql_async::Error) -> ConsumerError {
 }
 
 /// Quotes `db`.`table` (or `table`, the session's database).
-pub(crate) fn quoted(t: &crate::outbox::TableName) -> String {
+pub(crate) fn quoted(t: &TableName) -> String {
     use crate::outbox::my_ident;
     match &t.schema {
         Some(db) => format!("{}.{}", my_ident(db), my_ident(&t.name)),
@@ -108,43 +111,38 @@ async fn insert_ignore(
     }
 }
 
-impl Inbox {
-    /// Claims `id` for this consumer inside `tx`: `true` when this transaction inserted the
-    /// row (run the effect), `false` when it was already there (a repeat: run nothing). A
-    /// concurrent transaction holding the same id makes this wait for it (InnoDB's duplicate
-    /// check locks the key): `false` if it committed, `true` if it rolled back.
-    pub async fn claim_mysql(
-        &self,
-        tx: &mut Transaction<'_>,
+impl InboxBackend for Transaction<'_> {
+    /// `INSERT IGNORE`, trusted only as far as its warnings allow (see the module comment).
+    /// InnoDB's duplicate check locks the key, so a concurrent claim of the same id waits.
+    async fn insert_claim(
+        &mut self,
+        table: &TableName,
+        consumer: &str,
         id: Uuid,
     ) -> Result<bool, ConsumerError> {
-        let t = quoted(&self.processed);
+        let t = quoted(table);
         insert_ignore(
-            tx,
+            self,
             &format!("INSERT IGNORE INTO {t} (consumer, message_id) VALUES (?, ?)"),
-            (self.consumer.as_str(), id.as_bytes().to_vec()).into(),
+            (consumer, id.as_bytes().to_vec()).into(),
             &t,
         )
         .await
     }
 
-    /// The stale gate (see [`Inbox::gate_pg`]): `None` = newer, recorded, apply; `Some(stored)`
-    /// = not newer than the stored version, drop. The first message of an aggregate inserts
-    /// its row; later ones update it only upwards (`version < ?`, which also makes the affected
-    /// row count mean "advanced" whatever `CLIENT_FOUND_ROWS` says).
-    pub async fn gate_mysql(
-        &self,
-        tx: &mut Transaction<'_>,
+    /// The first message of an aggregate inserts its row; later ones update it only upwards
+    /// (`version < ?`, which also makes the affected row count mean "advanced" whatever
+    /// `CLIENT_FOUND_ROWS` says).
+    async fn advance_version(
+        &mut self,
+        table: &TableName,
+        consumer: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
-        let Some(versions) = &self.versions else {
-            return Ok(None);
-        };
-        let t = quoted(versions);
-        let consumer = self.consumer.as_str();
+        let t = quoted(table);
         if insert_ignore(
-            tx,
+            self,
             &format!("INSERT IGNORE INTO {t} (consumer, aggregate_id, version) VALUES (?, ?, ?)"),
             (consumer, aggregate_id, version).into(),
             &t,
@@ -153,15 +151,15 @@ impl Inbox {
         {
             return Ok(None);
         }
-        tx.exec_drop(
+        self.exec_drop(
             format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_id = ? AND version < ?"),
             (version, consumer, aggregate_id, version),
         )
         .await?;
-        if tx.affected_rows() == 1 {
+        if self.affected_rows() == 1 {
             return Ok(None);
         }
-        let stored: Option<i64> = tx
+        let stored: Option<i64> = self
             .exec_first(
                 format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_id = ?"),
                 (consumer, aggregate_id),
@@ -169,39 +167,6 @@ impl Inbox {
             .await?;
         Ok(Some(stored.unwrap_or(version)))
     }
-
-    /// Claim first, then the stale gate, then `effect`, all in `tx` (see [`Inbox::run_pg`]).
-    pub async fn run_mysql<'a, 't, T, F, Fut>(
-        &self,
-        tx: &'a mut Transaction<'t>,
-        msg: &Message,
-        effect: F,
-    ) -> Result<Claim<T>, ConsumerError>
-    where
-        F: FnOnce(&'a mut Transaction<'t>) -> Fut,
-        Fut: Future<Output = Result<T, ConsumerError>> + 'a,
-    {
-        if !self.claim_mysql(tx, msg.id).await? {
-            return Ok(Claim::Duplicate);
-        }
-        if let (true, Some(agg), Some(version)) =
-            (self.stale_gate(), msg.aggregate_id.as_deref(), msg.version)
-        {
-            if let Some(applied) = self.gate_mysql(tx, agg, version).await? {
-                return Ok(Claim::Stale { version, applied });
-            }
-        }
-        effect(tx).await.map(Claim::Applied)
-    }
-}
-
-/// The business effect of a MySQL/MariaDB consumer, run inside the inbox's transaction.
-pub trait MyHandler: Send + Sync + 'static {
-    fn handle(
-        &self,
-        tx: &mut Transaction<'_>,
-        msg: &Message,
-    ) -> impl Future<Output = Result<(), ConsumerError>> + Send;
 }
 
 /// Connects a session the way the relay does (TLS per the DSN's `ssl-mode`, bounded).
@@ -209,127 +174,44 @@ pub async fn connect(dsn: &DbDsn) -> Result<Conn, ConsumerError> {
     Ok(crate::db::mysql::connect_sql(dsn).await?)
 }
 
-/// One connection and one transaction per message on MySQL/MariaDB (see
-/// [`super::postgres::PgProcessor`]).
-pub struct MyProcessor<H> {
-    dsn: DbDsn,
-    conn: Option<Conn>,
-    inbox: Inbox,
-    handler: H,
-    isolation: Option<IsolationLevel>,
-    bare: bool,
-}
+/// MySQL/MariaDB for [`super::processor::InboxProcessor`]: a `mysql_async::Conn` per processor.
+#[derive(Debug, Clone, Copy)]
+pub enum Mysql {}
 
-impl<H: MyHandler> MyProcessor<H> {
-    pub fn new(dsn: DbDsn, inbox: Inbox, handler: H) -> Self {
-        MyProcessor {
-            dsn,
-            conn: None,
-            inbox,
-            handler,
-            isolation: None,
-            bare: false,
+impl Database for Mysql {
+    type Session = Conn;
+    type Tx<'s> = Transaction<'s>;
+    type Isolation = IsolationLevel;
+
+    /// MySQL has no application name to set here; the session is named by its user and host.
+    async fn connect(dsn: &DbDsn, _application: &str) -> Result<Conn, ConsumerError> {
+        connect(dsn).await
+    }
+
+    /// A `Conn` cannot tell a dead connection without a round trip; the first statement on it
+    /// fails as a lost session instead, and the processor drops it then.
+    fn usable(_session: &Conn) -> bool {
+        true
+    }
+
+    async fn begin(
+        session: &mut Conn,
+        isolation: Option<IsolationLevel>,
+    ) -> Result<Transaction<'_>, ConsumerError> {
+        let mut opts = TxOpts::default();
+        if let Some(level) = isolation {
+            opts.with_isolation_level(level);
         }
+        Ok(session.start_transaction(opts).await?)
     }
 
-    /// Runs each transaction at this isolation level (default: the server's, REPEATABLE READ).
-    pub fn isolation(mut self, level: IsolationLevel) -> Self {
-        self.isolation = Some(level);
-        self
-    }
-
-    /// Skips the claim (benchmarks only: a repeat runs its effect again).
-    pub fn without_inbox(mut self) -> Self {
-        self.bare = true;
-        self
-    }
-
-    pub fn handler(&self) -> &H {
-        &self.handler
+    async fn commit(tx: Self::Tx<'_>) -> Result<(), ConsumerError> {
+        Ok(tx.commit().await?)
     }
 }
 
-impl<H: MyHandler> MyProcessor<H> {
-    /// `msgs` in one transaction (see `PgProcessor`).
-    async fn transaction(
-        &mut self,
-        msgs: &[Message],
-    ) -> Result<Vec<Claim<()>>, (usize, ConsumerError)> {
-        if self.conn.is_none() {
-            self.conn = Some(connect(&self.dsn).await.map_err(|e| (0, e))?);
-        }
-        let Some(conn) = self.conn.as_mut() else {
-            unreachable!("connected above")
-        };
-        let result = async {
-            let mut opts = TxOpts::default();
-            if let Some(level) = self.isolation {
-                opts.with_isolation_level(level);
-            }
-            let mut tx = conn
-                .start_transaction(opts)
-                .await
-                .map_err(|e| (0, e.into()))?;
-            let mut claims = Vec::with_capacity(msgs.len());
-            for (i, msg) in msgs.iter().enumerate() {
-                let claim = if self.bare {
-                    self.handler.handle(&mut tx, msg).await.map(Claim::Applied)
-                } else {
-                    let handler = &self.handler;
-                    self.inbox
-                        .run_mysql(&mut tx, msg, |tx| handler.handle(tx, msg))
-                        .await
-                };
-                claims.push(claim.map_err(|e| (i, e))?);
-            }
-            tx.commit().await.map_err(|e| (0, e.into()))?;
-            Ok(claims)
-        }
-        .await;
-        if let Err((_, e)) = &result {
-            if e.session_lost() {
-                // Dropping the connection also ends a transaction left open by the error.
-                self.conn = None;
-            }
-        }
-        result
-    }
-}
-
-impl<H: MyHandler> super::Processor for MyProcessor<H> {
-    async fn process(&mut self, msg: &Message) -> Result<Claim<()>, ConsumerError> {
-        self.transaction(std::slice::from_ref(msg))
-            .await
-            .map(|mut c| c.remove(0))
-            .map_err(|(_, e)| e)
-    }
-
-    /// One transaction for the batch; when message `i` fails, the first `i` are committed in a
-    /// new transaction and `i` is reported.
-    async fn process_batch(&mut self, msgs: &[Message]) -> super::runner::BatchResult {
-        use super::runner::BatchResult;
-        match self.transaction(msgs).await {
-            Ok(committed) => BatchResult {
-                committed,
-                failed: None,
-            },
-            Err((i, e)) if i > 0 => match self.transaction(&msgs[..i]).await {
-                Ok(committed) => BatchResult {
-                    committed,
-                    failed: Some(e),
-                },
-                Err((_, e)) => BatchResult {
-                    committed: Vec::new(),
-                    failed: Some(e),
-                },
-            },
-            Err((_, e)) => BatchResult {
-                committed: Vec::new(),
-                failed: Some(e),
-            },
-        }
-    }
-}
+/// [`super::processor::InboxProcessor`] on MySQL/MariaDB.
+pub type MyProcessor<H> = super::processor::InboxProcessor<Mysql, H>;
 
 #[cfg(test)]
 mod tests {

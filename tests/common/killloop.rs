@@ -206,11 +206,11 @@ pub fn pg_producer(db: &super::PgDb, rate: u32, topic: &'static str) -> Producer
             let outbox = outboxd::Outbox::new("outbox").unwrap();
             let (mut pace, mut ids) = (Pace::new(rate), Vec::new());
             while !stop.load(Ordering::SeqCst) {
-                let tx = c.transaction().await.unwrap();
+                let mut tx = c.transaction().await.unwrap();
                 let n = ids.len();
                 let payload = serde_json::json!({ "n": n });
                 let id = outbox
-                    .write(&tx, topic, &format!("agg-{}", n % 31), &payload)
+                    .write(&mut tx, topic, &format!("agg-{}", n % 31), &payload)
                     .await
                     .unwrap();
                 tx.commit().await.unwrap();
@@ -239,7 +239,7 @@ pub fn my_producer(db: &super::MyDb, rate: u32, topic: &'static str) -> Producer
                 let n = ids.len();
                 let payload = serde_json::json!({ "n": n });
                 let id = outbox
-                    .write_mysql(&mut tx, topic, &format!("{}", n % 31), &payload)
+                    .write(&mut tx, topic, &format!("{}", n % 31), &payload)
                     .await
                     .unwrap();
                 tx.commit().await.unwrap();

@@ -175,12 +175,12 @@ pub async fn write_events(
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     let mut ids = Vec::with_capacity(n_tx * per_tx);
     for t in 0..n_tx {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         for i in 0..per_tx {
             let payload = serde_json::json!({"invoice": t * per_tx + i, "total": "12.50", "customer": "Ayşe 🧾"});
             let id = outbox
                 .write(
-                    &tx,
+                    &mut tx,
                     topic,
                     &format!("agg-{}", (t * per_tx + i) % 97),
                     &payload,
@@ -1065,7 +1065,7 @@ pub async fn my_write_events(
             let payload =
                 serde_json::json!({"invoice": n, "total": "12.50", "customer": "Ayşe 🧾"});
             let id = outbox
-                .write_mysql(&mut tx, topic, &format!("{}", n % 97), &payload)
+                .write(&mut tx, topic, &format!("{}", n % 97), &payload)
                 .await
                 .unwrap();
             ids.push(id);

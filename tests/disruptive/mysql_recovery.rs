@@ -120,7 +120,7 @@ async fn a_purged_position_is_recovered_through_the_table() {
             .await
             .unwrap();
         outbox
-            .write_mysql(&mut tx, "slow", "1", &serde_json::json!({"slow": true}))
+            .write(&mut tx, "slow", "1", &serde_json::json!({"slow": true}))
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(1500)).await; // the long transaction itself
@@ -133,7 +133,7 @@ async fn a_purged_position_is_recovered_through_the_table() {
         .await
         .unwrap();
     let long_id = outbox
-        .write_mysql(
+        .write(
             &mut long_tx,
             "long",
             "2",

@@ -162,11 +162,14 @@ async fn relay_and_consumer_apply_ten_thousand_events_exactly_once_through_every
         let outbox = outboxd::Outbox::new("outbox").unwrap();
         let mut out = Vec::new();
         for t in 0..100 {
-            let tx = c.transaction().await.unwrap();
+            let mut tx = c.transaction().await.unwrap();
             for k in 0..100 {
                 let i = t * 100 + k;
                 let (customer, topic, invoices, cents, body) = invoice_event(i);
-                let id = outbox.write(&tx, topic, &customer, &body).await.unwrap();
+                let id = outbox
+                    .write(&mut tx, topic, &customer, &body)
+                    .await
+                    .unwrap();
                 out.push(Written {
                     id,
                     customer,
@@ -911,7 +914,7 @@ async fn mariadb_relay_and_consumer_apply_every_event_exactly_once() {
                 let (customer, topic, invoices, cents, body) = invoice_event(i);
                 // The contract's MySQL outbox keys aggregates by BIGINT.
                 let id = outbox
-                    .write_mysql(&mut tx, topic, &(i % 37).to_string(), &body)
+                    .write(&mut tx, topic, &(i % 37).to_string(), &body)
                     .await
                     .unwrap();
                 out.push(Written {
@@ -1170,10 +1173,10 @@ async fn stale_gate_is_not_fooled_by_a_row_forging_the_version_header() {
     let mut client = db.client().await;
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     for (version, cents, headers) in &rows {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         outbox
             .write_event(
-                &tx,
+                &mut tx,
                 &outboxd::NewEvent {
                     topic: "invoice.issued",
                     aggregate_id: customer,

@@ -39,9 +39,9 @@ async fn pg_once(
     worker: i32,
     hold: Duration,
 ) -> Result<Claim<()>, ConsumerError> {
-    let tx = c.transaction().await?;
+    let mut tx = c.transaction().await?;
     let claim = inbox
-        .run_pg(&tx, msg, |tx| async move {
+        .run(&mut tx, msg, |tx| async move {
             tx.execute(
                 "INSERT INTO effects (event_id, worker) VALUES ($1, $2)",
                 &[&msg.id, &worker],
@@ -66,7 +66,7 @@ async fn my_once(
     use mysql_async::prelude::Queryable;
     let mut tx = c.start_transaction(mysql_async::TxOpts::default()).await?;
     let claim = inbox
-        .run_mysql(&mut tx, msg, |tx| async move {
+        .run(&mut tx, msg, |tx| async move {
             tx.exec_drop(
                 "INSERT INTO effects (event_id, worker) VALUES (?, ?)",
                 (msg.id.as_bytes().to_vec(), worker),
@@ -111,9 +111,9 @@ async fn pg_repeats_run_nothing_and_rollback_releases_the_claim() {
     // A failing effect rolls back with its claim: the next delivery applies it.
     let failing = Message::new(Uuid::now_v7(), "invoice.issued", b"{}".to_vec());
     {
-        let tx = c.transaction().await.unwrap();
+        let mut tx = c.transaction().await.unwrap();
         let r = inbox
-            .run_pg(&tx, &failing, |_tx| async {
+            .run(&mut tx, &failing, |_tx| async {
                 Err::<(), _>(ConsumerError::transient("e-invoice API: 503"))
             })
             .await;
@@ -210,11 +210,11 @@ async fn pg_deadlocks_and_serialization_failures_are_typed_and_retryable() {
     // Deadlock: T1 claims a then b, T2 claims b then a.
     let mut c1 = db.client().await;
     let mut c2 = db.client().await;
-    let t1 = c1.transaction().await.unwrap();
-    let t2 = c2.transaction().await.unwrap();
-    assert!(inbox.claim_pg(&t1, a).await.unwrap());
-    assert!(inbox.claim_pg(&t2, b).await.unwrap());
-    let (r1, r2) = tokio::join!(inbox.claim_pg(&t1, b), inbox.claim_pg(&t2, a));
+    let mut t1 = c1.transaction().await.unwrap();
+    let mut t2 = c2.transaction().await.unwrap();
+    assert!(inbox.claim(&mut t1, a).await.unwrap());
+    assert!(inbox.claim(&mut t2, b).await.unwrap());
+    let (r1, r2) = tokio::join!(inbox.claim(&mut t1, b), inbox.claim(&mut t2, a));
     let (ok, err) = match (r1, r2) {
         (Ok(x), Err(e)) => {
             drop(t2);
@@ -239,7 +239,7 @@ async fn pg_deadlocks_and_serialization_failures_are_typed_and_retryable() {
     // failure, not a silent duplicate; run again, it is a plain duplicate.
     let id = Uuid::now_v7();
     let msg = Message::new(id, "t", b"{}".to_vec());
-    let rr = c1
+    let mut rr = c1
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
         .start()
@@ -250,21 +250,21 @@ async fn pg_deadlocks_and_serialization_failures_are_typed_and_retryable() {
         .await
         .unwrap()
         .is_applied());
-    let e = inbox.claim_pg(&rr, id).await.unwrap_err();
+    let e = inbox.claim(&mut rr, id).await.unwrap_err();
     assert!(
         matches!(e, ConsumerError::Conflict(ref m) if m.contains("40001")),
         "{e}"
     );
     assert!(e.is_retryable());
     drop(rr);
-    let rr = c1
+    let mut rr = c1
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
         .start()
         .await
         .unwrap();
     assert!(
-        !inbox.claim_pg(&rr, id).await.unwrap(),
+        !inbox.claim(&mut rr, id).await.unwrap(),
         "duplicate on retry"
     );
 }
@@ -353,7 +353,7 @@ async fn mysql_repeats_run_nothing_and_rollback_releases_the_claim() {
             .await
             .unwrap();
         let r = inbox
-            .run_mysql(&mut tx, &failing, |_tx| async {
+            .run(&mut tx, &failing, |_tx| async {
                 Err::<(), _>(ConsumerError::permanent("no such customer"))
             })
             .await;
@@ -448,9 +448,9 @@ async fn mysql_deadlocks_are_typed_retryable_and_ignore_swallows_nothing() {
         .start_transaction(mysql_async::TxOpts::default())
         .await
         .unwrap();
-    assert!(inbox.claim_mysql(&mut t1, a).await.unwrap());
-    assert!(inbox.claim_mysql(&mut t2, b).await.unwrap());
-    let (r1, r2) = tokio::join!(inbox.claim_mysql(&mut t1, b), inbox.claim_mysql(&mut t2, a));
+    assert!(inbox.claim(&mut t1, a).await.unwrap());
+    assert!(inbox.claim(&mut t2, b).await.unwrap());
+    let (r1, r2) = tokio::join!(inbox.claim(&mut t1, b), inbox.claim(&mut t2, a));
     let err = match (r1, r2) {
         (Ok(true), Err(e)) => {
             t2.rollback().await.unwrap();
@@ -488,7 +488,7 @@ async fn mysql_deadlocks_are_typed_retryable_and_ignore_swallows_nothing() {
         .start_transaction(mysql_async::TxOpts::default())
         .await
         .unwrap();
-    let e = cut.claim_mysql(&mut tx, Uuid::now_v7()).await.unwrap_err();
+    let e = cut.claim(&mut tx, Uuid::now_v7()).await.unwrap_err();
     tx.rollback().await.unwrap();
     assert!(
         matches!(e, ConsumerError::Config { ref problem, .. } if problem.contains("1265") || problem.contains("1406")),
@@ -502,10 +502,7 @@ async fn mysql_deadlocks_are_typed_retryable_and_ignore_swallows_nothing() {
         .start_transaction(mysql_async::TxOpts::default())
         .await
         .unwrap();
-    let e = missing
-        .claim_mysql(&mut tx, Uuid::now_v7())
-        .await
-        .unwrap_err();
+    let e = missing.claim(&mut tx, Uuid::now_v7()).await.unwrap_err();
     assert!(
         e.to_string().contains("mysql/003_processed_messages.sql"),
         "{e}"

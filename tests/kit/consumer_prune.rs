@@ -53,9 +53,9 @@ fn pg_inserting(conninfo: String, stop: Arc<AtomicBool>) -> tokio::task::JoinHan
         let inbox = Inbox::new("live").unwrap();
         let mut n = 0;
         while !stop.load(Ordering::Relaxed) {
-            let tx = c.transaction().await.unwrap();
+            let mut tx = c.transaction().await.unwrap();
             for _ in 0..20 {
-                assert!(inbox.claim_pg(&tx, Uuid::now_v7()).await.unwrap());
+                assert!(inbox.claim(&mut tx, Uuid::now_v7()).await.unwrap());
                 n += 1;
             }
             tx.commit().await.unwrap();
@@ -76,7 +76,7 @@ fn my_inserting(db: Arc<MariaDb>, stop: Arc<AtomicBool>) -> tokio::task::JoinHan
                 .unwrap();
             for _ in 0..20 {
                 let m = Message::new(Uuid::now_v7(), "t", Vec::new());
-                assert!(inbox.claim_mysql(&mut tx, m.id).await.unwrap());
+                assert!(inbox.claim(&mut tx, m.id).await.unwrap());
                 n += 1;
             }
             tx.commit().await.unwrap();

@@ -1,6 +1,7 @@
-//! Field-level encryption on MariaDB/MySQL: `Outbox::write_mysql` seals the marked fields for
-//! the row's own id before the INSERT (no plaintext in the table or the binlog-fed stream), the
-//! relay moves the payload byte for byte, and a consumer decrypts it.
+//! Field-level encryption on MariaDB/MySQL: `Outbox::write` on a `mysql_async` transaction
+//! seals the marked fields for the row's own id before the INSERT (no plaintext in the table or
+//! the binlog-fed stream), the relay moves the payload byte for byte, and a consumer decrypts
+//! it.
 
 use crate::common;
 
@@ -18,7 +19,7 @@ fn payload(i: usize) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn write_mysql_seals_before_insert_and_the_consumer_reads_through_the_relay() {
+async fn mysql_write_seals_before_insert_and_the_consumer_reads_through_the_relay() {
     use mysql_async::prelude::Queryable;
     let db = MyDb::create("my_crypt").await;
     let keyring = Keyring::generate(8).unwrap();
@@ -47,7 +48,7 @@ async fn write_mysql_seals_before_insert_and_the_consumer_reads_through_the_rela
     for i in 0..10 {
         ids.push(
             outbox
-                .write_mysql(&mut tx, "invoice.issued", &(i + 1).to_string(), &payload(i))
+                .write(&mut tx, "invoice.issued", &(i + 1).to_string(), &payload(i))
                 .await
                 .unwrap(),
         );

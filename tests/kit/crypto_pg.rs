@@ -103,11 +103,11 @@ async fn producer_hook_seals_before_insert_and_the_consumer_reads_through_the_re
 
     let mut client = db.client().await;
     let mut ids = Vec::new();
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     for i in 0..20 {
         ids.push(
             outbox
-                .write(&tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
+                .write(&mut tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
                 .await
                 .unwrap(),
         );
@@ -200,10 +200,10 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
         .unwrap()
         .with_encryption(Encryptor::new(keyring.clone(), schema()));
     let clear = outboxd::Outbox::new("outbox").unwrap();
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     for i in 0..40 {
         let ob = if i < 30 { &enc_old } else { &clear };
-        let id = ob.write(&tx, "t", "a", &payload(i)).await.unwrap();
+        let id = ob.write(&mut tx, "t", "a", &payload(i)).await.unwrap();
         originals.insert(id, i);
     }
     tx.commit().await.unwrap();
@@ -212,9 +212,9 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
     let enc_new = outboxd::Outbox::new("outbox")
         .unwrap()
         .with_encryption(Encryptor::new(keyring.clone(), schema()));
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     for i in 40..50 {
-        let id = enc_new.write(&tx, "t", "a", &payload(i)).await.unwrap();
+        let id = enc_new.write(&mut tx, "t", "a", &payload(i)).await.unwrap();
         originals.insert(id, i);
     }
     tx.commit().await.unwrap();
@@ -378,10 +378,10 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
         .with_encryption(enc.clone());
     let mut client = db.client().await;
     let mut events = Vec::new(); // (id, aggregate, i)
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     for i in 0..6 {
         let agg = if i % 2 == 0 { "cust-A" } else { "cust-B" };
-        let id = outbox.write(&tx, "t", agg, &payload(i)).await.unwrap();
+        let id = outbox.write(&mut tx, "t", agg, &payload(i)).await.unwrap();
         events.push((id, agg, i));
     }
     tx.commit().await.unwrap();
@@ -499,8 +499,11 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
     assert!(err.contains("/customer/tax_id: erased"), "{err}");
 
     // A later event of A gets a new key and is readable.
-    let tx = client.transaction().await.unwrap();
-    let later = outbox.write(&tx, "t", "cust-A", &payload(9)).await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
+    let later = outbox
+        .write(&mut tx, "t", "cust-A", &payload(9))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let row: String = client
         .query_one("SELECT payload::text FROM outbox WHERE id = $1", &[&later])
@@ -622,11 +625,11 @@ async fn through_rabbitmq_the_body_is_the_stored_ciphertext_and_the_consumer_rea
         .with_encryption(Encryptor::new(keyring.clone(), schema()));
     let mut client = db.client().await;
     let mut ids = Vec::new();
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     for i in 0..20 {
         ids.push(
             outbox
-                .write(&tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
+                .write(&mut tx, "invoice.issued", &format!("inv-{i}"), &payload(i))
                 .await
                 .unwrap(),
         );

@@ -76,7 +76,7 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
     let rolled_back = {
         let mut tx = c.start_transaction(Default::default()).await.unwrap();
         let id = outbox
-            .write_mysql(
+            .write(
                 &mut tx,
                 "invoice.issued",
                 "1",
@@ -91,7 +91,7 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
     {
         let mut tx = c.start_transaction(Default::default()).await.unwrap();
         let id = outbox
-            .write_mysql(
+            .write(
                 &mut tx,
                 "invoice.voided",
                 "2",
@@ -113,7 +113,7 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
         let mut oc = other.conn().await;
         let mut tx = oc.start_transaction(Default::default()).await.unwrap();
         let id = outbox
-            .write_mysql(
+            .write(
                 &mut tx,
                 "invoice.issued",
                 "3",

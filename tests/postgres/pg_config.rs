@@ -47,12 +47,12 @@ async fn renamed_columns_bigint_ids_jsonb_headers_and_version() {
     let outbox = outboxd::Outbox::new("app_events")
         .unwrap()
         .with_columns(outboxd::ColumnMap::parse(&[columns.to_string()]).unwrap());
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     let headers = serde_json::json!({"tenant": "acme"});
     let payload = serde_json::json!({"b": 1, "a": [true, null]});
     let id_min = outbox
         .write_event(
-            &tx,
+            &mut tx,
             &outboxd::NewEvent {
                 topic: "order.created",
                 aggregate_id: &i64::MIN.to_string(),
@@ -64,21 +64,21 @@ async fn renamed_columns_bigint_ids_jsonb_headers_and_version() {
         .await
         .unwrap();
     let id_max = outbox
-        .write(&tx, "order.created", &i64::MAX.to_string(), &payload)
+        .write(&mut tx, "order.created", &i64::MAX.to_string(), &payload)
         .await
         .unwrap();
     assert!(
         outbox
-            .write(&tx, "x", "not-a-number", &payload)
+            .write(&mut tx, "x", "not-a-number", &payload)
             .await
             .is_err(),
         "a bigint column refuses text ids"
     );
     tx.rollback().await.unwrap();
-    let tx = client.transaction().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
     let id_min2 = outbox
         .write_event(
-            &tx,
+            &mut tx,
             &outboxd::NewEvent {
                 topic: "order.created",
                 aggregate_id: &i64::MIN.to_string(),
@@ -90,7 +90,7 @@ async fn renamed_columns_bigint_ids_jsonb_headers_and_version() {
         .await
         .unwrap();
     let id_max2 = outbox
-        .write(&tx, "order.created", &i64::MAX.to_string(), &payload)
+        .write(&mut tx, "order.created", &i64::MAX.to_string(), &payload)
         .await
         .unwrap();
     tx.commit().await.unwrap();

@@ -578,10 +578,10 @@ async fn drain_large_events(budget: usize, events: usize) -> u64 {
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     let pad = "x".repeat(PAYLOAD);
     for i in 0..events {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let body = serde_json::json!({"i": i, "pad": pad});
         outbox
-            .write(&tx, "inflight.large", &format!("a{i}"), &body)
+            .write(&mut tx, "inflight.large", &format!("a{i}"), &body)
             .await
             .unwrap();
         tx.commit().await.unwrap();

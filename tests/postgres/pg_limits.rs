@@ -35,8 +35,11 @@ async fn a_replication_message_above_the_limit_stops_the_relay_naming_the_flag()
     // A 3 MiB payload: over the reader's limit.
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     let big = serde_json::json!({ "blob": "x".repeat(3 * 1024 * 1024) });
-    let tx = client.transaction().await.unwrap();
-    outbox.write(&tx, "limits.big", "1", &big).await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
+    outbox
+        .write(&mut tx, "limits.big", "1", &big)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let code = relay.wait_exit(T).await;
     let stderr = relay.stderr_plain();

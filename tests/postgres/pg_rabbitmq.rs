@@ -135,10 +135,10 @@ async fn ten_thousand_events_arrive_exactly_as_the_contract_says() {
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     let mut expected = write_events(&mut client, 50, 100, "invoice.issued").await;
     let rolled_back = {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outbox
             .write(
-                &tx,
+                &mut tx,
                 "invoice.issued",
                 "rb",
                 &serde_json::json!({"rolled": "back"}),
@@ -149,11 +149,11 @@ async fn ten_thousand_events_arrive_exactly_as_the_contract_says() {
         id
     };
     let other_id = {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outboxd::Outbox::new("other.outbox")
             .unwrap()
             .write(
-                &tx,
+                &mut tx,
                 "invoice.issued",
                 "x",
                 &serde_json::json!({"schema": "other"}),
@@ -169,10 +169,10 @@ async fn ten_thousand_events_arrive_exactly_as_the_contract_says() {
     // Row headers and version; a payload whose text differs from its canonical JSON form.
     let row_headers = serde_json::json!({"tenant": "acme", "n": 3, "nested": {"k": "v"}, "list": [1, "a"], "flag": true});
     let (with_headers, spaced_id) = {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outbox
             .write_event(
-                &tx,
+                &mut tx,
                 &outboxd::NewEvent {
                     topic: "invoice.amended",
                     aggregate_id: "agg-h",
@@ -805,12 +805,12 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
     let (mut routed, mut orphans) = (Vec::new(), Vec::new());
     let mut first_tx_end = 0;
     for t in 0..5 {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         for i in 0..20 {
             let orphan = i % 3 == 1;
             let topic = if orphan { "orphan.b" } else { "routed.a" };
             let id = outbox
-                .write(&tx, topic, "agg", &serde_json::json!({"t": t, "i": i}))
+                .write(&mut tx, topic, "agg", &serde_json::json!({"t": t, "i": i}))
                 .await
                 .unwrap();
             if orphan { &mut orphans } else { &mut routed }.push(id);
@@ -1151,12 +1151,12 @@ async fn row_headers_cannot_forge_the_relays_headers_or_routing() {
     let outbox = outboxd::Outbox::new("outbox").unwrap();
     let mut forged_ids = Vec::new();
     {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         for (headers, version) in &rows {
             forged_ids.push(
                 outbox
                     .write_event(
-                        &tx,
+                        &mut tx,
                         &outboxd::NewEvent {
                             topic: "invoice.forged",
                             aggregate_id: "agg-forge",

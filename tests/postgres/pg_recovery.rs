@@ -43,9 +43,9 @@ async fn a_dropped_slot_is_recovered_through_the_table() {
     // recorded with the position.
     let mut slow = db.client().await;
     {
-        let tx = slow.transaction().await.unwrap();
+        let mut tx = slow.transaction().await.unwrap();
         outbox
-            .write(&tx, "slow", "s", &serde_json::json!({"slow": true}))
+            .write(&mut tx, "slow", "s", &serde_json::json!({"slow": true}))
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(1500)).await; // the long transaction itself
@@ -53,9 +53,14 @@ async fn a_dropped_slot_is_recovered_through_the_table() {
     }
     // Another one opens now and commits only after the slot is gone.
     let mut long = db.client().await;
-    let long_tx = long.transaction().await.unwrap();
+    let mut long_tx = long.transaction().await.unwrap();
     let long_id = outbox
-        .write(&long_tx, "long", "l", &serde_json::json!({"long": true}))
+        .write(
+            &mut long_tx,
+            "long",
+            "l",
+            &serde_json::json!({"long": true}),
+        )
         .await
         .unwrap();
 

@@ -46,10 +46,10 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
     let mut expected = write_events(&mut client, 50, 100, "invoice.issued").await;
     // A rolled-back transaction: never.
     let rolled_back = {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outbox
             .write(
-                &tx,
+                &mut tx,
                 "invoice.issued",
                 "rb",
                 &serde_json::json!({"rolled": "back"}),
@@ -61,10 +61,10 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
     };
     // Inserted and deleted in one transaction: arrives (the insert is in the log).
     {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outbox
             .write(
-                &tx,
+                &mut tx,
                 "invoice.voided",
                 "gone",
                 &serde_json::json!({"deleted": true}),
@@ -81,10 +81,10 @@ async fn ten_thousand_events_arrive_and_nothing_else() {
         expected.push(id);
     }
     let other_id = {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         let id = outbox_other
             .write(
-                &tx,
+                &mut tx,
                 "invoice.issued",
                 "x",
                 &serde_json::json!({"schema": "other"}),

@@ -186,11 +186,11 @@ impl Producer {
         let aggregate = format!("{}", seq % 7);
         match self {
             Producer::Pg(c) => {
-                let tx = c.transaction().await.unwrap();
+                let mut tx = c.transaction().await.unwrap();
                 for i in 0..n {
                     ids.push(
                         outbox
-                            .write(&tx, TOPIC, &aggregate, &payload(i))
+                            .write(&mut tx, TOPIC, &aggregate, &payload(i))
                             .await
                             .unwrap(),
                     );
@@ -209,7 +209,7 @@ impl Producer {
                     .unwrap();
                 for i in 0..n {
                     let body = payload(i);
-                    let id = outbox.write_mysql(&mut tx, TOPIC, &aggregate, &body);
+                    let id = outbox.write(&mut tx, TOPIC, &aggregate, &body);
                     ids.push(id.await.unwrap());
                 }
                 if commit {

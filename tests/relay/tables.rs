@@ -125,12 +125,12 @@ async fn postgres_two_tables_one_slot_one_publication_one_position() {
     let mut client = db.client().await;
     let mut written: Written = Vec::new();
     for rows in transactions(false) {
-        let tx = client.transaction().await.unwrap();
+        let mut tx = client.transaction().await.unwrap();
         for (table, agg, seq) in rows {
             let id = outboxd::Outbox::new(table)
                 .unwrap()
                 .write(
-                    &tx,
+                    &mut tx,
                     "invoice.created",
                     &agg,
                     &serde_json::json!({"seq": seq}),
@@ -192,7 +192,7 @@ async fn mariadb_two_tables_one_binlog_stream_one_position() {
         for (table, agg, seq) in rows {
             let id = outboxd::Outbox::new(table)
                 .unwrap()
-                .write_mysql(
+                .write(
                     &mut tx,
                     "invoice.created",
                     &agg,
