@@ -16,8 +16,9 @@
 //!   share is in `source::startup`); [`connector`] runs every plan through one `drive`.
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
-//! - Operations: [`telemetry`] (logs, metrics, health); `check`, `status` and `offset` of each
-//!   source in `source::postgres::operator` and `source::mysql::operator`.
+//! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the
+//!   internal events in `telemetry::events`, which also log); `check`, `status` and `offset` of
+//!   each source in `source::postgres::operator` and `source::mysql::operator`.
 //! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
 //!   Postgres and MySQL clients), [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
 //!   [`operator`] (the `check` line), [`error`].

@@ -1114,10 +1114,33 @@ pub fn run_detached<F: std::future::Future<Output = ()> + Send + 'static>(f: F) 
 
 /// The event ids a stdout relay printed, in order.
 pub fn printed_ids(relay: &Relay) -> Vec<uuid::Uuid> {
-    parse_lines(&relay.lines())
+    ids_of(&relay.lines())
+}
+
+/// The ids of stdout event lines, in their order.
+pub fn ids_of(lines: &[String]) -> Vec<uuid::Uuid> {
+    parse_lines(lines)
         .iter()
         .map(|l| l["id"].as_str().unwrap().parse().unwrap())
         .collect()
+}
+
+/// How many ids of `got` repeat an earlier one.
+pub fn dups(got: &[uuid::Uuid]) -> usize {
+    got.len() - got.iter().collect::<std::collections::HashSet<_>>().len()
+}
+
+/// Every expected id is in `got` (at least once).
+pub fn assert_none_lost(expected: &[uuid::Uuid], got: &[uuid::Uuid]) {
+    let set: std::collections::HashSet<_> = got.iter().collect();
+    let lost: Vec<_> = expected.iter().filter(|i| !set.contains(i)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} events lost, first {:?}",
+        lost.len(),
+        expected.len(),
+        lost.first()
+    );
 }
 
 /// Waits until every id of `expected` was printed by one of `relays`.

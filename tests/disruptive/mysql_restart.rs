@@ -19,13 +19,6 @@ const T: Duration = Duration::from_secs(120);
 /// One server-wide test at a time (the binary's lock).
 use crate::ALONE as SERVER;
 
-fn ids_of(lines: &[String]) -> Vec<Uuid> {
-    parse_lines(lines)
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
-
 fn args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
     vec!["run", "--source", dsn, "--name", name, "--commit-offsets"]
 }

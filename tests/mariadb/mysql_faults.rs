@@ -17,30 +17,6 @@ use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(120);
 
-fn ids_of(lines: &[String]) -> Vec<Uuid> {
-    parse_lines(lines)
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
-
-/// Every expected id is in `got` (at least once).
-fn assert_none_lost(expected: &[Uuid], got: &[Uuid]) {
-    let set: HashSet<_> = got.iter().collect();
-    let lost: Vec<_> = expected.iter().filter(|i| !set.contains(i)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} events lost, first {:?}",
-        lost.len(),
-        expected.len(),
-        lost.first()
-    );
-}
-
-fn dups(got: &[Uuid]) -> usize {
-    got.len() - got.iter().collect::<HashSet<_>>().len()
-}
-
 async fn all_arrived(relay: &Relay, expected: &[Uuid]) -> bool {
     let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
     expected.iter().all(|i| got.contains(i))

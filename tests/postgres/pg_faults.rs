@@ -14,26 +14,6 @@ use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
 
-fn ids_of(lines: &[String]) -> Vec<Uuid> {
-    parse_lines(lines)
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
-
-/// Every expected id is in `got` (at least once).
-fn assert_none_lost(expected: &[Uuid], got: &[Uuid]) {
-    let set: HashSet<_> = got.iter().collect();
-    let lost: Vec<_> = expected.iter().filter(|i| !set.contains(i)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} events lost, first {:?}",
-        lost.len(),
-        expected.len(),
-        lost.first()
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cut_and_stalled_connections_lose_nothing() {
     let db = PgDb::create("proxy").await;

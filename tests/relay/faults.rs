@@ -15,17 +15,6 @@ use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(120);
 
-fn ids_of(lines: &[String]) -> Vec<Uuid> {
-    parse_lines(lines)
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
-
-fn dups(got: &[Uuid]) -> usize {
-    got.len() - got.iter().collect::<HashSet<_>>().len()
-}
-
 fn args<'a>(dsn: &'a str, name: &'a str) -> [&'a str; 6] {
     ["run", "--source", dsn, "--name", name, "--commit-offsets"]
 }
@@ -78,15 +67,7 @@ async fn sigkill_mid_stream_then_restart_loses_nothing<D: SourceDb>() {
     let second = ids_of(&relay2.lines());
     let mut all = first.clone();
     all.extend(second.iter().copied());
-    let got: HashSet<&Uuid> = all.iter().collect();
-    let lost: Vec<_> = expected.iter().filter(|i| !got.contains(i)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} events lost, first {:?}",
-        lost.len(),
-        expected.len(),
-        lost.first()
-    );
+    assert_none_lost(&expected, &all);
     assert!(missing > 0 && !second.is_empty());
     // Within one life nothing repeats; across the kill only what was in flight: far fewer
     // than the events relayed.

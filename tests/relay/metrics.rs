@@ -1,10 +1,12 @@
 //! Metrics and health scraped end to end: counters move as events flow, `/readyz` says why it
-//! is not ready while the broker is unreachable, and recovers.
+//! is not ready while the broker or the source database is unreachable, the reconnects are
+//! counted by cause, and it recovers.
 
 use crate::common;
 
 use common::amqp::Topology;
 use common::proxy::FaultProxy;
+use common::source_db::{on_both_sources, SourceDb};
 use common::*;
 use std::time::Duration;
 
@@ -209,3 +211,65 @@ async fn idle_connections_do_not_stop_healthz() {
     })
     .await;
 }
+
+/// The source's connection is cut (and refused for a while): `/readyz` says the source is not
+/// streaming, the reconnect is counted by cause, and once the database is reachable again the
+/// relay is ready and delivers what was written meanwhile. On both sources: each logs and
+/// counts its reconnects through the same internal event.
+async fn a_source_reconnect_is_counted_and_readyz_follows_it<D: SourceDb>() {
+    let db = D::create("metrics_src").await;
+    let proxy = FaultProxy::start(D::server_addr()).await.unwrap();
+    let name = unique("r");
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let via = db.dsn_via(proxy.port());
+    let relay = Relay::start(&[
+        "run",
+        "--source",
+        &via,
+        "--name",
+        &name,
+        "--commit-offsets",
+        "--metrics-addr",
+        &addr,
+    ]);
+    db.wait_streaming(&name).await;
+    wait_for("/readyz ready", T, || async {
+        get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    let source_reconnects = |body: &str| metric(body, "outboxd_reconnects_total{cause=\"source\"}");
+    let before = source_reconnects(&get(port, "/metrics").await.1).max(0.0);
+
+    proxy.block();
+    proxy.cut();
+    wait_for("/readyz 503: source not streaming", T, || async {
+        let (code, body) = get(port, "/readyz").await;
+        code == 503 && body.contains("source not streaming")
+    })
+    .await;
+    assert_eq!(
+        get(port, "/healthz").await.0,
+        200,
+        "the process still serves"
+    );
+    let body = get(port, "/metrics").await.1;
+    assert!(
+        source_reconnects(&body) >= before + 1.0,
+        "the reconnect is counted: {body}"
+    );
+    assert_eq!(metric(&body, "outboxd_source_streaming"), 0.0, "{body}");
+    let written = db.write(2, 5, "while.cut").await;
+    proxy.unblock();
+    wait_for("/readyz ready again", T, || async {
+        get(port, "/readyz").await.0 == 200
+    })
+    .await;
+    wait_all_printed(&[&relay], &written, T).await;
+    assert!(
+        proxy.accepted() >= 2,
+        "the relay connected again through the proxy"
+    );
+}
+
+on_both_sources!(a_source_reconnect_is_counted_and_readyz_follows_it);
