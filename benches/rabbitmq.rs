@@ -224,8 +224,9 @@ async fn relay_drain(
     x: &str,
     run: RelayRun,
     mut done: impl AsyncFnMut() -> bool,
-) -> (f64, u64, f64) {
+) -> (f64, u64, f64, (f64, f64)) {
     let t = Instant::now();
+    let host_before = support::host_cpu();
     let mut extra = Vec::new();
     // No flag at all for the defaults: the row then shows what a user gets untuned.
     if let Some(w) = run.window {
@@ -272,12 +273,14 @@ async fn relay_drain(
     }
     let secs = t.elapsed().as_secs_f64();
     let cpu = cpu_secs(child.id()).unwrap_or(0.0);
+    let host_after = support::host_cpu();
+    let host = (host_after.0 - host_before.0, host_after.1 - host_before.1);
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     let status = child.wait().unwrap();
     assert!(status.success(), "outboxd stop: {status}");
-    (secs, peak, cpu)
+    (secs, peak, cpu, host)
 }
 
 /// How one relay run is started: `window: None` passes no `--window` (the default).
@@ -307,12 +310,17 @@ struct Row {
     /// The goal this row has, if any: (minimum ratio, its name).
     goal: Option<f64>,
     relay: Option<(f64, f64, u64)>,
+    /// CPU seconds the database servers and the broker used during the run.
+    host: (f64, f64),
 }
 
 /// The raw publisher on `bodies` with `windows` in all over `channels` channels, each run into
 /// the queues `queues` (purged first, checked to hold every body after); returns (window, rate)
 /// and the best of them.
 #[allow(clippy::too_many_arguments)]
+/// One raw run: its window, msg/s, and the host's (servers', broker's) CPU seconds.
+type RawRun = (usize, f64, (f64, f64));
+
 async fn raw_runs(
     conn: &Connection,
     ch: &Channel,
@@ -322,13 +330,16 @@ async fn raw_runs(
     source: Source,
     channels: usize,
     windows: &[usize],
-) -> (Vec<(usize, f64)>, (usize, f64)) {
+) -> (Vec<RawRun>, (usize, f64)) {
     let mut raw = Vec::new();
     for &window in windows {
         for q in queues {
             purge(ch, q).await;
         }
+        let before = support::host_cpu();
         let rate = raw_publish(conn, x, bodies, window, channels, source).await;
+        let after = support::host_cpu();
+        let host = (after.0 - before.0, after.1 - before.1);
         let mut held = 0;
         for q in queues {
             held += queue_len(ch, q).await as usize;
@@ -342,11 +353,11 @@ async fn raw_runs(
             "{}: raw lapin, {channels} channel(s), window {window}: {rate:.0} msg/s",
             source.label()
         );
-        raw.push((window, rate));
+        raw.push((window, rate, host));
     }
     let best = raw
         .iter()
-        .copied()
+        .map(|&(w, r, _)| (w, r))
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap();
     (raw, best)
@@ -378,22 +389,23 @@ fn goal_of(run: RelayRun) -> Option<f64> {
     }
 }
 
-fn raw_rows(source: Source, channels: usize, raw: &[(usize, f64)], best: f64) -> Vec<Row> {
+fn raw_rows(source: Source, channels: usize, raw: &[RawRun], best: f64) -> Vec<Row> {
     raw.iter()
-        .map(|(w, r)| Row {
+        .map(|&(w, r, host)| Row {
             what: format!("raw lapin publisher, {} bodies", source.label()),
             channels,
             window: w.to_string(),
-            rate: *r,
+            rate: r,
             ratio: r / best,
             goal: None,
             relay: None,
+            host,
         })
         .collect()
 }
 
-fn relay_row(source: Source, run: RelayRun, best: f64, r: (f64, u64, f64, f64)) -> Row {
-    let (rate, peak, cpu, secs) = r;
+fn relay_row(source: Source, run: RelayRun, best: f64, r: (f64, u64, f64, f64, (f64, f64))) -> Row {
+    let (rate, peak, cpu, secs, host) = r;
     let what = if run.partitions > 0 {
         format!(
             "outboxd relay `--partitions {}`, {} backlog → RabbitMQ",
@@ -411,6 +423,7 @@ fn relay_row(source: Source, run: RelayRun, best: f64, r: (f64, u64, f64, f64)) 
         ratio: rate / best,
         goal: goal_of(run),
         relay: Some((cpu, secs, peak)),
+        host,
     }
 }
 
@@ -509,7 +522,7 @@ async fn postgres(
             purge(ch, q).await;
         }
         let end = wal_end(&client).await;
-        let (secs, peak, cpu) = relay_drain(bin, &dsn, exchange, run, async || {
+        let (secs, peak, cpu, host) = relay_drain(bin, &dsn, exchange, run, async || {
             confirmed_lsn(&admin, "outboxd_bench").await >= end
         })
         .await;
@@ -523,7 +536,7 @@ async fn postgres(
         if run.partitions > 0 {
             out.extend(raw_rows(src, LANES, &raw_p, best_p));
         }
-        out.push(relay_row(src, run, ceiling, (rate, peak, cpu, secs)));
+        out.push(relay_row(src, run, ceiling, (rate, peak, cpu, secs, host)));
     }
     delete_partitions(ch, &xp, &pqueues).await;
     let _ = admin
@@ -604,14 +617,14 @@ async fn mariadb(
             .success();
         assert!(ok, "outboxd offset set failed");
         purge(ch, &all).await;
-        let (secs, peak, cpu) = relay_drain(bin, &dsn, x, run, async || {
+        let (secs, peak, cpu, host) = relay_drain(bin, &dsn, x, run, async || {
             queue_len(ch, &all).await as usize >= events
         })
         .await;
         let got = queue_len(ch, &all).await as usize;
         let rate = events as f64 / secs;
         eprintln!("MariaDB: relay, window {}: {rate:.0} events/s in {secs:.1}s, {cpu:.1} CPU s, peak RSS {peak} KiB ({got} messages)", run.window_label());
-        out.push(relay_row(src, run, best, (rate, peak, cpu, secs)));
+        out.push(relay_row(src, run, best, (rate, peak, cpu, secs, host)));
     }
     drop(c);
     support::my_drop_db(&db).await;
@@ -658,22 +671,23 @@ async fn main() {
     }
 
     println!(
-        "\n| run | channels | window | msg/s | vs best raw (same bodies, same channels) | goal | relay CPU | peak RSS |"
+        "\n| run | channels | window | msg/s | vs best raw (same bodies, same channels) | goal | relay CPU | peak RSS | database servers' CPU | broker CPU |"
     );
-    println!("|---|---:|---:|---:|---:|---|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|");
     for r in &table {
         let goal = match r.goal {
             Some(g) if r.ratio >= g => format!("≥ {g} met"),
             Some(g) => format!("≥ {g} **missed**"),
             None => String::new(),
         };
+        let (server, broker) = r.host;
         match r.relay {
             None => println!(
-                "| {} | {} | {} | {:.0} | {:.2} | | | |",
+                "| {} | {} | {} | {:.0} | {:.2} | | | | {server:.1} s | {broker:.1} s |",
                 r.what, r.channels, r.window, r.rate, r.ratio
             ),
             Some((cpu, secs, peak)) => println!(
-                "| {} | {} | {} | {:.0} | **{:.2}** | {goal} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB |",
+                "| {} | {} | {} | {:.0} | **{:.2}** | {goal} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB | {server:.1} s | {broker:.1} s |",
                 r.what,
                 r.channels,
                 r.window,
@@ -687,6 +701,10 @@ async fn main() {
     println!(
         "\n{events} events per source, average body bytes: {}; persistent, mandatory, publisher confirms, one durable queue bound with #.",
         sizes.join(", ")
+    );
+    println!(
+        "CPU columns are seconds used during the run (user + system, from /proc) on a host of {} cores: the relay's own, the database servers' (`postgres`, `mariadbd`; the raw publisher does not read the database, so its runs show only what else ran) and the broker's (`beam.smp`).",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
         "load average before: {load_before}, after: {}; {:.0} s in all.",

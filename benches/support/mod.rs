@@ -32,6 +32,31 @@ pub fn cpu_secs(pid: u32) -> Option<f64> {
     Some(ticks as f64 / 100.0)
 }
 
+/// User + system CPU seconds of every live process whose command name is one of `names` (the
+/// database server's processes, the broker's `beam.smp`): what the host spent beside the relay.
+pub fn cpu_of(names: &[&str]) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| names.contains(&c.trim_end()))
+        })
+        .filter_map(cpu_secs)
+        .sum()
+}
+
+/// CPU seconds the database servers (`postgres`, `mariadbd`) and the broker (`beam.smp`) have
+/// used so far: sampled before and after a run, the difference is the run's host cost.
+pub fn host_cpu() -> (f64, f64) {
+    (
+        cpu_of(&["postgres", "mariadbd", "mysqld"]),
+        cpu_of(&["beam.smp"]),
+    )
+}
+
 /// The 1-, 5- and 15-minute load average, as /proc/loadavg says it.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

@@ -2,12 +2,21 @@
 //! the event and calls [`InternalEvent::emit`], which logs it and updates its instruments in
 //! one place, so a log line and the metric that counts it cannot drift apart (a reconnect that
 //! is logged is also counted, and readiness follows it). Hot-path events that only count
-//! ([`EventRead`]) go through the same trait, so every instrument has one writer.
+//! ([`EventRead`]) go through the same trait, so every instrument has one writer. Each line
+//! keeps the log target of the module it describes (`outboxd::relay`, `outboxd::source::mysql`,
+//! …), so `--log-level` filters by module still select it.
 
 use super::get;
 use crate::event::{OutboxEvent, SourcePosition};
 use std::fmt::Display;
 use std::time::Duration;
+
+/// Which log source an event comes from: its lines keep that source's log target.
+#[derive(Clone, Copy, Debug)]
+pub enum SourceKind {
+    Postgres,
+    MySql,
+}
 
 /// Something that happened inside the relay: `emit` logs it (when it is worth a line) and
 /// counts or sets what the metrics endpoint shows of it.
@@ -42,7 +51,7 @@ pub struct PgStreaming<'a> {
 
 impl InternalEvent for PgStreaming<'_> {
     fn emit(self) {
-        tracing::info!(slot = %self.slot, from = %self.from, "streaming");
+        tracing::info!(target: "outboxd::source::postgres", slot = %self.slot, from = %self.from, "streaming");
         get().source_streaming.set(1);
     }
 }
@@ -59,6 +68,7 @@ pub struct BinlogStreaming<'a> {
 impl InternalEvent for BinlogStreaming<'_> {
     fn emit(self) {
         tracing::info!(
+            target: "outboxd::source::mysql",
             file = %self.file, pos = self.pos, gtid = %self.gtid, by = self.by,
             server_id = self.server_id, "streaming the binlog"
         );
@@ -80,6 +90,7 @@ impl InternalEvent for SourceRunning {
 /// where it resumes; `error` is the cause when there is one, `timeout` the read timeout that
 /// expired, `retry_in` the pause before the next attempt.
 pub struct SourceReconnecting<'a> {
+    pub source: SourceKind,
     pub message: &'static str,
     pub error: Option<&'a dyn Display>,
     pub timeout: Option<Duration>,
@@ -91,14 +102,24 @@ impl InternalEvent for SourceReconnecting<'_> {
         let t = get();
         t.source_streaming.set(0);
         t.reconnect("source");
-        // Absent fields are not recorded: each line carries what its cause has.
-        tracing::warn!(
-            error = self.error.map(tracing::field::display),
-            timeout = self.timeout.map(tracing::field::debug),
-            retry_in = self.retry_in.map(tracing::field::debug),
-            "{}",
-            self.message
-        );
+        // Absent fields are not recorded: each line carries what its cause has. The target is
+        // the source's module, as for its other lines (a log filter names modules).
+        macro_rules! log_at {
+            ($target:literal) => {
+                tracing::warn!(
+                    target: $target,
+                    error = self.error.map(tracing::field::display),
+                    timeout = self.timeout.map(tracing::field::debug),
+                    retry_in = self.retry_in.map(tracing::field::debug),
+                    "{}",
+                    self.message
+                )
+            };
+        }
+        match self.source {
+            SourceKind::Postgres => log_at!("outboxd::source::postgres"),
+            SourceKind::MySql => log_at!("outboxd::source::mysql"),
+        }
     }
 }
 
@@ -136,10 +157,10 @@ impl InternalEvent for EventPublishing<'_> {
         let e = self.event;
         match e.poison.as_deref() {
             Some(reason) => {
-                tracing::warn!(event_id = %e.id, position = %e.position, reason, "poison event: dead-lettered without its body")
+                tracing::warn!(target: "outboxd::relay", event_id = %e.id, position = %e.position, reason, "poison event: dead-lettered without its body")
             }
             None => {
-                tracing::debug!(event_id = %e.id, position = %e.position, topic = %e.topic, "publishing")
+                tracing::debug!(target: "outboxd::relay", event_id = %e.id, position = %e.position, topic = %e.topic, "publishing")
             }
         }
         get().events_published.inc();
@@ -187,7 +208,7 @@ pub struct EventDeduplicated;
 
 impl InternalEvent for EventDeduplicated {
     fn emit(self) {
-        tracing::debug!("the stream already held a published event: stored once");
+        tracing::debug!(target: "outboxd::sink::nats", "the stream already held a published event: stored once");
         get().events_deduplicated.inc();
     }
 }
@@ -204,7 +225,7 @@ impl InternalEvent for RowHeaderDropped<'_> {
     fn emit(self) {
         get().row_headers_dropped.inc();
         if self.first_time {
-            tracing::warn!(header = %self.name, event_id = %self.event_id, "the row's headers object sets a header name the relay reserves: dropped (counted in outboxd_row_headers_dropped_total; logged once per name)");
+            tracing::warn!(target: "outboxd::sink::headers", header = %self.name, event_id = %self.event_id, "the row's headers object sets a header name the relay reserves: dropped (counted in outboxd_row_headers_dropped_total; logged once per name)");
         }
     }
 }
@@ -227,6 +248,7 @@ pub struct SinkRecovered<'a> {
 impl InternalEvent for SinkRecovered<'_> {
     fn emit(self) {
         tracing::info!(
+            target: "outboxd::relay",
             sink = self.sink,
             republished = self.republished,
             "sink recovered"
@@ -273,10 +295,10 @@ impl InternalEvent for SinkRetry<'_> {
             None => (String::new(), String::new()),
         };
         if attempt <= 1 {
-            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+            tracing::warn!(target: "outboxd::relay", event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
                 "sink failed; reconnecting to republish unconfirmed events in order ({what}: {reason})");
         } else {
-            tracing::warn!(event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
+            tracing::warn!(target: "outboxd::relay", event_id = %id, position = %position, cause, reason = %reason, attempt, retry_in = ?retry_in,
                 "sink still unavailable or refusing ({what}, attempt {attempt}: {reason}); retrying in {retry_in:?}");
         }
     }
@@ -289,7 +311,7 @@ pub struct SinkBlocked<'a> {
 
 impl InternalEvent for SinkBlocked<'_> {
     fn emit(self) {
-        tracing::warn!(reason = %self.reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
+        tracing::warn!(target: "outboxd::sink::rabbitmq", reason = %self.reason, "RabbitMQ blocked the connection (resource alarm): publishing waits and the stored position stays until it unblocks");
         get().sink_blocked.set(1);
     }
 }
@@ -299,7 +321,7 @@ pub struct SinkUnblocked;
 
 impl InternalEvent for SinkUnblocked {
     fn emit(self) {
-        tracing::info!("RabbitMQ unblocked the connection: publishing resumes");
+        tracing::info!(target: "outboxd::sink::rabbitmq", "RabbitMQ unblocked the connection: publishing resumes");
         get().sink_blocked.set(0);
     }
 }
@@ -311,7 +333,7 @@ pub struct SinkConnectionFailed<'a> {
 
 impl InternalEvent for SinkConnectionFailed<'_> {
     fn emit(self) {
-        tracing::warn!(error = %self.error, "RabbitMQ connection or channel failed");
+        tracing::warn!(target: "outboxd::sink::rabbitmq", error = %self.error, "RabbitMQ connection or channel failed");
         let t = get();
         t.sink_blocked.set(0);
         t.sink_connected.set(0);
@@ -331,6 +353,7 @@ impl InternalEvent for FenceClosed {
             Some(age) => {
                 get().publishing_fenced.set(1);
                 tracing::warn!(
+                    target: "outboxd::state",
                     lease_age = ?age,
                     limit = ?self.limit,
                     "publishing paused: the lease was last renewed {:.1}s ago, not less than the self-fence limit {:.1}s; nothing is published until a renewal succeeds (another relay may hold the lease by now)",
@@ -338,7 +361,9 @@ impl InternalEvent for FenceClosed {
                     self.limit.as_secs_f64()
                 )
             }
-            None => tracing::debug!("publishing waits for the first lease renewal"),
+            None => {
+                tracing::debug!(target: "outboxd::state", "publishing waits for the first lease renewal")
+            }
         }
     }
 }
@@ -351,7 +376,7 @@ pub struct FenceOpened {
 impl InternalEvent for FenceOpened {
     fn emit(self) {
         get().publishing_fenced.set(0);
-        tracing::info!(paused = ?self.closed, "the lease was renewed: publishing resumes");
+        tracing::info!(target: "outboxd::state", paused = ?self.closed, "the lease was renewed: publishing resumes");
     }
 }
 
@@ -389,7 +414,7 @@ pub struct PositionBackwardsRefused<'a> {
 impl InternalEvent for PositionBackwardsRefused<'_> {
     fn emit(self) {
         get().position_backwards_refused.inc();
-        tracing::error!(stored = %self.stored, attempted = %self.attempted, "refused to store a position older than the stored one (a relay bug: positions only move forward)");
+        tracing::error!(target: "outboxd::state::forward", stored = %self.stored, attempted = %self.attempted, "refused to store a position older than the stored one (a relay bug: positions only move forward)");
     }
 }
 

@@ -33,7 +33,7 @@ pub use crate::db::mysql::{classify, connect_sql, connect_state, server_code};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
-use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceReconnecting};
+use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceKind, SourceReconnecting};
 use crate::Error;
 use decode::{Decoder, Step};
 use futures::StreamExt;
@@ -421,6 +421,7 @@ pub async fn run(
             let ev: Event = match item {
                 Err(_) => {
                     SourceReconnecting {
+                        source: SourceKind::MySql,
                         message: "no binlog event and no heartbeat in time: reconnecting",
                         error: None,
                         timeout: Some(cfg.read_timeout),
@@ -431,6 +432,7 @@ pub async fn run(
                 }
                 Ok(None) => {
                     SourceReconnecting {
+                        source: SourceKind::MySql,
                         message: "the server ended the binlog stream: reconnecting",
                         error: None,
                         timeout: None,
@@ -446,6 +448,7 @@ pub async fn run(
                     }
                     let d = backoff.next_delay();
                     SourceReconnecting {
+                        source: SourceKind::MySql,
                         message: "binlog stream broke; resuming from the last transaction boundary",
                         error: Some(&err),
                         timeout: None,

@@ -31,7 +31,9 @@ use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
 use crate::source::SourceLink;
 use crate::state::postgres::DurableCommit;
-use crate::telemetry::events::{InternalEvent, PgStreaming, SourceLag, SourceReconnecting};
+use crate::telemetry::events::{
+    InternalEvent, PgStreaming, SourceKind, SourceLag, SourceReconnecting,
+};
 use crate::Error;
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
@@ -333,6 +335,7 @@ pub async fn run(
                         client.abort();
                         let d = backoff.next_delay();
                         SourceReconnecting {
+                            source: SourceKind::Postgres,
                             message: "the server is shutting down: closed the replication stream so that it can; resuming from the slot",
                             error: None,
                             timeout: None,
@@ -350,6 +353,7 @@ pub async fn run(
                         Ok(None) => {
                             let err = Error::source("replication stream ended", true);
                             SourceReconnecting {
+                                source: SourceKind::Postgres,
                                 message: "reconnecting",
                                 error: Some(&err),
                                 timeout: None,
@@ -365,6 +369,7 @@ pub async fn run(
                             }
                             let d = backoff.next_delay();
                             SourceReconnecting {
+                                source: SourceKind::Postgres,
                                 message: "replication stream broke; resuming from the slot",
                                 error: Some(&err),
                                 timeout: None,
