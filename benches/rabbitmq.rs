@@ -314,13 +314,13 @@ struct Row {
     host: (f64, f64),
 }
 
-/// The raw publisher on `bodies` with `windows` in all over `channels` channels, each run into
-/// the queues `queues` (purged first, checked to hold every body after); returns (window, rate)
-/// and the best of them.
-#[allow(clippy::too_many_arguments)]
 /// One raw run: its window, msg/s, and the host's (servers', broker's) CPU seconds.
 type RawRun = (usize, f64, (f64, f64));
 
+/// The raw publisher on `bodies` with `windows` in all over `channels` channels, each run into
+/// the queues `queues` (purged first, checked to hold every body after); returns each run and
+/// the best (window, rate).
+#[allow(clippy::too_many_arguments)]
 async fn raw_runs(
     conn: &Connection,
     ch: &Channel,
