@@ -733,7 +733,7 @@ async fn main() {
         version("pg-transactional-outbox"),
         version("amqplib")
     );
-    println!("| relay | events | in queue (distinct) | lost | duplicated | lost but marked processed in its table | time to the last message | msg/s | CPU s | CPU ms / event | peak RSS MiB | outboxd msg/s ÷ this | outboxd CPU per event ÷ this |");
+    println!("| relay | events | in queue (distinct) | lost | duplicated | lost but marked processed in its table | time to the last message | msg/s | CPU s | CPU ms / event | peak RSS MiB | outboxd msg/s ÷ this | this CPU per event ÷ outboxd's |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let base = &drains[0];
     for d in &drains {
@@ -757,14 +757,14 @@ async fn main() {
             d.cpu_ms_per_event(),
             mib(d.peak_kib),
             ratio(base.rate() / d.rate()),
-            ratio(base.cpu_ms_per_event() / d.cpu_ms_per_event()),
+            ratio(d.cpu_ms_per_event() / base.cpu_ms_per_event()),
         );
     }
 
     println!(
         "\ncommit → consumed at {rate} rows/s offered for {seconds} s (one row per autocommit transaction, {PRODUCERS} producer connections), each relay on a fresh database\n"
     );
-    println!("| relay | offered | achieved | sent | received | never arrived | duplicated | p50 ms | p99 ms | outboxd p99 ÷ this p99 |");
+    println!("| relay | offered | achieved | sent | received | never arrived | duplicated | p50 ms | p99 ms | this p99 ÷ outboxd's |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let p = |l: &Latency| {
         let (p50, p99, _) = support::percentiles(l.latencies_ms.clone());
@@ -792,7 +792,7 @@ async fn main() {
             cell(p50, 1),
             cell(p99, 100),
             if l.received >= 100 && lats[0].received >= 100 {
-                ratio(base_p99 / p99)
+                ratio(p99 / base_p99)
             } else {
                 "n/a".into()
             }
