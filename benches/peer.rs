@@ -23,7 +23,9 @@
 //!    the last message that came. The queue is then read whole and its message ids checked
 //!    against the outbox table's: lost (an id never published), duplicated (an id more than
 //!    once), and for the peer how many of the lost ones its table marks processed. CPU seconds
-//!    (utime + stime of the relay / node process) and the peak RSS (sampled every 20 ms) beside.
+//!    (utime + stime of the relay / node process) and the peak RSS (sampled every 20 ms) beside,
+//!    and the lines the peer's logger (at `warn`) wrote: its warnings and errors, such as a
+//!    listener restart (copied to stderr).
 //! 2. latency: at `OUTBOXD_BENCH_RATE` (default 1,000) rows/s for `OUTBOXD_BENCH_SECONDS`
 //!    (default 10) s, one row per autocommit transaction from 8 producer connections (the
 //!    latency bench's producer), commit → consumed p50 / p99 for outboxd and the peer's two
@@ -47,8 +49,10 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{cpu_secs, mib, pg, queue_len, rss_kib, AMQP, BIN, PG_ADMIN, PG_BODY};
@@ -289,9 +293,12 @@ fn node_command(node: &Path, db: &str, relay: Relay, exchange: &str) -> Command 
     c
 }
 
-/// Starts `relay` on `db`, publishing to exchange `x`.
-fn start(relay: Relay, db: &Db, x: &str, node: &Path) -> Child {
-    match relay {
+/// Starts `relay` on `db`, publishing to exchange `x`. The peer's log (its logger at `warn`:
+/// every line is a warning or an error, such as a listener restart) is copied to stderr and
+/// its lines counted.
+fn start(relay: Relay, db: &Db, x: &str, node: &Path) -> (Child, Arc<AtomicUsize>) {
+    let logged = Arc::new(AtomicUsize::new(0));
+    let child = match relay {
         Relay::Outboxd => Command::new(BIN)
             .args([
                 "run",
@@ -311,11 +318,24 @@ fn start(relay: Relay, db: &Db, x: &str, node: &Path) -> Child {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn outboxd"),
-        _ => node_command(node, &db.name, relay, x)
-            .arg("listen")
-            .spawn()
-            .expect("spawn node (is node on PATH?)"),
-    }
+        _ => {
+            let mut child = node_command(node, &db.name, relay, x)
+                .arg("listen")
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("spawn node (is node on PATH?)");
+            let out = BufReader::new(child.stdout.take().unwrap());
+            let count = logged.clone();
+            std::thread::spawn(move || {
+                for line in out.lines().map_while(Result::ok) {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("peer log: {line}");
+                }
+            });
+            child
+        }
+    };
+    (child, logged)
 }
 
 fn stop(child: &mut Child) {
@@ -394,6 +414,8 @@ struct Drain {
     cpu: f64,
     peak_kib: u64,
     stalled: bool,
+    /// Peer only: lines its logger wrote (warnings and errors).
+    logged: Option<usize>,
 }
 
 impl Drain {
@@ -427,7 +449,7 @@ async fn drain(
         from = to + 1;
     }
     let t = Instant::now();
-    let mut child = start(relay, &db, &x, node);
+    let (mut child, logged) = start(relay, &db, &x, node);
     let mut peak = 0;
     let (mut last_len, mut last_at) = (0, Instant::now());
     let mut stalled = false;
@@ -453,6 +475,8 @@ async fn drain(
     let cpu = cpu_secs(child.id()).unwrap_or(0.0);
     // A last look for late duplicates before the count.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // Before the stop: what the peer logs while shutting down is not counted.
+    let logged = logged.load(Ordering::Relaxed);
     stop(&mut child);
     let seen = read_queue(conn, &queue).await;
     let in_queue: usize = seen.values().sum();
@@ -495,6 +519,7 @@ async fn drain(
         cpu,
         peak_kib: peak,
         stalled,
+        logged: (relay != Relay::Outboxd).then_some(logged),
     };
     eprintln!(
         "drain, {}: {} of {events} in {secs:.1}s ({:.0} msg/s), lost {lost}, duplicated {duplicated}, {cpu:.2} CPU s, peak RSS {:.1} MiB{}",
@@ -526,6 +551,8 @@ struct Latency {
     received: usize,
     duplicated: usize,
     latencies_ms: Vec<f64>,
+    /// Peer only: lines its logger wrote (warnings and errors).
+    logged: Option<usize>,
 }
 
 async fn latency(
@@ -540,7 +567,7 @@ async fn latency(
     let db = create_db(relay, "lat", node).await;
     let x = db.name.clone();
     let queue = declare(ch, &x).await;
-    let mut child = start(relay, &db, &x, node);
+    let (mut child, logged) = start(relay, &db, &x, node);
     // The relay streams when its slot is active.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -653,6 +680,8 @@ async fn latency(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
+    // Before the stop: what the peer logs while shutting down is not counted.
+    let logged = logged.load(Ordering::Relaxed);
     stop(&mut child);
     reader.abort();
     let _ = cch.close(200, "OK".into()).await;
@@ -673,6 +702,7 @@ async fn latency(
         received: latencies_ms.len(),
         duplicated,
         latencies_ms,
+        logged: (relay != Relay::Outboxd).then_some(logged),
     };
     eprintln!(
         "latency, {}: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived, {duplicated} duplicated",
@@ -682,6 +712,10 @@ async fn latency(
     undeclare(ch, &x).await;
     drop_db(db).await;
     l
+}
+
+fn log_cell(n: Option<usize>) -> String {
+    n.map_or_else(|| "—".to_string(), |n| n.to_string())
 }
 
 fn ratio(x: f64) -> String {
@@ -733,12 +767,12 @@ async fn main() {
         version("pg-transactional-outbox"),
         version("amqplib")
     );
-    println!("| relay | events | in queue (distinct) | lost | duplicated | lost but marked processed in its table | time to the last message | msg/s | CPU s | CPU ms / event | peak RSS MiB | outboxd msg/s ÷ this | this CPU per event ÷ outboxd's |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| relay | events | in queue (distinct) | lost | duplicated | lost but marked processed in its table | time to the last message | msg/s | CPU s | CPU ms / event | peak RSS MiB | outboxd msg/s ÷ this | this CPU per event ÷ outboxd's | peer log lines (warn, error) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let base = &drains[0];
     for d in &drains {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} s{} | {:.0} | {:.2} | {:.3} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1} s{} | {:.0} | {:.2} | {:.3} | {:.1} | {} | {} | {} |",
             d.relay.label(),
             d.events,
             d.in_queue - d.duplicated,
@@ -758,14 +792,15 @@ async fn main() {
             mib(d.peak_kib),
             ratio(base.rate() / d.rate()),
             ratio(d.cpu_ms_per_event() / base.cpu_ms_per_event()),
+            log_cell(d.logged),
         );
     }
 
     println!(
         "\ncommit → consumed at {rate} rows/s offered for {seconds} s (one row per autocommit transaction, {PRODUCERS} producer connections), each relay on a fresh database\n"
     );
-    println!("| relay | offered | achieved | sent | received | never arrived | duplicated | p50 ms | p99 ms | this p99 ÷ outboxd's |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| relay | offered | achieved | sent | received | never arrived | duplicated | p50 ms | p99 ms | this p99 ÷ outboxd's | peer log lines (warn, error) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let p = |l: &Latency| {
         let (p50, p99, _) = support::percentiles(l.latencies_ms.clone());
         (p50, p99)
@@ -781,7 +816,7 @@ async fn main() {
             }
         };
         println!(
-            "| {} | {}/s | {:.0}/s | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {}/s | {:.0}/s | {} | {} | {} | {} | {} | {} | {} | {} |",
             l.relay.label(),
             l.rate,
             l.achieved,
@@ -795,7 +830,8 @@ async fn main() {
                 ratio(p99 / base_p99)
             } else {
                 "n/a".into()
-            }
+            },
+            log_cell(l.logged),
         );
     }
     println!(
