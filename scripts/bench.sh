@@ -2,7 +2,7 @@
 # The one benchmark command: configures the services, then runs every benchmark of the proof
 # (docs/benchmarks.md) in release, one after the other, and writes their tables into one report.
 #
-#   scripts/bench.sh                      # the proof set (about 30 minutes on 2 cores)
+#   scripts/bench.sh                      # the proof set (about 35 minutes on 2 cores; `peer` needs node and npm)
 #   OUTBOXD_BENCHES="latency memory" scripts/bench.sh
 #
 # Each bench prints Markdown tables on stdout (kept) and progress on stderr (kept in the log).
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-BENCHES=${OUTBOXD_BENCHES:-"rabbitmq latency poll memory duplicates nats"}
+BENCHES=${OUTBOXD_BENCHES:-"rabbitmq latency poll memory duplicates nats peer"}
 OUT=target/bench
 mkdir -p "$OUT"
 

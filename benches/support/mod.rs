@@ -165,7 +165,7 @@ pub fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
 }
 
 /// One ~300-byte invoice body per row, the same on both databases (`g` is the row number).
-const PG_BODY: &str =
+pub const PG_BODY: &str =
     "json_build_object('invoice_id', g, 'customer_name', 'Muhammet Şafak', 'tax_id', '1234567890',
     'total', '1499.90', 'currency', 'TRY', 'lines', json_build_array(
     json_build_object('sku', 'A-100', 'qty', 2, 'price', '499.95'),
