@@ -358,8 +358,17 @@ async fn latency_run(
 }
 
 /// Seconds for `relays` poll relays to drain a backlog of `n` rows.
-async fn drain_run(fresh: &Fresh, tag: &str, relays: usize, n: usize, amqp: &Connection) -> f64 {
+/// How long `relays` poll relays take to drain `n` pending rows, and the CPU seconds the relays,
+/// the database servers and the broker used meanwhile.
+async fn drain_run(
+    fresh: &Fresh,
+    tag: &str,
+    relays: usize,
+    n: usize,
+    amqp: &Connection,
+) -> (f64, f64, (f64, f64)) {
     let exchange = format!("bpoll_{tag}_{relays}_{}", std::process::id());
+    let host_before = latency::support::host_cpu();
     let start = Instant::now();
     let children: Vec<Child> = (0..relays)
         .map(|r| {
@@ -383,6 +392,11 @@ async fn drain_run(fresh: &Fresh, tag: &str, relays: usize, n: usize, amqp: &Con
         left = fresh.pending().await;
     }
     let secs = start.elapsed().as_secs_f64();
+    let host_after = latency::support::host_cpu();
+    let relay_cpu: f64 = children
+        .iter()
+        .filter_map(|c| latency::support::cpu_secs(c.id()))
+        .sum();
     for c in children {
         stop(c);
     }
@@ -392,7 +406,8 @@ async fn drain_run(fresh: &Fresh, tag: &str, relays: usize, n: usize, amqp: &Con
             .queue_delete(q.into(), QueueDeleteOptions::default())
             .await;
     }
-    secs
+    let host = (host_after.0 - host_before.0, host_after.1 - host_before.1);
+    (secs, relay_cpu, host)
 }
 
 fn cpu_ticks(stat_path: &str) -> u64 {
@@ -540,8 +555,8 @@ async fn main() {
         println!("| {name} | {label} | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
     }
     println!("\nThroughput, draining {backlog} pending rows (poll mode, RabbitMQ sink):\n");
-    println!("| database | relays | seconds | events/s |");
-    println!("|---|---:|---:|---:|");
+    println!("| database | relays | seconds | events/s | relays' CPU | database server's CPU | broker CPU |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for db in [Db::Postgres, Db::Maria] {
         let fresh = Fresh::new(db, "drain").await;
         fresh.producer().await.backlog(backlog).await;
@@ -556,9 +571,10 @@ async fn main() {
                     .exec("UPDATE outbox SET status = 'pending', published_at = NULL")
                     .await;
             }
-            let secs = drain_run(&fresh, "drain", relays, backlog, &amqp).await;
+            let (secs, relay_cpu, (server, broker)) =
+                drain_run(&fresh, "drain", relays, backlog, &amqp).await;
             println!(
-                "| {name} | {relays} | {secs:.1} | {:.0} |",
+                "| {name} | {relays} | {secs:.1} | {:.0} | {relay_cpu:.1} s | {server:.1} s | {broker:.1} s |",
                 backlog as f64 / secs
             );
         }
