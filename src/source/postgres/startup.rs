@@ -46,8 +46,6 @@ pub struct StartPlan {
     pub snapshot: Vec<(TableName, SnapshotPlan)>,
     /// How far an interrupted run got through that snapshot.
     pub snapshot_after: Option<SnapshotKey>,
-    /// The start created the slot (recorded with its position in the state row).
-    pub created_slot: bool,
     /// The floor of the positions the lease keeper stores: the start position, or none while
     /// a snapshot is pending (its marks sort before every stream position).
     pub resumed: Option<Checkpoint>,
@@ -232,7 +230,6 @@ pub async fn start_plan(
         start,
         snapshot: plan,
         snapshot_after,
-        created_slot,
         resumed: (!snapshot_pending).then_some(Checkpoint::Lsn(start)),
     }))
 }
