@@ -15,12 +15,8 @@
 //! durable queue, so the difference is the partition headers, the headers exchange hop and the
 //! spread over four queues.
 
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::{Channel, Connection, ConnectionProperties};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -30,59 +26,6 @@ use support::{confirmed_lsn, cpu_secs, new_backlog, pg, queue_len, rss_kib, wal_
 
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-/// The relay's base topology for `x` (as it declares it), with one queue `x.all` bound with `#`.
-async fn declare_with_one_queue(ch: &Channel, x: &str) {
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let q = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let unrouted = format!("{x}.unrouted");
-    ch.exchange_declare(
-        unrouted.clone().into(),
-        ExchangeKind::Fanout,
-        durable,
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        unrouted.clone().into(),
-        unrouted.clone().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "alternate-exchange".into(),
-        AMQPValue::LongString(unrouted.into()),
-    );
-    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
-        .await
-        .unwrap();
-    ch.queue_declare(format!("{x}.all").into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        format!("{x}.all").into(),
-        x.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
 
 /// Runs the relay until the slot confirmed `end`; returns (seconds, peak RSS KiB, CPU seconds).
 async fn relay_drain(
@@ -201,7 +144,7 @@ async fn main() {
     for round in 0..rounds {
         // Without partitions: one durable queue bound with #.
         let x = format!("bench_part_{pid}_{round}_plain");
-        declare_with_one_queue(&ch, &x).await;
+        support::declare_with_one_queue(&ch, &x).await;
         new_backlog(bin, &dsn, &admin, &client, events).await;
         let end = wal_end(&client).await;
         let (secs, peak, cpu) = relay_drain(bin, &dsn, &x, &[], &admin, end).await;

@@ -42,12 +42,9 @@
 mod support;
 
 use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::options::{BasicConsumeOptions, ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -140,62 +137,6 @@ fn node_dir() -> PathBuf {
         }
     }
     dir
-}
-
-/// The relay's topology for `x` (topic exchange, alternate exchange `x.unrouted` with its
-/// queue), and the measured queue `x.all` bound with `#`; returns that queue.
-async fn declare(ch: &Channel, x: &str) -> String {
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let q = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let unrouted = format!("{x}.unrouted");
-    ch.exchange_declare(
-        unrouted.clone().into(),
-        ExchangeKind::Fanout,
-        durable,
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        unrouted.clone().into(),
-        unrouted.clone().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "alternate-exchange".into(),
-        AMQPValue::LongString(unrouted.into()),
-    );
-    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
-        .await
-        .unwrap();
-    let all = format!("{x}.all");
-    ch.queue_declare(all.clone().into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        all.clone().into(),
-        x.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    all
 }
 
 async fn undeclare(ch: &Channel, x: &str) {
@@ -438,7 +379,7 @@ async fn drain(
 ) -> Drain {
     let db = create_db(relay, "drain", node).await;
     let x = db.name.clone();
-    let queue = declare(ch, &x).await;
+    let queue = support::declare_with_one_queue(ch, &x).await;
     let mut from = 0;
     while from < events {
         let to = (from + 100).min(events) - 1;
@@ -566,7 +507,7 @@ async fn latency(
 ) -> Latency {
     let db = create_db(relay, "lat", node).await;
     let x = db.name.clone();
-    let queue = declare(ch, &x).await;
+    let queue = support::declare_with_one_queue(ch, &x).await;
     let (mut child, logged) = start(relay, &db, &x, node);
     // The relay streams when its slot is active.
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -23,75 +23,17 @@ mod support;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeleteOptions,
+    QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{confirmed_lsn, cpu_secs, new_backlog, pg, pg_backlog, queue_len, rss_kib, wal_end};
 
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-/// The relay's topology for `x`, with one queue `x.all` bound with `#`.
-async fn declare(ch: &Channel, x: &str) {
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let q = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let unrouted = format!("{x}.unrouted");
-    ch.exchange_declare(
-        unrouted.clone().into(),
-        ExchangeKind::Fanout,
-        durable,
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        unrouted.clone().into(),
-        unrouted.clone().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "alternate-exchange".into(),
-        AMQPValue::LongString(unrouted.into()),
-    );
-    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
-        .await
-        .unwrap();
-    ch.queue_declare(format!("{x}.dead").into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_declare(format!("{x}.all").into(), q, FieldTable::default())
-        .await
-        .unwrap();
-    ch.queue_bind(
-        format!("{x}.all").into(),
-        x.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Source {
@@ -655,7 +597,7 @@ async fn main() {
         .await
         .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
     let ch = conn.create_channel().await.unwrap();
-    declare(&ch, &x).await;
+    support::declare_with_one_queue(&ch, &x).await;
 
     let mut table = Vec::new();
     let mut sizes = Vec::new();

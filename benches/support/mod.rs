@@ -366,6 +366,70 @@ pub fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
 
+/// The relay's own topology for exchange `x` — a durable topic exchange whose alternate
+/// exchange `x.unrouted` (fanout) feeds the queue `x.unrouted`, and the queue `x.dead` — plus
+/// the measured queue `x.all` bound with `#`; returns `x.all`. Declared before a relay starts,
+/// so the relay finds what it would declare itself.
+pub async fn declare_with_one_queue(ch: &lapin::Channel, x: &str) -> String {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::ExchangeKind;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let q = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let unrouted = format!("{x}.unrouted");
+    ch.exchange_declare(
+        unrouted.clone().into(),
+        ExchangeKind::Fanout,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(unrouted.clone().into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        unrouted.clone().into(),
+        unrouted.clone().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "alternate-exchange".into(),
+        AMQPValue::LongString(unrouted.into()),
+    );
+    ch.exchange_declare(x.into(), ExchangeKind::Topic, durable, args)
+        .await
+        .unwrap();
+    ch.queue_declare(format!("{x}.dead").into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    let all = format!("{x}.all");
+    ch.queue_declare(all.clone().into(), q, FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        all.clone().into(),
+        x.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    all
+}
+
 pub async fn queue_len(ch: &lapin::Channel, q: &str) -> u32 {
     ch.queue_declare(
         q.into(),
