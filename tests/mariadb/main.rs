@@ -14,4 +14,3 @@ mod mysql_position_lost;
 mod mysql_rabbitmq;
 mod mysql_stdout;
 mod mysql_tls;
-mod mysql_xa;
