@@ -1,9 +1,9 @@
 //! Settling publisher confirms. lapin hands a `basic.return` to whichever confirmation it
 //! completes next, not to the message returned, so a confirmation alone cannot say whether
 //! its message was routed. This file keeps that bookkeeping in one place: a per-channel
-//! [`Tracker`] that records every return in a batch before settling any confirmation, the
-//! task that drives it, and the task that turns lapin's connection events into the link's
-//! state and the relay's flow control.
+//! [`Tracker`] of the publishes under way, the task that drives it and records every return in
+//! a batch before settling any confirmation, and the task that turns lapin's connection events
+//! into the link's state and the relay's flow control.
 
 use super::declare::channel_error;
 use super::link::LinkState;
@@ -26,27 +26,32 @@ pub(super) struct Outcome {
     pub(super) done: oneshot::Sender<Result<(), SinkError>>,
 }
 
-/// The confirmations of one channel.
+/// The confirmations of one channel: what the sink's publish and the driving task share.
 #[derive(Default)]
 pub(super) struct Tracker {
     pub(super) pending: FuturesUnordered<BoxFuture<'static, Outcome>>,
-    /// Returned messages whose confirmation has not been settled yet, with the broker's
-    /// reason.
-    returned: HashMap<Uuid, String>,
     pub(super) waker: Option<Waker>,
+}
+
+/// What only the driving task keeps, outside the lock the sink's publish takes for every event:
+/// returned messages whose confirmation has not been settled yet, with the broker's reason.
+#[derive(Default)]
+struct Returns {
+    returned: HashMap<Uuid, String>,
 }
 
 pub(super) fn lock(t: &Mutex<Tracker>) -> MutexGuard<'_, Tracker> {
     t.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Tracker {
-    /// Settles a batch of completed publishes. All returns in the batch are recorded before
-    /// any is settled: the return of message X reaches lapin before X's ack and is handed to
-    /// the first confirmation completed after it, which completes no later than X's own, so
-    /// it is in this batch or an earlier one.
-    fn settle(&mut self, batch: Vec<Outcome>) {
-        for o in &batch {
+impl Returns {
+    /// Settles a batch of completed publishes (and empties it). All returns in the batch are
+    /// recorded before any is settled: the return of message X reaches lapin before X's ack
+    /// and is handed to the first confirmation completed after it, which completes no later
+    /// than X's own, so it is in this batch or an earlier one. Batches are settled one after
+    /// the other by the one driving task, so settling outside the tracker's lock keeps that.
+    fn settle(&mut self, batch: &mut Vec<Outcome>) {
+        for o in batch.iter() {
             if let Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret))) = &o.result {
                 let returned_id = ret
                     .delivery
@@ -75,7 +80,7 @@ impl Tracker {
                 );
             }
         }
-        for o in batch {
+        for o in batch.drain(..) {
             let returned = self.returned.remove(&o.id);
             let verdict = match (o.result, returned) {
                 (Err(e), _) => Err(channel_error(e)),
@@ -101,19 +106,23 @@ impl Tracker {
 /// Completes the channel's publishes and settles their confirmations, for as long as the
 /// channel lives (the task is aborted with its [`Link`](super::link::Link)).
 pub(super) async fn drive_confirms(tracker: Arc<Mutex<Tracker>>) {
+    let mut returns = Returns::default();
+    let mut batch = Vec::new();
     futures::future::poll_fn(|cx: &mut Context<'_>| {
-        let mut t = lock(&tracker);
-        if !t.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            t.waker = Some(cx.waker().clone());
+        {
+            let mut t = lock(&tracker);
+            if !t.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                t.waker = Some(cx.waker().clone());
+            }
+            // Drain everything that is ready now, so the batch holds every return that came
+            // with or before the confirmations in it.
+            while let Poll::Ready(Some(o)) = t.pending.poll_next_unpin(cx) {
+                batch.push(o);
+            }
         }
-        let mut batch = Vec::new();
-        // Drain everything that is ready now, so the batch holds every return that came with
-        // or before the confirmations in it.
-        while let Poll::Ready(Some(o)) = t.pending.poll_next_unpin(cx) {
-            batch.push(o);
-        }
+        // Logging a return and answering the relay need no lock: the sink publishes on.
         if !batch.is_empty() {
-            t.settle(batch);
+            returns.settle(&mut batch);
         }
         Poll::<()>::Pending
     })

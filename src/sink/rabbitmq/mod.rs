@@ -210,15 +210,24 @@ impl Sink for RabbitSink {
         // confirmation then complete in the tracker's task, so publishing is pipelined.
         {
             let t = lock(&lane.tracker);
-            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            // The first poll registers the tracker task's waker with lapin, so the task runs
+            // when this write completes and then polls the future (pushed futures are queued to
+            // be polled) with its own waker: no wake per publish. Before the task first ran
+            // there is no waker yet, and its first run polls everything pushed.
+            let waker = t.waker.as_ref();
+            let mut cx =
+                Context::from_waker(waker.unwrap_or_else(|| futures::task::noop_waker_ref()));
             // On a busy machine the whole round trip can finish inside this first poll; the
             // outcome is then settled by the tracker like any other, after the returns that
-            // came before it.
-            if let Poll::Ready(outcome) = fut.poll_unpin(&mut cx) {
+            // came before it, and the task is woken to do so.
+            let ready = if let Poll::Ready(outcome) = fut.poll_unpin(&mut cx) {
                 fut = futures::future::ready(outcome).boxed();
-            }
+                true
+            } else {
+                false
+            };
             t.pending.push(fut);
-            if let Some(w) = &t.waker {
+            if let (true, Some(w)) = (ready, waker) {
                 w.wake_by_ref();
             }
         }
