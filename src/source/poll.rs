@@ -57,7 +57,7 @@ pub struct LoopConfig {
 /// A failed call leaves the session unusable; the loop then stops with the error.
 pub trait PollTable: Send {
     /// How a claimed row is named again when it is marked.
-    type Id: Send;
+    type Id: Send + Sync;
 
     /// Opens a READ COMMITTED transaction whose locks and idleness the server bounds.
     fn begin(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
@@ -71,6 +71,31 @@ pub trait PollTable: Send {
     fn mark(&mut self, ids: &[Self::Id]) -> impl Future<Output = Result<(), Error>> + Send;
     fn commit(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
     fn rollback(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// [`begin`](Self::begin), then [`claim`](Self::claim); a database whose client pipelines
+    /// sends both at once (one round trip instead of two).
+    fn begin_and_claim(
+        &mut self,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<(Self::Id, OutboxEvent)>, Error>> + Send {
+        async move {
+            self.begin().await?;
+            self.claim(limit).await
+        }
+    }
+
+    /// [`mark`](Self::mark), then [`commit`](Self::commit); pipelined where the client can.
+    /// A failed mark fails the commit as well (the server rolls the transaction back), so the
+    /// rows stay pending.
+    fn mark_and_commit(
+        &mut self,
+        ids: &[Self::Id],
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        async move {
+            self.mark(ids).await?;
+            self.commit().await
+        }
+    }
 }
 
 /// Sessions the loop keeps: while one batch's rows await their confirms (its transaction open,
@@ -127,8 +152,7 @@ pub async fn run<D: PollTable>(
         if more && !shutdown.is_cancelled() {
             if let Some(mut db) = idle.pop() {
                 let deadline = tokio::time::Instant::now() + cfg.deadline;
-                db.begin().await?;
-                let claimed = db.claim(cfg.batch).await?;
+                let claimed = db.begin_and_claim(cfg.batch).await?;
                 let n = claimed.len();
                 more = n as i64 >= cfg.batch;
                 if n == 0 {
@@ -177,8 +201,7 @@ pub async fn run<D: PollTable>(
             match tokio::time::timeout_at(front.deadline, confirmed(&mut acks, batch)).await {
                 Ok(true) => {
                     let mut done = flight.pop_front().expect("front exists");
-                    done.db.mark(&done.ids).await?;
-                    done.db.commit().await?;
+                    done.db.mark_and_commit(&done.ids).await?;
                     tracing::debug!(batch, rows = done.ids.len(), "batch published and marked");
                     idle.push(done.db);
                 }
@@ -301,8 +324,10 @@ where
 pub struct PgPoll {
     client: tokio_postgres::Client,
     mapper: RowMapper,
-    claim: String,
-    mark: String,
+    /// The claim and the mark, prepared once per session: a statement given as text is parsed,
+    /// described and planned again on every call, a round trip of its own each time.
+    claim: tokio_postgres::Statement,
+    mark: tokio_postgres::Statement,
     id_index: usize,
     begin: String,
 }
@@ -334,8 +359,13 @@ impl PgPoll {
             .iter()
             .map(|c| format!("{}::text", pg_ident(&c.name)))
             .collect();
+        // `ORDER BY` names the column through the table's alias: a bare name would resolve to
+        // the select list's `created_at::text` (output names come first in `ORDER BY`), which
+        // sorts by the text and so reads and sorts every pending row (a sequential scan, a sort
+        // spilled to disk at 50,000 pending rows) instead of walking `outbox_pending` for the
+        // first `limit`.
         let claim = format!(
-            "SELECT {} FROM {} WHERE {status}::text = 'pending' ORDER BY {} LIMIT $1 FOR UPDATE SKIP LOCKED",
+            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
             select_cols.join(", "),
             cfg.table.pg_quoted(),
             pg_ident(cfg.columns.get("created_at")),
@@ -357,6 +387,8 @@ impl PgPoll {
             deadline_ms * 2,
             deadline_ms
         );
+        let claim = client.prepare(&claim).await?;
+        let mark = client.prepare(&mark).await?;
         Ok(PgPoll {
             client,
             mapper,
@@ -377,6 +409,51 @@ impl PollTable for PgPoll {
 
     async fn claim(&mut self, limit: i64) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
         let rows = self.client.query(&self.claim, &[&limit]).await?;
+        self.map_claimed(rows)
+    }
+
+    async fn mark(&mut self, ids: &[Uuid]) -> Result<(), Error> {
+        self.client.execute(&self.mark, &[&ids]).await?;
+        Ok(())
+    }
+
+    async fn commit(&mut self) -> Result<(), Error> {
+        Ok(self.client.batch_execute("COMMIT").await?)
+    }
+
+    async fn rollback(&mut self) -> Result<(), Error> {
+        Ok(self.client.batch_execute("ROLLBACK").await?)
+    }
+
+    // tokio-postgres pipelines requests that are polled together: each request is queued on
+    // the connection when first polled, in order, so the server receives BEGIN … and the claim
+    // (or the mark and COMMIT) back to back and answers both in one round trip. A failure of
+    // the first fails the second (an aborted transaction runs nothing, COMMIT rolls it back).
+    async fn begin_and_claim(&mut self, limit: i64) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let (_, rows) = futures::try_join!(
+            self.client.batch_execute(&self.begin),
+            self.client.query(&self.claim, &params),
+        )?;
+        self.map_claimed(rows)
+    }
+
+    async fn mark_and_commit(&mut self, ids: &[Uuid]) -> Result<(), Error> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ids];
+        futures::try_join!(
+            self.client.execute(&self.mark, &params),
+            self.client.batch_execute("COMMIT"),
+        )?;
+        Ok(())
+    }
+}
+
+impl PgPoll {
+    /// The claimed rows, each mapped to the event it publishes.
+    fn map_claimed(
+        &mut self,
+        rows: Vec<tokio_postgres::Row>,
+    ) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
         let mut out = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             let tuple = crate::source::postgres::rows::text_tuple(row);
@@ -399,19 +476,6 @@ impl PollTable for PgPoll {
             }
         }
         Ok(out)
-    }
-
-    async fn mark(&mut self, ids: &[Uuid]) -> Result<(), Error> {
-        self.client.execute(&self.mark, &[&ids]).await?;
-        Ok(())
-    }
-
-    async fn commit(&mut self) -> Result<(), Error> {
-        Ok(self.client.batch_execute("COMMIT").await?)
-    }
-
-    async fn rollback(&mut self) -> Result<(), Error> {
-        Ok(self.client.batch_execute("ROLLBACK").await?)
     }
 }
 
