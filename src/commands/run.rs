@@ -70,7 +70,8 @@ pub struct RunArgs {
     /// Poll mode: how long to wait before polling again after a batch that was not full.
     #[arg(long, env = "OUTBOXD_POLL_INTERVAL", value_parser = parse_duration, default_value = "200ms")]
     pub poll_interval: Duration,
-    /// Poll mode: most rows claimed per batch (one short transaction each).
+    /// Poll mode: most rows claimed per batch (one short transaction each); up to three batches
+    /// are in flight at once, each on its own database session.
     #[arg(long, env = "OUTBOXD_POLL_BATCH", default_value_t = 500)]
     pub poll_batch: i64,
     /// Poll mode on Postgres: LISTEN for the trigger `setup --notify` installs and poll at once

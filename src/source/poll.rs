@@ -3,7 +3,8 @@
 //! hand them to the sink, wait until every one is confirmed, mark them published, commit.
 //! Batches overlap on [`SESSIONS`] sessions: while one awaits its confirms, the next is
 //! claimed (skipping the first one's locked rows) and handed over, so the broker's pipeline
-//! never drains between batches.
+//! never drains between batches; and a confirmed batch is marked and committed while the next
+//! is claimed, so the database's round trips for one batch overlap each other's too.
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.
 //! Several relays on one table take disjoint batches; they need no lease. The loop is one for
 //! both databases ([`run`]); each database supplies its statements through [`PollTable`]
@@ -20,7 +21,7 @@ use crate::Error;
 use futures::StreamExt;
 use std::future::Future;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -57,7 +58,7 @@ pub struct LoopConfig {
 /// A failed call leaves the session unusable; the loop then stops with the error.
 pub trait PollTable: Send {
     /// How a claimed row is named again when it is marked.
-    type Id: Send;
+    type Id: Send + Sync;
 
     /// Opens a READ COMMITTED transaction whose locks and idleness the server bounds.
     fn begin(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
@@ -71,13 +72,39 @@ pub trait PollTable: Send {
     fn mark(&mut self, ids: &[Self::Id]) -> impl Future<Output = Result<(), Error>> + Send;
     fn commit(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
     fn rollback(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// [`begin`](Self::begin), then [`claim`](Self::claim); a database whose client pipelines
+    /// sends both at once (one round trip instead of two).
+    fn begin_and_claim(
+        &mut self,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<(Self::Id, OutboxEvent)>, Error>> + Send {
+        async move {
+            self.begin().await?;
+            self.claim(limit).await
+        }
+    }
+
+    /// [`mark`](Self::mark), then [`commit`](Self::commit); pipelined where the client can.
+    /// A failed mark fails the commit as well (the server rolls the transaction back), so the
+    /// rows stay pending.
+    fn mark_and_commit(
+        &mut self,
+        ids: &[Self::Id],
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        async move {
+            self.mark(ids).await?;
+            self.commit().await
+        }
+    }
 }
 
 /// Sessions the loop keeps: while one batch's rows await their confirms (its transaction open,
 /// its rows locked), the next session claims the following batch (`SKIP LOCKED` passes over
 /// the locked rows) and hands it over, so the broker is never idle waiting for a mark and a
-/// commit. Two keep one batch in the broker's pipeline while the other is marked.
-pub const SESSIONS: usize = 2;
+/// commit. Three: one batch being marked and committed, one in the broker's pipeline, one being
+/// claimed. Measured on a shared 2-core host (docs/benchmarks.md): a fourth drained no faster.
+pub const SESSIONS: usize = 3;
 
 /// A batch handed over and not yet marked: its session, its rows, and when its transaction
 /// must end.
@@ -106,9 +133,12 @@ async fn confirmed(acks: &mut watch::Receiver<Option<Checkpoint>>, batch: u64) -
 /// Runs the poll loop until `shutdown`; the batches in flight are finished first. `wake`
 /// ticks when rows may have arrived before the interval is over (Postgres NOTIFY).
 ///
-/// Each session in `dbs` carries at most one batch; batches are handed over one after the
-/// other, each only once the previous one is wholly handed over, so the relay sees the rows in
-/// claim order, and are marked and committed in that order as their confirms arrive.
+/// Each session in `dbs` carries at most one batch. Two halves run side by side: the claimer
+/// claims a batch on a free session and hands it over, each batch only once the previous one is
+/// wholly handed over, so the relay sees the rows in claim order; the finisher waits for the
+/// oldest batch's confirms, then marks and commits it, batch after batch in claim order, and
+/// frees its session. While one batch is marked and committed, the next is claimed on another
+/// session: the database's work for one batch overlaps the broker's for the others.
 pub async fn run<D: PollTable>(
     dbs: Vec<D>,
     cfg: LoopConfig,
@@ -117,23 +147,54 @@ pub async fn run<D: PollTable>(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, mut acks } = link;
-    let mut idle = dbs;
-    let mut flight: std::collections::VecDeque<InFlight<D>> = Default::default();
-    let mut batch_no: u64 = 0;
-    let mut waking = true;
-    // The last claim was full: there may be more to claim at once.
-    let mut more = true;
-    loop {
-        if more && !shutdown.is_cancelled() {
-            if let Some(mut db) = idle.pop() {
+    let deadline_cfg = cfg.deadline;
+    let sessions = dbs.len().max(1);
+    // Every session is in exactly one place: free, with the claimer, in flight or with the
+    // finisher; so neither channel ever holds more than `sessions` and no send waits.
+    let (free_tx, mut free) = mpsc::channel::<D>(sessions);
+    for db in dbs {
+        let _ = free_tx.try_send(db);
+    }
+    let (flight_tx, mut flight) = mpsc::channel::<InFlight<D>>(sessions);
+    // Cancelled by the finisher when the relay ended: the claimer then stops at once (rows it
+    // holds stay pending when its sessions close).
+    let ended = CancellationToken::new();
+
+    let claimer = {
+        let free_tx = free_tx.clone();
+        let ended = ended.clone();
+        async move {
+            let mut batch_no: u64 = 0;
+            let mut waking = true;
+            // The last claim was full: there may be more to claim at once.
+            let mut more = true;
+            loop {
+                if !more {
+                    // The last claim was short: wait for the interval or a wake.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = ended.cancelled() => break,
+                        _ = tokio::time::sleep(cfg.interval) => {}
+                        // A closed wake channel (no NOTIFY, or its session ended) leaves the
+                        // interval.
+                        r = wake.changed(), if waking => waking = r.is_ok(),
+                    }
+                }
+                let mut db = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = ended.cancelled() => break,
+                    db = free.recv() => match db {
+                        Some(db) => db,
+                        None => break,
+                    },
+                };
                 let deadline = tokio::time::Instant::now() + cfg.deadline;
-                db.begin().await?;
-                let claimed = db.claim(cfg.batch).await?;
+                let claimed = db.begin_and_claim(cfg.batch).await?;
                 let n = claimed.len();
                 more = n as i64 >= cfg.batch;
                 if n == 0 {
                     db.commit().await?;
-                    idle.push(db);
+                    let _ = free_tx.try_send(db);
                     continue;
                 }
                 batch_no += 1;
@@ -152,62 +213,64 @@ pub async fn run<D: PollTable>(
                 };
                 // The handing over counts against the transaction's deadline: a sink that takes
                 // nothing must not keep the transaction open either.
-                match tokio::time::timeout_at(deadline, hand_over).await {
+                let handed = tokio::select! {
+                    // The relay ended (and says why); its outlet may be closed already.
+                    _ = ended.cancelled() => break,
+                    r = tokio::time::timeout_at(deadline, hand_over) => r,
+                };
+                match handed {
                     Ok(Ok(())) => {
-                        flight.push_back(InFlight {
-                            db,
-                            batch,
-                            ids,
-                            deadline,
-                        });
+                        let _ = flight_tx
+                            .send(InFlight {
+                                db,
+                                batch,
+                                ids,
+                                deadline,
+                            })
+                            .await;
                     }
                     Ok(Err(e)) => return Err(e),
                     Err(_) => {
                         tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, "batch not handed over in time; releasing its rows");
                         db.rollback().await?;
-                        idle.push(db);
+                        let _ = free_tx.try_send(db);
                     }
                 }
-                continue;
             }
+            // Dropping `flight_tx` here tells the finisher that no batch follows.
+            Ok::<(), Error>(())
         }
-        // No session free, nothing more to claim now, or shutting down: finish the oldest batch.
-        if let Some(front) = flight.front_mut() {
+    };
+
+    let finisher = async move {
+        while let Some(mut front) = flight.recv().await {
             let batch = front.batch;
             match tokio::time::timeout_at(front.deadline, confirmed(&mut acks, batch)).await {
                 Ok(true) => {
-                    let mut done = flight.pop_front().expect("front exists");
-                    done.db.mark(&done.ids).await?;
-                    done.db.commit().await?;
-                    tracing::debug!(batch, rows = done.ids.len(), "batch published and marked");
-                    idle.push(done.db);
+                    front.db.mark_and_commit(&front.ids).await?;
+                    tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
+                    let _ = free_tx.try_send(front.db);
                 }
                 // The relay ended (it failed, and says why): the rows stay pending.
-                Ok(false) => return Ok(()),
+                Ok(false) => {
+                    ended.cancel();
+                    return Ok(());
+                }
                 Err(_) => {
                     // Not confirmed in time: let the rows go; this or another relay publishes
                     // them again (a duplicate, never a loss). Later batches keep their own
                     // deadlines: an ack of a later batch confirms them as well.
-                    let mut late = flight.pop_front().expect("front exists");
-                    tracing::warn!(batch, rows = late.ids.len(), deadline = ?cfg.deadline, "batch not confirmed in time; releasing its rows");
-                    late.db.rollback().await?;
-                    idle.push(late.db);
+                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, "batch not confirmed in time; releasing its rows");
+                    front.db.rollback().await?;
+                    let _ = free_tx.try_send(front.db);
                 }
             }
-            continue;
         }
-        if shutdown.is_cancelled() {
-            return Ok(());
-        }
-        // Everything is marked and the last claim was short: wait for the interval or a wake.
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(cfg.interval) => {}
-            // A closed wake channel (no NOTIFY, or its session ended) leaves the interval.
-            r = wake.changed(), if waking => waking = r.is_ok(),
-        }
-        more = true;
-    }
+        Ok::<(), Error>(())
+    };
+
+    futures::try_join!(claimer, finisher)?;
+    Ok(())
 }
 
 /// Postgres poll settings.
@@ -301,8 +364,10 @@ where
 pub struct PgPoll {
     client: tokio_postgres::Client,
     mapper: RowMapper,
-    claim: String,
-    mark: String,
+    /// The claim and the mark, prepared once per session: a statement given as text is parsed,
+    /// described and planned again on every call, a round trip of its own each time.
+    claim: tokio_postgres::Statement,
+    mark: tokio_postgres::Statement,
     id_index: usize,
     begin: String,
 }
@@ -334,8 +399,13 @@ impl PgPoll {
             .iter()
             .map(|c| format!("{}::text", pg_ident(&c.name)))
             .collect();
+        // `ORDER BY` names the column through the table's alias: a bare name would resolve to
+        // the select list's `created_at::text` (output names come first in `ORDER BY`), which
+        // sorts by the text and so reads and sorts every pending row (a sequential scan, a sort
+        // spilled to disk at 50,000 pending rows) instead of walking `outbox_pending` for the
+        // first `limit`.
         let claim = format!(
-            "SELECT {} FROM {} WHERE {status}::text = 'pending' ORDER BY {} LIMIT $1 FOR UPDATE SKIP LOCKED",
+            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
             select_cols.join(", "),
             cfg.table.pg_quoted(),
             pg_ident(cfg.columns.get("created_at")),
@@ -357,6 +427,8 @@ impl PgPoll {
             deadline_ms * 2,
             deadline_ms
         );
+        let claim = client.prepare(&claim).await?;
+        let mark = client.prepare(&mark).await?;
         Ok(PgPoll {
             client,
             mapper,
@@ -377,6 +449,51 @@ impl PollTable for PgPoll {
 
     async fn claim(&mut self, limit: i64) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
         let rows = self.client.query(&self.claim, &[&limit]).await?;
+        self.map_claimed(rows)
+    }
+
+    async fn mark(&mut self, ids: &[Uuid]) -> Result<(), Error> {
+        self.client.execute(&self.mark, &[&ids]).await?;
+        Ok(())
+    }
+
+    async fn commit(&mut self) -> Result<(), Error> {
+        Ok(self.client.batch_execute("COMMIT").await?)
+    }
+
+    async fn rollback(&mut self) -> Result<(), Error> {
+        Ok(self.client.batch_execute("ROLLBACK").await?)
+    }
+
+    // tokio-postgres pipelines requests that are polled together: each request is queued on
+    // the connection when first polled, in order, so the server receives BEGIN … and the claim
+    // (or the mark and COMMIT) back to back and answers both in one round trip. A failure of
+    // the first fails the second (an aborted transaction runs nothing, COMMIT rolls it back).
+    async fn begin_and_claim(&mut self, limit: i64) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let (_, rows) = futures::try_join!(
+            self.client.batch_execute(&self.begin),
+            self.client.query(&self.claim, &params),
+        )?;
+        self.map_claimed(rows)
+    }
+
+    async fn mark_and_commit(&mut self, ids: &[Uuid]) -> Result<(), Error> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ids];
+        futures::try_join!(
+            self.client.execute(&self.mark, &params),
+            self.client.batch_execute("COMMIT"),
+        )?;
+        Ok(())
+    }
+}
+
+impl PgPoll {
+    /// The claimed rows, each mapped to the event it publishes.
+    fn map_claimed(
+        &mut self,
+        rows: Vec<tokio_postgres::Row>,
+    ) -> Result<Vec<(Uuid, OutboxEvent)>, Error> {
         let mut out = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             let tuple = crate::source::postgres::rows::text_tuple(row);
@@ -399,19 +516,6 @@ impl PollTable for PgPoll {
             }
         }
         Ok(out)
-    }
-
-    async fn mark(&mut self, ids: &[Uuid]) -> Result<(), Error> {
-        self.client.execute(&self.mark, &[&ids]).await?;
-        Ok(())
-    }
-
-    async fn commit(&mut self) -> Result<(), Error> {
-        Ok(self.client.batch_execute("COMMIT").await?)
-    }
-
-    async fn rollback(&mut self) -> Result<(), Error> {
-        Ok(self.client.batch_execute("ROLLBACK").await?)
     }
 }
 
@@ -455,6 +559,8 @@ mod tests {
     struct FakeSession {
         table: FakeTable,
         me: usize,
+        /// When set, each claim takes a permit first: a test holds claims back with it.
+        gate: Option<Arc<tokio::sync::Semaphore>>,
     }
 
     impl FakeSession {
@@ -477,6 +583,9 @@ mod tests {
         }
 
         async fn claim(&mut self, limit: i64) -> Result<Vec<(usize, OutboxEvent)>, Error> {
+            if let Some(gate) = &self.gate {
+                gate.acquire().await.expect("gate open").forget();
+            }
             let mut rows = self.table.0.lock().unwrap();
             let mut out = Vec::new();
             for (i, r) in rows.iter_mut().enumerate() {
@@ -531,6 +640,7 @@ mod tests {
             .map(|me| FakeSession {
                 table: table.clone(),
                 me,
+                gate: None,
             })
             .collect();
         let (tx, mut rx) = mpsc::channel(64);
@@ -589,6 +699,77 @@ mod tests {
         assert_eq!(handed, [1, 2, 3]);
         assert_eq!(topics[4..], ["row.4", "row.5"]);
         // Shutdown finishes the batches in flight: every row ends marked.
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
+        assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+    }
+
+    #[tokio::test]
+    async fn confirmed_batches_are_marked_while_the_next_claim_is_still_running() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..8).map(|_| Row::default()).collect(),
+        )));
+        // Three claims go through; the fourth waits until the test lets it.
+        let gate = Arc::new(tokio::sync::Semaphore::new(3));
+        let dbs = (0..3)
+            .map(|me| FakeSession {
+                table: table.clone(),
+                me,
+                gate: Some(gate.clone()),
+            })
+            .collect();
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 2,
+            interval: Duration::from_secs(3600),
+            deadline: Duration::from_secs(3600),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+        let mut handed = 0;
+        while handed < 3 {
+            match next(&mut rx).await {
+                Some(SourceMsg::Checkpoint(Checkpoint::Batch(_))) => handed += 1,
+                Some(_) => {}
+                None => panic!("three batches were not handed over"),
+            }
+        }
+        // All three confirmed while the fourth claim hangs: a loop that claims and marks on one
+        // strand would wait in that claim and leave batches 2 and 3 unmarked.
+        ack_tx.send_replace(Some(Checkpoint::Batch(3)));
+        let marked = || table.0.lock().unwrap().iter().take(6).all(|r| r.published);
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !marked() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "batches 2 and 3 were not marked while the next claim ran"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Let the claims go: the last batch is handed over, confirmed and marked too.
+        gate.add_permits(100);
+        loop {
+            match next(&mut rx).await {
+                Some(SourceMsg::Checkpoint(cp)) => {
+                    ack_tx.send_replace(Some(cp));
+                    break;
+                }
+                Some(_) => {}
+                None => panic!("the last batch was not handed over"),
+            }
+        }
         shutdown.cancel();
         let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
         done.expect("the loop ends on shutdown")
