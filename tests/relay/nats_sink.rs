@@ -491,3 +491,210 @@ async fn passive_without_a_stream_stops_with_the_fix_and_check_says_what_to_chan
         "{text}"
     );
 }
+
+/// `outboxd check` against one stream: (exit success, stdout).
+fn check_stream(dsn: &str, name: &str, s: &TestStream) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args([
+            "check",
+            "--source",
+            dsn,
+            "--name",
+            name,
+            "--sink",
+            &nats::url(),
+        ])
+        .args(s.args())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Stream settings under which JetStream deletes events it acknowledged to the relay: `check`
+/// says so with the fix for each, and the relay refuses the one that deletes every event at
+/// once (interest retention without a consumer).
+#[tokio::test]
+async fn stream_settings_that_delete_acknowledged_events_are_refused_or_warned() {
+    let db = PgDb::create("natsk").await;
+    let name = unique("r");
+    let base = |s: &TestStream| stream::Config {
+        name: s.name.clone(),
+        subjects: vec![format!("{}.>", s.prefix)],
+        storage: StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+
+    // Interest retention and no consumer: every event is deleted as soon as it is stored.
+    let interest = TestStream::new("nki").await;
+    interest
+        .js
+        .create_stream(stream::Config {
+            retention: stream::RetentionPolicy::Interest,
+            ..base(&interest)
+        })
+        .await
+        .unwrap();
+    let (ok, text) = check_stream(&db.dsn(), &name, &interest);
+    assert!(
+        !ok,
+        "interest retention without consumers fails check:\n{text}"
+    );
+    assert!(
+        text.contains("interest retention") && text.contains("no consumer"),
+        "{text}"
+    );
+    let mut relay = start(&db.dsn(), &name, &interest, &nats::url(), &[]);
+    let code = relay.wait_exit(T).await;
+    assert_ne!(code, 0, "the relay refuses the stream");
+    let err = relay.stderr();
+    assert!(
+        err.contains("interest retention") && err.contains("--retention limits"),
+        "{err}"
+    );
+    let _ = interest.js.delete_stream(&interest.name).await;
+
+    // Work-queue retention: the first consumer's ack deletes the event for every other one.
+    let wq = TestStream::new("nkw").await;
+    wq.js
+        .create_stream(stream::Config {
+            retention: stream::RetentionPolicy::WorkQueue,
+            ..base(&wq)
+        })
+        .await
+        .unwrap();
+    let (_, text) = check_stream(&db.dsn(), &name, &wq);
+    assert!(text.contains("work-queue retention"), "{text}");
+    let _ = wq.js.delete_stream(&wq.name).await;
+
+    // One message per subject: every topic keeps only its last event.
+    let per_subject = TestStream::new("nks").await;
+    per_subject
+        .js
+        .create_stream(stream::Config {
+            max_messages_per_subject: 1,
+            ..base(&per_subject)
+        })
+        .await
+        .unwrap();
+    let (_, text) = check_stream(&db.dsn(), &name, &per_subject);
+    assert!(
+        text.contains("keeps only the last 1 message")
+            && text.contains(&format!(
+                "nats stream edit {} --max-msgs-per-subject=-1",
+                per_subject.name
+            )),
+        "{text}"
+    );
+    let _ = per_subject.js.delete_stream(&per_subject.name).await;
+
+    // An age limit deletes old events whatever the discard policy: `--discard new` is not its fix.
+    let aged = TestStream::new("nka").await;
+    aged.js
+        .create_stream(stream::Config {
+            max_age: Duration::from_secs(3600),
+            discard: DiscardPolicy::New,
+            ..base(&aged)
+        })
+        .await
+        .unwrap();
+    let (_, text) = check_stream(&db.dsn(), &name, &aged);
+    assert!(
+        text.contains("older than 1h")
+            && text.contains(&format!("nats stream edit {} --max-age=0", aged.name)),
+        "{text}"
+    );
+    assert!(!text.contains("--discard new"), "{text}");
+    let _ = aged.js.delete_stream(&aged.name).await;
+}
+
+/// An event larger than the stream's `max_msg_size` (but within the server's `max_payload`)
+/// can never be stored: it becomes a dead record that says why, and the events behind it are
+/// stored, in order.
+#[tokio::test]
+async fn an_event_over_the_streams_max_msg_size_is_dead_lettered() {
+    let db = PgDb::create("natsm").await;
+    let s = TestStream::new("nm").await;
+    s.js.create_stream(stream::Config {
+        name: s.name.clone(),
+        subjects: vec![format!("{}.>", s.prefix)],
+        storage: StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_message_size: 4096,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let name = unique("r");
+    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
+    db.wait_streaming(&name).await;
+    let mut expected = db.write(1, 2, "size.before").await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut client = db.client().await;
+    let mut tx = client.transaction().await.unwrap();
+    let big = serde_json::json!({"blob": "x".repeat(10_000)});
+    let big_id = outbox
+        .write(&mut tx, "size.big", "agg-big", &big)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    expected.extend(db.write(1, 2, "size.after").await);
+    wait_len(&s, 5, "4 events and 1 dead record in the stream").await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+
+    let msgs = s.messages().await;
+    let dead: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.subject.as_str() == s.dead())
+        .collect();
+    assert_eq!(dead.len(), 1, "one dead record");
+    assert_eq!(header(dead[0], "Nats-Msg-Id").unwrap(), big_id.to_string());
+    let reason = header(dead[0], "x-dead-reason").unwrap();
+    assert!(reason.contains("max_msg_size 4096"), "{reason}");
+    let (order, counts) = s.id_counts().await;
+    let order: Vec<Uuid> = order.into_iter().filter(|i| *i != big_id).collect();
+    assert_exactly_once(&order, &counts, &expected);
+}
+
+/// A topic whose subject is the poison subject (`<prefix>.dead` from `<prefix>.{topic}` and
+/// topic `dead`) is not stored there as if it were a dead record's peer: it becomes a dead
+/// record itself, whose reason says why, so a consumer of the poison subject never takes an
+/// event for a dead record nor the other way round.
+#[tokio::test]
+async fn a_topic_on_the_poison_subject_is_a_dead_record_that_says_why() {
+    let db = PgDb::create("natsx").await;
+    let s = TestStream::new("nx").await;
+    let name = unique("r");
+    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &[]);
+    db.wait_streaming(&name).await;
+    let clash = db.write(1, 1, "dead").await;
+    let expected = db.write(1, 3, "fine").await;
+    wait_len(&s, 4, "4 messages in the stream").await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let msgs = s.messages().await;
+    let dead: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.subject.as_str() == s.dead())
+        .collect();
+    assert_eq!(
+        dead.len(),
+        1,
+        "{} messages on the poison subject",
+        dead.len()
+    );
+    assert_eq!(
+        header(dead[0], "Nats-Msg-Id").unwrap(),
+        clash[0].to_string()
+    );
+    let reason = header(dead[0], "x-dead-reason").expect("a dead record says why");
+    assert!(reason.contains("poison subject"), "{reason}");
+    assert!(dead[0].payload.is_empty(), "a dead record has no body");
+    let (order, counts) = s.id_counts().await;
+    let order: Vec<Uuid> = order.into_iter().filter(|i| *i != clash[0]).collect();
+    assert_exactly_once(&order, &counts, &expected);
+}

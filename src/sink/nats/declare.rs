@@ -8,7 +8,7 @@ use crate::operator::{CheckLine, Level};
 use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::SinkError;
 use async_nats::jetstream::context::{Context, GetStreamErrorKind};
-use async_nats::jetstream::stream::{self, DiscardPolicy, StorageType};
+use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::ErrorCode;
 
 fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
@@ -96,22 +96,50 @@ fn no_jetstream(text: &str) -> SinkError {
     )
 }
 
-/// What is wrong with an existing stream for this relay (a failure), if anything.
-pub fn mismatch(cfg: &NatsConfig, info: &stream::Info) -> Result<Option<String>, SinkError> {
+/// What is wrong with an existing stream for this relay (a failure), if anything, and the fix.
+pub fn mismatch(
+    cfg: &NatsConfig,
+    info: &stream::Info,
+) -> Result<Option<(String, String)>, SinkError> {
     let want = stream_filter(cfg)?;
-    if !info.config.subjects.iter().any(|s| covers(s, &want)) {
-        return Ok(Some(format!(
-            "stream {} captures {:?}, which does not cover {want}: the relay's messages would find no stream",
-            cfg.stream, info.config.subjects
+    let s = &cfg.stream;
+    if !info.config.subjects.iter().any(|sub| covers(sub, &want)) {
+        return Ok(Some((
+            format!(
+                "stream {s} captures {:?}, which does not cover {want}: the relay's messages would find no stream",
+                info.config.subjects
+            ),
+            format!("add the subjects: nats stream edit {s} --subjects '{want}' (keeping the ones it has), or use another --stream/--subject"),
         )));
     }
     if info.config.sealed {
-        return Ok(Some(format!(
-            "stream {} is sealed: it takes no messages",
-            cfg.stream
+        return Ok(Some((
+            format!("stream {s} is sealed: it takes no messages"),
+            format!(
+                "use another --stream, or delete {s} and let the relay declare it (--declare auto)"
+            ),
+        )));
+    }
+    if info.config.retention == RetentionPolicy::Interest && info.state.consumer_count == 0 {
+        // JetStream acknowledges each message and deletes it at once: nobody is interested.
+        return Ok(Some((
+            format!("stream {s} has interest retention and no consumer: every event would be deleted as soon as it is stored"),
+            format!("recreate it with --retention limits (nats stream rm {s}; nats stream add {s} --subjects '{want}' --storage file --retention limits --dupe-window 2m), or create its consumers before the relay publishes"),
         )));
     }
     Ok(None)
+}
+
+/// A duration as an operator writes it (`90s`, `10m`, `1h`, `7d`).
+fn short(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => format!("{d:?}"),
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
 }
 
 /// Settings that weaken a guarantee without stopping the relay: warnings with fixes.
@@ -134,22 +162,56 @@ pub fn weaknesses(cfg: &NatsConfig, info: &stream::Info) -> Vec<(String, String)
         ));
     }
     if info.config.discard == DiscardPolicy::Old
-        && (info.config.max_bytes > 0
-            || info.config.max_messages > 0
-            || !info.config.max_age.is_zero())
+        && (info.config.max_bytes > 0 || info.config.max_messages > 0)
     {
         out.push((
             "discard old with a limit: when the stream is full, the oldest events are deleted whether consumed or not".into(),
             format!("nats stream edit {s} --discard new (the relay then waits, with backoff, until there is room)"),
         ));
     }
+    if !info.config.max_age.is_zero() {
+        // Whatever the discard policy: an age limit is not a size limit.
+        out.push((
+            format!(
+                "max_age: events older than {} are deleted whether consumed or not",
+                short(info.config.max_age)
+            ),
+            format!("nats stream edit {s} --max-age=0, or an age longer than any consumer can fall behind"),
+        ));
+    }
+    if info.config.max_messages_per_subject > 0 {
+        let n = info.config.max_messages_per_subject;
+        out.push((
+            format!(
+                "max_msgs_per_subject: the stream keeps only the last {n} message{} of each subject, so older events of a topic are deleted whether consumed or not",
+                if n == 1 { "" } else { "s" }
+            ),
+            format!("nats stream edit {s} --max-msgs-per-subject=-1"),
+        ));
+    }
+    match info.config.retention {
+        RetentionPolicy::Limits => {}
+        // Without a consumer this is a failure (`mismatch`); with one, a later consumer misses out.
+        RetentionPolicy::Interest => out.push((
+            "interest retention: an event is deleted once the consumers that existed when it was stored acknowledged it; a consumer added later never sees it, and nothing can be read again".into(),
+            format!("recreate {s} with --retention limits (and an age or size limit with --discard new) unless that is what you want"),
+        )),
+        RetentionPolicy::WorkQueue => out.push((
+            "work-queue retention: the first consumer's acknowledgement deletes an event, so no second consumer ever sees it, and nothing can be read again".into(),
+            format!("recreate {s} with --retention limits unless exactly one consumer reads it"),
+        )),
+    }
     out
 }
 
-/// Makes sure the stream exists as `--declare` says. Returns warnings about weak settings.
-pub async fn ensure(js: &Context, cfg: &NatsConfig) -> Result<Vec<String>, SinkError> {
+/// Makes sure the stream exists as `--declare` says, logs a warning for each weak setting, and
+/// returns the stream as it is (under `--declare off`, when it can be read), whose limits the
+/// sink applies to each message.
+pub async fn ensure(js: &Context, cfg: &NatsConfig) -> Result<Option<stream::Info>, SinkError> {
     if cfg.declare == DeclareMode::Off {
-        return Ok(Vec::new());
+        // Neither created nor checked; its limits still make an event it can never take a
+        // dead record rather than a refusal retried forever.
+        return Ok(lookup(js, &cfg.stream).await.ok().flatten());
     }
     let info = match lookup(js, &cfg.stream).await? {
         Some(info) => info,
@@ -186,24 +248,13 @@ pub async fn ensure(js: &Context, cfg: &NatsConfig) -> Result<Vec<String>, SinkE
             }
         }
     };
-    if let Some(problem) = mismatch(cfg, &info)? {
-        return Err(config_err(
-            problem,
-            format!(
-                "add the subjects: nats stream edit {} --subjects '{}' (keeping the ones it has), or use another --stream/--subject",
-                cfg.stream,
-                stream_filter(cfg)?
-            ),
-        ));
+    if let Some((problem, fix)) = mismatch(cfg, &info)? {
+        return Err(config_err(problem, fix));
     }
-    let warnings: Vec<String> = weaknesses(cfg, &info)
-        .into_iter()
-        .map(|(w, fix)| {
-            tracing::warn!(stream = %cfg.stream, fix = %fix, "{w}");
-            w
-        })
-        .collect();
-    Ok(warnings)
+    for (w, fix) in weaknesses(cfg, &info) {
+        tracing::warn!(stream = %cfg.stream, fix = %fix, "{w}");
+    }
+    Ok(Some(info))
 }
 
 fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String>) -> CheckLine {
@@ -226,7 +277,7 @@ pub fn describe(info: &stream::Info) -> String {
         }
     };
     format!(
-        "subjects {:?}, storage {:?}, duplicate window {:?}, retention {:?}, discard {:?}, max_bytes {}, max_msgs {}, max_age {:?}, replicas {}; holds {} messages ({} bytes)",
+        "subjects {:?}, storage {:?}, duplicate window {:?}, retention {:?}, discard {:?}, max_bytes {}, max_msgs {}, max_msgs_per_subject {}, max_msg_size {}, max_age {:?}, replicas {}; {} consumers; holds {} messages ({} bytes)",
         c.subjects,
         c.storage,
         c.duplicate_window,
@@ -234,8 +285,11 @@ pub fn describe(info: &stream::Info) -> String {
         c.discard,
         limit(c.max_bytes),
         limit(c.max_messages),
+        limit(c.max_messages_per_subject),
+        limit(c.max_message_size.into()),
         c.max_age,
         c.num_replicas,
+        info.state.consumer_count,
         info.state.messages,
         info.state.bytes
     )
@@ -280,15 +334,11 @@ pub async fn check(cfg: &NatsConfig) -> Vec<CheckLine> {
         Ok(Some(info)) => {
             let detail = describe(&info);
             match mismatch(cfg, &info) {
-                Ok(Some(problem)) => out.push(line(
+                Ok(Some((problem, fix))) => out.push(line(
                     Level::Fail,
                     &name,
                     format!("{detail}. {problem}"),
-                    Some(format!(
-                        "nats stream edit {} --subjects '{}' (keeping the ones it has)",
-                        cfg.stream,
-                        stream_filter(cfg).unwrap_or_default()
-                    )),
+                    Some(fix),
                 )),
                 Ok(None) => {
                     let weak = weaknesses(cfg, &info);

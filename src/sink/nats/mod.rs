@@ -50,7 +50,8 @@ struct Link {
     js: Context,
     /// Turns true when the connection is lost; never back.
     broken: watch::Receiver<bool>,
-    max_payload: usize,
+    /// The largest message (headers and payload) both the server and the stream take.
+    limit: publish::SizeLimit,
 }
 
 impl NatsSink {
@@ -105,22 +106,22 @@ impl NatsSink {
             .max_ack_inflight(self.cfg.window.max(1) + 64)
             .build(client.clone());
         let work = declare::ensure(&js, &self.cfg);
-        match tokio::time::timeout(self.cfg.op_timeout, work).await {
-            Ok(r) => {
-                r?;
-            }
+        // Read again at every connect: a stream edited to a smaller `max_msg_size` refuses the
+        // event, the relay reconnects, and the event then becomes a dead record.
+        let stream_max = match tokio::time::timeout(self.cfg.op_timeout, work).await {
+            Ok(r) => r?.map(|info| info.config.max_message_size),
             Err(_) => {
                 return Err(SinkError::Connection(format!(
                     "declaring stream {} at NATS {} took longer than {:?}",
                     self.cfg.stream, self.redacted, self.cfg.op_timeout
                 )))
             }
-        }
+        };
         Ok(Link {
             client,
             js,
             broken: rx,
-            max_payload,
+            limit: publish::SizeLimit::of(max_payload, stream_max),
         })
     }
 }
@@ -182,7 +183,7 @@ impl Sink for NatsSink {
             subject = %self.cfg.subject,
             declare = ?self.cfg.declare,
             partitions = self.cfg.partitions,
-            max_payload = link.max_payload,
+            max_message = %link.limit,
             "connected to NATS JetStream"
         );
         self.link = Some(link);
@@ -196,7 +197,7 @@ impl Sink for NatsSink {
         if *link.broken.borrow() {
             return Err(SinkError::Connection("the NATS connection was lost".into()));
         }
-        let out = publish::render(&self.cfg, &self.prefix, event, link.max_payload);
+        let out = publish::render(&self.cfg, &self.prefix, event, link.limit);
         if let Some(reason) = &out.dead {
             tracing::warn!(id = %event.id, position = %event.position, reason = %reason, subject = %out.subject, "poison event: publishing a dead record without the body");
         }

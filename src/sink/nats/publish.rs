@@ -109,9 +109,41 @@ fn clean(s: &str) -> String {
     out
 }
 
-/// The event as it goes out: the message, or its dead record. `max_payload` is the server's
-/// limit for headers and payload together.
-pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, max_payload: usize) -> Outgoing {
+/// The largest message (headers and payload together) that can be stored: the smaller of the
+/// server's `max_payload` and the stream's `max_msg_size`, and which of the two it is. A
+/// message over it would be refused again at every attempt, so it is dead-lettered instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeLimit {
+    /// 0: no limit known.
+    pub bytes: usize,
+    pub what: &'static str,
+}
+
+impl SizeLimit {
+    /// From the server's `max_payload` and the stream's `max_msg_size` (≤ 0: unlimited, or the
+    /// stream could not be read).
+    pub fn of(max_payload: usize, stream_max_msg_size: Option<i32>) -> SizeLimit {
+        match stream_max_msg_size.and_then(|m| usize::try_from(m).ok()) {
+            Some(m) if m > 0 && (max_payload == 0 || m < max_payload) => SizeLimit {
+                bytes: m,
+                what: "the stream's max_msg_size",
+            },
+            _ => SizeLimit {
+                bytes: max_payload,
+                what: "the server's max_payload",
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for SizeLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.what, self.bytes)
+    }
+}
+
+/// The event as it goes out: the message, or its dead record.
+pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLimit) -> Outgoing {
     let normal = (|| {
         if let Some(p) = &event.poison {
             return Err(p.clone());
@@ -124,11 +156,17 @@ pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, max_payload: 
             ));
         }
         let subject = subject(cfg, prefix, event)?;
+        if subject.strip_prefix(prefix) == Some(".dead") {
+            // `<prefix>.dead` holds dead records only: an event there would pass for one.
+            return Err(format!(
+                "its subject {subject} is the poison subject, where dead records go: rename the topic, or change --subject"
+            ));
+        }
         let headers = event_headers(cfg, event)?;
         let size = event.payload.len() + header_bytes(&headers);
-        if max_payload > 0 && size > max_payload {
+        if limit.bytes > 0 && size > limit.bytes {
             return Err(format!(
-                "message is {size} bytes with its headers, more than the server's max_payload {max_payload}"
+                "message is {size} bytes with its headers, more than {limit}"
             ));
         }
         Ok((subject, headers))
@@ -198,7 +236,7 @@ mod tests {
             serde_json::json!({"traceparent": "00-a-b-01", "Nats-Msg-Id": "forged", "n": 5})
                 .as_object()
                 .cloned();
-        let out = render(&cfg(0), "outbox", &ev, 1 << 20);
+        let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(1 << 20, None));
         assert!(out.dead.is_none());
         assert_eq!(out.subject, "outbox.invoice.issued");
         assert_eq!(
@@ -216,7 +254,7 @@ mod tests {
     fn partitions_insert_their_token_after_the_prefix() {
         let ev = crate::sink::test_event();
         let k = partition::partition_of("agg-1", 4);
-        let out = render(&cfg(4), "outbox", &ev, 1 << 20);
+        let out = render(&cfg(4), "outbox", &ev, SizeLimit::of(1 << 20, None));
         assert_eq!(out.subject, format!("outbox.p{k}.invoice.issued"));
         assert_eq!(get(&out.headers, "x-partition").unwrap(), k.to_string());
     }
@@ -249,10 +287,14 @@ mod tests {
                 }),
                 "cannot be a NATS header",
             ),
+            (
+                Box::new(|e: &mut OutboxEvent| e.topic = "dead".into()),
+                "is the poison subject",
+            ),
         ] {
             let mut ev = crate::sink::test_event();
             mutate(&mut ev);
-            let out = render(&cfg(0), "outbox", &ev, 1 << 20);
+            let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(1 << 20, None));
             let reason = out.dead.expect("dead");
             assert!(reason.contains(needle), "{reason}");
             assert_eq!(out.subject, "outbox.dead");
@@ -264,7 +306,21 @@ mod tests {
             assert!(get(&out.headers, "x-dead-reason").unwrap().contains(needle));
         }
         let ev = crate::sink::test_event();
-        let out = render(&cfg(0), "outbox", &ev, 100);
+        let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(100, None));
         assert!(out.dead.unwrap().contains("max_payload"));
+    }
+
+    #[test]
+    fn the_smaller_of_the_servers_and_the_streams_limit_applies() {
+        let server = SizeLimit::of(1 << 20, None);
+        assert_eq!(server.bytes, 1 << 20);
+        assert!(server.to_string().contains("max_payload"));
+        // -1 and 0 are unlimited streams.
+        assert_eq!(SizeLimit::of(1 << 20, Some(-1)), server);
+        assert_eq!(SizeLimit::of(1 << 20, Some(0)), server);
+        assert_eq!(SizeLimit::of(1 << 20, Some(2 << 20)), server);
+        let stream = SizeLimit::of(1 << 20, Some(4096));
+        assert_eq!(stream.bytes, 4096);
+        assert_eq!(stream.to_string(), "the stream's max_msg_size 4096");
     }
 }
