@@ -418,7 +418,8 @@ impl InternalEvent for PositionBackwardsRefused<'_> {
     }
 }
 
-/// A connection to the metrics endpoint was closed unserved, over its connection limit.
+/// A connection to the metrics endpoint was closed unserved, over its connection limit: the
+/// oldest one that had sent no request yet, or the new one when every connection was answering.
 pub struct HttpConnectionRefused;
 
 impl InternalEvent for HttpConnectionRefused {

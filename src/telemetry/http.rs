@@ -38,9 +38,11 @@ pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
     }
 }
 
-/// Most connections served at once: beyond it a new connection is closed at once (so it does
-/// not wait in the backlog behind idle ones) and counted. Well below the usual 1024 file
-/// descriptors, well above what Prometheus and a prober need.
+/// Most connections served at once. Beyond it, room is made by closing the oldest connection
+/// that has not sent its request yet (an idle or slow client; a prober sends at once, so it is
+/// the newest); when every connection is being answered, the new one is closed at once (so it
+/// does not wait in the backlog) and counted. Well below the usual 1024 file descriptors, well
+/// above what Prometheus and a prober need.
 pub const MAX_CONNECTIONS: usize = 512;
 /// A client must send its request head within this time.
 pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -66,9 +68,52 @@ pub async fn serve(addr: &str) -> Result<std::net::SocketAddr, crate::Error> {
     Ok(local)
 }
 
+/// The connections that have not sent a request yet, oldest first, each with the sender that
+/// closes it. Without this, a client holding [`MAX_CONNECTIONS`] idle connections (and
+/// reopening each one the header timeout closes) would keep every probe out.
+#[derive(Default)]
+struct Waiting {
+    next: u64,
+    queue: std::collections::VecDeque<(u64, tokio::sync::oneshot::Sender<()>)>,
+}
+
+impl Waiting {
+    fn push(&mut self) -> (u64, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let id = self.next;
+        self.next += 1;
+        self.queue.push_back((id, tx));
+        (id, rx)
+    }
+
+    fn remove(&mut self, id: u64) {
+        if let Some(i) = self.queue.iter().position(|(x, _)| *x == id) {
+            self.queue.remove(i);
+        }
+    }
+
+    /// Closes the oldest waiting connection; false when none is waiting.
+    fn evict_oldest(&mut self) -> bool {
+        while let Some((_, close)) = self.queue.pop_front() {
+            if close.send(()).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+type Shared<T> = std::sync::Arc<std::sync::Mutex<T>>;
+
+fn lock(w: &Shared<Waiting>) -> std::sync::MutexGuard<'_, Waiting> {
+    // The queue holds no invariant a panic elsewhere could break half-way.
+    w.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 async fn accept_loop(listener: tokio::net::TcpListener) {
     use std::time::Duration;
     let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let waiting: Shared<Waiting> = Shared::default();
     let mut pause = Duration::ZERO;
     loop {
         let sock = match listener.accept().await {
@@ -85,13 +130,35 @@ async fn accept_loop(listener: tokio::net::TcpListener) {
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            HttpConnectionRefused.emit();
-            drop(sock);
-            continue;
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                let evicted = lock(&waiting).evict_oldest();
+                // The evicted connection's task ends at once and returns its permit.
+                let freed = if evicted {
+                    HttpConnectionRefused.emit();
+                    tokio::time::timeout(Duration::from_secs(1), permits.clone().acquire_owned())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                } else {
+                    None
+                };
+                match freed {
+                    Some(p) => p,
+                    None => {
+                        HttpConnectionRefused.emit();
+                        drop(sock);
+                        continue;
+                    }
+                }
+            }
         };
+        let (id, evicted) = lock(&waiting).push();
+        let waiting = waiting.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            let served = waiting.clone();
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HEADER_TIMEOUT)
@@ -99,9 +166,17 @@ async fn accept_loop(listener: tokio::net::TcpListener) {
                 .max_buf_size(16 * 1024)
                 .serve_connection(
                     hyper_util::rt::TokioIo::new(sock),
-                    hyper::service::service_fn(answer),
+                    hyper::service::service_fn(move |req| {
+                        // A request arrived: this connection is no longer idle.
+                        lock(&served).remove(id);
+                        answer(req)
+                    }),
                 );
-            let _ = tokio::time::timeout(REQUEST_DEADLINE, conn).await;
+            tokio::select! {
+                _ = tokio::time::timeout(REQUEST_DEADLINE, conn) => {}
+                _ = evicted => {}
+            }
+            lock(&waiting).remove(id);
         });
     }
 }

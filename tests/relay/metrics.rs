@@ -158,9 +158,10 @@ async fn metrics_and_health_follow_the_pipeline() {
     assert_eq!(get(port, "/nope").await.0, 404);
 }
 
-/// 500 idle connections (open, nothing sent) do not stop `/healthz` answering; the endpoint
-/// closes each idle one after its header timeout, and connections beyond its limit are closed
-/// at once instead of waiting in the backlog. In process: `serve` is the relay's own server.
+/// 500 idle connections (open, nothing sent) do not stop `/healthz` answering; past the
+/// endpoint's limit a new connection closes the oldest idle one at once, and an idle one is
+/// closed by the header timeout anyway, not held for ever. In process: `serve` is the relay's
+/// own server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_do_not_stop_healthz() {
     use tokio::io::AsyncReadExt;
@@ -177,27 +178,30 @@ async fn idle_connections_do_not_stop_healthz() {
         "{:?}",
         started.elapsed()
     );
-    // Past the limit (500 + 1 served + these): closed at once, counted.
-    let mut over = Vec::new();
-    for _ in 0..(outboxd::telemetry::MAX_CONNECTIONS - 500 + 5) {
-        over.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    // Past the limit (500 + these): each new connection closes the oldest idle one.
+    let over = outboxd::telemetry::MAX_CONNECTIONS - 500 + 5;
+    let mut newer = Vec::new();
+    for _ in 0..over {
+        newer.push(tokio::net::TcpStream::connect(addr).await.unwrap());
     }
     let mut closed = 0;
-    for s in &mut over {
+    for s in idle.iter_mut().take(5) {
         let mut b = [0u8; 1];
-        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await {
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await
+        {
             closed += 1;
         }
     }
-    assert!(
-        closed >= 5,
-        "closed {closed} of the connections over the limit"
+    assert_eq!(
+        closed, 5,
+        "the 5 oldest idle connections closed to make room"
     );
-    // The idle ones are closed by the header timeout, not held for ever.
+    // The newest idle one is closed by the header timeout, not held for ever.
     let mut b = [0u8; 1];
     let r = tokio::time::timeout(
         outboxd::telemetry::HEADER_TIMEOUT + Duration::from_secs(10),
-        idle[0].read(&mut b),
+        newer.last_mut().unwrap().read(&mut b),
     )
     .await;
     assert!(
@@ -205,11 +209,67 @@ async fn idle_connections_do_not_stop_healthz() {
         "idle connection still open: {r:?}"
     );
     drop(idle);
-    drop(over);
+    drop(newer);
     wait_for("/healthz after the flood", T, || async {
         get(addr.port(), "/healthz").await.0 == 200
     })
     .await;
+}
+
+/// A client that keeps the endpoint full of idle connections (more than its limit, each
+/// reopened as soon as it is closed, for longer than a header timeout) must not turn probes
+/// away: a liveness probe refused that way restarts a healthy relay. Every probe is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_past_the_limit_does_not_refuse_probes() {
+    use tokio::io::AsyncReadExt;
+    let addr = outboxd::telemetry::serve("127.0.0.1:0").await.unwrap();
+    let flood = outboxd::telemetry::MAX_CONNECTIONS + 100;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opened = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut flooders = Vec::new();
+    for _ in 0..flood {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        flooders.push(tokio::spawn(async move {
+            // Open, send nothing, wait until the server closes it, open again.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut b = [0u8; 1];
+                let _ = tokio::time::timeout(Duration::from_secs(1), s.read(&mut b)).await;
+            }
+        }));
+    }
+    wait_for("the flood to fill the endpoint", T, || async {
+        opened.load(std::sync::atomic::Ordering::Relaxed) > flood
+    })
+    .await;
+    // Across a header timeout, so the flood's connections turn over while probes arrive.
+    let until =
+        std::time::Instant::now() + outboxd::telemetry::HEADER_TIMEOUT + Duration::from_secs(2);
+    let (mut probes, mut refused) = (0, Vec::new());
+    while std::time::Instant::now() < until {
+        let (code, body) = get(addr.port(), "/healthz").await;
+        probes += 1;
+        if (code, body.as_str()) != (200, "ok\n") {
+            refused.push(code);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reopened = opened.load(std::sync::atomic::Ordering::Relaxed);
+    for f in flooders {
+        f.abort();
+    }
+    // The fault was there: more connections were opened than the endpoint serves at once.
+    assert!(reopened > flood, "the flood opened {reopened} connections");
+    assert!(
+        refused.is_empty(),
+        "{} of {probes} probes not answered with 200 (codes {refused:?}) under {flood} idle connections",
+        refused.len()
+    );
 }
 
 /// The source's connection is cut (and refused for a while): `/readyz` says the source is not
