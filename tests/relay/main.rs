@@ -15,5 +15,6 @@ mod metrics;
 mod nats_restart;
 mod nats_sink;
 mod proxy_selftest;
+mod refusals;
 mod routing;
 mod tables;
