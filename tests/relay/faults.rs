@@ -113,7 +113,79 @@ on_both_sources!(
     sigkill_mid_stream_then_restart_loses_nothing,
     a_second_relay_with_the_same_name_is_refused,
     sigint_mid_stream_stops_cleanly_and_a_restart_repeats_nothing,
+    the_stored_position_follows_confirms_promptly_never_backwards_and_rests_when_idle,
 );
+
+/// The store cadence (docs/guarantees.md, "Crash loops"): under a steady producer the stored
+/// position moves several times a second (each newer durable position stored at most every
+/// 100 ms, not on a one-second clock), never backwards; idle, once it covers the last event,
+/// it stays where it is (Postgres: it only follows the keepalives' WAL end).
+async fn the_stored_position_follows_confirms_promptly_never_backwards_and_rests_when_idle<
+    D: SourceDb,
+>() {
+    let db = D::create("cadence").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&args(&dsn, &name));
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(150, 2, Duration::from_millis(20), "cadence.test");
+    let mut samples = Vec::new();
+    while !writer.is_finished() {
+        if let Some(p) = db.stored_pos(&name).await {
+            samples.push(p);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let expected = writer.await.unwrap();
+    assert!(
+        samples.windows(2).all(|w| w[0] <= w[1]),
+        "the stored position never moves backwards: {samples:?}"
+    );
+    let mut distinct = samples.clone();
+    distinct.dedup();
+    eprintln!(
+        "{} stored positions in {} samples",
+        distinct.len(),
+        samples.len()
+    );
+    // 150 transactions over at least 3 s: a one-second store clock gives about 3 values.
+    assert!(
+        distinct.len() >= 8,
+        "{} stored positions while 150 transactions were relayed over {} samples",
+        distinct.len(),
+        samples.len()
+    );
+    let total = expected.len();
+    wait_for("every event relayed", T, || {
+        let n = relay.line_count();
+        async move { n >= total }
+    })
+    .await;
+    let last = parse_lines(&relay.lines())
+        .last()
+        .and_then(|l| l["position"].as_str().and_then(Pos::of_event))
+        .expect("the last event's position");
+    wait_for("the stored position to cover the last event", T, || async {
+        db.stored_pos(&name)
+            .await
+            .is_some_and(|stored| !last.after(stored))
+    })
+    .await;
+    let rested = db.stored_pos(&name).await;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = db.stored_pos(&name).await;
+        if D::LABEL == "MariaDB" {
+            assert_eq!(now, rested, "idle: the position rests");
+        } else {
+            // An idle slot follows the keepalives' WAL end (other databases' WAL is not held
+            // back), forward only.
+            assert!(now >= rested, "idle: {now:?} is behind {rested:?}");
+        }
+    }
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0);
+}
 
 /// Ctrl-C (SIGINT) is a clean stop like SIGTERM: mid-stream, under a producer, the relay
 /// finishes at a transaction boundary, waits for the sink, stores its position and exits 0;
