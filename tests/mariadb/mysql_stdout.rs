@@ -443,6 +443,42 @@ async fn datetime_is_read_in_the_source_time_zone() {
     assert_eq!(lines[1]["created_at"], "2026-01-22T11:00:00.000001Z", "CET");
 }
 
+/// A mapped column retyped to one the contract cannot read (`created_at` as VARCHAR): the relay
+/// stops with exit 2 and the fix at the first row of the new shape and publishes nothing of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retyped_mapped_column_stops_the_relay_with_the_fix() {
+    let db = MyDb::create("my_retype").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    let mut c = db.conn().await;
+    let before = my_write_events(&mut c, 1, 2, "before.retype").await;
+    wait_for("2 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 2 }
+    })
+    .await;
+    my_exec(
+        &mut c,
+        "ALTER TABLE outbox MODIFY created_at VARCHAR(40) NOT NULL",
+    )
+    .await;
+    my_exec(
+        &mut c,
+        "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at) VALUES (UNHEX('0000000000004000800000000000000a'), 1, 'after.retype', '{}', 'yesterday-ish')",
+    )
+    .await;
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("created_at") && err.contains("fix:"), "{err}");
+    assert_eq!(
+        ids_of(&parse_lines(&relay.lines())),
+        before,
+        "nothing of the retyped row"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alter_table_is_remapped_by_name_and_a_dropped_column_stops_with_the_fix() {
     let db = MyDb::create("my_alter").await;

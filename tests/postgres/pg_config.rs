@@ -151,6 +151,39 @@ async fn a_dropped_mapped_column_stops_the_relay_with_the_fix() {
     assert_eq!(relay.line_count(), 0, "never half a row");
 }
 
+/// A mapped column retyped to one the contract cannot read (`created_at` as text): the relay
+/// stops with exit 2 and the fix at the first row of the new shape, publishes nothing of it,
+/// and its stored position stays before that row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retyped_mapped_column_stops_the_relay_with_the_fix() {
+    let db = PgDb::create("retype").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+    let before = write_events(&mut client, 1, 2, "before.retype").await;
+    wait_for("2 lines", T, || {
+        let n = relay.line_count();
+        async move { n >= 2 }
+    })
+    .await;
+    client
+        .batch_execute(
+            "ALTER TABLE outbox ALTER COLUMN created_at TYPE text USING created_at::text;
+             INSERT INTO outbox (id, aggregate_id, topic, payload, created_at)
+             VALUES (gen_random_uuid(), 'a', 'after.retype', '{}', 'yesterday-ish');",
+        )
+        .await
+        .unwrap();
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("created_at") && err.contains("fix:"), "{err}");
+    assert_eq!(ids_of(&relay.lines()), before, "nothing of the retyped row");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_a_clear_error_with_the_contracts_exit_code() {
     let db = PgDb::create("badin").await;
