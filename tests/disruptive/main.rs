@@ -13,5 +13,6 @@ static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 mod mysql_recovery;
 mod mysql_restart;
 mod mysql_xa;
+mod pg_invalidated;
 mod pg_restart;
 mod rabbitmq_restart;
