@@ -13,5 +13,6 @@ mod pg_partitions;
 mod pg_poll;
 mod pg_rabbitmq;
 mod pg_recovery;
+mod pg_snapshot;
 mod pg_stdout;
 mod pg_tls;

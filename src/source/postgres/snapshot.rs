@@ -248,8 +248,12 @@ pub async fn publish(
         .iter()
         .map(|c| format!("{}::text", pg_ident(&c.name)))
         .collect();
+    // NULLs first (Postgres sorts them last by default): a row whose key column is NULL has no
+    // key to store, so it must come before every key. Sorted last, it would follow the last
+    // stored key, and a resume's `(created, id) > key` filter, NULL for it, would skip it for
+    // good. (MySQL sorts NULLs first already.)
     let sql = format!(
-        "SELECT {} FROM {} {filter} ORDER BY {created}, {id}",
+        "SELECT {} FROM {} {filter} ORDER BY {created} NULLS FIRST, {id} NULLS FIRST",
         select.join(", "),
         table.pg_quoted(),
     );
