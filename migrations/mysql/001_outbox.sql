@@ -9,5 +9,6 @@ CREATE TABLE IF NOT EXISTS outbox (
     created_at    DATETIME(6)  NOT NULL,
     published_at  DATETIME(6)  NULL,
     PRIMARY KEY (id),
-    KEY idx_dispatch (status, created_at)        -- poll mode scans this index
+    KEY idx_dispatch (status, created_at),       -- poll mode scans this index
+    KEY idx_created_at (created_at)              -- outboxd prune: its DELETE range stays on old rows
 );

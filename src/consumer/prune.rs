@@ -521,19 +521,26 @@ pub async fn prune_mysql(
             ),
         )
         .await?;
-    let indexed = indexed.unwrap_or(0) > 0;
-    if !indexed {
-        tracing::warn!(
-            "{shown} has no index on {time}: every batch scans for candidates; ALTER TABLE {shown} ADD INDEX ({time}) makes pruning cheaper"
-        );
+    if indexed.unwrap_or(0) == 0 {
+        // Without it each batch's DELETE scans the whole clustered index under next-key locks:
+        // it waits for every producer's open transaction it meets and, meanwhile, holds the
+        // gaps it passed against every other producer's insert (under READ COMMITTED too: a
+        // DELETE takes no semi-consistent reads). With it, the range stays on old rows.
+        let _ = conn
+            .exec_drop("SELECT RELEASE_LOCK(?)", (key.as_str(),))
+            .await;
+        let columns = if poll {
+            format!("{}, {time}", q(&status_name))
+        } else {
+            time.clone()
+        };
+        return Err(ConsumerError::config(
+            format!("{shown} has no index starting with ({columns}): pruning it would scan the table under locks that block producers"),
+            format!("ALTER TABLE {shown} ADD INDEX ({columns}) (once; migrations/mysql/001_outbox.sql has it), then prune again"),
+        ));
     }
-    let order = if indexed {
-        format!(" ORDER BY {time}")
-    } else {
-        String::new()
-    };
     let sql = format!(
-        "DELETE FROM {shown} WHERE {cond}{order} LIMIT {}",
+        "DELETE FROM {shown} WHERE {cond} ORDER BY {time} LIMIT {}",
         opts.batch
     );
     let result = async {

@@ -14,3 +14,4 @@ mod crypto_cli;
 mod crypto_fields;
 mod crypto_mysql;
 mod crypto_pg;
+mod outbox_prune_locks;
