@@ -1,7 +1,8 @@
 //! The start of a Postgres relay, from its first SQL session to the position its stream opens
 //! at: the server and table checks, the lease (as a standby under `--ha`, then ending a paused
 //! old leader's walsender), the publication, what a first start or a replay publishes from the
-//! tables, the slot's checks (dropped, invalidated, replaced), `--on-position-lost` recovery,
+//! tables, the position checks (a state row from another server; a slot dropped, invalidated
+//! or replaced), `--on-position-lost` recovery,
 //! and which of the slot's and the state row's positions streaming resumes from. It is one
 //! function because its order is what makes a start safe to interrupt at any step: the plan is
 //! decided before the slot exists, a replay is recorded before it is published, a first start
@@ -105,18 +106,32 @@ pub async fn start_plan(
     let mut plan = plan;
     let mut lease = lease;
     let mut slot_info = admin::slot(&sql, slot_name).await?;
+    let row = state::postgres::load(&sql, &opts.name).await?;
+    // A state row carried over from another server: checked first, because its positions
+    // also decide whether the slot counts as replaced.
+    let flush = admin::flush_lsn(&sql).await?;
+    let foreign = row
+        .as_ref()
+        .and_then(|row| state::postgres::foreign_position(row, flush));
     // A slot dropped and created again under our name (see state::postgres::slot_replaced).
-    let replaced = match (&slot_info, lease.first_start) {
-        (Some(s), false) => state::postgres::load(&sql, &opts.name)
-            .await?
-            .and_then(|row| state::postgres::slot_replaced(&row, s.confirmed_flush_lsn)),
+    let replaced = match (&slot_info, lease.first_start, &row, &foreign) {
+        (Some(s), false, Some(row), None) => {
+            state::postgres::slot_replaced(row, s.confirmed_flush_lsn)
+        }
         _ => None,
     };
     let lost = match &slot_info {
+        _ if foreign.is_some() => foreign.clone(),
         None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", slot_name, opts.name)),
         Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", slot_name)),
         _ => replaced.clone(),
     };
+    if let (Some(problem), PositionLostPolicy::Fail) = (&foreign, opts.on_position_lost) {
+        return Err(Error::PositionLost {
+            problem: problem.clone(),
+            fix: admin::foreign_position_fix(&opts.name),
+        });
+    }
     if let (Some(problem), PositionLostPolicy::Fail) = (&replaced, opts.on_position_lost) {
         return Err(Error::PositionLost {
             problem: problem.clone(),
@@ -124,16 +139,16 @@ pub async fn start_plan(
         });
     }
     if let (Some(problem), PositionLostPolicy::Poll) = (&lost, opts.on_position_lost) {
-        let row = state::postgres::load(&sql, &opts.name)
-            .await?
+        let row = row
+            .as_ref()
             .ok_or_else(|| Error::Other("state row vanished".into()))?;
-        let since = recovery_since(&row, opts.replay_since, opts.recovery_margin);
+        let since = recovery_since(row, opts.replay_since, opts.recovery_margin);
         if slot_info.is_some() {
             admin::drop_slot(&sql, slot_name).await?;
             slot_info = None;
         }
         // Recorded first: if this run dies before the replay is durable, the next one
-        // replays again.
+        // replays again. The lost position is forgotten with it (see set_replay).
         state::postgres::set_replay(&sql, &lease, since).await?;
         lease.replay_since = Some(since);
         lease.first_start = true;
@@ -168,11 +183,9 @@ pub async fn start_plan(
             // the lease keeper, each on its own one-second clock: after a SIGKILL either may be
             // behind. Both only ever hold positions the sink made durable, so resume from the
             // later one; the server skips transactions that committed before it.
+            // The stored one is this server's: a foreign one stopped or was reset above.
             let confirmed = slot.confirmed_flush_lsn.unwrap_or(0);
-            let stored = state::postgres::load(&sql, &opts.name)
-                .await?
-                .and_then(|row| row.position_lsn)
-                .unwrap_or(0);
+            let stored = row.as_ref().and_then(|row| row.position_lsn).unwrap_or(0);
             if stored > confirmed {
                 tracing::info!(slot_position = %format_lsn(confirmed), stored = %format_lsn(stored), "the stored position is ahead of the slot's: resuming from it");
             }

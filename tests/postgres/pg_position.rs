@@ -1,0 +1,173 @@
+//! Stored positions the relay must not trust on Postgres: a state row carried over from another
+//! cluster (a dump and restore, a logical upgrade, a blue/green switch) holds an LSN this
+//! server never wrote. Resuming from it would skip every event up to it and push the slot
+//! there; it is a lost position instead (exit 3 with the fix, or `--on-position-lost poll`,
+//! which publishes again from the table and forgets the foreign position).
+
+use crate::common;
+use crate::pg_faults::recreate_slot;
+
+use common::*;
+use std::collections::HashSet;
+use std::time::Duration;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(60);
+
+/// Far beyond any WAL a test server writes.
+const BOGUS: &str = "FFFF/0";
+
+fn args<'a>(dsn: &'a str, name: &'a str, poll: bool) -> Vec<&'a str> {
+    let mut a = vec!["run", "--source", dsn, "--name", name, "--commit-offsets"];
+    if poll {
+        a.extend(["--on-position-lost", "poll"]);
+    }
+    a
+}
+
+/// A relay that ran once and stopped cleanly, whose state row then got an LSN from "another
+/// cluster": `BOGUS` as its stored position.
+async fn carried_over(db: &PgDb, name: &str) {
+    let dsn = db.dsn();
+    let slot = format!("outboxd_{name}");
+    let mut relay = Relay::start(&args(&dsn, name, false));
+    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let mut client = db.client().await;
+    let first = write_events(&mut client, 2, 5, "first").await;
+    wait_lines("the first events", &relay, first.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2 WHERE name = $1",
+            &[&name, &BOGUS],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "the state row of {name}");
+}
+
+/// Whether `lsn` is below `BOGUS` (and so not the foreign position).
+async fn below_bogus(db: &PgDb, lsn: &str) -> bool {
+    db.client()
+        .await
+        .query_one(
+            "SELECT $1::text::pg_lsn < $2::text::pg_lsn",
+            &[&lsn, &BOGUS],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn wait_published(relay: &mut Relay, what: &str, expected: &[Uuid]) {
+    let lines = relay.lines.clone();
+    relay
+        .wait_running(what, T, || {
+            let got: HashSet<Uuid> = ids_of(&lines.lock().unwrap()).into_iter().collect();
+            let all = expected.iter().all(|i| got.contains(i));
+            async move { all }
+        })
+        .await;
+}
+
+/// The slot re-created by hand on the "new" server (the documented fix for a missing slot):
+/// the stored position is still ahead of the server's WAL, so the start stops with exit 3
+/// instead of resuming from it (which published 0 of 5 and pushed the slot to the bogus LSN);
+/// `--on-position-lost poll` then publishes every committed event, and a later plain start
+/// streams on from the position recovery stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_position_ahead_of_the_servers_wal_is_a_lost_position() {
+    let db = PgDb::create("foreign").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    carried_over(&db, &name).await;
+    let new_slot = recreate_slot(&db, &slot).await;
+    let mut client = db.client().await;
+    let committed = write_events(&mut client, 5, 1, "committed").await;
+
+    let mut plain = Relay::start(&args(&dsn, &name, false));
+    let code = plain.wait_exit(T).await;
+    let err = plain.stderr();
+    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    assert!(
+        err.contains("ahead of this server's WAL") && err.contains("fix:"),
+        "{err}"
+    );
+    assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
+    assert!(plain.lines().is_empty(), "nothing streamed");
+    assert_eq!(
+        db.slot_confirmed(&slot).await.as_deref(),
+        Some(new_slot.as_str()),
+        "the slot is left as it was"
+    );
+
+    let mut recover = Relay::start(&args(&dsn, &name, true));
+    wait_published(&mut recover, "every committed event, replayed", &committed).await;
+    let err = recover.stderr();
+    assert!(err.contains("POSITION LOST"), "said loudly: {err}");
+    recover.signal("TERM");
+    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    let confirmed = db.slot_confirmed(&slot).await.expect("a slot");
+    assert!(
+        below_bogus(&db, &confirmed).await,
+        "the slot was pushed to the foreign position: {confirmed}"
+    );
+
+    // Recovery forgot the foreign position: the next plain start streams what follows.
+    let after = write_events(&mut client, 3, 1, "after").await;
+    let mut again = Relay::start(&args(&dsn, &name, false));
+    wait_published(&mut again, "the events after recovery", &after).await;
+    again.signal("TERM");
+    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+}
+
+/// The slot missing on the "new" server and `--on-position-lost poll` (the other documented
+/// fix): recovery publishes the rows again and must also reset the stored position, or the
+/// next plain start resumes from the foreign one (the row kept it: a renewal never lowers a
+/// position) and publishes nothing of what follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_forgets_a_stored_position_ahead_of_the_servers_wal() {
+    let db = PgDb::create("foreign2").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    carried_over(&db, &name).await;
+    pg_connect(PG_ADMIN)
+        .await
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    let mut client = db.client().await;
+    let committed = write_events(&mut client, 5, 1, "committed").await;
+
+    let mut recover = Relay::start(&args(&dsn, &name, true));
+    wait_published(&mut recover, "every committed event, replayed", &committed).await;
+    recover.signal("TERM");
+    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    let stored: Option<String> = client
+        .query_one(
+            "SELECT position_lsn::text FROM outboxd_state WHERE name = $1",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let stored = stored.expect("recovery stored a position");
+    assert!(
+        below_bogus(&db, &stored).await,
+        "the foreign position is still stored: {stored}"
+    );
+
+    let after = write_events(&mut client, 5, 1, "after").await;
+    let mut again = Relay::start(&args(&dsn, &name, false));
+    wait_published(&mut again, "the events after recovery", &after).await;
+    again.signal("TERM");
+    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+    let confirmed = db.slot_confirmed(&slot).await.expect("a slot");
+    assert!(
+        below_bogus(&db, &confirmed).await,
+        "the slot was pushed to the foreign position: {confirmed}"
+    );
+}
