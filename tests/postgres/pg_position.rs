@@ -1,8 +1,10 @@
-//! Stored positions the relay must not trust on Postgres: a state row carried over from another
-//! cluster (a dump and restore, a logical upgrade, a blue/green switch) holds an LSN this
-//! server never wrote. Resuming from it would skip every event up to it and push the slot
-//! there; it is a lost position instead (exit 3 with the fix, or `--on-position-lost poll`,
-//! which publishes again from the table and forgets the foreign position).
+//! Where a Postgres relay's stream starts, and positions it must not trust. A state row carried
+//! over from another cluster (a dump and restore, a logical upgrade, a blue/green switch) holds
+//! an LSN this server never wrote: resuming from it would skip every event up to it and push
+//! the slot there, so it is a lost position (exit 3 with the fix, or `--on-position-lost poll`,
+//! which publishes again from the table and forgets the foreign position). A first start takes
+//! its position (the slot) before it decides what to publish from the table, so a producer
+//! transaction in flight while the slot is created is published.
 
 use crate::common;
 use crate::pg_faults::recreate_slot;
@@ -170,4 +172,77 @@ async fn recovery_forgets_a_stored_position_ahead_of_the_servers_wal() {
         below_bogus(&db, &confirmed).await,
         "the slot was pushed to the foreign position: {confirmed}"
     );
+}
+
+/// `--snapshot auto` on an empty table without a status column, a producer transaction open
+/// (its row inserted) while the relay starts for the first time: creating the slot waits for
+/// that transaction, which then commits before the slot's consistent point, so the stream does
+/// not carry it. The row must come from the table: it was neither in the snapshot (the table
+/// looked empty before the slot existed) nor in the stream, before the table was looked at
+/// again once the slot existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_in_flight_at_the_first_start_is_published() {
+    let db = PgDb::create("inflight").await;
+    let mut client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox DROP COLUMN status, DROP COLUMN published_at")
+        .await
+        .unwrap();
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut producer = db.client().await;
+    let mut tx = producer.transaction().await.unwrap();
+    let inflight = outbox
+        .write(
+            &mut tx,
+            "inflight",
+            "i",
+            &serde_json::json!({"inflight": true}),
+        )
+        .await
+        .unwrap();
+
+    let mut relay = Relay::start(&args(&dsn, &name, false));
+    // The slot's creation waits for every transaction running when it began: ours.
+    let app = format!("outboxd_{name}");
+    relay
+        .wait_running("the slot's creation waiting for the producer", T, || {
+            let (db, app) = (&db, &app);
+            async move {
+                db.client()
+                    .await
+                    .query_opt(
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = $1
+                            AND wait_event_type = 'Lock' AND query ILIKE '%pg_create_logical_replication_slot%'",
+                        &[app],
+                    )
+                    .await
+                    .unwrap()
+                    .is_some()
+            }
+        })
+        .await;
+    tx.commit().await.unwrap();
+    wait_published(
+        &mut relay,
+        "the row of the transaction in flight",
+        &[inflight],
+    )
+    .await;
+    let later = write_events(&mut client, 2, 1, "later").await;
+    wait_published(&mut relay, "the rows after it", &later).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert!(db.slot_confirmed(&slot).await.is_some(), "the slot stays");
+
+    // And a restart streams on from the first start's position: nothing published again
+    // but what follows.
+    let next = write_events(&mut client, 1, 1, "next").await;
+    let mut again = Relay::start(&args(&dsn, &name, false));
+    wait_published(&mut again, "the row after the restart", &next).await;
+    again.signal("TERM");
+    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+    assert_eq!(ids_of(&again.lines()), next, "only what followed the stop");
 }

@@ -2,12 +2,12 @@
 //! at: the server and table checks, the lease (as a standby under `--ha`, then ending a paused
 //! old leader's walsender), the publication, what a first start or a replay publishes from the
 //! tables, the position checks (a state row from another server; a slot dropped, invalidated
-//! or replaced), `--on-position-lost` recovery,
-//! and which of the slot's and the state row's positions streaming resumes from. It is one
-//! function because its order is what makes a start safe to interrupt at any step: the plan is
-//! decided before the slot exists, a replay is recorded before it is published, a first start
-//! is marked done before its first event. The result is a [`StartPlan`] for the source and the
-//! lease keeper; the SQL it runs is in [`admin`] and `state::postgres`.
+//! or replaced), `--on-position-lost` recovery, and which of the slot's and the state row's
+//! positions streaming resumes from. It is one function because its order is what makes a
+//! start safe to interrupt at any step: the plan is decided before the slot exists (an empty
+//! table is looked at again once it does), a replay is recorded before it is published, a
+//! first start is marked done before its first event. The result is a [`StartPlan`] for the
+//! source and the lease keeper; the SQL it runs is in [`admin`] and `state::postgres`.
 
 use super::admin;
 use super::snapshot::{self, SnapshotKey, SnapshotMode, SnapshotPlan};
@@ -94,8 +94,9 @@ pub async fn start_plan(
     }
     admin::ensure_publication(&sql, publication, tables).await?;
 
-    // Decided before the slot exists, so `auto` on a non-empty table without a status column
-    // refuses without leaving a slot behind.
+    // A first look before the slot exists, so `auto` on a non-empty table without a status
+    // column refuses without leaving a slot behind; an empty one is looked at again once the
+    // slot exists (snapshot::look_again), for the rows of transactions its creation waited for.
     let plan = match (&lease.replay_since, lease.first_start) {
         (Some(since), _) => {
             snapshot::plan_tables(&sql, tables, columns, &SnapshotMode::Since(*since)).await?
@@ -201,6 +202,10 @@ pub async fn start_plan(
         }
     };
     tracing::info!(slot = %slot_name, position = %format_lsn(start), "resuming");
+    if lease.first_start && lease.replay_since.is_none() && opts.snapshot == SnapshotMode::Auto {
+        // The position exists now: what the table holds is decided against it.
+        snapshot::look_again(&sql, &mut plan).await?;
+    }
     let mut snapshot_after = None;
     if lease.first_start || lease.replay_since.is_some() {
         if plan.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
