@@ -576,6 +576,24 @@ pub async fn set_replay(
     Ok(())
 }
 
+/// Starts an interrupted first start over after its position was lost (recovery): its
+/// snapshot's progress, stored position and slot start are forgotten, so the next slot and
+/// snapshot begin afresh.
+pub async fn restart_first_start(client: &Client, lease: &Lease) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET snapshot_key = NULL, position_lsn = NULL, position = NULL, slot_created_lsn = NULL,
+                    updated_at = now()
+              WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
 /// Gives the lease up at a clean shutdown, so the next start need not wait for it to expire.
 pub async fn release(client: &Client, lease: &Lease) -> Result<(), Error> {
     client

@@ -4,7 +4,8 @@
 //! the slot there, so it is a lost position (exit 3 with the fix, or `--on-position-lost poll`,
 //! which publishes again from the table and forgets the foreign position). A first start takes
 //! its position (the slot) before it decides what to publish from the table, so a producer
-//! transaction in flight while the slot is created is published.
+//! transaction in flight while the slot is created is published; and a first start whose slot
+//! was dropped between two of its lives is a lost position, never a new slot created silently.
 
 use crate::common;
 use crate::pg_faults::recreate_slot;
@@ -245,4 +246,118 @@ async fn a_transaction_in_flight_at_the_first_start_is_published() {
     again.signal("TERM");
     assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
     assert_eq!(ids_of(&again.lines()), next, "only what followed the stop");
+}
+
+/// A first start's snapshot (`--snapshot all`) interrupted (SIGKILL) after some rows were
+/// durable, its slot dropped before the next life, rows committed meanwhile with a key before
+/// the stored one (an early `created_at`: a long producer transaction's row). The next life
+/// used to create a slot silently and go on after the stored key: those rows were in neither.
+/// Now it is a lost position (exit 3 with the fix); `--on-position-lost poll` starts the first
+/// start over and publishes every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
+    let db = PgDb::create("interrupted").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let dsn = db.dsn();
+    let client = db.client().await;
+    // Far more than a pipe holds as stdout lines: the first life blocks on its stdout, which
+    // nobody reads, in the middle of its snapshot.
+    client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload)
+             SELECT gen_random_uuid(), 'a' || g, 'existing', json_build_object('n', g, 'pad', repeat('x', 200))
+               FROM generate_series(1, 3000) g",
+        )
+        .await
+        .unwrap();
+    let existing: Vec<Uuid> = client
+        .query("SELECT id FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+
+    let mut first = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args([
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--commit-offsets",
+            "--snapshot",
+            "all",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .env_remove("RUST_LOG")
+        .spawn()
+        .unwrap();
+    let unread = first.stdout.take();
+    wait_for("a durable snapshot row of the first start", T, || async {
+        db.client()
+            .await
+            .query_one(
+                "SELECT snapshot_key IS NOT NULL AND initialized_at IS NULL FROM outboxd_state WHERE name = $1",
+                &[&name],
+            )
+            .await
+            .ok()
+            .is_some_and(|r| r.get(0))
+    })
+    .await;
+    first.kill().unwrap();
+    first.wait().unwrap();
+    drop(unread);
+
+    pg_connect(PG_ADMIN)
+        .await
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    let mut early = Vec::new();
+    for _ in 0..3 {
+        let id = Uuid::new_v4();
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at)
+                 VALUES ($1, 'early', 'early', '{\"early\": true}', '2000-01-01T00:00:00Z')",
+                &[&id],
+            )
+            .await
+            .unwrap();
+        early.push(id);
+    }
+
+    let mut plain = Relay::start(&args(&dsn, &name, false));
+    let code = plain.wait_exit(T).await;
+    let err = plain.stderr();
+    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    assert!(
+        err.contains("interrupted first start") && err.contains("fix:"),
+        "{err}"
+    );
+    assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
+    assert!(plain.lines().is_empty(), "nothing published");
+    assert!(
+        db.slot_confirmed(&slot).await.is_none(),
+        "no slot silently created"
+    );
+
+    let mut poll = args(&dsn, &name, true);
+    poll.extend(["--snapshot", "all"]);
+    let mut recover = Relay::start(&poll);
+    let mut expected = existing.clone();
+    expected.extend(&early);
+    wait_published(
+        &mut recover,
+        "every row, the early ones included",
+        &expected,
+    )
+    .await;
+    recover.signal("TERM");
+    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
 }

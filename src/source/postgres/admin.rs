@@ -358,6 +358,15 @@ pub fn foreign_position_fix(name: &str) -> String {
     )
 }
 
+/// The fix text for a first start whose slot was dropped or replaced before it finished.
+pub fn interrupted_first_start_fix(name: &str) -> String {
+    format!(
+        "the first start must publish its snapshot again from the beginning: `outboxd run --on-position-lost poll ...` \
+         starts it over from a fresh slot (expect duplicates of the rows it already published), or start over by hand: \
+         `outboxd teardown --name {name} --yes`, then `outboxd run ...`"
+    )
+}
+
 /// The fix text for a slot that was dropped and created again under the relay's slot name.
 pub fn replaced_slot_fix(name: &str, slot: &str) -> String {
     format!(

@@ -114,15 +114,26 @@ pub async fn start_plan(
     let foreign = row
         .as_ref()
         .and_then(|row| state::postgres::foreign_position(row, flush));
-    // A slot dropped and created again under our name (see state::postgres::slot_replaced).
-    let replaced = match (&slot_info, lease.first_start, &row, &foreign) {
-        (Some(s), false, Some(row), None) => {
-            state::postgres::slot_replaced(row, s.confirmed_flush_lsn)
-        }
+    // A slot dropped and created again under our name (see state::postgres::slot_replaced),
+    // also during a first start: from the slot's creation on, it is confirmed only up to
+    // positions the row holds.
+    let replaced = match (&slot_info, &row, &foreign) {
+        (Some(s), Some(row), None) => state::postgres::slot_replaced(row, s.confirmed_flush_lsn),
+        _ => None,
+    };
+    // A first start an earlier run began (it recorded the slot it created) whose slot is gone:
+    // the rows it published stand on that slot's position, and a new slot starts later.
+    let interrupted = match (&slot_info, &row) {
+        (None, Some(row)) if lease.first_start && row.slot_created_lsn.is_some() => Some(format!(
+            "replication slot {:?} of relay {:?} does not exist, but an interrupted first start created it: it was dropped, \
+             so rows committed since could be in neither that start's snapshot (published up to its last durable row) nor a new slot",
+            slot_name, opts.name
+        )),
         _ => None,
     };
     let lost = match &slot_info {
         _ if foreign.is_some() => foreign.clone(),
+        _ if interrupted.is_some() => interrupted.clone(),
         None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", slot_name, opts.name)),
         Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", slot_name)),
         _ => replaced.clone(),
@@ -133,13 +144,39 @@ pub async fn start_plan(
             fix: admin::foreign_position_fix(&opts.name),
         });
     }
-    if let (Some(problem), PositionLostPolicy::Fail) = (&replaced, opts.on_position_lost) {
+    if let (Some(problem), PositionLostPolicy::Fail) = (
+        interrupted.as_ref().or(replaced.as_ref()),
+        opts.on_position_lost,
+    ) {
         return Err(Error::PositionLost {
             problem: problem.clone(),
-            fix: admin::replaced_slot_fix(&opts.name, slot_name),
+            fix: if lease.first_start {
+                admin::interrupted_first_start_fix(&opts.name)
+            } else {
+                admin::replaced_slot_fix(&opts.name, slot_name)
+            },
         });
     }
-    if let (Some(problem), PositionLostPolicy::Poll) = (&lost, opts.on_position_lost) {
+    let first_start_lost = lost.is_some() && lease.first_start && lease.replay_since.is_none();
+    if let (Some(problem), PositionLostPolicy::Poll, true) =
+        (&lost, opts.on_position_lost, first_start_lost)
+    {
+        // A first start has no delivered position to replay from: the rows its snapshot
+        // still had to publish may be older than anything it published. It starts over, from
+        // a fresh slot and the beginning of its snapshot.
+        if slot_info.is_some() {
+            admin::drop_slot(&sql, slot_name).await?;
+            slot_info = None;
+        }
+        state::postgres::restart_first_start(&sql, &lease).await?;
+        tracing::error!(
+            problem = %problem,
+            "POSITION LOST: starting the interrupted first start over (--on-position-lost poll): opening a fresh slot and publishing its snapshot again from the beginning; expect duplicates"
+        );
+    }
+    if let (Some(problem), PositionLostPolicy::Poll, false) =
+        (&lost, opts.on_position_lost, first_start_lost)
+    {
         let row = row
             .as_ref()
             .ok_or_else(|| Error::Other("state row vanished".into()))?;
