@@ -361,3 +361,58 @@ async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
     recover.signal("TERM");
     assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
 }
+
+/// Which rows count as written by another server: a stored position or a recorded slot start
+/// past the flush LSN; nothing at or below it, nor a row that holds neither.
+#[test]
+fn a_row_past_the_servers_flush_lsn_is_foreign() {
+    let flush = 0x1_0000_0000;
+    let row = outboxd::state::postgres::StateRow {
+        name: "x".into(),
+        slot: Some("outboxd_x".into()),
+        publication: None,
+        epoch: 1,
+        lease_holder: None,
+        lease_live: false,
+        position_lsn: Some(0xFFFF_0000_0000),
+        initialized: true,
+        replay_since: None,
+        lease_expires_at: None,
+        updated_at: None,
+        position_commit_at: None,
+        commit_gap_ms: None,
+        created_at: None,
+        snapshot_key: None,
+        slot_created_lsn: Some(0x100),
+    };
+    let problem = outboxd::state::postgres::foreign_position(&row, flush).expect("foreign");
+    assert!(
+        problem.contains("stored position FFFF/0")
+            && problem.contains("ahead of this server's WAL (flushed up to 1/0)"),
+        "{problem}"
+    );
+    let here = outboxd::state::postgres::StateRow {
+        position_lsn: Some(flush),
+        ..row.clone()
+    };
+    assert_eq!(
+        outboxd::state::postgres::foreign_position(&here, flush),
+        None
+    );
+    let slot_start = outboxd::state::postgres::StateRow {
+        position_lsn: None,
+        slot_created_lsn: Some(flush + 1),
+        ..row.clone()
+    };
+    let problem = outboxd::state::postgres::foreign_position(&slot_start, flush).expect("foreign");
+    assert!(problem.contains("slot start 1/1"), "{problem}");
+    let empty = outboxd::state::postgres::StateRow {
+        position_lsn: None,
+        slot_created_lsn: None,
+        ..row
+    };
+    assert_eq!(
+        outboxd::state::postgres::foreign_position(&empty, flush),
+        None
+    );
+}
