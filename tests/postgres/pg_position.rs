@@ -416,3 +416,50 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
         None
     );
 }
+
+/// The lease keeper tells the source a position is stored (so the slot may be confirmed to
+/// it) only when the row holds exactly that position: a row that kept a larger one of its own
+/// (a renewal never lowers it) did not store it, and confirming the slot on its word would let
+/// a later start resume from a position nobody delivered up to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_is_reported_only_for_what_the_row_holds() {
+    use outboxd::event::Checkpoint;
+    use outboxd::state::StateStore;
+    let db = PgDb::create("held").await;
+    let name = unique("r");
+    let outboxd::dsn::SourceDsn::Postgres(dsn) = outboxd::dsn::SourceDsn::parse(&db.dsn()).unwrap()
+    else {
+        panic!("a Postgres DSN");
+    };
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let mut store = outboxd::state::postgres::PgStateStore::new(dsn, format!("outboxd_{name}"))
+        .with_slot(&format!("outboxd_{name}"))
+        .with_publication(&format!("outboxd_{name}"))
+        .with_stored(tx);
+    let (lease, _) = store.acquire(&name, "test-holder").await.unwrap();
+    let commit = outboxd::state::DurableCommit::default();
+    store
+        .renew(&lease, Some(&Checkpoint::Lsn(0x1000)), &commit)
+        .await
+        .unwrap();
+    assert_eq!(*rx.borrow(), 0x1000, "a position the row took is reported");
+
+    // The row holds a larger position than any this store wrote.
+    db.client()
+        .await
+        .execute(
+            "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2 WHERE name = $1",
+            &[&name, &BOGUS],
+        )
+        .await
+        .unwrap();
+    store
+        .renew(&lease, Some(&Checkpoint::Lsn(0x2000)), &commit)
+        .await
+        .unwrap();
+    assert_eq!(
+        *rx.borrow(),
+        0x1000,
+        "0/2000 reported as stored while the row holds {BOGUS}"
+    );
+}
