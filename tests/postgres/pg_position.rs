@@ -261,8 +261,8 @@ async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
     let client = db.client().await;
-    // Far more than a pipe holds as stdout lines: the first life blocks on its stdout, which
-    // nobody reads, in the middle of its snapshot.
+    // Far more than a pipe holds (64 KiB) as stdout lines: the first life blocks on its
+    // stdout, which nobody reads, in the middle of its snapshot.
     client
         .batch_execute(
             "INSERT INTO outbox (id, aggregate_id, topic, payload)
@@ -289,6 +289,10 @@ async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
             "--commit-offsets",
             "--snapshot",
             "all",
+            // Small batches: several are flushed and confirmed (their keys stored) before the
+            // pipe is full, whatever the timing.
+            "--window",
+            "8",
         ])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
