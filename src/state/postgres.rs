@@ -25,6 +25,8 @@ pub struct PgStateStore {
     /// Told when the server answered that it is shutting down (see
     /// [`PgStateStore::with_server_stopping`]).
     server_stopping: Option<tokio::sync::watch::Sender<Option<std::time::Instant>>>,
+    /// A row position ahead of this store's own, already warned about.
+    foreign_seen: Option<u64>,
 }
 
 impl PgStateStore {
@@ -38,6 +40,7 @@ impl PgStateStore {
             renewals: 0,
             stored: None,
             server_stopping: None,
+            foreign_seen: None,
         }
     }
 
@@ -89,16 +92,10 @@ impl PgStateStore {
             _ => (None, None),
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
-        if let (Ok(()), Some(l), Some(tx)) = (&r, lsn, &self.stored) {
-            // The row keeps the larger of this and what it had: it holds at least `l`.
-            tx.send_if_modified(|v| {
-                let newer = l > *v;
-                if newer {
-                    *v = l;
-                }
-                newer
-            });
+        if let (Ok(held), Some(l)) = (&r, lsn) {
+            self.report_stored(l, *held);
         }
+        let r = r.map(drop);
         let r = match (r, snapshot_key) {
             (Ok(()), Some(key)) => store_snapshot_key(self.client().await?, lease, key).await,
             (r, _) => r,
@@ -124,6 +121,35 @@ impl PgStateStore {
             self.client = None;
         }
         r
+    }
+}
+
+impl PgStateStore {
+    /// Tells the source that `l` is stored only when the row holds exactly `l` (`held`). A row
+    /// already past it kept its own value, which this process never streamed (the start
+    /// resumes at or after the stored position, so its own positions only grow from there):
+    /// confirming `l` to the slot on the word of that value would let the next start resume
+    /// from a position nobody delivered up to.
+    fn report_stored(&mut self, l: u64, held: Option<u64>) {
+        let Some(tx) = &self.stored else {
+            return;
+        };
+        if held == Some(l) {
+            tx.send_if_modified(|v| {
+                let newer = l > *v;
+                if newer {
+                    *v = l;
+                }
+                newer
+            });
+        } else if held.is_some_and(|h| h > l) && self.foreign_seen != held {
+            self.foreign_seen = held;
+            tracing::warn!(
+                position = %format_lsn(l),
+                stored = %held.map(format_lsn).unwrap_or_default(),
+                "the state row holds a position this relay never stored: not confirming the slot past what the row agrees with"
+            );
+        }
     }
 }
 
@@ -322,6 +348,27 @@ pub fn slot_replaced(row: &StateRow, confirmed: Option<u64>) -> Option<String> {
     })
 }
 
+/// Whether the row holds a position this server never wrote: one past its WAL's flush LSN
+/// (`flush`). Every position a relay stores came from this server's walsender, which sends
+/// only flushed WAL, so such a row was carried over from another cluster (a dump and restore, a
+/// logical upgrade, a blue/green switch). Resuming from it would skip every event up to it and
+/// confirm the slot there; its `slot_created_lsn`, just as foreign, would hide a replaced slot.
+pub fn foreign_position(row: &StateRow, flush: u64) -> Option<String> {
+    let (what, at) = match (row.position_lsn, row.slot_created_lsn) {
+        (Some(p), _) if p > flush => ("stored position", p),
+        (_, Some(c)) if c > flush => ("slot start", c),
+        _ => return None,
+    };
+    Some(format!(
+        "the {what} {} of relay {:?} is ahead of this server's WAL (flushed up to {}): the state row was written \
+         by another server (a dump and restore, a logical upgrade, a blue/green switch), so its position means nothing \
+         here and resuming from it would skip every event up to it",
+        format_lsn(at),
+        row.name,
+        format_lsn(flush),
+    ))
+}
+
 /// Records where the slot this relay follows starts: always when this relay just created it
 /// (`created`), otherwise only when nothing was recorded yet (a slot made by `outboxd setup`,
 /// or a state row from before this was recorded).
@@ -461,16 +508,17 @@ fn lost(lease: &Lease) -> Error {
 }
 
 /// Renews the lease and, when given, stores a newer position. A position older than the stored
-/// one is ignored by the statement itself, so the row can never move backwards.
+/// one is ignored by the statement itself, so the row can never move backwards. Returns the
+/// position the row holds afterwards.
 pub async fn renew(
     client: &Client,
     lease: &Lease,
     position: Option<u64>,
     commit: &DurableCommit,
-) -> Result<(), Error> {
+) -> Result<Option<u64>, Error> {
     let pos_text = position.map(format_lsn);
-    let n = client
-        .execute(
+    let row = client
+        .query_opt(
             "UPDATE outboxd_state
                 SET lease_renewed_at = now(),
                     lease_expires_at = now() + make_interval(secs => $4),
@@ -483,7 +531,8 @@ pub async fn renew(
                     position_commit_at = greatest(position_commit_at, $6),
                     commit_gap_ms = greatest(commit_gap_ms, $7),
                     updated_at = now()
-              WHERE name = $1 AND epoch = $2 AND lease_holder = $5",
+              WHERE name = $1 AND epoch = $2 AND lease_holder = $5
+          RETURNING position_lsn::text",
             &[
                 &lease.name,
                 &lease.epoch,
@@ -495,15 +544,19 @@ pub async fn renew(
             ],
         )
         .await?;
-    if n == 0 {
+    let Some(row) = row else {
         return Err(lost(lease));
-    }
-    Ok(())
+    };
+    Ok(row.get::<_, Option<String>>(0).and_then(|s| parse_lsn(&s)))
 }
 
 pub use super::DurableCommit;
 
-/// Records a replay the next start must perform (recovery), while holding the lease.
+/// Records a replay the next start must perform (recovery), while holding the lease, and
+/// forgets the lost position: the stream starts again at a fresh slot, whose positions must
+/// replace it. A stored position is never lowered by a renewal, so one kept here (a foreign
+/// one past everything the fresh slot will reach) would be what the next start resumes from.
+/// The commit time and gap stay: a replay cut off before it is durable starts from them again.
 pub async fn set_replay(
     client: &Client,
     lease: &Lease,
@@ -511,8 +564,28 @@ pub async fn set_replay(
 ) -> Result<(), Error> {
     let n = client
         .execute(
-            "UPDATE outboxd_state SET replay_since = $3, snapshot_key = NULL, updated_at = now() WHERE name = $1 AND epoch = $2",
+            "UPDATE outboxd_state SET replay_since = $3, snapshot_key = NULL, position_lsn = NULL, position = NULL,
+                    slot_created_lsn = NULL, updated_at = now()
+              WHERE name = $1 AND epoch = $2",
             &[&lease.name, &lease.epoch, &since],
+        )
+        .await?;
+    if n == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
+}
+
+/// Starts an interrupted first start over after its position was lost (recovery): its
+/// snapshot's progress, stored position and slot start are forgotten, so the next slot and
+/// snapshot begin afresh.
+pub async fn restart_first_start(client: &Client, lease: &Lease) -> Result<(), Error> {
+    let n = client
+        .execute(
+            "UPDATE outboxd_state SET snapshot_key = NULL, position_lsn = NULL, position = NULL, slot_created_lsn = NULL,
+                    updated_at = now()
+              WHERE name = $1 AND epoch = $2",
+            &[&lease.name, &lease.epoch],
         )
         .await?;
     if n == 0 {

@@ -770,6 +770,32 @@ async fn first_start_modes_without_a_status_column() {
     }
 }
 
+/// `auto` on an empty table without a status column: the start reads the binlog position,
+/// then looks at the table again (a row committed between a first look and the position would
+/// otherwise be in neither); still empty, the first start is done at that position and streams
+/// what follows, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_start_auto_on_an_empty_table_without_a_status_column_streams() {
+    let db = MyDb::create("my_snap_empty").await;
+    let mut c = db.conn().await;
+    my_exec(&mut c, "ALTER TABLE outbox DROP COLUMN status").await;
+    let dsn = db.dsn();
+    let name = unique("r");
+    let mut relay = start_streaming(&db, &run_args(&dsn, &name)).await;
+    wait_for("the first start to be stored", T, || async {
+        db.stored(&name).await.is_some()
+    })
+    .await;
+    let later = my_write_events(&mut c, 3, 1, "later").await;
+    let lines = relay.lines_then_stop(later.len(), T).await;
+    assert_eq!(ids_of(&parse_lines(&lines)), later);
+    assert!(
+        !relay.stderr().contains("publishing them"),
+        "nothing appeared while it started: {}",
+        relay.stderr()
+    );
+}
+
 fn outboxd(args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
         .args(args)

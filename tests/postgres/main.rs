@@ -11,6 +11,7 @@ mod pg_limits;
 mod pg_operator;
 mod pg_partitions;
 mod pg_poll;
+mod pg_position;
 mod pg_rabbitmq;
 mod pg_recovery;
 mod pg_snapshot;

@@ -367,7 +367,7 @@ async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
 
 /// Drops the slot (ending any walsender still holding it) and creates it again, empty, under
 /// the same name, in the same database; returns the new slot's position.
-async fn recreate_slot(db: &PgDb, slot: &str) -> String {
+pub(crate) async fn recreate_slot(db: &PgDb, slot: &str) -> String {
     let admin = db.client().await;
     wait_for("the slot dropped", T, || {
         let admin = &admin;

@@ -146,6 +146,41 @@ pub async fn plan(
     })
 }
 
+/// What `--snapshot auto` publishes of a table without a status column that was empty when
+/// the start first looked (its plan is `Nothing`), once the stream's position exists: every
+/// row in it then was committed after that look, and may have committed before the position,
+/// so it is read whole (a row also in the stream is a duplicate, never a gap).
+pub fn appeared_since_empty() -> SnapshotPlan {
+    SnapshotPlan::Rows {
+        filter: String::new(),
+        what: "rows committed while the relay started on the empty table".into(),
+    }
+}
+
+/// The tables planned `Nothing` by `--snapshot auto` (empty at the first look) looked at again
+/// once the stream's position was read: those holding rows now are planned
+/// [`appeared_since_empty`]. Whether any was.
+pub async fn look_again(
+    conn: &mut Conn,
+    plans: &mut [(OutboxTable, SnapshotPlan)],
+) -> Result<bool, Error> {
+    let mut any = false;
+    for (table, plan) in plans.iter_mut() {
+        if *plan != SnapshotPlan::Nothing {
+            continue;
+        }
+        let n: Option<i64> = conn
+            .query_first(format!("SELECT COUNT(*) FROM {}", table.quoted()))
+            .await?;
+        if n.unwrap_or(0) > 0 {
+            tracing::info!(table = %table.quoted(), rows = n.unwrap_or(0), "first start: rows committed while the start position was read (the table was empty before): publishing them");
+            *plan = appeared_since_empty();
+            any = true;
+        }
+    }
+    Ok(any)
+}
+
 /// An open consistent snapshot and the binlog position it was taken at.
 pub struct Snapshot {
     conn: Conn,

@@ -157,23 +157,56 @@ pub async fn start_plan(
             // First start (docs/message-format.md): the rows already in the table come from a consistent
             // snapshot whose binlog position is where streaming starts. The position and the
             // first start's end are stored once the snapshot is durable.
-            let plans = super::snapshot::plan_tables(&mut sql, tables, &opts.snapshot).await?;
+            // A first look at the tables before the position is read, so `auto` on a
+            // non-empty table without a status column refuses before anything is stored.
+            let mut plans = super::snapshot::plan_tables(&mut sql, tables, &opts.snapshot).await?;
+            let auto = opts.snapshot == SnapshotMode::Auto;
             let restarted = match first_start_at.as_ref().and_then(Resume::from_checkpoint) {
                 Some(r) => Some(resumable(&mut sql, &opts.name, settings.mariadb, r, false).await?),
                 None => None,
             };
+            // Read before the empty tables are looked at again: a row committed after the
+            // first look is in the stream from here, or seen by the second look.
+            let empty_at = match (
+                &restarted,
+                plans.iter().all(|(_, p)| *p == SnapshotPlan::Nothing),
+            ) {
+                (None, true) => Some(super::current_position(&mut sql, settings.mariadb).await?),
+                _ => None,
+            };
+            let appeared = match &empty_at {
+                Some(_) if auto => super::snapshot::look_again(&mut sql, &mut plans).await?,
+                _ => false,
+            };
             if plans.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
                 first = FirstStart::Empty;
-                let at = match restarted {
-                    Some(at) => at,
-                    None => super::current_position(&mut sql, settings.mariadb).await?,
+                let at = match (restarted, empty_at) {
+                    (Some(at), _) | (None, Some(at)) => at,
+                    (None, None) => super::current_position(&mut sql, settings.mariadb).await?,
                 };
                 store_first = Some((at.checkpoint(), true));
                 at
             } else {
+                if auto {
+                    // A table empty at the first look, in a snapshot taken after it: the rows
+                    // committed in between sort before the snapshot's position, so they come
+                    // from the snapshot or not at all.
+                    for (_, plan) in plans.iter_mut() {
+                        if *plan == SnapshotPlan::Nothing {
+                            *plan = super::snapshot::appeared_since_empty();
+                        }
+                    }
+                }
                 let mut snap =
                     super::snapshot::begin(super::connect_sql(dsn).await?, settings.mariadb, plans)
                         .await?;
+                if appeared {
+                    // The stream starts where the tables were looked at again, before the
+                    // snapshot: what committed in between is in both (duplicates, never a gap).
+                    if let Some(at) = empty_at {
+                        snap.at = at;
+                    }
+                }
                 if let Some(at) = restarted {
                     // The snapshot is newer than the stored start: streaming from the start
                     // repeats what was committed in between (duplicates, never a gap), and the

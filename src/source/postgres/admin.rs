@@ -39,6 +39,21 @@ pub async fn slot(client: &Client, slot: &str) -> Result<Option<SlotInfo>, Error
     }))
 }
 
+/// How far this server's WAL is durable (on a standby: replayed). Every position a relay
+/// stores came through a walsender, which sends only flushed WAL, so a stored position past
+/// this one was written by another server.
+pub async fn flush_lsn(client: &Client) -> Result<u64, Error> {
+    let lsn: String = client
+        .query_one(
+            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                          ELSE pg_current_wal_flush_lsn() END)::text",
+            &[],
+        )
+        .await?
+        .get(0);
+    parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("WAL flush LSN {lsn:?}")))
+}
+
 pub async fn wal_level(client: &Client) -> Result<String, Error> {
     Ok(client.query_one("SHOW wal_level", &[]).await?.get(0))
 }
@@ -328,6 +343,27 @@ pub fn lost_slot_fix(name: &str, slot: &str) -> String {
          (`outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered event> ...`), \
          or re-create the slot and accept the gap: SELECT pg_create_logical_replication_slot({}, 'pgoutput');",
         pg_literal(slot)
+    )
+}
+
+/// The fix text for a state row whose positions this server never wrote (see
+/// `state::postgres::foreign_position`).
+pub fn foreign_position_fix(name: &str) -> String {
+    format!(
+        "the events since this relay's last delivered one were never relayed from this server. Either publish them \
+         again from the table (`outboxd run --on-position-lost poll ...` replays every row created since the last \
+         delivered one, then streams from a fresh slot, and stores positions of this server from then on), or start \
+         over: `outboxd teardown --name {name} --yes`, then `outboxd run --snapshot since=<time of the last delivered \
+         event> ...`"
+    )
+}
+
+/// The fix text for a first start whose slot was dropped or replaced before it finished.
+pub fn interrupted_first_start_fix(name: &str) -> String {
+    format!(
+        "the first start must publish its snapshot again from the beginning: `outboxd run --on-position-lost poll ...` \
+         starts it over from a fresh slot (expect duplicates of the rows it already published), or start over by hand: \
+         `outboxd teardown --name {name} --yes`, then `outboxd run ...`"
     )
 }
 

@@ -205,6 +205,36 @@ pub async fn plan(
     })
 }
 
+/// `auto` on a table without a status column, looked at again once the stream's position
+/// exists (`plans` as [`plan_tables`] made them for `--snapshot auto`; their `Nothing` are those
+/// tables). The first look, before the slot, found the table empty; creating the slot waits for
+/// the transactions running then, which commit before its consistent point, so the stream does
+/// not carry their rows. Every row there now was committed after the first look, so each is
+/// new: a table no longer empty is published whole (a row also in the stream, committed after
+/// the slot's point, is a duplicate, never a gap).
+pub async fn look_again(
+    client: &Client,
+    plans: &mut [(TableName, SnapshotPlan)],
+) -> Result<(), Error> {
+    for (table, plan) in plans.iter_mut() {
+        if *plan != SnapshotPlan::Nothing {
+            continue;
+        }
+        let n: i64 = client
+            .query_one(&format!("SELECT count(*) FROM {}", table.pg_quoted()), &[])
+            .await?
+            .get(0);
+        if n > 0 {
+            tracing::info!(table = %table.pg_quoted(), rows = n, "first start: rows committed while the slot was created (the table was empty before): publishing them");
+            *plan = SnapshotPlan::Rows {
+                filter: String::new(),
+                what: "rows committed while the relay started on the empty table".into(),
+            };
+        }
+    }
+    Ok(())
+}
+
 /// Reads the planned rows of `table` (one of the relay's `tables`) in a REPEATABLE READ
 /// transaction, in `created_at` order, a batch at a time (memory stays bounded), and sends them
 /// as events positioned at `at.0` (the slot's position: every streamed commit comes after it)

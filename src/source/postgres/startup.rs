@@ -1,12 +1,13 @@
 //! The start of a Postgres relay, from its first SQL session to the position its stream opens
 //! at: the server and table checks, the lease (as a standby under `--ha`, then ending a paused
 //! old leader's walsender), the publication, what a first start or a replay publishes from the
-//! tables, the slot's checks (dropped, invalidated, replaced), `--on-position-lost` recovery,
-//! and which of the slot's and the state row's positions streaming resumes from. It is one
-//! function because its order is what makes a start safe to interrupt at any step: the plan is
-//! decided before the slot exists, a replay is recorded before it is published, a first start
-//! is marked done before its first event. The result is a [`StartPlan`] for the source and the
-//! lease keeper; the SQL it runs is in [`admin`] and `state::postgres`.
+//! tables, the position checks (a state row from another server; a slot dropped, invalidated
+//! or replaced), `--on-position-lost` recovery, and which of the slot's and the state row's
+//! positions streaming resumes from. It is one function because its order is what makes a
+//! start safe to interrupt at any step: the plan is decided before the slot exists (an empty
+//! table is looked at again once it does), a replay is recorded before it is published, a
+//! first start is marked done before its first event. The result is a [`StartPlan`] for the
+//! source and the lease keeper; the SQL it runs is in [`admin`] and `state::postgres`.
 
 use super::admin;
 use super::snapshot::{self, SnapshotKey, SnapshotMode, SnapshotPlan};
@@ -93,8 +94,9 @@ pub async fn start_plan(
     }
     admin::ensure_publication(&sql, publication, tables).await?;
 
-    // Decided before the slot exists, so `auto` on a non-empty table without a status column
-    // refuses without leaving a slot behind.
+    // A first look before the slot exists, so `auto` on a non-empty table without a status
+    // column refuses without leaving a slot behind; an empty one is looked at again once the
+    // slot exists (snapshot::look_again), for the rows of transactions its creation waited for.
     let plan = match (&lease.replay_since, lease.first_start) {
         (Some(since), _) => {
             snapshot::plan_tables(&sql, tables, columns, &SnapshotMode::Since(*since)).await?
@@ -105,35 +107,86 @@ pub async fn start_plan(
     let mut plan = plan;
     let mut lease = lease;
     let mut slot_info = admin::slot(&sql, slot_name).await?;
-    // A slot dropped and created again under our name (see state::postgres::slot_replaced).
-    let replaced = match (&slot_info, lease.first_start) {
-        (Some(s), false) => state::postgres::load(&sql, &opts.name)
-            .await?
-            .and_then(|row| state::postgres::slot_replaced(&row, s.confirmed_flush_lsn)),
+    let row = state::postgres::load(&sql, &opts.name).await?;
+    // A state row carried over from another server: checked first, because its positions
+    // also decide whether the slot counts as replaced.
+    let flush = admin::flush_lsn(&sql).await?;
+    let foreign = row
+        .as_ref()
+        .and_then(|row| state::postgres::foreign_position(row, flush));
+    // A slot dropped and created again under our name (see state::postgres::slot_replaced),
+    // also during a first start: from the slot's creation on, it is confirmed only up to
+    // positions the row holds.
+    let replaced = match (&slot_info, &row, &foreign) {
+        (Some(s), Some(row), None) => state::postgres::slot_replaced(row, s.confirmed_flush_lsn),
+        _ => None,
+    };
+    // A first start an earlier run began (it recorded the slot it created) whose slot is gone:
+    // the rows it published stand on that slot's position, and a new slot starts later.
+    let interrupted = match (&slot_info, &row) {
+        (None, Some(row)) if lease.first_start && row.slot_created_lsn.is_some() => Some(format!(
+            "replication slot {:?} of relay {:?} does not exist, but an interrupted first start created it: it was dropped, \
+             so rows committed since could be in neither that start's snapshot (published up to its last durable row) nor a new slot",
+            slot_name, opts.name
+        )),
         _ => None,
     };
     let lost = match &slot_info {
+        _ if foreign.is_some() => foreign.clone(),
+        _ if interrupted.is_some() => interrupted.clone(),
         None if !lease.first_start => Some(format!("replication slot {:?} of relay {:?} does not exist, but its state does: it was dropped", slot_name, opts.name)),
         Some(s) if s.wal_status.as_deref() == Some("lost") => Some(format!("replication slot {:?} was invalidated (wal_status = lost): the WAL it needed was removed", slot_name)),
         _ => replaced.clone(),
     };
-    if let (Some(problem), PositionLostPolicy::Fail) = (&replaced, opts.on_position_lost) {
+    if let (Some(problem), PositionLostPolicy::Fail) = (&foreign, opts.on_position_lost) {
         return Err(Error::PositionLost {
             problem: problem.clone(),
-            fix: admin::replaced_slot_fix(&opts.name, slot_name),
+            fix: admin::foreign_position_fix(&opts.name),
         });
     }
-    if let (Some(problem), PositionLostPolicy::Poll) = (&lost, opts.on_position_lost) {
-        let row = state::postgres::load(&sql, &opts.name)
-            .await?
+    if let (Some(problem), PositionLostPolicy::Fail) = (
+        interrupted.as_ref().or(replaced.as_ref()),
+        opts.on_position_lost,
+    ) {
+        return Err(Error::PositionLost {
+            problem: problem.clone(),
+            fix: if lease.first_start {
+                admin::interrupted_first_start_fix(&opts.name)
+            } else {
+                admin::replaced_slot_fix(&opts.name, slot_name)
+            },
+        });
+    }
+    let first_start_lost = lost.is_some() && lease.first_start && lease.replay_since.is_none();
+    if let (Some(problem), PositionLostPolicy::Poll, true) =
+        (&lost, opts.on_position_lost, first_start_lost)
+    {
+        // A first start has no delivered position to replay from: the rows its snapshot
+        // still had to publish may be older than anything it published. It starts over, from
+        // a fresh slot and the beginning of its snapshot.
+        if slot_info.is_some() {
+            admin::drop_slot(&sql, slot_name).await?;
+            slot_info = None;
+        }
+        state::postgres::restart_first_start(&sql, &lease).await?;
+        tracing::error!(
+            problem = %problem,
+            "POSITION LOST: starting the interrupted first start over (--on-position-lost poll): opening a fresh slot and publishing its snapshot again from the beginning; expect duplicates"
+        );
+    }
+    if let (Some(problem), PositionLostPolicy::Poll, false) =
+        (&lost, opts.on_position_lost, first_start_lost)
+    {
+        let row = row
+            .as_ref()
             .ok_or_else(|| Error::Other("state row vanished".into()))?;
-        let since = recovery_since(&row, opts.replay_since, opts.recovery_margin);
+        let since = recovery_since(row, opts.replay_since, opts.recovery_margin);
         if slot_info.is_some() {
             admin::drop_slot(&sql, slot_name).await?;
             slot_info = None;
         }
         // Recorded first: if this run dies before the replay is durable, the next one
-        // replays again.
+        // replays again. The lost position is forgotten with it (see set_replay).
         state::postgres::set_replay(&sql, &lease, since).await?;
         lease.replay_since = Some(since);
         lease.first_start = true;
@@ -168,11 +221,9 @@ pub async fn start_plan(
             // the lease keeper, each on its own one-second clock: after a SIGKILL either may be
             // behind. Both only ever hold positions the sink made durable, so resume from the
             // later one; the server skips transactions that committed before it.
+            // The stored one is this server's: a foreign one stopped or was reset above.
             let confirmed = slot.confirmed_flush_lsn.unwrap_or(0);
-            let stored = state::postgres::load(&sql, &opts.name)
-                .await?
-                .and_then(|row| row.position_lsn)
-                .unwrap_or(0);
+            let stored = row.as_ref().and_then(|row| row.position_lsn).unwrap_or(0);
             if stored > confirmed {
                 tracing::info!(slot_position = %format_lsn(confirmed), stored = %format_lsn(stored), "the stored position is ahead of the slot's: resuming from it");
             }
@@ -188,6 +239,10 @@ pub async fn start_plan(
         }
     };
     tracing::info!(slot = %slot_name, position = %format_lsn(start), "resuming");
+    if lease.first_start && lease.replay_since.is_none() && opts.snapshot == SnapshotMode::Auto {
+        // The position exists now: what the table holds is decided against it.
+        snapshot::look_again(&sql, &mut plan).await?;
+    }
     let mut snapshot_after = None;
     if lease.first_start || lease.replay_since.is_some() {
         if plan.iter().all(|(_, p)| *p == SnapshotPlan::Nothing) {
