@@ -377,3 +377,215 @@ fn an_incident_event_stops_with_its_position_and_the_fix() {
         "{text}"
     );
 }
+
+// ---- End to end: the relay against the real MariaDB ------------------------------------------
+
+fn run_args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--source",
+        dsn,
+        "--name",
+        name,
+        "--commit-offsets",
+        "--log-level",
+        "info",
+    ]
+}
+
+/// The INSERT of one outbox row with topic `topic`. `UUID()` makes it row-based even in a
+/// MIXED-format session (where a plain INSERT would be a statement).
+fn ins(topic: &str) -> String {
+    format!(
+        "INSERT INTO outbox (id, aggregate_id, topic, payload, created_at) \
+         VALUES (UNHEX(REPLACE(UUID(), '-', '')), 1, '{topic}', JSON_OBJECT('t', '{topic}'), NOW(6))"
+    )
+}
+
+/// The statements of a transaction, `;`-separated, with `{ins:TOPIC}` standing for [`ins`].
+fn txn(parts: &[&str]) -> String {
+    parts
+        .iter()
+        .map(|p| match p.strip_prefix("ins:") {
+            Some(topic) => ins(topic),
+            None => p.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn topics_of(relay: &Relay) -> Vec<String> {
+    parse_lines(&relay.lines())
+        .iter()
+        .map(|l| l["topic"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The query events the server wrote since `from` (`SHOW BINLOG EVENTS` Info column).
+async fn queries_since(from: &(String, u64)) -> Vec<String> {
+    let mut c = my_connect(None).await;
+    let rows: Vec<(String, String)> = c
+        .query_map(
+            format!("SHOW BINLOG EVENTS IN '{}' FROM {}", from.0, from.1),
+            |row: mysql_async::Row| {
+                (
+                    row.get::<String, _>(2).unwrap(),
+                    row.get::<Vec<u8>, _>(5)
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                        .unwrap_or_default(),
+                )
+            },
+        )
+        .await
+        .unwrap();
+    rows.into_iter()
+        .filter(|(kind, _)| kind == "Query")
+        .map(|(_, info)| info)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published() {
+    let db = MyDb::create("my_savepoint").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut c = db.conn().await;
+    my_exec(
+        &mut c,
+        "CREATE TABLE side_mem (x INT) ENGINE=MEMORY; \
+         CREATE TABLE side_aria (x INT) ENGINE=Aria TRANSACTIONAL=0; \
+         CREATE TABLE side_inno (x INT) ENGINE=InnoDB",
+    )
+    .await;
+    let mut relay = Relay::start(&run_args(&dsn, &name));
+    relay
+        .wait_running("the relay's binlog dump", T, || db.streaming())
+        .await;
+    let from = my_head().await;
+
+    // The case as reported: a MEMORY write, then a savepoint rolled back.
+    my_exec(
+        &mut c,
+        &txn(&[
+            "BEGIN",
+            "INSERT INTO side_mem VALUES (1)",
+            "SAVEPOINT sp",
+            "ins:rolled.back",
+            "ROLLBACK TO SAVEPOINT sp",
+            "ins:kept",
+            "COMMIT",
+        ]),
+    )
+    .await;
+    // Nested savepoints beside an Aria table; names in another case.
+    my_exec(
+        &mut c,
+        &txn(&[
+            "BEGIN",
+            "ins:nested.keep1",
+            "SAVEPOINT `outer`",
+            "INSERT INTO side_aria VALUES (1)",
+            "ins:nested.drop1",
+            "SAVEPOINT `Inner`",
+            "ins:nested.drop2",
+            "ROLLBACK TO `inner`",
+            "ins:nested.drop3",
+            "ROLLBACK WORK TO SAVEPOINT `OUTER`",
+            "ins:nested.keep2",
+            "COMMIT",
+        ]),
+    )
+    .await;
+    // RELEASE forgets a savepoint; one declared again under its name moves.
+    my_exec(
+        &mut c,
+        &txn(&[
+            "BEGIN",
+            "INSERT INTO side_inno VALUES (1)",
+            "INSERT INTO side_mem VALUES (2)",
+            "SAVEPOINT a",
+            "ins:release.keep1",
+            "RELEASE SAVEPOINT a",
+            "SAVEPOINT b",
+            "ins:release.keep2",
+            "SAVEPOINT B",
+            "ins:release.drop",
+            "ROLLBACK TO b",
+            "COMMIT",
+        ]),
+    )
+    .await;
+    // A group the server ends with a ROLLBACK query: a temporary table written in a MIXED
+    // session makes it keep the group.
+    my_exec(
+        &mut c,
+        &txn(&[
+            "SET SESSION binlog_format = MIXED",
+            "BEGIN",
+            "ins:whole.rollback1",
+            "CREATE TEMPORARY TABLE side_tmp (x INT) ENGINE=MEMORY",
+            "INSERT INTO side_tmp VALUES (1)",
+            "ins:whole.rollback2",
+            "ROLLBACK",
+            "DROP TEMPORARY TABLE side_tmp",
+            "SET SESSION binlog_format = ROW",
+        ]),
+    )
+    .await;
+    my_exec(&mut c, &ins("end.marker")).await;
+    let head = db.head_past_writes().await;
+
+    // The server did keep the undone rows in committed groups (else this proves nothing).
+    let queries = queries_since(&from).await;
+    for q in [
+        "ROLLBACK TO `sp`",
+        "ROLLBACK TO `inner`",
+        "ROLLBACK TO `OUTER`",
+        "ROLLBACK TO `b`",
+        "ROLLBACK",
+    ] {
+        assert!(
+            queries.iter().any(|i| i == q),
+            "the binlog holds the query {q:?}: {queries:?}"
+        );
+    }
+
+    let lines = relay.lines.clone();
+    relay
+        .wait_running("the end marker", T, || {
+            let done = lines
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("end.marker"));
+            async move { done }
+        })
+        .await;
+    relay
+        .wait_running("the stored position past every group", T, || async {
+            db.stored(&name)
+                .await
+                .is_some_and(|(f, p, _)| binlog_ge(&(f, p), &head))
+        })
+        .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert_eq!(
+        topics_of(&relay),
+        [
+            "kept",
+            "nested.keep1",
+            "nested.keep2",
+            "release.keep1",
+            "release.keep2",
+            "end.marker"
+        ],
+        "exactly the rows the transactions kept"
+    );
+    // What was committed in the table agrees.
+    let kept: Vec<String> = c
+        .query("SELECT topic FROM outbox ORDER BY created_at, topic")
+        .await
+        .unwrap();
+    assert_eq!(kept.len(), 6, "{kept:?}");
+}
