@@ -589,3 +589,109 @@ async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published()
         .unwrap();
     assert_eq!(kept.len(), 6, "{kept:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_transaction_that_rolls_back_to_a_savepoint_stops_with_the_fix() {
+    let db = MyDb::create("my_savepoint_big").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut c = db.conn().await;
+    my_exec(&mut c, "CREATE TABLE side_mem (x INT) ENGINE=MEMORY").await;
+    // A buffer of a few rows: the transactions below are streamed (scanned to their end
+    // first, then read again), not held.
+    let mut args = run_args(&dsn, &name);
+    args.extend_from_slice(&["--txn-buffer", "2000"]);
+    let mut relay = Relay::start(&args);
+    relay
+        .wait_running("the relay's binlog dump", T, || db.streaming())
+        .await;
+    let many = |topic: &str| vec![format!("ins:{topic}"); 20];
+
+    // A large group the server ends in ROLLBACK: all of it undone while scanning, nothing
+    // sent; the relay goes on.
+    let mut parts = vec![
+        "SET SESSION binlog_format = MIXED".to_string(),
+        "BEGIN".into(),
+        "CREATE TEMPORARY TABLE side_tmp (x INT) ENGINE=MEMORY".into(),
+        "INSERT INTO side_tmp VALUES (1)".into(),
+    ];
+    parts.extend(many("whole.rollback"));
+    parts.extend([
+        "ROLLBACK".into(),
+        "DROP TEMPORARY TABLE side_tmp".into(),
+        "SET SESSION binlog_format = ROW".into(),
+    ]);
+    my_exec(
+        &mut c,
+        &txn(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
+    )
+    .await;
+    my_exec(&mut c, &ins("mid")).await;
+    let lines = relay.lines.clone();
+    relay
+        .wait_running("the row after the rolled-back group", T, || {
+            let done = lines.lock().unwrap().iter().any(|l| l.contains("\"mid\""));
+            async move { done }
+        })
+        .await;
+
+    // A large transaction that rolls back to a savepoint: the relay stops before any of it
+    // goes out, with the fix.
+    let before_big = my_head().await;
+    let mut parts = vec![
+        "BEGIN".to_string(),
+        "INSERT INTO side_mem VALUES (1)".into(),
+    ];
+    parts.extend(many("big.keep"));
+    parts.push("SAVEPOINT sp".into());
+    parts.extend(many("big.drop"));
+    parts.extend(["ROLLBACK TO SAVEPOINT sp".into(), "COMMIT".into()]);
+    my_exec(
+        &mut c,
+        &txn(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
+    )
+    .await;
+    my_exec(&mut c, &ins("after.big")).await;
+    assert_eq!(relay.wait_exit(T).await, 2, "{}", relay.stderr());
+    let err = relay.stderr_plain();
+    assert!(
+        err.contains("ROLLBACK TO `sp`")
+            && err.contains("nothing of it was published")
+            && err.contains("fix: raise --txn-buffer above"),
+        "{err}"
+    );
+    let t = topics_of(&relay);
+    assert!(
+        t.iter()
+            .all(|t| !t.starts_with("big.") && !t.starts_with("whole.")),
+        "nothing of the rolled-back group or the stopped transaction: {t:?}"
+    );
+    let (f, p, _) = db.stored(&name).await.expect("a stored position");
+    assert!(
+        binlog_ge(&before_big, &(f.clone(), p)),
+        "the stored position {f}:{p} stays before the transaction at {before_big:?}"
+    );
+
+    // With the buffer the error names, the transaction is held and only its kept rows arrive.
+    let mut args = run_args(&dsn, &name);
+    args.extend_from_slice(&["--txn-buffer", "1000000"]);
+    let mut relay = Relay::start(&args);
+    let lines = relay.lines.clone();
+    relay
+        .wait_running("the row after the large transaction", T, || {
+            let done = lines
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.contains("after.big"));
+            async move { done }
+        })
+        .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let big: Vec<String> = topics_of(&relay)
+        .into_iter()
+        .filter(|t| t.starts_with("big.") || t.starts_with("whole."))
+        .collect();
+    assert_eq!(big, vec!["big.keep".to_string(); 20]);
+}

@@ -102,7 +102,7 @@ impl Decoder {
             if s.len() < t.len() {
                 s.push('…');
             }
-            format!("`{s}` at {file}:{start}")
+            format!("\"{s}\" at {file}:{start}")
         };
         let Some(txn) = self.txn.as_mut() else {
             return Ok(());
