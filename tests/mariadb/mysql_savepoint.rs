@@ -532,6 +532,24 @@ async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published()
         ]),
     )
     .await;
+    // An XA transaction: its rows are held from its prepare to its commit; the undone one is
+    // dropped from those.
+    let xid = format!("'{}'", db.name);
+    my_exec(
+        &mut c,
+        &txn(&[
+            &format!("XA START {xid}"),
+            "INSERT INTO side_mem VALUES (3)",
+            "SAVEPOINT s",
+            "ins:xa.drop",
+            "ROLLBACK TO SAVEPOINT s",
+            "ins:xa.keep",
+            &format!("XA END {xid}"),
+            &format!("XA PREPARE {xid}"),
+            &format!("XA COMMIT {xid}"),
+        ]),
+    )
+    .await;
     my_exec(&mut c, &ins("end.marker")).await;
     let head = db.head_past_writes().await;
 
@@ -542,6 +560,7 @@ async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published()
         "ROLLBACK TO `inner`",
         "ROLLBACK TO `OUTER`",
         "ROLLBACK TO `b`",
+        "ROLLBACK TO `s`",
         "ROLLBACK",
     ] {
         assert!(
@@ -578,6 +597,7 @@ async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published()
             "nested.keep2",
             "release.keep1",
             "release.keep2",
+            "xa.keep",
             "end.marker"
         ],
         "exactly the rows the transactions kept"
@@ -587,7 +607,7 @@ async fn savepoint_rollbacks_beside_non_transactional_tables_are_not_published()
         .query("SELECT topic FROM outbox ORDER BY created_at, topic")
         .await
         .unwrap();
-    assert_eq!(kept.len(), 6, "{kept:?}");
+    assert_eq!(kept.len(), 7, "{kept:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
