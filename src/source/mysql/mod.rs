@@ -272,9 +272,13 @@ struct Open {
     seen: u32,
     /// The earliest `created_at` among its rows (for the commit-vs-created gap).
     min_created: Option<chrono::DateTime<chrono::Utc>>,
-    /// Scan mode: a statement that rolled back some of its rows (to a savepoint). Streaming
-    /// it would send those rows before the rollback is read again: the relay stops instead.
+    /// The first statement that rolled back some of its rows (to a savepoint), in any mode:
+    /// streaming it would send those rows before the rollback is read again, so a scan that
+    /// ends with one set stops the relay instead.
     undone: Option<String>,
+    /// Bytes of every outbox row read of it, undone ones included: what a buffer holding it
+    /// whole needs at most.
+    total_bytes: usize,
 }
 
 /// A streamed transaction that was cut off: where it starts and how many rows went out.
@@ -523,6 +527,7 @@ pub async fn run(
                                 seen: 0,
                                 min_created: None,
                                 undone: None,
+                                total_bytes: 0,
                             });
                         }
                         Step::Rows(events) => {
@@ -535,11 +540,10 @@ pub async fn run(
                                     o.min_created
                                         .map_or(event.created_at, |m| m.min(event.created_at)),
                                 );
-                                // Counted in every mode: the size names the buffer a
-                                // transaction needs (see `undone_in_stream`).
-                                o.buffered_bytes += event.size();
+                                o.total_bytes += event.size();
                                 match o.mode {
                                     Mode::Buffer => {
+                                        o.buffered_bytes += event.size();
                                         o.buffered.push(event);
                                         if o.buffered_bytes > cfg.txn_buffer_bytes {
                                             tracing::info!(
@@ -568,6 +572,7 @@ pub async fn run(
                         }
                         Step::Undo { keep, what } => {
                             let Some(o) = open.as_mut() else { continue };
+                            o.undone.get_or_insert(what.clone());
                             match o.mode {
                                 Mode::Buffer => {
                                     o.buffered.retain(|e| row_index(e) < keep);
@@ -578,17 +583,16 @@ pub async fn run(
                                 }
                                 Mode::Scan if keep == 0 => {
                                     // All of it undone and nothing of it sent: what follows
-                                    // is held again, as in a new transaction.
+                                    // is held again. (Should it outgrow the buffer again,
+                                    // its scan ends in the error: `undone` stays set.)
                                     o.mode = Mode::Buffer;
                                     o.buffered_bytes = 0;
                                     o.min_created = None;
                                     o.seen = 0;
-                                    o.undone = None;
                                 }
                                 Mode::Scan => {
                                     // Nothing sent yet: read on to learn its whole size for
                                     // the fix, then stop at its end.
-                                    o.undone.get_or_insert(what);
                                 }
                                 Mode::Stream { .. } => {
                                     // Every row this stream read of it went out (or went out
@@ -723,14 +727,14 @@ fn held(cp: Checkpoint, dec: &Decoder) -> Checkpoint {
 /// A transaction too large for `--txn-buffer` (so streamed, not held to its commit) rolled
 /// back some of its outbox rows inside its group. `sent`: rows of it already went to the sink.
 fn undone_in_stream(o: &Open, what: &str, limit: usize, sent: bool) -> Error {
-    let bytes = o.buffered_bytes.max(limit + 1);
+    let bytes = o.total_bytes.max(limit + 1);
     Error::config(
         format!(
             "the transaction at {}:{} has more outbox rows than --txn-buffer holds ({} bytes of them, the limit is {limit}), so the relay streams it \
              instead of holding it until its commit, and {what} rolls back some of them; {}",
             o.start_file,
             o.start_pos,
-            o.buffered_bytes,
+            o.total_bytes,
             if sent {
                 "rows of it were handed to the sink before the rollback was read and may have been published \
                  (the stored position stays before this transaction)"
