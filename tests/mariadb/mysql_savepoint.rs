@@ -378,6 +378,42 @@ fn an_incident_event_stops_with_its_position_and_the_fix() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_exits_3_at_an_incident_in_a_binlog_file() {
+    // The local MariaDB is a release build: it cannot be made to write an INCIDENT event. The
+    // file source reads the same decoder; this runs the binary on such a file.
+    use E::*;
+    let dir = std::env::temp_dir().join(unique("outboxd_incident"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(NAME);
+    std::fs::write(
+        &path,
+        file(&[Begin, Created, Xid, Incident, Begin, Blob, Xid]),
+    )
+    .unwrap();
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &format!("file://{}", path.display()),
+        "--table",
+        "outboxd_fuzz.outbox",
+        "--log-level",
+        "info",
+    ]);
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr_plain();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, 3, "{err}");
+    assert!(
+        err.contains("INCIDENT") && err.contains(&format!("{NAME}:")) && err.contains("offset set"),
+        "{err}"
+    );
+    assert!(
+        !topics_of(&relay).iter().any(|t| t == "blob"),
+        "nothing after the incident"
+    );
+}
+
 // ---- End to end: the relay against the real MariaDB ------------------------------------------
 
 fn run_args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
