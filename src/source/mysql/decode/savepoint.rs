@@ -1,7 +1,7 @@
 //! Savepoints and rollbacks inside a binlog event group. A transaction that also wrote a
 //! non-transactional table (MEMORY, MyISAM, Aria without TRANSACTIONAL=1) — and any under
 //! Galera streaming replication — cannot take its rolled-back work out of the binlog: the
-//! server keeps those rows in the group, writes `ROLLBACK TO \`sp\`` after them and commits
+//! server keeps those rows in the group, writes `` ROLLBACK TO `sp` `` after them and commits
 //! the group; a group that ends in a `ROLLBACK` query (a temporary table written in MIXED
 //! format, say) is written whole too. The rows such a statement undid are dropped here.
 //!
