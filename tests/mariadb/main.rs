@@ -12,5 +12,6 @@ mod mysql_payload;
 mod mysql_poll;
 mod mysql_position_lost;
 mod mysql_rabbitmq;
+mod mysql_savepoint;
 mod mysql_stdout;
 mod mysql_tls;

@@ -11,7 +11,7 @@
 //! bytes than it has; behind these checks it never gets such input. Every error names
 //! the file and the byte offset of the event.
 
-use super::decode::{Decoder, Step};
+use super::decode::{row_index, Decoder, Step};
 use super::rows::OutboxTable;
 use crate::dsn::FileDsn;
 use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
@@ -236,7 +236,8 @@ pub fn outbox_events_from_bytes(
 }
 
 /// Applies decoder steps: rows are held until their commit, then given out with the end
-/// position filled in; an aborted group's rows are dropped. Returns the checkpoint of the last
+/// position filled in; an aborted group's rows are dropped, and so are the rows a group
+/// rolled back (to a savepoint, or whole). Returns the checkpoint of the last
 /// commit among `steps`.
 fn collect<F>(
     steps: Vec<Step>,
@@ -251,6 +252,7 @@ where
         match step {
             Step::Begin { .. } | Step::Abort { .. } => open.clear(),
             Step::Rows(events) => open.extend(events),
+            Step::Undo { keep, .. } => open.retain(|e| row_index(e) < keep),
             Step::Commit { checkpoint, .. } => {
                 let Checkpoint::Binlog { pos: end, .. } = &checkpoint else {
                     unreachable!("binlog checkpoints only")

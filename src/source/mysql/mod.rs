@@ -10,7 +10,10 @@
 //! Position rule: an event's position is `file:end_pos:index` where `end_pos` ends its
 //! transaction, so a transaction's rows are held until its commit (up to
 //! `txn_buffer_bytes`; a larger one is scanned to its end once, then re-read from its start
-//! and streamed with the end known). After each transaction the source sends a checkpoint
+//! and streamed with the end known). Rows a transaction rolled back inside its group (to a
+//! savepoint, or whole) are dropped from what it holds; a streamed one that rolls back rows
+//! stops the relay with the fix (a larger `--txn-buffer`) instead, before any of its rows goes
+//! out where the scan sees the rollback. After each transaction the source sends a checkpoint
 //! (file, end position, GTID state). Transactions that only wrote `outboxd_state` (the lease
 //! keeper's own writes) move no checkpoint, so storing the position never causes another
 //! write. A reconnect resumes from the last transaction boundary read, so nothing is read twice
@@ -35,7 +38,7 @@ use crate::event::{binlog_file_seq, Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
 use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceKind, SourceReconnecting};
 use crate::Error;
-use decode::{Decoder, Step};
+use decode::{row_index, Decoder, Step};
 use futures::StreamExt;
 use gtid::{GtidState, MysqlGtidSet};
 use mysql_async::binlog::events::Event;
@@ -269,6 +272,13 @@ struct Open {
     seen: u32,
     /// The earliest `created_at` among its rows (for the commit-vs-created gap).
     min_created: Option<chrono::DateTime<chrono::Utc>>,
+    /// The first statement that rolled back some of its rows (to a savepoint), in any mode:
+    /// streaming it would send those rows before the rollback is read again, so a scan that
+    /// ends with one set stops the relay instead.
+    undone: Option<String>,
+    /// Bytes of every outbox row read of it, undone ones included: what a buffer holding it
+    /// whole needs at most.
+    total_bytes: usize,
 }
 
 /// A streamed transaction that was cut off: where it starts and how many rows went out.
@@ -516,6 +526,8 @@ pub async fn run(
                                 skip,
                                 seen: 0,
                                 min_created: None,
+                                undone: None,
+                                total_bytes: 0,
                             });
                         }
                         Step::Rows(events) => {
@@ -528,6 +540,7 @@ pub async fn run(
                                     o.min_created
                                         .map_or(event.created_at, |m| m.min(event.created_at)),
                                 );
+                                o.total_bytes += event.size();
                                 match o.mode {
                                     Mode::Buffer => {
                                         o.buffered_bytes += event.size();
@@ -557,6 +570,42 @@ pub async fn run(
                                 }
                             }
                         }
+                        Step::Undo { keep, what } => {
+                            let Some(o) = open.as_mut() else { continue };
+                            o.undone.get_or_insert(what.clone());
+                            match o.mode {
+                                Mode::Buffer => {
+                                    o.buffered.retain(|e| row_index(e) < keep);
+                                    o.buffered_bytes =
+                                        o.buffered.iter().map(OutboxEvent::size).sum();
+                                    o.min_created = o.buffered.iter().map(|e| e.created_at).min();
+                                    o.seen = o.buffered.len() as u32;
+                                }
+                                Mode::Scan if keep == 0 => {
+                                    // All of it undone and nothing of it sent: what follows
+                                    // is held again. (Should it outgrow the buffer again,
+                                    // its scan ends in the error: `undone` stays set.)
+                                    o.mode = Mode::Buffer;
+                                    o.buffered_bytes = 0;
+                                    o.min_created = None;
+                                    o.seen = 0;
+                                }
+                                Mode::Scan => {
+                                    // Nothing sent yet: read on to learn its whole size for
+                                    // the fix, then stop at its end.
+                                }
+                                Mode::Stream { .. } => {
+                                    // Every row this stream read of it went out (or went out
+                                    // before a reconnect): the undone ones among them.
+                                    return Err(undone_in_stream(
+                                        o,
+                                        &what,
+                                        cfg.txn_buffer_bytes,
+                                        true,
+                                    ));
+                                }
+                            }
+                        }
                         Step::Abort { .. } => {
                             open = None;
                         }
@@ -577,6 +626,14 @@ pub async fn run(
                             if let Some(o) = o {
                                 match o.mode {
                                     Mode::Scan => {
+                                        if let Some(what) = &o.undone {
+                                            return Err(undone_in_stream(
+                                                &o,
+                                                what,
+                                                cfg.txn_buffer_bytes,
+                                                false,
+                                            ));
+                                        }
                                         known_end = Some((start_file, start_pos, end));
                                         tracing::info!(end, "end of the large transaction found; re-reading it from its start");
                                         verify = false;
@@ -665,6 +722,31 @@ fn held(cp: Checkpoint, dec: &Decoder) -> Checkpoint {
         Some(floor) => floor.clone(),
         None => cp,
     }
+}
+
+/// A transaction too large for `--txn-buffer` (so streamed, not held to its commit) rolled
+/// back some of its outbox rows inside its group. `sent`: rows of it already went to the sink.
+fn undone_in_stream(o: &Open, what: &str, limit: usize, sent: bool) -> Error {
+    let bytes = o.total_bytes.max(limit + 1);
+    Error::config(
+        format!(
+            "the transaction at {}:{} has more outbox rows than --txn-buffer holds ({} bytes of them, the limit is {limit}), so the relay streams it \
+             instead of holding it until its commit, and {what} rolls back some of them; {}",
+            o.start_file,
+            o.start_pos,
+            o.total_bytes,
+            if sent {
+                "rows of it were handed to the sink before the rollback was read and may have been published \
+                 (the stored position stays before this transaction)"
+            } else {
+                "nothing of it was published: the relay stops rather than publish rows that were rolled back"
+            }
+        ),
+        format!(
+            "raise --txn-buffer above {bytes} bytes (e.g. --txn-buffer {}) so that the transaction is held until its commit and only the rows it kept are published; then start the relay again",
+            bytes.next_power_of_two()
+        ),
+    )
 }
 
 fn set_end(event: &mut OutboxEvent, end: u64) {

@@ -28,9 +28,14 @@
 //! than the configured limit (`--max-txn-payload-bytes`) is refused before anything is
 //! inflated.
 //!
+//! Savepoints: rows a group rolled back to a savepoint (`ROLLBACK TO` inside a committed
+//! group) or whole (a group ending in `ROLLBACK`) are dropped ([`Step::Undo`]). An INCIDENT
+//! event (the server lost events at that point of its binlog) stops the relay.
+//!
 //! The decoder itself (event groups, table maps, rows, GTIDs) is here; its parts are the
-//! XA transactions it holds (`xa`), compressed transactions (`payload`), the statement text it
-//! checks (`statement`) and the rows events it decodes (`row_events`).
+//! XA transactions it holds (`xa`), compressed transactions (`payload`), savepoints and
+//! rollbacks (`savepoint`), the statement text it checks (`statement`) and the rows events it
+//! decodes (`row_events`).
 
 use super::gtid::{self, Gtid, GtidState, MysqlGtidSet};
 use super::rows::{Mapping, OutboxTable};
@@ -44,14 +49,16 @@ use std::collections::HashMap;
 
 mod payload;
 mod row_events;
+mod savepoint;
 mod statement;
 mod xa;
 
 pub use payload::{payload_too_large, unpack_payload, PayloadError, PayloadEvents};
 use row_events::decode_inserts;
 pub use row_events::in_guarded_rows;
+pub use savepoint::row_index;
+use statement::first_word;
 pub use statement::insert_target;
-use statement::{first_word, skip_space};
 pub use xa::{parse_xid, Xid};
 use xa::{xa_too_large, PreparedXa};
 
@@ -66,6 +73,8 @@ const TABLE_MAP: u8 = 19;
 const WRITE_ROWS_V1: u8 = 23;
 const UPDATE_ROWS_V1: u8 = 24;
 const DELETE_ROWS_V1: u8 = 25;
+/// The server lost events at this point of its binlog (LOST_EVENTS).
+const INCIDENT: u8 = 26;
 const HEARTBEAT: u8 = 27;
 const WRITE_ROWS: u8 = 30;
 const UPDATE_ROWS: u8 = 31;
@@ -116,6 +125,11 @@ pub enum Step {
         /// event's header timestamps (binlog timestamps have no fraction).
         committed_at: Option<DateTime<Utc>>,
     },
+    /// The open transaction undid some of the outbox rows it sent (`ROLLBACK TO` a savepoint
+    /// inside a group the server commits anyway) or all of them (a group that ends in
+    /// `ROLLBACK`): of its rows, only those whose row index is below `keep` stand. `what`
+    /// names the statement and its position.
+    Undo { keep: u32, what: String },
     /// The open transaction will never end (cut off by a crash): drop its rows.
     Abort { start_file: String, start_pos: u64 },
     /// The server had nothing to send for a heartbeat period.
@@ -148,6 +162,9 @@ struct Txn {
     xa: bool,
     held: Vec<OutboxEvent>,
     held_bytes: usize,
+    /// Savepoints set and not released or rolled past, oldest first: lower-cased name, and
+    /// the row index the group had reached there.
+    savepoints: Vec<(String, u32)>,
 }
 
 /// Decodes one binlog stream (or file sequence) in order.
@@ -296,6 +313,7 @@ impl Decoder {
             xa: false,
             held: Vec::new(),
             held_bytes: 0,
+            savepoints: Vec::new(),
         });
         Step::Begin {
             file: self.file.clone(),
@@ -462,10 +480,12 @@ impl Decoder {
                         Some(txn) => txn.begun = true,
                         None => steps.push(self.begin(start, None, true, header.timestamp())),
                     }
-                } else if verb.eq_ignore_ascii_case("COMMIT")
-                    || (verb.eq_ignore_ascii_case("ROLLBACK") && skip_space(text).len() <= 9)
-                {
+                } else if verb.eq_ignore_ascii_case("COMMIT") {
                     steps.push(self.commit(end, header.timestamp()));
+                } else if let Some(sp) = savepoint::parse(text).filter(|_| self.txn.is_some()) {
+                    self.savepoint_statement(sp, text, start, end, header.timestamp(), &mut steps)?;
+                } else if verb.eq_ignore_ascii_case("ROLLBACK") {
+                    // Outside a group: nothing to end.
                 } else {
                     self.check_statement(&q)?;
                     let standalone = match self.txn.as_mut() {
@@ -488,6 +508,7 @@ impl Decoder {
                 steps.push(self.commit(end, header.timestamp()));
             }
             XA_PREPARE => self.xa_prepare(ev, start, end, header.timestamp(), &mut steps)?,
+            INCIDENT => return Err(self.incident(ev.data(), start, end, header.timestamp())),
             TABLE_MAP => {
                 let tme: TableMapEvent<'_> = ev
                     .read_event()
@@ -624,6 +645,44 @@ impl Decoder {
                 Ok(())
             }
             None => Ok(()),
+        }
+    }
+
+    /// An INCIDENT event: the server could not write some changes to its binlog here (a
+    /// replica stops at it too). What it lost cannot be read from anywhere in the binlog, so
+    /// the relay stops like at a lost position, naming where and how to go on.
+    fn incident(&self, data: &[u8], start: u64, end: u64, ts: u32) -> Error {
+        let number = data
+            .get(..2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .unwrap_or(0);
+        let kind = match number {
+            1 => "LOST_EVENTS".to_string(),
+            n => format!("incident {n}"),
+        };
+        let message = data
+            .get(2)
+            .and_then(|&n| data.get(3..3 + n as usize))
+            .map(|m| String::from_utf8_lossy(m).into_owned())
+            .unwrap_or_default();
+        let at = Utc
+            .timestamp_opt(ts as i64, 0)
+            .single()
+            .map(|t| t.to_rfc3339())
+            .unwrap_or_else(|| "an unknown time".into());
+        Error::PositionLost {
+            problem: format!(
+                "the binlog holds an INCIDENT event ({kind}: {message:?}) at {}:{start}, written at {at}: the server could not write \
+                 some changes to its binlog there, so outbox rows committed around then may be missing from it and cannot be published from it",
+                self.file
+            ),
+            fix: format!(
+                "either go on after it and accept what it may have lost: with the relay stopped, `outboxd offset set --binlog-position {}:{end}` \
+                 (with the relay's --name and --source); or publish again from the table every row created since shortly before {at}: \
+                 `outboxd teardown --name <name> --yes`, then start with `--snapshot since=<a time before {at}>` (expect duplicates). \
+                 A restart without either stops here again",
+                self.file
+            ),
         }
     }
 

@@ -143,7 +143,8 @@ pub fn insert_target(text: &[u8]) -> Option<(Option<String>, String)> {
     }
 }
 
-fn ident(s: &mut &[u8]) -> Option<String> {
+/// An identifier: quoted with backticks (a doubled backtick inside stands for one) or bare.
+pub(super) fn ident(s: &mut &[u8]) -> Option<String> {
     *s = skip_space(s);
     if s.first() == Some(&b'`') {
         let mut out = Vec::new();
