@@ -7,7 +7,7 @@ use super::{Decoder, Step};
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::source::mysql::gtid;
 use crate::Error;
-use chrono::{TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use mysql_common::binlog::events::Event;
 
 /// An XA transaction's identity as the server writes it: format id, gtrid and bqual.
@@ -41,6 +41,31 @@ pub(super) struct PreparedXa {
     pub(super) floor: Checkpoint,
     pub(super) file: String,
     pub(super) pos: u64,
+    /// When the server prepared it (its prepare event's time, whole seconds): a restart that
+    /// reads the prepare again knows its age.
+    pub(super) prepared_at: DateTime<Utc>,
+    /// Given up (`--xa-prepare-expired release`): it no longer holds the position back. Its
+    /// rows are still published if its XA COMMIT is read before this process ends.
+    pub(super) released: bool,
+}
+
+impl PreparedXa {
+    /// Whether it holds the stored position back: only one that holds outbox rows (one that
+    /// wrote only other tables can publish nothing, whatever its outcome) and was not given up.
+    pub(super) fn pins(&self) -> bool {
+        !self.rows.is_empty() && !self.released
+    }
+}
+
+/// A prepared XA transaction that holds the stored position back, as the source reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XaPin {
+    pub xid: Xid,
+    pub prepared_at: DateTime<Utc>,
+    /// The position before its prepare group (where the stored position stays).
+    pub floor: Checkpoint,
+    /// The outbox rows it holds.
+    pub rows: usize,
 }
 
 impl Decoder {
@@ -202,9 +227,44 @@ impl Decoder {
             floor,
             file,
             pos,
+            prepared_at: Utc.timestamp_opt(ts as i64, 0).single().unwrap_or_else(Utc::now),
+            released: false,
         });
         steps.push(self.commit(end, ts));
         Ok(())
+    }
+
+    /// The prepared XA transactions that hold the stored position back, oldest first.
+    pub fn pins(&self) -> Vec<XaPin> {
+        self.prepared
+            .iter()
+            .filter(|p| p.pins())
+            .map(|p| XaPin {
+                xid: p.xid.clone(),
+                prepared_at: p.prepared_at,
+                floor: p.floor.clone(),
+                rows: p.rows.len(),
+            })
+            .collect()
+    }
+
+    /// Stops holding the position back for the transactions prepared before `cutoff`
+    /// (`--xa-prepare-expired release`); returns them. Their rows stay here: a commit read
+    /// before this process ends still publishes them.
+    pub fn release_prepared_before(&mut self, cutoff: DateTime<Utc>) -> Vec<XaPin> {
+        let mut out = Vec::new();
+        for p in self.prepared.iter_mut() {
+            if p.pins() && p.prepared_at < cutoff {
+                p.released = true;
+                out.push(XaPin {
+                    xid: p.xid.clone(),
+                    prepared_at: p.prepared_at,
+                    floor: p.floor.clone(),
+                    rows: p.rows.len(),
+                });
+            }
+        }
+        out
     }
 
     /// The rows an XA group held, handed out before its one-phase commit.
