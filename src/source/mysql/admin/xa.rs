@@ -109,7 +109,7 @@ pub async fn prepared_before(
         for f in files.iter().filter(|f| binlog_file_seq(f) >= from_seq)
         {
             let start = if *f == from.0 { from.1 } else { 4 };
-            let end = walk(conn, f, start, |_, info| {
+            let end = walk(conn, f, start, PAGE, |_, info| {
                 if let Some(i) = open.iter().position(|x| is_stmt(info, "XA PREPARE", x)) {
                     open.remove(i);
                 }
@@ -140,7 +140,7 @@ pub async fn prepared_before(
         let stop_at = (*f == file).then_some(pos);
         // The group being read: (index in `found`, its start, tables so far).
         let mut group: Option<(usize, u64, Vec<String>)> = None;
-        walk(conn, f, 4, |at, info| {
+        walk(conn, f, 4, PAGE, |at, info| {
             if stop_at.is_some_and(|s| at >= s) {
                 return false;
             }
@@ -222,7 +222,7 @@ pub async fn starting_at(
     let mut hit = None;
     let mut seen = 0;
     // MySQL writes its GTID event first, then `XA START`: a few events are enough.
-    walk(conn, file, pos, |_, info| {
+    walk(conn, file, pos, 3, |_, info| {
         hit = open.iter().find(|x| is_stmt(info, "XA START", x)).cloned();
         seen += 1;
         hit.is_none() && seen < 3
@@ -269,12 +269,13 @@ pub async fn event_time(
     Ok(found)
 }
 
-/// Reads the events of `file` from `from` (an event's start) in pages, calling `f(start,
+/// Reads the events of `file` from `from` (an event's start) in pages of `page`, calling `f(start,
 /// info)` for each until it returns false or the file ends; returns where reading stopped.
 async fn walk(
     conn: &mut Conn,
     file: &str,
     from: u64,
+    page: usize,
     mut f: impl FnMut(u64, &str) -> bool,
 ) -> Result<u64, Error> {
     let mut at = from;
@@ -283,7 +284,7 @@ async fn walk(
         // SHOW statements take no placeholders: the file name is quoted here.
         let rows: Vec<Row> = conn
             .query(format!(
-                "SHOW BINLOG EVENTS IN '{}' FROM {at} LIMIT {PAGE}",
+                "SHOW BINLOG EVENTS IN '{}' FROM {at} LIMIT {page}",
                 file.replace('\\', "\\\\").replace('\'', "''")
             ))
             .await?;
@@ -300,7 +301,7 @@ async fn walk(
             }
         }
         // A page that did not move on (no end positions) would repeat forever.
-        if n < PAGE || at == page_from {
+        if n < page || at == page_from {
             return Ok(at);
         }
     }
