@@ -666,8 +666,10 @@ pub async fn run(
     if let Some(cp) = pending.take() {
         outlet.send_checkpoint(held(cp, &dec)).await?;
     }
-    if !dec.prepared_xids().is_empty() {
-        tracing::info!(xids = %dec.prepared_xids().iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" "), "XA transactions are prepared but not committed: the stored position stays before their prepare, so the next start reads them again");
+    for p in dec.pins() {
+        // The next start reads everything since this prepare again: said at the level that
+        // gets read.
+        tracing::warn!(xid = %p.xid, prepared_at = %p.prepared_at.to_rfc3339(), held_at = %p.floor, rows = p.rows, "an XA transaction is prepared but not committed: the stored position stays before its prepare, so the next start reads it again and publishes again everything committed since (end it: XA COMMIT {0}; or XA ROLLBACK {0};)", p.xid);
     }
     tracing::info!(file = %resume.file, pos = resume.pos, "stopped at a transaction boundary");
     // Dropping the outlet closes the relay's input: it drains and ends.

@@ -5,10 +5,10 @@
 //! RECOVER` lists the transactions prepared and not ended (every database's), the binlog
 //! (`SHOW BINLOG EVENTS`, read in bounded pages) says whether each one's `XA PREPARE` is at or
 //! after the position (then the stream reads it) and, for those before it, which tables their
-//! group wrote: one that wrote an outbox table (or whose group is no longer on the server) is
-//! a reason to refuse the position, one that wrote only other tables is not.
+//! group wrote: one that wrote an outbox table (or whose group is not found, purged or too far
+//! back) is a reason to refuse the position, one that wrote only other tables is not.
 
-use super::{binlog_files, text};
+use super::{binlog_files, binlog_logs, text};
 use crate::event::binlog_file_seq;
 use crate::source::mysql::decode::Xid;
 use crate::dsn::DbDsn;
@@ -21,6 +21,9 @@ use std::time::Duration;
 
 /// Events read per `SHOW BINLOG EVENTS` page: bounds the memory a long binlog takes.
 const PAGE: usize = 5_000;
+/// How far back before a start position a prepared transaction's group is looked for: a
+/// bound on the start's time when one was prepared long ago (one not found is refused).
+const BACKWARD_BYTES: u64 = 1 << 30;
 
 /// The XA transactions prepared on the server and not yet committed or rolled back.
 pub async fn recover(conn: &mut Conn) -> Result<Vec<Xid>, Error> {
@@ -75,7 +78,7 @@ impl std::fmt::Display for PreparedBefore {
             ),
             None => write!(
                 f,
-                "{} (its XA START is no longer in the server's binlog: the tables it wrote are unknown)",
+                "{} (its XA START is not in the last GiB of binlog before the position: the tables it wrote are unknown)",
                 self.xid
             ),
         }
@@ -83,8 +86,9 @@ impl std::fmt::Display for PreparedBefore {
 }
 
 /// The prepared XA transactions whose `XA PREPARE` is before `file:pos` and that wrote a table
-/// `ours` accepts (`db.table`), or whose group is no longer on the server (it may have): a
-/// stream from `file:pos` would never publish their rows. Those that wrote only other tables
+/// `ours` accepts (`db.table`), or whose group is not found (purged, or more than
+/// [`BACKWARD_BYTES`] of binlog back: it may have): a stream from `file:pos` would never
+/// publish their rows. Those that wrote only other tables
 /// are logged and left alone.
 pub async fn prepared_before(
     conn: &mut Conn,
@@ -131,13 +135,23 @@ pub async fn prepared_before(
             tables: Vec::new(),
         })
         .collect();
-    let files = binlog_files(conn).await?;
-    for f in files
+    let logs = binlog_logs(conn).await?;
+    let mut read = 0u64;
+    for log in logs
         .iter()
         .rev()
-        .filter(|f| binlog_file_seq(f) <= binlog_file_seq(file))
+        .filter(|l| binlog_file_seq(&l.name) <= binlog_file_seq(file))
     {
+        if read >= BACKWARD_BYTES {
+            // Not found that far back: left unknown, so refused (the fix ends it either way).
+            break;
+        }
+        let f = &log.name;
         let stop_at = (*f == file).then_some(pos);
+        read += stop_at.unwrap_or(log.size);
+        // The last group of each transaction in this file (an XID may be used again after
+        // it ended): (its start, the tables it wrote).
+        let mut hits: Vec<Option<(u64, Vec<String>)>> = vec![None; found.len()];
         // The group being read: (index in `found`, its start, tables so far).
         let mut group: Option<(usize, u64, Vec<String>)> = None;
         walk(conn, f, 4, PAGE, |at, info| {
@@ -155,14 +169,19 @@ pub async fn prepared_before(
                         tables.push(t);
                     }
                 } else if is_stmt(info, "XA PREPARE", &found[*i].xid) {
-                    found[*i].start = Some((f.clone(), *start));
-                    found[*i].tables = std::mem::take(tables);
+                    hits[*i] = Some((*start, std::mem::take(tables)));
                     group = None;
                 }
             }
             true
         })
         .await?;
+        for (p, hit) in found.iter_mut().zip(hits) {
+            if let Some((start, tables)) = hit {
+                p.start = Some((f.clone(), start));
+                p.tables = tables;
+            }
+        }
         if found.iter().all(|p| p.start.is_some()) {
             break;
         }

@@ -227,16 +227,6 @@ impl Decoder {
         self.prepared.iter().find(|p| p.pins()).map(|p| &p.floor)
     }
 
-    /// The XA transactions prepared but not yet committed or rolled back that hold the
-    /// position back.
-    pub fn prepared_xids(&self) -> Vec<&Xid> {
-        self.prepared
-            .iter()
-            .filter(|p| p.pins())
-            .map(|p| &p.xid)
-            .collect()
-    }
-
     pub fn in_txn(&self) -> bool {
         self.txn.is_some()
     }

@@ -405,3 +405,79 @@ pub(super) fn xa_too_large(file: &str, pos: u64, bytes: usize, limit: usize) -> 
         ),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::ColumnMap;
+    use crate::source::mysql::rows::{OutboxTable, SourceTz};
+
+    fn decoder() -> Decoder {
+        let table = OutboxTable {
+            database: "db".into(),
+            table: "outbox".into(),
+            columns: ColumnMap::default(),
+            tz: SourceTz::Utc,
+            label: None,
+        };
+        Decoder::new(vec![table], "bin.000001", None)
+    }
+
+    fn prepared(gtrid: &str, pos: u64, rows: usize, age_s: i64) -> PreparedXa {
+        PreparedXa {
+            xid: Xid {
+                format: 1,
+                gtrid: gtrid.as_bytes().to_vec(),
+                bqual: Vec::new(),
+            },
+            rows: (0..rows).map(|_| crate::sink::test_event()).collect(),
+            bytes: 0,
+            floor: Checkpoint::Binlog {
+                file: "bin.000001".into(),
+                pos,
+                gtid_state: None,
+            },
+            file: "bin.000001".into(),
+            pos,
+            prepared_at: Utc::now() - chrono::Duration::seconds(age_s),
+            released: false,
+        }
+    }
+
+    fn held_pos(dec: &Decoder) -> Option<u64> {
+        match dec.held_checkpoint()? {
+            Checkpoint::Binlog { pos, .. } => Some(*pos),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn only_prepares_with_outbox_rows_hold_the_position_and_release_moves_it_forward() {
+        let mut dec = decoder();
+        // Oldest first: one without outbox rows, then two with.
+        dec.prepared.push(prepared("other", 100, 0, 7200));
+        dec.prepared.push(prepared("old", 200, 2, 3600));
+        dec.prepared.push(prepared("new", 300, 1, 5));
+        assert_eq!(held_pos(&dec), Some(200), "the rowless prepare holds nothing");
+        let pins = dec.pins();
+        assert_eq!(pins.len(), 2);
+        assert_eq!(pins[0].xid.gtrid, b"old");
+        assert_eq!(pins[0].rows, 2);
+
+        // Prepared more than a minute ago: only "old" is given up; the position moves to "new".
+        let given_up = dec.release_prepared_before(Utc::now() - chrono::Duration::seconds(60));
+        assert_eq!(given_up.len(), 1);
+        assert_eq!(given_up[0].xid.gtrid, b"old");
+        assert_eq!(held_pos(&dec), Some(300));
+        assert!(
+            dec.release_prepared_before(Utc::now() - chrono::Duration::seconds(60))
+                .is_empty(),
+            "given up once"
+        );
+        // Its rows are kept: a commit read in this process still publishes them.
+        assert_eq!(dec.prepared.iter().find(|p| p.xid.gtrid == b"old").unwrap().rows.len(), 2);
+        dec.release_prepared_before(Utc::now());
+        assert_eq!(held_pos(&dec), None);
+        assert!(dec.pins().is_empty());
+    }
+}
