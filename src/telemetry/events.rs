@@ -167,8 +167,7 @@ impl InternalEvent for XaPreparePinning<'_> {
             t.xa_prepared_oldest_age_seconds.set(0.0);
             return;
         };
-        t.xa_prepared_oldest_age_seconds
-            .set(self.age.as_secs_f64());
+        t.xa_prepared_oldest_age_seconds.set(self.age.as_secs_f64());
         if self.warn {
             tracing::warn!(
                 target: "outboxd::source::mysql",

@@ -293,7 +293,10 @@ async fn xa_first_start_refuses_while_an_xa_prepared_before_it_wrote_the_outbox(
     let err = first.stderr_plain();
     assert_ne!(code, 0, "the first start must refuse; stderr:\n{err}");
     assert!(
-        err.contains(&format!("XA COMMIT {}; or XA ROLLBACK {0};", xid_text(&ours))),
+        err.contains(&format!(
+            "XA COMMIT {}; or XA ROLLBACK {0};",
+            xid_text(&ours)
+        )),
         "the refusal names the XID and the statements that end it:\n{err}"
     );
     let refusal = err
@@ -347,9 +350,15 @@ async fn xa_offset_set_refuses_a_position_after_an_open_prepare_and_names_the_on
         }
     };
     let (code, _, err) = set(format!("{}:{}", after.0, after.1)).await;
-    assert_ne!(code, 0, "a position after the open prepare is refused:\n{err}");
+    assert_ne!(
+        code, 0,
+        "a position after the open prepare is refused:\n{err}"
+    );
     assert!(
-        err.contains(&format!("XA COMMIT {}; or XA ROLLBACK {0};", xid_text(&xid))),
+        err.contains(&format!(
+            "XA COMMIT {}; or XA ROLLBACK {0};",
+            xid_text(&xid)
+        )),
         "{err}"
     );
     let named = format!("--binlog-position {}:{}", start.0, start.1);
@@ -387,14 +396,22 @@ async fn xa_a_prepare_that_holds_the_position_is_shown_and_stops_the_relay_at_th
     let floor = xa_start_position(&before, &ours).await;
     exec(&db, &insert("N1")).await;
     wait_for_or_show(&relay, "N1 to be published", || relay.line_count() >= 1).await;
-    wait_for("the position to be stored at the prepare with outbox rows", T, || async {
-        db.stored(&name)
-            .await
-            .is_some_and(|(f, p, _)| f == floor.0 && p >= floor.1)
-    })
+    wait_for(
+        "the position to be stored at the prepare with outbox rows",
+        T,
+        || async {
+            db.stored(&name)
+                .await
+                .is_some_and(|(f, p, _)| f == floor.0 && p >= floor.1)
+        },
+    )
     .await;
     let stored = db.stored(&name).await.unwrap();
-    assert_eq!((stored.0.clone(), stored.1), floor, "held before its prepare");
+    assert_eq!(
+        (stored.0.clone(), stored.1),
+        floor,
+        "held before its prepare"
+    );
 
     // The metric, from the prepare's time on the server.
     let series = "outboxd_xa_prepared_oldest_age_seconds";
@@ -406,7 +423,10 @@ async fn xa_a_prepare_that_holds_the_position_is_shown_and_stops_the_relay_at_th
     // The WARN once it is older than 10 s, naming it and the statements that end it.
     relay
         .wait_for_stderr(
-            &["holds outbox rows", &format!("XA COMMIT {};", xid_text(&ours))],
+            &[
+                "holds outbox rows",
+                &format!("XA COMMIT {};", xid_text(&ours)),
+            ],
             T,
         )
         .await;
@@ -437,11 +457,18 @@ async fn xa_a_prepare_that_holds_the_position_is_shown_and_stops_the_relay_at_th
     assert_ne!(code, 0, "{err}");
     assert!(err.contains("--xa-prepare-limit"), "{err}");
     assert!(
-        err.contains(&format!("XA COMMIT {}; or XA ROLLBACK {0};", xid_text(&ours))),
+        err.contains(&format!(
+            "XA COMMIT {}; or XA ROLLBACK {0};",
+            xid_text(&ours)
+        )),
         "{err}"
     );
     let stored = db.stored(&name).await.unwrap();
-    assert_eq!((stored.0.clone(), stored.1), floor, "still before the prepare");
+    assert_eq!(
+        (stored.0.clone(), stored.1),
+        floor,
+        "still before the prepare"
+    );
 
     // Ended, the next start publishes its row.
     exec(&db, &format!("XA COMMIT '{ours}'")).await;
@@ -461,7 +488,12 @@ async fn xa_release_moves_the_position_past_an_expired_prepare_and_names_it() {
     let name = unique("r");
     let dsn = db.dsn();
     let mut args = run_args(&dsn, &name);
-    args.extend(["--xa-prepare-limit", "3s", "--xa-prepare-expired", "release"]);
+    args.extend([
+        "--xa-prepare-limit",
+        "3s",
+        "--xa-prepare-expired",
+        "release",
+    ]);
     let mut relay = start_streaming(&db, &args).await;
 
     let xid = unique("xa_rel");
@@ -476,11 +508,15 @@ async fn xa_release_moves_the_position_past_an_expired_prepare_and_names_it() {
         .wait_for_stderr(&["XA PREPARE GIVEN UP", &xid_text(&xid)], T)
         .await;
     // No longer held: the position passes the prepare and N1.
-    wait_for("the position to move past the given-up prepare", T, || async {
-        db.stored(&name)
-            .await
-            .is_some_and(|(f, p, _)| binlog_ge(&(f, p), &after))
-    })
+    wait_for(
+        "the position to move past the given-up prepare",
+        T,
+        || async {
+            db.stored(&name)
+                .await
+                .is_some_and(|(f, p, _)| binlog_ge(&(f, p), &after))
+        },
+    )
     .await;
     assert!(binlog_ge(&after, &floor));
     // Its commit, read while this relay runs, still publishes its row.

@@ -9,9 +9,9 @@
 //! back) is a reason to refuse the position, one that wrote only other tables is not.
 
 use super::{binlog_files, binlog_logs, text};
+use crate::dsn::DbDsn;
 use crate::event::binlog_file_seq;
 use crate::source::mysql::decode::Xid;
-use crate::dsn::DbDsn;
 use crate::Error;
 use chrono::{DateTime, TimeZone, Utc};
 use futures::StreamExt;
@@ -110,8 +110,7 @@ pub async fn prepared_before(
         }
         let files = binlog_files(conn).await?;
         let from_seq = binlog_file_seq(&from.0);
-        for f in files.iter().filter(|f| binlog_file_seq(f) >= from_seq)
-        {
+        for f in files.iter().filter(|f| binlog_file_seq(f) >= from_seq) {
             let start = if *f == from.0 { from.1 } else { 4 };
             let end = walk(conn, f, start, PAGE, |_, info| {
                 if let Some(i) = open.iter().position(|x| is_stmt(info, "XA PREPARE", x)) {
@@ -272,8 +271,7 @@ pub async fn event_time(
     // The server sends a Rotate and the file's format description first (their positions are
     // not `pos`), then the event asked for.
     for _ in 0..8 {
-        let Ok(Some(ev)) = tokio::time::timeout(Duration::from_secs(5), stream.next()).await
-        else {
+        let Ok(Some(ev)) = tokio::time::timeout(Duration::from_secs(5), stream.next()).await else {
             break;
         };
         let ev = ev?;
@@ -376,7 +374,11 @@ mod tests {
             "XA PREPARE",
             &x
         ));
-        assert!(!is_stmt("XA END X'70726f626531',X'6232',7", "XA PREPARE", &x));
+        assert!(!is_stmt(
+            "XA END X'70726f626531',X'6232',7",
+            "XA PREPARE",
+            &x
+        ));
         assert_eq!(
             table_of("table_id: 32 (xa_probe.t)").as_deref(),
             Some("xa_probe.t")

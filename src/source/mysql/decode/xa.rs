@@ -227,7 +227,10 @@ impl Decoder {
             floor,
             file,
             pos,
-            prepared_at: Utc.timestamp_opt(ts as i64, 0).single().unwrap_or_else(Utc::now),
+            prepared_at: Utc
+                .timestamp_opt(ts as i64, 0)
+                .single()
+                .unwrap_or_else(Utc::now),
             released: false,
         });
         steps.push(self.commit(end, ts));
@@ -458,7 +461,11 @@ mod tests {
         dec.prepared.push(prepared("other", 100, 0, 7200));
         dec.prepared.push(prepared("old", 200, 2, 3600));
         dec.prepared.push(prepared("new", 300, 1, 5));
-        assert_eq!(held_pos(&dec), Some(200), "the rowless prepare holds nothing");
+        assert_eq!(
+            held_pos(&dec),
+            Some(200),
+            "the rowless prepare holds nothing"
+        );
         let pins = dec.pins();
         assert_eq!(pins.len(), 2);
         assert_eq!(pins[0].xid.gtrid, b"old");
@@ -475,7 +482,15 @@ mod tests {
             "given up once"
         );
         // Its rows are kept: a commit read in this process still publishes them.
-        assert_eq!(dec.prepared.iter().find(|p| p.xid.gtrid == b"old").unwrap().rows.len(), 2);
+        assert_eq!(
+            dec.prepared
+                .iter()
+                .find(|p| p.xid.gtrid == b"old")
+                .unwrap()
+                .rows
+                .len(),
+            2
+        );
         dec.release_prepared_before(Utc::now());
         assert_eq!(held_pos(&dec), None);
         assert!(dec.pins().is_empty());
