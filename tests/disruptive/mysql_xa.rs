@@ -444,6 +444,14 @@ async fn xa_a_prepare_that_holds_the_position_is_shown_and_stops_the_relay_at_th
         .unwrap_or_else(|| panic!("no xa prepare line in status:\n{out}"));
     assert!(line.contains(&xid_text(&ours)), "{line}");
     assert!(line.contains("s ago"), "{line}");
+    // `check` lists the open prepares with the statements that end them.
+    let (_, out, err) = command(&["check", "--source", &dsn, "--name", &name]).await;
+    let xa_line = out
+        .lines()
+        .find(|l| l.contains("prepared XA"))
+        .unwrap_or_else(|| panic!("no prepared XA check:\n{out}\n{err}"));
+    assert!(xa_line.starts_with("warn"), "{xa_line}");
+    assert!(xa_line.contains(&xid_text(&ours)), "{xa_line}");
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr_plain());
 

@@ -1,6 +1,7 @@
 //! The operator's commands for a MySQL/MariaDB source: `check` (one line per check, the exact
-//! fix for each failure) and `status` / `offset show` (stored position, server head, lag, dump
-//! thread, lease).
+//! fix for each failure, prepared XA transactions among them) and `status` / `offset show`
+//! (stored position, server head, lag, dump thread, lease, and the prepared XA transaction
+//! that holds the stored position back, with its age).
 
 use super::rows::OutboxTable;
 use super::{admin, connect_sql, snapshot};
@@ -340,6 +341,34 @@ async fn check_server(
                 None,
             )),
         },
+    }
+
+    // Prepared XA transactions: one with outbox rows left open holds a relay's stored
+    // position before its prepare, and a first start after its prepare is refused.
+    match admin::xa::recover(conn).await {
+        Ok(open) if open.is_empty() => {
+            out.push(line(Level::Ok, "prepared XA", "none open", None))
+        }
+        Ok(open) => out.push(line(
+            Level::Warn,
+            "prepared XA",
+            format!(
+                "{} open: {} (one that wrote the outbox holds a relay's stored position before its prepare until it ends; a first start after its prepare is refused)",
+                open.len(),
+                open.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+            ),
+            Some(format!(
+                "end each one its application no longer will: {}",
+                open.iter()
+                    .map(|x| format!("XA COMMIT {x}; or XA ROLLBACK {x};"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )),
+        )),
+        Err(Error::Config { problem, fix }) => {
+            out.push(line(Level::Fail, "prepared XA", problem, Some(fix)))
+        }
+        Err(e) => return Err(e),
     }
     Ok(())
 }

@@ -27,7 +27,18 @@ const BACKWARD_BYTES: u64 = 1 << 30;
 
 /// The XA transactions prepared on the server and not yet committed or rolled back.
 pub async fn recover(conn: &mut Conn) -> Result<Vec<Xid>, Error> {
-    let rows: Vec<Row> = conn.query("XA RECOVER").await?;
+    let rows: Vec<Row> = match conn.query("XA RECOVER").await {
+        Ok(rows) => rows,
+        // MySQL 8.0.14+ lists them only to holders of XA_RECOVER_ADMIN (MariaDB to anyone):
+        // without the list, a start cannot know whether it would lose a prepared one's rows.
+        Err(e) if crate::db::mysql::server_code(&e) == Some(1227) => {
+            return Err(Error::config(
+                format!("XA RECOVER was refused ({e}): a start must see the prepared XA transactions to know that none of their rows would be lost"),
+                "GRANT XA_RECOVER_ADMIN ON *.* TO '<user>'@'<host>';  (run as an administrator, naming the relay's user)",
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    };
     let mut out = Vec::new();
     for r in rows {
         let format: i64 = text(&r, 0).parse().unwrap_or(0);
