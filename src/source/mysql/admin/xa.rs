@@ -175,7 +175,7 @@ pub async fn prepared_before(
                 group = Some((i, at, Vec::new()));
             } else if let Some((i, start, tables)) = group.as_mut() {
                 if let Some(t) = table_of(info) {
-                    if !tables.iter().any(|x| *x == t) {
+                    if !tables.contains(&t) {
                         tables.push(t);
                     }
                 } else if is_stmt(info, "XA PREPARE", &found[*i].xid) {
