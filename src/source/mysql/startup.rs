@@ -206,8 +206,8 @@ pub async fn start_plan(
         };
         let open = admin::xa::prepared_before(&mut sql, &start.file, start.pos, ours).await?;
         if !open.is_empty() {
-            // Nothing was stored: the lease goes back at once, so the start after the fix
-            // need not wait for it to expire.
+            // This start's position was not stored: the lease goes back at once, so the
+            // start after the fix need not wait for it to expire.
             match &mut file_store {
                 Some(store) => {
                     let _ = state::StateStore::release(store, &lease).await;
