@@ -398,6 +398,10 @@ pub struct MySqlOptions {
     pub heartbeat: Duration,
     /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
     pub offset_file: Option<std::path::PathBuf>,
+    /// `--xa-prepare-limit`: how long a prepared XA transaction may hold the position back.
+    pub xa_prepare_limit: Duration,
+    /// `--xa-prepare-expired`: what happens after that.
+    pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
 }
 
 impl Default for MySqlOptions {
@@ -408,6 +412,8 @@ impl Default for MySqlOptions {
             max_payload_bytes: crate::source::mysql::decode::DEFAULT_PAYLOAD_LIMIT,
             heartbeat: Duration::from_secs(1),
             offset_file: None,
+            xa_prepare_limit: crate::source::mysql::xa_pin::DEFAULT_LIMIT,
+            xa_prepare_expired: Default::default(),
         }
     }
 }
@@ -549,6 +555,8 @@ pub async fn run_mysql(
         txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
         max_payload_bytes: cfg.mysql.max_payload_bytes,
         mariadb,
+        xa_prepare_limit: cfg.mysql.xa_prepare_limit,
+        xa_prepare_expired: cfg.mysql.xa_prepare_expired,
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);

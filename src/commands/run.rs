@@ -168,6 +168,14 @@ pub struct MySqlArgs {
     /// outboxd_state table.
     #[arg(long, env = "OUTBOXD_OFFSET_FILE", value_name = "PATH")]
     pub offset_file: Option<std::path::PathBuf>,
+    /// How long a prepared XA transaction with outbox rows may hold the stored position back
+    /// (each restart meanwhile publishes again everything since its prepare); then
+    /// --xa-prepare-expired applies.
+    #[arg(long, env = "OUTBOXD_XA_PREPARE_LIMIT", value_parser = parse_duration, default_value = "1h")]
+    pub xa_prepare_limit: Duration,
+    /// What happens to a prepared XA transaction older than --xa-prepare-limit.
+    #[arg(long, env = "OUTBOXD_XA_PREPARE_EXPIRED", value_enum, default_value_t = crate::source::mysql::xa_pin::XaExpired::Stop)]
+    pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
 }
 
 /// The message options of `run` (templates parsed, header names checked) and the column map
@@ -328,6 +336,8 @@ pub(super) async fn run(
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
             max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
             offset_file: args.mysql.offset_file.clone(),
+            xa_prepare_limit: args.mysql.xa_prepare_limit,
+            xa_prepare_expired: args.mysql.xa_prepare_expired,
             ..Default::default()
         },
     };

@@ -9,6 +9,7 @@ use crate::outbox::Mode;
 use crate::sink::format::BodyFormat;
 use crate::sink::partition::{PartitionRouting, QueueType};
 use crate::sink::rabbitmq::DeclareMode;
+use crate::source::mysql::xa_pin::XaExpired;
 use clap::builder::PossibleValue;
 
 /// `impl clap::ValueEnum` for a library enum: each variant with its spelling and, where the
@@ -62,6 +63,11 @@ value_enum!(PositionLostPolicy {
     Poll => "poll": "Open a fresh position and publish again, from the table, every row that may have been committed after the last confirmed one; then stream",
 });
 
+value_enum!(XaExpired {
+    Stop => "stop": "Stop with the XA COMMIT / XA ROLLBACK that end it; the stored position stays before its prepare",
+    Release => "release": "Move the stored position past it and log its XID: its rows are published only if it commits while this relay runs",
+});
+
 value_enum!(OnPoison {
     Halt => "halt": "Stop the consumer, leaving the message in the queue (an operator fixes the cause)",
     Park => "park": "Move it to `<queue>.dead` with the error in headers, then ack it",
@@ -90,6 +96,7 @@ mod tests {
         round_trips::<BodyFormat>();
         round_trips::<PositionLostPolicy>();
         round_trips::<OnPoison>();
+        round_trips::<XaExpired>();
         assert_eq!(
             BodyFormat::from_str("cloudevents-binary", false).unwrap(),
             BodyFormat::CloudeventsBinary

@@ -147,6 +147,67 @@ impl InternalEvent for SlotRetainedWal {
     }
 }
 
+/// What holds a MySQL/MariaDB relay's stored position back, checked every second: the oldest
+/// prepared XA transaction with outbox rows (`xid` `None`: none, the gauge goes to 0), how
+/// long ago it was prepared and where the position stays for it. `warn` when its line is due.
+pub struct XaPreparePinning<'a> {
+    pub xid: Option<&'a dyn Display>,
+    pub age: Duration,
+    pub held_at: &'a dyn Display,
+    /// How many prepared XA transactions hold the position back.
+    pub count: usize,
+    pub limit: Duration,
+    pub warn: bool,
+}
+
+impl InternalEvent for XaPreparePinning<'_> {
+    fn emit(self) {
+        let t = get();
+        let Some(xid) = self.xid else {
+            t.xa_prepared_oldest_age_seconds.set(0.0);
+            return;
+        };
+        t.xa_prepared_oldest_age_seconds.set(self.age.as_secs_f64());
+        if self.warn {
+            tracing::warn!(
+                target: "outboxd::source::mysql",
+                xid = %xid,
+                age_seconds = self.age.as_secs(),
+                held_at = %self.held_at,
+                prepared = self.count,
+                limit = ?self.limit,
+                "an XA transaction prepared {}s ago holds outbox rows and is neither committed nor rolled back: the stored position stays before its XA PREPARE, so every restart until it ends publishes again everything committed since (duplicates); end it on the server: XA COMMIT {xid}; or XA ROLLBACK {xid}; (at --xa-prepare-limit the relay stops, or with --xa-prepare-expired release gives it up)",
+                self.age.as_secs()
+            );
+        }
+    }
+}
+
+/// `--xa-prepare-expired release`: the relay stopped holding its position back for a prepared
+/// XA transaction older than `--xa-prepare-limit`. Its rows are published only if its XA
+/// COMMIT comes before this process ends; after a restart, never.
+pub struct XaPrepareReleased<'a> {
+    pub xid: &'a dyn Display,
+    pub age: Duration,
+    pub rows: usize,
+    pub held_at: &'a dyn Display,
+}
+
+impl InternalEvent for XaPrepareReleased<'_> {
+    fn emit(self) {
+        get().xa_prepares_released.inc();
+        tracing::error!(
+            target: "outboxd::source::mysql",
+            xid = %self.xid,
+            age_seconds = self.age.as_secs(),
+            rows = self.rows,
+            held_at = %self.held_at,
+            "XA PREPARE GIVEN UP (--xa-prepare-expired release): the stored position moves past this prepared XA transaction; its {} outbox row(s) are published only if its XA COMMIT is read before this relay stops, never after a restart",
+            self.rows
+        );
+    }
+}
+
 /// The relay hands `event` to the sink for the first time.
 pub struct EventPublishing<'a> {
     pub event: &'a OutboxEvent,

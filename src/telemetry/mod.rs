@@ -54,6 +54,10 @@ pub struct Telemetry {
     pub source_lag_bytes: Gauge,
     pub source_lag_seconds: Gauge<f64, AtomicU64>,
     pub slot_retained_wal_bytes: Gauge,
+    /// Age of the oldest prepared XA transaction holding the stored position back (0: none).
+    pub xa_prepared_oldest_age_seconds: Gauge<f64, AtomicU64>,
+    /// Prepared XA transactions given up under `--xa-prepare-expired release`.
+    pub xa_prepares_released: Counter,
     pub leader: Gauge,
     pub source_streaming: Gauge,
     pub sink_connected: Gauge,
@@ -95,6 +99,8 @@ impl Telemetry {
             source_lag_bytes: Gauge::default(),
             source_lag_seconds: Gauge::default(),
             slot_retained_wal_bytes: Gauge::default(),
+            xa_prepared_oldest_age_seconds: Gauge::default(),
+            xa_prepares_released: Counter::default(),
             leader: Gauge::default(),
             source_streaming: Gauge::default(),
             sink_connected: Gauge::default(),
@@ -184,6 +190,16 @@ impl Telemetry {
             "slot_retained_wal_bytes",
             "WAL the replication slot keeps on the server",
             t.slot_retained_wal_bytes.clone(),
+        );
+        registry.register(
+            "xa_prepared_oldest_age_seconds",
+            "Age of the oldest prepared XA transaction with outbox rows that holds the stored position back (0: none)",
+            t.xa_prepared_oldest_age_seconds.clone(),
+        );
+        registry.register(
+            "xa_prepares_released",
+            "Prepared XA transactions the stored position moved past (--xa-prepare-expired release)",
+            t.xa_prepares_released.clone(),
         );
         registry.register(
             "position_age_seconds",

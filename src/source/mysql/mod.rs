@@ -28,6 +28,7 @@ pub mod poll;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
+pub mod xa_pin;
 
 use crate::backoff::Backoff;
 // The MySQL client every module uses lives in `crate::db::mysql`; re-exported here for the
@@ -70,6 +71,11 @@ pub struct MySqlSourceConfig {
     /// Whether the server writes MariaDB GTIDs (then positions carry the GTID state and resume
     /// uses it).
     pub mariadb: bool,
+    /// `--xa-prepare-limit`: how long a prepared XA transaction with outbox rows may hold the
+    /// stored position back before `xa_prepare_expired` applies.
+    pub xa_prepare_limit: Duration,
+    /// `--xa-prepare-expired`: stop, or move the position past it.
+    pub xa_prepare_expired: xa_pin::XaExpired,
 }
 
 /// The server id a relay of this name registers with: stable per name (a reconnect replaces
@@ -339,6 +345,10 @@ pub async fn run(
     let mut last_sent = Instant::now();
     let mut dec = Decoder::new(cfg.tables.clone(), &resume.file, None)
         .with_limits(cfg.txn_buffer_bytes, cfg.max_payload_bytes);
+    // What holds the stored position back (prepared XA transactions), looked at every second.
+    let mut xa_watch = xa_pin::XaWatch::default();
+    let mut xa_tick = tokio::time::interval(Duration::from_secs(1));
+    xa_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     // The start position was checked before the source started; every reopen after a break
     // checks again (not the re-read of a large transaction, which follows a read of the same
@@ -404,6 +414,16 @@ pub async fn run(
                     acks_open = changed.is_ok();
                     if let Some(Checkpoint::Binlog { file, pos, .. }) = &*acks.borrow_and_update() {
                         commits.durable_up_to((binlog_file_seq(file), *pos), &durable_commits);
+                    }
+                    continue;
+                }
+                _ = xa_tick.tick() => {
+                    if xa_watch.check(&mut dec, cfg.xa_prepare_limit, cfg.xa_prepare_expired)? {
+                        // Prepares given up: the position read so far goes out now, no longer
+                        // held before them (on a quiet server no commit would send it).
+                        let cp = pending.take().unwrap_or_else(|| resume.checkpoint());
+                        outlet.send_checkpoint(held(cp, &dec)).await?;
+                        last_sent = Instant::now();
                     }
                     continue;
                 }
@@ -703,8 +723,10 @@ pub async fn run(
     if let Some(cp) = pending.take() {
         outlet.send_checkpoint(held(cp, &dec)).await?;
     }
-    if !dec.prepared_xids().is_empty() {
-        tracing::info!(xids = %dec.prepared_xids().iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" "), "XA transactions are prepared but not committed: the stored position stays before their prepare, so the next start reads them again");
+    for p in dec.pins() {
+        // The next start reads everything since this prepare again: said at the level that
+        // gets read.
+        tracing::warn!(xid = %p.xid, prepared_at = %p.prepared_at.to_rfc3339(), held_at = %p.floor, rows = p.rows, "an XA transaction is prepared but not committed: the stored position stays before its prepare, so the next start reads it again and publishes again everything committed since (end it: XA COMMIT {0}; or XA ROLLBACK {0};)", p.xid);
     }
     tracing::info!(file = %resume.file, pos = resume.pos, "stopped at a transaction boundary");
     // Dropping the outlet closes the relay's input: it drains and ends.

@@ -1,6 +1,7 @@
 //! The operator's commands for a MySQL/MariaDB source: `check` (one line per check, the exact
-//! fix for each failure) and `status` / `offset show` (stored position, server head, lag, dump
-//! thread, lease).
+//! fix for each failure, prepared XA transactions among them) and `status` / `offset show`
+//! (stored position, server head, lag, dump thread, lease, and the prepared XA transaction
+//! that holds the stored position back, with its age).
 
 use super::rows::OutboxTable;
 use super::{admin, connect_sql, snapshot};
@@ -341,6 +342,34 @@ async fn check_server(
             )),
         },
     }
+
+    // Prepared XA transactions: one with outbox rows left open holds a relay's stored
+    // position before its prepare, and a first start after its prepare is refused.
+    match admin::xa::recover(conn).await {
+        Ok(open) if open.is_empty() => {
+            out.push(line(Level::Ok, "prepared XA", "none open", None))
+        }
+        Ok(open) => out.push(line(
+            Level::Warn,
+            "prepared XA",
+            format!(
+                "{} open: {} (one that wrote the outbox holds a relay's stored position before its prepare until it ends; a first start after its prepare is refused)",
+                open.len(),
+                open.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ")
+            ),
+            Some(format!(
+                "end each one its application no longer will: {}",
+                open.iter()
+                    .map(|x| format!("XA COMMIT {x}; or XA ROLLBACK {x};"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )),
+        )),
+        Err(Error::Config { problem, fix }) => {
+            out.push(line(Level::Fail, "prepared XA", problem, Some(fix)))
+        }
+        Err(e) => return Err(e),
+    }
     Ok(())
 }
 
@@ -360,6 +389,17 @@ pub struct MyStatus {
     pub lease_holder: Option<String>,
     pub lease_live: bool,
     pub epoch: Option<i64>,
+    /// A prepared XA transaction the stored position is held before (it starts there), and
+    /// when the server prepared it.
+    pub xa_prepare: Option<XaHold>,
+}
+
+/// A prepared XA transaction that holds a relay's stored position back.
+#[derive(Debug, Clone, Serialize)]
+pub struct XaHold {
+    pub xid: String,
+    pub prepared_at: Option<String>,
+    pub age_seconds: Option<i64>,
 }
 
 pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
@@ -417,6 +457,26 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
             (&dsn.database,),
         )
         .await?;
+    // The relay holds its stored position at the start of a prepared XA transaction with
+    // outbox rows: the one starting there, if it is still open, is what holds it.
+    let mut xa_prepare = None;
+    if let Some(Checkpoint::Binlog { file, pos, .. }) = &stored {
+        let open = admin::xa::recover(&mut conn).await?;
+        if !open.is_empty() {
+            if let Some(xid) = admin::xa::starting_at(&mut conn, file, *pos, &open).await? {
+                let id = super::server_id_for(&format!("{name}\u{0}status"));
+                let at = admin::xa::event_time(dsn, id, file, *pos)
+                    .await
+                    .ok()
+                    .flatten();
+                xa_prepare = Some(XaHold {
+                    xid: xid.to_string(),
+                    prepared_at: at.map(|t| t.to_rfc3339()),
+                    age_seconds: at.map(|t| (chrono::Utc::now() - t).num_seconds().max(0)),
+                });
+            }
+        }
+    }
     let _ = conn.disconnect().await;
     Ok(MyStatus {
         name: name.to_string(),
@@ -436,6 +496,7 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
         lease_holder: row.as_ref().and_then(|r| r.lease_holder.clone()),
         lease_live: row.as_ref().is_some_and(|r| r.lease_live),
         epoch: row.as_ref().map(|r| r.epoch),
+        xa_prepare,
     })
 }
 
@@ -481,13 +542,24 @@ impl std::fmt::Display for MyStatus {
             } else {
                 " (expired or free)"
             }
-        )
+        )?;
+        if let Some(x) = &self.xa_prepare {
+            write!(
+                f,
+                "\nxa prepare       {} prepared {} ({}s ago) holds the stored position before its XA PREPARE: every restart publishes again what was committed since; end it: XA COMMIT {0}; or XA ROLLBACK {0};",
+                x.xid,
+                o(&x.prepared_at),
+                x.age_seconds.map(|a| a.to_string()).unwrap_or("?".into()),
+            )?;
+        }
+        Ok(())
     }
 }
 
 /// `offset set --binlog-position FILE:POS`: where the next start resumes. The file must still
 /// be on the server and the position inside it; on MariaDB the GTID state there is stored with
-/// it. Refused while the relay runs. Returns the stored position.
+/// it. Refused while the relay runs, and while an XA transaction prepared before the position
+/// that wrote the DSN's database is still open. Returns the stored position.
 pub async fn set_position(
     dsn: &DbDsn,
     name: &str,
@@ -527,6 +599,23 @@ pub async fn set_position(
             ))
         }
         _ => {}
+    }
+    // An XA transaction prepared before the position and still open would have its rows
+    // before it, never read by the next start. `offset set` knows no --table: one that wrote
+    // any table of the DSN's database counts.
+    let db_prefix = format!("{}.", dsn.database);
+    let open = admin::xa::prepared_before(&mut conn, &file, pos, |t| {
+        t.get(..db_prefix.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(&db_prefix))
+    })
+    .await?;
+    if !open.is_empty() {
+        let _ = conn.disconnect().await;
+        return Err(admin::xa::prepared_before_error(
+            &format!("{file}:{pos}"),
+            &open,
+            true,
+        ));
     }
     let gtid = if s.mariadb {
         Some(admin::gtid_at(&mut conn, &file, pos).await?.to_string())

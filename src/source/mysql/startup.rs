@@ -5,7 +5,9 @@
 //! position an interrupted first start stored. It is one function because its order is what
 //! makes a start safe to interrupt at any step: a lost position stays stored until its replay
 //! is confirmed, a first start goes on from where an earlier run stored it, never from the
-//! binlog head. The result is a [`StartPlan`] for the source and the lease keeper; the SQL it
+//! binlog head. A position a start chooses itself (first start, recovery) is refused while an
+//! XA transaction prepared before it that wrote the outbox table is still open (see
+//! [`admin::xa`]). The result is a [`StartPlan`] for the source and the lease keeper; the SQL it
 //! runs is in [`admin`] and `state::mysql`.
 
 use super::rows::OutboxTable;
@@ -226,6 +228,35 @@ pub async fn start_plan(
             }
         }
     };
+    if !matches!(first, FirstStart::No) {
+        // A position this start chose (a first start's, or a recovery's): an XA transaction
+        // prepared before it and committed after it would have its rows before the stream's
+        // start, never read. Refused, naming each one and the statements that end it.
+        let ours = |t: &str| {
+            tables
+                .iter()
+                .any(|o| t.eq_ignore_ascii_case(&format!("{}.{}", o.database, o.table)))
+        };
+        let open = admin::xa::prepared_before(&mut sql, &start.file, start.pos, ours).await?;
+        if !open.is_empty() {
+            // This start's position was not stored: the lease goes back at once, so the
+            // start after the fix need not wait for it to expire.
+            match &mut file_store {
+                Some(store) => {
+                    let _ = state::StateStore::release(store, &lease).await;
+                }
+                None => {
+                    let _ = state::mysql::release(&mut sql, &lease).await;
+                }
+            }
+            let _ = sql.disconnect().await;
+            return Err(admin::xa::prepared_before_error(
+                &format!("{}:{}", start.file, start.pos),
+                &open,
+                false,
+            ));
+        }
+    }
     tracing::info!(position = %start.checkpoint(), "resuming");
     let _ = sql.disconnect().await;
     // As for Postgres: a run that publishes a snapshot stores its marks first, which sort

@@ -17,9 +17,12 @@
 //! its outcome later, in a group of its own (`XA COMMIT` or `XA ROLLBACK`, with other
 //! transactions in between). The rows of a prepared XA transaction are held here, keyed by
 //! its XID, and handed out as rows of the group that commits it (at that group's position), so
-//! they follow commit order and a rolled-back one is never published. While one is held,
-//! [`Decoder::held_checkpoint`] is where a stored position must stay (the start of its
-//! prepare), so that a restart reads the prepare again. A one-phase commit (`XA COMMIT …
+//! they follow commit order and a rolled-back one is never published. While one that holds
+//! outbox rows is prepared, [`Decoder::held_checkpoint`] is where a stored position must stay
+//! (the start of its prepare), so that a restart reads the prepare again; one that wrote only
+//! other tables holds nothing back (its outcome can publish nothing). The source reports
+//! what holds the position back ([`Decoder::pins`]) and may give one up
+//! ([`Decoder::release_prepared_before`]). A one-phase commit (`XA COMMIT …
 //! ONE PHASE`) is an ordinary transaction on MariaDB and an `XA PREPARE` event flagged
 //! one-phase on MySQL: either publishes at once.
 //!
@@ -59,7 +62,8 @@ pub use row_events::in_guarded_rows;
 pub use savepoint::row_index;
 use statement::first_word;
 pub use statement::insert_target;
-pub use xa::{parse_xid, Xid};
+use statement::skip_space;
+pub use xa::{parse_xid, XaPin, Xid};
 use xa::{xa_too_large, PreparedXa};
 
 // Event type codes (MySQL's and MariaDB's).
@@ -238,12 +242,7 @@ impl Decoder {
     /// prepare (the oldest one's): a stored position must not pass it, or a restart would
     /// never see those rows again.
     pub fn held_checkpoint(&self) -> Option<&Checkpoint> {
-        self.prepared.first().map(|p| &p.floor)
-    }
-
-    /// The XA transactions prepared but not yet committed or rolled back.
-    pub fn prepared_xids(&self) -> Vec<&Xid> {
-        self.prepared.iter().map(|p| &p.xid).collect()
+        self.prepared.iter().find(|p| p.pins()).map(|p| &p.floor)
     }
 
     pub fn in_txn(&self) -> bool {

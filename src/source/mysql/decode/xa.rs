@@ -7,7 +7,7 @@ use super::{Decoder, Step};
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::source::mysql::gtid;
 use crate::Error;
-use chrono::{TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use mysql_common::binlog::events::Event;
 
 /// An XA transaction's identity as the server writes it: format id, gtrid and bqual.
@@ -41,6 +41,31 @@ pub(super) struct PreparedXa {
     pub(super) floor: Checkpoint,
     pub(super) file: String,
     pub(super) pos: u64,
+    /// When the server prepared it (its prepare event's time, whole seconds): a restart that
+    /// reads the prepare again knows its age.
+    pub(super) prepared_at: DateTime<Utc>,
+    /// Given up (`--xa-prepare-expired release`): it no longer holds the position back. Its
+    /// rows are still published if its XA COMMIT is read before this process ends.
+    pub(super) released: bool,
+}
+
+impl PreparedXa {
+    /// Whether it holds the stored position back: only one that holds outbox rows (one that
+    /// wrote only other tables can publish nothing, whatever its outcome) and was not given up.
+    pub(super) fn pins(&self) -> bool {
+        !self.rows.is_empty() && !self.released
+    }
+}
+
+/// A prepared XA transaction that holds the stored position back, as the source reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XaPin {
+    pub xid: Xid,
+    pub prepared_at: DateTime<Utc>,
+    /// The position before its prepare group (where the stored position stays).
+    pub floor: Checkpoint,
+    /// The outbox rows it holds.
+    pub rows: usize,
 }
 
 impl Decoder {
@@ -202,9 +227,47 @@ impl Decoder {
             floor,
             file,
             pos,
+            prepared_at: Utc
+                .timestamp_opt(ts as i64, 0)
+                .single()
+                .unwrap_or_else(Utc::now),
+            released: false,
         });
         steps.push(self.commit(end, ts));
         Ok(())
+    }
+
+    /// The prepared XA transactions that hold the stored position back, oldest first.
+    pub fn pins(&self) -> Vec<XaPin> {
+        self.prepared
+            .iter()
+            .filter(|p| p.pins())
+            .map(|p| XaPin {
+                xid: p.xid.clone(),
+                prepared_at: p.prepared_at,
+                floor: p.floor.clone(),
+                rows: p.rows.len(),
+            })
+            .collect()
+    }
+
+    /// Stops holding the position back for the transactions prepared before `cutoff`
+    /// (`--xa-prepare-expired release`); returns them. Their rows stay here: a commit read
+    /// before this process ends still publishes them.
+    pub fn release_prepared_before(&mut self, cutoff: DateTime<Utc>) -> Vec<XaPin> {
+        let mut out = Vec::new();
+        for p in self.prepared.iter_mut() {
+            if p.pins() && p.prepared_at < cutoff {
+                p.released = true;
+                out.push(XaPin {
+                    xid: p.xid.clone(),
+                    prepared_at: p.prepared_at,
+                    floor: p.floor.clone(),
+                    rows: p.rows.len(),
+                });
+            }
+        }
+        out
     }
 
     /// The rows an XA group held, handed out before its one-phase commit.
@@ -344,4 +407,92 @@ pub(super) fn xa_too_large(file: &str, pos: u64, bytes: usize, limit: usize) -> 
             bytes.next_power_of_two()
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::ColumnMap;
+    use crate::source::mysql::rows::{OutboxTable, SourceTz};
+
+    fn decoder() -> Decoder {
+        let table = OutboxTable {
+            database: "db".into(),
+            table: "outbox".into(),
+            columns: ColumnMap::default(),
+            tz: SourceTz::Utc,
+            label: None,
+        };
+        Decoder::new(vec![table], "bin.000001", None)
+    }
+
+    fn prepared(gtrid: &str, pos: u64, rows: usize, age_s: i64) -> PreparedXa {
+        PreparedXa {
+            xid: Xid {
+                format: 1,
+                gtrid: gtrid.as_bytes().to_vec(),
+                bqual: Vec::new(),
+            },
+            rows: (0..rows).map(|_| crate::sink::test_event()).collect(),
+            bytes: 0,
+            floor: Checkpoint::Binlog {
+                file: "bin.000001".into(),
+                pos,
+                gtid_state: None,
+            },
+            file: "bin.000001".into(),
+            pos,
+            prepared_at: Utc::now() - chrono::Duration::seconds(age_s),
+            released: false,
+        }
+    }
+
+    fn held_pos(dec: &Decoder) -> Option<u64> {
+        match dec.held_checkpoint()? {
+            Checkpoint::Binlog { pos, .. } => Some(*pos),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn only_prepares_with_outbox_rows_hold_the_position_and_release_moves_it_forward() {
+        let mut dec = decoder();
+        // Oldest first: one without outbox rows, then two with.
+        dec.prepared.push(prepared("other", 100, 0, 7200));
+        dec.prepared.push(prepared("old", 200, 2, 3600));
+        dec.prepared.push(prepared("new", 300, 1, 5));
+        assert_eq!(
+            held_pos(&dec),
+            Some(200),
+            "the rowless prepare holds nothing"
+        );
+        let pins = dec.pins();
+        assert_eq!(pins.len(), 2);
+        assert_eq!(pins[0].xid.gtrid, b"old");
+        assert_eq!(pins[0].rows, 2);
+
+        // Prepared more than a minute ago: only "old" is given up; the position moves to "new".
+        let given_up = dec.release_prepared_before(Utc::now() - chrono::Duration::seconds(60));
+        assert_eq!(given_up.len(), 1);
+        assert_eq!(given_up[0].xid.gtrid, b"old");
+        assert_eq!(held_pos(&dec), Some(300));
+        assert!(
+            dec.release_prepared_before(Utc::now() - chrono::Duration::seconds(60))
+                .is_empty(),
+            "given up once"
+        );
+        // Its rows are kept: a commit read in this process still publishes them.
+        assert_eq!(
+            dec.prepared
+                .iter()
+                .find(|p| p.xid.gtrid == b"old")
+                .unwrap()
+                .rows
+                .len(),
+            2
+        );
+        dec.release_prepared_before(Utc::now());
+        assert_eq!(held_pos(&dec), None);
+        assert!(dec.pins().is_empty());
+    }
 }
