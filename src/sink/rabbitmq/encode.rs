@@ -125,7 +125,11 @@ impl RabbitSink {
                     exchange: String::new(),
                     routing_key: format!("{}.dead", self.cfg.exchange),
                     body: Bytes::new(),
-                    props: props.with_headers(h),
+                    // A row without a usable id gets one from its position: dead records
+                    // never share the nil UUID (one idempotency key for all of them).
+                    props: props
+                        .with_message_id(event.dead_record_id().hyphenated().to_string().into())
+                        .with_headers(h),
                     dead: Some(reason),
                 }
             }

@@ -158,7 +158,7 @@ impl Sink for RabbitSink {
         let out = self.render(event, link.header_limit, route);
         if let Some(reason) = &out.dead {
             tracing::warn!(
-                id = %event.id,
+                id = %event.dead_record_id(),
                 position = %event.position,
                 reason = %reason,
                 queue = %out.routing_key,
@@ -166,7 +166,10 @@ impl Sink for RabbitSink {
             );
         }
         let (done_tx, done_rx) = oneshot::channel();
-        let id = event.id;
+        let id = match out.dead {
+            Some(_) => event.dead_record_id(),
+            None => event.id,
+        };
         // Events of one aggregate always take the same lane (the partition's), so per-aggregate
         // order holds on the wire; the relay finalises acknowledgements in its own order across
         // lanes, so the stored position still only passes the confirmed prefix of the stream.
