@@ -289,7 +289,11 @@ mod tests {
     fn dead_record_ids_are_distinct_per_position_and_stable() {
         let at = |commit_lsn, index| SourcePosition::Pg { commit_lsn, index };
         let a = dead_record_id(&at(0x16B3748, 0), None);
-        assert_eq!(a, dead_record_id(&at(0x16B3748, 0), None), "a replay: same id");
+        assert_eq!(
+            a,
+            dead_record_id(&at(0x16B3748, 0), None),
+            "a replay: same id"
+        );
         assert_eq!(a.get_version_num(), 8);
         assert!(!a.is_nil());
         let others = [

@@ -154,7 +154,9 @@ pub fn holder_id() -> String {
         std::process::id(),
         &uuid::Uuid::new_v4().simple().to_string()[..8],
         local.boot.as_deref().unwrap_or("?"),
-        local.pidns.map_or_else(|| "?".to_string(), |i| i.to_string()),
+        local
+            .pidns
+            .map_or_else(|| "?".to_string(), |i| i.to_string()),
     )
 }
 
@@ -601,7 +603,11 @@ mod tests {
             boot: None,
             pidns: Some(7),
         };
-        assert!(!dead_in(&format!("h:{gone}:n:boot=b1:pidns=7"), "h", &unknown));
+        assert!(!dead_in(
+            &format!("h:{gone}:n:boot=b1:pidns=7"),
+            "h",
+            &unknown
+        ));
     }
 
     #[test]

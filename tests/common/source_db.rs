@@ -207,7 +207,8 @@ impl SourceDb for PgDb {
     }
 
     async fn id_as_text(&self) {
-        self.exec("ALTER TABLE outbox ALTER COLUMN id TYPE text").await
+        self.exec("ALTER TABLE outbox ALTER COLUMN id TYPE text")
+            .await
     }
 }
 

@@ -527,12 +527,20 @@ async fn poison_rows_without_an_id_get_dead_records_with_distinct_ids() {
     let dead = topo.take_all(&topo.dead()).await;
     assert_eq!(dead.len(), 2);
     let dead_ids = ids(&dead);
-    assert_ne!(dead_ids[0], dead_ids[1], "each dead record has an id of its own");
+    assert_ne!(
+        dead_ids[0], dead_ids[1],
+        "each dead record has an id of its own"
+    );
     // Derived from the position (UUIDv8), not the nil UUID the unreadable ids are read as.
-    assert!(dead_ids.iter().all(|i| i.get_version_num() == 8), "{dead_ids:?}");
+    assert!(
+        dead_ids.iter().all(|i| i.get_version_num() == 8),
+        "{dead_ids:?}"
+    );
     for (m, topic) in dead.iter().zip(["poison.one", "poison.two"]) {
         assert_eq!(header_str(m, "x-original-topic").as_deref(), Some(topic));
-        assert!(header_str(m, "x-dead-reason").unwrap().contains("not a UUID"));
+        assert!(header_str(m, "x-dead-reason")
+            .unwrap()
+            .contains("not a UUID"));
     }
 }
 

@@ -118,7 +118,10 @@ async fn a_second_relay_in_another_pid_namespace_is_refused<D: SourceDb>() {
     let dsn = db.dsn();
     let mut first = Relay::start(&args(&dsn, &name));
     db.wait_streaming(&name).await;
-    let holder = db.lease_holder(&name).await.expect("the first relay holds the lease");
+    let holder = db
+        .lease_holder(&name)
+        .await
+        .expect("the first relay holds the lease");
     // `--kill-child`: the relay ends with `unshare` if the test kills it.
     let mut cmd = vec![
         "--pid",

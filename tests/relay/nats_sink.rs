@@ -113,11 +113,19 @@ async fn poison_rows_without_an_id_each_get_a_dead_record<D: SourceDb>() {
     let name = unique("r");
     let port = free_local_port();
     let addr = format!("127.0.0.1:{port}");
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &["--metrics-addr", &addr]);
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &s,
+        &nats::url(),
+        &["--metrics-addr", &addr],
+    );
     db.wait_streaming(&name).await;
     let good = Uuid::now_v7();
-    db.exec(&insert_text_id("not-a-uuid-1", "poison.one", 1)).await;
-    db.exec(&insert_text_id("not-a-uuid-2", "poison.two", 2)).await;
+    db.exec(&insert_text_id("not-a-uuid-1", "poison.one", 1))
+        .await;
+    db.exec(&insert_text_id("not-a-uuid-2", "poison.two", 2))
+        .await;
     db.exec(&insert_text_id(&good.to_string(), "after.poison", 3))
         .await;
     wait_id(&s, good).await;
@@ -164,7 +172,13 @@ async fn a_duplicate_acknowledgement_for_a_first_publish_is_suspicious<D: Source
     let name = unique("r");
     let port = free_local_port();
     let addr = format!("127.0.0.1:{port}");
-    let mut relay = start(&db.dsn(), &name, &s, &nats::url(), &["--metrics-addr", &addr]);
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &s,
+        &nats::url(),
+        &["--metrics-addr", &addr],
+    );
     db.wait_streaming(&name).await;
     let (reused, last) = (Uuid::now_v7(), Uuid::now_v7());
     db.exec(&insert_text_id(&reused.to_string(), "reused.one", 1))
@@ -194,8 +208,9 @@ async fn a_duplicate_acknowledgement_for_a_first_publish_is_suspicious<D: Source
     );
     let err = relay.stderr_plain();
     assert!(
-        err.lines()
-            .any(|l| l.contains("WARN") && l.contains(&reused.to_string()) && l.contains("duplicate")),
+        err.lines().any(|l| l.contains("WARN")
+            && l.contains(&reused.to_string())
+            && l.contains("duplicate")),
         "{err}"
     );
 }

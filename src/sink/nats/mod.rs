@@ -144,7 +144,11 @@ impl FirstPublish {
     /// event may not be stored.
     async fn held_copy(self, stream: String, seq: u64, timeout: Duration) {
         let read = async {
-            let s = self.js.get_stream(&stream).await.map_err(|e| e.to_string())?;
+            let s = self
+                .js
+                .get_stream(&stream)
+                .await
+                .map_err(|e| e.to_string())?;
             s.get_raw_message(seq).await.map_err(|e| e.to_string())
         };
         let held = match tokio::time::timeout(timeout, read).await {
