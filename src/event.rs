@@ -40,6 +40,63 @@ impl fmt::Display for SourcePosition {
     }
 }
 
+impl SourcePosition {
+    /// Order of two positions of the same source (commit order); `None` across kinds.
+    pub fn compare(&self, other: &SourcePosition) -> Option<Ordering> {
+        use SourcePosition::*;
+        match (self, other) {
+            (
+                Pg { commit_lsn, index },
+                Pg {
+                    commit_lsn: l,
+                    index: i,
+                },
+            ) => Some(commit_lsn.cmp(l).then(index.cmp(i))),
+            (
+                Binlog {
+                    file,
+                    end_pos,
+                    index,
+                },
+                Binlog {
+                    file: f,
+                    end_pos: p,
+                    index: i,
+                },
+            ) => Some(
+                binlog_file_seq(file)
+                    .cmp(&binlog_file_seq(f))
+                    .then(end_pos.cmp(p))
+                    .then(index.cmp(i)),
+            ),
+            (Poll { batch, index }, Poll { batch: b, index: i }) => {
+                Some(batch.cmp(b).then(index.cmp(i)))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The id of the dead record of a row that has no usable id of its own (NULL, or not a UUID,
+/// in the id column): a UUIDv8 from SHA-256 over the event's source position (and its table,
+/// with several `--table`). Distinct for every row of the log, so two such rows are two dead
+/// records and not one "duplicate" (the nil UUID they would otherwise share is one
+/// `Nats-Msg-Id`, one idempotency key); and the same on every replay of the position, so a
+/// republished dead record is still recognised as one. Poll positions are per process: in poll
+/// mode every row has a UUID id (it is how rows are marked), so only a literal nil id gets here.
+pub fn dead_record_id(position: &SourcePosition, table: Option<&str>) -> Uuid {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"outboxd dead record\n");
+    h.update(table.unwrap_or("").as_bytes());
+    h.update(b"\n");
+    h.update(position.to_string().as_bytes());
+    let digest = h.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    Uuid::new_v8(bytes)
+}
+
 /// `0/16B3748` (how Postgres prints an LSN).
 pub fn format_lsn(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
@@ -123,6 +180,17 @@ impl OutboxEvent {
     /// `created_at` as RFC 3339 with microseconds in UTC (`x-outbox-created-at`).
     pub fn created_at_rfc3339(&self) -> String {
         self.created_at.to_rfc3339_opts(SecondsFormat::Micros, true)
+    }
+
+    /// The id this event's dead record carries (message id, `Nats-Msg-Id`): the row's id, or,
+    /// when the row has no usable one (read as the nil UUID), [`dead_record_id`] of its
+    /// position.
+    pub fn dead_record_id(&self) -> Uuid {
+        if self.id.is_nil() {
+            dead_record_id(&self.position, self.table.as_deref())
+        } else {
+            self.id
+        }
     }
 }
 
@@ -216,6 +284,54 @@ pub fn binlog_file_seq(file: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dead_record_ids_are_distinct_per_position_and_stable() {
+        let at = |commit_lsn, index| SourcePosition::Pg { commit_lsn, index };
+        let a = dead_record_id(&at(0x16B3748, 0), None);
+        assert_eq!(
+            a,
+            dead_record_id(&at(0x16B3748, 0), None),
+            "a replay: same id"
+        );
+        assert_eq!(a.get_version_num(), 8);
+        assert!(!a.is_nil());
+        let others = [
+            dead_record_id(&at(0x16B3748, 1), None),
+            dead_record_id(&at(0x16B3749, 0), None),
+            dead_record_id(&at(0x16B3748, 0), Some("billing.outbox")),
+        ];
+        assert!(others.iter().all(|o| *o != a), "{a} {others:?}");
+        let binlog = SourcePosition::Binlog {
+            file: "mariadb-bin.000001".into(),
+            end_pos: 0x16B3748,
+            index: 0,
+        };
+        assert_ne!(dead_record_id(&binlog, None), a);
+    }
+
+    #[test]
+    fn positions_compare_in_commit_order() {
+        let pg = |commit_lsn, index| SourcePosition::Pg { commit_lsn, index };
+        assert_eq!(pg(5, 9).compare(&pg(6, 0)), Some(Ordering::Less));
+        assert_eq!(pg(6, 1).compare(&pg(6, 0)), Some(Ordering::Greater));
+        assert_eq!(pg(6, 1).compare(&pg(6, 1)), Some(Ordering::Equal));
+        let bl = |file: &str, end_pos, index| SourcePosition::Binlog {
+            file: file.into(),
+            end_pos,
+            index,
+        };
+        // A later file sorts after, whatever the offsets.
+        assert_eq!(
+            bl("b.000002", 4, 0).compare(&bl("b.000001", 900, 3)),
+            Some(Ordering::Greater)
+        );
+        assert_eq!(
+            bl("b.000001", 900, 2).compare(&bl("b.000001", 900, 3)),
+            Some(Ordering::Less)
+        );
+        assert_eq!(pg(1, 0).compare(&bl("b.000001", 1, 0)), None);
+    }
 
     #[test]
     fn lsn_round_trips_and_sorts_as_text() {

@@ -154,7 +154,13 @@ impl StateStore for MemoryStore {
             ));
         }
         let live = r.expires.is_some_and(|e| e > Instant::now());
-        if let Some(h) = r.holder.as_deref().filter(|h| live && *h != holder) {
+        // The same takeover rule as the databases' stores: a live lease is taken over only from a
+        // holder that provably no longer exists.
+        if let Some(h) = r
+            .holder
+            .as_deref()
+            .filter(|h| live && *h != holder && !super::holder_is_dead_locally(h))
+        {
             return Err(Error::LeaseHeld(format!(
                 "relay {name:?} is already running: lease held by {h}"
             )));
@@ -305,6 +311,35 @@ mod tests {
         let stored = b.load("r1").await.unwrap().unwrap();
         assert!(stored.initialized);
         assert_eq!(stored.position, Some(Checkpoint::Lsn(50)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_live_lease_is_taken_over_only_from_a_provably_dead_local_holder() {
+        // This process's holder id, `host:pid:nonce:boot=…:pidns=…`, with another PID (above
+        // any `pid_max`: no process has it).
+        let me = crate::state::holder_id();
+        let f: Vec<&str> = me.rsplitn(5, ':').collect();
+        let (pidns, boot, host) = (f[0], f[1], f[4]);
+        let gone = 4_194_399;
+        let cases = [
+            (format!("{host}:{gone}:n:{boot}:{pidns}"), true),
+            // The same PID in another PID namespace, on another boot, or written by the
+            // previous version (`host:pid:nonce`): nothing is proved, the live lease holds.
+            (format!("{host}:{gone}:n:{boot}:pidns=1"), false),
+            (format!("{host}:{gone}:n:boot=another-boot:{pidns}"), false),
+            (format!("{host}:{gone}:abcd1234"), false),
+        ];
+        for (holder, taken) in cases {
+            let (mut a, h) = MemoryStore::new();
+            a.acquire("r1", &holder).await.unwrap();
+            let mut b = MemoryStore::reopen(&h);
+            let got = b.acquire("r1", &me).await;
+            assert_eq!(got.is_ok(), taken, "{holder}: {got:?}");
+            if !taken {
+                assert!(matches!(got, Err(Error::LeaseHeld(_))), "{got:?}");
+                assert_eq!(h.holder(), Some(holder));
+            }
+        }
     }
 
     #[tokio::test]

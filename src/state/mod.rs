@@ -138,13 +138,25 @@ impl Fence {
     }
 }
 
-/// Identifies this process as a lease holder: `host:pid:nonce`.
+/// Identifies this process as a lease holder:
+/// `host:pid:nonce:boot=<boot id>:pidns=<PID namespace inode>`. A PID means something only in
+/// its PID namespace, on one boot of one machine, and neither a host name (containers and
+/// cloned VMs share one) nor a missing `/proc/<pid>` (another PID namespace, `hidepid`) proves
+/// that; the boot id and the namespace let a successor tell whether the holder's PID is one it
+/// can check. A field this process cannot read is written as `?` (nothing can be proved of it).
+/// Older versions, which split the string as `host:pid:nonce` from the right, read a
+/// non-numeric PID in it and so never take such a lease over on local evidence either.
 pub fn holder_id() -> String {
+    let local = Locality::current();
     format!(
-        "{}:{}:{}",
+        "{}:{}:{}:boot={}:pidns={}",
         hostname(),
         std::process::id(),
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
+        &uuid::Uuid::new_v4().simple().to_string()[..8],
+        local.boot.as_deref().unwrap_or("?"),
+        local
+            .pidns
+            .map_or_else(|| "?".to_string(), |i| i.to_string()),
     )
 }
 
@@ -155,17 +167,91 @@ pub fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".into())
 }
 
-/// Whether a holder id names a process on this host that no longer exists (a relay killed with
-/// SIGKILL leaves its lease behind; its successor on the same host need not wait it out).
-pub fn holder_is_dead_locally(holder: &str) -> bool {
-    let mut parts = holder.rsplitn(3, ':');
-    let (_nonce, pid, host) = (parts.next(), parts.next(), parts.next());
-    match (host, pid.and_then(|p| p.parse::<u32>().ok())) {
-        (Some(host), Some(pid)) if host == hostname() => {
-            pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
-        }
-        _ => false,
+/// Where a PID is meaningful: this boot of the kernel and this process's PID namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Locality {
+    boot: Option<String>,
+    pidns: Option<u64>,
+}
+
+impl Locality {
+    fn current() -> Locality {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty() && !s.contains(':'));
+        // The link reads `pid:[4026531836]`.
+        let pidns = std::fs::read_link("/proc/self/ns/pid").ok().and_then(|l| {
+            l.to_str()?
+                .strip_prefix("pid:[")?
+                .strip_suffix(']')?
+                .parse()
+                .ok()
+        });
+        Locality { boot, pidns }
     }
+}
+
+/// A holder id in the current format, with every field this check needs known.
+#[derive(Debug, PartialEq, Eq)]
+struct ProvableHolder<'a> {
+    host: &'a str,
+    pid: u32,
+    boot: &'a str,
+    pidns: u64,
+}
+
+/// Parses a holder id written by [`holder_id`]; `None` for one that proves nothing: an older
+/// version's `host:pid:nonce`, a field written as `?`, or anything else.
+fn parse_holder(holder: &str) -> Option<ProvableHolder<'_>> {
+    let mut parts = holder.rsplitn(5, ':');
+    let pidns = parts.next()?.strip_prefix("pidns=")?.parse().ok()?;
+    let boot = parts.next()?.strip_prefix("boot=")?;
+    let _nonce = parts.next()?;
+    let pid = parts.next()?.parse().ok()?;
+    let host = parts.next()?;
+    (boot != "?").then_some(ProvableHolder {
+        host,
+        pid,
+        boot,
+        pidns,
+    })
+}
+
+/// Whether a PID names a process in this PID namespace. `kill(pid, 0)` signals nothing and,
+/// unlike a look into `/proc`, is not fooled by `hidepid`: a process this one may not signal
+/// still exists (`EPERM`). Only `ESRCH` says it is gone.
+fn pid_exists(pid: u32) -> bool {
+    // 0 and negative PIDs address process groups: never "gone".
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    if pid <= 0 {
+        return true;
+    }
+    // SAFETY: signal 0 performs only the existence and permission checks.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Whether a holder id names a process that provably no longer exists: on this host, this
+/// boot and in this PID namespace, with its PID gone (a relay killed with SIGKILL leaves its
+/// lease behind; its successor there need not wait it out). Anything else — another boot or
+/// namespace, an unreadable field, an older version's holder id — proves nothing, and the
+/// lease is left to expire.
+pub fn holder_is_dead_locally(holder: &str) -> bool {
+    dead_in(holder, &hostname(), &Locality::current())
+}
+
+fn dead_in(holder: &str, host: &str, here: &Locality) -> bool {
+    let (Some(h), Some(boot), Some(pidns)) = (parse_holder(holder), &here.boot, here.pidns) else {
+        return false;
+    };
+    h.host == host
+        && h.boot == boot
+        && h.pidns == pidns
+        && h.pid != std::process::id()
+        && !pid_exists(h.pid)
 }
 
 /// What the source knows about the newest durable transaction: its commit time and the
@@ -475,10 +561,74 @@ mod tests {
     #[test]
     fn dead_local_holders_are_recognised() {
         let me = holder_id();
+        assert!(parse_holder(&me).is_some(), "{me}");
         assert!(!holder_is_dead_locally(&me));
-        let dead = format!("{}:{}:abcd1234", hostname(), u32::MAX - 7);
+        let here = Locality::current();
+        let (boot, ns) = (here.boot.clone().unwrap(), here.pidns.unwrap());
+        let host = hostname();
+        // Above any `pid_max` (2^22), so no process has it.
+        let gone = 4_194_399;
+        let dead = format!("{host}:{gone}:abcd1234:boot={boot}:pidns={ns}");
         assert!(holder_is_dead_locally(&dead));
-        assert!(!holder_is_dead_locally("some-other-host:1:abcd"));
+        // A live process (init of this namespace), whether or not it may be signalled.
+        assert!(!holder_is_dead_locally(&format!(
+            "{host}:1:abcd1234:boot={boot}:pidns={ns}"
+        )));
+        assert!(!holder_is_dead_locally(&format!(
+            "some-other-host:{gone}:abcd1234:boot={boot}:pidns={ns}"
+        )));
         assert!(!holder_is_dead_locally("garbage"));
+    }
+
+    #[test]
+    fn a_holder_elsewhere_than_this_boot_and_pid_namespace_is_never_dead() {
+        let here = Locality {
+            boot: Some("b1".into()),
+            pidns: Some(7),
+        };
+        // Above any `pid_max` (2^22), so no process has it.
+        let gone = 4_194_399;
+        assert!(dead_in(&format!("h:{gone}:n:boot=b1:pidns=7"), "h", &here));
+        // Another PID namespace (a container sharing the host name, `unshare --pid`).
+        assert!(!dead_in(&format!("h:{gone}:n:boot=b1:pidns=8"), "h", &here));
+        // Another boot, or another machine with the same host name.
+        assert!(!dead_in(&format!("h:{gone}:n:boot=b2:pidns=7"), "h", &here));
+        // Fields the holder could not read.
+        assert!(!dead_in(&format!("h:{gone}:n:boot=?:pidns=7"), "h", &here));
+        assert!(!dead_in(&format!("h:{gone}:n:boot=b1:pidns=?"), "h", &here));
+        // What the previous version wrote: readable, but it proves nothing.
+        assert!(!dead_in(&format!("h:{gone}:abcd1234"), "h", &here));
+        // This process cannot tell where it is.
+        let unknown = Locality {
+            boot: None,
+            pidns: Some(7),
+        };
+        assert!(!dead_in(
+            &format!("h:{gone}:n:boot=b1:pidns=7"),
+            "h",
+            &unknown
+        ));
+    }
+
+    #[test]
+    fn holder_ids_parse_back() {
+        let h = parse_holder("db-1:42:abcd1234:boot=0f-1:pidns=4026531836").unwrap();
+        assert_eq!(
+            h,
+            ProvableHolder {
+                host: "db-1",
+                pid: 42,
+                boot: "0f-1",
+                pidns: 4026531836
+            }
+        );
+        // Fits the MySQL column (VARCHAR(255)) with the longest host name Linux allows.
+        let longest = format!(
+            "{}:4194304:abcd1234:boot={}:pidns={}",
+            "h".repeat(64),
+            uuid::Uuid::nil(),
+            u64::MAX
+        );
+        assert!(longest.len() <= 255, "{}", longest.len());
     }
 }

@@ -218,7 +218,7 @@ impl InternalEvent for EventPublishing<'_> {
         let e = self.event;
         match e.poison.as_deref() {
             Some(reason) => {
-                tracing::warn!(target: "outboxd::relay", event_id = %e.id, position = %e.position, reason, "poison event: dead-lettered without its body")
+                tracing::warn!(target: "outboxd::relay", event_id = %e.dead_record_id(), position = %e.position, reason, "poison event: dead-lettered without its body")
             }
             None => {
                 tracing::debug!(target: "outboxd::relay", event_id = %e.id, position = %e.position, topic = %e.topic, "publishing")
@@ -271,6 +271,30 @@ impl InternalEvent for EventDeduplicated {
     fn emit(self) {
         tracing::debug!(target: "outboxd::sink::nats", "the stream already held a published event: stored once");
         get().events_deduplicated.inc();
+    }
+}
+
+/// The stream acknowledged an event's first publish as a duplicate of a message that is not
+/// this event (another source position, or a copy that could not be read): two events share
+/// `id` (a producer reusing ids), and this one was not stored. Unlike a republish, suspicious.
+pub struct DuplicateOfAnotherEvent<'a> {
+    pub id: &'a uuid::Uuid,
+    pub position: &'a str,
+    pub held_position: Option<&'a str>,
+    pub held_seq: u64,
+}
+
+impl InternalEvent for DuplicateOfAnotherEvent<'_> {
+    fn emit(self) {
+        tracing::warn!(
+            target: "outboxd::sink::nats",
+            id = %self.id,
+            position = self.position,
+            held_position = self.held_position.unwrap_or("unknown"),
+            held_seq = self.held_seq,
+            "first publish acknowledged as a duplicate of another message with the same Nats-Msg-Id: this event was not stored (do two outbox rows share the id?); counted in outboxd_events_suspicious_duplicates_total"
+        );
+        get().events_suspicious_duplicates.inc();
     }
 }
 

@@ -39,6 +39,9 @@ pub struct Telemetry {
     /// Published events the sink reported as already stored, so not stored again (NATS
     /// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
     pub events_deduplicated: Counter,
+    /// First publishes acknowledged as duplicates of another event (the same id at another
+    /// source position): that event was not stored.
+    pub events_suspicious_duplicates: Counter,
     /// Attempts to store a position older than the stored one (a relay bug; refused).
     pub position_backwards_refused: Counter,
     /// Reserved header names a row's `headers` object tried to set (dropped).
@@ -88,6 +91,7 @@ impl Telemetry {
             events_dead_lettered: Counter::default(),
             events_republished: Counter::default(),
             events_deduplicated: Counter::default(),
+            events_suspicious_duplicates: Counter::default(),
             position_backwards_refused: Counter::default(),
             row_headers_dropped: Counter::default(),
             http_connections_refused: Counter::default(),
@@ -140,6 +144,11 @@ impl Telemetry {
             "events_deduplicated",
             "Published events the sink reported as already stored and did not store again (NATS JetStream: the same Nats-Msg-Id within the stream's duplicate window)",
             t.events_deduplicated.clone(),
+        );
+        registry.register(
+            "events_suspicious_duplicates",
+            "First publishes the sink reported as duplicates of another event (NATS JetStream: the same Nats-Msg-Id at another source position): not stored; do two outbox rows share an id?",
+            t.events_suspicious_duplicates.clone(),
         );
         registry.register(
             "row_headers_dropped",

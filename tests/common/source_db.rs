@@ -103,6 +103,11 @@ pub trait SourceDb: Sized {
     fn aggregate(n: usize) -> String;
     /// Whether `pos` has the shape of this source's `x-source-position`.
     fn is_position(pos: &str) -> bool;
+    /// Runs `sql` (one statement, or several separated by `;`) in this database.
+    async fn exec(&self, sql: &str);
+    /// Makes the outbox's `id` column text (Postgres `text`, MySQL `VARCHAR(64)`), so a row can
+    /// hold an id that is no UUID.
+    async fn id_as_text(&self);
 }
 
 impl SourceDb for PgDb {
@@ -192,6 +197,19 @@ impl SourceDb for PgDb {
         // commit_lsn:index, the LSN as X/X
         pos.split(':').next().is_some_and(|lsn| lsn.contains('/'))
     }
+
+    async fn exec(&self, sql: &str) {
+        self.client()
+            .await
+            .batch_execute(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    async fn id_as_text(&self) {
+        self.exec("ALTER TABLE outbox ALTER COLUMN id TYPE text")
+            .await
+    }
 }
 
 impl SourceDb for MyDb {
@@ -264,6 +282,15 @@ impl SourceDb for MyDb {
         // file:end_pos:index
         let parts: Vec<&str> = pos.split(':').collect();
         parts.len() == 3 && parts[1].parse::<u64>().is_ok() && parts[2].parse::<u64>().is_ok()
+    }
+
+    async fn exec(&self, sql: &str) {
+        my_exec(&mut self.conn().await, sql).await
+    }
+
+    async fn id_as_text(&self) {
+        self.exec("ALTER TABLE outbox MODIFY id VARCHAR(64) NOT NULL")
+            .await
     }
 }
 

@@ -484,6 +484,66 @@ async fn poison_events_go_to_dead_and_the_stream_goes_on() {
     assert_eq!(topo.queue_len(&topo.unrouted()).await, 0);
 }
 
+/// Rows whose id is no UUID (a text id column): each is a dead record with an id of its own,
+/// derived from its position. With the nil UUID they were read as, every such record had the
+/// same message id, and a consumer deduplicating by it (the consumer kit's inbox) dropped all
+/// but the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_without_an_id_get_dead_records_with_distinct_ids() {
+    let db = PgDb::create("rmqn").await;
+    let client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox ALTER COLUMN id TYPE text")
+        .await
+        .unwrap();
+    let mut topo = Topology::new("xn").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let mut relay = start_relay(&db, &name, &topo.exchange, &amqp::url(), &[]);
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let all = topo.bind_queue("all", "#").await;
+    let good = Uuid::now_v7().to_string();
+    for (id, topic) in [
+        ("not-a-uuid-1", "poison.one"),
+        (good.as_str(), "ok.one"),
+        ("", "poison.two"),
+    ] {
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, 'a', $2, '{}')",
+                &[&id, &topic],
+            )
+            .await
+            .unwrap();
+    }
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+
+    let msgs = topo.take_all(&all).await;
+    assert_eq!(ids(&msgs), [good.parse::<Uuid>().unwrap()]);
+    let dead = topo.take_all(&topo.dead()).await;
+    assert_eq!(dead.len(), 2);
+    let dead_ids = ids(&dead);
+    assert_ne!(
+        dead_ids[0], dead_ids[1],
+        "each dead record has an id of its own"
+    );
+    // Derived from the position (UUIDv8), not the nil UUID the unreadable ids are read as.
+    assert!(
+        dead_ids.iter().all(|i| i.get_version_num() == 8),
+        "{dead_ids:?}"
+    );
+    for (m, topic) in dead.iter().zip(["poison.one", "poison.two"]) {
+        assert_eq!(header_str(m, "x-original-topic").as_deref(), Some(topic));
+        assert!(header_str(m, "x-dead-reason")
+            .unwrap()
+            .contains("not a UUID"));
+    }
+}
+
 /// Writes `n_tx` transactions of 100 events on a task, for faults injected meanwhile.
 fn write_in_background(
     db: &PgDb,

@@ -109,11 +109,69 @@ async fn a_second_relay_with_the_same_name_is_refused<D: SourceDb>() {
     assert_eq!(first.wait_exit(T).await, 0);
 }
 
+/// The same relay name started in its own PID namespace (as in a container that shares the
+/// host name): it sees no `/proc/<pid>` of the holder, yet the holder is alive, so it must be
+/// refused like any second relay instead of taking the lease (a new epoch) on that evidence.
+async fn a_second_relay_in_another_pid_namespace_is_refused<D: SourceDb>() {
+    let db = D::create("dupns").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut first = Relay::start(&args(&dsn, &name));
+    db.wait_streaming(&name).await;
+    let holder = db
+        .lease_holder(&name)
+        .await
+        .expect("the first relay holds the lease");
+    // `--kill-child`: the relay ends with `unshare` if the test kills it.
+    let mut cmd = vec![
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        env!("CARGO_BIN_EXE_outboxd"),
+    ];
+    cmd.extend(args(&dsn, &name));
+    let mut second = Relay::start_bin("unshare", &cmd, &[]);
+    // Until it exits or the lease changes hands, whichever comes first.
+    wait_for("the second relay to exit or take the lease", T, || {
+        let exited = second.child.try_wait().unwrap().is_some();
+        let db = &db;
+        let (name, holder) = (&name, &holder);
+        async move { exited || db.lease_holder(name).await.as_ref() != Some(holder) }
+    })
+    .await;
+    let now = db.lease_holder(&name).await;
+    assert_eq!(
+        now.as_ref(),
+        Some(&holder),
+        "the lease was taken over from a live relay: {}",
+        second.stderr()
+    );
+    let code = second.wait_exit(T).await;
+    let err = second.stderr();
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("already running") && err.contains(&holder),
+        "names the holder: {err}"
+    );
+    // The first one is unaffected.
+    let ids = db.write(1, 5, "still.running").await;
+    wait_for("events through the first relay", T, || {
+        let n = first.line_count();
+        async move { n >= 5 }
+    })
+    .await;
+    assert_eq!(ids_of(&first.lines()), ids);
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(T).await, 0);
+}
+
 on_both_sources!(
     sigkill_mid_stream_then_restart_loses_nothing,
     a_second_relay_with_the_same_name_is_refused,
     sigint_mid_stream_stops_cleanly_and_a_restart_repeats_nothing,
     the_stored_position_follows_confirms_promptly_never_backwards_and_rests_when_idle,
+    a_second_relay_in_another_pid_namespace_is_refused,
 );
 
 /// The store cadence (docs/guarantees.md, "Crash loops"): under a steady producer the stored

@@ -22,8 +22,8 @@ pub use config::NatsConfig;
 
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact_token as redact;
-use crate::event::OutboxEvent;
-use crate::telemetry::events::{EventDeduplicated, InternalEvent};
+use crate::event::{OutboxEvent, SourcePosition};
+use crate::telemetry::events::{DuplicateOfAnotherEvent, EventDeduplicated, InternalEvent};
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
 use futures::FutureExt;
@@ -42,6 +42,9 @@ pub struct NatsSink {
     /// by the next acknowledgement. The relay's recovery succeeds as soon as the republish is
     /// handed over, so without this a refusing stream would be reconnected to in a loop.
     refusals: Arc<AtomicU32>,
+    /// The newest source position handed over: an event after it is published for the first
+    /// time by this process, one at or before it is a republish after a failure.
+    newest: Option<SourcePosition>,
 }
 
 /// One client and its JetStream context. Dropping it closes the connection.
@@ -65,6 +68,7 @@ impl NatsSink {
             prefix,
             link: None,
             refusals: Arc::default(),
+            newest: None,
         })
     }
 
@@ -123,6 +127,52 @@ impl NatsSink {
             broken: rx,
             limit: publish::SizeLimit::of(max_payload, stream_max),
         })
+    }
+}
+
+/// A first publish, kept until its acknowledgement in case the stream calls it a duplicate.
+struct FirstPublish {
+    js: Context,
+    /// The `Nats-Msg-Id` sent.
+    id: uuid::Uuid,
+    position: SourcePosition,
+}
+
+impl FirstPublish {
+    /// The stream acknowledged the message as a duplicate of its message `seq`: whether that
+    /// copy is this event (same `x-source-position`: an earlier run's publish) or another one
+    /// with the same id, which is reported. A copy that cannot be read is reported too: the
+    /// event may not be stored.
+    async fn held_copy(self, stream: String, seq: u64, timeout: Duration) {
+        let read = async {
+            let s = self
+                .js
+                .get_stream(&stream)
+                .await
+                .map_err(|e| e.to_string())?;
+            s.get_raw_message(seq).await.map_err(|e| e.to_string())
+        };
+        let held = match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(m)) => m
+                .headers
+                .get("x-source-position")
+                .map(|v| v.as_str().to_string()),
+            Ok(Err(e)) => {
+                tracing::warn!(stream, seq, error = %e, "could not read the stream's copy of a duplicate");
+                None
+            }
+            Err(_) => None,
+        };
+        let ours = self.position.to_string();
+        if held.as_deref() != Some(ours.as_str()) {
+            DuplicateOfAnotherEvent {
+                id: &self.id,
+                position: &ours,
+                held_position: held.as_deref(),
+                held_seq: seq,
+            }
+            .emit();
+        }
     }
 }
 
@@ -199,7 +249,7 @@ impl Sink for NatsSink {
         }
         let out = publish::render(&self.cfg, &self.prefix, event, link.limit);
         if let Some(reason) = &out.dead {
-            tracing::warn!(id = %event.id, position = %event.position, reason = %reason, subject = %out.subject, "poison event: publishing a dead record without the body");
+            tracing::warn!(id = %event.dead_record_id(), position = %event.position, reason = %reason, subject = %out.subject, "poison event: publishing a dead record without the body");
         }
         let send = link
             .js
@@ -220,39 +270,68 @@ impl Sink for NatsSink {
                 )))
             }
         };
+        // A republish the stream already held is what the duplicate window is for. A first
+        // publish acknowledged as a duplicate is suspect: unless the stream's copy is this same
+        // position (published by an earlier run of the relay that was killed before storing
+        // it), another event used the same id, and this one was not stored. Poll positions are
+        // numbered per process and say nothing across runs: there, rows are marked by their
+        // unique id, so a duplicate is a republished row.
+        let first = self
+            .newest
+            .as_ref()
+            .is_none_or(|n| event.position.compare(n) == Some(std::cmp::Ordering::Greater));
+        let check = (first && !matches!(event.position, SourcePosition::Poll { .. })).then(|| {
+            FirstPublish {
+                js: link.js.clone(),
+                id: if out.dead.is_some() {
+                    event.dead_record_id()
+                } else {
+                    event.id
+                },
+                position: event.position.clone(),
+            }
+        });
+        if first {
+            self.newest = Some(event.position.clone());
+        }
         let timeout = self.cfg.op_timeout;
         let stream = self.cfg.stream.clone();
         let mut broken = link.broken.clone();
         let refusals = self.refusals.clone();
         Ok(Delivery::Pending(
             async move {
-                tokio::select! {
+                let acked = tokio::select! {
                     biased;
-                    r = std::future::IntoFuture::into_future(ack) => match r {
-                        Ok(a) if a.stream != stream => Err(SinkError::Config {
-                            problem: format!("the message was stored by stream {:?}, not by --stream {stream}", a.stream),
-                            fix: format!("give --stream {} or change --subject so that only {stream} captures it", a.stream),
-                        }),
-                        Ok(a) => {
-                            refusals.store(0, Ordering::Relaxed);
-                            if a.duplicate {
-                                // A republished event the stream already held (an earlier
-                                // life's, or one sent before a lost connection): stored once.
-                                EventDeduplicated.emit();
-                            }
-                            Ok(())
-                        }
-                        Err(e) => {
-                            let e = ack_error(e, timeout);
-                            if matches!(e, SinkError::Rejected(_)) {
-                                refusals.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Err(e)
-                        }
-                    },
-                    _ = broken.wait_for(|b| *b) => Err(SinkError::Connection(
+                    r = std::future::IntoFuture::into_future(ack) => r,
+                    _ = broken.wait_for(|b| *b) => return Err(SinkError::Connection(
                         "the NATS connection was lost before the acknowledgement".into(),
                     )),
+                };
+                match acked {
+                    Ok(a) if a.stream != stream => Err(SinkError::Config {
+                        problem: format!("the message was stored by stream {:?}, not by --stream {stream}", a.stream),
+                        fix: format!("give --stream {} or change --subject so that only {stream} captures it", a.stream),
+                    }),
+                    Ok(a) => {
+                        refusals.store(0, Ordering::Relaxed);
+                        if a.duplicate {
+                            // A republished event the stream already held (an earlier
+                            // life's, or one sent before a lost connection): stored once.
+                            EventDeduplicated.emit();
+                            if let Some(check) = check {
+                                // Only a report: the confirmation does not wait for it.
+                                tokio::spawn(check.held_copy(stream, a.sequence, timeout));
+                            }
+                        }
+                        Ok(())
+                    }
+                    Err(e) => {
+                        let e = ack_error(e, timeout);
+                        if matches!(e, SinkError::Rejected(_)) {
+                            refusals.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e)
+                    }
                 }
             }
             .boxed(),

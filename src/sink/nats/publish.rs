@@ -180,7 +180,9 @@ pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLi
         },
         Err(reason) => {
             let mut h = HeaderMap::new();
-            h.insert(MSG_ID, event.id.hyphenated().to_string());
+            // A row without a usable id gets one from its position: dead records never share
+            // the nil UUID, which the stream would store once and acknowledge as a duplicate.
+            h.insert(MSG_ID, event.dead_record_id().hyphenated().to_string());
             for (k, v) in [
                 ("x-dead-reason", clean(&reason)),
                 ("x-source-position", clean(&event.position.to_string())),

@@ -86,6 +86,18 @@ impl RabbitSink {
                         self.cfg.max_message_bytes
                     ));
                 }
+                let broker_max = self
+                    .broker_max_message
+                    .load(std::sync::atomic::Ordering::Acquire);
+                if broker_max > 0 && body.bytes.len() > broker_max {
+                    return Err(format!(
+                        "the {:?} body is {} bytes, more than RabbitMQ's max_message_size {broker_max} \
+                         (the broker closed the channel with 406 PRECONDITION_FAILED for it; \
+                         raise max_message_size in rabbitmq.conf, or lower --max-message-bytes)",
+                        self.cfg.message.format,
+                        body.bytes.len(),
+                    ));
+                }
                 let h = self.headers(event, &body, header_limit)?;
                 Ok((body, h))
             }),
@@ -125,12 +137,54 @@ impl RabbitSink {
                     exchange: String::new(),
                     routing_key: format!("{}.dead", self.cfg.exchange),
                     body: Bytes::new(),
-                    props: props.with_headers(h),
+                    // A row without a usable id gets one from its position: dead records
+                    // never share the nil UUID (one idempotency key for all of them).
+                    props: props
+                        .with_message_id(event.dead_record_id().hyphenated().to_string().into())
+                        .with_headers(h),
                     dead: Some(reason),
                 }
             }
         }
     }
+}
+
+/// The broker's message size limit when `e` is its refusal of a message over it: RabbitMQ
+/// closes the channel with `406 PRECONDITION_FAILED - message size N is larger than
+/// configured max size M` (`… than max size M` at its hard limit).
+pub(super) fn broker_size_limit(e: &lapin::Error) -> Option<usize> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p)
+            if matches!(
+                p.kind(),
+                AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+            ) =>
+        {
+            size_refusal_limit(p.get_message().as_str())
+        }
+        _ => None,
+    }
+}
+
+/// Records the broker's size limit in `known` when `e` is a refusal for size (see
+/// [`broker_size_limit`]); [`RabbitSink::render`] then dead-letters a larger body.
+pub(super) fn learn_size_limit(e: &lapin::Error, known: &std::sync::atomic::AtomicUsize) {
+    if let Some(max) = broker_size_limit(e) {
+        if known.swap(max, std::sync::atomic::Ordering::AcqRel) != max {
+            tracing::warn!(max_message_size = max, "RabbitMQ refuses message bodies over {max} bytes (its max_message_size): such events are dead-lettered from now on");
+        }
+    }
+}
+
+/// `M` of RabbitMQ's "message size N is larger than [configured] max size M".
+pub(super) fn size_refusal_limit(text: &str) -> Option<usize> {
+    let rest = &text[text.find("message size ")?..];
+    let tail = &rest[rest.find("max size ")? + "max size ".len()..];
+    let digits: &str = &tail[..tail
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(tail.len())];
+    digits.parse().ok()
 }
 
 /// One message ready to go out.

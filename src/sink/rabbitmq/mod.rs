@@ -59,6 +59,7 @@ use futures::FutureExt;
 use lapin::options::BasicPublishOptions;
 use link::Link;
 use std::collections::HashSet;
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::oneshot;
@@ -73,6 +74,9 @@ pub struct RabbitSink {
     /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
     /// declared (or checked) once, on a connection of its own.
     known_exchanges: HashSet<String>,
+    /// The broker's `max_message_size` once it refused a message for it (0: not known). No
+    /// AMQP frame announces it; a larger body would only be refused again, on every retry.
+    broker_max_message: Arc<AtomicUsize>,
 }
 
 impl RabbitSink {
@@ -98,6 +102,7 @@ impl RabbitSink {
             link: None,
             flow: Arc::default(),
             known_exchanges: HashSet::new(),
+            broker_max_message: Arc::default(),
         })
     }
 }
@@ -158,7 +163,7 @@ impl Sink for RabbitSink {
         let out = self.render(event, link.header_limit, route);
         if let Some(reason) = &out.dead {
             tracing::warn!(
-                id = %event.id,
+                id = %event.dead_record_id(),
                 position = %event.position,
                 reason = %reason,
                 queue = %out.routing_key,
@@ -166,12 +171,16 @@ impl Sink for RabbitSink {
             );
         }
         let (done_tx, done_rx) = oneshot::channel();
-        let id = event.id;
+        let id = match out.dead {
+            Some(_) => event.dead_record_id(),
+            None => event.id,
+        };
         // Events of one aggregate always take the same lane (the partition's), so per-aggregate
         // order holds on the wire; the relay finalises acknowledgements in its own order across
         // lanes, so the stored position still only passes the confirmed prefix of the stream.
         let lane = &link.lanes[lane_of(&event.aggregate_id, &self.cfg, link.lanes.len())];
         let channel = lane.channel.clone();
+        let broker_max = self.broker_max_message.clone();
         let Outgoing {
             exchange,
             routing_key,
@@ -196,6 +205,12 @@ impl Sink for RabbitSink {
                 Ok(confirm) => confirm.await,
                 Err(e) => Err(e),
             };
+            // A body over the broker's `max_message_size` closes the channel (406); from now
+            // on such a body is dead-lettered (see `render`) instead of refused forever. The
+            // limit is recorded before the relay hears of the failure and republishes.
+            if let Err(e) = &result {
+                encode::learn_size_limit(e, &broker_max);
+            }
             Outcome {
                 id,
                 result,

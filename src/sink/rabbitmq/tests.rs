@@ -232,3 +232,79 @@ fn mismatch_text_names_the_argument() {
     assert!(validate_exchange("a b").is_err());
     assert!(validate_exchange(&"x".repeat(247)).is_err());
 }
+
+#[test]
+fn the_brokers_message_size_refusal_is_recognised() {
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+    let refusal = |kind, text: &str| -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into()
+    };
+    let size = || AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED);
+    assert_eq!(
+        encode::broker_size_limit(&refusal(
+            size(),
+            "PRECONDITION_FAILED - message size 2048 is larger than configured max size 1024"
+        )),
+        Some(1024)
+    );
+    // At RabbitMQ's hard limit the word "configured" is missing.
+    assert_eq!(
+        encode::size_refusal_limit(
+            "PRECONDITION_FAILED - message size 536870913 is larger than max size 536870912"
+        ),
+        Some(536870912)
+    );
+    // Other 406s (a topology mismatch) and other codes say nothing about sizes.
+    assert_eq!(
+        encode::broker_size_limit(&refusal(
+            size(),
+            "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/'"
+        )),
+        None
+    );
+    assert_eq!(
+        encode::broker_size_limit(&refusal(
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED),
+            "message size 2048 is larger than configured max size 1024"
+        )),
+        None
+    );
+}
+
+#[test]
+fn a_body_over_the_brokers_learned_limit_is_dead_lettered_with_the_reason() {
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+    let s = sink(DEFAULT_MAX_MESSAGE_BYTES);
+    let ev = event();
+    // Until the broker refused one, nothing is known: a normal message.
+    assert!(s.render_static(&ev, MAX_HEADER_BYTES).dead.is_none());
+    // The publish's channel is closed for its size: what the sink's publish records.
+    let max = ev.payload.len() - 1;
+    let refusal: lapin::Error = lapin::ErrorKind::ProtocolError(AMQPError::new(
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
+        format!(
+            "PRECONDITION_FAILED - message size {} is larger than configured max size {max}",
+            ev.payload.len()
+        )
+        .as_str()
+        .into(),
+    ))
+    .into();
+    encode::learn_size_limit(&refusal, &s.broker_max_message);
+    // The republish of the same event: a dead record with the reason, not refused again.
+    let out = s.render_static(&ev, MAX_HEADER_BYTES);
+    let reason = out.dead.expect("dead-lettered");
+    assert!(
+        reason.contains(&format!(
+            "more than RabbitMQ's max_message_size {}",
+            ev.payload.len() - 1
+        )) && reason.contains("406 PRECONDITION_FAILED"),
+        "{reason}"
+    );
+    assert_eq!(out.routing_key, "outbox.dead");
+    assert!(out.body.is_empty());
+    // A body within the limit still goes out as a message.
+    s.broker_max_message
+        .store(ev.payload.len(), std::sync::atomic::Ordering::Release);
+    assert!(s.render_static(&ev, MAX_HEADER_BYTES).dead.is_none());
+}
