@@ -9,6 +9,7 @@ mod consumer_support;
 
 mod consumer_e2e;
 mod consumer_inbox;
+mod consumer_order;
 mod consumer_prune;
 mod crypto_cli;
 mod crypto_fields;

@@ -17,7 +17,10 @@
 //!   confirm) and then acks, `skip` logs and acks. A message without a usable envelope (no
 //!   UUID `message_id`) is poison at once. A configuration error (say, the inbox table is
 //!   missing) is no message's fault: it halts whatever the policy.
-//! - **Broker loss.** The loop reconnects with backoff; unacked messages come again.
+//! - **Broker loss.** The loop reconnects with backoff; unacked messages come again, in queue
+//!   order. Deliveries of the dead channel still queued in a worker are dropped unprocessed
+//!   (they are among those redelivered, behind any message given up mid-retry), so nothing
+//!   overtakes the retried message.
 //! - **Shutdown.** When the token is cancelled the consumer is cancelled at the broker, each
 //!   worker finishes the message in hand (commit, ack), messages not yet started go back to
 //!   the queue when the channel closes, and `run` returns.
