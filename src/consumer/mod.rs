@@ -24,6 +24,9 @@
 //! - [`processor`]: [`InboxProcessor`], one transaction per message (or batch) for the
 //!   [`runner`], over [`Database`] ([`postgres::Postgres`], [`mysql::Mysql`]) with your
 //!   [`Handler`];
+//! - [`fault`]: whose fault a database error is (conflict, database unavailable, setup, or
+//!   the message's data), one classification by SQLSTATE / MySQL error number for both
+//!   databases;
 //! - [`key`]: stable idempotency keys for calls that leave the transaction (payment and
 //!   e-invoice APIs);
 //! - [`runner`]: a RabbitMQ consumer loop that acks only after commit, retries in place, and
@@ -34,6 +37,7 @@
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.
 
+pub mod fault;
 pub mod inbox;
 pub mod key;
 pub mod message;
@@ -106,7 +110,10 @@ pub enum ConsumerError {
     #[error("transaction conflict (retry): {0}")]
     Conflict(String),
 
-    /// A database error; `retryable` when the connection or server is the problem.
+    /// A database error ([`fault::classify_sql`]): `retryable` when the database cannot take
+    /// the write now (connection lost, read-only after a failover: retried with backoff on a
+    /// new session); otherwise the message's data broke a rule, which counts towards
+    /// `--max-failures`. Schema and grant problems are [`ConsumerError::Config`] instead.
     #[error("database: {message}")]
     Database { message: String, retryable: bool },
 

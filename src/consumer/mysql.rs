@@ -19,29 +19,20 @@ use uuid::Uuid;
 /// MySQL's "duplicate entry" error, which `INSERT IGNORE` reports as a warning.
 const ER_DUP_ENTRY: u32 = 1062;
 
-/// Maps a client error. Deadlock (1213), lock wait timeout (1205) and MariaDB's "record has
-/// changed since last read" (1020, snapshot isolation) are conflicts; connection trouble is
-/// retryable; a missing table says which migration creates it.
+/// Maps a client error. A server error goes by its error number and SQLSTATE
+/// ([`super::fault::classify_sql`], shared with Postgres); a missing table says which
+/// migration creates the inbox tables; connection trouble is retryable.
 pub fn classify(e: mysql_async::Error) -> ConsumerError {
     use mysql_async::{DriverError, Error as E};
     match e {
         E::Server(s) => {
             let message = format!("{} (error {}, SQLSTATE {})", s.message, s.code, s.state);
             match s.code {
-                1205 | 1213 | 1020 => ConsumerError::Conflict(message),
                 1146 => ConsumerError::config(
                     message,
-                    "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql",
+                    "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql (and the handler's own tables)",
                 ),
-                // The relay's own list (lock waits and deadlocks are conflicts, above).
-                code if crate::db::mysql::is_retryable_code(code) => ConsumerError::Database {
-                    message,
-                    retryable: true,
-                },
-                _ => ConsumerError::Database {
-                    message,
-                    retryable: false,
-                },
+                code => super::fault::to_error(message, &s.state, Some(code)),
             }
         }
         E::Io(io) => ConsumerError::Database {
@@ -230,7 +221,11 @@ mod tests {
         assert!(matches!(server(1205), ConsumerError::Conflict(_)));
         assert!(matches!(server(1146), ConsumerError::Config { .. }));
         assert!(server(4031).is_retryable());
-        assert!(!server(1064).is_retryable());
+        assert!(
+            server(1290).is_retryable(),
+            "--read-only is retried, as on Postgres"
+        );
+        assert!(matches!(server(1064), ConsumerError::Config { .. }));
         let t = crate::outbox::TableName::parse("app.processed_messages").unwrap();
         assert_eq!(quoted(&t), "`app`.`processed_messages`");
     }

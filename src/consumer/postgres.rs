@@ -14,18 +14,19 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{IsolationLevel, Transaction};
 use uuid::Uuid;
 
-/// Maps a client error: conflicts (serialization failure 40001, deadlock 40P01, lock not
-/// available 55P03) are [`ConsumerError::Conflict`]; lost connections and server shutdowns are
-/// retryable; a missing inbox table says which migration creates it.
+/// Maps a client error. A server error goes by its SQLSTATE ([`super::fault::classify_sql`],
+/// shared with MySQL); a missing table says which migration creates the inbox tables; an
+/// error without a SQLSTATE (the connection is gone, an I/O error) is retryable when the
+/// connection is the problem.
 pub fn classify(e: &tokio_postgres::Error) -> ConsumerError {
     let message = crate::db::postgres::describe_pg_error(e);
     match e.code().map(|c| c.code()) {
-        Some("40001" | "40P01" | "55P03") => ConsumerError::Conflict(message),
         Some("42P01") => ConsumerError::config(
             message,
-            "create the inbox tables: psql -f migrations/postgres/003_processed_messages.sql",
+            "create the inbox tables: psql -f migrations/postgres/003_processed_messages.sql (and the handler's own tables)",
         ),
-        _ => ConsumerError::Database {
+        Some(state) => super::fault::to_error(message, state, None),
+        None => ConsumerError::Database {
             message,
             retryable: crate::db::postgres::is_retryable_pg(e),
         },

@@ -8,6 +8,7 @@ mod common;
 mod consumer_support;
 
 mod consumer_e2e;
+mod consumer_faults;
 mod consumer_inbox;
 mod consumer_order;
 mod consumer_prune;
