@@ -31,6 +31,8 @@
 //!   e-invoice APIs);
 //! - [`runner`]: a RabbitMQ consumer loop that acks only after commit, retries in place, and
 //!   parks, skips or halts on poison;
+//! - [`setup`]: creates the inbox tables, and migrates those of an earlier release in place
+//!   (idempotently);
 //! - [`prune`]: `outboxd prune`, batched deletion of old `processed_messages` and outbox rows;
 //! - `commands::consumer`: the flags of `outboxd prune` and of consumer binaries built on
 //!   [`runner`] (outside this module: the command line is the only place clap lives).
@@ -46,6 +48,7 @@ pub mod postgres;
 pub mod processor;
 pub mod prune;
 pub mod runner;
+pub mod setup;
 
 pub use inbox::InboxBackend;
 pub use key::IdempotencyKey;

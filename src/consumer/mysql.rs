@@ -123,19 +123,21 @@ impl InboxBackend for Transaction<'_> {
 
     /// The first message of an aggregate inserts its row; later ones update it only upwards
     /// (`version < ?`, which also makes the affected row count mean "advanced" whatever
-    /// `CLIENT_FOUND_ROWS` says).
+    /// `CLIENT_FOUND_ROWS` says). The key columns are `VARBINARY`: compared byte for byte, not
+    /// by a collation that would merge `ORD-a` with `ord-A` or `café` with `cafe `.
     async fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let t = quoted(table);
         if insert_ignore(
             self,
-            &format!("INSERT IGNORE INTO {t} (consumer, aggregate_id, version) VALUES (?, ?, ?)"),
-            (consumer, aggregate_id, version).into(),
+            &format!("INSERT IGNORE INTO {t} (consumer, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?)"),
+            (consumer, aggregate_type, aggregate_id, version).into(),
             &t,
         )
         .await?
@@ -143,8 +145,8 @@ impl InboxBackend for Transaction<'_> {
             return Ok(None);
         }
         self.exec_drop(
-            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_id = ? AND version < ?"),
-            (version, consumer, aggregate_id, version),
+            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ? AND version < ?"),
+            (version, consumer, aggregate_type, aggregate_id, version),
         )
         .await?;
         if self.affected_rows() == 1 {
@@ -152,8 +154,8 @@ impl InboxBackend for Transaction<'_> {
         }
         let stored: Option<i64> = self
             .exec_first(
-                format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_id = ?"),
-                (consumer, aggregate_id),
+                format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ?"),
+                (consumer, aggregate_type, aggregate_id),
             )
             .await?;
         Ok(Some(stored.unwrap_or(version)))
@@ -237,7 +239,8 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "message_id    BINARY(16)",
             "(processed_at)",
-            "PRIMARY KEY (consumer, aggregate_id)",
+            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
+            "consumer      VARBINARY(100)",
         ] {
             assert!(ddl.contains(needle), "{needle}");
         }

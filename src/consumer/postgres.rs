@@ -53,11 +53,13 @@ impl InboxBackend for Transaction<'_> {
     }
 
     /// One upsert that only moves the version upwards (its `WHERE` makes "1 row" mean
-    /// "advanced"); when it did not, the stored version is read back for the caller.
+    /// "advanced"); when it did not, the stored version is read back for the caller. Text
+    /// equality is exact on Postgres (a deterministic collation, "C" in the migration).
     async fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
@@ -65,13 +67,14 @@ impl InboxBackend for Transaction<'_> {
         let advanced = self
             .execute_typed(
                 &format!(
-                    "INSERT INTO {t} AS v (consumer, aggregate_id, version) VALUES ($1, $2, $3)
-                     ON CONFLICT (consumer, aggregate_id)
+                    "INSERT INTO {t} AS v (consumer, aggregate_type, aggregate_id, version) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (consumer, aggregate_type, aggregate_id)
                      DO UPDATE SET version = EXCLUDED.version, updated_at = now()
                      WHERE v.version < EXCLUDED.version"
                 ),
                 &[
                     (&consumer, Type::TEXT),
+                    (&aggregate_type, Type::TEXT),
                     (&aggregate_id, Type::TEXT),
                     (&version, Type::INT8),
                 ],
@@ -82,8 +85,12 @@ impl InboxBackend for Transaction<'_> {
         }
         let row = self
             .query_typed_one(
-                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_id = $2"),
-                &[(&consumer, Type::TEXT), (&aggregate_id, Type::TEXT)],
+                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3"),
+                &[
+                    (&consumer, Type::TEXT),
+                    (&aggregate_type, Type::TEXT),
+                    (&aggregate_id, Type::TEXT),
+                ],
             )
             .await?;
         Ok(Some(row.get(0)))
@@ -138,7 +145,7 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "(processed_at)",
             "consumer_aggregate_versions",
-            "PRIMARY KEY (consumer, aggregate_id)",
+            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
         ] {
             assert!(ddl.contains(needle), "{needle}");
         }

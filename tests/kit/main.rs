@@ -9,6 +9,7 @@ mod consumer_support;
 
 mod consumer_e2e;
 mod consumer_faults;
+mod consumer_identity;
 mod consumer_inbox;
 mod consumer_order;
 mod consumer_prune;
