@@ -83,13 +83,13 @@ pub fn classify_sql(sqlstate: &str, mysql_code: Option<u16>) -> Fault {
 pub(crate) fn setup_fix(sqlstate: &str, mysql_code: Option<u16>) -> &'static str {
     match (sqlstate, mysql_code) {
         ("42501", _) | (_, Some(1142 | 1143 | 1044 | 1227 | 1370)) => {
-            "grant the consumer's database user the privileges the inbox and the handler need (e.g. GRANT SELECT, INSERT, UPDATE ON <table> TO <user>), then start the consumer again; the message stays in the queue"
+            "grant the database user the privileges it needs (e.g. GRANT SELECT, INSERT, UPDATE, DELETE ON <table> TO <user>), then start again; a consumer leaves the message in the queue meanwhile"
         }
         ("42703", _) | (_, Some(1054)) => {
-            "the handler names a column its table does not have: apply the migration that adds it (or deploy the handler that matches the schema), then start the consumer again; the message stays in the queue"
+            "a statement names a column its table does not have: apply the migration that adds it (or deploy the code that matches the schema), then start again; a consumer leaves the message in the queue meanwhile"
         }
         _ => {
-            "the database refused the statement for a reason no message causes (schema, grants, SQL, or an error not known to be the message's): fix the cause named above, then start the consumer again; the message stays in the queue"
+            "the database refused the statement for a reason no message causes (schema, grants, SQL, or an error not known to be the message's): fix the cause named above, then start again; a consumer leaves the message in the queue meanwhile"
         }
     }
 }

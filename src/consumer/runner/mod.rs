@@ -16,7 +16,9 @@
 //!   unacked, `park` publishes it with the error to `<queue>.dead` (with a publisher
 //!   confirm) and then acks, `skip` logs and acks. A message without a usable envelope (no
 //!   UUID `message_id`) is poison at once. A configuration error (say, the inbox table is
-//!   missing) is no message's fault: it halts whatever the policy.
+//!   missing, a privilege revoked or a column renamed: `consumer::fault`) is no message's
+//!   fault: it halts whatever the policy. A database that cannot take writes (a read-only
+//!   standby after a failover) is retried like a lost connection.
 //! - **Broker loss.** The loop reconnects with backoff; unacked messages come again, in queue
 //!   order. Deliveries of the dead channel still queued in a worker are dropped unprocessed
 //!   (they are among those redelivered, behind any message given up mid-retry), so nothing
