@@ -18,45 +18,43 @@ const PG_DDL: &str = include_str!("../../migrations/postgres/003_processed_messa
 const MY_DDL: &str = include_str!("../../migrations/mysql/003_processed_messages.sql");
 
 /// Creates the inbox tables on Postgres (in the session's schema), or migrates the ones there;
-/// returns what it changed (empty when nothing was to do). One transaction: a concurrent setup
-/// waits on the table lock and then finds the work done.
+/// returns what it changed (empty when nothing was to do). One transaction; the table lock is
+/// taken only when there is something to migrate (running consumers are not held up by a
+/// setup that finds nothing to do), and a concurrent setup waiting on it then finds the work
+/// done.
 pub async fn postgres(client: &mut tokio_postgres::Client) -> Result<Vec<String>, ConsumerError> {
+    const TYPED: &str = "SELECT 1 FROM pg_attribute
+          WHERE attrelid = 'consumer_aggregate_versions'::regclass
+            AND attname = 'aggregate_type' AND NOT attisdropped";
     let tx = client.transaction().await?;
     tx.batch_execute(PG_DDL).await?;
-    tx.batch_execute("LOCK TABLE consumer_aggregate_versions IN ACCESS EXCLUSIVE MODE")
-        .await?;
-    let typed = tx
-        .query_opt(
-            "SELECT 1 FROM pg_attribute
-              WHERE attrelid = 'consumer_aggregate_versions'::regclass
-                AND attname = 'aggregate_type' AND NOT attisdropped",
-            &[],
-        )
-        .await?
-        .is_some();
     let mut done = Vec::new();
-    if !typed {
-        let pk: Option<String> = tx
-            .query_opt(
-                "SELECT conname::text FROM pg_constraint
-                  WHERE conrelid = 'consumer_aggregate_versions'::regclass AND contype = 'p'",
-                &[],
-            )
-            .await?
-            .map(|r| r.get(0));
-        let drop_pk = pk
-            .map(|n| format!("DROP CONSTRAINT {}, ", crate::names::pg_ident(&n)))
-            .unwrap_or_default();
-        tx.batch_execute(&format!(
-            "ALTER TABLE consumer_aggregate_versions
-                 ADD COLUMN aggregate_type text COLLATE \"C\" NOT NULL DEFAULT '',
-                 {drop_pk}ADD PRIMARY KEY (consumer, aggregate_type, aggregate_id)"
-        ))
-        .await?;
-        done.push(
-            "consumer_aggregate_versions: added aggregate_type, keyed on (consumer, aggregate_type, aggregate_id)"
-                .to_string(),
-        );
+    if tx.query_opt(TYPED, &[]).await?.is_none() {
+        tx.batch_execute("LOCK TABLE consumer_aggregate_versions IN ACCESS EXCLUSIVE MODE")
+            .await?;
+        if tx.query_opt(TYPED, &[]).await?.is_none() {
+            let pk: Option<String> = tx
+                .query_opt(
+                    "SELECT conname::text FROM pg_constraint
+                      WHERE conrelid = 'consumer_aggregate_versions'::regclass AND contype = 'p'",
+                    &[],
+                )
+                .await?
+                .map(|r| r.get(0));
+            let drop_pk = pk
+                .map(|n| format!("DROP CONSTRAINT {}, ", crate::names::pg_ident(&n)))
+                .unwrap_or_default();
+            tx.batch_execute(&format!(
+                "ALTER TABLE consumer_aggregate_versions
+                     ADD COLUMN aggregate_type text COLLATE \"C\" NOT NULL DEFAULT '',
+                     {drop_pk}ADD PRIMARY KEY (consumer, aggregate_type, aggregate_id)"
+            ))
+            .await?;
+            done.push(
+                "consumer_aggregate_versions: added aggregate_type, keyed on (consumer, aggregate_type, aggregate_id)"
+                    .to_string(),
+            );
+        }
     }
     tx.commit().await?;
     Ok(done)

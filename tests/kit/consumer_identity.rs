@@ -211,6 +211,11 @@ async fn setup_migrates_old_mariadb_inbox_tables_in_place() {
         .unwrap();
     setup_projection(&db.dsn()).await;
     setup_projection(&db.dsn()).await;
+    assert_eq!(
+        outboxd::consumer::setup::mysql(&mut c).await.unwrap(),
+        Vec::<String>::new(),
+        "a migrated database has nothing left to migrate"
+    );
     let types: Vec<(String, String)> = c
         .query(format!(
             "SELECT CONCAT(TABLE_NAME, '.', COLUMN_NAME), DATA_TYPE FROM information_schema.COLUMNS
@@ -256,13 +261,18 @@ async fn setup_migrates_old_mariadb_inbox_tables_in_place() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn setup_migrates_old_postgres_inbox_tables_in_place() {
     let db = PgDb::create("migrate").await;
-    let c = db.client().await;
+    let mut c = db.client().await;
     c.batch_execute(OLD_PG_DDL).await.unwrap();
     c.batch_execute("INSERT INTO consumer_aggregate_versions (consumer, aggregate_id, version) VALUES ('billing', '42', 5)")
         .await
         .unwrap();
     setup_projection(&db.dsn()).await;
     setup_projection(&db.dsn()).await;
+    assert_eq!(
+        outboxd::consumer::setup::postgres(&mut c).await.unwrap(),
+        Vec::<String>::new(),
+        "a migrated database has nothing left to migrate"
+    );
     let key: Vec<String> = c
         .query(
             "SELECT a.attname::text FROM pg_index i
