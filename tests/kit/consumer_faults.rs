@@ -1,6 +1,7 @@
 //! Errors that are no message's fault never reach the poison policy. The example consumer
-//! (`invoice_projection`) runs with `--on-poison skip --max-failures 3` — the policy that
-//! would silently lose healthy messages — as a database user of its own, and the test breaks
+//! (`invoice_projection`) runs with `--max-failures 3` and `--on-poison skip` or `park` — the
+//! policies that would lose healthy messages or move them to `.dead` — as a database user of
+//! its own, and the test breaks
 //! the database under it: a read-only database (a role whose sessions are read-only, as on a
 //! standby behind the DSN after a failover) is retried with backoff until it takes writes
 //! again; a revoked privilege and a renamed column stop the consumer (exit 2, with the fix)
@@ -121,11 +122,13 @@ async fn exit_without_poisoning(c: &mut Proc) -> i32 {
     code
 }
 
-/// Breaks the database with `break_sql`, publishes three invoices and runs the consumer: it
-/// must stop (exit 2) with `code` and `fix` in its error, apply nothing and leave the three
-/// queued. Then `fix_sql` repairs the database and a drain applies them.
+/// Breaks the database with `break_sql`, publishes three invoices and runs the consumer with
+/// `--on-poison policy`: it must stop (exit 2) with `code` and `fix` in its error, apply
+/// nothing, park nothing and leave the three queued. Then `fix_sql` repairs the database and a
+/// drain applies them.
 #[allow(clippy::too_many_arguments)]
 async fn setup_fault_halts(
+    policy: &str,
     db: &Db,
     conn: &lapin::Connection,
     ch: &lapin::Channel,
@@ -138,7 +141,8 @@ async fn setup_fault_halts(
     let before = db.ledger().await;
     db.exec(break_sql).await;
     publish_three(ch, queue, first).await;
-    let mut c = start_consumer(dsn, queue, "faults", &SKIP);
+    let args = ["--on-poison", policy, "--max-failures", "3"];
+    let mut c = start_consumer(dsn, queue, "faults", &args);
     let exit = exit_without_poisoning(&mut c).await;
     let err = c.stderr();
     assert_eq!(
@@ -153,7 +157,7 @@ async fn setup_fault_halts(
     })
     .await;
     db.exec(fix_sql).await;
-    let mut until_empty = SKIP.to_vec();
+    let mut until_empty = args.to_vec();
     until_empty.push("--until-empty");
     let stopped = drain(
         conn,
@@ -164,7 +168,13 @@ async fn setup_fault_halts(
     .await;
     for p in &stopped {
         assert_eq!(p.stats()["skipped"], 0, "{}", p.stderr());
+        assert_eq!(p.stats()["parked"], 0, "{}", p.stderr());
     }
+    assert_eq!(
+        ready(conn, &format!("{queue}.dead")).await,
+        0,
+        "nothing parked"
+    );
     assert_eq!(
         db.ledger().await,
         before + 3,
@@ -246,6 +256,7 @@ async fn postgres_infrastructure_errors_never_reach_the_poison_policy() {
 
     // Permission denied (42501).
     setup_fault_halts(
+        "skip",
         &db,
         &conn,
         &publisher,
@@ -262,6 +273,7 @@ async fn postgres_infrastructure_errors_never_reach_the_poison_policy() {
 
     // Unknown column (42703): a migration renamed it under the running consumer.
     setup_fault_halts(
+        "park",
         &db,
         &conn,
         &publisher,
@@ -302,6 +314,7 @@ async fn mariadb_infrastructure_errors_never_reach_the_poison_policy() {
 
     // Permission denied (1142): no INSERT on the ledger.
     setup_fault_halts(
+        "skip",
         &db,
         &conn,
         &publisher,
@@ -318,6 +331,7 @@ async fn mariadb_infrastructure_errors_never_reach_the_poison_policy() {
 
     // Unknown column (1054).
     setup_fault_halts(
+        "park",
         &db,
         &conn,
         &publisher,
