@@ -58,15 +58,17 @@ pub fn classify_sql(sqlstate: &str, mysql_code: Option<u16>) -> Fault {
         "25006" => return Fault::Unavailable,
         // A deferred constraint checked at commit.
         "40002" => return Fault::Data,
-        // "Statement completion unknown" and other rollbacks the server chose.
-        "40000" | "40003" => return Fault::Unavailable,
+        // "Statement completion unknown" and other rollbacks the server chose; an object in
+        // use (a concurrent DDL or a database being dropped).
+        "40000" | "40003" | "55006" => return Fault::Unavailable,
         _ => {}
     }
     match sqlstate.get(..2).unwrap_or("") {
         // Connection exception, insufficient resources, operator intervention (shutdown,
-        // statement timeout, terminated session), system error, internal error, object in
-        // use / not in the required state, configuration file, foreign data wrapper.
-        "08" | "53" | "55" | "57" | "58" | "XX" | "F0" | "HV" => Fault::Unavailable,
+        // statement timeout, terminated session), system error (I/O), configuration file,
+        // foreign data wrapper. (Internal errors and corruption, class XX, stop instead: an
+        // operator has to look.)
+        "08" | "53" | "57" | "58" | "F0" | "HV" => Fault::Unavailable,
         // Cardinality, data exception, integrity constraint, triggered data change, WITH
         // CHECK OPTION, program limits (a value too large for an index), routine and trigger
         // exceptions, PL/pgSQL RAISE and MySQL's SIGNAL '45000'.
@@ -159,8 +161,11 @@ mod tests {
         assert_eq!(my("45000", 1644), Fault::Data);
         // A trigger's SIGNAL with a conflict SQLSTATE is a conflict.
         assert_eq!(my("40001", 1644), Fault::Conflict);
+        assert_eq!(pg("55006"), Fault::Unavailable);
         // Not known to be the message's: stop rather than poison it.
         assert_eq!(pg("25P02"), Fault::Setup);
+        assert_eq!(pg("55000"), Fault::Setup);
+        assert_eq!(pg("XX001"), Fault::Setup);
         assert_eq!(my("HY000", 1), Fault::Setup);
         assert_eq!(pg(""), Fault::Setup);
     }
