@@ -191,25 +191,26 @@ impl Handler<mysql_async::Transaction<'_>> for Projection {
 }
 
 async fn setup(db: &Database) -> Result<(), ConsumerError> {
-    match db {
+    // The kit's setup: the inbox tables of migrations/*/003_processed_messages.sql, and an
+    // in-place migration of those an earlier release created.
+    let migrated = match db {
         Database::Postgres(dsn) => {
-            let c = outboxd::source::postgres::connect_sql(dsn, "invoice_projection").await?;
-            c.batch_execute(include_str!(
-                "../migrations/postgres/003_processed_messages.sql"
-            ))
-            .await?;
+            let mut c = outboxd::source::postgres::connect_sql(dsn, "invoice_projection").await?;
+            let done = outboxd::consumer::setup::postgres(&mut c).await?;
             c.batch_execute(PG_PROJECTION).await?;
+            done
         }
         Database::Mysql(dsn) => {
             use mysql_async::prelude::Queryable;
             let mut c = outboxd::consumer::mysql::connect(dsn).await?;
-            c.query_drop(include_str!(
-                "../migrations/mysql/003_processed_messages.sql"
-            ))
-            .await?;
+            let done = outboxd::consumer::setup::mysql(&mut c).await?;
             c.query_drop(MY_PROJECTION).await?;
             let _ = c.disconnect().await;
+            done
         }
+    };
+    for step in migrated {
+        println!("ok   migrated {step}");
     }
     println!("ok   inbox and projection tables");
     Ok(())

@@ -184,7 +184,7 @@ pub fn message_options(
     args: &RabbitArgs,
     mut columns: ColumnMap,
 ) -> Result<(crate::sink::format::MessageOptions, ColumnMap), Error> {
-    use crate::sink::format::{self, BodyFormat, MessageOptions};
+    use crate::sink::format::{self, MessageOptions};
     use crate::sink::template::Template;
     let template = |flag: &str, text: &str| {
         Template::parse(text).map_err(|e| {
@@ -220,14 +220,9 @@ pub fn message_options(
     for name in message.columns() {
         columns.require_extra(name, true);
     }
-    if matches!(
-        args.format,
-        BodyFormat::Envelope | BodyFormat::Cloudevents | BodyFormat::CloudeventsBinary
-    ) || columns.is_debezium()
-    {
-        // The envelope's aggregate.type, when the table has the column.
-        columns.require_extra("aggregate_type", false);
-    }
+    // The aggregate's type, when the table has the column: the `x-aggregate-type` header
+    // (consumers key the stale gate on type and id) and the envelope's aggregate.type.
+    columns.require_extra("aggregate_type", false);
     if let Some(ct) = &args.payload_content_type {
         if ct.trim().is_empty() || ct.len() > 255 || ct.chars().any(|c| c.is_control()) {
             return Err(Error::config(

@@ -26,14 +26,16 @@ pub trait InboxBackend: Send {
         id: Uuid,
     ) -> impl Future<Output = Result<bool, ConsumerError>> + Send;
 
-    /// Records `version` as the last applied one of `(consumer, aggregate_id)` in `table` when
-    /// it is newer than the stored one (`None`); otherwise returns the stored version
-    /// (`Some(stored)`) and changes nothing. The statement must lock the aggregate's row, so
-    /// that concurrent messages of one aggregate are decided one after the other.
+    /// Records `version` as the last applied one of `(consumer, aggregate_type, aggregate_id)`
+    /// in `table` when it is newer than the stored one (`None`); otherwise returns the stored
+    /// version (`Some(stored)`) and changes nothing. The key compares exactly (byte for byte:
+    /// `ORD-a` is not `ord-A`). The statement must lock the aggregate's row, so that concurrent
+    /// messages of one aggregate are decided one after the other.
     fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> impl Future<Output = Result<Option<i64>, ConsumerError>> + Send;
@@ -56,20 +58,29 @@ impl Inbox {
         tx.insert_claim(&self.processed, &self.consumer, id).await
     }
 
-    /// The stale gate: records `version` as the last applied one of `aggregate_id` when it is
-    /// newer than what is stored, and returns `None` (apply); returns `Some(stored)` when the
-    /// stored version is the same or newer (drop). With the gate off it is always `None`.
+    /// The stale gate: records `version` as the last applied one of the aggregate
+    /// `(aggregate_type, aggregate_id)` when it is newer than what is stored, and returns
+    /// `None` (apply); returns `Some(stored)` when the stored version is the same or newer
+    /// (drop). The type is `""` for messages without `x-aggregate-type`. With the gate off it
+    /// is always `None`.
     pub async fn gate<B: InboxBackend>(
         &self,
         tx: &mut B,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let Some(versions) = &self.versions else {
             return Ok(None);
         };
-        tx.advance_version(versions, &self.consumer, aggregate_id, version)
-            .await
+        tx.advance_version(
+            versions,
+            &self.consumer,
+            aggregate_type,
+            aggregate_id,
+            version,
+        )
+        .await
     }
 
     /// Claim first, then the stale gate (when on and the message has an aggregate and a
@@ -107,7 +118,8 @@ impl Inbox {
         if let (true, Some(agg), Some(version)) =
             (self.stale_gate(), msg.aggregate_id.as_deref(), msg.version)
         {
-            if let Some(applied) = self.gate(tx, agg, version).await? {
+            let ty = msg.aggregate_type.as_deref().unwrap_or("");
+            if let Some(applied) = self.gate(tx, ty, agg, version).await? {
                 return Ok(Claim::Stale { version, applied });
             }
         }

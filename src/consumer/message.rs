@@ -13,6 +13,9 @@ pub struct Message {
     pub id: Uuid,
     /// The event's topic: the `type` property, else the routing key.
     pub topic: String,
+    /// `x-aggregate-type`, when present: with the id, what the stale gate keys on (order 42
+    /// and invoice 42 are different aggregates).
+    pub aggregate_type: Option<String>,
     /// `x-aggregate-id`, when present.
     pub aggregate_id: Option<String>,
     /// `x-aggregate-version`, when present: what the stale gate compares.
@@ -35,6 +38,7 @@ impl Message {
         Message {
             id,
             topic: topic.to_string(),
+            aggregate_type: None,
             aggregate_id: None,
             version: None,
             partition: None,
@@ -49,6 +53,12 @@ impl Message {
     pub fn with_aggregate(mut self, aggregate_id: &str, version: Option<i64>) -> Message {
         self.aggregate_id = Some(aggregate_id.to_string());
         self.version = version;
+        self
+    }
+
+    /// Sets the aggregate's type (`x-aggregate-type`).
+    pub fn with_aggregate_type(mut self, aggregate_type: &str) -> Message {
+        self.aggregate_type = Some(aggregate_type.to_string());
         self
     }
 
@@ -75,6 +85,7 @@ impl Message {
             ConsumerError::BadMessage(format!("message_id {raw_id:?} is not a UUID: {e}"))
         })?;
         let headers = properties.headers().clone().unwrap_or_default();
+        let aggregate_type = header_string(&headers, "x-aggregate-type");
         let aggregate_id = header_string(&headers, "x-aggregate-id");
         let version = match headers.inner().get("x-aggregate-version") {
             None | Some(AMQPValue::Void) => None,
@@ -95,6 +106,7 @@ impl Message {
         Ok(Message {
             id,
             topic,
+            aggregate_type,
             aggregate_id,
             version,
             partition,
@@ -176,6 +188,7 @@ mod tests {
                 id,
                 &[
                     ("x-aggregate-id", AMQPValue::LongString("cust-7".into())),
+                    ("x-aggregate-type", AMQPValue::LongString("customer".into())),
                     ("x-aggregate-version", AMQPValue::LongLongInt(42)),
                     ("x-partition", AMQPValue::LongString("3".into())),
                 ],
@@ -186,6 +199,7 @@ mod tests {
         assert_eq!(m.id.to_string(), id);
         assert_eq!(m.topic, "invoice.issued");
         assert_eq!(m.aggregate_id.as_deref(), Some("cust-7"));
+        assert_eq!(m.aggregate_type.as_deref(), Some("customer"));
         assert_eq!(m.version, Some(42));
         assert_eq!(m.partition, Some(3));
         assert!(m.redelivered);

@@ -24,16 +24,22 @@
 //! - [`processor`]: [`InboxProcessor`], one transaction per message (or batch) for the
 //!   [`runner`], over [`Database`] ([`postgres::Postgres`], [`mysql::Mysql`]) with your
 //!   [`Handler`];
+//! - [`fault`]: whose fault a database error is (conflict, database unavailable, setup, or
+//!   the message's data), one classification by SQLSTATE / MySQL error number for both
+//!   databases;
 //! - [`key`]: stable idempotency keys for calls that leave the transaction (payment and
 //!   e-invoice APIs);
 //! - [`runner`]: a RabbitMQ consumer loop that acks only after commit, retries in place, and
 //!   parks, skips or halts on poison;
+//! - [`setup`]: creates the inbox tables, and migrates those of an earlier release in place
+//!   (idempotently);
 //! - [`prune`]: `outboxd prune`, batched deletion of old `processed_messages` and outbox rows;
 //! - `commands::consumer`: the flags of `outboxd prune` and of consumer binaries built on
 //!   [`runner`] (outside this module: the command line is the only place clap lives).
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.
 
+pub mod fault;
 pub mod inbox;
 pub mod key;
 pub mod message;
@@ -42,6 +48,7 @@ pub mod postgres;
 pub mod processor;
 pub mod prune;
 pub mod runner;
+pub mod setup;
 
 pub use inbox::InboxBackend;
 pub use key::IdempotencyKey;
@@ -106,7 +113,10 @@ pub enum ConsumerError {
     #[error("transaction conflict (retry): {0}")]
     Conflict(String),
 
-    /// A database error; `retryable` when the connection or server is the problem.
+    /// A database error ([`fault::classify_sql`]): `retryable` when the database cannot take
+    /// the write now (connection lost, read-only after a failover: retried with backoff on a
+    /// new session); otherwise the message's data broke a rule, which counts towards
+    /// `--max-failures`. Schema and grant problems are [`ConsumerError::Config`] instead.
     #[error("database: {message}")]
     Database { message: String, retryable: bool },
 

@@ -19,29 +19,20 @@ use uuid::Uuid;
 /// MySQL's "duplicate entry" error, which `INSERT IGNORE` reports as a warning.
 const ER_DUP_ENTRY: u32 = 1062;
 
-/// Maps a client error. Deadlock (1213), lock wait timeout (1205) and MariaDB's "record has
-/// changed since last read" (1020, snapshot isolation) are conflicts; connection trouble is
-/// retryable; a missing table says which migration creates it.
+/// Maps a client error. A server error goes by its error number and SQLSTATE
+/// ([`super::fault::classify_sql`], shared with Postgres); a missing table says which
+/// migration creates the inbox tables; connection trouble is retryable.
 pub fn classify(e: mysql_async::Error) -> ConsumerError {
     use mysql_async::{DriverError, Error as E};
     match e {
         E::Server(s) => {
             let message = format!("{} (error {}, SQLSTATE {})", s.message, s.code, s.state);
             match s.code {
-                1205 | 1213 | 1020 => ConsumerError::Conflict(message),
                 1146 => ConsumerError::config(
                     message,
-                    "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql",
+                    "create the inbox tables: mysql < migrations/mysql/003_processed_messages.sql (and the handler's own tables)",
                 ),
-                // The relay's own list (lock waits and deadlocks are conflicts, above).
-                code if crate::db::mysql::is_retryable_code(code) => ConsumerError::Database {
-                    message,
-                    retryable: true,
-                },
-                _ => ConsumerError::Database {
-                    message,
-                    retryable: false,
-                },
+                code => super::fault::to_error(message, &s.state, Some(code)),
             }
         }
         E::Io(io) => ConsumerError::Database {
@@ -132,19 +123,21 @@ impl InboxBackend for Transaction<'_> {
 
     /// The first message of an aggregate inserts its row; later ones update it only upwards
     /// (`version < ?`, which also makes the affected row count mean "advanced" whatever
-    /// `CLIENT_FOUND_ROWS` says).
+    /// `CLIENT_FOUND_ROWS` says). The key columns are `VARBINARY`: compared byte for byte, not
+    /// by a collation that would merge `ORD-a` with `ord-A` or `café` with `cafe `.
     async fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let t = quoted(table);
         if insert_ignore(
             self,
-            &format!("INSERT IGNORE INTO {t} (consumer, aggregate_id, version) VALUES (?, ?, ?)"),
-            (consumer, aggregate_id, version).into(),
+            &format!("INSERT IGNORE INTO {t} (consumer, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?)"),
+            (consumer, aggregate_type, aggregate_id, version).into(),
             &t,
         )
         .await?
@@ -152,8 +145,8 @@ impl InboxBackend for Transaction<'_> {
             return Ok(None);
         }
         self.exec_drop(
-            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_id = ? AND version < ?"),
-            (version, consumer, aggregate_id, version),
+            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ? AND version < ?"),
+            (version, consumer, aggregate_type, aggregate_id, version),
         )
         .await?;
         if self.affected_rows() == 1 {
@@ -161,8 +154,8 @@ impl InboxBackend for Transaction<'_> {
         }
         let stored: Option<i64> = self
             .exec_first(
-                format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_id = ?"),
-                (consumer, aggregate_id),
+                format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ?"),
+                (consumer, aggregate_type, aggregate_id),
             )
             .await?;
         Ok(Some(stored.unwrap_or(version)))
@@ -230,7 +223,11 @@ mod tests {
         assert!(matches!(server(1205), ConsumerError::Conflict(_)));
         assert!(matches!(server(1146), ConsumerError::Config { .. }));
         assert!(server(4031).is_retryable());
-        assert!(!server(1064).is_retryable());
+        assert!(
+            server(1290).is_retryable(),
+            "--read-only is retried, as on Postgres"
+        );
+        assert!(matches!(server(1064), ConsumerError::Config { .. }));
         let t = crate::outbox::TableName::parse("app.processed_messages").unwrap();
         assert_eq!(quoted(&t), "`app`.`processed_messages`");
     }
@@ -242,7 +239,8 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "message_id    BINARY(16)",
             "(processed_at)",
-            "PRIMARY KEY (consumer, aggregate_id)",
+            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
+            "consumer      VARBINARY(100)",
         ] {
             assert!(ddl.contains(needle), "{needle}");
         }

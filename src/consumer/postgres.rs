@@ -14,18 +14,19 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{IsolationLevel, Transaction};
 use uuid::Uuid;
 
-/// Maps a client error: conflicts (serialization failure 40001, deadlock 40P01, lock not
-/// available 55P03) are [`ConsumerError::Conflict`]; lost connections and server shutdowns are
-/// retryable; a missing inbox table says which migration creates it.
+/// Maps a client error. A server error goes by its SQLSTATE ([`super::fault::classify_sql`],
+/// shared with MySQL); a missing table says which migration creates the inbox tables; an
+/// error without a SQLSTATE (the connection is gone, an I/O error) is retryable when the
+/// connection is the problem.
 pub fn classify(e: &tokio_postgres::Error) -> ConsumerError {
     let message = crate::db::postgres::describe_pg_error(e);
     match e.code().map(|c| c.code()) {
-        Some("40001" | "40P01" | "55P03") => ConsumerError::Conflict(message),
         Some("42P01") => ConsumerError::config(
             message,
-            "create the inbox tables: psql -f migrations/postgres/003_processed_messages.sql",
+            "create the inbox tables: psql -f migrations/postgres/003_processed_messages.sql (and the handler's own tables)",
         ),
-        _ => ConsumerError::Database {
+        Some(state) => super::fault::to_error(message, state, None),
+        None => ConsumerError::Database {
             message,
             retryable: crate::db::postgres::is_retryable_pg(e),
         },
@@ -52,11 +53,13 @@ impl InboxBackend for Transaction<'_> {
     }
 
     /// One upsert that only moves the version upwards (its `WHERE` makes "1 row" mean
-    /// "advanced"); when it did not, the stored version is read back for the caller.
+    /// "advanced"); when it did not, the stored version is read back for the caller. Text
+    /// equality is exact on Postgres (a deterministic collation, "C" in the migration).
     async fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
+        aggregate_type: &str,
         aggregate_id: &str,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
@@ -64,13 +67,14 @@ impl InboxBackend for Transaction<'_> {
         let advanced = self
             .execute_typed(
                 &format!(
-                    "INSERT INTO {t} AS v (consumer, aggregate_id, version) VALUES ($1, $2, $3)
-                     ON CONFLICT (consumer, aggregate_id)
+                    "INSERT INTO {t} AS v (consumer, aggregate_type, aggregate_id, version) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (consumer, aggregate_type, aggregate_id)
                      DO UPDATE SET version = EXCLUDED.version, updated_at = now()
                      WHERE v.version < EXCLUDED.version"
                 ),
                 &[
                     (&consumer, Type::TEXT),
+                    (&aggregate_type, Type::TEXT),
                     (&aggregate_id, Type::TEXT),
                     (&version, Type::INT8),
                 ],
@@ -81,8 +85,12 @@ impl InboxBackend for Transaction<'_> {
         }
         let row = self
             .query_typed_one(
-                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_id = $2"),
-                &[(&consumer, Type::TEXT), (&aggregate_id, Type::TEXT)],
+                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3"),
+                &[
+                    (&consumer, Type::TEXT),
+                    (&aggregate_type, Type::TEXT),
+                    (&aggregate_id, Type::TEXT),
+                ],
             )
             .await?;
         Ok(Some(row.get(0)))
@@ -137,7 +145,7 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "(processed_at)",
             "consumer_aggregate_versions",
-            "PRIMARY KEY (consumer, aggregate_id)",
+            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
         ] {
             assert!(ddl.contains(needle), "{needle}");
         }

@@ -67,6 +67,11 @@ pub fn relay_headers(event: &OutboxEvent) -> Vec<(&'static str, HeaderValue)> {
     if let Some(v) = event.version {
         h.push(("x-aggregate-version", HeaderValue::Int(v)));
     }
+    // With the id, the aggregate's identity: order 42 and invoice 42 are different aggregates,
+    // whose versions a consumer's stale gate must not compare.
+    if let Some(t) = event.extra_value("aggregate_type") {
+        h.push(("x-aggregate-type", s(t.to_string())));
+    }
     if let Some(t) = &event.table {
         h.push(("x-outbox-table", s(t.to_string())));
     }
@@ -136,6 +141,24 @@ mod tests {
         ] {
             assert!(!is_reserved(name), "{name} should be allowed");
         }
+    }
+
+    /// The aggregate's type travels when the table has the column (it is read as an extra
+    /// column then), and only then.
+    #[test]
+    fn the_aggregate_type_is_sent_when_the_row_has_one() {
+        let mut event = crate::sink::test_event();
+        let names = |e: &OutboxEvent| -> Vec<&'static str> {
+            relay_headers(e).into_iter().map(|(k, _)| k).collect()
+        };
+        assert!(!names(&event).contains(&"x-aggregate-type"));
+        event.extra = vec![("aggregate_type".into(), "order".into())];
+        let h = relay_headers(&event);
+        assert!(
+            h.contains(&("x-aggregate-type", HeaderValue::Str("order".into()))),
+            "{h:?}"
+        );
+        assert!(is_reserved("x-aggregate-type"), "a row cannot forge it");
     }
 
     #[test]

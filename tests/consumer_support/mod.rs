@@ -228,6 +228,21 @@ impl Proc {
         }
     }
 
+    /// Waits until stderr contains `needle`, panicking with `what` and stderr after `timeout`
+    /// (or at once when the process exited without printing it).
+    pub async fn wait_stderr(&mut self, what: &str, timeout: Duration, needle: &str) {
+        let deadline = Instant::now() + timeout;
+        while !self.stderr().contains(needle) {
+            if Instant::now() > deadline || !self.running() {
+                panic!(
+                    "waiting for {what} ({needle:?}); stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The example's final counters (`{"stats": {…}}`), after it exited.
     pub fn stats(&self) -> serde_json::Value {
         self.lines()

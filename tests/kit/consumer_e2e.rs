@@ -106,7 +106,7 @@ async fn assert_exactly_once_pg(c: &tokio_postgres::Client, events: &[Written]) 
     assert_eq!(pg_totals(c).await, expected_totals(events));
 }
 
-fn start_relay(db: &PgDb, name: &str, exchange: &str) -> Proc {
+pub(crate) fn start_relay(db: &PgDb, name: &str, exchange: &str) -> Proc {
     let dsn = db.dsn();
     Proc::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_outboxd")),

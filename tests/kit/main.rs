@@ -8,7 +8,10 @@ mod common;
 mod consumer_support;
 
 mod consumer_e2e;
+mod consumer_faults;
+mod consumer_identity;
 mod consumer_inbox;
+mod consumer_order;
 mod consumer_prune;
 mod crypto_cli;
 mod crypto_fields;

@@ -16,8 +16,13 @@
 //!   unacked, `park` publishes it with the error to `<queue>.dead` (with a publisher
 //!   confirm) and then acks, `skip` logs and acks. A message without a usable envelope (no
 //!   UUID `message_id`) is poison at once. A configuration error (say, the inbox table is
-//!   missing) is no message's fault: it halts whatever the policy.
-//! - **Broker loss.** The loop reconnects with backoff; unacked messages come again.
+//!   missing, a privilege revoked or a column renamed: `consumer::fault`) is no message's
+//!   fault: it halts whatever the policy. A database that cannot take writes (a read-only
+//!   standby after a failover) is retried like a lost connection.
+//! - **Broker loss.** The loop reconnects with backoff; unacked messages come again, in queue
+//!   order. Deliveries of the dead channel still queued in a worker are dropped unprocessed
+//!   (they are among those redelivered, behind any message given up mid-retry), so nothing
+//!   overtakes the retried message.
 //! - **Shutdown.** When the token is cancelled the consumer is cancelled at the broker, each
 //!   worker finishes the message in hand (commit, ack), messages not yet started go back to
 //!   the queue when the channel closes, and `run` returns.

@@ -104,6 +104,9 @@ pub struct Stats {
     pub skipped: AtomicU64,
     /// Acks that could not be sent (channel gone): those messages come again.
     pub acks_lost: AtomicU64,
+    /// Deliveries of a channel that died before they were started, dropped unprocessed: the
+    /// broker redelivers them, in queue order, after any earlier message it also redelivers.
+    pub abandoned: AtomicU64,
 }
 
 impl Stats {
@@ -132,6 +135,7 @@ impl Stats {
             "parked": g(&self.parked),
             "skipped": g(&self.skipped),
             "acks_lost": g(&self.acks_lost),
+            "abandoned": g(&self.abandoned),
         })
     }
 }

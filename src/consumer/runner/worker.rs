@@ -55,6 +55,10 @@ pub(super) async fn worker<P: Processor>(
                 Err(_) => break,
             }
         }
+        drop_dead(&mut pending, &shared);
+        if pending.is_empty() {
+            continue;
+        }
         // The longest run of readable messages at the front makes the batch; an unreadable
         // one goes alone (to the poison path).
         let mut jobs = Vec::new();
@@ -105,6 +109,26 @@ pub(super) async fn worker<P: Processor>(
             }
             alone = true;
         }
+    }
+}
+
+/// Drops the deliveries whose channel is gone, unprocessed. The broker redelivers every
+/// unacked message of a dead channel, in queue order, on the next session; processing these
+/// copies now would let them overtake an earlier message of the same session that is to come
+/// again (one given up while retrying in place), and with the stale gate that earlier message
+/// would then be dropped as stale. All deliveries of one channel share its poison flag, so once
+/// the retried message saw the channel die, every later delivery of it is dropped here.
+fn drop_dead(pending: &mut std::collections::VecDeque<Job>, shared: &Shared) {
+    let before = pending.len();
+    pending.retain(|j| !j.acker.poisoned());
+    let dropped = (before - pending.len()) as u64;
+    if dropped > 0 {
+        shared.in_flight.fetch_sub(dropped, Ordering::SeqCst);
+        shared.stats.abandoned.fetch_add(dropped, Ordering::Relaxed);
+        tracing::info!(
+            dropped,
+            "channel closed: its queued deliveries are dropped unprocessed (the broker redelivers them in order)"
+        );
     }
 }
 

@@ -1,0 +1,299 @@
+//! The identity of what the inbox compares: an aggregate is its type and its id, and ids and
+//! consumer names are compared exactly — byte for byte — on every database. Through the relay
+//! (an `aggregate_type` column becomes `x-aggregate-type`), at the inbox on Postgres and
+//! MariaDB (whose default collation would merge `ORD-a` with `ord-A`, `café` with `cafe ` and
+//! `Billing` with `billing`), and for inbox tables created before, which the kit's setup
+//! migrates in place, idempotently.
+
+use crate::common;
+use crate::consumer_e2e::start_relay;
+use crate::consumer_support;
+
+use common::amqp::Topology;
+use common::*;
+use consumer_support::*;
+use outboxd::consumer::{Claim, Inbox, Message};
+use std::time::Duration;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(120);
+
+/// The inbox tables as the first release's migrations created them (compared with the
+/// default collation on MariaDB, keyed on the aggregate id alone).
+const OLD_MY_DDL: &str = "
+CREATE TABLE processed_messages (
+    consumer      VARCHAR(100) NOT NULL,
+    message_id    BINARY(16)   NOT NULL,
+    processed_at  DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, message_id),
+    KEY idx_processed_at (processed_at)
+) ENGINE = InnoDB;
+CREATE TABLE consumer_aggregate_versions (
+    consumer      VARCHAR(100) NOT NULL,
+    aggregate_id  VARCHAR(255) NOT NULL,
+    version       BIGINT       NOT NULL,
+    updated_at    DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, aggregate_id)
+) ENGINE = InnoDB;";
+
+const OLD_PG_DDL: &str = "
+CREATE TABLE processed_messages (
+    consumer      varchar(100) NOT NULL,
+    message_id    uuid         NOT NULL,
+    processed_at  timestamptz  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, message_id)
+);
+CREATE INDEX processed_messages_processed_at ON processed_messages (processed_at);
+CREATE TABLE consumer_aggregate_versions (
+    consumer      varchar(100) NOT NULL,
+    aggregate_id  text         NOT NULL,
+    version       bigint       NOT NULL,
+    updated_at    timestamptz  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, aggregate_id)
+);";
+
+/// Through the relay: order 42 version 5, then invoice 42 version 1, from an outbox table with
+/// an `aggregate_type` column. Two aggregates: the stale gate applies both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
+    let db = PgDb::create("ident").await;
+    setup_projection(&db.dsn()).await;
+    let client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox ADD COLUMN aggregate_type text")
+        .await
+        .unwrap();
+    let mut topo = Topology::new("xi").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let _relay = start_relay(&db, &name, &topo.exchange);
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("invoices", "invoice.#").await;
+    for (ty, v, invoice) in [("order", 5i64, 1i64), ("invoice", 1, 2)] {
+        let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_id, aggregate_type, topic, payload, version)
+                 VALUES ($1, '42', $2, 'invoice.issued', $3::text::json, $4)",
+                &[&Uuid::now_v7(), &ty, &body, &v],
+            )
+            .await
+            .unwrap();
+    }
+    let conn = amqp::connect().await;
+    wait_for("both events published", T, || {
+        let (conn, queue) = (&conn, &queue);
+        async move { ready(conn, queue).await == 2 }
+    })
+    .await;
+    let stopped = drain(
+        &conn,
+        &queue,
+        || {
+            start_consumer(
+                &db.dsn(),
+                &queue,
+                "typed",
+                &["--stale-gate", "--until-empty"],
+            )
+        },
+        T,
+    )
+    .await;
+    let applied: Vec<i64> = client
+        .query(
+            "SELECT invoice_id FROM invoice_ledger ORDER BY invoice_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        applied,
+        vec![1, 2],
+        "invoice 42 v1 is not stale after order 42 v5; consumer stderr:\n{}",
+        stopped[0].stderr()
+    );
+    let stale: i64 = stopped
+        .iter()
+        .map(|p| p.stats()["stale"].as_i64().unwrap_or(0))
+        .sum();
+    assert_eq!(stale, 0);
+}
+
+/// Messages that must all be applied, each with why: the same id under consumer names that
+/// differ only in case, and per aggregate a newer version then an older one under an id that
+/// differs only in case, accents or trailing spaces (different aggregates, not stale).
+fn exact_cases() -> Vec<(Inbox, Message, String)> {
+    let id = Uuid::now_v7();
+    let mut cases: Vec<(Inbox, Message, String)> = ["Billing", "billing"]
+        .into_iter()
+        .map(|name| {
+            (
+                Inbox::new(name).unwrap(),
+                Message::new(id, "t", b"{}".to_vec()),
+                format!("{name:?} claims the id for itself: consumer names compare exactly"),
+            )
+        })
+        .collect();
+    let gated = Inbox::new("gated").unwrap().with_stale_gate(None).unwrap();
+    for (newer, older) in [("ORD-a", "ord-A"), ("café", "cafe "), ("x", "x ")] {
+        for (agg, version) in [(newer, 5), (older, 1)] {
+            cases.push((
+                gated.clone(),
+                Message::new(Uuid::now_v7(), "t", b"{}".to_vec())
+                    .with_aggregate(agg, Some(version)),
+                format!("{agg:?} v{version} after {newer:?} v5 is another aggregate"),
+            ));
+        }
+    }
+    cases
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_compares_ids_and_consumer_names_exactly() {
+    let db = MariaDb::create("exact").await;
+    let mut c = db.conn().await;
+    for (inbox, msg, why) in exact_cases() {
+        let mut tx = c
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .unwrap();
+        let claim = inbox
+            .run(&mut tx, &msg, |_| async { Ok(()) })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(claim, Claim::Applied(()), "{why}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_compares_ids_and_consumer_names_exactly() {
+    let db = PgDb::create("exact").await;
+    let mut c = db.client().await;
+    c.batch_execute(PG_DDL).await.unwrap();
+    for (inbox, msg, why) in exact_cases() {
+        let mut tx = c.transaction().await.unwrap();
+        let claim = inbox
+            .run(&mut tx, &msg, |_| async { Ok(()) })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(claim, Claim::Applied(()), "{why}");
+    }
+}
+
+/// Inbox tables of the first release, with rows: the kit's setup (run twice) migrates them to
+/// exact comparison and typed aggregates, keeping the rows; afterwards consumer names that
+/// differ only in case are different keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn setup_migrates_old_mariadb_inbox_tables_in_place() {
+    use mysql_async::prelude::Queryable;
+    let db = MariaDb::create("migrate").await;
+    let mut c = db.conn().await;
+    c.query_drop("DROP TABLE processed_messages, consumer_aggregate_versions")
+        .await
+        .unwrap();
+    c.query_drop(OLD_MY_DDL).await.unwrap();
+    let id = Uuid::now_v7();
+    c.exec_drop(
+        "INSERT INTO processed_messages (consumer, message_id) VALUES ('billing', ?)",
+        (id.as_bytes().to_vec(),),
+    )
+    .await
+    .unwrap();
+    c.query_drop("INSERT INTO consumer_aggregate_versions (consumer, aggregate_id, version) VALUES ('billing', '42', 5)")
+        .await
+        .unwrap();
+    setup_projection(&db.dsn()).await;
+    setup_projection(&db.dsn()).await;
+    assert_eq!(
+        outboxd::consumer::setup::mysql(&mut c).await.unwrap(),
+        Vec::<String>::new(),
+        "a migrated database has nothing left to migrate"
+    );
+    let types: Vec<(String, String)> = c
+        .query(format!(
+            "SELECT CONCAT(TABLE_NAME, '.', COLUMN_NAME), DATA_TYPE FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = '{}' AND TABLE_NAME IN ('processed_messages', 'consumer_aggregate_versions')
+                AND COLUMN_NAME IN ('consumer', 'aggregate_type', 'aggregate_id')
+              ORDER BY 1",
+            db.name
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        types,
+        vec![
+            (
+                "consumer_aggregate_versions.aggregate_id".into(),
+                "varbinary".into()
+            ),
+            (
+                "consumer_aggregate_versions.aggregate_type".into(),
+                "varbinary".into()
+            ),
+            (
+                "consumer_aggregate_versions.consumer".into(),
+                "varbinary".into()
+            ),
+            ("processed_messages.consumer".into(), "varbinary".into()),
+        ]
+    );
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM consumer_aggregate_versions WHERE consumer = 'billing' AND aggregate_id = '42' AND version = 5").await,
+        1,
+        "the stored version is kept"
+    );
+    c.exec_drop(
+        "INSERT INTO processed_messages (consumer, message_id) VALUES ('Billing', ?)",
+        (id.as_bytes().to_vec(),),
+    )
+    .await
+    .expect("'Billing' is another consumer than 'billing'");
+    assert_eq!(db.count("SELECT COUNT(*) FROM processed_messages").await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn setup_migrates_old_postgres_inbox_tables_in_place() {
+    let db = PgDb::create("migrate").await;
+    let mut c = db.client().await;
+    c.batch_execute(OLD_PG_DDL).await.unwrap();
+    c.batch_execute("INSERT INTO consumer_aggregate_versions (consumer, aggregate_id, version) VALUES ('billing', '42', 5)")
+        .await
+        .unwrap();
+    setup_projection(&db.dsn()).await;
+    setup_projection(&db.dsn()).await;
+    assert_eq!(
+        outboxd::consumer::setup::postgres(&mut c).await.unwrap(),
+        Vec::<String>::new(),
+        "a migrated database has nothing left to migrate"
+    );
+    let key: Vec<String> = c
+        .query(
+            "SELECT a.attname::text FROM pg_index i
+               JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+              WHERE i.indrelid = 'consumer_aggregate_versions'::regclass AND i.indisprimary
+              ORDER BY array_position(i.indkey::int2[], a.attnum)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(key, ["consumer", "aggregate_type", "aggregate_id"]);
+    let kept: i64 = c
+        .query_one(
+            "SELECT count(*) FROM consumer_aggregate_versions WHERE consumer = 'billing' AND aggregate_id = '42' AND version = 5",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 1, "the stored version is kept");
+}
