@@ -3,6 +3,7 @@
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
+use crate::crypto::keyring::KeyringFile;
 use crate::crypto::shred::Keystore;
 use crate::crypto::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
@@ -276,15 +277,28 @@ fn generate(a: GenerateArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// The keyring file held for a change, its lock taken (saying so when another command holds
+/// it), and read.
+fn lock_keyring(path: &Path) -> Result<(KeyringFile, Keyring), Error> {
+    let mut file = KeyringFile::lock(path, |lock| {
+        eprintln!(
+            "outboxd: waiting for the keyring lock {} (another outboxd keys command is changing this keyring)",
+            lock.display()
+        )
+    })?;
+    let k = file.read()?;
+    Ok((file, k))
+}
+
 fn rotate(a: RotateArgs) -> Result<(), Error> {
-    let mut k = Keyring::load(&a.file.keys)?;
+    let (file, mut k) = lock_keyring(&a.file.keys)?;
     if a.blind_index {
         let len = a
             .blind_index_length
             .unwrap_or_else(|| k.blind_current().length);
         let old = k.blind_current().id.clone();
         let id = k.rotate_blind(len)?;
-        k.save_replace(&a.file.keys)?;
+        file.replace(&k)?;
         println!("blind-index key {id} is now current ({len} bytes); {old} stays for searching");
         eprintln!(
             "outboxd: index new rows under {id} and rebuild the existing indexes; search under both (keys blind-index --all) until then"
@@ -292,7 +306,7 @@ fn rotate(a: RotateArgs) -> Result<(), Error> {
     } else {
         let old = k.current_id().to_string();
         let id = k.rotate();
-        k.save_replace(&a.file.keys)?;
+        file.replace(&k)?;
         println!("encryption key {id} is now current; {old} stays for decryption");
         eprintln!(
             "outboxd: deploy the new keyring to consumers before producers use it; then `outboxd reencrypt` moves stored rows to {id}. Back the file up again."
@@ -323,7 +337,9 @@ fn list(a: KeyringArgs) -> Result<(), Error> {
 }
 
 async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
-    let mut k = Keyring::load(&a.file.keys)?;
+    // The lock is held through the scans below, so a rotation meanwhile waits rather than
+    // being undone by this command's write.
+    let (file, mut k) = lock_keyring(&a.file.keys)?;
     // Validate first (current key, unknown id, already retired), on a copy.
     k.clone().retire(&a.id)?;
     eprintln!(
@@ -391,7 +407,7 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
         ));
     }
     k.retire(&a.id)?;
-    k.save_replace(&a.file.keys)?;
+    file.replace(&k)?;
     println!("retired key {}", a.id);
     Ok(())
 }

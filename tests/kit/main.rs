@@ -12,5 +12,6 @@ mod consumer_inbox;
 mod consumer_prune;
 mod crypto_cli;
 mod crypto_fields;
+mod crypto_keys;
 mod crypto_mysql;
 mod crypto_pg;
