@@ -4,7 +4,7 @@
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
 use crate::crypto::keyring::KeyringFile;
-use crate::crypto::shred::Keystore;
+use crate::crypto::shred::{self, Keystore};
 use crate::crypto::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
@@ -59,6 +59,24 @@ pub struct ForgetArgs {
     pub aggregate: String,
     #[command(flatten)]
     pub keystore: KeystoreArgs,
+    /// Outbox database, to verify first that every encrypted value of the aggregate is under
+    /// its data key (postgres://…). Required: forgetting is refused while anything of the
+    /// aggregate would still open.
+    #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
+    pub source: Option<crate::dsn::DsnArg>,
+    /// File holding the source DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
+    pub source_file: Option<PathBuf>,
+    /// Outbox table.
+    #[arg(long, env = "OUTBOXD_TABLE", default_value = "outbox")]
+    pub table: String,
+    /// Column renames (as for run).
+    #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
+    pub columns: Vec<String>,
+    /// Schema file: fields it marks that are still clear in the aggregate's rows count as
+    /// readable too.
+    #[arg(long, env = "OUTBOXD_SCHEMA")]
+    pub schema: Option<PathBuf>,
     /// Confirm: the aggregate's encrypted fields become unreadable for good.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
@@ -472,6 +490,19 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "pass --keystore postgres://user@host:5432/db",
         )
     })?;
+    if a.source.is_none() && a.source_file.is_none() {
+        return Err(Error::config(
+            format!(
+                "keys forget verifies that nothing of aggregate {:?} stays readable once its data key is gone, and needs the outbox table for that",
+                a.aggregate
+            ),
+            "pass --source postgres://user@host:5432/db (the outbox database; --table and --column as for run)",
+        ));
+    }
+    let schema = match &a.schema {
+        Some(p) => Schema::load(p)?,
+        None => Schema::default(),
+    };
     if !a.yes {
         return Err(Error::config(
             format!(
@@ -481,12 +512,40 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "add --yes to confirm",
         ));
     }
+    let (client, table, columns) = connect(
+        a.source.as_deref(),
+        a.source_file.as_deref(),
+        &a.table,
+        &a.columns,
+        m,
+    )
+    .await?;
+    let left =
+        shred::readable_after_forget(&ks, &client, &table, &columns, &schema, &a.aggregate).await?;
+    if !left.is_empty() {
+        for l in left.iter().take(20) {
+            eprintln!("outboxd: row {}: {}", l.event_id, l.why);
+        }
+        let rows: std::collections::BTreeSet<_> = left.iter().map(|l| l.event_id).collect();
+        return Err(Error::Other(format!(
+            "nothing was forgotten: {} value{} in {} row{} of aggregate {:?} in {} would stay readable after its data key is gone\n  \
+             fix: run `outboxd reencrypt --source … --table {} --keys … --schema … --keystore …` first (it seals them under the aggregate's data key), then keys forget again",
+            left.len(),
+            if left.len() == 1 { "" } else { "s" },
+            rows.len(),
+            if rows.len() == 1 { "" } else { "s" },
+            a.aggregate,
+            table.pg_quoted(),
+            a.table,
+        )));
+    }
     match ks.forget(&a.aggregate).await? {
         Some(id) => {
             println!("forgot data key {id} of aggregate {:?}", a.aggregate);
             eprintln!(
-                "outboxd: erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
-                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach"
+                "outboxd: every encrypted value of the aggregate in {} was under its data key; erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
+                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach",
+                table.pg_quoted()
             );
             Ok(())
         }
@@ -609,7 +668,7 @@ pub async fn reencrypt(
             "use --batch 500",
         ));
     }
-    let enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    let mut enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
     if let Some(ks) = keystore(&a.keystore, m).await? {
         let n = ks.rewrap(enc.keyring()).await?;
         eprintln!(
@@ -617,6 +676,9 @@ pub async fn reencrypt(
             if n == 1 { "" } else { "s" },
             enc.keyring().current_id()
         );
+        // Old rows' values then go under their aggregate's data key, not the keyring's key:
+        // otherwise `keys forget` would leave them readable.
+        enc = enc.with_keystore(ks);
     }
     let (mut client, table, columns) = connect(
         a.source.as_deref(),
@@ -632,12 +694,20 @@ pub async fn reencrypt(
         .filter(|(id, _)| id.as_str() != enc.keyring().current_id())
         .map(|(_, n)| n)
         .sum();
-    eprintln!(
-        "outboxd: re-encrypting {} under key {} ({old} row-key pairs under older keys), {} rows per transaction",
-        table.pg_quoted(),
-        enc.keyring().current_id(),
-        a.batch
-    );
+    if enc.keystore().is_some() {
+        eprintln!(
+            "outboxd: re-encrypting {} under each row's aggregate's data key (clear marked fields and values under keyring keys), {} rows per transaction",
+            table.pg_quoted(),
+            a.batch
+        );
+    } else {
+        eprintln!(
+            "outboxd: re-encrypting {} under key {} ({old} row-key pairs under older keys), {} rows per transaction",
+            table.pg_quoted(),
+            enc.keyring().current_id(),
+            a.batch
+        );
+    }
     let opts = reencrypt::Options {
         batch: a.batch,
         after: a.after,

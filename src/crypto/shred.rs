@@ -257,6 +257,91 @@ impl Keystore {
     }
 }
 
+/// A value of an aggregate's row that would stay readable once the aggregate's data key is
+/// forgotten, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StillReadable {
+    pub event_id: uuid::Uuid,
+    pub why: String,
+}
+
+/// Every value in `table`'s rows of `aggregate_id` that forgetting the aggregate's data key
+/// would not erase: values under a keyring key, under another aggregate's data key or a data
+/// key this keystore does not hold, and clear fields `schema` marks. Empty when forgetting
+/// erases all of them. Reads the rows only (no keyring needed: a value's key id says where its
+/// key lives).
+pub async fn readable_after_forget(
+    ks: &Keystore,
+    client: &tokio_postgres::Client,
+    table: &crate::names::TableName,
+    columns: &crate::names::ColumnMap,
+    schema: &super::Schema,
+    aggregate_id: &str,
+) -> Result<Vec<StillReadable>, Error> {
+    use crate::names::pg_ident;
+    let sql = format!(
+        "SELECT {id}, {payload}::text FROM {t} WHERE {agg}::text = $1 ORDER BY {id}",
+        t = table.pg_quoted(),
+        id = pg_ident(columns.get("id")),
+        payload = pg_ident(columns.get("payload")),
+        agg = pg_ident(columns.get("aggregate_id")),
+    );
+    let mut owners: HashMap<String, Option<String>> = HashMap::new();
+    let mut out = Vec::new();
+    for row in client.query(&sql, &[&aggregate_id]).await? {
+        let event_id: uuid::Uuid = row.get(0);
+        let Ok(payload) = serde_json::from_str::<serde_json::Value>(row.get(1)) else {
+            // Not JSON: nothing in it is an outboxd value, and nothing is marked either.
+            continue;
+        };
+        for u in super::outside_data_keys(schema, &payload) {
+            out.push(StillReadable {
+                event_id,
+                why: match u.key_id {
+                    Some(k) => format!(
+                        "{} is sealed under keyring key {k}, which forgetting does not touch",
+                        u.pointer
+                    ),
+                    None => format!("{} is a sensitive field stored in clear", u.pointer),
+                },
+            });
+        }
+        for key_id in super::key_ids_in(&payload).into_keys() {
+            if !is_data_key_id(&key_id) {
+                continue;
+            }
+            if !owners.contains_key(&key_id) {
+                let owner = owner_of(ks, &key_id).await?;
+                owners.insert(key_id.clone(), owner);
+            }
+            match &owners[&key_id] {
+                Some(owner) if owner == aggregate_id => {}
+                Some(owner) => out.push(StillReadable {
+                    event_id,
+                    why: format!("values are sealed under data key {key_id} of another aggregate ({owner:?})"),
+                }),
+                None => out.push(StillReadable {
+                    event_id,
+                    why: format!("values are sealed under data key {key_id}, which this keystore does not hold"),
+                }),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The aggregate a data key id belongs to (live or forgotten), if the keystore holds it.
+async fn owner_of(ks: &Keystore, key_id: &str) -> Result<Option<String>, Error> {
+    Ok(ks
+        .client
+        .query_opt(
+            "SELECT aggregate_id FROM outboxd_data_keys WHERE key_id = $1",
+            &[&key_id],
+        )
+        .await?
+        .map(|r| r.get(0)))
+}
+
 /// The keyring plus the data keys of one payload, looked up in advance.
 pub struct DataKeys<'a> {
     keyring: &'a Keyring,
