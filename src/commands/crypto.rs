@@ -137,9 +137,14 @@ pub struct RetireArgs {
     /// Column renames (as for run).
     #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
     pub columns: Vec<String>,
-    /// Retire even though rows in the table still use the key (they become unreadable).
+    /// Retire even though rows in the table still use the key, or a relay has not yet
+    /// published the log up to now (they become unreadable).
     #[arg(long, env = "OUTBOXD_FORCE")]
     pub force: bool,
+    /// With --source: how long to wait for every relay of the database to store a position
+    /// past the log's head (events not yet published may carry the key).
+    #[arg(long, env = "OUTBOXD_CATCH_UP_TIMEOUT", value_parser = crate::commands::parse_duration, default_value = "60s")]
+    pub catch_up_timeout: std::time::Duration,
     /// Confirm: the key material is removed from the keyring file.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
@@ -375,6 +380,9 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
             m,
         )
         .await?;
+        // The head first: every event committed before it is either in the table (counted
+        // next) or was deleted from it and lives on in the log until a relay publishes it.
+        let head = crate::source::postgres::operator::wal_head(&client).await?;
         let counts = reencrypt::count_by_key(&client, &table, &columns).await?;
         let n = counts.get(&a.id).copied().unwrap_or(0);
         if n > 0 {
@@ -392,6 +400,19 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
             );
         } else {
             eprintln!("outboxd: no row of {} uses key {}", table.pg_quoted(), a.id);
+        }
+        let behind = relays_caught_up(&client, head, a.catch_up_timeout).await?;
+        if !behind.is_empty() {
+            let list = behind.join("; ");
+            if !a.force {
+                return Err(Error::Other(format!(
+                    "{list}: events in the log not yet published may still carry key {}\n  \
+                     fix: start the relay (or wait until `outboxd status --name NAME` shows it caught up) and retire again; \
+                     a relay no longer used: outboxd teardown --name NAME --yes; or add --force to retire anyway",
+                    a.id
+                )));
+            }
+            eprintln!("outboxd: warning: --force: {list}");
         }
     } else {
         eprintln!(
@@ -428,6 +449,64 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
     file.replace(&k)?;
     println!("retired key {}", a.id);
     Ok(())
+}
+
+/// Waits (up to `timeout`) until every relay whose state lives in this database has stored a
+/// position at or past `head`; returns one line for each that has not. Reuses the state rows
+/// `outboxd status` reads. A database without relay state (poll mode, or state elsewhere) has
+/// nothing in its log that the table count missed only if no relay reads it: said on stderr.
+async fn relays_caught_up(
+    client: &tokio_postgres::Client,
+    head: u64,
+    timeout: std::time::Duration,
+) -> Result<Vec<String>, Error> {
+    use crate::event::format_lsn;
+    use crate::state::postgres as state;
+    if !state::table_exists(client).await? {
+        eprintln!(
+            "outboxd: no relay state in this database (outboxd_state): no relay's unpublished events were checked"
+        );
+        return Ok(Vec::new());
+    }
+    let deadline = std::time::Instant::now() + timeout;
+    let mut said = false;
+    loop {
+        let names: Vec<String> = client
+            .query(
+                "SELECT name FROM outboxd_state WHERE slot IS NOT NULL ORDER BY name",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut behind = Vec::new();
+        for name in &names {
+            let Some(row) = state::load(client, name).await? else {
+                continue;
+            };
+            match row.position_lsn {
+                Some(p) if p >= head => {}
+                p => behind.push(format!(
+                    "relay {name:?} has stored {} (the log's head was {} when this command started)",
+                    p.map(format_lsn).unwrap_or_else(|| "no position".into()),
+                    format_lsn(head)
+                )),
+            }
+        }
+        if behind.is_empty() || std::time::Instant::now() >= deadline {
+            return Ok(behind);
+        }
+        if !said {
+            eprintln!(
+                "outboxd: waiting up to {timeout:?} for relays to publish the log up to {}: {}",
+                format_lsn(head),
+                behind.join("; ")
+            );
+            said = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 fn blind_index(a: BlindIndexArgs) -> Result<(), Error> {

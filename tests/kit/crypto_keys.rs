@@ -600,3 +600,94 @@ async fn keys_forget_refuses_while_rows_of_the_aggregate_would_still_open() {
         );
     }
 }
+
+// ---- keys retire waits for relays to publish the log ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_retire_refuses_while_a_relay_has_not_published_the_log() {
+    let db = PgDb::create("retire_lag").await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.json");
+    let (first, _) = two_key_ring(&keys);
+    let k = keys.to_str().unwrap().to_string();
+    let dsn = db.dsn();
+    let name = unique("r");
+    let mut client = db.client().await;
+
+    // A relay that ran once (its state and slot exist), then stopped.
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    write_events(&mut client, 1, 1, "t").await;
+    let admin = db.client().await;
+    wait_for("the relay stores a position", T, || {
+        let (admin, name) = (&admin, name.clone());
+        async move {
+            admin
+                .query_opt(
+                    "SELECT 1 FROM outboxd_state WHERE name = $1 AND position_lsn IS NOT NULL",
+                    &[&name],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+
+    // Events written meanwhile and deleted from the table (the table count cannot see them):
+    // they sit in the log, unpublished, sealed under whatever key the producer had.
+    let ids = write_events(&mut client, 1, 2, "t").await;
+    client
+        .execute("DELETE FROM outbox WHERE id = ANY($1)", &[&ids])
+        .await
+        .unwrap();
+    let retire = |timeout: &str, stderr: &Path| {
+        spawn(
+            &[
+                "keys",
+                "retire",
+                &first,
+                "--keys",
+                &k,
+                "--source",
+                &dsn,
+                "--catch-up-timeout",
+                timeout,
+                "--yes",
+            ],
+            stderr,
+        )
+    };
+    let err_path = dir.path().join("retire1.err");
+    let (code, err) = wait_child(&mut retire("1s", &err_path), &err_path);
+    assert_eq!(code, 1, "retired with unpublished events in the log: {err}");
+    assert!(err.contains(&format!("relay {name:?} has stored")), "{err}");
+    assert!(err.contains("outboxd teardown --name NAME --yes"), "{err}");
+    let (live, _) = live_keys(&keys);
+    assert!(live.contains(&first), "{live:?}");
+
+    // With the relay running it waits for it, and retires once the log is published.
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
+    let err_path = dir.path().join("retire2.err");
+    let mut child = retire("60s", &err_path);
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&err_path).unwrap();
+        if text.contains("waiting up to") || child.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(started.elapsed() < T, "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A commit after the head retire took: the relay's stored position passes it once the
+    // event is published.
+    write_events(&mut client, 1, 1, "t").await;
+    let (code, err) = wait_child(&mut child, &err_path);
+    assert_eq!(code, 0, "{err}");
+    let (live, _) = live_keys(&keys);
+    assert!(!live.contains(&first), "{live:?}");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+}
