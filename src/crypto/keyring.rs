@@ -5,9 +5,13 @@
 //! each one, so a key mistyped while copying between machines is caught at start-up rather than
 //! after it has encrypted data nobody can read back.
 //!
-//! Its unit tests live in `keyring/tests.rs`. At a little over 700 lines it stays one file:
-//! the in-memory ring and its JSON file format validate each other (every key's canary, the
-//! ids, the blind-index versions), and split apart each half would need the other's internals.
+//! Commands that change the file go through [`KeyringFile`]: one writer at a time (a lock file
+//! beside the keyring), never over a change made since their read, through symlinks, keeping
+//! the file's owner and mode.
+//!
+//! Its unit tests live in `keyring/tests.rs`. It stays one file: the in-memory ring and its
+//! JSON file format validate each other (every key's canary, the ids, the blind-index
+//! versions), and split apart each half would need the other's internals.
 
 use super::blind;
 use super::envelope::{self, KeyBytes};
