@@ -591,31 +591,29 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "add --yes to confirm",
         ));
     }
-    let (client, table, columns) = connect(
-        a.source.as_deref(),
-        a.source_file.as_deref(),
-        &a.table,
-        &a.columns,
-        m,
-    )
-    .await?;
-    let left =
-        shred::readable_after_forget(&ks, &client, &table, &columns, &schema, &a.aggregate).await?;
+    let (rows, mysql) = aggregate_rows(&a, m).await?;
+    let table = TableName::parse(&a.table)?;
+    let left = shred::readable_after_forget(&ks, &rows, &schema, &a.aggregate).await?;
     if !left.is_empty() {
         for l in left.iter().take(20) {
             eprintln!("outboxd: row {}: {}", l.event_id, l.why);
         }
-        let rows: std::collections::BTreeSet<_> = left.iter().map(|l| l.event_id).collect();
+        let rows: std::collections::BTreeSet<_> = left.iter().map(|l| &l.event_id).collect();
         return Err(Error::Other(format!(
             "nothing was forgotten: {} value{} in {} row{} of aggregate {:?} in {} would stay readable after its data key is gone\n  \
-             fix: run `outboxd reencrypt --source … --table {} --keys … --schema … --keystore …` first (it seals them under the aggregate's data key), then keys forget again",
+             fix: {}, then keys forget again",
             left.len(),
             if left.len() == 1 { "" } else { "s" },
             rows.len(),
             if rows.len() == 1 { "" } else { "s" },
             a.aggregate,
-            table.pg_quoted(),
-            a.table,
+            table,
+            if mysql {
+                // reencrypt reads Postgres tables only in this build.
+                "rewrite those rows with the producer's Encryptor::with_keystore (or delete them once published)".to_string()
+            } else {
+                format!("run `outboxd reencrypt --source … --table {} --keys … --schema … --keystore …` first (it seals them under the aggregate's data key)", a.table)
+            },
         )));
     }
     match ks.forget(&a.aggregate).await? {
@@ -624,7 +622,7 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             eprintln!(
                 "outboxd: every encrypted value of the aggregate in {} was under its data key; erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
                  (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach",
-                table.pg_quoted()
+                table
             );
             Ok(())
         }
@@ -632,6 +630,49 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "aggregate {:?} has no live data key (never had one, or already forgotten)",
             a.aggregate
         ))),
+    }
+}
+
+/// The aggregate's rows of the outbox table `keys forget` verifies, Postgres or MySQL (the
+/// flag says which).
+async fn aggregate_rows(
+    a: &ForgetArgs,
+    m: &ArgMatches,
+) -> Result<(Vec<(String, String)>, bool), Error> {
+    let from_argv = m.value_source("source") == Some(ValueSource::CommandLine);
+    let Some(dsn) = crate::commands::resolve_dsn(
+        a.source.as_deref(),
+        a.source_file.as_deref(),
+        from_argv,
+        "source",
+    )?
+    else {
+        return Err(Error::config(
+            "no source given",
+            "pass --source postgres://user@host:5432/db (or mysql://…)",
+        ));
+    };
+    let table = TableName::parse(&a.table)?;
+    let columns = ColumnMap::parse(&a.columns)?;
+    match crate::dsn::SourceDsn::parse(&dsn)? {
+        crate::dsn::SourceDsn::Postgres(d) => {
+            let client = crate::db::postgres::connect_sql(&d, "outboxd_keys_forget").await?;
+            Ok((
+                shred::aggregate_rows_pg(&client, &table, &columns, &a.aggregate).await?,
+                false,
+            ))
+        }
+        crate::dsn::SourceDsn::Mysql(d) => {
+            let mut conn = crate::db::mysql::connect_sql(&d).await?;
+            Ok((
+                shred::aggregate_rows_mysql(&mut conn, &table, &columns, &a.aggregate).await?,
+                true,
+            ))
+        }
+        _ => Err(Error::config(
+            "keys forget reads the outbox table of a database",
+            "pass --source postgres://… or mysql://… (the outbox database)",
+        )),
     }
 }
 

@@ -691,3 +691,77 @@ async fn keys_retire_refuses_while_a_relay_has_not_published_the_log() {
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_forget_verifies_a_mysql_outbox_too() {
+    use mysql_async::prelude::Queryable;
+    let my = MyDb::create("shred_my").await;
+    let pg = PgDb::create("shred_my_ks").await;
+    let keyring = Keyring::generate(8).unwrap();
+    let keystore = pg.dsn();
+    let ring_only = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(Encryptor::new(keyring.clone(), shred_schema()));
+    let ks = crypto::shred::Keystore::connect(&keystore).await.unwrap();
+    let with_ks = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(Encryptor::new(keyring.clone(), shred_schema()).with_keystore(ks));
+    let mut c = my.conn().await;
+    let mut tx = c.start_transaction(Default::default()).await.unwrap();
+    let old = ring_only
+        .write(&mut tx, "t", "7", &shred_payload(0))
+        .await
+        .unwrap();
+    let kept = with_ks
+        .write(&mut tx, "t", "7", &shred_payload(1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let forget = || {
+        outboxd(
+            &[
+                "keys",
+                "forget",
+                "--aggregate",
+                "7",
+                "--keystore",
+                &keystore,
+                "--source",
+                &my.dsn(),
+                "--yes",
+            ],
+            "",
+            &[],
+        )
+    };
+    let o = forget();
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(o.stderr.contains(&format!("row {old}")), "{}", o.stderr);
+    assert!(!o.stderr.contains(&kept.to_string()), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("Encryptor::with_keystore"),
+        "{}",
+        o.stderr
+    );
+
+    // Once the row outside the data key is gone, forgetting erases everything left.
+    c.exec_drop(
+        "DELETE FROM outbox WHERE id = ?",
+        (old.as_bytes().to_vec(),),
+    )
+    .await
+    .unwrap();
+    let o = forget();
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let (id, text): (Vec<u8>, String) = c
+        .query_first("SELECT id, CAST(payload AS CHAR) FROM outbox")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(Uuid::from_slice(&id).unwrap(), kept);
+    let ks = crypto::shred::Keystore::connect(&keystore).await.unwrap();
+    let enc = Encryptor::new(keyring, Schema::default()).with_keystore(ks);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(enc.decrypt_event(kept, &v).await.unwrap().erased.len(), 2);
+}
