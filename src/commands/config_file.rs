@@ -2,10 +2,15 @@
 //! Its keys are the long flags with `_` for `-` (`source_file`, `window`, `routing_key`), found
 //! by walking clap's command tree, so every flag works in the file without a list to keep.
 //! A key's value becomes the flag's environment variable when that variable is not set, which
-//! gives the precedence flags > environment > file from clap itself. Unknown keys are refused
-//! with the closest valid name; secret values only by reference: a flag whose environment
-//! value clap hides (`source`, `sink`) may not carry a password in the file, and names that
-//! say secret (`password`, `token`, …) are refused unless they end in `_file`.
+//! gives the precedence flags > environment > file from clap itself. Keys at the top level are
+//! shared by every command that takes the flag; a section named after a command (`[prune]`,
+//! `[keys.retire]`) holds keys for that command alone, and wins over the top level for it — a
+//! file serves several commands, and a flag two commands share need not mean the same to both.
+//! Destructive confirmations (`yes`, `force`) are refused anywhere in the file: they are given
+//! on the command line, for one run, never left in a file for every later one. Unknown keys
+//! are refused with the closest valid name; secret values only by reference: a flag whose
+//! environment value clap hides (`source`, `sink`) may not carry a password in the file, and
+//! names that say secret (`password`, `token`, …) are refused unless they end in `_file`.
 
 use crate::Error;
 use clap::{Arg, Command};
@@ -19,6 +24,9 @@ const MAX_FILE_BYTES: u64 = 1024 * 1024;
 
 /// Environment variables this process took from the config file (for `outboxd config`).
 static FROM_FILE: OnceLock<(PathBuf, HashSet<String>)> = OnceLock::new();
+
+/// Flags that confirm or force a destructive step: never from the file (see the module doc).
+const CONFIRMATIONS: &[&str] = &["yes", "force"];
 
 /// Words that mark a key as a secret value (allowed only as a `*_file` reference).
 const SECRET_WORDS: &[&str] = &["password", "passwd", "secret", "token", "passphrase"];
@@ -84,13 +92,14 @@ fn has_inline_password(v: &str) -> bool {
     v.to_ascii_lowercase().contains("password=")
 }
 
-/// Reads the config file (if any) and sets, for each key, its flag's environment variable
-/// unless the environment already has it. Call before clap parses `argv`.
+/// Reads the config file (if any) and sets, for each key that applies to the command `argv`
+/// runs, its flag's environment variable unless the environment already has it. Call before
+/// clap parses `argv`.
 pub fn apply(cmd: &Command, argv: &[OsString]) -> Result<(), Error> {
     let Some(path) = path_from(argv) else {
         return Ok(());
     };
-    let vars = load(cmd, &path)?;
+    let vars = load(cmd, &path, &invoked_path(cmd, argv))?;
     let mut taken = HashSet::new();
     for (env, value) in vars {
         if std::env::var_os(&env).is_none() {
@@ -103,8 +112,58 @@ pub fn apply(cmd: &Command, argv: &[OsString]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The file's keys as (environment variable, value) pairs, every key checked.
-pub fn load(cmd: &Command, path: &Path) -> Result<Vec<(String, String)>, Error> {
+/// The subcommand path `argv` runs (`["keys", "retire"]`), read the way clap will: options
+/// that take a value skip it, the first word that is not a subcommand ends the path.
+pub fn invoked_path(cmd: &Command, argv: &[OsString]) -> Vec<String> {
+    let takes_value = |a: &Arg| {
+        matches!(
+            a.get_action(),
+            clap::ArgAction::Set | clap::ArgAction::Append
+        )
+    };
+    let mut path = Vec::new();
+    let mut scope = cmd;
+    let mut it = argv.iter().skip(1);
+    while let Some(a) = it.next() {
+        let Some(s) = a.to_str() else { break };
+        if s == "--" {
+            break;
+        }
+        if let Some(long) = s.strip_prefix("--") {
+            if long.contains('=') {
+                continue;
+            }
+            let arg = scope
+                .get_arguments()
+                .chain(cmd.get_arguments())
+                .find(|a| a.get_long() == Some(long));
+            if arg.is_some_and(takes_value) {
+                it.next();
+            }
+            continue;
+        }
+        if s.starts_with('-') {
+            continue;
+        }
+        match scope.find_subcommand(s) {
+            Some(sub) => {
+                path.push(sub.get_name().to_string());
+                scope = sub;
+            }
+            None => break,
+        }
+    }
+    path
+}
+
+/// The file's keys that apply to the command at `invoked` (a subcommand path; empty: the top
+/// level only) as (environment variable, value) pairs. Every key of every section is checked,
+/// whichever command runs, so a mistake shows on the first run.
+pub fn load(
+    cmd: &Command,
+    path: &Path,
+    invoked: &[String],
+) -> Result<Vec<(String, String)>, Error> {
     let meta = std::fs::metadata(path).map_err(|e| {
         refuse(
             path,
@@ -136,74 +195,214 @@ pub fn load(cmd: &Command, path: &Path) -> Result<Vec<(String, String)>, Error> 
             "write one `key = value` per line, e.g. window = 1000",
         )
     })?;
-    let known = keys(cmd);
-    let mut out = Vec::new();
-    for (key, item) in doc.iter() {
-        if !item.is_value() {
-            return Err(refuse(
-                path,
-                format!("{key:?} is a table; the file is flat"),
-                "write every key = value at the top level, before any [section]",
-            ));
-        }
-        let args = match known.get(key) {
-            Some(a) => a,
-            None => {
-                let underscored = key.replace('-', "_");
-                let fix = if known.contains_key(&underscored) {
-                    format!("write {underscored:?}: keys are the long flags with '_' for '-'")
-                } else {
-                    match closest(key, known.keys()) {
-                        Some(k) => format!("did you mean {k:?}? (keys are the long flags with '_' for '-')"),
-                        None => "keys are the long flags with '_' for '-' (outboxd run --help lists them)".to_string(),
-                    }
-                };
-                return Err(refuse(path, format!("unknown key {key:?}"), fix));
+    // `outboxd config` shows `run`'s configuration: `[run]` is its section too.
+    let invoked: Vec<String> = if invoked.first().is_some_and(|c| c == "config") {
+        std::iter::once("run".to_string())
+            .chain(invoked.iter().skip(1).cloned())
+            .collect()
+    } else {
+        invoked.to_vec()
+    };
+    let leaf = invoked
+        .iter()
+        .try_fold(cmd, |c, name| c.find_subcommand(name));
+    let mut out = BTreeMap::new();
+    let file = File {
+        root: cmd,
+        path,
+        invoked: &invoked,
+        leaf,
+    };
+    file.section(cmd, &mut Vec::new(), doc.as_table(), &mut out)?;
+    Ok(out
+        .into_iter()
+        .map(|(env, (_, value))| (env, value))
+        .collect())
+}
+
+/// What one read of the file needs to know.
+struct File<'a> {
+    root: &'a Command,
+    path: &'a Path,
+    /// The subcommand path this process runs.
+    invoked: &'a [String],
+    /// That subcommand's definition (`None`: not a known path, so no section applies).
+    leaf: Option<&'a Command>,
+}
+
+impl File<'_> {
+    /// Reads one table: the top level (`at` empty) or the section of the command at `at`.
+    /// Applying keys go to `out` by environment variable, with the depth that set them, so a
+    /// command's section beats the top level whatever the order in the file.
+    fn section(
+        &self,
+        scope: &Command,
+        at: &mut Vec<String>,
+        table: &toml_edit::Table,
+        out: &mut BTreeMap<String, (usize, String)>,
+    ) -> Result<(), Error> {
+        let path = self.path;
+        let top = at.is_empty();
+        let where_ = if top {
+            String::new()
+        } else {
+            format!(" in [{}]", at.join("."))
+        };
+        let command = |at: &[String]| format!("outboxd {}", at.join(" "));
+        let known = if top {
+            keys(self.root)
+        } else {
+            let mut k = keys(scope);
+            // Global flags (log_level) belong to every command.
+            for a in self.root.get_arguments().filter(|a| a.is_global_set()) {
+                if let Some(long) = a.get_long() {
+                    k.entry(long.replace('-', "_")).or_default().push(a.clone());
+                }
             }
+            k
         };
-        if key == "config" {
-            return Err(refuse(
-                path,
-                "a config file cannot name another config file",
-                "remove the config key",
-            ));
+        let applies = self.leaf.is_some() && self.invoked.starts_with(at);
+        for (key, item) in table.iter() {
+            if let Some(sub) = item.as_table() {
+                let Some(next) = scope.find_subcommand(key) else {
+                    let names: Vec<String> = scope
+                        .get_subcommands()
+                        .map(|c| c.get_name().to_string())
+                        .collect();
+                    let fix = match closest(key, names.iter()) {
+                        Some(n) => format!("did you mean [{}]? (a section is named after a command: [prune], [keys.retire])", at.iter().chain([n]).cloned().collect::<Vec<_>>().join(".")),
+                        None if names.is_empty() => format!(
+                            "{} has no subcommands: put its keys directly under [{}]",
+                            command(at),
+                            at.join(".")
+                        ),
+                        None => format!(
+                            "a section is named after a command ([prune], [keys.retire]); {} has: {}",
+                            if top { "outboxd".to_string() } else { command(at) },
+                            names.join(", ")
+                        ),
+                    };
+                    return Err(refuse(
+                        path,
+                        format!(
+                            "[{}] is not a command",
+                            at.iter()
+                                .chain([&key.to_string()])
+                                .cloned()
+                                .collect::<Vec<_>>()
+                                .join(".")
+                        ),
+                        fix,
+                    ));
+                };
+                at.push(next.get_name().to_string());
+                let r = self.section(next, at, sub, out);
+                at.pop();
+                r?;
+                continue;
+            }
+            if !item.is_value() {
+                return Err(refuse(
+                    path,
+                    format!("{key:?}{where_} is neither a key nor a command's section"),
+                    "write key = value, or a [command] section (e.g. [prune])",
+                ));
+            }
+            if key == "config" {
+                return Err(refuse(
+                    path,
+                    "a config file cannot name another config file",
+                    "remove the config key",
+                ));
+            }
+            if CONFIRMATIONS.contains(&key) {
+                return Err(refuse(
+                    path,
+                    format!("{key:?}{where_} confirms a destructive step, which a file never does: it would apply to every later run"),
+                    format!("remove {key:?} from the file and pass --{key} on the command line of the one run it is meant for"),
+                ));
+            }
+            let args = match known.get(key) {
+                Some(a) => a,
+                None => {
+                    let underscored = key.replace('-', "_");
+                    let help = if top {
+                        "outboxd run --help".to_string()
+                    } else {
+                        format!("{} --help", command(at))
+                    };
+                    let fix = if known.contains_key(&underscored) {
+                        format!("write {underscored:?}: keys are the long flags with '_' for '-'")
+                    } else {
+                        match closest(key, known.keys()) {
+                            Some(k) => format!("did you mean {k:?}? (keys are the long flags with '_' for '-')"),
+                            None if top => format!("keys are the long flags with '_' for '-' ({help} lists them)"),
+                            None => format!("{} has no --{}: move the key to the section of the command that takes it ({help} lists this one's flags)", command(at), key.replace('_', "-")),
+                        }
+                    };
+                    return Err(refuse(path, format!("unknown key {key:?}{where_}"), fix));
+                }
+            };
+            let arg = &args[0];
+            let long = arg.get_long().unwrap_or(key);
+            if !args.iter().any(|a| a.get_env().is_some()) {
+                return Err(refuse(
+                    path,
+                    format!("--{long} is a command-line-only flag"),
+                    format!("remove {key:?} from the file and pass --{long} on the command line"),
+                ));
+            }
+            let lower = key.to_ascii_lowercase();
+            let any_env = args
+                .iter()
+                .find_map(|a| a.get_env())
+                .map(|e| e.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if SECRET_WORDS.iter().any(|w| lower.contains(w)) && !lower.ends_with("_file") {
+                return Err(refuse(
+                    path,
+                    format!("{key:?} is a secret: the file may only refer to secrets"),
+                    format!(
+                        "put it in a file named by {key}_file, or in the environment ({any_env})"
+                    ),
+                ));
+            }
+            let value = value_text(path, key, item, arg)?;
+            if args.iter().any(|a| a.is_hide_env_values_set()) && has_inline_password(&value) {
+                return Err(refuse(
+                    path,
+                    format!("{key:?} holds a password inline"),
+                    format!(
+                        "remove the password from {key:?} and put it in a file named by {key}_file (the file may hold the whole DSN or only its password), or set {any_env} in the environment"
+                    ),
+                ));
+            }
+            if !applies {
+                continue;
+            }
+            // The variable of the running command's own flag: two commands may give one flag
+            // different variables. A key the running command does not take sets nothing (a
+            // top-level key of another command; the file serves them all).
+            let own = self
+                .leaf
+                .into_iter()
+                .flat_map(|l| l.get_arguments())
+                .chain(self.root.get_arguments())
+                .find(|a| a.get_long() == Some(long))
+                .and_then(|a| a.get_env());
+            let env = match own {
+                Some(e) => e.to_string_lossy().into_owned(),
+                // No command named (`load` for the top level alone): the flag's variable.
+                None if self.invoked.is_empty() => any_env.clone(),
+                None => continue,
+            };
+            let depth = at.len();
+            if out.get(&env).is_none_or(|(d, _)| *d <= depth) {
+                out.insert(env, (depth, value));
+            }
         }
-        let arg = &args[0];
-        let Some(env) = args.iter().find_map(|a| a.get_env()) else {
-            return Err(refuse(
-                path,
-                format!(
-                    "--{} is a command-line-only flag",
-                    arg.get_long().unwrap_or(key)
-                ),
-                format!(
-                    "remove {key:?} from the file and pass --{} on the command line",
-                    arg.get_long().unwrap_or(key)
-                ),
-            ));
-        };
-        let env = env.to_string_lossy().into_owned();
-        let lower = key.to_ascii_lowercase();
-        if SECRET_WORDS.iter().any(|w| lower.contains(w)) && !lower.ends_with("_file") {
-            return Err(refuse(
-                path,
-                format!("{key:?} is a secret: the file may only refer to secrets"),
-                format!("put it in a file named by {key}_file, or in the environment ({env})"),
-            ));
-        }
-        let value = value_text(path, key, item, arg)?;
-        if args.iter().any(|a| a.is_hide_env_values_set()) && has_inline_password(&value) {
-            return Err(refuse(
-                path,
-                format!("{key:?} holds a password inline"),
-                format!(
-                    "remove the password from {key:?} and put it in a file named by {key}_file (the file may hold the whole DSN or only its password), or set {env} in the environment"
-                ),
-            ));
-        }
-        out.push((env, value));
+        Ok(())
     }
-    Ok(out)
 }
 
 /// A TOML value as the flag's environment text: strings as they are, numbers and booleans
@@ -373,13 +572,63 @@ mod tests {
         let f = write(
             "source_file = \"/run/secrets/dsn\"\nwindow = 7\ntable = [\"a\", \"b\"]\nha = true\nrouting_key = \"{topic}\"\n",
         );
-        let vars = load(&crate::commands::Cli::command(), f.path()).unwrap();
+        let vars = load(&crate::commands::Cli::command(), f.path(), &[]).unwrap();
         let get = |k: &str| vars.iter().find(|(e, _)| e == k).map(|(_, v)| v.as_str());
         assert_eq!(get("OUTBOXD_SOURCE_FILE"), Some("/run/secrets/dsn"));
         assert_eq!(get("OUTBOXD_WINDOW"), Some("7"));
         assert_eq!(get("OUTBOXD_TABLE"), Some("a,b"));
         assert_eq!(get("OUTBOXD_HA"), Some("true"));
         assert_eq!(get("OUTBOXD_ROUTING_KEY"), Some("{topic}"));
+    }
+
+    #[test]
+    fn a_commands_section_applies_to_that_command_alone_and_beats_the_top_level() {
+        let cmd = crate::commands::Cli::command();
+        let f = write(
+            "table = \"shared\"\nbatch = 5\n[prune]\nbatch = 100\n[keys.retire]\ntable = \"retire_only\"\n[run]\nwindow = 9\n",
+        );
+        let vars = |argv: &[&str]| -> Vec<(String, String)> {
+            let argv: Vec<OsString> = argv.iter().map(OsString::from).collect();
+            let invoked = invoked_path(&cmd, &argv);
+            load(&cmd, f.path(), &invoked).unwrap()
+        };
+        let get = |vars: &[(String, String)], k: &str| {
+            vars.iter().find(|(e, _)| e == k).map(|(_, v)| v.clone())
+        };
+        let retire = vars(&[
+            "outboxd",
+            "--log-level",
+            "debug",
+            "keys",
+            "retire",
+            "k1",
+            "--keys",
+            "x",
+        ]);
+        assert_eq!(
+            get(&retire, "OUTBOXD_TABLE").as_deref(),
+            Some("retire_only")
+        );
+        assert_eq!(
+            get(&retire, "OUTBOXD_BATCH"),
+            None,
+            "retire takes no --batch"
+        );
+        assert_eq!(get(&retire, "OUTBOXD_WINDOW"), None, "[run] is run's");
+        let prune = vars(&["outboxd", "prune", "--older-than", "7d"]);
+        assert_eq!(get(&prune, "OUTBOXD_BATCH").as_deref(), Some("100"));
+        let reencrypt = vars(&["outboxd", "reencrypt"]);
+        assert_eq!(get(&reencrypt, "OUTBOXD_BATCH").as_deref(), Some("5"));
+        assert_eq!(get(&reencrypt, "OUTBOXD_TABLE").as_deref(), Some("shared"));
+        let config = vars(&["outboxd", "config", "--config", "f"]);
+        assert_eq!(get(&config, "OUTBOXD_WINDOW").as_deref(), Some("9"));
+        assert_eq!(
+            invoked_path(
+                &cmd,
+                &["outboxd", "--config", "keys", "keys", "list"].map(OsString::from)
+            ),
+            ["keys", "list"]
+        );
     }
 
     #[test]
@@ -391,16 +640,26 @@ mod tests {
             ("source = \"postgres://u:hunter2@db/app\"", "source_file"),
             ("sink = \"amqp://u:hunter2@mq/\"", "sink_file"),
             ("lsn = \"0/1\"", "command-line-only"),
-            ("[run]\nwindow = 3", "is a table"),
+            ("[runn]\nwindow = 3", "did you mean [run]?"),
+            ("[run]\nwindw = 3", "did you mean \"window\""),
+            (
+                "[prune]\nexchange = \"x\"",
+                "outboxd prune has no --exchange",
+            ),
+            ("yes = true", "pass --yes on the command line"),
+            (
+                "[keys.retire]\nforce = true",
+                "pass --force on the command line",
+            ),
             ("window = ", "not valid TOML"),
         ] {
             let f = write(text);
-            let e = load(&cmd, f.path()).unwrap_err().to_string();
+            let e = load(&cmd, f.path(), &[]).unwrap_err().to_string();
             assert!(e.contains(needle), "{text}: {e}");
             assert!(!e.contains("hunter2"), "{text}: {e}");
         }
         // A DSN without a password is fine in the file.
         let f = write("source = \"postgres://relay@db/app\"");
-        assert!(load(&cmd, f.path()).is_ok());
+        assert!(load(&cmd, f.path(), &[]).is_ok());
     }
 }

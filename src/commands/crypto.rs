@@ -3,7 +3,8 @@
 //! Payloads and blind-index values come on stdin, never in argv (the process list is public);
 //! output goes to stdout, diagnostics to stderr; key material is never printed.
 
-use crate::crypto::shred::Keystore;
+use crate::crypto::keyring::KeyringFile;
+use crate::crypto::shred::{self, Keystore};
 use crate::crypto::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
@@ -58,6 +59,24 @@ pub struct ForgetArgs {
     pub aggregate: String,
     #[command(flatten)]
     pub keystore: KeystoreArgs,
+    /// Outbox database, to verify first that every encrypted value of the aggregate is under
+    /// its data key (postgres://…). Required: forgetting is refused while anything of the
+    /// aggregate would still open.
+    #[arg(long, env = "OUTBOXD_SOURCE", hide_env_values = true)]
+    pub source: Option<crate::dsn::DsnArg>,
+    /// File holding the source DSN, or only its password.
+    #[arg(long, env = "OUTBOXD_SOURCE_FILE")]
+    pub source_file: Option<PathBuf>,
+    /// Outbox table.
+    #[arg(long, env = "OUTBOXD_TABLE", default_value = "outbox")]
+    pub table: String,
+    /// Column renames (as for run).
+    #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
+    pub columns: Vec<String>,
+    /// Schema file: fields it marks that are still clear in the aggregate's rows count as
+    /// readable too.
+    #[arg(long, env = "OUTBOXD_SCHEMA")]
+    pub schema: Option<PathBuf>,
     /// Confirm: the aggregate's encrypted fields become unreadable for good.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
@@ -118,9 +137,14 @@ pub struct RetireArgs {
     /// Column renames (as for run).
     #[arg(long = "column", env = "OUTBOXD_COLUMN", value_delimiter = ';')]
     pub columns: Vec<String>,
-    /// Retire even though rows in the table still use the key (they become unreadable).
+    /// Retire even though rows in the table still use the key, or a relay has not yet
+    /// published the log up to now (they become unreadable).
     #[arg(long, env = "OUTBOXD_FORCE")]
     pub force: bool,
+    /// With --source: how long to wait for every relay of the database to store a position
+    /// past the log's head (events not yet published may carry the key).
+    #[arg(long, env = "OUTBOXD_CATCH_UP_TIMEOUT", value_parser = crate::commands::parse_duration, default_value = "60s")]
+    pub catch_up_timeout: std::time::Duration,
     /// Confirm: the key material is removed from the keyring file.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
@@ -276,15 +300,28 @@ fn generate(a: GenerateArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// The keyring file held for a change, its lock taken (saying so when another command holds
+/// it), and read.
+fn lock_keyring(path: &Path) -> Result<(KeyringFile, Keyring), Error> {
+    let mut file = KeyringFile::lock(path, |lock| {
+        eprintln!(
+            "outboxd: waiting for the keyring lock {} (another outboxd keys command is changing this keyring)",
+            lock.display()
+        )
+    })?;
+    let k = file.read()?;
+    Ok((file, k))
+}
+
 fn rotate(a: RotateArgs) -> Result<(), Error> {
-    let mut k = Keyring::load(&a.file.keys)?;
+    let (file, mut k) = lock_keyring(&a.file.keys)?;
     if a.blind_index {
         let len = a
             .blind_index_length
             .unwrap_or_else(|| k.blind_current().length);
         let old = k.blind_current().id.clone();
         let id = k.rotate_blind(len)?;
-        k.save_replace(&a.file.keys)?;
+        file.replace(&k)?;
         println!("blind-index key {id} is now current ({len} bytes); {old} stays for searching");
         eprintln!(
             "outboxd: index new rows under {id} and rebuild the existing indexes; search under both (keys blind-index --all) until then"
@@ -292,7 +329,7 @@ fn rotate(a: RotateArgs) -> Result<(), Error> {
     } else {
         let old = k.current_id().to_string();
         let id = k.rotate();
-        k.save_replace(&a.file.keys)?;
+        file.replace(&k)?;
         println!("encryption key {id} is now current; {old} stays for decryption");
         eprintln!(
             "outboxd: deploy the new keyring to consumers before producers use it; then `outboxd reencrypt` moves stored rows to {id}. Back the file up again."
@@ -323,7 +360,9 @@ fn list(a: KeyringArgs) -> Result<(), Error> {
 }
 
 async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
-    let mut k = Keyring::load(&a.file.keys)?;
+    // The lock is held through the scans below, so a rotation meanwhile waits rather than
+    // being undone by this command's write.
+    let (file, mut k) = lock_keyring(&a.file.keys)?;
     // Validate first (current key, unknown id, already retired), on a copy.
     k.clone().retire(&a.id)?;
     eprintln!(
@@ -341,6 +380,9 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
             m,
         )
         .await?;
+        // The head first: every event committed before it is either in the table (counted
+        // next) or was deleted from it and lives on in the log until a relay publishes it.
+        let head = crate::source::postgres::operator::wal_head(&client).await?;
         let counts = reencrypt::count_by_key(&client, &table, &columns).await?;
         let n = counts.get(&a.id).copied().unwrap_or(0);
         if n > 0 {
@@ -358,6 +400,19 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
             );
         } else {
             eprintln!("outboxd: no row of {} uses key {}", table.pg_quoted(), a.id);
+        }
+        let behind = relays_caught_up(&client, head, a.catch_up_timeout).await?;
+        if !behind.is_empty() {
+            let list = behind.join("; ");
+            if !a.force {
+                return Err(Error::Other(format!(
+                    "{list}: events in the log not yet published may still carry key {}\n  \
+                     fix: start the relay (or wait until `outboxd status --name NAME` shows it caught up) and retire again; \
+                     a relay no longer used: outboxd teardown --name NAME --yes; or add --force to retire anyway",
+                    a.id
+                )));
+            }
+            eprintln!("outboxd: warning: --force: {list}");
         }
     } else {
         eprintln!(
@@ -391,9 +446,67 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
         ));
     }
     k.retire(&a.id)?;
-    k.save_replace(&a.file.keys)?;
+    file.replace(&k)?;
     println!("retired key {}", a.id);
     Ok(())
+}
+
+/// Waits (up to `timeout`) until every relay whose state lives in this database has stored a
+/// position at or past `head`; returns one line for each that has not. Reuses the state rows
+/// `outboxd status` reads. A database without relay state (poll mode, or state elsewhere) has
+/// nothing in its log that the table count missed only if no relay reads it: said on stderr.
+async fn relays_caught_up(
+    client: &tokio_postgres::Client,
+    head: u64,
+    timeout: std::time::Duration,
+) -> Result<Vec<String>, Error> {
+    use crate::event::format_lsn;
+    use crate::state::postgres as state;
+    if !state::table_exists(client).await? {
+        eprintln!(
+            "outboxd: no relay state in this database (outboxd_state): no relay's unpublished events were checked"
+        );
+        return Ok(Vec::new());
+    }
+    let deadline = std::time::Instant::now() + timeout;
+    let mut said = false;
+    loop {
+        let names: Vec<String> = client
+            .query(
+                "SELECT name FROM outboxd_state WHERE slot IS NOT NULL ORDER BY name",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut behind = Vec::new();
+        for name in &names {
+            let Some(row) = state::load(client, name).await? else {
+                continue;
+            };
+            match row.position_lsn {
+                Some(p) if p >= head => {}
+                p => behind.push(format!(
+                    "relay {name:?} has stored {} (the log's head was {} when this command started)",
+                    p.map(format_lsn).unwrap_or_else(|| "no position".into()),
+                    format_lsn(head)
+                )),
+            }
+        }
+        if behind.is_empty() || std::time::Instant::now() >= deadline {
+            return Ok(behind);
+        }
+        if !said {
+            eprintln!(
+                "outboxd: waiting up to {timeout:?} for relays to publish the log up to {}: {}",
+                format_lsn(head),
+                behind.join("; ")
+            );
+            said = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }
 
 fn blind_index(a: BlindIndexArgs) -> Result<(), Error> {
@@ -456,6 +569,19 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "pass --keystore postgres://user@host:5432/db",
         )
     })?;
+    if a.source.is_none() && a.source_file.is_none() {
+        return Err(Error::config(
+            format!(
+                "keys forget verifies that nothing of aggregate {:?} stays readable once its data key is gone, and needs the outbox table for that",
+                a.aggregate
+            ),
+            "pass --source postgres://user@host:5432/db (the outbox database; --table and --column as for run)",
+        ));
+    }
+    let schema = match &a.schema {
+        Some(p) => Schema::load(p)?,
+        None => Schema::default(),
+    };
     if !a.yes {
         return Err(Error::config(
             format!(
@@ -465,12 +591,38 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "add --yes to confirm",
         ));
     }
+    let (rows, mysql) = aggregate_rows(&a, m).await?;
+    let table = TableName::parse(&a.table)?;
+    let left = shred::readable_after_forget(&ks, &rows, &schema, &a.aggregate).await?;
+    if !left.is_empty() {
+        for l in left.iter().take(20) {
+            eprintln!("outboxd: row {}: {}", l.event_id, l.why);
+        }
+        let rows: std::collections::BTreeSet<_> = left.iter().map(|l| &l.event_id).collect();
+        return Err(Error::Other(format!(
+            "nothing was forgotten: {} value{} in {} row{} of aggregate {:?} in {} would stay readable after its data key is gone\n  \
+             fix: {}, then keys forget again",
+            left.len(),
+            if left.len() == 1 { "" } else { "s" },
+            rows.len(),
+            if rows.len() == 1 { "" } else { "s" },
+            a.aggregate,
+            table,
+            if mysql {
+                // reencrypt reads Postgres tables only in this build.
+                "rewrite those rows with the producer's Encryptor::with_keystore (or delete them once published)".to_string()
+            } else {
+                format!("run `outboxd reencrypt --source … --table {} --keys … --schema … --keystore …` first (it seals them under the aggregate's data key)", a.table)
+            },
+        )));
+    }
     match ks.forget(&a.aggregate).await? {
         Some(id) => {
             println!("forgot data key {id} of aggregate {:?}", a.aggregate);
             eprintln!(
-                "outboxd: erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
-                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach"
+                "outboxd: every encrypted value of the aggregate in {} was under its data key; erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
+                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach",
+                table
             );
             Ok(())
         }
@@ -478,6 +630,49 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             "aggregate {:?} has no live data key (never had one, or already forgotten)",
             a.aggregate
         ))),
+    }
+}
+
+/// The aggregate's rows of the outbox table `keys forget` verifies, Postgres or MySQL (the
+/// flag says which).
+async fn aggregate_rows(
+    a: &ForgetArgs,
+    m: &ArgMatches,
+) -> Result<(Vec<(String, String)>, bool), Error> {
+    let from_argv = m.value_source("source") == Some(ValueSource::CommandLine);
+    let Some(dsn) = crate::commands::resolve_dsn(
+        a.source.as_deref(),
+        a.source_file.as_deref(),
+        from_argv,
+        "source",
+    )?
+    else {
+        return Err(Error::config(
+            "no source given",
+            "pass --source postgres://user@host:5432/db (or mysql://…)",
+        ));
+    };
+    let table = TableName::parse(&a.table)?;
+    let columns = ColumnMap::parse(&a.columns)?;
+    match crate::dsn::SourceDsn::parse(&dsn)? {
+        crate::dsn::SourceDsn::Postgres(d) => {
+            let client = crate::db::postgres::connect_sql(&d, "outboxd_keys_forget").await?;
+            Ok((
+                shred::aggregate_rows_pg(&client, &table, &columns, &a.aggregate).await?,
+                false,
+            ))
+        }
+        crate::dsn::SourceDsn::Mysql(d) => {
+            let mut conn = crate::db::mysql::connect_sql(&d).await?;
+            Ok((
+                shred::aggregate_rows_mysql(&mut conn, &table, &columns, &a.aggregate).await?,
+                true,
+            ))
+        }
+        _ => Err(Error::config(
+            "keys forget reads the outbox table of a database",
+            "pass --source postgres://… or mysql://… (the outbox database)",
+        )),
     }
 }
 
@@ -593,7 +788,7 @@ pub async fn reencrypt(
             "use --batch 500",
         ));
     }
-    let enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
+    let mut enc = Encryptor::load(a.keyring.keys.as_deref(), &a.schema)?;
     if let Some(ks) = keystore(&a.keystore, m).await? {
         let n = ks.rewrap(enc.keyring()).await?;
         eprintln!(
@@ -601,6 +796,9 @@ pub async fn reencrypt(
             if n == 1 { "" } else { "s" },
             enc.keyring().current_id()
         );
+        // Old rows' values then go under their aggregate's data key, not the keyring's key:
+        // otherwise `keys forget` would leave them readable.
+        enc = enc.with_keystore(ks);
     }
     let (mut client, table, columns) = connect(
         a.source.as_deref(),
@@ -616,12 +814,20 @@ pub async fn reencrypt(
         .filter(|(id, _)| id.as_str() != enc.keyring().current_id())
         .map(|(_, n)| n)
         .sum();
-    eprintln!(
-        "outboxd: re-encrypting {} under key {} ({old} row-key pairs under older keys), {} rows per transaction",
-        table.pg_quoted(),
-        enc.keyring().current_id(),
-        a.batch
-    );
+    if enc.keystore().is_some() {
+        eprintln!(
+            "outboxd: re-encrypting {} under each row's aggregate's data key (clear marked fields and values under keyring keys), {} rows per transaction",
+            table.pg_quoted(),
+            a.batch
+        );
+    } else {
+        eprintln!(
+            "outboxd: re-encrypting {} under key {} ({old} row-key pairs under older keys), {} rows per transaction",
+            table.pg_quoted(),
+            enc.keyring().current_id(),
+            a.batch
+        );
+    }
     let opts = reencrypt::Options {
         batch: a.batch,
         after: a.after,

@@ -79,6 +79,11 @@ pub enum CryptoError {
         fix: String,
     },
 
+    /// The keyring file changed between the command's read and its write (a program that does
+    /// not take the writers' lock): writing would undo that change.
+    #[error("keyring {path} changed since this command read it (another program rewrote it); nothing was written\n  fix: check the file (keys list), then run the command again: it reads the new keyring")]
+    KeyringChanged { path: String },
+
     /// The keyring's content is not valid.
     #[error("keyring: {problem}\n  fix: {fix}")]
     KeyringInvalid { problem: String, fix: String },

@@ -5,9 +5,13 @@
 //! each one, so a key mistyped while copying between machines is caught at start-up rather than
 //! after it has encrypted data nobody can read back.
 //!
-//! Its unit tests live in `keyring/tests.rs`. At a little over 700 lines it stays one file:
-//! the in-memory ring and its JSON file format validate each other (every key's canary, the
-//! ids, the blind-index versions), and split apart each half would need the other's internals.
+//! Commands that change the file go through [`KeyringFile`]: one writer at a time (a lock file
+//! beside the keyring), never over a change made since their read, through symlinks, keeping
+//! the file's owner and mode.
+//!
+//! Its unit tests live in `keyring/tests.rs`. It stays one file: the in-memory ring and its
+//! JSON file format validate each other (every key's canary, the ids, the blind-index
+//! versions), and split apart each half would need the other's internals.
 
 use super::blind;
 use super::envelope::{self, KeyBytes};
@@ -544,25 +548,7 @@ impl Keyring {
 
     /// Loads a keyring file, refusing one that group or others can read.
     pub fn load(path: &Path) -> Result<Keyring, CryptoError> {
-        let io = |problem: String, fix: &str| CryptoError::KeyringIo {
-            path: path.display().to_string(),
-            problem,
-            fix: fix.to_string(),
-        };
-        // Opened once, checked on the descriptor, read from it (crate::secret_file).
-        use crate::secret_file::SecretFileError as E;
-        let text = crate::secret_file::read_string(path).map_err(|e| match e {
-            E::Mode { mode, .. } => CryptoError::KeyringPermissions {
-                path: path.display().to_string(),
-                mode,
-            },
-            E::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => io(
-                format!("cannot read it: {source}"),
-                "create one with outboxd keys generate --keys PATH, or point --keys at it",
-            ),
-            other => io(other.to_string(), &other.fix()),
-        })?;
-        Keyring::from_json(&text)
+        Keyring::from_json(&read_text(path)?)
     }
 
     /// `--keys PATH` if given, else the JSON in `OUTBOXD_KEYRING`.
@@ -581,22 +567,169 @@ impl Keyring {
 
     /// Writes a new keyring file with mode 0600; refuses to overwrite anything.
     pub fn save_new(&self, path: &Path) -> Result<(), CryptoError> {
-        write_private(path, &self.to_json())
+        write_private(path, &self.to_json(), None)
     }
 
-    /// Replaces a keyring file atomically (temporary file, fsync, rename, fsync of the
-    /// directory): a crash leaves the old keyring or the new one, never half of one — losing
-    /// the keyring loses the data.
+    /// Replaces a keyring file atomically (see [`KeyringFile::replace`]), under the writers'
+    /// lock. It does not check what the file held before: a command that read the keyring to
+    /// change it uses [`KeyringFile`], which refuses a file changed since it was read.
     pub fn save_replace(&self, path: &Path) -> Result<(), CryptoError> {
-        let meta = std::fs::metadata(path).map_err(|e| CryptoError::KeyringIo {
+        KeyringFile::lock(path, |_| {})?.replace(self)
+    }
+}
+
+/// The text of a keyring file: opened once, checked on the descriptor, read from it
+/// (crate::secret_file).
+fn read_text(path: &Path) -> Result<Zeroizing<String>, CryptoError> {
+    let io = |problem: String, fix: &str| CryptoError::KeyringIo {
+        path: path.display().to_string(),
+        problem,
+        fix: fix.to_string(),
+    };
+    use crate::secret_file::SecretFileError as E;
+    crate::secret_file::read_string(path).map_err(|e| match e {
+        E::Mode { mode, .. } => CryptoError::KeyringPermissions {
             path: path.display().to_string(),
-            problem: format!("cannot read it: {e}"),
-            fix: "point --keys at the keyring file".into(),
+            mode,
+        },
+        E::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => io(
+            format!("cannot read it: {source}"),
+            "create one with outboxd keys generate --keys PATH, or point --keys at it",
+        ),
+        other => io(other.to_string(), &other.fix()),
+    })
+}
+
+/// What a keyring file was when a command read it: the content, and the inode and mtime (a
+/// rewrite in place changes the mtime, a replacement the inode, even with the same content).
+struct Seen {
+    text: Zeroizing<String>,
+    identity: (u64, u64, Option<std::time::SystemTime>),
+}
+
+fn identity(meta: &std::fs::Metadata) -> (u64, u64, Option<std::time::SystemTime>) {
+    #[cfg(unix)]
+    let (dev, ino) = {
+        use std::os::unix::fs::MetadataExt;
+        (meta.dev(), meta.ino())
+    };
+    #[cfg(not(unix))]
+    let (dev, ino) = (0, 0);
+    (dev, ino, meta.modified().ok())
+}
+
+/// A keyring file held for a change (`keys rotate`, `keys retire`). Writers serialise on an
+/// advisory lock (`flock`) on `<keyring>.lock` beside the file, held from the read to the
+/// write: a `keys rotate` while `keys retire` scans the table waits instead of being undone by
+/// retire's write. A program that does not take the lock (an editor, a restore) is caught
+/// instead: the write is refused when the file changed since it was read. Symlinks are
+/// followed to the file they name, which is the one replaced, keeping its owner and mode (an
+/// operator's `root:outboxd 0400` stays so; a symlink into a secrets mount stays a symlink).
+pub struct KeyringFile {
+    /// As the user gave it (for messages).
+    given: PathBuf,
+    /// The file itself, symlinks resolved: what is read, locked beside and replaced.
+    target: PathBuf,
+    /// Held open: the lock lasts as long as this value.
+    _lock: std::fs::File,
+    seen: Option<Seen>,
+}
+
+impl fmt::Debug for KeyringFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyringFile")
+            .field("path", &self.given)
+            .field("target", &self.target)
+            .finish()
+    }
+}
+
+impl KeyringFile {
+    /// Takes the writers' lock of the keyring at `path` (waiting for another writer to finish;
+    /// `on_wait` is told the lock file's path first, so a command can say why it waits).
+    pub fn lock(path: &Path, on_wait: impl FnOnce(&Path)) -> Result<KeyringFile, CryptoError> {
+        let io = |p: &Path, problem: String, fix: String| CryptoError::KeyringIo {
+            path: p.display().to_string(),
+            problem,
+            fix,
+        };
+        let target = std::fs::canonicalize(path).map_err(|e| {
+            io(
+                path,
+                format!("cannot read it: {e}"),
+                "point --keys at the keyring file (create one with outboxd keys generate --keys PATH)"
+                    .into(),
+            )
         })?;
+        let mut name = target.file_name().unwrap_or_default().to_os_string();
+        name.push(".lock");
+        let lock_path = target.with_file_name(name);
+        let mut opts = std::fs::OpenOptions::new();
+        // Never truncated nor removed: removing a lock file lets two writers lock two files.
+        opts.write(true).create(true).truncate(false);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        let lock = opts.open(&lock_path).map_err(|e| {
+            io(
+                &lock_path,
+                format!("cannot open the keyring's lock file: {e}"),
+                "run the command as a user who may write the keyring's directory".into(),
+            )
+        })?;
+        flock(&lock, &lock_path, on_wait)?;
+        Ok(KeyringFile {
+            given: path.to_path_buf(),
+            target,
+            _lock: lock,
+            seen: None,
+        })
+    }
+
+    /// Reads and checks the keyring, remembering what the file was for [`Self::replace`].
+    pub fn read(&mut self) -> Result<Keyring, CryptoError> {
+        let text = read_text(&self.target)?;
+        let meta = std::fs::metadata(&self.target).map_err(|e| self.io_error(e, "read"))?;
+        let keyring = Keyring::from_json(&text)?;
+        self.seen = Some(Seen {
+            text,
+            identity: identity(&meta),
+        });
+        Ok(keyring)
+    }
+
+    fn io_error(&self, e: std::io::Error, what: &str) -> CryptoError {
+        CryptoError::KeyringIo {
+            path: self.given.display().to_string(),
+            problem: format!("cannot {what} it: {e}"),
+            fix: "point --keys at the keyring file".into(),
+        }
+    }
+
+    /// Replaces the file atomically (temporary file beside it, fsync, rename, fsync of the
+    /// directory): a crash leaves the old keyring or the new one, never half of one — losing
+    /// the keyring loses the data. The new file gets the old one's owner, group and mode.
+    /// Refused when the file changed since [`Self::read`].
+    pub fn replace(&self, keyring: &Keyring) -> Result<(), CryptoError> {
+        let path = &self.target;
+        let meta = std::fs::metadata(path).map_err(|e| self.io_error(e, "read"))?;
         check_private(path, &meta)?;
+        if let Some(seen) = &self.seen {
+            let now = read_text(path)?;
+            if identity(&meta) != seen.identity || *now != *seen.text {
+                return Err(CryptoError::KeyringChanged {
+                    path: self.given.display().to_string(),
+                });
+            }
+        }
         let tmp = tmp_path(path);
         let _ = std::fs::remove_file(&tmp);
-        write_private(&tmp, &self.to_json())?;
+        if let Err(e) = write_private(&tmp, &keyring.to_json(), Some(&meta)) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
         std::fs::rename(&tmp, path).map_err(|e| CryptoError::KeyringIo {
             path: path.display().to_string(),
             problem: format!("cannot replace it: {e}"),
@@ -617,6 +750,53 @@ impl Keyring {
         }
         Ok(())
     }
+}
+
+/// An exclusive `flock` on `file`, waiting for the holder when there is one.
+#[cfg(unix)]
+fn flock(
+    file: &std::fs::File,
+    path: &Path,
+    on_wait: impl FnOnce(&Path),
+) -> Result<(), CryptoError> {
+    use std::os::unix::io::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: flock on a descriptor this function borrows; no memory is passed.
+    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(CryptoError::KeyringIo {
+            path: path.display().to_string(),
+            problem: format!("cannot lock it: {e}"),
+            fix: "put the keyring on a file system that supports flock (a local one)".into(),
+        });
+    }
+    on_wait(path);
+    loop {
+        // SAFETY: as above.
+        if unsafe { libc::flock(fd, libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(CryptoError::KeyringIo {
+                path: path.display().to_string(),
+                problem: format!("cannot lock it: {e}"),
+                fix: "put the keyring on a file system that supports flock (a local one)".into(),
+            });
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn flock(
+    _file: &std::fs::File,
+    _path: &Path,
+    _on_wait: impl FnOnce(&Path),
+) -> Result<(), CryptoError> {
+    Ok(())
 }
 
 /// A serde_json error without the content it quotes: "invalid type: string \"…\"" would
@@ -689,8 +869,13 @@ fn check_private(_path: &Path, _meta: &std::fs::Metadata) -> Result<(), CryptoEr
 }
 
 /// Creates `path` with mode 0600 from the start (never chmod after the fact: the key would be
-/// readable in between) and refuses an existing file.
-fn write_private(path: &Path, text: &str) -> Result<(), CryptoError> {
+/// readable in between) and refuses an existing file. `like`: the file this one replaces,
+/// whose owner, group and mode it takes before it is renamed into place.
+fn write_private(
+    path: &Path,
+    text: &str,
+    like: Option<&std::fs::Metadata>,
+) -> Result<(), CryptoError> {
     use std::io::Write;
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);
@@ -712,6 +897,37 @@ fn write_private(path: &Path, text: &str) -> Result<(), CryptoError> {
             "choose a writable directory".into()
         },
     })?;
+    #[cfg(unix)]
+    if let Some(old) = like {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let mine = f.metadata().map_err(|e| CryptoError::KeyringIo {
+            path: path.display().to_string(),
+            problem: format!("cannot read it back: {e}"),
+            fix: "check the disk".into(),
+        })?;
+        if (mine.uid(), mine.gid()) != (old.uid(), old.gid()) {
+            std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid())).map_err(|e| {
+                CryptoError::KeyringIo {
+                    path: path.display().to_string(),
+                    problem: format!(
+                        "cannot give the new keyring the old one's owner {}:{}: {e}",
+                        old.uid(),
+                        old.gid()
+                    ),
+                    fix: "run the command as the keyring's owner (or as root)".into(),
+                }
+            })?;
+        }
+        // The old file's mode, which was checked private (check_private) before this.
+        f.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o7777))
+            .map_err(|e| CryptoError::KeyringIo {
+                path: path.display().to_string(),
+                problem: format!("cannot set its mode: {e}"),
+                fix: "check the file system".into(),
+            })?;
+    }
+    #[cfg(not(unix))]
+    let _ = like;
     f.write_all(text.as_bytes())
         .and_then(|()| f.sync_all())
         .map_err(|e| CryptoError::KeyringIo {

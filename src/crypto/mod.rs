@@ -308,8 +308,30 @@ pub fn reencrypt_payload(
     event_id: Uuid,
     payload: &Value,
 ) -> Result<Option<Value>, CryptoError> {
+    reencrypt_payload_with(
+        keyring,
+        SealingKey::current(keyring),
+        schema,
+        event_id,
+        payload,
+    )
+}
+
+/// [`reencrypt_payload`] sealing under `target`: with a keystore, the event's aggregate's data
+/// key, so that every value of the aggregate — clear fields of old rows and values under any
+/// keyring key, the current one included — ends up under the one key `keys forget` destroys.
+/// Values already under a data key stay as they are (their wrapping is what rotates:
+/// `Keystore::rewrap`).
+pub fn reencrypt_payload_with(
+    keyring: &Keyring,
+    target: SealingKey<'_>,
+    schema: &Schema,
+    event_id: Uuid,
+    payload: &Value,
+) -> Result<Option<Value>, CryptoError> {
     fn walk(
         keyring: &Keyring,
+        target: SealingKey<'_>,
         event_id: Uuid,
         node: Option<&Node>,
         value: &mut Value,
@@ -319,17 +341,19 @@ pub fn reencrypt_payload(
         match value {
             Value::String(s) if looks_encrypted(s) => {
                 let parsed = envelope::parse(s, pointer)?;
-                // Data-key values stay under their aggregate's key (its wrapping is what
-                // rotates: Keystore::rewrap).
-                if parsed.key_id != keyring.current_id() && !shred::is_data_key_id(parsed.key_id) {
+                if parsed.key_id != target.id && !shred::is_data_key_id(parsed.key_id) {
                     let clear = decrypt_value(keyring, event_id, pointer, s)?;
-                    *value = Value::String(encrypt_value(keyring, event_id, pointer, &clear)?);
+                    *value = Value::String(target.seal(event_id, pointer, &clear));
                     *changed = true;
                 }
                 Ok(())
             }
             _ if node.is_some_and(|n| n.sensitive) => {
-                *value = Value::String(encrypt_value(keyring, event_id, pointer, value)?);
+                let sealed = target.seal(event_id, pointer, value);
+                if let Value::String(s) = value {
+                    zeroize::Zeroize::zeroize(s);
+                }
+                *value = Value::String(sealed);
                 *changed = true;
                 Ok(())
             }
@@ -338,7 +362,7 @@ pub fn reencrypt_payload(
                     let child = node.and_then(|n| n.props.get(k));
                     let len = pointer.len();
                     push_segment(pointer, k);
-                    walk(keyring, event_id, child, v, pointer, changed)?;
+                    walk(keyring, target, event_id, child, v, pointer, changed)?;
                     pointer.truncate(len);
                 }
                 Ok(())
@@ -349,7 +373,7 @@ pub fn reencrypt_payload(
                     let len = pointer.len();
                     pointer.push('/');
                     pointer.push_str(&i.to_string());
-                    walk(keyring, event_id, child, v, pointer, changed)?;
+                    walk(keyring, target, event_id, child, v, pointer, changed)?;
                     pointer.truncate(len);
                 }
                 Ok(())
@@ -357,10 +381,12 @@ pub fn reencrypt_payload(
             _ => Ok(()),
         }
     }
+    refuse_nil(event_id, "")?;
     let mut out = payload.clone();
     let mut changed = false;
     walk(
         keyring,
+        target,
         event_id,
         Some(&schema.root),
         &mut out,
@@ -368,6 +394,59 @@ pub fn reencrypt_payload(
         &mut changed,
     )?;
     Ok(changed.then_some(out))
+}
+
+/// A value of a payload that forgetting its aggregate's data key would not erase.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unshreddable {
+    pub pointer: String,
+    /// The keyring key it is sealed under; `None` for a field the schema marks that is clear.
+    pub key_id: Option<String>,
+}
+
+/// The values of `payload` outside every per-aggregate data key: sealed under a keyring key,
+/// or marked sensitive by `schema` and still clear (`Schema::default()` marks nothing). Empty
+/// when `keys forget` would erase every sensitive value of the event.
+pub fn outside_data_keys(schema: &Schema, payload: &Value) -> Vec<Unshreddable> {
+    fn walk(node: Option<&Node>, value: &Value, pointer: &mut String, out: &mut Vec<Unshreddable>) {
+        match value {
+            Value::String(s) if looks_encrypted(s) => {
+                let id = s.split(':').nth(2).unwrap_or("");
+                if !shred::is_data_key_id(id) {
+                    out.push(Unshreddable {
+                        pointer: pointer.clone(),
+                        key_id: Some(id.to_string()),
+                    });
+                }
+            }
+            _ if node.is_some_and(|n| n.sensitive) => out.push(Unshreddable {
+                pointer: pointer.clone(),
+                key_id: None,
+            }),
+            Value::Object(map) => {
+                for (k, v) in map {
+                    let len = pointer.len();
+                    push_segment(pointer, k);
+                    walk(node.and_then(|n| n.props.get(k)), v, pointer, out);
+                    pointer.truncate(len);
+                }
+            }
+            Value::Array(items) => {
+                let child = node.and_then(|n| n.items.as_deref());
+                for (i, v) in items.iter().enumerate() {
+                    let len = pointer.len();
+                    pointer.push('/');
+                    pointer.push_str(&i.to_string());
+                    walk(child, v, pointer, out);
+                    pointer.truncate(len);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(Some(&schema.root), payload, &mut String::new(), &mut out);
+    out
 }
 
 /// The key ids an event's payload is encrypted under, with how many values each.
@@ -547,6 +626,46 @@ mod tests {
         assert!(!e.to_string().contains("1234567890"));
         assert_eq!(decrypt_payload(&k, ev, &e).unwrap(), p);
         assert_eq!(key_ids_in(&e).get(k.current_id()), Some(&5));
+    }
+
+    #[test]
+    fn reencrypting_under_a_data_key_leaves_nothing_outside_it() {
+        let k = Keyring::generate(8).unwrap();
+        let s = Schema::from_pointers(&["/a", "/b", "/c"]);
+        let ev = Uuid::now_v7();
+        let under_ring =
+            encrypt_payload(&k, &Schema::from_pointers(&["/a"]), ev, &json!({"a": 1})).unwrap();
+        let mut p = json!({"a": under_ring["a"].clone(), "b": "clear", "d": 4});
+        let found = outside_data_keys(&s, &p);
+        assert_eq!(
+            found,
+            vec![
+                Unshreddable {
+                    pointer: "/a".into(),
+                    key_id: Some(k.current_id().into())
+                },
+                Unshreddable {
+                    pointer: "/b".into(),
+                    key_id: None
+                },
+            ]
+        );
+        let material = [9u8; 32];
+        let dk = SealingKey {
+            id: "d-0011223344556677",
+            material: &material,
+        };
+        let moved = reencrypt_payload_with(&k, dk, &s, ev, &p).unwrap().unwrap();
+        assert!(outside_data_keys(&s, &moved).is_empty(), "{moved}");
+        assert_eq!(key_ids_in(&moved).get(dk.id), Some(&2));
+        assert_eq!(moved["d"], 4);
+        // Already under a data key: nothing to do.
+        assert_eq!(
+            reencrypt_payload_with(&k, dk, &s, ev, &moved).unwrap(),
+            None
+        );
+        p["b"] = moved["b"].clone();
+        assert_eq!(outside_data_keys(&s, &p).len(), 1);
     }
 
     #[test]

@@ -4,14 +4,21 @@
 //! sensitive field in clear. Rows already up to date are left alone, so a run that stops can
 //! simply be started again (or resumed with `--after`, which skips what was already scanned).
 //!
+//! With a keystore ([`Encryptor::with_keystore`]) every value outside a data key — clear
+//! marked fields and values under any keyring key — is sealed under the row's aggregate's data
+//! key instead, so that `keys forget` erases old rows too.
+//!
 //! In CDC mode the relay keeps INSERTs only, so these UPDATEs are never published again; the
 //! messages already sent keep their old ciphertext, which is why an old key may be retired only
 //! once consumers no longer need it either.
 
-use super::{key_ids_in, reencrypt_payload, Encryptor};
+use super::envelope::KeyBytes;
+use super::{key_ids_in, outside_data_keys, reencrypt_payload, reencrypt_payload_with};
+use super::{Encryptor, SealingKey};
 use crate::names::{pg_ident, ColumnMap, TableName};
 use crate::Error;
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -65,9 +72,12 @@ pub async fn run(
     let payload = pg_ident(columns.get("payload"));
     // FOR UPDATE: a row is not changed under us (a poll-mode relay stamping it, a pruner)
     // between the read and the rewrite; the lock lasts one short batch.
+    let aggregate = pg_ident(columns.get("aggregate_id"));
     let select = format!(
-        "SELECT {id}, {payload}::text FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2 FOR UPDATE"
+        "SELECT {id}, {payload}::text, {aggregate}::text FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2 FOR UPDATE"
     );
+    // Data keys by aggregate, looked up (or created) once per run.
+    let mut data_keys: HashMap<String, (String, KeyBytes)> = HashMap::new();
     let update = format!("UPDATE {t} SET {payload} = $2 WHERE {id} = $1");
     let mut p = Progress {
         last_id: opts.after,
@@ -102,7 +112,24 @@ pub async fn run(
                     continue;
                 }
             };
-            match reencrypt_payload(enc.keyring(), enc.schema(), row_id, &value) {
+            let result = match enc.keystore() {
+                None => reencrypt_payload(enc.keyring(), enc.schema(), row_id, &value),
+                Some(_) if outside_data_keys(enc.schema(), &value).is_empty() => Ok(None),
+                Some(ks) => {
+                    let agg: String = row.get(2);
+                    if !data_keys.contains_key(&agg) {
+                        let k = ks.data_key_for(enc.keyring(), &agg).await?;
+                        data_keys.insert(agg.clone(), k);
+                    }
+                    let (key_id, material) = &data_keys[&agg];
+                    let target = SealingKey {
+                        id: key_id,
+                        material,
+                    };
+                    reencrypt_payload_with(enc.keyring(), target, enc.schema(), row_id, &value)
+                }
+            };
+            match result {
                 Ok(Some(new)) => {
                     tx.execute(&update_stmt, &[&row_id, &new]).await?;
                     p.rewritten += 1;

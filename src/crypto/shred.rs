@@ -257,6 +257,141 @@ impl Keystore {
     }
 }
 
+/// A value of an aggregate's row that would stay readable once the aggregate's data key is
+/// forgotten, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StillReadable {
+    /// The row's event id, as text (a UUID; MySQL tables may store it in other forms).
+    pub event_id: String,
+    pub why: String,
+}
+
+/// The rows of `aggregate_id` in a Postgres outbox table: (event id, payload text).
+pub async fn aggregate_rows_pg(
+    client: &tokio_postgres::Client,
+    table: &crate::names::TableName,
+    columns: &crate::names::ColumnMap,
+    aggregate_id: &str,
+) -> Result<Vec<(String, String)>, Error> {
+    use crate::names::pg_ident;
+    let sql = format!(
+        "SELECT {id}::text, {payload}::text FROM {t} WHERE {agg}::text = $1 ORDER BY {id}",
+        t = table.pg_quoted(),
+        id = pg_ident(columns.get("id")),
+        payload = pg_ident(columns.get("payload")),
+        agg = pg_ident(columns.get("aggregate_id")),
+    );
+    Ok(client
+        .query(&sql, &[&aggregate_id])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
+/// The rows of `aggregate_id` in a MySQL/MariaDB outbox table: (event id, payload text). A
+/// 16-byte id is the contract's `BINARY(16)` UUID; any other id is shown as its text.
+pub async fn aggregate_rows_mysql(
+    conn: &mut mysql_async::Conn,
+    table: &crate::names::TableName,
+    columns: &crate::names::ColumnMap,
+    aggregate_id: &str,
+) -> Result<Vec<(String, String)>, Error> {
+    use crate::names::my_ident;
+    use mysql_async::prelude::Queryable;
+    let t = match &table.schema {
+        Some(db) => format!("{}.{}", my_ident(db), my_ident(&table.name)),
+        None => my_ident(&table.name),
+    };
+    let sql = format!(
+        "SELECT {id}, CAST({payload} AS CHAR CHARACTER SET utf8mb4) FROM {t} WHERE {agg} = ? ORDER BY {id}",
+        id = my_ident(columns.get("id")),
+        payload = my_ident(columns.get("payload")),
+        agg = my_ident(columns.get("aggregate_id")),
+    );
+    let rows: Vec<(Vec<u8>, String)> = conn
+        .exec(sql, (aggregate_id,))
+        .await
+        .map_err(crate::db::mysql::classify)?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, payload)| {
+            let id = match uuid::Uuid::from_slice(&id) {
+                Ok(u) if id.len() == 16 => u.to_string(),
+                _ => String::from_utf8_lossy(&id).into_owned(),
+            };
+            (id, payload)
+        })
+        .collect())
+}
+
+/// Every value in `rows` (an aggregate's rows: event id, payload text) that forgetting the
+/// aggregate's data key would not erase: values under a keyring key, under another
+/// aggregate's data key or a data key this keystore does not hold, and clear fields `schema`
+/// marks. Empty when forgetting erases all of them. Needs no keyring: a value's key id says
+/// where its key lives.
+pub async fn readable_after_forget(
+    ks: &Keystore,
+    rows: &[(String, String)],
+    schema: &super::Schema,
+    aggregate_id: &str,
+) -> Result<Vec<StillReadable>, Error> {
+    let mut owners: HashMap<String, Option<String>> = HashMap::new();
+    let mut out = Vec::new();
+    for (event_id, text) in rows {
+        let Ok(payload) = serde_json::from_str::<serde_json::Value>(text) else {
+            // Not JSON: nothing in it is an outboxd value, and nothing is marked either.
+            continue;
+        };
+        let mut push = |why: String| {
+            out.push(StillReadable {
+                event_id: event_id.clone(),
+                why,
+            })
+        };
+        for u in super::outside_data_keys(schema, &payload) {
+            push(match u.key_id {
+                Some(k) => format!(
+                    "{} is sealed under keyring key {k}, which forgetting does not touch",
+                    u.pointer
+                ),
+                None => format!("{} is a sensitive field stored in clear", u.pointer),
+            });
+        }
+        for key_id in super::key_ids_in(&payload).into_keys() {
+            if !is_data_key_id(&key_id) {
+                continue;
+            }
+            if !owners.contains_key(&key_id) {
+                let owner = owner_of(ks, &key_id).await?;
+                owners.insert(key_id.clone(), owner);
+            }
+            match &owners[&key_id] {
+                Some(owner) if owner == aggregate_id => {}
+                Some(owner) => push(format!(
+                    "values are sealed under data key {key_id} of another aggregate ({owner:?})"
+                )),
+                None => push(format!(
+                    "values are sealed under data key {key_id}, which this keystore does not hold"
+                )),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The aggregate a data key id belongs to (live or forgotten), if the keystore holds it.
+async fn owner_of(ks: &Keystore, key_id: &str) -> Result<Option<String>, Error> {
+    Ok(ks
+        .client
+        .query_opt(
+            "SELECT aggregate_id FROM outboxd_data_keys WHERE key_id = $1",
+            &[&key_id],
+        )
+        .await?
+        .map(|r| r.get(0)))
+}
+
 /// The keyring plus the data keys of one payload, looked up in advance.
 pub struct DataKeys<'a> {
     keyring: &'a Keyring,

@@ -434,10 +434,13 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
             "cust-A",
             "--keystore",
             &dsn,
+            "--source",
+            &dsn,
         ],
         "",
     );
     assert_eq!(code, 2, "asks for --yes: {err}");
+    assert!(err.contains("--yes"), "{err}");
     let (code, out, err) = outboxd_cli(
         &[
             "keys",
@@ -445,6 +448,8 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
             "--aggregate",
             "cust-A",
             "--keystore",
+            &dsn,
+            "--source",
             &dsn,
             "--yes",
         ],

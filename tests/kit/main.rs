@@ -15,6 +15,7 @@ mod consumer_order;
 mod consumer_prune;
 mod crypto_cli;
 mod crypto_fields;
+mod crypto_keys;
 mod crypto_mysql;
 mod crypto_pg;
 mod outbox_prune_locks;

@@ -78,3 +78,45 @@ fn key_ids() {
     let e = Keyring::from_json(&text).unwrap_err();
     assert!(e.to_string().contains("per-aggregate data keys"), "{e}");
 }
+
+#[test]
+fn a_second_writer_waits_for_the_lock_and_a_changed_file_is_not_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.json");
+    Keyring::generate(8).unwrap().save_new(&path).unwrap();
+
+    let mut first = KeyringFile::lock(&path, |_| panic!("nobody holds the lock yet")).unwrap();
+    let mut k = first.read().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = path.clone();
+    let second = std::thread::spawn(move || {
+        let mut f = KeyringFile::lock(&p, |lock| tx.send(lock.to_path_buf()).unwrap()).unwrap();
+        let k = f.read().unwrap();
+        (f, k)
+    });
+    // The second writer reports that it waits, and does not get the lock while we hold it.
+    let lock = rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
+    assert_eq!(lock, path.with_file_name("keys.json.lock"));
+    assert!(!second.is_finished());
+    let added = k.rotate();
+    first.replace(&k).unwrap();
+    drop(first);
+    let (mut f2, k2) = second.join().unwrap();
+    assert_eq!(
+        k2.current_id(),
+        added,
+        "the second writer read the first's write"
+    );
+
+    // A change made without the lock between read and write: refused, file left as it is.
+    let mut other = k2.clone();
+    let theirs = other.rotate();
+    std::fs::write(&path, other.to_json().as_bytes()).unwrap();
+    let err = f2.replace(&k2).unwrap_err();
+    assert!(matches!(err, CryptoError::KeyringChanged { .. }), "{err}");
+    assert!(err.to_string().contains("run the command again"), "{err}");
+    assert_eq!(Keyring::load(&path).unwrap().current_id(), theirs);
+    // Read again, the write goes through.
+    let k3 = f2.read().unwrap();
+    f2.replace(&k3).unwrap();
+}

@@ -434,6 +434,16 @@ pub struct Status {
     pub replay_requested_since: Option<String>,
 }
 
+/// The server's WAL head (`pg_current_wal_lsn()`), as `status` shows it.
+pub async fn wal_head(client: &tokio_postgres::Client) -> Result<u64, Error> {
+    let head: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    crate::event::parse_lsn(&head)
+        .ok_or_else(|| Error::Other(format!("the server's WAL head {head:?} is not an LSN")))
+}
+
 pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Status, Error> {
     let client = pg::connect_sql(dsn, "outboxd_status").await?;
     let head: String = client
