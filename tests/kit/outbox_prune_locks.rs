@@ -5,10 +5,8 @@
 //! no semi-consistent reads). So prune refuses such a table with the `ALTER TABLE` that fixes
 //! it, and with the index (the shipped DDL has it) its range stays on old rows.
 
-use crate::common;
 use crate::consumer_support;
 
-use common::*;
 use consumer_support::*;
 use mysql_async::prelude::Queryable;
 use std::time::Duration;

@@ -62,7 +62,6 @@ pub use row_events::in_guarded_rows;
 pub use savepoint::row_index;
 use statement::first_word;
 pub use statement::insert_target;
-use statement::skip_space;
 pub use xa::{parse_xid, XaPin, Xid};
 use xa::{xa_too_large, PreparedXa};
 
