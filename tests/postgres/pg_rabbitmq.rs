@@ -1560,11 +1560,8 @@ async fn through_a_refusing_queue(prefix: &str, extra: &[&str]) -> Refused {
     .await;
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end, T).await;
-    let at_risk = metric_value(
-        &scrape_metrics(port).await,
-        "outboxd_order_at_risk_total",
-    )
-    .unwrap_or(0.0);
+    let at_risk =
+        metric_value(&scrape_metrics(port).await, "outboxd_order_at_risk_total").unwrap_or(0.0);
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     consumer.abort();
@@ -1590,7 +1587,8 @@ async fn a_refusing_queue_behind_a_pipelined_window_is_flagged() {
         r.got.len()
     );
     assert!(
-        r.stderr.contains("first-delivery order of the events written after it is not guaranteed")
+        r.stderr
+            .contains("first-delivery order of the events written after it is not guaranteed")
             && r.stderr.contains("--window 1"),
         "a nack with later events in flight is flagged with the fix ({inversions} inversions):\n{}",
         r.stderr

@@ -146,7 +146,8 @@ fn ack_error(e: async_nats::jetstream::context::PublishError, timeout: Duration)
             "no JetStream stream captures the subject (was the stream deleted?)".into(),
         ),
         // A full stream with `discard new`, a store failure, …: the relay retries with backoff.
-        _ => SinkError::Rejected(format!("JetStream refused the message: {e}")),
+        // The next message may be stored (the stream made room meanwhile): a refusal in place.
+        _ => SinkError::Nacked(format!("JetStream refused the message: {e}")),
     }
 }
 
@@ -243,7 +244,7 @@ impl Sink for NatsSink {
                         }
                         Err(e) => {
                             let e = ack_error(e, timeout);
-                            if matches!(e, SinkError::Rejected(_)) {
+                            if matches!(e, SinkError::Rejected(_) | SinkError::Nacked(_)) {
                                 refusals.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(e)
