@@ -122,6 +122,9 @@ pub async fn run<S: Sink>(
     // buffered output is flushed once the input is idle even though no new position is.
     let mut unflushed = false;
 
+    if let Some(fence) = &opts.fence {
+        sink.guard_wire(fence.clone());
+    }
     connect_with_backoff(sink).await?;
     // An idle relay notices a broken sink connection on this tick, not at the next event.
     let mut health = tokio::time::interval(Duration::from_secs(1));

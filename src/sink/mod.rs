@@ -104,6 +104,13 @@ pub trait Sink: Send {
         false
     }
 
+    /// Publishing is gated by `fence` (the lease): a sink whose client library writes from its
+    /// own buffers (frames queued before a pause, written after it) drops its connection when
+    /// the gate closes, so nothing more reaches the wire. Called once, before `connect`.
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        let _ = fence;
+    }
+
     /// Whether the destination holds publishing back on purpose (RabbitMQ's resource alarms):
     /// confirmations are then late by design, so the relay's confirm timeout does not run out
     /// across a block — reconnecting would only republish into the same block.
@@ -186,6 +193,14 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
             AnySink::Nats(s) => s.flush().await,
+        }
+    }
+
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        match self {
+            AnySink::Stdout(s) => s.guard_wire(fence),
+            AnySink::Rabbit(s) => s.guard_wire(fence),
+            AnySink::Nats(s) => s.guard_wire(fence),
         }
     }
 

@@ -101,6 +101,13 @@ impl Fence {
         self.age().is_some_and(|a| a < self.0.limit)
     }
 
+    /// How long the gate stays open without another renewal; `None` while it is closed.
+    pub fn closes_in(&self) -> Option<Duration> {
+        self.age()
+            .and_then(|a| self.0.limit.checked_sub(a))
+            .filter(|d| !d.is_zero())
+    }
+
     /// Returns once publishing is allowed: at once while the lease is fresh, otherwise after
     /// the next successful renewal. Waits forever when none comes: then the lease keeper ends
     /// the relay (with `--ha`, or when the lease was lost), or it never was the holder.

@@ -73,6 +73,9 @@ pub struct RabbitSink {
     /// Exchanges named by rows (a templated `--exchange`) found or declared so far: each is
     /// declared (or checked) once, on a connection of its own.
     known_exchanges: HashSet<String>,
+    /// The lease's gate: every connection is reset the moment it closes (see
+    /// [`link::guard_socket`]).
+    fence: Option<crate::state::Fence>,
 }
 
 impl RabbitSink {
@@ -98,6 +101,7 @@ impl RabbitSink {
             link: None,
             flow: Arc::default(),
             known_exchanges: HashSet::new(),
+            fence: None,
         })
     }
 }
@@ -113,6 +117,10 @@ impl Sink for RabbitSink {
 
     fn flow_control(&self) -> Option<Arc<FlowControl>> {
         Some(self.flow.clone())
+    }
+
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        self.fence = Some(fence);
     }
 
     fn is_broken(&self) -> bool {
