@@ -61,6 +61,39 @@ impl WireSocket {
         Ok(())
     }
 
+    /// The TCP sockets of this process connected to one of `peers` now, by descriptor, for a
+    /// client that does not hand out its socket (async-nats): each is kept as a duplicate,
+    /// checked after duplicating (a descriptor closed or reused meanwhile is skipped or seen
+    /// for what it is now).
+    pub fn connected_to(peers: &[std::net::SocketAddr]) -> Vec<(i32, WireSocket)> {
+        let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for entry in dir.flatten() {
+            let Some(fd) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            // SAFETY: only duplicated, never closed through this borrow; a descriptor that was
+            // closed since the listing fails to duplicate (EBADF).
+            let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            let Ok(owned) = borrowed.try_clone_to_owned() else {
+                continue;
+            };
+            let stream = std::net::TcpStream::from(owned);
+            if stream.peer_addr().is_ok_and(|p| peers.contains(&p)) {
+                let socket = WireSocket::default();
+                *socket.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(stream.into());
+                found.push((fd, socket));
+            }
+        }
+        found
+    }
+
     /// Whether a socket was kept (the connection was made).
     pub fn is_kept(&self) -> bool {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()

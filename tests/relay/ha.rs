@@ -325,7 +325,130 @@ async fn a_paused_leader_behind_a_stalled_broker_leaves_nothing_queued<D: Source
     assert_eq!(lost, 0, "every event reached one of the two queues");
 }
 
+/// The same with the NATS sink: the leader publishes through a stalled proxy into a stream of
+/// its own, its successor directly into another (a test device, to tell their messages apart).
+async fn a_paused_nats_leader_behind_a_stalled_server_leaves_nothing_queued<D: SourceDb>() {
+    use common::nats::{self, TestStream};
+    let db = D::create("ha_wirn").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let old = TestStream::new("hnl").await;
+    let new = TestStream::new("hns").await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], nats::PORT).into())
+        .await
+        .unwrap();
+    let port = free_local_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let args = |s: &TestStream, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["run", "--ha", "--source", &dsn, "--name", &name]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(s.args());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let leader_args = args(&old, &["--metrics-addr", &metrics]);
+    let leader_args: Vec<&str> = leader_args.iter().map(String::as_str).collect();
+    let mut leader = Relay::start_with_env(
+        &leader_args,
+        &[("OUTBOXD_SINK", &nats::url_via(proxy.port()))],
+    );
+    db.wait_streaming(&name).await;
+    let standby_args = args(&new, &[]);
+    let standby_args: Vec<&str> = standby_args.iter().map(String::as_str).collect();
+    let standby = Relay::start_with_env(&standby_args, &[("OUTBOXD_SINK", &nats::url())]);
+    wait_standby(&standby, T).await;
+
+    let mut expected = db.write(2, 10, "ha.before").await;
+    wait_for("the leader's first events", T, || async {
+        old.len().await >= 20
+    })
+    .await;
+
+    proxy.stall();
+    let published = || async {
+        metric_value(
+            &scrape_metrics(port).await,
+            "outboxd_events_published_total",
+        )
+        .unwrap_or(0.0)
+    };
+    let before_stall = published().await;
+    expected.extend(db.write(40, 100, "ha.stalled").await);
+    // The client's queue is bounded: the relay hands over what fits, then waits in the
+    // hand-over.
+    wait_for("the leader's socket to fill", T, || async {
+        queued_toward(proxy.port()) > 0 && published().await >= before_stall + 1000.0
+    })
+    .await;
+    let handed = published().await - before_stall;
+    let reached_before_pause = old.len().await;
+    let queued_at_pause = queued_toward(proxy.port());
+    eprintln!(
+        "{}: NATS: {queued_at_pause} bytes queued in the leader's socket toward the stalled server at the pause; {handed} events handed over during the stall",
+        D::LABEL
+    );
+
+    leader.signal("STOP");
+    expected.extend(db.write(2, 10, "ha.after").await);
+    wait_for("the successor to publish", T, || async {
+        new.len().await > 0
+    })
+    .await;
+    leader.signal("CONT");
+    let code = leader.wait_exit(T).await;
+    let kicked = code == 1 && leader.stderr().contains("same server_uuid/server_id");
+    assert!(
+        code == 4 || kicked,
+        "leadership lost, exit {code}: {}",
+        leader.stderr()
+    );
+    let left = queued_toward(proxy.port());
+    assert_eq!(
+        left,
+        0,
+        "the resumed leader left {left} bytes queued toward the server (at the pause: {queued_at_pause}):\n{}",
+        leader.stderr()
+    );
+
+    proxy.resume();
+    wait_for("the leader's proxied connection to end", T, || {
+        let open = proxy.open_connections();
+        async move { open == 0 }
+    })
+    .await;
+    // The server takes a moment to store what it read last: wait until the count holds still.
+    let deadline = Instant::now() + T;
+    let mut last = old.len().await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = old.len().await;
+        if now == last {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the leader's stream settles");
+        last = now;
+    }
+    eprintln!(
+        "{}: NATS: {} messages of the old leader were stored after its successor published ({} before the pause)",
+        D::LABEL,
+        last - reached_before_pause,
+        reached_before_pause,
+    );
+    wait_for("the successor to store every event", T, || async {
+        new.len().await as usize + 20 >= expected.len()
+    })
+    .await;
+    let mut got = std::collections::HashSet::new();
+    got.extend(old.id_counts().await.0);
+    got.extend(new.id_counts().await.0);
+    let lost = expected.iter().filter(|i| !got.contains(i)).count();
+    assert_eq!(lost, 0, "every event reached one of the two streams");
+}
+
 on_both_sources!(
+    a_paused_nats_leader_behind_a_stalled_server_leaves_nothing_queued,
     the_standby_takes_over_when_the_leader_is_killed,
     a_stalled_leader_stops_before_the_standby_starts,
     a_paused_leader_publishes_nothing_after_it_resumes_and_exits_4,

@@ -21,8 +21,10 @@ pub mod publish;
 pub use config::NatsConfig;
 
 use super::{Delivery, Sink, SinkError};
+use crate::amqp::WireSocket;
 use crate::dsn::redact_token as redact;
 use crate::event::OutboxEvent;
+use crate::state::Fence;
 use crate::telemetry::events::{EventDeduplicated, InternalEvent};
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
@@ -42,10 +44,14 @@ pub struct NatsSink {
     /// by the next acknowledgement. The relay's recovery succeeds as soon as the republish is
     /// handed over, so without this a refusing stream would be reconnected to in a loop.
     refusals: Arc<AtomicU32>,
+    /// The lease's gate: the connection is reset the moment it closes (see `guard_socket`).
+    fence: Option<crate::state::Fence>,
 }
 
 /// One client and its JetStream context. Dropping it closes the connection.
 struct Link {
+    /// Resets the socket when the lease's gate closes; aborted with the link.
+    guard: Option<tokio::task::JoinHandle<()>>,
     client: Client,
     js: Context,
     /// Turns true when the connection is lost; never back.
@@ -64,6 +70,7 @@ impl NatsSink {
             prefix,
             link: None,
             refusals: Arc::default(),
+            fence: None,
         })
     }
 
@@ -74,6 +81,17 @@ impl NatsSink {
 
     async fn open(&self) -> Result<Link, SinkError> {
         let (tx, rx) = watch::channel(false);
+        let broken = tx.clone();
+        // async-nats does not hand out its socket: it is found as the one connection to the
+        // server's address that appeared with this client.
+        let peers = match &self.fence {
+            Some(_) => server_addrs(&self.cfg).await,
+            None => Vec::new(),
+        };
+        let before: Vec<i32> = WireSocket::connected_to(&peers)
+            .into_iter()
+            .map(|(fd, _)| fd)
+            .collect();
         let shown = self.redacted.clone();
         let client = connect::connect_with_events(&self.cfg, move |event| {
             let tx = tx.clone();
@@ -116,13 +134,65 @@ impl NatsSink {
                 )))
             }
         }
+        let guard = self.fence.clone().map(|fence| {
+            let sockets: Vec<WireSocket> = WireSocket::connected_to(&peers)
+                .into_iter()
+                .filter(|(fd, _)| !before.contains(fd))
+                .map(|(_, s)| s)
+                .collect();
+            if sockets.is_empty() {
+                tracing::warn!(sink = %self.redacted, "the NATS client's socket was not found: a closed lease gate stops publishing at the hand-over only");
+            }
+            for s in &sockets {
+                let _ = s.abort_on_close();
+            }
+            tokio::spawn(guard_socket(fence, sockets, broken))
+        });
         Ok(Link {
+            guard,
             client,
             js,
             broken: rx,
             max_payload,
         })
     }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Some(g) = &self.guard {
+            g.abort();
+        }
+    }
+}
+
+/// The server's socket addresses (`--sink` resolved), to find the client's connection by.
+async fn server_addrs(cfg: &NatsConfig) -> Vec<std::net::SocketAddr> {
+    let Ok(ep) = config::endpoint(&cfg.url) else {
+        return Vec::new();
+    };
+    let hostport = ep
+        .address
+        .split_once("://")
+        .map_or(ep.address.as_str(), |(_, rest)| rest)
+        .to_string();
+    let found = tokio::net::lookup_host(hostport).await;
+    found.map(|a| a.collect()).unwrap_or_default()
+}
+
+/// Resets the client's socket the moment the lease's gate closes: the client queues messages
+/// and writes them from its own task whenever the socket takes them, so frames queued before
+/// a pause would be written after it (see the RabbitMQ sink's `guard_socket`).
+async fn guard_socket(fence: Fence, sockets: Vec<WireSocket>, broken: watch::Sender<bool>) {
+    fence.wait_open().await;
+    while let Some(open_for) = fence.closes_in() {
+        tokio::time::sleep(open_for).await;
+    }
+    for s in &sockets {
+        let result = s.reset();
+        tracing::warn!(target: "outboxd::sink::nats", reset = ?result, "the lease's gate closed (no renewal for too long): the connection was reset so that nothing queued in the client reaches the server");
+    }
+    broken.send_replace(true);
 }
 
 /// How long to wait before publishing again after `n` refusals in a row: 200 ms doubling to
@@ -158,6 +228,10 @@ impl Sink for NatsSink {
 
     fn stores_position(&self) -> bool {
         true
+    }
+
+    fn guard_wire(&mut self, fence: Fence) {
+        self.fence = Some(fence);
     }
 
     fn is_broken(&self) -> bool {
