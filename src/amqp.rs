@@ -348,6 +348,61 @@ pub fn tls_config(
 mod tests {
     use super::*;
 
+    /// A client socket whose peer does not read, written to until the kernel holds data for
+    /// it: `connected_to` finds it, `reset` drops what was queued and fails every later write,
+    /// and the peer sees a reset, not the queued bytes followed by an orderly end.
+    #[test]
+    fn a_reset_socket_sends_nothing_more() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        client.set_nonblocking(true).unwrap();
+        let chunk = [7u8; 64 * 1024];
+        let mut written = 0usize;
+        loop {
+            match client.write(&chunk) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+        assert!(written > 0);
+
+        let found = WireSocket::connected_to(&[addr]);
+        assert_eq!(
+            found.len(),
+            1,
+            "exactly the client's socket is connected to {addr}"
+        );
+        let (fd, socket) = &found[0];
+        assert_eq!(*fd, std::os::fd::AsRawFd::as_raw_fd(&client));
+        socket.reset().unwrap();
+
+        assert!(client.write(&chunk).is_err(), "nothing more is written");
+        // The peer reads at most what had reached it before the reset, then the reset.
+        server.set_nonblocking(false).unwrap();
+        server
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut received = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        let end = loop {
+            match server.read(&mut buf) {
+                Ok(0) => break None,
+                Ok(n) => received += n,
+                Err(e) => break Some(e.kind()),
+            }
+        };
+        assert_eq!(
+            end,
+            Some(std::io::ErrorKind::ConnectionReset),
+            "the peer sees a reset after {received} of {written} bytes"
+        );
+        assert!(received < written, "the queued bytes were dropped");
+    }
+
     #[test]
     fn urls_are_read_as_users_write_them() {
         let e = Endpoint::parse(

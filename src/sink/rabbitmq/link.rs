@@ -124,7 +124,9 @@ impl RabbitSink {
         if let Some(fence) = &self.fence {
             // Leaving with frames still queued (exit 4 after a pause) must not send them
             // either: the socket's close resets the connection.
-            if let Err(e) = socket.abort_on_close() {
+            if !socket.is_kept() {
+                tracing::warn!("the RabbitMQ socket was not kept: a closed lease gate stops publishing at the hand-over only");
+            } else if let Err(e) = socket.abort_on_close() {
                 tracing::warn!(error = %e, "cannot make the RabbitMQ socket reset on close");
             }
             tasks.push(tokio::spawn(guard_socket(
