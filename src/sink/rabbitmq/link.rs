@@ -77,11 +77,8 @@ pub(super) async fn guard_socket(
     state: watch::Sender<LinkState>,
 ) {
     fence.wait_open().await;
-    loop {
-        match fence.closes_in() {
-            Some(open_for) => tokio::time::sleep(open_for).await,
-            None => break,
-        }
+    while let Some(open_for) = fence.closes_in() {
+        tokio::time::sleep(open_for).await;
     }
     let result = socket.reset();
     let why = "the lease's gate closed (no renewal for too long): the connection was reset so that nothing queued in the client reaches the broker";
