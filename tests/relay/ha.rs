@@ -447,6 +447,105 @@ async fn a_paused_nats_leader_behind_a_stalled_server_leaves_nothing_queued<D: S
     assert_eq!(lost, 0, "every event reached one of the two streams");
 }
 
+/// The case the reset cannot cover, measured: the broker drains the paused leader's socket
+/// *during* the pause (its alarm clears), so the kernel sends what was queued while the process
+/// is stopped; printed. After the resume the leader must write nothing more (bytes the proxy
+/// forwarded from it after SIGCONT): lapin's thread races the gate's reset there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_whose_broker_drains_during_the_pause_writes_nothing_after_it_resumes() {
+    use common::amqp::{self, Topology};
+    let db = PgDb::create("ha_drain").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut old = Topology::new("xhd").await;
+    let new = Topology::new("xhe").await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], amqp::HOST_PORT).into())
+        .await
+        .unwrap();
+    let port = free_local_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let common_args = ["run", "--ha", "--source", &dsn, "--name", &name];
+    let mut leader_args = common_args.to_vec();
+    leader_args.extend(["--exchange", &old.exchange, "--metrics-addr", &metrics]);
+    let mut leader = Relay::start_with_env(
+        &leader_args,
+        &[("OUTBOXD_SINK", &amqp::url_via(proxy.port()))],
+    );
+    db.wait_streaming(&name).await;
+    let mut standby_args = common_args.to_vec();
+    standby_args.extend(["--exchange", &new.exchange]);
+    let standby = Relay::start_with_env(&standby_args, &[("OUTBOXD_SINK", &amqp::url())]);
+    wait_standby(&standby, T).await;
+    old.wait_declared(T).await;
+    let from_leader = old.bind_queue("all", "#").await;
+    db.write(2, 10, "ha.before").await;
+    wait_for("the leader's first events", T, || async {
+        old.queue_len(&from_leader).await >= 20
+    })
+    .await;
+
+    proxy.stall();
+    let published = || async {
+        metric_value(
+            &scrape_metrics(port).await,
+            "outboxd_events_published_total",
+        )
+        .unwrap_or(0.0)
+    };
+    let before_stall = published().await;
+    db.write(40, 100, "ha.stalled").await;
+    wait_for("the leader to hand over the stalled events", T, || async {
+        published().await >= before_stall + 4000.0
+    })
+    .await;
+    let queued_at_pause = queued_toward(proxy.port());
+    let (up_at_pause, _) = proxy.bytes();
+
+    leader.signal("STOP");
+    db.write(2, 10, "ha.after").await;
+    wait_for("the successor to publish", T, || async {
+        new.queue_len(&new.unrouted()).await > 0
+    })
+    .await;
+    // The broker drains the stopped leader's socket: the kernel sends its queue meanwhile.
+    proxy.resume();
+    wait_for("the stopped leader's socket to drain", T, || {
+        let q = queued_toward(proxy.port());
+        async move { q == 0 }
+    })
+    .await;
+    let deadline = Instant::now() + T;
+    let mut up_stopped = proxy.bytes().0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = proxy.bytes().0;
+        if now == up_stopped {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the proxy's forwarding settles");
+        up_stopped = now;
+    }
+    leader.signal("CONT");
+    let code = leader.wait_exit(T).await;
+    assert_eq!(code, 4, "leadership lost: {}", leader.stderr());
+    wait_for("the leader's proxied connection to end", T, || {
+        let open = proxy.open_connections();
+        async move { open == 0 }
+    })
+    .await;
+    let after_resume = proxy.bytes().0 - up_stopped;
+    let sent_while_stopped = up_stopped - up_at_pause;
+    eprintln!(
+        "drained during the pause: {sent_while_stopped} bytes sent while stopped ({queued_at_pause} were queued in the socket at the pause); {after_resume} bytes written after the resume"
+    );
+    assert_eq!(
+        after_resume,
+        0,
+        "the resumed leader wrote {after_resume} bytes after it resumed:\n{}",
+        leader.stderr()
+    );
+}
+
 on_both_sources!(
     a_paused_nats_leader_behind_a_stalled_server_leaves_nothing_queued,
     the_standby_takes_over_when_the_leader_is_killed,
