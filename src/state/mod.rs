@@ -488,4 +488,22 @@ mod tests {
         assert!(!holder_is_dead_locally("some-other-host:1:abcd"));
         assert!(!holder_is_dead_locally("garbage"));
     }
+
+    /// `closes_in` is what the sinks' socket guards sleep on: none before the first renewal,
+    /// the rest of the limit after one, none once it ran out (a pause counts: the clock ran on).
+    #[tokio::test(start_paused = true)]
+    async fn the_gate_says_when_it_closes() {
+        let limit = Duration::from_millis(3500);
+        let fence = Fence::new(limit);
+        assert_eq!(fence.closes_in(), None, "closed before the first renewal");
+        fence.renewed(Instant::now());
+        assert_eq!(fence.closes_in(), Some(limit));
+        tokio::time::advance(Duration::from_millis(1000)).await;
+        assert_eq!(fence.closes_in(), Some(Duration::from_millis(2500)));
+        tokio::time::advance(Duration::from_millis(2500)).await;
+        assert_eq!(fence.closes_in(), None, "closed at the limit");
+        assert!(!fence.is_open());
+        fence.renewed(Instant::now());
+        assert_eq!(fence.closes_in(), Some(limit), "a renewal opens it again");
+    }
 }
