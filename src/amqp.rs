@@ -8,9 +8,10 @@
 use crate::dsn::redact;
 use crate::Error;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::tcp::{AMQPUriTcpExt, OwnedTLSConfig, RustlsConnector, TLSConfig};
+use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, RustlsConnector, TLSConfig};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -40,6 +41,126 @@ impl TlsFiles {
             if slot.is_none() {
                 *slot = Some(PathBuf::from(v.as_ref()));
             }
+        }
+    }
+}
+
+/// The TCP socket under one lapin connection, duplicated so that it outlives lapin's handle
+/// and the descriptor cannot be reused for another socket while it is held. lapin writes from
+/// its own thread and queues frames without bound, so closing the connection through lapin
+/// would still write what it queued; [`WireSocket::reset`] instead disconnects the socket
+/// itself: the kernel sends a reset and drops whatever is still queued to be sent, and every
+/// later write fails.
+#[derive(Clone, Default)]
+pub struct WireSocket(Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>);
+
+impl WireSocket {
+    fn keep(&self, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+        let owned = fd.try_clone_to_owned()?;
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(owned);
+        Ok(())
+    }
+
+    /// The TCP sockets of this process connected to one of `peers` now, by descriptor, for a
+    /// client that does not hand out its socket (async-nats): each is kept as a duplicate,
+    /// checked after duplicating (a descriptor closed or reused meanwhile is skipped or seen
+    /// for what it is now).
+    pub fn connected_to(peers: &[std::net::SocketAddr]) -> Vec<(i32, WireSocket)> {
+        if peers.is_empty() {
+            return Vec::new();
+        }
+        let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for entry in dir.flatten() {
+            let Some(fd) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            // SAFETY: only duplicated, never closed through this borrow; a descriptor that was
+            // closed since the listing fails to duplicate (EBADF).
+            let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            let Ok(owned) = borrowed.try_clone_to_owned() else {
+                continue;
+            };
+            let stream = std::net::TcpStream::from(owned);
+            if stream.peer_addr().is_ok_and(|p| peers.contains(&p)) {
+                let socket = WireSocket::default();
+                *socket.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(stream.into());
+                found.push((fd, socket));
+            }
+        }
+        found
+    }
+
+    /// Whether a socket was kept (the connection was made).
+    pub fn is_kept(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Makes closing the socket (lapin dropping it, the process exiting) reset the connection
+    /// rather than send what is still queued: for a publisher whose every message counts only
+    /// once confirmed, a message still queued when it closes is one it gave up on.
+    pub fn abort_on_close(&self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(fd) = guard.as_ref() else {
+            return Ok(());
+        };
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: a valid descriptor we own, and a properly sized, initialised option value.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+
+    /// Resets the connection: nothing more leaves this socket, and what the kernel still
+    /// held for the peer is discarded. Idempotent.
+    pub fn reset(&self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(fd) = guard.as_ref() else {
+            return Ok(());
+        };
+        // connect() to an AF_UNSPEC address disconnects a TCP socket (Linux: tcp_disconnect):
+        // a RST is sent, the send queue purged, and the socket is left unconnected. Unlike
+        // close() it works on a descriptor other threads (lapin's) still use, and unlike
+        // shutdown() it does not first send what is queued.
+        let addr = libc::sockaddr {
+            sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+            sa_data: [0; 14],
+        };
+        // SAFETY: `fd` is a valid descriptor we own for the duration of the call, and `addr`
+        // is a properly sized, initialised sockaddr.
+        let rc = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                &addr,
+                std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
         }
     }
 }
@@ -99,40 +220,47 @@ impl Endpoint {
 
     /// Opens one connection, named `name` in the broker's connection list.
     pub async fn connect(&self, name: &str) -> Result<Connection, ConnectError> {
+        self.connect_with_socket(name).await.map(|(conn, _)| conn)
+    }
+
+    /// [`connect`](Self::connect), and a handle on the connection's TCP socket that can reset
+    /// it from outside lapin (see [`WireSocket`]).
+    pub async fn connect_with_socket(
+        &self,
+        name: &str,
+    ) -> Result<(Connection, WireSocket), ConnectError> {
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| ConnectError::Other(format!("no runtime for lapin: {e}")))?;
         let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-        let result = match &self.tls {
-            None => {
-                Connection::connect_uri_with_config(
-                    self.uri.clone(),
-                    props,
-                    OwnedTLSConfig::default(),
-                    runtime,
-                )
-                .await
-            }
-            Some(tls) => {
-                // amqps://: the TCP connection as lapin makes it, then the handshake with our
-                // own rustls configuration (lapin's would add the public roots to the CA file).
-                let connector = RustlsConnector::from(tls.clone());
-                Connection::connector(
-                    self.uri.clone(),
-                    runtime,
-                    async move |uri: AMQPUri, runtime| {
-                        let mut plain = uri.clone();
-                        plain.scheme = AMQPScheme::AMQP;
-                        let stream = plain
-                            .connect_with_config_async(TLSConfig::default(), &runtime)
-                            .await?;
-                        Ok(stream.into_rustls(&connector, &uri.authority.host).await?)
-                    },
-                    props,
-                )
-                .await
-            }
-        };
-        result.map_err(|e| self.classify(e))
+        let socket = WireSocket::default();
+        let slot = socket.clone();
+        // amqps://: the TLS handshake with our own rustls configuration (lapin's would add the
+        // public roots to the CA file). Either way the TCP connection is made here, as lapin
+        // makes it, so that its socket can be kept.
+        let connector = self.tls.clone().map(RustlsConnector::from);
+        let result = Connection::connector(
+            self.uri.clone(),
+            runtime,
+            async move |uri: AMQPUri, runtime| {
+                let mut plain = uri.clone();
+                plain.scheme = AMQPScheme::AMQP;
+                let stream = plain
+                    .connect_with_config_async(TLSConfig::default(), &runtime)
+                    .await?;
+                if let AsyncTcpStream::Plain(tcp) = &stream {
+                    slot.keep(tcp.get_ref().as_fd())?;
+                }
+                match &connector {
+                    Some(c) => Ok(stream.into_rustls(c, &uri.authority.host).await?),
+                    None => Ok(stream),
+                }
+            },
+            props,
+        )
+        .await;
+        result
+            .map(|conn| (conn, socket))
+            .map_err(|e| self.classify(e))
     }
 
     fn classify(&self, e: lapin::Error) -> ConnectError {
@@ -222,6 +350,61 @@ pub fn tls_config(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client socket whose peer does not read, written to until the kernel holds data for
+    /// it: `connected_to` finds it, `reset` drops what was queued and fails every later write,
+    /// and the peer sees a reset, not the queued bytes followed by an orderly end.
+    #[test]
+    fn a_reset_socket_sends_nothing_more() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        client.set_nonblocking(true).unwrap();
+        let chunk = [7u8; 64 * 1024];
+        let mut written = 0usize;
+        loop {
+            match client.write(&chunk) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+        assert!(written > 0);
+
+        let found = WireSocket::connected_to(&[addr]);
+        assert_eq!(
+            found.len(),
+            1,
+            "exactly the client's socket is connected to {addr}"
+        );
+        let (fd, socket) = &found[0];
+        assert_eq!(*fd, std::os::fd::AsRawFd::as_raw_fd(&client));
+        socket.reset().unwrap();
+
+        assert!(client.write(&chunk).is_err(), "nothing more is written");
+        // The peer reads at most what had reached it before the reset, then the reset.
+        server.set_nonblocking(false).unwrap();
+        server
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut received = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        let end = loop {
+            match server.read(&mut buf) {
+                Ok(0) => break None,
+                Ok(n) => received += n,
+                Err(e) => break Some(e.kind()),
+            }
+        };
+        assert_eq!(
+            end,
+            Some(std::io::ErrorKind::ConnectionReset),
+            "the peer sees a reset after {received} of {written} bytes"
+        );
+        assert!(received < written, "the queued bytes were dropped");
+    }
 
     #[test]
     fn urls_are_read_as_users_write_them() {

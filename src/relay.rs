@@ -2,8 +2,10 @@
 //! bounded window of unconfirmed events, and acknowledges a source checkpoint only once every
 //! event before it is durable — in the order received, never backwards. On a retryable sink
 //! failure (nack, return, confirm timeout, lost connection) it reconnects and republishes every
-//! unconfirmed event in the original order: duplicates are possible, loss and reordering of
-//! first deliveries are not.
+//! unconfirmed event in the original order: duplicates are possible, loss is not, and neither
+//! is reordering of first deliveries — except behind a refusal in place (a nack from a queue
+//! that refuses when full): events already written after the refused one cannot be recalled,
+//! so the relay flags it ([`OrderAtRisk`]); with `--window 1` nothing is ever written behind.
 //!
 //! Recovery is paced, so an event the broker keeps refusing (an unroutable return, a nack, a
 //! channel closed over a missing exchange) costs a few reconnects a minute, not a storm: the
@@ -20,8 +22,8 @@ use crate::sink::{Delivery, FlowControl, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
 use crate::state::Fence;
 use crate::telemetry::events::{
-    EventConfirmed, EventPublishing, EventRepublished, InternalEvent, SinkConnected, SinkRecovered,
-    SinkRetry,
+    EventConfirmed, EventPublishing, EventRepublished, InternalEvent, OrderAtRisk, SinkConnected,
+    SinkRecovered, SinkRetry,
 };
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
@@ -120,6 +122,9 @@ pub async fn run<S: Sink>(
     // buffered output is flushed once the input is idle even though no new position is.
     let mut unflushed = false;
 
+    if let Some(fence) = &opts.fence {
+        sink.guard_wire(fence.clone());
+    }
     connect_with_backoff(sink).await?;
     // An idle relay notices a broken sink connection on this tick, not at the next event.
     let mut health = tokio::time::interval(Duration::from_secs(1));
@@ -141,6 +146,15 @@ pub async fn run<S: Sink>(
                         unflushed = true;
                     }
                     Err(e) if e.is_retryable() => {
+                        if matches!(e, SinkError::Nacked(_)) && !confirms.is_empty() {
+                            // Confirmations come in publishing order, so every one still
+                            // pending is of an event written after the refused one.
+                            OrderAtRisk {
+                                event: front_event(&queue).map(|e| (&e.id, &e.position)),
+                                behind: confirms.len(),
+                            }
+                            .emit();
+                        }
                         let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
                         recover(sink, &mut w, e, opts, stats).await?;
                     }

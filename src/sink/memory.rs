@@ -124,7 +124,7 @@ impl MemoryHandle {
 
     /// Nacks the oldest outstanding publish of `id` (a retryable rejection).
     pub fn fail(&self, id: uuid::Uuid, reason: &str) -> bool {
-        let e = SinkError::Rejected(format!("message {id} was nacked: {reason}"));
+        let e = SinkError::Nacked(format!("message {id} was nacked: {reason}"));
         lock(&self.shared).answer(id, Err(e))
     }
 

@@ -31,9 +31,16 @@ pub enum SinkError {
     /// The connection is gone or unusable; reconnect and republish.
     #[error("sink connection: {0}")]
     Connection(String),
-    /// The broker refused the message (nack) or returned it as unroutable.
+    /// The broker returned the message as unroutable (or refused it for good reason that
+    /// holds for the messages after it as well).
     #[error("sink rejected the message: {0}")]
     Rejected(String),
+    /// The broker refused the message but may accept the ones written after it: a RabbitMQ
+    /// nack (a queue with `x-overflow=reject-publish` that is full), a JetStream stream full
+    /// under `discard new`. Those later messages are already on the wire, so their first
+    /// delivery can come before this one's: the relay flags it (`OrderAtRisk`).
+    #[error("sink rejected the message: {0}")]
+    Nacked(String),
     /// No confirmation within the confirm timeout.
     #[error("no confirmation within {0:?}")]
     ConfirmTimeout(std::time::Duration),
@@ -50,7 +57,8 @@ impl SinkError {
     pub fn kind(&self) -> &'static str {
         match self {
             SinkError::Connection(_) => "connection",
-            SinkError::Rejected(_) => "rejected",
+            // One label for both refusals: the metric's documented causes stay the same.
+            SinkError::Rejected(_) | SinkError::Nacked(_) => "rejected",
             SinkError::ConfirmTimeout(_) => "timeout",
             SinkError::Config { .. } => "config",
             SinkError::Io(_) => "io",
@@ -60,7 +68,10 @@ impl SinkError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            SinkError::Connection(_) | SinkError::Rejected(_) | SinkError::ConfirmTimeout(_)
+            SinkError::Connection(_)
+                | SinkError::Rejected(_)
+                | SinkError::Nacked(_)
+                | SinkError::ConfirmTimeout(_)
         )
     }
 }
@@ -91,6 +102,13 @@ pub trait Sink: Send {
     /// event needs it (and readiness tells the truth while nothing flows).
     fn is_broken(&self) -> bool {
         false
+    }
+
+    /// Publishing is gated by `fence` (the lease): a sink whose client library writes from its
+    /// own buffers (frames queued before a pause, written after it) drops its connection when
+    /// the gate closes, so nothing more reaches the wire. Called once, before `connect`.
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        let _ = fence;
     }
 
     /// Whether the destination holds publishing back on purpose (RabbitMQ's resource alarms):
@@ -175,6 +193,14 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
             AnySink::Nats(s) => s.flush().await,
+        }
+    }
+
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        match self {
+            AnySink::Stdout(s) => s.guard_wire(fence),
+            AnySink::Rabbit(s) => s.guard_wire(fence),
+            AnySink::Nats(s) => s.guard_wire(fence),
         }
     }
 

@@ -101,6 +101,13 @@ impl Fence {
         self.age().is_some_and(|a| a < self.0.limit)
     }
 
+    /// How long the gate stays open without another renewal; `None` while it is closed.
+    pub fn closes_in(&self) -> Option<Duration> {
+        self.age()
+            .and_then(|a| self.0.limit.checked_sub(a))
+            .filter(|d| !d.is_zero())
+    }
+
     /// Returns once publishing is allowed: at once while the lease is fresh, otherwise after
     /// the next successful renewal. Waits forever when none comes: then the lease keeper ends
     /// the relay (with `--ha`, or when the lease was lost), or it never was the holder.
@@ -630,5 +637,23 @@ mod tests {
             u64::MAX
         );
         assert!(longest.len() <= 255, "{}", longest.len());
+    }
+
+    /// `closes_in` is what the sinks' socket guards sleep on: none before the first renewal,
+    /// the rest of the limit after one, none once it ran out (a pause counts: the clock ran on).
+    #[tokio::test(start_paused = true)]
+    async fn the_gate_says_when_it_closes() {
+        let limit = Duration::from_millis(3500);
+        let fence = Fence::new(limit);
+        assert_eq!(fence.closes_in(), None, "closed before the first renewal");
+        fence.renewed(Instant::now());
+        assert_eq!(fence.closes_in(), Some(limit));
+        tokio::time::advance(Duration::from_millis(1000)).await;
+        assert_eq!(fence.closes_in(), Some(Duration::from_millis(2500)));
+        tokio::time::advance(Duration::from_millis(2500)).await;
+        assert_eq!(fence.closes_in(), None, "closed at the limit");
+        assert!(!fence.is_open());
+        fence.renewed(Instant::now());
+        assert_eq!(fence.closes_in(), Some(limit), "a renewal opens it again");
     }
 }

@@ -389,6 +389,27 @@ impl InternalEvent for SinkRetry<'_> {
     }
 }
 
+/// The sink refused `event` in place (a nack: the broker may accept the messages after it)
+/// while `behind` later events were already handed to it. Those cannot be recalled, so their
+/// first delivery may come before the refused event's: the per-aggregate order guarantee does
+/// not hold for them. Logged as an error with the fix, and counted.
+pub struct OrderAtRisk<'a> {
+    pub event: Option<(&'a uuid::Uuid, &'a SourcePosition)>,
+    pub behind: usize,
+}
+
+impl InternalEvent for OrderAtRisk<'_> {
+    fn emit(self) {
+        get().order_at_risk.inc_by(self.behind as u64);
+        let (id, position) = match self.event {
+            Some((id, position)) => (id.to_string(), position.to_string()),
+            None => (String::new(), String::new()),
+        };
+        tracing::error!(target: "outboxd::relay", event_id = %id, position = %position, behind = self.behind,
+            "the sink refused event {id} at {position} while {} later events were already written: the first-delivery order of the events written after it is not guaranteed (a queue may hold them before it). A queue that refuses when full causes this (RabbitMQ: x-overflow=reject-publish or reject-publish-dlx with x-max-length or x-max-length-bytes, as a queue argument or a policy; NATS: a stream with discard new and a limit). Fix: remove the limit or its reject overflow, or run with --window 1 where per-aggregate order must hold", self.behind);
+    }
+}
+
 /// The broker blocked the connection (a resource alarm) for `reason`.
 pub struct SinkBlocked<'a> {
     pub reason: &'a dyn Display,

@@ -52,6 +52,9 @@ pub struct Telemetry {
     /// Failed attempts to get the oldest unconfirmed event confirmed, by cause (see
     /// [`events::SinkRetry`]).
     pub sink_retries: Family<Cause, Counter>,
+    /// Events already handed to the sink behind one it refused in place (see
+    /// [`events::OrderAtRisk`]).
+    pub order_at_risk: Counter,
     pub publish_confirm_seconds: Histogram,
     pub commit_confirm_seconds: Histogram,
     pub source_lag_bytes: Gauge,
@@ -97,6 +100,7 @@ impl Telemetry {
             http_connections_refused: Counter::default(),
             reconnects: Family::default(),
             sink_retries: Family::default(),
+            order_at_risk: Counter::default(),
             // 100 µs … ~27 min
             publish_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
             commit_confirm_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 24)),
@@ -174,6 +178,11 @@ impl Telemetry {
             "sink_retries",
             "Failed attempts to get the oldest unconfirmed event confirmed (cause: rejected = returned or nacked, timeout, connection); each is followed by a paced reconnect",
             t.sink_retries.clone(),
+        );
+        registry.register(
+            "order_at_risk",
+            "Events handed to the sink after one it refused in place (a RabbitMQ nack, a full JetStream stream) and before that refusal arrived: their first delivery may precede the refused event's; always 0 with --window 1",
+            t.order_at_risk.clone(),
         );
         registry.register(
             "publish_confirm_seconds",

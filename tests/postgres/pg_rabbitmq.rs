@@ -1486,3 +1486,195 @@ async fn sink_ca_pins_a_private_ca() {
         "held back, then published",
     );
 }
+
+/// First deliveries (repeats dropped) that arrive after a later event of the same commit order
+/// was already delivered: 0 when first deliveries keep commit order.
+fn first_delivery_inversions(got: &[Uuid], expected: &[Uuid]) -> usize {
+    let rank: HashMap<&Uuid, usize> = expected.iter().enumerate().map(|(i, id)| (id, i)).collect();
+    let mut seen = HashSet::new();
+    let mut latest: Option<usize> = None;
+    let mut inversions = 0;
+    for id in got.iter().filter(|i| seen.insert(*i)) {
+        let Some(&r) = rank.get(id) else { continue };
+        if latest.is_some_and(|l| r < l) {
+            inversions += 1;
+        }
+        latest = latest.max(Some(r));
+    }
+    inversions
+}
+
+/// What one run through a refusing queue came to.
+struct Refused {
+    /// Message ids in the order the consumer received them (repeats included).
+    got: Vec<Uuid>,
+    /// Event ids in commit order.
+    expected: Vec<Uuid>,
+    stderr: String,
+    /// `outboxd_order_at_risk_total` before the relay stopped.
+    at_risk: f64,
+}
+
+/// 500 events of one aggregate through a queue that refuses publishes while full
+/// (`x-max-length=10`, `x-overflow=reject-publish`), consumed slowly: the broker nacks an event
+/// and accepts the next one whenever the consumer freed a place in between. The consumer
+/// starts only once the relay reported a nack, so every run sees refusals.
+async fn through_a_refusing_queue(prefix: &str, extra: &[&str]) -> Refused {
+    use futures::StreamExt;
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+
+    let db = PgDb::create(prefix).await;
+    let mut topo = Topology::new(&format!("x{prefix}")).await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let port = free_local_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = vec!["--metrics-addr", addr.as_str()];
+    args.extend_from_slice(extra);
+    let mut relay = start_relay(&db, &name, &topo.exchange, &amqp::url(), &args);
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+
+    let q = format!("{}.bounded", topo.exchange);
+    let ch = topo.channel().await;
+    let mut qargs = FieldTable::default();
+    qargs.insert("x-max-length".into(), AMQPValue::LongInt(10));
+    qargs.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        q.clone().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        qargs,
+    )
+    .await
+    .expect("queue.declare");
+    ch.queue_bind(
+        q.clone().into(),
+        topo.exchange.clone().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("queue.bind");
+    topo.adopt(std::slice::from_ref(&q), &[]);
+
+    let mut client = db.client().await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
+    let mut expected = Vec::new();
+    for t in 0..10 {
+        let mut tx = client.transaction().await.unwrap();
+        for i in 0..50 {
+            let id = outbox
+                .write(
+                    &mut tx,
+                    "order.one",
+                    "agg-ordered",
+                    &serde_json::json!({"t": t, "i": i}),
+                )
+                .await
+                .unwrap();
+            expected.push(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    relay.wait_for_stderr(&["RabbitMQ nacked message"], T).await;
+
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let consumer = {
+        let ch = topo.channel().await;
+        ch.basic_qos(1, BasicQosOptions::default()).await.unwrap();
+        let mut deliveries = ch
+            .basic_consume(
+                q.clone().into(),
+                unique("c").into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("basic.consume");
+        let got = got.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = deliveries.next().await {
+                got.lock().unwrap().push(message_id(&d));
+                // A consumer that takes a moment per message: about as fast as the relay's
+                // retries refill the queue, so it stays at its limit.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                d.ack(BasicAckOptions::default()).await.expect("ack");
+            }
+            drop(ch);
+        })
+    };
+    let want: HashSet<Uuid> = expected.iter().copied().collect();
+    wait_for("every event delivered at least once", T, || {
+        let all = want.iter().all(|i| got.lock().unwrap().contains(i));
+        async move { all }
+    })
+    .await;
+    let end = wal_end(&client).await;
+    wait_confirmed_past(&db, &slot, end, T).await;
+    let at_risk =
+        metric_value(&scrape_metrics(port).await, "outboxd_order_at_risk_total").unwrap_or(0.0);
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    consumer.abort();
+    let got = got.lock().unwrap().clone();
+    Refused {
+        got,
+        expected,
+        stderr: relay.stderr(),
+        at_risk,
+    }
+}
+
+/// A pipelining relay cannot keep first deliveries in order past a queue that refuses an event
+/// and accepts the next one: the events written behind the refused one are already on the
+/// wire. It flags every such nack (log line with the fix, `outboxd_order_at_risk_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_queue_behind_a_pipelined_window_is_flagged() {
+    let r = through_a_refusing_queue("rmqov", &[]).await;
+    let inversions = first_delivery_inversions(&r.got, &r.expected);
+    eprintln!(
+        "{inversions} first-delivery inversions in {} events ({} deliveries)",
+        r.expected.len(),
+        r.got.len()
+    );
+    assert!(
+        r.stderr
+            .contains("first-delivery order of the events written after it is not guaranteed")
+            && r.stderr.contains("--window 1"),
+        "a nack with later events in flight is flagged with the fix ({inversions} inversions):\n{}",
+        r.stderr
+    );
+    assert!(
+        r.at_risk >= 1.0,
+        "the events written behind a nacked one are counted ({inversions} inversions): {}",
+        r.at_risk
+    );
+}
+
+/// With `--window 1` nothing is written behind an unconfirmed event, so a refused event is
+/// retried before any later one is sent: no first delivery out of order, nothing flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_queue_keeps_first_deliveries_in_order_with_window_1() {
+    let r = through_a_refusing_queue("rmqo1", &["--window", "1"]).await;
+    let inversions = first_delivery_inversions(&r.got, &r.expected);
+    assert_eq!(
+        inversions,
+        0,
+        "first deliveries in commit order after nacks ({} deliveries)",
+        r.got.len()
+    );
+    assert!(
+        r.stderr.contains("RabbitMQ nacked message"),
+        "the run saw refusals"
+    );
+    assert_eq!(r.at_risk, 0.0, "nothing written behind a nacked event");
+}

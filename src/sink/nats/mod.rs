@@ -21,8 +21,10 @@ pub mod publish;
 pub use config::NatsConfig;
 
 use super::{Delivery, Sink, SinkError};
+use crate::amqp::WireSocket;
 use crate::dsn::redact_token as redact;
 use crate::event::{OutboxEvent, SourcePosition};
+use crate::state::Fence;
 use crate::telemetry::events::{DuplicateOfAnotherEvent, EventDeduplicated, InternalEvent};
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
@@ -45,10 +47,14 @@ pub struct NatsSink {
     /// The newest source position handed over: an event after it is published for the first
     /// time by this process, one at or before it is a republish after a failure.
     newest: Option<SourcePosition>,
+    /// The lease's gate: the connection is reset the moment it closes (see `guard_socket`).
+    fence: Option<crate::state::Fence>,
 }
 
 /// One client and its JetStream context. Dropping it closes the connection.
 struct Link {
+    /// Resets the socket when the lease's gate closes; aborted with the link.
+    guard: Option<tokio::task::JoinHandle<()>>,
     client: Client,
     js: Context,
     /// Turns true when the connection is lost; never back.
@@ -69,6 +75,7 @@ impl NatsSink {
             link: None,
             refusals: Arc::default(),
             newest: None,
+            fence: None,
         })
     }
 
@@ -79,6 +86,17 @@ impl NatsSink {
 
     async fn open(&self) -> Result<Link, SinkError> {
         let (tx, rx) = watch::channel(false);
+        let broken = tx.clone();
+        // async-nats does not hand out its socket: it is found as the one connection to the
+        // server's address that appeared with this client.
+        let peers = match &self.fence {
+            Some(_) => server_addrs(&self.cfg).await,
+            None => Vec::new(),
+        };
+        let before: Vec<i32> = WireSocket::connected_to(&peers)
+            .into_iter()
+            .map(|(fd, _)| fd)
+            .collect();
         let shown = self.redacted.clone();
         let client = connect::connect_with_events(&self.cfg, move |event| {
             let tx = tx.clone();
@@ -121,7 +139,22 @@ impl NatsSink {
                 )))
             }
         };
+        let guard = self.fence.clone().map(|fence| {
+            let sockets: Vec<WireSocket> = WireSocket::connected_to(&peers)
+                .into_iter()
+                .filter(|(fd, _)| !before.contains(fd))
+                .map(|(_, s)| s)
+                .collect();
+            if sockets.is_empty() {
+                tracing::warn!(sink = %self.redacted, "the NATS client's socket was not found: a closed lease gate stops publishing at the hand-over only");
+            }
+            for s in &sockets {
+                let _ = s.abort_on_close();
+            }
+            tokio::spawn(guard_socket(fence, sockets, broken))
+        });
         Ok(Link {
+            guard,
             client,
             js,
             broken: rx,
@@ -176,6 +209,43 @@ impl FirstPublish {
     }
 }
 
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Some(g) = &self.guard {
+            g.abort();
+        }
+    }
+}
+
+/// The server's socket addresses (`--sink` resolved), to find the client's connection by.
+async fn server_addrs(cfg: &NatsConfig) -> Vec<std::net::SocketAddr> {
+    let Ok(ep) = config::endpoint(&cfg.url) else {
+        return Vec::new();
+    };
+    let hostport = ep
+        .address
+        .split_once("://")
+        .map_or(ep.address.as_str(), |(_, rest)| rest)
+        .to_string();
+    let found = tokio::net::lookup_host(hostport).await;
+    found.map(|a| a.collect()).unwrap_or_default()
+}
+
+/// Resets the client's socket the moment the lease's gate closes: the client queues messages
+/// and writes them from its own task whenever the socket takes them, so frames queued before
+/// a pause would be written after it (see the RabbitMQ sink's `guard_socket`).
+async fn guard_socket(fence: Fence, sockets: Vec<WireSocket>, broken: watch::Sender<bool>) {
+    fence.wait_open().await;
+    while let Some(open_for) = fence.closes_in() {
+        tokio::time::sleep(open_for).await;
+    }
+    for s in &sockets {
+        let result = s.reset();
+        tracing::warn!(target: "outboxd::sink::nats", reset = ?result, "the lease's gate closed (no renewal for too long): the connection was reset so that nothing queued in the client reaches the server");
+    }
+    broken.send_replace(true);
+}
+
 /// How long to wait before publishing again after `n` refusals in a row: 200 ms doubling to
 /// 30 s, jittered by up to a half so that relays sharing a stream do not retry in step.
 fn refusal_delay(n: u32) -> Duration {
@@ -197,7 +267,8 @@ fn ack_error(e: async_nats::jetstream::context::PublishError, timeout: Duration)
             "no JetStream stream captures the subject (was the stream deleted?)".into(),
         ),
         // A full stream with `discard new`, a store failure, …: the relay retries with backoff.
-        _ => SinkError::Rejected(format!("JetStream refused the message: {e}")),
+        // The next message may be stored (the stream made room meanwhile): a refusal in place.
+        _ => SinkError::Nacked(format!("JetStream refused the message: {e}")),
     }
 }
 
@@ -208,6 +279,10 @@ impl Sink for NatsSink {
 
     fn stores_position(&self) -> bool {
         true
+    }
+
+    fn guard_wire(&mut self, fence: Fence) {
+        self.fence = Some(fence);
     }
 
     fn is_broken(&self) -> bool {
@@ -327,7 +402,7 @@ impl Sink for NatsSink {
                     }
                     Err(e) => {
                         let e = ack_error(e, timeout);
-                        if matches!(e, SinkError::Rejected(_)) {
+                        if matches!(e, SinkError::Rejected(_) | SinkError::Nacked(_)) {
                             refusals.fetch_add(1, Ordering::Relaxed);
                         }
                         Err(e)

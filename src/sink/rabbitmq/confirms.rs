@@ -89,7 +89,7 @@ impl Returns {
                     o.id
                 ))),
                 (Ok(Confirmation::Ack(_)), None) => Ok(()),
-                (Ok(Confirmation::Nack(_)), None) => Err(SinkError::Rejected(format!(
+                (Ok(Confirmation::Nack(_)), None) => Err(SinkError::Nacked(format!(
                     "RabbitMQ nacked message {} (a queue it routes to refused it, e.g. one with x-overflow=reject-publish that is full, or the broker could not store it)",
                     o.id
                 ))),

@@ -8,8 +8,9 @@ use super::config::{config_err, DeclareMode, FRAME_RESERVE, MAX_HEADER_BYTES};
 use super::confirms::{drive_confirms, watch_events, Tracker};
 use super::declare::io_or_protocol;
 use super::RabbitSink;
-use crate::amqp::ConnectError;
+use crate::amqp::{ConnectError, WireSocket};
 use crate::sink::SinkError;
+use crate::state::Fence;
 use lapin::options::ConfirmSelectOptions;
 use lapin::{Channel, Connection};
 use std::sync::{Arc, Mutex};
@@ -63,10 +64,40 @@ impl Drop for Link {
     }
 }
 
+/// Resets the link's socket the moment the lease's gate closes. The relay checks the gate
+/// before it hands an event to lapin, but lapin queues frames without bound and writes them
+/// from its own thread whenever the socket takes them: frames queued before a pause (SIGSTOP,
+/// a frozen VM) under back-pressure would be written after it, while a successor publishes.
+/// The gate closes by time alone, so this sleeps until it would close and looks again; after a
+/// pause the sleep is already over when the process resumes. A gate that is closed from the
+/// start (no renewal yet) is waited out first: nothing was handed to this link meanwhile.
+pub(super) async fn guard_socket(
+    fence: Fence,
+    socket: WireSocket,
+    state: watch::Sender<LinkState>,
+) {
+    fence.wait_open().await;
+    while let Some(open_for) = fence.closes_in() {
+        tokio::time::sleep(open_for).await;
+    }
+    let result = socket.reset();
+    let why = "the lease's gate closed (no renewal for too long): the connection was reset so that nothing queued in the client reaches the broker";
+    tracing::warn!(target: "outboxd::sink::rabbitmq", reset = ?result, "{why}");
+    state.send_modify(|s| {
+        if s.error.is_none() {
+            s.error = Some(why.into());
+        }
+    });
+}
+
 impl RabbitSink {
     pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
+        self.connection_with_socket().await.map(|(conn, _)| conn)
+    }
+
+    async fn connection_with_socket(&self) -> Result<(Connection, WireSocket), SinkError> {
         let ep = &self.endpoint;
-        ep.connect(&self.cfg.connection_name).await.map_err(|e| match e {
+        ep.connect_with_socket(&self.cfg.connection_name).await.map_err(|e| match e {
             ConnectError::Login { user, vhost, message } => config_err(
                 format!("RabbitMQ refused the login of user {user:?} to vhost {vhost:?} at {}: {message}", ep.redacted),
                 format!("check the user, password and vhost of --sink, and that the user may access the vhost: rabbitmqctl set_permissions -p {vhost:?} {user:?} '.*' '.*' '.*' (or narrower)"),
@@ -83,14 +114,29 @@ impl RabbitSink {
     }
 
     pub(super) async fn open(&self) -> Result<Link, SinkError> {
-        let conn = self.connection().await?;
+        let (conn, socket) = self.connection_with_socket().await?;
 
         let (state_tx, state_rx) = watch::channel(LinkState::default());
-        let mut tasks = vec![tokio::spawn(watch_events(
+        let mut tasks = Vec::new();
+        if let Some(fence) = &self.fence {
+            // Leaving with frames still queued (exit 4 after a pause) must not send them
+            // either: the socket's close resets the connection.
+            if !socket.is_kept() {
+                tracing::warn!("the RabbitMQ socket was not kept: a closed lease gate stops publishing at the hand-over only");
+            } else if let Err(e) = socket.abort_on_close() {
+                tracing::warn!(error = %e, "cannot make the RabbitMQ socket reset on close");
+            }
+            tasks.push(tokio::spawn(guard_socket(
+                fence.clone(),
+                socket,
+                state_tx.clone(),
+            )));
+        }
+        tasks.push(tokio::spawn(watch_events(
             conn.events_listener(),
             state_tx,
             self.flow.clone(),
-        ))];
+        )));
 
         if self.cfg.declare != DeclareMode::Off {
             self.declare_all(&conn, self.own_layout().as_slice())

@@ -77,6 +77,9 @@ pub struct RabbitSink {
     /// The broker's `max_message_size` once it refused a message for it (0: not known). No
     /// AMQP frame announces it; a larger body would only be refused again, on every retry.
     broker_max_message: Arc<AtomicUsize>,
+    /// The lease's gate: every connection is reset the moment it closes (see
+    /// [`link::guard_socket`]).
+    fence: Option<crate::state::Fence>,
 }
 
 impl RabbitSink {
@@ -103,6 +106,7 @@ impl RabbitSink {
             flow: Arc::default(),
             known_exchanges: HashSet::new(),
             broker_max_message: Arc::default(),
+            fence: None,
         })
     }
 }
@@ -118,6 +122,10 @@ impl Sink for RabbitSink {
 
     fn flow_control(&self) -> Option<Arc<FlowControl>> {
         Some(self.flow.clone())
+    }
+
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        self.fence = Some(fence);
     }
 
     fn is_broken(&self) -> bool {
