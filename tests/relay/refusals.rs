@@ -1,7 +1,8 @@
 //! The refusal table of docs/guarantees.md, row by row, on both sources: a broker that keeps
 //! refusing one event — it returns it (`NO_ROUTE`: an exchange without an alternate exchange
-//! or queue under `--declare off`, or a missing `<exchange>.dead` for a poison event) or
-//! closes the channel (`NOT_FOUND`: the exchange is gone) — costs a few paced reconnects, holds
+//! or queue under `--declare off`, or a missing `<exchange>.dead` for a poison event), nacks it
+//! (a full `x-overflow=reject-publish` queue), or closes the channel (`NOT_FOUND`: the exchange
+//! is gone) — costs a few paced reconnects, holds
 //! the stored position before the refused event, and once the broker accepts again every event
 //! arrives once, in commit order. Each scenario runs as `<scenario>::postgres` and
 //! `<scenario>::mariadb`.
@@ -22,6 +23,7 @@ on_both_sources!(
     an_unroutable_event_under_declare_off_is_retried_paced_then_delivered_in_order,
     a_poison_event_without_its_dead_queue_is_retried_paced_then_dead_lettered_in_order,
     a_missing_exchange_closing_the_channel_is_retried_paced_then_delivered_in_order,
+    a_full_reject_publish_queue_is_retried_paced_then_delivered_in_order,
 );
 
 /// How the broker refuses, and what makes it accept.
@@ -34,6 +36,10 @@ enum Refusal {
     MissingDead,
     /// No exchange at all: the channel is closed with `NOT_FOUND`; fixed by declaring it.
     NotFound,
+    /// A bound queue with `x-max-length=3`, `x-overflow=reject-publish` and no consumer: the
+    /// fourth event is nacked; fixed by consuming. With `--window 1`, the configuration that
+    /// keeps first deliveries in order behind such a queue (docs/guarantees.md).
+    RejectPublish,
 }
 
 async fn declare_exchange(topo: &Topology) {
@@ -73,6 +79,37 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
             queue = Some(topo.bind_queue("late", &pattern).await);
         }
         Refusal::NotFound => {}
+        Refusal::RejectPublish => {
+            declare_exchange(&topo).await;
+            let q = format!("{}.bounded", topo.exchange);
+            let mut qargs = lapin::types::FieldTable::default();
+            qargs.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(3));
+            qargs.insert(
+                "x-overflow".into(),
+                lapin::types::AMQPValue::LongString("reject-publish".into()),
+            );
+            let ch = topo.channel().await;
+            ch.queue_declare(
+                q.clone().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                qargs,
+            )
+            .await
+            .unwrap();
+            ch.queue_bind(
+                q.clone().into(),
+                topo.exchange.clone().into(),
+                pattern.clone().into(),
+                lapin::options::QueueBindOptions::default(),
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+            topo.adopt(std::slice::from_ref(&q), &[]);
+        }
     }
     let name = unique("r");
     let port = free_local_port();
@@ -92,8 +129,10 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
         "--log-level".into(),
         "info,lapin=warn".into(),
     ];
-    if kind == Refusal::MissingDead {
-        args.extend(["--max-message-bytes".into(), "8".into()]);
+    match kind {
+        Refusal::MissingDead => args.extend(["--max-message-bytes".into(), "8".into()]),
+        Refusal::RejectPublish => args.extend(["--window".into(), "1".into()]),
+        _ => {}
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = Relay::start_with_env(&args, &[("OUTBOXD_SINK", &amqp::url())]);
@@ -102,13 +141,14 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
     let expected = db.write(5, 1, &topic).await;
 
     // The refusal is named: the event and the broker's reason.
-    let reason = if kind == Refusal::NotFound {
-        "NOT_FOUND"
-    } else {
-        "NO_ROUTE"
+    // The first event refused: the fourth behind a queue that holds three.
+    let (refused, reason) = match kind {
+        Refusal::NotFound => (0, "NOT_FOUND"),
+        Refusal::RejectPublish => (3, "nack"),
+        _ => (0, "NO_ROUTE"),
     };
     relay
-        .wait_for_stderr(&[&expected[0].to_string(), reason], T)
+        .wait_for_stderr(&[&expected[refused].to_string(), reason], T)
         .await;
     wait_for("the refusal to be counted as a reconnect", T, || async {
         sink_reconnects(port).await >= 1.0
@@ -127,7 +167,14 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
     let held = db.stored_pos(&name).await;
 
     // The broker accepts again.
+    let mut got = Vec::new();
     let q = match kind {
+        Refusal::RejectPublish => {
+            // Room in the queue: take what it holds, and the rest follows.
+            let q = format!("{}.bounded", topo.exchange);
+            got = topo.take(&q, refused, T).await;
+            q
+        }
         Refusal::MissingDead => {
             let dead = topo.dead();
             topo.channel()
@@ -150,7 +197,7 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
         }
         Refusal::NoRoute => topo.bind_queue("late", &pattern).await,
     };
-    let got = topo.take(&q, expected.len(), T).await;
+    got.extend(topo.take(&q, expected.len() - got.len(), T).await);
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     let ids: Vec<Uuid> = got.iter().map(message_id).collect();
@@ -163,7 +210,7 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
             "poison events reach only .dead"
         );
     }
-    let first = header_str(&got[0], "x-source-position").expect("a source position");
+    let first = header_str(&got[refused], "x-source-position").expect("a source position");
     let first = Pos::of_event(&first).expect("a position");
     assert!(
         held == before || held.is_some_and(|h| first.after(h)),
@@ -193,4 +240,8 @@ async fn a_missing_exchange_closing_the_channel_is_retried_paced_then_delivered_
     D: SourceDb,
 >() {
     refused_then_accepted::<D>(Refusal::NotFound, "rfnf").await;
+}
+
+async fn a_full_reject_publish_queue_is_retried_paced_then_delivered_in_order<D: SourceDb>() {
+    refused_then_accepted::<D>(Refusal::RejectPublish, "rfrp").await;
 }
