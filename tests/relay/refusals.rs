@@ -1,6 +1,6 @@
 //! The refusal table of docs/guarantees.md, row by row, on both sources: a broker that keeps
 //! refusing one event — it returns it (`NO_ROUTE`: an exchange without an alternate exchange
-//! or queue under `--declare off`, or a missing `<exchange>.dead` for a poison event), nacks it
+//! or queue under `--declare off` or `passive`, or a missing `<exchange>.dead` for a poison event), nacks it
 //! (a full `x-overflow=reject-publish` queue), or closes the channel (`NOT_FOUND`: the exchange
 //! is gone) — costs a few paced reconnects, holds
 //! the stored position before the refused event, and once the broker accepts again every event
@@ -24,6 +24,7 @@ on_both_sources!(
     a_poison_event_without_its_dead_queue_is_retried_paced_then_dead_lettered_in_order,
     a_missing_exchange_closing_the_channel_is_retried_paced_then_delivered_in_order,
     a_full_reject_publish_queue_is_retried_paced_then_delivered_in_order,
+    an_unroutable_event_under_declare_passive_is_retried_paced_then_delivered_in_order,
 );
 
 /// How the broker refuses, and what makes it accept.
@@ -36,6 +37,10 @@ enum Refusal {
     MissingDead,
     /// No exchange at all: the channel is closed with `NOT_FOUND`; fixed by declaring it.
     NotFound,
+    /// `--declare passive` over a pre-declared topology whose exchange has no alternate
+    /// exchange (a passive declaration cannot see arguments) and no queue: `NO_ROUTE`; fixed
+    /// by binding a queue.
+    Passive,
     /// A bound queue with `x-max-length=3`, `x-overflow=reject-publish` and no consumer: the
     /// fourth event is nacked; fixed by consuming. With `--window 1`, the configuration that
     /// keeps first deliveries in order behind such a queue (docs/guarantees.md).
@@ -79,6 +84,35 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
             queue = Some(topo.bind_queue("late", &pattern).await);
         }
         Refusal::NotFound => {}
+        Refusal::Passive => {
+            declare_exchange(&topo).await;
+            let ch = topo.channel().await;
+            let unrouted = topo.unrouted();
+            ch.exchange_declare(
+                unrouted.clone().into(),
+                lapin::ExchangeKind::Fanout,
+                lapin::options::ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+            for q in [unrouted.clone(), topo.dead()] {
+                ch.queue_declare(
+                    q.into(),
+                    lapin::options::QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            }
+            topo.adopt(&[], std::slice::from_ref(&unrouted));
+        }
         Refusal::RejectPublish => {
             declare_exchange(&topo).await;
             let q = format!("{}.bounded", topo.exchange);
@@ -123,7 +157,11 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
         "--exchange".into(),
         topo.exchange.clone(),
         "--declare".into(),
-        "off".into(),
+        if kind == Refusal::Passive {
+            "passive".into()
+        } else {
+            "off".into()
+        },
         "--metrics-addr".into(),
         addr,
         "--log-level".into(),
@@ -195,7 +233,7 @@ async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
             declare_exchange(&topo).await;
             topo.bind_queue("late", &pattern).await
         }
-        Refusal::NoRoute => topo.bind_queue("late", &pattern).await,
+        Refusal::NoRoute | Refusal::Passive => topo.bind_queue("late", &pattern).await,
     };
     got.extend(topo.take(&q, expected.len() - got.len(), T).await);
     relay.signal("TERM");
@@ -240,6 +278,12 @@ async fn a_missing_exchange_closing_the_channel_is_retried_paced_then_delivered_
     D: SourceDb,
 >() {
     refused_then_accepted::<D>(Refusal::NotFound, "rfnf").await;
+}
+
+async fn an_unroutable_event_under_declare_passive_is_retried_paced_then_delivered_in_order<
+    D: SourceDb,
+>() {
+    refused_then_accepted::<D>(Refusal::Passive, "rfps").await;
 }
 
 async fn a_full_reject_publish_queue_is_retried_paced_then_delivered_in_order<D: SourceDb>() {
