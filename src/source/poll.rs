@@ -370,6 +370,8 @@ pub struct PgPoll {
     mark: tokio_postgres::Statement,
     id_index: usize,
     begin: String,
+    /// The logical column that orders rows with one `created_at` (see [`tie_break`]).
+    tie_break: &'static str,
 }
 
 impl PgPoll {
@@ -399,16 +401,25 @@ impl PgPoll {
             .iter()
             .map(|c| format!("{}::text", pg_ident(&c.name)))
             .collect();
-        // `ORDER BY` names the column through the table's alias: a bare name would resolve to
+        // `ORDER BY` names the columns through the table's alias: a bare name would resolve to
         // the select list's `created_at::text` (output names come first in `ORDER BY`), which
         // sorts by the text and so reads and sorts every pending row (a sequential scan, a sort
         // spilled to disk at 50,000 pending rows) instead of walking `outbox_pending` for the
         // first `limit`.
+        //
+        // A transaction's rows share `created_at` (`now()` is the transaction's start), and
+        // without a tie-break they come back in heap order, which after deletes and VACUUM is
+        // not insert order (a later row fills a hole on an earlier page): an aggregate's
+        // version 2 would be published before its version 1. `seq` (an identity column) rises
+        // with insert order; without it the id does for rows `Outbox::write` inserted (UUID
+        // v7, rising within the producer process).
+        let tie_break = tie_break(&rel, &cfg.columns);
         let claim = format!(
-            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
+            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{}, o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
             select_cols.join(", "),
             cfg.table.pg_quoted(),
             pg_ident(cfg.columns.get("created_at")),
+            pg_ident(cfg.columns.get(tie_break)),
         );
         let mark = format!(
             "UPDATE {} SET {status} = 'published', {published_at} = now() WHERE {id} = ANY($1)",
@@ -436,8 +447,127 @@ impl PgPoll {
             mark,
             id_index,
             begin,
+            tie_break,
         })
     }
+}
+
+/// The logical column that orders rows with one `created_at`: `seq` when the table has it,
+/// otherwise `id`.
+fn tie_break(
+    rel: &crate::source::postgres::pgoutput::Relation,
+    columns: &ColumnMap,
+) -> &'static str {
+    if rel.columns.iter().any(|c| c.name == columns.get("seq")) {
+        "seq"
+    } else {
+        "id"
+    }
+}
+
+/// What [`ensure_seq`] did to a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqChange {
+    pub column_added: bool,
+    pub index_created: bool,
+}
+
+/// Gives an existing table the `seq` column and an index on `(created_at, seq)` for pending
+/// rows, each only when missing (`outboxd setup --mode poll`; the table of
+/// migrations/postgres/001_outbox.sql has both). Adding an identity column rewrites the table
+/// under an exclusive lock, numbering the rows already there in heap order (their order among
+/// themselves is what it was before); the index is built `CONCURRENTLY` on a plain table, so
+/// producers keep writing meanwhile. An index such a build left invalid (the build was
+/// interrupted) is dropped and built again.
+pub async fn ensure_seq(
+    client: &tokio_postgres::Client,
+    table: &TableName,
+    columns: &ColumnMap,
+) -> Result<SeqChange, Error> {
+    let quoted = table.pg_quoted();
+    let (created_at, seq, status) = (
+        columns.get("created_at"),
+        columns.get("seq"),
+        columns.get("status"),
+    );
+    let has = |col: &str| {
+        let (quoted, col) = (quoted.clone(), col.to_string());
+        async move {
+            client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)",
+                    &[&quoted, &col],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+        }
+    };
+    if !has(status).await? {
+        return Err(Error::config(
+            format!("poll mode needs a status column on {quoted}"),
+            format!(
+                "ALTER TABLE {quoted} ADD COLUMN status text NOT NULL DEFAULT 'pending', ADD COLUMN published_at timestamptz;"
+            ),
+        ));
+    }
+    let column_added = !has(seq).await?;
+    if column_added {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS {} bigint GENERATED ALWAYS AS IDENTITY",
+                pg_ident(seq)
+            ))
+            .await?;
+    }
+    // Any valid index that starts with (created_at, seq) serves the claim.
+    let covered: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i
+               JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
+               JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
+              WHERE i.indrelid = to_regclass($1) AND i.indisvalid AND i.indnkeyatts >= 2
+                AND a0.attname = $2 AND a1.attname = $3)",
+            &[&quoted, &created_at, &seq],
+        )
+        .await?
+        .get(0);
+    if covered {
+        return Ok(SeqChange {
+            column_added,
+            index_created: false,
+        });
+    }
+    let index = format!("{}_pending_seq", table.name);
+    let index_quoted = format!("{}.{}", pg_ident(table.pg_schema()), pg_ident(&index));
+    // A partitioned table's index cannot be built concurrently (its partitions' can, one by
+    // one, by hand); the plain build blocks writes while it runs.
+    let partitioned: bool = client
+        .query_one(
+            "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)",
+            &[&quoted],
+        )
+        .await?
+        .get(0);
+    let concurrently = if partitioned { "" } else { "CONCURRENTLY " };
+    // Left invalid by an interrupted concurrent build: `IF NOT EXISTS` would keep it as it is.
+    client
+        .batch_execute(&format!(
+            "DROP INDEX {concurrently}IF EXISTS {index_quoted}"
+        ))
+        .await?;
+    client
+        .batch_execute(&format!(
+            "CREATE INDEX {concurrently}{} ON {quoted} ({}, {}) WHERE {} = 'pending'",
+            pg_ident(&index),
+            pg_ident(created_at),
+            pg_ident(seq),
+            pg_ident(status),
+        ))
+        .await?;
+    Ok(SeqChange {
+        column_added,
+        index_created: true,
+    })
 }
 
 impl PollTable for PgPoll {
@@ -528,6 +658,14 @@ pub async fn run_postgres(
     let mut dbs = Vec::with_capacity(SESSIONS);
     for _ in 0..SESSIONS {
         dbs.push(PgPoll::open(&cfg).await?);
+    }
+    if dbs[0].tie_break != "seq" {
+        tracing::warn!(
+            table = %cfg.table.pg_quoted(),
+            column = cfg.columns.get("seq"),
+            fix = "outboxd setup --mode poll (adds the column and its index)",
+            "no seq column: rows with one created_at are claimed in id order, which is insert order only for ids that rise with it (Outbox::write's UUID v7)"
+        );
     }
     let (wake_tx, wake) = watch::channel(0u64);
     if let Some(channel) = &cfg.notify_channel {
