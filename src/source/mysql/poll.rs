@@ -3,8 +3,9 @@
 //! 'pending' ORDER BY created_at, id LIMIT n FOR UPDATE SKIP LOCKED` (`seq` instead of `id`
 //! when the table has it) on `idx_dispatch (status, created_at)` in a READ COMMITTED
 //! transaction (no gap locks, so producers' INSERTs never wait for it), then `UPDATE … SET
-//! status = 'published', published_at = …` for the claimed ids. Rows are read with a prepared statement (binary protocol) and mapped by the same column
-//! rules as binlog rows and the first-start snapshot.
+//! status = 'published', published_at = …` for the claimed ids. Rows are read with a prepared
+//! statement (binary protocol) and mapped by the same column rules as binlog rows and the
+//! first-start snapshot.
 
 use super::rows::{Mapping, OutboxTable, RowContext};
 use super::{connect_sql, snapshot};
