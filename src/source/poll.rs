@@ -10,16 +10,19 @@
 //! both databases ([`run`]); each database supplies its statements through [`PollTable`]
 //! (Postgres here, MySQL/MariaDB in `source::mysql::poll`).
 
+use crate::backoff::Backoff;
 use crate::dsn::DbDsn;
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::postgres::pgoutput::Value;
 use crate::source::postgres::rows::RowMapper;
 use crate::source::postgres::{connect_sql, snapshot, sql_config, tls_connect_error};
-use crate::source::SourceLink;
+use crate::source::{Outlet, SourceLink};
+use crate::telemetry::events::{InternalEvent, SourceKind, SourceReconnecting, SourceRunning};
 use crate::Error;
 use futures::StreamExt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -55,10 +58,13 @@ pub struct LoopConfig {
 }
 
 /// One database's side of the poll loop: a session that runs one short transaction per batch.
-/// A failed call leaves the session unusable; the loop then stops with the error.
+/// A failed call leaves the session unusable: the loop drops every session and, for an error
+/// a new session may not meet, opens new ones (see [`run`]); otherwise it stops with the error.
 pub trait PollTable: Send {
     /// How a claimed row is named again when it is marked.
     type Id: Send + Sync;
+    /// Whose log lines and reconnects these are.
+    const SOURCE: SourceKind;
 
     /// Opens a READ COMMITTED transaction whose locks and idleness the server bounds.
     fn begin(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
@@ -133,20 +139,106 @@ async fn confirmed(acks: &mut watch::Receiver<Option<Checkpoint>>, batch: u64) -
 /// Runs the poll loop until `shutdown`; the batches in flight are finished first. `wake`
 /// ticks when rows may have arrived before the interval is over (Postgres NOTIFY).
 ///
+/// A database error that a new session may not meet (a connection cut or reset, a session the
+/// server ended, the server restarting: [`Error::is_retryable`]) does not end the loop: every
+/// session is dropped (the server rolls their open batches back, so those rows stay pending
+/// and are claimed again: duplicates of what was already handed over, never a loss), and
+/// after a backoff ([`Backoff::standard`], reset once a new session has claimed) `reopen`
+/// opens a new set. Each reconnect is logged and counted like the log sources' reconnects
+/// ([`SourceReconnecting`]). Any other error ends the loop with it.
+pub async fn run<D, R, F>(
+    dbs: Vec<D>,
+    mut reopen: R,
+    cfg: LoopConfig,
+    mut wake: watch::Receiver<u64>,
+    link: SourceLink,
+    shutdown: CancellationToken,
+) -> Result<(), Error>
+where
+    D: PollTable,
+    R: FnMut() -> F + Send,
+    F: Future<Output = Result<Vec<D>, Error>> + Send,
+{
+    let SourceLink { outlet, mut acks } = link;
+    let mut state = LoopState {
+        // Batch numbers rise across reconnects: the relay may still acknowledge a batch of the
+        // sessions that were lost, and that must never confirm a batch claimed after them.
+        batch_no: 0,
+        waking: true,
+    };
+    let mut backoff = Backoff::standard();
+    let mut dbs = dbs;
+    loop {
+        let claimed = AtomicBool::new(false);
+        let err = match sessions(
+            dbs, &cfg, &mut wake, &outlet, &mut acks, &shutdown, &mut state, &claimed,
+        )
+        .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_retryable() => e,
+            Err(e) => return Err(e),
+        };
+        if claimed.load(Ordering::Relaxed) {
+            backoff.reset();
+        }
+        let mut err = err;
+        dbs = loop {
+            let d = backoff.next_delay();
+            SourceReconnecting {
+                source: D::SOURCE,
+                message: "poll session failed; reconnecting (rows of the batches in flight stay pending and are claimed again)",
+                error: Some(&err),
+                timeout: None,
+                retry_in: Some(d),
+            }
+            .emit();
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(d) => {}
+            }
+            // The relay ended meanwhile (it says why): nothing more to poll for.
+            if acks.has_changed().is_err() {
+                return Ok(());
+            }
+            match reopen().await {
+                Ok(dbs) => break dbs,
+                Err(e) if e.is_retryable() => err = e,
+                Err(e) => return Err(e),
+            }
+        };
+        SourceRunning.emit();
+    }
+}
+
+/// What outlives one set of sessions.
+struct LoopState {
+    /// The last batch number handed to the relay.
+    batch_no: u64,
+    /// Whether the wake channel is still open (a closed one leaves the interval).
+    waking: bool,
+}
+
+/// The poll loop on one set of sessions, until `shutdown`, the relay's end, or an error of a
+/// session (which ends them all). `claimed` is set once a claim went through.
+///
 /// Each session in `dbs` carries at most one batch. Two halves run side by side: the claimer
 /// claims a batch on a free session and hands it over, each batch only once the previous one is
 /// wholly handed over, so the relay sees the rows in claim order; the finisher waits for the
 /// oldest batch's confirms, then marks and commits it, batch after batch in claim order, and
 /// frees its session. While one batch is marked and committed, the next is claimed on another
 /// session: the database's work for one batch overlaps the broker's for the others.
-pub async fn run<D: PollTable>(
+#[allow(clippy::too_many_arguments)]
+async fn sessions<D: PollTable>(
     dbs: Vec<D>,
-    cfg: LoopConfig,
-    mut wake: watch::Receiver<u64>,
-    link: SourceLink,
-    shutdown: CancellationToken,
+    cfg: &LoopConfig,
+    wake: &mut watch::Receiver<u64>,
+    outlet: &Outlet,
+    acks: &mut watch::Receiver<Option<Checkpoint>>,
+    shutdown: &CancellationToken,
+    state: &mut LoopState,
+    claimed: &AtomicBool,
 ) -> Result<(), Error> {
-    let SourceLink { outlet, mut acks } = link;
     let deadline_cfg = cfg.deadline;
     let sessions = dbs.len().max(1);
     // Every session is in exactly one place: free, with the claimer, in flight or with the
@@ -159,13 +251,12 @@ pub async fn run<D: PollTable>(
     // Cancelled by the finisher when the relay ended: the claimer then stops at once (rows it
     // holds stay pending when its sessions close).
     let ended = CancellationToken::new();
+    let LoopState { batch_no, waking } = state;
 
     let claimer = {
         let free_tx = free_tx.clone();
         let ended = ended.clone();
         async move {
-            let mut batch_no: u64 = 0;
-            let mut waking = true;
             // The last claim was full: there may be more to claim at once.
             let mut more = true;
             loop {
@@ -177,7 +268,7 @@ pub async fn run<D: PollTable>(
                         _ = tokio::time::sleep(cfg.interval) => {}
                         // A closed wake channel (no NOTIFY, or its session ended) leaves the
                         // interval.
-                        r = wake.changed(), if waking => waking = r.is_ok(),
+                        r = wake.changed(), if *waking => *waking = r.is_ok(),
                     }
                 }
                 let mut db = tokio::select! {
@@ -189,19 +280,20 @@ pub async fn run<D: PollTable>(
                     },
                 };
                 let deadline = tokio::time::Instant::now() + cfg.deadline;
-                let claimed = db.begin_and_claim(cfg.batch).await?;
-                let n = claimed.len();
+                let rows = db.begin_and_claim(cfg.batch).await?;
+                claimed.store(true, Ordering::Relaxed);
+                let n = rows.len();
                 more = n as i64 >= cfg.batch;
                 if n == 0 {
                     db.commit().await?;
                     let _ = free_tx.try_send(db);
                     continue;
                 }
-                batch_no += 1;
-                let batch = batch_no;
+                *batch_no += 1;
+                let batch = *batch_no;
                 let mut ids = Vec::with_capacity(n);
                 let hand_over = async {
-                    for (i, (id, mut event)) in claimed.into_iter().enumerate() {
+                    for (i, (id, mut event)) in rows.into_iter().enumerate() {
                         event.position = crate::event::SourcePosition::Poll {
                             batch,
                             index: i as u32,
@@ -245,7 +337,7 @@ pub async fn run<D: PollTable>(
     let finisher = async move {
         while let Some(mut front) = flight.recv().await {
             let batch = front.batch;
-            match tokio::time::timeout_at(front.deadline, confirmed(&mut acks, batch)).await {
+            match tokio::time::timeout_at(front.deadline, confirmed(acks, batch)).await {
                 Ok(true) => {
                     front.db.mark_and_commit(&front.ids).await?;
                     tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
@@ -572,6 +664,7 @@ pub async fn ensure_seq(
 
 impl PollTable for PgPoll {
     type Id = Uuid;
+    const SOURCE: SourceKind = SourceKind::Postgres;
 
     async fn begin(&mut self) -> Result<(), Error> {
         Ok(self.client.batch_execute(&self.begin).await?)
@@ -655,10 +748,7 @@ pub async fn run_postgres(
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let mut dbs = Vec::with_capacity(SESSIONS);
-    for _ in 0..SESSIONS {
-        dbs.push(PgPoll::open(&cfg).await?);
-    }
+    let dbs = open_sessions(&cfg).await?;
     if dbs[0].tie_break != "seq" {
         tracing::warn!(
             table = %cfg.table.pg_quoted(),
@@ -671,7 +761,24 @@ pub async fn run_postgres(
     if let Some(channel) = &cfg.notify_channel {
         listen(&cfg.dsn, channel, wake_tx).await?;
     }
-    run(dbs, cfg.run, wake, link, shutdown).await
+    run(
+        dbs,
+        || open_sessions(&cfg),
+        cfg.run.clone(),
+        wake,
+        link,
+        shutdown,
+    )
+    .await
+}
+
+/// The loop's [`SESSIONS`] sessions.
+async fn open_sessions(cfg: &PollConfig) -> Result<Vec<PgPoll>, Error> {
+    let mut dbs = Vec::with_capacity(SESSIONS);
+    for _ in 0..SESSIONS {
+        dbs.push(PgPoll::open(cfg).await?);
+    }
+    Ok(dbs)
 }
 
 #[cfg(test)]
@@ -699,6 +806,16 @@ mod tests {
         me: usize,
         /// When set, each claim takes a permit first: a test holds claims back with it.
         gate: Option<Arc<tokio::sync::Semaphore>>,
+        /// When set, claims left (across the sessions sharing it) before one fails as a cut
+        /// connection does; 0 = none fails.
+        fail: Option<Arc<std::sync::atomic::AtomicUsize>>,
+    }
+
+    /// A session that goes away rolls its transaction back, as the server does.
+    impl Drop for FakeSession {
+        fn drop(&mut self) {
+            self.end(false);
+        }
     }
 
     impl FakeSession {
@@ -715,6 +832,7 @@ mod tests {
 
     impl PollTable for FakeSession {
         type Id = usize;
+        const SOURCE: SourceKind = SourceKind::Postgres;
 
         async fn begin(&mut self) -> Result<(), Error> {
             Ok(())
@@ -723,6 +841,13 @@ mod tests {
         async fn claim(&mut self, limit: i64) -> Result<Vec<(usize, OutboxEvent)>, Error> {
             if let Some(gate) = &self.gate {
                 gate.acquire().await.expect("gate open").forget();
+            }
+            if let Some(left) = &self.fail {
+                let before =
+                    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+                if before == Ok(1) {
+                    return Err(Error::source("connection reset by peer", true));
+                }
             }
             let mut rows = self.table.0.lock().unwrap();
             let mut out = Vec::new();
@@ -760,6 +885,11 @@ mod tests {
         }
     }
 
+    /// For tests whose sessions never fail: a reconnect would be a bug.
+    async fn no_reopen() -> Result<Vec<FakeSession>, Error> {
+        Err(Error::config("the test's sessions failed", "none: a bug"))
+    }
+
     /// The next message from the loop, bounded so that a loop that stops handing over fails
     /// the test instead of hanging it.
     async fn next(rx: &mut mpsc::Receiver<SourceMsg>) -> Option<SourceMsg> {
@@ -779,6 +909,7 @@ mod tests {
                 table: table.clone(),
                 me,
                 gate: None,
+                fail: None,
             })
             .collect();
         let (tx, mut rx) = mpsc::channel(64);
@@ -798,7 +929,7 @@ mod tests {
         };
         let (_wake_tx, wake) = watch::channel(0u64);
         let shutdown = CancellationToken::new();
-        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
 
         // Batch 1 is never acknowledged on its own: a stop-and-wait loop would wait for it
         // forever and hand nothing more over.
@@ -857,6 +988,7 @@ mod tests {
                 table: table.clone(),
                 me,
                 gate: Some(gate.clone()),
+                fail: None,
             })
             .collect();
         let (tx, mut rx) = mpsc::channel(64);
@@ -875,7 +1007,7 @@ mod tests {
         };
         let (_wake_tx, wake) = watch::channel(0u64);
         let shutdown = CancellationToken::new();
-        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
         let mut handed = 0;
         while handed < 3 {
             match next(&mut rx).await {
@@ -914,5 +1046,93 @@ mod tests {
             .expect("no panic")
             .expect("no error");
         assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+    }
+
+    #[tokio::test]
+    async fn a_lost_session_is_replaced_and_batch_numbers_keep_rising() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..4).map(|_| Row::default()).collect(),
+        )));
+        // The second claim fails like a cut connection.
+        let fail = Arc::new(std::sync::atomic::AtomicUsize::new(2));
+        let sessions = |first: usize| {
+            (0..SESSIONS)
+                .map(|i| FakeSession {
+                    table: table.clone(),
+                    me: first + i,
+                    gate: None,
+                    fail: Some(fail.clone()),
+                })
+                .collect::<Vec<_>>()
+        };
+        let dbs = sessions(0);
+        let reopened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let reopen = {
+            let (table, fail, reopened) = (table.clone(), fail.clone(), reopened.clone());
+            move || {
+                let n = reopened.fetch_add(1, Ordering::SeqCst) + 1;
+                let dbs: Vec<FakeSession> = (0..SESSIONS)
+                    .map(|i| FakeSession {
+                        table: table.clone(),
+                        me: 10 * n + i,
+                        gate: None,
+                        fail: Some(fail.clone()),
+                    })
+                    .collect();
+                async move { Ok(dbs) }
+            }
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 2,
+            interval: Duration::from_secs(3600),
+            deadline: Duration::from_secs(3600),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, reopen, cfg, wake, link, shutdown.clone()));
+
+        let mut topics = Vec::new();
+        let mut handed = Vec::new();
+        while handed.len() < 3 {
+            match next(&mut rx).await {
+                Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                Some(SourceMsg::Checkpoint(Checkpoint::Batch(b))) => handed.push(b),
+                Some(SourceMsg::Checkpoint(other)) => panic!("unexpected checkpoint {other:?}"),
+                None => panic!("the loop did not carry on after the lost session: {handed:?}"),
+            }
+        }
+        assert_eq!(reopened.load(Ordering::SeqCst), 1, "one reconnect");
+        // Batch 1's rows were released with the lost sessions and claimed again, as batch 2:
+        // an acknowledgement of batch 1 (still in the relay) must not confirm them.
+        assert_eq!(handed, [1, 2, 3]);
+        assert_eq!(
+            topics,
+            ["row.0", "row.1", "row.0", "row.1", "row.2", "row.3"]
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(1)));
+        ack_tx.send_replace(Some(Checkpoint::Batch(3)));
+        let marked = || table.0.lock().unwrap().iter().all(|r| r.published);
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !marked() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "the rows were not marked after the reconnect"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
     }
 }

@@ -177,3 +177,15 @@ async fn without_a_seq_column_outbox_write_ids_keep_insert_order() {
     assert_eq!(distinct, Some(1), "the rows share one created_at");
     assert_eq!(poll_published(&db, "id", 20).await, written);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_database_connection_is_reconnected_with_backoff() {
+    let db = MyDb::create("my_pollcutdb").await;
+    poll::session_loss_reconnects(&db, poll::SessionLoss::ProxyCut, "cutdb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_sessions_are_reconnected_with_backoff() {
+    let db = MyDb::create("my_pollkilldb").await;
+    poll::session_loss_reconnects(&db, poll::SessionLoss::ServerKill, "killdb").await;
+}

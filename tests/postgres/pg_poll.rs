@@ -304,3 +304,15 @@ async fn setup_adds_the_seq_column_and_its_index_once() {
     let written = write_one_transaction_on_reused_pages(&db).await;
     assert_eq!(poll_published(&db, "seqsetup", 5).await, written);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_database_connection_is_reconnected_with_backoff() {
+    let db = PgDb::create("pollcutdb").await;
+    poll::session_loss_reconnects(&db, poll::SessionLoss::ProxyCut, "cutdb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_sessions_are_reconnected_with_backoff() {
+    let db = PgDb::create("pollkilldb").await;
+    poll::session_loss_reconnects(&db, poll::SessionLoss::ServerKill, "killdb").await;
+}

@@ -13,6 +13,7 @@ use crate::dsn::DbDsn;
 use crate::event::OutboxEvent;
 use crate::outbox::my_ident;
 use crate::source::poll::{LoopConfig, PollTable};
+use crate::telemetry::events::SourceKind;
 use crate::Error;
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable;
@@ -131,8 +132,22 @@ impl MyPoll {
     }
 }
 
+/// The loop's [`SESSIONS`](crate::source::poll::SESSIONS) sessions.
+pub async fn open_sessions(
+    dsn: &DbDsn,
+    table: &OutboxTable,
+    run: &LoopConfig,
+) -> Result<Vec<MyPoll>, Error> {
+    let mut dbs = Vec::with_capacity(crate::source::poll::SESSIONS);
+    for _ in 0..crate::source::poll::SESSIONS {
+        dbs.push(MyPoll::open(dsn, table, run).await?);
+    }
+    Ok(dbs)
+}
+
 impl PollTable for MyPoll {
     type Id = Value;
+    const SOURCE: SourceKind = SourceKind::MySql;
 
     async fn begin(&mut self) -> Result<(), Error> {
         Ok(self.conn.query_drop("START TRANSACTION").await?)
