@@ -22,7 +22,7 @@ use crate::telemetry::events::{InternalEvent, SourceKind, SourceReconnecting, So
 use crate::Error;
 use futures::StreamExt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -165,6 +165,7 @@ where
         // sessions that were lost, and that must never confirm a batch claimed after them.
         batch_no: 0,
         waking: true,
+        limit: BatchLimit(AtomicI64::new(cfg.batch)),
     };
     let mut backoff = Backoff::standard();
     let mut dbs = dbs;
@@ -217,6 +218,46 @@ struct LoopState {
     batch_no: u64,
     /// Whether the wake channel is still open (a closed one leaves the interval).
     waking: bool,
+    /// Rows the next claim asks for: `--poll-batch`, halved after each batch released at its
+    /// deadline, doubled again (up to `--poll-batch`) after each batch confirmed quickly (see
+    /// the finisher). A broker (or relay) that cannot confirm a full batch in time would
+    /// otherwise see the same batch released and claimed again, at the same size, forever:
+    /// every released batch's events stay queued ahead of the next one's, so none is ever
+    /// confirmed in time and no row is ever marked. Smaller batches are confirmed within the
+    /// deadline once the queue ahead of them drains.
+    limit: BatchLimit,
+}
+
+/// The rows the next claim asks for (see [`LoopState::limit`]); both halves of the loop
+/// adjust it.
+struct BatchLimit(AtomicI64);
+
+impl BatchLimit {
+    fn get(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// A batch of `rows` was released at its deadline: the next claims ask for half as many
+    /// (at least one). Several batches released in a row, all claimed at one size, halve it
+    /// once. Returns the new limit.
+    fn shrink(&self, rows: usize) -> i64 {
+        let half = (rows as i64 / 2).max(1);
+        let before = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| Some(l.min(half)))
+            .unwrap_or(half);
+        before.min(half)
+    }
+
+    /// A batch was confirmed with time to spare: the next claims may ask for twice as many,
+    /// up to `max`.
+    fn grow(&self, max: i64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                Some(l.saturating_mul(2).min(max))
+            });
+    }
 }
 
 /// The poll loop on one set of sessions, until `shutdown`, the relay's end, or an error of a
@@ -251,7 +292,17 @@ async fn sessions<D: PollTable>(
     // Cancelled by the finisher when the relay ended: the claimer then stops at once (rows it
     // holds stay pending when its sessions close).
     let ended = CancellationToken::new();
-    let LoopState { batch_no, waking } = state;
+    let LoopState {
+        batch_no,
+        waking,
+        limit,
+    } = state;
+    let limit: &BatchLimit = limit;
+    // Set when a batch is released at its deadline; the claimer then lets the relay confirm
+    // everything already handed over before it claims again (see the claimer).
+    let released = AtomicBool::new(false);
+    let released = &released;
+    let mut drain_acks = acks.clone();
 
     let claimer = {
         let free_tx = free_tx.clone();
@@ -259,6 +310,8 @@ async fn sessions<D: PollTable>(
         async move {
             // The last claim was full: there may be more to claim at once.
             let mut more = true;
+            // The last batch wholly handed over (its checkpoint sent).
+            let mut last_handed = *batch_no;
             loop {
                 if !more {
                     // The last claim was short: wait for the interval or a wake.
@@ -279,11 +332,32 @@ async fn sessions<D: PollTable>(
                         None => break,
                     },
                 };
+                // A batch was released at its deadline: its events, and those of every batch
+                // handed over before it, are still queued in the relay (they are published
+                // anyway). A batch claimed now would wait behind all of them and time out in
+                // turn, adding its own events to the queue: with a slow broker no batch would
+                // ever be confirmed in time. So the claimer waits, holding no rows, until the
+                // relay has confirmed what was handed over; the next claim (smaller, see
+                // `BatchLimit`) then has the broker to itself. Checked once a session is free:
+                // the release that frees it sets the flag first.
+                if released.swap(false, Ordering::Relaxed) && last_handed > 0 {
+                    tracing::info!(
+                        batch = last_handed,
+                        next_batch = limit.get(),
+                        "a batch was released at its deadline: claiming again once the relay has confirmed what was handed over"
+                    );
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = ended.cancelled() => break,
+                        ok = confirmed(&mut drain_acks, last_handed) => if !ok { break },
+                    }
+                }
                 let deadline = tokio::time::Instant::now() + cfg.deadline;
-                let rows = db.begin_and_claim(cfg.batch).await?;
+                let want = limit.get();
+                let rows = db.begin_and_claim(want).await?;
                 claimed.store(true, Ordering::Relaxed);
                 let n = rows.len();
-                more = n as i64 >= cfg.batch;
+                more = n as i64 >= want;
                 if n == 0 {
                     db.commit().await?;
                     let _ = free_tx.try_send(db);
@@ -312,6 +386,7 @@ async fn sessions<D: PollTable>(
                 };
                 match handed {
                     Ok(Ok(())) => {
+                        last_handed = batch;
                         let _ = flight_tx
                             .send(InFlight {
                                 db,
@@ -323,7 +398,9 @@ async fn sessions<D: PollTable>(
                     }
                     Ok(Err(e)) => return Err(e),
                     Err(_) => {
-                        tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, "batch not handed over in time; releasing its rows");
+                        let next = limit.shrink(n);
+                        released.store(true, Ordering::Relaxed);
+                        tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, next_batch = next, "batch not handed over in time; releasing its rows and claiming fewer");
                         db.rollback().await?;
                         let _ = free_tx.try_send(db);
                     }
@@ -339,6 +416,13 @@ async fn sessions<D: PollTable>(
             let batch = front.batch;
             match tokio::time::timeout_at(front.deadline, confirmed(acks, batch)).await {
                 Ok(true) => {
+                    // Confirmed within a sixth of the deadline of its claim: even [`SESSIONS`]
+                    // batches twice this size, one behind the other, would be confirmed in
+                    // time, so the next claims may ask for twice as many.
+                    let quick = deadline_cfg / (2 * SESSIONS as u32);
+                    if tokio::time::Instant::now() + (deadline_cfg - quick) <= front.deadline {
+                        limit.grow(cfg.batch);
+                    }
                     front.db.mark_and_commit(&front.ids).await?;
                     tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
                     let _ = free_tx.try_send(front.db);
@@ -352,7 +436,9 @@ async fn sessions<D: PollTable>(
                     // Not confirmed in time: let the rows go; this or another relay publishes
                     // them again (a duplicate, never a loss). Later batches keep their own
                     // deadlines: an ack of a later batch confirms them as well.
-                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, "batch not confirmed in time; releasing its rows");
+                    let next = limit.shrink(front.ids.len());
+                    released.store(true, Ordering::Relaxed);
+                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, next_batch = next, "batch not confirmed in time; releasing its rows and claiming fewer");
                     front.db.rollback().await?;
                     let _ = free_tx.try_send(front.db);
                 }
@@ -1134,5 +1220,111 @@ mod tests {
         done.expect("the loop ends on shutdown")
             .expect("no panic")
             .expect("no error");
+    }
+
+    /// A batch the relay does not confirm in time is released; the next claim waits until the
+    /// relay has confirmed what was handed over (no rows held meanwhile), asks for half as
+    /// many rows, and grows again once batches are confirmed quickly.
+    #[tokio::test(start_paused = true)]
+    async fn a_released_batch_is_claimed_again_smaller_once_the_relay_caught_up() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..4).map(|_| Row::default()).collect(),
+        )));
+        let dbs = vec![FakeSession {
+            table: table.clone(),
+            me: 0,
+            gate: None,
+            fail: None,
+        }];
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 4,
+            interval: Duration::from_secs(3600),
+            deadline: Duration::from_secs(1),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
+        // One batch handed over: its topics, then its checkpoint number.
+        async fn batch(rx: &mut mpsc::Receiver<SourceMsg>) -> (Vec<String>, u64) {
+            let mut topics = Vec::new();
+            loop {
+                match next(rx).await {
+                    Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                    Some(SourceMsg::Checkpoint(Checkpoint::Batch(b))) => return (topics, b),
+                    Some(SourceMsg::Checkpoint(other)) => panic!("unexpected checkpoint {other:?}"),
+                    None => panic!("no batch handed over; so far {topics:?}"),
+                }
+            }
+        }
+        assert_eq!(
+            batch(&mut rx).await,
+            (
+                vec![
+                    "row.0".into(),
+                    "row.1".into(),
+                    "row.2".into(),
+                    "row.3".into()
+                ],
+                1
+            )
+        );
+        // Never confirmed: released at its deadline; nothing is claimed while the relay still
+        // holds batch 1 unconfirmed (virtual time runs far past the deadline here).
+        assert!(
+            tokio::time::timeout(Duration::from_secs(60), rx.recv())
+                .await
+                .is_err(),
+            "claimed again while the relay had not confirmed what was handed over"
+        );
+        assert!(
+            table
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|r| r.locked_by.is_none() && !r.published),
+            "batch 1 was released, not marked"
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(1)));
+        assert_eq!(
+            batch(&mut rx).await,
+            (vec!["row.0".into(), "row.1".into()], 2)
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(2)));
+        assert_eq!(
+            batch(&mut rx).await,
+            (vec!["row.2".into(), "row.3".into()], 3)
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(3)));
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
+        assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+        // Confirmed at once: the limit is back at the full batch.
+        let grown = LoopState {
+            batch_no: 0,
+            waking: true,
+            limit: BatchLimit(AtomicI64::new(2)),
+        };
+        grown.limit.grow(4);
+        assert_eq!(grown.limit.get(), 4);
+        assert_eq!(grown.limit.shrink(4), 2);
+        assert_eq!(
+            grown.limit.shrink(4),
+            2,
+            "several releases of one size halve once"
+        );
+        assert_eq!(grown.limit.shrink(1), 1, "never below one row");
     }
 }

@@ -414,3 +414,82 @@ pub async fn session_loss_reconnects(db: &(impl PollDb + Sync), loss: SessionLos
         relay.stderr()
     );
 }
+
+/// A broker too slow to confirm a full batch within the deadline (every chunk through the
+/// proxy delayed): the relay still marks rows while it stays slow — a batch released at the
+/// deadline is not claimed again at the same size forever — and once the broker is freed every
+/// row is marked and every event is in the queue.
+pub async fn slow_broker_still_progresses(db: &(impl PollDb + Sync), prefix: &str) {
+    let mut topo = Topology::new(prefix).await;
+    let dsn = db.dsn();
+    let proxy = FaultProxy::start(
+        format!("127.0.0.1:{}", super::amqp::HOST_PORT)
+            .parse()
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    let url = super::amqp::url_via(proxy.port());
+    let relay = Relay::start(&[
+        "run",
+        "--mode",
+        "poll",
+        "--source",
+        &dsn,
+        "--name",
+        "slow",
+        "--sink",
+        &url,
+        "--exchange",
+        &topo.exchange,
+        "--poll-interval",
+        "20ms",
+        "--poll-batch",
+        "1000",
+        "--confirm-timeout",
+        "2s",
+        // A small window keeps each event's own confirm well inside the timeout (the sink
+        // never gives up on the broker); what is slow is the queue of a batch's events.
+        "--window",
+        "100",
+    ]);
+    topo.wait_declared(T).await;
+    let q = topo.bind_queue("all", "#").await;
+    // At most 100 events per round trip of 2 x 150 ms: a full batch of 1,000 needs more than
+    // the deadline, three of them one behind the other far more.
+    proxy.set_delay(Duration::from_millis(150));
+    let expected = db.write(1, 3000, "slow").await;
+    let total = expected.len();
+    wait_for(
+        "a third of the rows marked while the broker is slow",
+        Duration::from_secs(90),
+        || async { db.pending_ids().await.len() <= total * 2 / 3 },
+    )
+    .await;
+    assert!(
+        proxy.delayed_chunks() > 0,
+        "the slowdown hit the broker's traffic"
+    );
+    assert!(
+        relay.stderr().contains("not confirmed in time"),
+        "the first batches timed out: {}",
+        relay.stderr()
+    );
+    proxy.set_delay(Duration::ZERO);
+    wait_for("every row marked once the broker is freed", T, || {
+        all_marked(db)
+    })
+    .await;
+    wait_for("at least every event in the queue", T, || async {
+        topo.queue_len(&q).await as usize >= total
+    })
+    .await;
+    let got: HashSet<Uuid> = topo
+        .take_all(&q)
+        .await
+        .iter()
+        .map(super::amqp::message_id)
+        .collect();
+    let lost: Vec<_> = expected.iter().filter(|i| !got.contains(i)).collect();
+    assert!(lost.is_empty(), "{} of {} lost", lost.len(), expected.len());
+}

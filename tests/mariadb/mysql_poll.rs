@@ -189,3 +189,8 @@ async fn killed_sessions_are_reconnected_with_backoff() {
     let db = MyDb::create("my_pollkilldb").await;
     poll::session_loss_reconnects(&db, poll::SessionLoss::ServerKill, "killdb").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_broker_still_sees_progress() {
+    poll::slow_broker_still_progresses(&MyDb::create("my_pollslow").await, "mypollslow").await;
+}

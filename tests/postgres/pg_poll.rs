@@ -316,3 +316,8 @@ async fn terminated_sessions_are_reconnected_with_backoff() {
     let db = PgDb::create("pollkilldb").await;
     poll::session_loss_reconnects(&db, poll::SessionLoss::ServerKill, "killdb").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_broker_still_sees_progress() {
+    poll::slow_broker_still_progresses(&PgDb::create("pollslow").await, "pollslow").await;
+}
