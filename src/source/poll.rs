@@ -484,8 +484,55 @@ pub fn notify_trigger_sql(table: &TableName) -> String {
 }
 
 /// Opens a LISTEN session whose notifications tick `wake`: TLS and verification as every
-/// other SQL session of `dsn` ([`sql_config`]).
+/// other SQL session of `dsn` ([`sql_config`]). When the session ends (a cut connection, the
+/// server ending it or restarting), a background task opens it again with backoff, polling on
+/// the interval meanwhile, and ticks `wake` once it is back: rows may have been committed while
+/// no one listened. The task stops once the poll loop is gone (no receiver left).
 async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<(), Error> {
+    let wake = std::sync::Arc::new(wake);
+    let first = listen_once(dsn, channel, wake.clone()).await?;
+    let (dsn, channel) = (dsn.clone(), channel.to_string());
+    tokio::spawn(async move {
+        let mut session = first;
+        let mut backoff = Backoff::standard();
+        loop {
+            let opened = tokio::time::Instant::now();
+            let _ = session.await;
+            if wake.is_closed() {
+                return;
+            }
+            // A session that lived a while ended on its own: the backoff starts afresh.
+            if opened.elapsed() >= Duration::from_secs(60) {
+                backoff.reset();
+            }
+            session = loop {
+                let d = backoff.next_delay();
+                tokio::time::sleep(d).await;
+                if wake.is_closed() {
+                    return;
+                }
+                match listen_once(&dsn, &channel, wake.clone()).await {
+                    Ok(s) => {
+                        tracing::info!("LISTEN session reopened");
+                        wake.send_modify(|n| *n += 1);
+                        break s;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in = ?d, "could not reopen the LISTEN session; polling on the interval meanwhile")
+                    }
+                }
+            };
+        }
+    });
+    Ok(())
+}
+
+/// One LISTEN session; the handle ends when the session does.
+async fn listen_once(
+    dsn: &DbDsn,
+    channel: &str,
+    wake: std::sync::Arc<watch::Sender<u64>>,
+) -> Result<tokio::task::JoinHandle<()>, Error> {
     let (cfg, tls) = sql_config(dsn, "outboxd_listen")?;
     let (client, driver) = match tls {
         None => {
@@ -504,17 +551,16 @@ async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<
         .batch_execute(&format!("LISTEN {}", pg_ident(channel)))
         .await?;
     // The client must live as long as the session; the driver task owns the connection.
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         let _keep = client;
         let _ = driver.await;
-    });
-    Ok(())
+    }))
 }
 
 /// Drives a LISTEN session's connection in the background, ticking `wake` per notification.
 fn drive_listen<S, T>(
     mut conn: tokio_postgres::Connection<S, T>,
-    wake: watch::Sender<u64>,
+    wake: std::sync::Arc<watch::Sender<u64>>,
 ) -> tokio::task::JoinHandle<()>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -529,7 +575,7 @@ where
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN session ended; polling on the interval only");
+                    tracing::warn!(error = %e, "LISTEN session ended; reopening it (polling on the interval meanwhile)");
                     break;
                 }
             }

@@ -321,3 +321,64 @@ async fn terminated_sessions_are_reconnected_with_backoff() {
 async fn a_slow_broker_still_sees_progress() {
     poll::slow_broker_still_progresses(&PgDb::create("pollslow").await, "pollslow").await;
 }
+
+/// The LISTEN session is ended by the server: the relay opens it again (with backoff) and
+/// NOTIFY wakes the poller as before, long before its interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_listen_session_is_reopened() {
+    let db = PgDb::create("polllisten").await;
+    let dsn = db.dsn();
+    let mut setup = Relay::start(&["setup", "--mode", "poll", "--notify", "--source", &dsn]);
+    assert_eq!(setup.wait_exit(T).await, 0, "{}", setup.stderr());
+    let relay = Relay::start(&[
+        "run",
+        "--mode",
+        "poll",
+        "--notify",
+        "--source",
+        &dsn,
+        "--name",
+        "l",
+        "--commit-offsets",
+        "--poll-interval",
+        "1h",
+    ]);
+    let listen_pid = || async {
+        pg_connect(PG_ADMIN)
+            .await
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'outboxd_listen' AND datname = $1",
+                &[&db.name],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, i32>(0))
+    };
+    wait_for("the LISTEN session", T, || async {
+        listen_pid().await.is_some()
+    })
+    .await;
+    let first = listen_pid().await.unwrap();
+    let ended: bool = pg_connect(PG_ADMIN)
+        .await
+        .query_one("SELECT pg_terminate_backend($1)", &[&first])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended);
+    wait_for("a new LISTEN session", Duration::from_secs(30), || async {
+        listen_pid().await.is_some_and(|p| p != first)
+    })
+    .await;
+    let id = write_events(&mut db.client().await, 1, 1, "listen").await;
+    wait_for(
+        "the event, woken by NOTIFY long before the hour",
+        Duration::from_secs(10),
+        || {
+            let n = relay.line_count();
+            async move { n >= 1 }
+        },
+    )
+    .await;
+    assert_eq!(ids(&relay), id);
+}
