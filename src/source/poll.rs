@@ -6,7 +6,11 @@
 //! never drains between batches; and a confirmed batch is marked and committed while the next
 //! is claimed, so the database's round trips for one batch overlap each other's too.
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.
-//! Several relays on one table take disjoint batches; they need no lease. The loop is one for
+//! Several relays on one table take disjoint batches; they need no lease. Rows are claimed in
+//! `(created_at, seq)` order (`id` without `seq`), so a transaction's rows keep their insert
+//! order. A lost database session is replaced (reconnect with backoff; the rows it held are
+//! claimed again), and a batch released at its deadline makes the next claims smaller and wait
+//! for the relay to catch up, so a slow broker still sees progress. The loop is one for
 //! both databases ([`run`]); each database supplies its statements through [`PollTable`]
 //! (Postgres here, MySQL/MariaDB in `source::mysql::poll`).
 
