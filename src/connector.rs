@@ -310,13 +310,18 @@ pub async fn run_poll_mysql(
     }
     let run = poll.loop_config(deadline);
     run_poll(&cfg, move |link| async move {
-        let mut dbs = Vec::with_capacity(crate::source::poll::SESSIONS);
-        for _ in 0..crate::source::poll::SESSIONS {
-            dbs.push(my_poll::MyPoll::open(&dsn, &table, &run).await?);
-        }
+        let dbs = my_poll::open_sessions(&dsn, &table, &run).await?;
         // No NOTIFY on MySQL: a wake channel that never ticks.
         let (_never, wake) = watch::channel(0u64);
-        crate::source::poll::run(dbs, run, wake, link, shutdown).await
+        crate::source::poll::run(
+            dbs,
+            || my_poll::open_sessions(&dsn, &table, &run),
+            run.clone(),
+            wake,
+            link,
+            shutdown,
+        )
+        .await
     })
     .await
 }

@@ -13,7 +13,7 @@ pub const EVENT_FIELDS: &[&str] = &["id", "topic", "aggregate_id", "table"];
 /// Logical columns the relay knows, in the contract's names. `created_at` may be missing
 /// (Debezium's table has none): the commit time stands in for it.
 pub const REQUIRED: [&str; 4] = ["id", "aggregate_id", "topic", "payload"];
-pub const OPTIONAL: [&str; 7] = [
+pub const OPTIONAL: [&str; 8] = [
     "created_at",
     "status",
     "published_at",
@@ -21,6 +21,8 @@ pub const OPTIONAL: [&str; 7] = [
     "version",
     "aggregate_type",
     "content_type",
+    // Poll mode's tie-break for rows with one `created_at`: rises with insert order.
+    "seq",
 ];
 
 /// One more column a row's event must carry because a template or `--header` names it:

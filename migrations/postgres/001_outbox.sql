@@ -10,8 +10,11 @@ CREATE TABLE IF NOT EXISTS outbox (
     created_at    timestamptz  NOT NULL DEFAULT now(),
     published_at  timestamptz,
     headers       jsonb,                                 -- optional, copied into message headers
-    version       bigint                                 -- optional aggregate version
+    version       bigint,                                -- optional aggregate version
+    seq           bigint       GENERATED ALWAYS AS IDENTITY -- poll mode: insert order within a transaction
 );
--- Poll mode's scan (status, created_at), and a partial index that stays small.
+-- Poll mode's scan (status, created_at), and a partial index that stays small. Poll mode claims
+-- in (created_at, seq) order: a transaction's rows share created_at (now()), seq keeps their
+-- insert order (`outboxd setup --mode poll` adds both to an older table).
 CREATE INDEX IF NOT EXISTS idx_dispatch ON outbox (status, created_at);
-CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (created_at) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (created_at, seq) WHERE status = 'pending';

@@ -67,6 +67,26 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         }
     }
     if args.mode == Mode::Poll {
+        for table in &r.tables {
+            let change = crate::source::poll::ensure_seq(&client, table, &r.columns).await?;
+            println!(
+                "ok   poll order on {}: column {} ({}), index on ({}, {}) ({})",
+                table.pg_quoted(),
+                r.columns.get("seq"),
+                if change.column_added {
+                    "added"
+                } else {
+                    "exists"
+                },
+                r.columns.get("created_at"),
+                r.columns.get("seq"),
+                if change.index_created {
+                    "created"
+                } else {
+                    "exists"
+                },
+            );
+        }
         return Ok(());
     }
     admin::require_logical(&client).await?;

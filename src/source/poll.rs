@@ -6,20 +6,27 @@
 //! never drains between batches; and a confirmed batch is marked and committed while the next
 //! is claimed, so the database's round trips for one batch overlap each other's too.
 //! Publish first, mark second: a crash between the two gives a duplicate, never a loss.
-//! Several relays on one table take disjoint batches; they need no lease. The loop is one for
+//! Several relays on one table take disjoint batches; they need no lease. Rows are claimed in
+//! `(created_at, seq)` order (`id` without `seq`), so a transaction's rows keep their insert
+//! order. A lost database session is replaced (reconnect with backoff; the rows it held are
+//! claimed again), and a batch released at its deadline makes the next claims smaller and wait
+//! for the relay to catch up, so a slow broker still sees progress. The loop is one for
 //! both databases ([`run`]); each database supplies its statements through [`PollTable`]
 //! (Postgres here, MySQL/MariaDB in `source::mysql::poll`).
 
+use crate::backoff::Backoff;
 use crate::dsn::DbDsn;
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::outbox::{pg_ident, ColumnMap, TableName};
 use crate::source::postgres::pgoutput::Value;
 use crate::source::postgres::rows::RowMapper;
 use crate::source::postgres::{connect_sql, snapshot, sql_config, tls_connect_error};
-use crate::source::SourceLink;
+use crate::source::{Outlet, SourceLink};
+use crate::telemetry::events::{InternalEvent, SourceKind, SourceReconnecting, SourceRunning};
 use crate::Error;
 use futures::StreamExt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -55,10 +62,13 @@ pub struct LoopConfig {
 }
 
 /// One database's side of the poll loop: a session that runs one short transaction per batch.
-/// A failed call leaves the session unusable; the loop then stops with the error.
+/// A failed call leaves the session unusable: the loop drops every session and, for an error
+/// a new session may not meet, opens new ones (see [`run`]); otherwise it stops with the error.
 pub trait PollTable: Send {
     /// How a claimed row is named again when it is marked.
     type Id: Send + Sync;
+    /// Whose log lines and reconnects these are.
+    const SOURCE: SourceKind;
 
     /// Opens a READ COMMITTED transaction whose locks and idleness the server bounds.
     fn begin(&mut self) -> impl Future<Output = Result<(), Error>> + Send;
@@ -133,20 +143,147 @@ async fn confirmed(acks: &mut watch::Receiver<Option<Checkpoint>>, batch: u64) -
 /// Runs the poll loop until `shutdown`; the batches in flight are finished first. `wake`
 /// ticks when rows may have arrived before the interval is over (Postgres NOTIFY).
 ///
+/// A database error that a new session may not meet (a connection cut or reset, a session the
+/// server ended, the server restarting: [`Error::is_retryable`]) does not end the loop: every
+/// session is dropped (the server rolls their open batches back, so those rows stay pending
+/// and are claimed again: duplicates of what was already handed over, never a loss), and
+/// after a backoff ([`Backoff::standard`], reset once a new session has claimed) `reopen`
+/// opens a new set. Each reconnect is logged and counted like the log sources' reconnects
+/// ([`SourceReconnecting`]). Any other error ends the loop with it.
+pub async fn run<D, R, F>(
+    dbs: Vec<D>,
+    mut reopen: R,
+    cfg: LoopConfig,
+    mut wake: watch::Receiver<u64>,
+    link: SourceLink,
+    shutdown: CancellationToken,
+) -> Result<(), Error>
+where
+    D: PollTable,
+    R: FnMut() -> F + Send,
+    F: Future<Output = Result<Vec<D>, Error>> + Send,
+{
+    let SourceLink { outlet, mut acks } = link;
+    let mut state = LoopState {
+        // Batch numbers rise across reconnects: the relay may still acknowledge a batch of the
+        // sessions that were lost, and that must never confirm a batch claimed after them.
+        batch_no: 0,
+        waking: true,
+        limit: BatchLimit(AtomicI64::new(cfg.batch)),
+    };
+    let mut backoff = Backoff::standard();
+    let mut dbs = dbs;
+    loop {
+        let claimed = AtomicBool::new(false);
+        let err = match sessions(
+            dbs, &cfg, &mut wake, &outlet, &mut acks, &shutdown, &mut state, &claimed,
+        )
+        .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_retryable() => e,
+            Err(e) => return Err(e),
+        };
+        if claimed.load(Ordering::Relaxed) {
+            backoff.reset();
+        }
+        let mut err = err;
+        dbs = loop {
+            let d = backoff.next_delay();
+            SourceReconnecting {
+                source: D::SOURCE,
+                message: "poll session failed; reconnecting (rows of the batches in flight stay pending and are claimed again)",
+                error: Some(&err),
+                timeout: None,
+                retry_in: Some(d),
+            }
+            .emit();
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(d) => {}
+            }
+            // The relay ended meanwhile (it says why): nothing more to poll for.
+            if acks.has_changed().is_err() {
+                return Ok(());
+            }
+            match reopen().await {
+                Ok(dbs) => break dbs,
+                Err(e) if e.is_retryable() => err = e,
+                Err(e) => return Err(e),
+            }
+        };
+        SourceRunning.emit();
+    }
+}
+
+/// What outlives one set of sessions.
+struct LoopState {
+    /// The last batch number handed to the relay.
+    batch_no: u64,
+    /// Whether the wake channel is still open (a closed one leaves the interval).
+    waking: bool,
+    /// Rows the next claim asks for: `--poll-batch`, halved after each batch released at its
+    /// deadline, doubled again (up to `--poll-batch`) after each batch confirmed quickly (see
+    /// the finisher). A broker (or relay) that cannot confirm a full batch in time would
+    /// otherwise see the same batch released and claimed again, at the same size, forever:
+    /// every released batch's events stay queued ahead of the next one's, so none is ever
+    /// confirmed in time and no row is ever marked. Smaller batches are confirmed within the
+    /// deadline once the queue ahead of them drains.
+    limit: BatchLimit,
+}
+
+/// The rows the next claim asks for (see [`LoopState::limit`]); both halves of the loop
+/// adjust it.
+struct BatchLimit(AtomicI64);
+
+impl BatchLimit {
+    fn get(&self) -> i64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// A batch of `rows` was released at its deadline: the next claims ask for half as many
+    /// (at least one). Several batches released in a row, all claimed at one size, halve it
+    /// once. Returns the new limit.
+    fn shrink(&self, rows: usize) -> i64 {
+        let half = (rows as i64 / 2).max(1);
+        let before = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| Some(l.min(half)))
+            .unwrap_or(half);
+        before.min(half)
+    }
+
+    /// A batch was confirmed with time to spare: the next claims may ask for twice as many,
+    /// up to `max`.
+    fn grow(&self, max: i64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                Some(l.saturating_mul(2).min(max))
+            });
+    }
+}
+
+/// The poll loop on one set of sessions, until `shutdown`, the relay's end, or an error of a
+/// session (which ends them all). `claimed` is set once a claim went through.
+///
 /// Each session in `dbs` carries at most one batch. Two halves run side by side: the claimer
 /// claims a batch on a free session and hands it over, each batch only once the previous one is
 /// wholly handed over, so the relay sees the rows in claim order; the finisher waits for the
 /// oldest batch's confirms, then marks and commits it, batch after batch in claim order, and
 /// frees its session. While one batch is marked and committed, the next is claimed on another
 /// session: the database's work for one batch overlaps the broker's for the others.
-pub async fn run<D: PollTable>(
+#[allow(clippy::too_many_arguments)]
+async fn sessions<D: PollTable>(
     dbs: Vec<D>,
-    cfg: LoopConfig,
-    mut wake: watch::Receiver<u64>,
-    link: SourceLink,
-    shutdown: CancellationToken,
+    cfg: &LoopConfig,
+    wake: &mut watch::Receiver<u64>,
+    outlet: &Outlet,
+    acks: &mut watch::Receiver<Option<Checkpoint>>,
+    shutdown: &CancellationToken,
+    state: &mut LoopState,
+    claimed: &AtomicBool,
 ) -> Result<(), Error> {
-    let SourceLink { outlet, mut acks } = link;
     let deadline_cfg = cfg.deadline;
     let sessions = dbs.len().max(1);
     // Every session is in exactly one place: free, with the claimer, in flight or with the
@@ -159,15 +296,26 @@ pub async fn run<D: PollTable>(
     // Cancelled by the finisher when the relay ended: the claimer then stops at once (rows it
     // holds stay pending when its sessions close).
     let ended = CancellationToken::new();
+    let LoopState {
+        batch_no,
+        waking,
+        limit,
+    } = state;
+    let limit: &BatchLimit = limit;
+    // Set when a batch is released at its deadline; the claimer then lets the relay confirm
+    // everything already handed over before it claims again (see the claimer).
+    let released = AtomicBool::new(false);
+    let released = &released;
+    let mut drain_acks = acks.clone();
 
     let claimer = {
         let free_tx = free_tx.clone();
         let ended = ended.clone();
         async move {
-            let mut batch_no: u64 = 0;
-            let mut waking = true;
             // The last claim was full: there may be more to claim at once.
             let mut more = true;
+            // The last batch wholly handed over (its checkpoint sent).
+            let mut last_handed = *batch_no;
             loop {
                 if !more {
                     // The last claim was short: wait for the interval or a wake.
@@ -177,7 +325,7 @@ pub async fn run<D: PollTable>(
                         _ = tokio::time::sleep(cfg.interval) => {}
                         // A closed wake channel (no NOTIFY, or its session ended) leaves the
                         // interval.
-                        r = wake.changed(), if waking => waking = r.is_ok(),
+                        r = wake.changed(), if *waking => *waking = r.is_ok(),
                     }
                 }
                 let mut db = tokio::select! {
@@ -188,20 +336,42 @@ pub async fn run<D: PollTable>(
                         None => break,
                     },
                 };
+                // A batch was released at its deadline: its events, and those of every batch
+                // handed over before it, are still queued in the relay (they are published
+                // anyway). A batch claimed now would wait behind all of them and time out in
+                // turn, adding its own events to the queue: with a slow broker no batch would
+                // ever be confirmed in time. So the claimer waits, holding no rows, until the
+                // relay has confirmed what was handed over; the next claim (smaller, see
+                // `BatchLimit`) then has the broker to itself. Checked once a session is free:
+                // the release that frees it sets the flag first.
+                if released.swap(false, Ordering::Relaxed) && last_handed > 0 {
+                    tracing::info!(
+                        batch = last_handed,
+                        next_batch = limit.get(),
+                        "a batch was released at its deadline: claiming again once the relay has confirmed what was handed over"
+                    );
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = ended.cancelled() => break,
+                        ok = confirmed(&mut drain_acks, last_handed) => if !ok { break },
+                    }
+                }
                 let deadline = tokio::time::Instant::now() + cfg.deadline;
-                let claimed = db.begin_and_claim(cfg.batch).await?;
-                let n = claimed.len();
-                more = n as i64 >= cfg.batch;
+                let want = limit.get();
+                let rows = db.begin_and_claim(want).await?;
+                claimed.store(true, Ordering::Relaxed);
+                let n = rows.len();
+                more = n as i64 >= want;
                 if n == 0 {
                     db.commit().await?;
                     let _ = free_tx.try_send(db);
                     continue;
                 }
-                batch_no += 1;
-                let batch = batch_no;
+                *batch_no += 1;
+                let batch = *batch_no;
                 let mut ids = Vec::with_capacity(n);
                 let hand_over = async {
-                    for (i, (id, mut event)) in claimed.into_iter().enumerate() {
+                    for (i, (id, mut event)) in rows.into_iter().enumerate() {
                         event.position = crate::event::SourcePosition::Poll {
                             batch,
                             index: i as u32,
@@ -220,6 +390,7 @@ pub async fn run<D: PollTable>(
                 };
                 match handed {
                     Ok(Ok(())) => {
+                        last_handed = batch;
                         let _ = flight_tx
                             .send(InFlight {
                                 db,
@@ -231,7 +402,9 @@ pub async fn run<D: PollTable>(
                     }
                     Ok(Err(e)) => return Err(e),
                     Err(_) => {
-                        tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, "batch not handed over in time; releasing its rows");
+                        let next = limit.shrink(n);
+                        released.store(true, Ordering::Relaxed);
+                        tracing::warn!(batch, rows = n, deadline = ?cfg.deadline, next_batch = next, "batch not handed over in time; releasing its rows and claiming fewer");
                         db.rollback().await?;
                         let _ = free_tx.try_send(db);
                     }
@@ -245,8 +418,15 @@ pub async fn run<D: PollTable>(
     let finisher = async move {
         while let Some(mut front) = flight.recv().await {
             let batch = front.batch;
-            match tokio::time::timeout_at(front.deadline, confirmed(&mut acks, batch)).await {
+            match tokio::time::timeout_at(front.deadline, confirmed(acks, batch)).await {
                 Ok(true) => {
+                    // Confirmed within a sixth of the deadline of its claim: even [`SESSIONS`]
+                    // batches twice this size, one behind the other, would be confirmed in
+                    // time, so the next claims may ask for twice as many.
+                    let quick = deadline_cfg / (2 * SESSIONS as u32);
+                    if tokio::time::Instant::now() + (deadline_cfg - quick) <= front.deadline {
+                        limit.grow(cfg.batch);
+                    }
                     front.db.mark_and_commit(&front.ids).await?;
                     tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
                     let _ = free_tx.try_send(front.db);
@@ -260,7 +440,9 @@ pub async fn run<D: PollTable>(
                     // Not confirmed in time: let the rows go; this or another relay publishes
                     // them again (a duplicate, never a loss). Later batches keep their own
                     // deadlines: an ack of a later batch confirms them as well.
-                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, "batch not confirmed in time; releasing its rows");
+                    let next = limit.shrink(front.ids.len());
+                    released.store(true, Ordering::Relaxed);
+                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, next_batch = next, "batch not confirmed in time; releasing its rows and claiming fewer");
                     front.db.rollback().await?;
                     let _ = free_tx.try_send(front.db);
                 }
@@ -306,8 +488,55 @@ pub fn notify_trigger_sql(table: &TableName) -> String {
 }
 
 /// Opens a LISTEN session whose notifications tick `wake`: TLS and verification as every
-/// other SQL session of `dsn` ([`sql_config`]).
+/// other SQL session of `dsn` ([`sql_config`]). When the session ends (a cut connection, the
+/// server ending it or restarting), a background task opens it again with backoff, polling on
+/// the interval meanwhile, and ticks `wake` once it is back: rows may have been committed while
+/// no one listened. The task stops once the poll loop is gone (no receiver left).
 async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<(), Error> {
+    let wake = std::sync::Arc::new(wake);
+    let first = listen_once(dsn, channel, wake.clone()).await?;
+    let (dsn, channel) = (dsn.clone(), channel.to_string());
+    tokio::spawn(async move {
+        let mut session = first;
+        let mut backoff = Backoff::standard();
+        loop {
+            let opened = tokio::time::Instant::now();
+            let _ = session.await;
+            if wake.is_closed() {
+                return;
+            }
+            // A session that lived a while ended on its own: the backoff starts afresh.
+            if opened.elapsed() >= Duration::from_secs(60) {
+                backoff.reset();
+            }
+            session = loop {
+                let d = backoff.next_delay();
+                tokio::time::sleep(d).await;
+                if wake.is_closed() {
+                    return;
+                }
+                match listen_once(&dsn, &channel, wake.clone()).await {
+                    Ok(s) => {
+                        tracing::info!("LISTEN session reopened");
+                        wake.send_modify(|n| *n += 1);
+                        break s;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in = ?d, "could not reopen the LISTEN session; polling on the interval meanwhile")
+                    }
+                }
+            };
+        }
+    });
+    Ok(())
+}
+
+/// One LISTEN session; the handle ends when the session does.
+async fn listen_once(
+    dsn: &DbDsn,
+    channel: &str,
+    wake: std::sync::Arc<watch::Sender<u64>>,
+) -> Result<tokio::task::JoinHandle<()>, Error> {
     let (cfg, tls) = sql_config(dsn, "outboxd_listen")?;
     let (client, driver) = match tls {
         None => {
@@ -326,17 +555,16 @@ async fn listen(dsn: &DbDsn, channel: &str, wake: watch::Sender<u64>) -> Result<
         .batch_execute(&format!("LISTEN {}", pg_ident(channel)))
         .await?;
     // The client must live as long as the session; the driver task owns the connection.
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         let _keep = client;
         let _ = driver.await;
-    });
-    Ok(())
+    }))
 }
 
 /// Drives a LISTEN session's connection in the background, ticking `wake` per notification.
 fn drive_listen<S, T>(
     mut conn: tokio_postgres::Connection<S, T>,
-    wake: watch::Sender<u64>,
+    wake: std::sync::Arc<watch::Sender<u64>>,
 ) -> tokio::task::JoinHandle<()>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -351,7 +579,7 @@ where
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN session ended; polling on the interval only");
+                    tracing::warn!(error = %e, "LISTEN session ended; reopening it (polling on the interval meanwhile)");
                     break;
                 }
             }
@@ -370,6 +598,8 @@ pub struct PgPoll {
     mark: tokio_postgres::Statement,
     id_index: usize,
     begin: String,
+    /// The logical column that orders rows with one `created_at` (see [`tie_break`]).
+    tie_break: &'static str,
 }
 
 impl PgPoll {
@@ -399,16 +629,25 @@ impl PgPoll {
             .iter()
             .map(|c| format!("{}::text", pg_ident(&c.name)))
             .collect();
-        // `ORDER BY` names the column through the table's alias: a bare name would resolve to
+        // `ORDER BY` names the columns through the table's alias: a bare name would resolve to
         // the select list's `created_at::text` (output names come first in `ORDER BY`), which
         // sorts by the text and so reads and sorts every pending row (a sequential scan, a sort
         // spilled to disk at 50,000 pending rows) instead of walking `outbox_pending` for the
         // first `limit`.
+        //
+        // A transaction's rows share `created_at` (`now()` is the transaction's start), and
+        // without a tie-break they come back in heap order, which after deletes and VACUUM is
+        // not insert order (a later row fills a hole on an earlier page): an aggregate's
+        // version 2 would be published before its version 1. `seq` (an identity column) rises
+        // with insert order; without it the id does for rows `Outbox::write` inserted (UUID
+        // v7, rising within the producer process).
+        let tie_break = tie_break(&rel, &cfg.columns);
         let claim = format!(
-            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
+            "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{}, o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
             select_cols.join(", "),
             cfg.table.pg_quoted(),
             pg_ident(cfg.columns.get("created_at")),
+            pg_ident(cfg.columns.get(tie_break)),
         );
         let mark = format!(
             "UPDATE {} SET {status} = 'published', {published_at} = now() WHERE {id} = ANY($1)",
@@ -436,12 +675,132 @@ impl PgPoll {
             mark,
             id_index,
             begin,
+            tie_break,
         })
     }
 }
 
+/// The logical column that orders rows with one `created_at`: `seq` when the table has it,
+/// otherwise `id`.
+fn tie_break(
+    rel: &crate::source::postgres::pgoutput::Relation,
+    columns: &ColumnMap,
+) -> &'static str {
+    if rel.columns.iter().any(|c| c.name == columns.get("seq")) {
+        "seq"
+    } else {
+        "id"
+    }
+}
+
+/// What [`ensure_seq`] did to a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqChange {
+    pub column_added: bool,
+    pub index_created: bool,
+}
+
+/// Gives an existing table the `seq` column and an index on `(created_at, seq)` for pending
+/// rows, each only when missing (`outboxd setup --mode poll`; the table of
+/// migrations/postgres/001_outbox.sql has both). Adding an identity column rewrites the table
+/// under an exclusive lock, numbering the rows already there in heap order (their order among
+/// themselves is what it was before); the index is built `CONCURRENTLY` on a plain table, so
+/// producers keep writing meanwhile. An index such a build left invalid (the build was
+/// interrupted) is dropped and built again.
+pub async fn ensure_seq(
+    client: &tokio_postgres::Client,
+    table: &TableName,
+    columns: &ColumnMap,
+) -> Result<SeqChange, Error> {
+    let quoted = table.pg_quoted();
+    let (created_at, seq, status) = (
+        columns.get("created_at"),
+        columns.get("seq"),
+        columns.get("status"),
+    );
+    let has = |col: &str| {
+        let (quoted, col) = (quoted.clone(), col.to_string());
+        async move {
+            client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)",
+                    &[&quoted, &col],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+        }
+    };
+    if !has(status).await? {
+        return Err(Error::config(
+            format!("poll mode needs a status column on {quoted}"),
+            format!(
+                "ALTER TABLE {quoted} ADD COLUMN status text NOT NULL DEFAULT 'pending', ADD COLUMN published_at timestamptz;"
+            ),
+        ));
+    }
+    let column_added = !has(seq).await?;
+    if column_added {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS {} bigint GENERATED ALWAYS AS IDENTITY",
+                pg_ident(seq)
+            ))
+            .await?;
+    }
+    // Any valid index that starts with (created_at, seq) serves the claim.
+    let covered: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i
+               JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
+               JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
+              WHERE i.indrelid = to_regclass($1) AND i.indisvalid AND i.indnkeyatts >= 2
+                AND a0.attname = $2 AND a1.attname = $3)",
+            &[&quoted, &created_at, &seq],
+        )
+        .await?
+        .get(0);
+    if covered {
+        return Ok(SeqChange {
+            column_added,
+            index_created: false,
+        });
+    }
+    let index = format!("{}_pending_seq", table.name);
+    let index_quoted = format!("{}.{}", pg_ident(table.pg_schema()), pg_ident(&index));
+    // A partitioned table's index cannot be built concurrently (its partitions' can, one by
+    // one, by hand); the plain build blocks writes while it runs.
+    let partitioned: bool = client
+        .query_one(
+            "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)",
+            &[&quoted],
+        )
+        .await?
+        .get(0);
+    let concurrently = if partitioned { "" } else { "CONCURRENTLY " };
+    // Left invalid by an interrupted concurrent build: `IF NOT EXISTS` would keep it as it is.
+    client
+        .batch_execute(&format!(
+            "DROP INDEX {concurrently}IF EXISTS {index_quoted}"
+        ))
+        .await?;
+    client
+        .batch_execute(&format!(
+            "CREATE INDEX {concurrently}{} ON {quoted} ({}, {}) WHERE {} = 'pending'",
+            pg_ident(&index),
+            pg_ident(created_at),
+            pg_ident(seq),
+            pg_ident(status),
+        ))
+        .await?;
+    Ok(SeqChange {
+        column_added,
+        index_created: true,
+    })
+}
+
 impl PollTable for PgPoll {
     type Id = Uuid;
+    const SOURCE: SourceKind = SourceKind::Postgres;
 
     async fn begin(&mut self) -> Result<(), Error> {
         Ok(self.client.batch_execute(&self.begin).await?)
@@ -525,15 +884,37 @@ pub async fn run_postgres(
     link: SourceLink,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let mut dbs = Vec::with_capacity(SESSIONS);
-    for _ in 0..SESSIONS {
-        dbs.push(PgPoll::open(&cfg).await?);
+    let dbs = open_sessions(&cfg).await?;
+    if dbs[0].tie_break != "seq" {
+        tracing::warn!(
+            table = %cfg.table.pg_quoted(),
+            column = cfg.columns.get("seq"),
+            fix = "outboxd setup --mode poll (adds the column and its index)",
+            "no seq column: rows with one created_at are claimed in id order, which is insert order only for ids that rise with it (Outbox::write's UUID v7)"
+        );
     }
     let (wake_tx, wake) = watch::channel(0u64);
     if let Some(channel) = &cfg.notify_channel {
         listen(&cfg.dsn, channel, wake_tx).await?;
     }
-    run(dbs, cfg.run, wake, link, shutdown).await
+    run(
+        dbs,
+        || open_sessions(&cfg),
+        cfg.run.clone(),
+        wake,
+        link,
+        shutdown,
+    )
+    .await
+}
+
+/// The loop's [`SESSIONS`] sessions.
+async fn open_sessions(cfg: &PollConfig) -> Result<Vec<PgPoll>, Error> {
+    let mut dbs = Vec::with_capacity(SESSIONS);
+    for _ in 0..SESSIONS {
+        dbs.push(PgPoll::open(cfg).await?);
+    }
+    Ok(dbs)
 }
 
 #[cfg(test)]
@@ -561,6 +942,16 @@ mod tests {
         me: usize,
         /// When set, each claim takes a permit first: a test holds claims back with it.
         gate: Option<Arc<tokio::sync::Semaphore>>,
+        /// When set, claims left (across the sessions sharing it) before one fails as a cut
+        /// connection does; 0 = none fails.
+        fail: Option<Arc<std::sync::atomic::AtomicUsize>>,
+    }
+
+    /// A session that goes away rolls its transaction back, as the server does.
+    impl Drop for FakeSession {
+        fn drop(&mut self) {
+            self.end(false);
+        }
     }
 
     impl FakeSession {
@@ -577,6 +968,7 @@ mod tests {
 
     impl PollTable for FakeSession {
         type Id = usize;
+        const SOURCE: SourceKind = SourceKind::Postgres;
 
         async fn begin(&mut self) -> Result<(), Error> {
             Ok(())
@@ -585,6 +977,13 @@ mod tests {
         async fn claim(&mut self, limit: i64) -> Result<Vec<(usize, OutboxEvent)>, Error> {
             if let Some(gate) = &self.gate {
                 gate.acquire().await.expect("gate open").forget();
+            }
+            if let Some(left) = &self.fail {
+                let before =
+                    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+                if before == Ok(1) {
+                    return Err(Error::source("connection reset by peer", true));
+                }
             }
             let mut rows = self.table.0.lock().unwrap();
             let mut out = Vec::new();
@@ -622,6 +1021,11 @@ mod tests {
         }
     }
 
+    /// For tests whose sessions never fail: a reconnect would be a bug.
+    async fn no_reopen() -> Result<Vec<FakeSession>, Error> {
+        Err(Error::config("the test's sessions failed", "none: a bug"))
+    }
+
     /// The next message from the loop, bounded so that a loop that stops handing over fails
     /// the test instead of hanging it.
     async fn next(rx: &mut mpsc::Receiver<SourceMsg>) -> Option<SourceMsg> {
@@ -641,6 +1045,7 @@ mod tests {
                 table: table.clone(),
                 me,
                 gate: None,
+                fail: None,
             })
             .collect();
         let (tx, mut rx) = mpsc::channel(64);
@@ -660,7 +1065,7 @@ mod tests {
         };
         let (_wake_tx, wake) = watch::channel(0u64);
         let shutdown = CancellationToken::new();
-        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
 
         // Batch 1 is never acknowledged on its own: a stop-and-wait loop would wait for it
         // forever and hand nothing more over.
@@ -719,6 +1124,7 @@ mod tests {
                 table: table.clone(),
                 me,
                 gate: Some(gate.clone()),
+                fail: None,
             })
             .collect();
         let (tx, mut rx) = mpsc::channel(64);
@@ -737,7 +1143,7 @@ mod tests {
         };
         let (_wake_tx, wake) = watch::channel(0u64);
         let shutdown = CancellationToken::new();
-        let poller = tokio::spawn(run(dbs, cfg, wake, link, shutdown.clone()));
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
         let mut handed = 0;
         while handed < 3 {
             match next(&mut rx).await {
@@ -776,5 +1182,199 @@ mod tests {
             .expect("no panic")
             .expect("no error");
         assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+    }
+
+    #[tokio::test]
+    async fn a_lost_session_is_replaced_and_batch_numbers_keep_rising() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..4).map(|_| Row::default()).collect(),
+        )));
+        // The second claim fails like a cut connection.
+        let fail = Arc::new(std::sync::atomic::AtomicUsize::new(2));
+        let sessions = |first: usize| {
+            (0..SESSIONS)
+                .map(|i| FakeSession {
+                    table: table.clone(),
+                    me: first + i,
+                    gate: None,
+                    fail: Some(fail.clone()),
+                })
+                .collect::<Vec<_>>()
+        };
+        let dbs = sessions(0);
+        let reopened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let reopen = {
+            let (table, fail, reopened) = (table.clone(), fail.clone(), reopened.clone());
+            move || {
+                let n = reopened.fetch_add(1, Ordering::SeqCst) + 1;
+                let dbs: Vec<FakeSession> = (0..SESSIONS)
+                    .map(|i| FakeSession {
+                        table: table.clone(),
+                        me: 10 * n + i,
+                        gate: None,
+                        fail: Some(fail.clone()),
+                    })
+                    .collect();
+                async move { Ok(dbs) }
+            }
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 2,
+            interval: Duration::from_secs(3600),
+            deadline: Duration::from_secs(3600),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, reopen, cfg, wake, link, shutdown.clone()));
+
+        let mut topics = Vec::new();
+        let mut handed = Vec::new();
+        while handed.len() < 3 {
+            match next(&mut rx).await {
+                Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                Some(SourceMsg::Checkpoint(Checkpoint::Batch(b))) => handed.push(b),
+                Some(SourceMsg::Checkpoint(other)) => panic!("unexpected checkpoint {other:?}"),
+                None => panic!("the loop did not carry on after the lost session: {handed:?}"),
+            }
+        }
+        assert_eq!(reopened.load(Ordering::SeqCst), 1, "one reconnect");
+        // Batch 1's rows were released with the lost sessions and claimed again, as batch 2:
+        // an acknowledgement of batch 1 (still in the relay) must not confirm them.
+        assert_eq!(handed, [1, 2, 3]);
+        assert_eq!(
+            topics,
+            ["row.0", "row.1", "row.0", "row.1", "row.2", "row.3"]
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(1)));
+        ack_tx.send_replace(Some(Checkpoint::Batch(3)));
+        let marked = || table.0.lock().unwrap().iter().all(|r| r.published);
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !marked() {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "the rows were not marked after the reconnect"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
+    }
+
+    /// A batch the relay does not confirm in time is released; the next claim waits until the
+    /// relay has confirmed what was handed over (no rows held meanwhile), asks for half as
+    /// many rows, and grows again once batches are confirmed quickly.
+    #[tokio::test(start_paused = true)]
+    async fn a_released_batch_is_claimed_again_smaller_once_the_relay_caught_up() {
+        let table = FakeTable(Arc::new(Mutex::new(
+            (0..4).map(|_| Row::default()).collect(),
+        )));
+        let dbs = vec![FakeSession {
+            table: table.clone(),
+            me: 0,
+            gate: None,
+            fail: None,
+        }];
+        let (tx, mut rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        let cfg = LoopConfig {
+            batch: 4,
+            interval: Duration::from_secs(3600),
+            deadline: Duration::from_secs(1),
+        };
+        let (_wake_tx, wake) = watch::channel(0u64);
+        let shutdown = CancellationToken::new();
+        let poller = tokio::spawn(run(dbs, no_reopen, cfg, wake, link, shutdown.clone()));
+        // One batch handed over: its topics, then its checkpoint number.
+        async fn batch(rx: &mut mpsc::Receiver<SourceMsg>) -> (Vec<String>, u64) {
+            let mut topics = Vec::new();
+            loop {
+                match next(rx).await {
+                    Some(SourceMsg::Event(e, _)) => topics.push(e.topic.clone()),
+                    Some(SourceMsg::Checkpoint(Checkpoint::Batch(b))) => return (topics, b),
+                    Some(SourceMsg::Checkpoint(other)) => panic!("unexpected checkpoint {other:?}"),
+                    None => panic!("no batch handed over; so far {topics:?}"),
+                }
+            }
+        }
+        assert_eq!(
+            batch(&mut rx).await,
+            (
+                vec![
+                    "row.0".into(),
+                    "row.1".into(),
+                    "row.2".into(),
+                    "row.3".into()
+                ],
+                1
+            )
+        );
+        // Never confirmed: released at its deadline; nothing is claimed while the relay still
+        // holds batch 1 unconfirmed (virtual time runs far past the deadline here).
+        assert!(
+            tokio::time::timeout(Duration::from_secs(60), rx.recv())
+                .await
+                .is_err(),
+            "claimed again while the relay had not confirmed what was handed over"
+        );
+        assert!(
+            table
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|r| r.locked_by.is_none() && !r.published),
+            "batch 1 was released, not marked"
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(1)));
+        assert_eq!(
+            batch(&mut rx).await,
+            (vec!["row.0".into(), "row.1".into()], 2)
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(2)));
+        assert_eq!(
+            batch(&mut rx).await,
+            (vec!["row.2".into(), "row.3".into()], 3)
+        );
+        ack_tx.send_replace(Some(Checkpoint::Batch(3)));
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(10), poller).await;
+        done.expect("the loop ends on shutdown")
+            .expect("no panic")
+            .expect("no error");
+        assert!(table.0.lock().unwrap().iter().all(|r| r.published));
+        // Confirmed at once: the limit is back at the full batch.
+        let grown = LoopState {
+            batch_no: 0,
+            waking: true,
+            limit: BatchLimit(AtomicI64::new(2)),
+        };
+        grown.limit.grow(4);
+        assert_eq!(grown.limit.get(), 4);
+        assert_eq!(grown.limit.shrink(4), 2);
+        assert_eq!(
+            grown.limit.shrink(4),
+            2,
+            "several releases of one size halve once"
+        );
+        assert_eq!(grown.limit.shrink(1), 1, "never below one row");
     }
 }

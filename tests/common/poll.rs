@@ -21,6 +21,9 @@ pub trait PollDb {
     async fn pending_ids(&self) -> HashSet<Uuid>;
     /// Writes `n_tx` transactions of `per_tx` events; returns their ids.
     async fn write(&self, n_tx: usize, per_tx: usize, topic: &str) -> Vec<Uuid>;
+    /// Ends every other session on this test's database from the server side
+    /// (`pg_terminate_backend`, MariaDB `KILL`); returns how many it ended.
+    async fn kill_sessions(&self) -> usize;
 }
 
 impl PollDb for PgDb {
@@ -53,6 +56,18 @@ impl PollDb for PgDb {
     async fn write(&self, n_tx: usize, per_tx: usize, topic: &str) -> Vec<Uuid> {
         write_events(&mut self.client().await, n_tx, per_tx, topic).await
     }
+
+    async fn kill_sessions(&self) -> usize {
+        pg_connect(PG_ADMIN)
+            .await
+            .query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                &[&self.name],
+            )
+            .await
+            .unwrap()
+            .len()
+    }
 }
 
 impl PollDb for MyDb {
@@ -83,6 +98,24 @@ impl PollDb for MyDb {
 
     async fn write(&self, n_tx: usize, per_tx: usize, topic: &str) -> Vec<Uuid> {
         my_write_events(&mut self.conn().await, n_tx, per_tx, topic).await
+    }
+
+    async fn kill_sessions(&self) -> usize {
+        use mysql_async::prelude::Queryable;
+        let mut c = my_connect(None).await;
+        let ids: Vec<u64> = c
+            .exec(
+                "SELECT ID FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID()",
+                (self.name.clone(),),
+            )
+            .await
+            .unwrap();
+        for id in &ids {
+            // A session that ended meanwhile is no error for the test.
+            let _ = c.query_drop(format!("KILL {id}")).await;
+        }
+        let _ = c.disconnect().await;
+        ids.len()
     }
 }
 
@@ -302,6 +335,153 @@ pub async fn one_relays_broker_cut(db: &(impl PollDb + Sync), prefix: &str) {
     // take everything there is once all rows are marked.
     wait_for("at least every event in the queue", T, || async {
         topo.queue_len(&q).await as usize >= expected.len()
+    })
+    .await;
+    let got: HashSet<Uuid> = topo
+        .take_all(&q)
+        .await
+        .iter()
+        .map(super::amqp::message_id)
+        .collect();
+    let lost: Vec<_> = expected.iter().filter(|i| !got.contains(i)).collect();
+    assert!(lost.is_empty(), "{} of {} lost", lost.len(), expected.len());
+}
+
+/// How a scenario takes the relay's database sessions away.
+#[derive(Clone, Copy, Debug)]
+pub enum SessionLoss {
+    /// Every connection through the proxy reset, and new ones refused while rows are written.
+    ProxyCut,
+    /// The server ends the sessions (`pg_terminate_backend`, MariaDB `KILL`).
+    ServerKill,
+}
+
+/// The relay's database sessions are lost in the middle of its work: it reconnects with
+/// backoff (the reconnect logged and counted in `outboxd_reconnects_total{cause="source"}`)
+/// instead of exiting, and every row written before, during and after is published and marked.
+pub async fn session_loss_reconnects(db: &(impl PollDb + Sync), loss: SessionLoss, name: &str) {
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", db.server_port()).parse().unwrap())
+        .await
+        .unwrap();
+    let dsn = db.dsn_via(proxy.port());
+    let port = free_local_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = stdout_args(&dsn, name, "20ms", "50");
+    args.extend(["--metrics-addr", &addr]);
+    let relay = Relay::start(&args);
+    let reconnects = || async {
+        metric_value(
+            &scrape_metrics(port).await,
+            "outboxd_reconnects_total{cause=\"source\"}",
+        )
+        .unwrap_or(0.0)
+    };
+    let mut expected = db.write(5, 20, "loss.before").await;
+    wait_for("every row marked before the loss", T, || all_marked(db)).await;
+    let before = reconnects().await;
+    match loss {
+        SessionLoss::ProxyCut => {
+            proxy.block();
+            proxy.cut();
+        }
+        SessionLoss::ServerKill => {
+            assert!(
+                db.kill_sessions().await > 0,
+                "the relay had sessions to end"
+            );
+        }
+    }
+    // An exiting relay fails here: its metrics endpoint goes away with it.
+    wait_for("the reconnect counted", Duration::from_secs(30), || async {
+        reconnects().await >= before + 1.0
+    })
+    .await;
+    expected.extend(db.write(5, 20, "loss.during").await);
+    proxy.unblock();
+    expected.extend(db.write(5, 20, "loss.after").await);
+    wait_for(
+        "every row marked after the reconnect",
+        Duration::from_secs(60),
+        || all_marked(db),
+    )
+    .await;
+    let got: HashSet<Uuid> = ids(&relay).into_iter().collect();
+    let lost: Vec<_> = expected.iter().filter(|i| !got.contains(i)).collect();
+    assert!(lost.is_empty(), "{} of {} lost", lost.len(), expected.len());
+    assert!(
+        relay.stderr().contains("reconnecting"),
+        "the reconnect is logged: {}",
+        relay.stderr()
+    );
+}
+
+/// A broker too slow to confirm a full batch within the deadline (every chunk through the
+/// proxy delayed): the relay still marks rows while it stays slow — a batch released at the
+/// deadline is not claimed again at the same size forever — and once the broker is freed every
+/// row is marked and every event is in the queue.
+pub async fn slow_broker_still_progresses(db: &(impl PollDb + Sync), prefix: &str) {
+    let mut topo = Topology::new(prefix).await;
+    let dsn = db.dsn();
+    let proxy = FaultProxy::start(
+        format!("127.0.0.1:{}", super::amqp::HOST_PORT)
+            .parse()
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    let url = super::amqp::url_via(proxy.port());
+    let relay = Relay::start(&[
+        "run",
+        "--mode",
+        "poll",
+        "--source",
+        &dsn,
+        "--name",
+        "slow",
+        "--sink",
+        &url,
+        "--exchange",
+        &topo.exchange,
+        "--poll-interval",
+        "20ms",
+        "--poll-batch",
+        "1000",
+        "--confirm-timeout",
+        "2s",
+        // A small window keeps each event's own confirm well inside the timeout (the sink
+        // never gives up on the broker); what is slow is the queue of a batch's events.
+        "--window",
+        "100",
+    ]);
+    topo.wait_declared(T).await;
+    let q = topo.bind_queue("all", "#").await;
+    // At most 100 events per round trip of 2 x 150 ms: a full batch of 1,000 needs more than
+    // the deadline, three of them one behind the other far more.
+    proxy.set_delay(Duration::from_millis(150));
+    let expected = db.write(1, 3000, "slow").await;
+    let total = expected.len();
+    wait_for(
+        "a third of the rows marked while the broker is slow",
+        Duration::from_secs(90),
+        || async { db.pending_ids().await.len() <= total * 2 / 3 },
+    )
+    .await;
+    assert!(
+        proxy.delayed_chunks() > 0,
+        "the slowdown hit the broker's traffic"
+    );
+    assert!(
+        relay.stderr().contains("not confirmed in time"),
+        "the first batches timed out: {}",
+        relay.stderr()
+    );
+    proxy.set_delay(Duration::ZERO);
+    wait_for("every row marked once the broker is freed", T, || {
+        all_marked(db)
+    })
+    .await;
+    wait_for("at least every event in the queue", T, || async {
+        topo.queue_len(&q).await as usize >= total
     })
     .await;
     let got: HashSet<Uuid> = topo

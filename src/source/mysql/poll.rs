@@ -1,10 +1,11 @@
 //! Poll mode on MySQL/MariaDB: the MySQL side of the shared poll loop
 //! ([`crate::source::poll`]). The reference table and statements: `SELECT … WHERE status =
-//! 'pending' ORDER BY created_at LIMIT n FOR UPDATE SKIP LOCKED` on `idx_dispatch (status,
-//! created_at)` in a READ COMMITTED transaction (no gap locks, so producers' INSERTs never wait
-//! for it), then `UPDATE … SET status = 'published', published_at = …` for the claimed ids.
-//! Rows are read with a prepared statement (binary protocol) and mapped by the same column
-//! rules as binlog rows and the first-start snapshot.
+//! 'pending' ORDER BY created_at, id LIMIT n FOR UPDATE SKIP LOCKED` (`seq` instead of `id`
+//! when the table has it) on `idx_dispatch (status, created_at)` in a READ COMMITTED
+//! transaction (no gap locks, so producers' INSERTs never wait for it), then `UPDATE … SET
+//! status = 'published', published_at = …` for the claimed ids. Rows are read with a prepared
+//! statement (binary protocol) and mapped by the same column rules as binlog rows and the
+//! first-start snapshot.
 
 use super::rows::{Mapping, OutboxTable, RowContext};
 use super::{connect_sql, snapshot};
@@ -12,6 +13,7 @@ use crate::dsn::DbDsn;
 use crate::event::OutboxEvent;
 use crate::outbox::my_ident;
 use crate::source::poll::{LoopConfig, PollTable};
+use crate::telemetry::events::SourceKind;
 use crate::Error;
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable;
@@ -77,12 +79,21 @@ impl MyPoll {
         }
         let id_index = has("id").expect("mapped above");
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
+        // Rows with one `created_at` (a multi-row INSERT shares one `NOW(6)`; a clock's
+        // microsecond can hold two statements) need a tie-break that rises with insert order,
+        // or they come back in whatever order the index or a sort leaves them: a `seq` column
+        // (AUTO_INCREMENT) when the table has one, else the id, which `Outbox::write` draws as
+        // a UUID v7 rising within the producer process. The id costs nothing: InnoDB's
+        // `idx_dispatch (status, created_at)` ends with the primary key, so the index walk
+        // already yields that order.
+        let tie_break = if has("seq").is_some() { "seq" } else { "id" };
         let claim = format!(
-            "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {} LIMIT ? FOR UPDATE SKIP LOCKED",
+            "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {}, {} LIMIT ? FOR UPDATE SKIP LOCKED",
             select.join(", "),
             table.quoted(),
             my_ident(table.columns.get("status")),
             my_ident(table.columns.get("created_at")),
+            my_ident(table.columns.get(tie_break)),
         );
         let mark_prefix = format!(
             "UPDATE {} SET {} = 'published', {} = ? WHERE {} IN ",
@@ -121,8 +132,22 @@ impl MyPoll {
     }
 }
 
+/// The loop's [`SESSIONS`](crate::source::poll::SESSIONS) sessions.
+pub async fn open_sessions(
+    dsn: &DbDsn,
+    table: &OutboxTable,
+    run: &LoopConfig,
+) -> Result<Vec<MyPoll>, Error> {
+    let mut dbs = Vec::with_capacity(crate::source::poll::SESSIONS);
+    for _ in 0..crate::source::poll::SESSIONS {
+        dbs.push(MyPoll::open(dsn, table, run).await?);
+    }
+    Ok(dbs)
+}
+
 impl PollTable for MyPoll {
     type Id = Value;
+    const SOURCE: SourceKind = SourceKind::MySql;
 
     async fn begin(&mut self) -> Result<(), Error> {
         Ok(self.conn.query_drop("START TRANSACTION").await?)
