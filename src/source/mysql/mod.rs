@@ -405,6 +405,10 @@ pub async fn run(
         // the payload event (it inflates it itself): those copies are checked and skipped.
         let mut copies = std::collections::VecDeque::<(u8, u32)>::new();
 
+        // One deadline for the next event or heartbeat, kept across the loop's other wake-ups
+        // (acknowledgements, the XA watch's tick every second): a timeout made anew at each
+        // turn would never run out on a stalled connection.
+        let mut read_by = tokio::time::Instant::now() + cfg.read_timeout;
         loop {
             let flush_at = tokio::time::Instant::from_std(last_sent + IDLE_CHECKPOINT_INTERVAL);
             let item = tokio::select! {
@@ -436,8 +440,8 @@ pub async fn run(
                 // `next()` keeps its partial read in the stream: dropping it is safe. The
                 // library parses events (and unpacks compressed transactions) inside it, and
                 // its parsers can panic on a corrupt event: that becomes an error here.
-                r = tokio::time::timeout(
-                    cfg.read_timeout,
+                r = tokio::time::timeout_at(
+                    read_by,
                     futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(stream.next())),
                 ) => match r {
                     Ok(Err(_)) => return Err(Error::Decode(format!(
@@ -448,6 +452,7 @@ pub async fn run(
                     Err(e) => Err(e),
                 },
             };
+            read_by = tokio::time::Instant::now() + cfg.read_timeout;
             let ev: Event = match item {
                 Err(_) => {
                     SourceReconnecting {
