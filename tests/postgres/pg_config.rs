@@ -698,6 +698,8 @@ async fn loose_secret_files_are_refused_with_the_fix() {
         "--aggregate",
         "agg-1",
         "--yes",
+        "--source",
+        &plain_dsn,
         "--keystore-file",
         &keystore,
     ]);
