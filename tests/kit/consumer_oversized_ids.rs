@@ -66,13 +66,13 @@ fn props_with(id: Uuid, customer: &str, header: &str, value: &str) -> lapin::Bas
 /// For `--on-poison park` and `skip`: a healthy invoice, one whose `x-aggregate-id` is
 /// `long_id` and one whose `x-aggregate-type` is `long_type`, another healthy invoice. The two
 /// oversized ones fail `--max-failures` times and go through the policy; the healthy ones are
-/// applied; the gate holds exactly the healthy aggregates. A parked message carries an error
-/// naming `code`.
+/// applied; the gate holds exactly the healthy aggregates. A parked message's error contains
+/// `reason`.
 async fn oversized_ids_are_poison(
     db: &Db,
     dsn: &str,
     (long_id, long_type): (&str, &str),
-    code: &str,
+    reason: &str,
 ) {
     let conn = amqp::connect().await;
     let ch = conn.create_channel().await.unwrap();
@@ -152,7 +152,7 @@ async fn oversized_ids_are_poison(
             for m in take(&conn, &dead, 2).await {
                 parked.push(amqp::message_id(&m));
                 let err = amqp::header_str(&m, "x-outboxd-error").unwrap();
-                assert!(err.contains(code), "the reason names {code}: {err}");
+                assert!(err.contains(reason), "the reason says {reason:?}: {err}");
             }
             parked.sort();
             assert_eq!(parked, bad.to_vec());
@@ -170,7 +170,13 @@ async fn mariadb_oversized_aggregate_ids_go_through_the_poison_policy() {
     let dsn = my.dsn();
     let db = Db::My(my);
     // One byte over VARBINARY(1024) and VARBINARY(255).
-    oversized_ids_are_poison(&db, &dsn, (&"i".repeat(1025), &"t".repeat(256)), "1406").await;
+    oversized_ids_are_poison(
+        &db,
+        &dsn,
+        (&"i".repeat(1025), &"t".repeat(256)),
+        "longer than column",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
