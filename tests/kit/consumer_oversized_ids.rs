@@ -190,3 +190,50 @@ async fn postgres_oversized_aggregate_ids_go_through_the_poison_policy() {
     let long = incompressible(16_000);
     oversized_ids_are_poison(&db, &dsn, (&long, &long), "54000").await;
 }
+
+/// The other side of the line: a consumer name longer than a gate table's narrowed `consumer`
+/// column is configuration, not the message's data. The consumer stops (exit 2) with the width
+/// in its fix, under `--on-poison skip`, and the message stays in the queue, unskipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_consumer_name_too_long_for_the_gate_stops_the_consumer() {
+    let my = MariaDb::create("oversize").await;
+    setup_projection(&my.dsn()).await;
+    let dsn = my.dsn();
+    let mut c = my.conn().await;
+    my_exec(
+        &mut c,
+        "ALTER TABLE consumer_aggregate_versions MODIFY consumer VARBINARY(5) NOT NULL",
+    )
+    .await;
+    let _ = c.disconnect().await;
+    let db = Db::My(my);
+    let conn = amqp::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let publisher = publisher().await;
+    let q = OwnQueue::declare(&ch, &unique("oversize_name"), "", "", true).await;
+    let id = Uuid::now_v7();
+    publish(
+        &publisher,
+        "",
+        &q.name,
+        invoice_props(id, "invoice.issued", "cust-1", Some(1)),
+        &invoice_body(1, "cust-1", 100),
+    )
+    .await;
+    let args = ["--stale-gate", "--on-poison", "skip", "--max-failures", "3"];
+    let mut p = start_consumer(&dsn, &q.name, "billing_projection", &args);
+    let code = p.wait_exit(T).await;
+    let err = p.stderr();
+    assert_eq!(code, 2, "a setup stop; stderr:\n{err}");
+    assert!(
+        err.contains("at most 5 bytes"),
+        "the fix names the width; stderr:\n{err}"
+    );
+    assert!(!err.contains("poison message"), "{err}");
+    assert_eq!(db.ledger(id).await, 0);
+    wait_for("the message back in the queue", T, || {
+        let (conn, q) = (&conn, &q.name);
+        async move { ready(conn, q).await == 1 }
+    })
+    .await;
+}
