@@ -6,6 +6,9 @@
 //! (duplicate key). `IGNORE` also turns other errors into warnings — a consumer name too long
 //! for the column is silently cut, a NULL becomes a default — so every warning other than
 //! 1062 fails the claim, and 0 rows count as a duplicate only when warning 1062 says so.
+//! Whose fault such a warning is decides what follows: an `x-aggregate-id` or
+//! `x-aggregate-type` longer than its gate column is the message's data (it goes to
+//! `--on-poison`, like error 1406 would); anything else stops the consumer with the fix.
 
 use super::inbox::InboxBackend;
 use super::processor::Database;
@@ -71,35 +74,99 @@ async fn warnings(tx: &mut Transaction<'_>) -> Result<Vec<(u32, String)>, Consum
     Ok(rows.into_iter().map(|(_, c, m)| (c, m)).collect())
 }
 
-/// `INSERT IGNORE` and its verdict: `Ok(true)` inserted, `Ok(false)` duplicate key, an error
-/// for anything else `IGNORE` swallowed.
+/// What an `INSERT IGNORE` did.
+enum Ignored {
+    Inserted,
+    /// Duplicate key (warning 1062 alone).
+    Duplicate,
+    /// Another warning, as (code, message): `IGNORE` turned an error into it, and the row (if
+    /// any) is not what was asked for.
+    Warned(u32, String),
+}
+
+/// Warnings of a value cut to its column's width: "data truncated", "data too long".
+const TRUNCATED: &[u32] = &[1265, 1406];
+
+/// `INSERT IGNORE` and its verdict; an error when the row count and warnings disagree.
 async fn insert_ignore(
     tx: &mut Transaction<'_>,
     sql: &str,
     params: mysql_async::Params,
     what: &str,
-) -> Result<bool, ConsumerError> {
+) -> Result<Ignored, ConsumerError> {
     tx.exec_drop(sql, params).await?;
     let affected = tx.affected_rows();
     let mut duplicate = false;
     if tx.get_warnings() > 0 {
         let list = warnings(tx).await?;
         duplicate = list.iter().any(|(c, _)| *c == ER_DUP_ENTRY);
-        if let Some((code, text)) = list.iter().find(|(c, _)| *c != ER_DUP_ENTRY) {
-            return Err(ConsumerError::config(
-                format!("INSERT IGNORE into {what} reported warning {code}: {text} (IGNORE turned an error into a warning; the claim is not trusted)"),
-                "check the consumer name (at most 100 bytes) and that the table matches migrations/mysql/003_processed_messages.sql",
-            ));
+        if let Some((code, text)) = list.into_iter().find(|(c, _)| *c != ER_DUP_ENTRY) {
+            return Ok(Ignored::Warned(code, text));
         }
     }
     match (affected, duplicate) {
-        (1, _) => Ok(true),
-        (0, true) => Ok(false),
+        (1, _) => Ok(Ignored::Inserted),
+        (0, true) => Ok(Ignored::Duplicate),
         _ => Err(ConsumerError::config(
             format!("INSERT IGNORE into {what} affected {affected} rows without a duplicate-key warning: cannot tell a repeat from a failure"),
             "make sure warnings are reported (max_error_count > 0) and the table's primary key is (consumer, …) as in migrations/mysql/003_processed_messages.sql",
         )),
     }
+}
+
+/// The stop for a warning no message causes (the transaction is not committed).
+fn untrusted(what: &str, code: u32, text: &str) -> ConsumerError {
+    ConsumerError::config(
+        format!("INSERT IGNORE into {what} reported warning {code}: {text} (IGNORE turned an error into a warning; the claim is not trusted)"),
+        "check the consumer name (at most 100 bytes) and that the table matches migrations/mysql/003_processed_messages.sql",
+    )
+}
+
+/// After a truncation warning from the stale gate's insert: which value is longer than its
+/// column, from the catalog's widths (bytes for `VARBINARY`, characters for a `VARCHAR` an
+/// older release created) — never from the warning's wording. The consumer name is
+/// configuration, so its overflow stops the consumer; the aggregate's type or id come with the
+/// message, so theirs is the message's data (classified as error 1406, SQLSTATE 22001), and
+/// the message goes to `--on-poison` while the others go on.
+async fn gate_overflow(
+    tx: &mut Transaction<'_>,
+    table: &TableName,
+    values: [(&str, &str, &str); 3],
+) -> Result<Option<ConsumerError>, ConsumerError> {
+    let cols: Vec<(String, String, Option<u64>)> = tx
+        .exec(
+            "SELECT COLUMN_NAME, DATA_TYPE, CHARACTER_MAXIMUM_LENGTH FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?",
+            (table.schema.as_deref(), table.name.as_str()),
+        )
+        .await?;
+    let t = quoted(table);
+    for (column, header, value) in values {
+        let Some((_, ty, Some(max))) = cols.iter().find(|(c, _, _)| c.eq_ignore_ascii_case(column))
+        else {
+            continue;
+        };
+        let (len, unit) = if ty.to_ascii_lowercase().contains("binary") {
+            (value.len() as u64, "bytes")
+        } else {
+            (value.chars().count() as u64, "characters")
+        };
+        if len <= *max {
+            continue;
+        }
+        let problem = format!(
+            "{header} is {len} {unit}, longer than column {column} of {t} holds ({max} {unit}); the stale gate cannot record it"
+        );
+        return Ok(Some(if column == "consumer" {
+            ConsumerError::config(
+                problem,
+                format!("give the consumer a name of at most {max} {unit}, or widen {t}.consumer as in migrations/mysql/003_processed_messages.sql"),
+            )
+        } else {
+            super::fault::to_error(problem, "22001", Some(1406))
+        }));
+    }
+    Ok(None)
 }
 
 impl InboxBackend for Transaction<'_> {
@@ -112,13 +179,18 @@ impl InboxBackend for Transaction<'_> {
         id: Uuid,
     ) -> Result<bool, ConsumerError> {
         let t = quoted(table);
-        insert_ignore(
+        match insert_ignore(
             self,
             &format!("INSERT IGNORE INTO {t} (consumer, message_id) VALUES (?, ?)"),
             (consumer, id.as_bytes().to_vec()).into(),
             &t,
         )
-        .await
+        .await?
+        {
+            Ignored::Inserted => Ok(true),
+            Ignored::Duplicate => Ok(false),
+            Ignored::Warned(code, text) => Err(untrusted(&t, code, &text)),
+        }
     }
 
     /// The first message of an aggregate inserts its row; later ones update it only upwards
@@ -134,7 +206,7 @@ impl InboxBackend for Transaction<'_> {
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let t = quoted(table);
-        if insert_ignore(
+        match insert_ignore(
             self,
             &format!("INSERT IGNORE INTO {t} (consumer, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?)"),
             (consumer, aggregate_type, aggregate_id, version).into(),
@@ -142,7 +214,21 @@ impl InboxBackend for Transaction<'_> {
         )
         .await?
         {
-            return Ok(None);
+            Ignored::Inserted => return Ok(None),
+            Ignored::Duplicate => {}
+            Ignored::Warned(code, text) => {
+                let values = [
+                    ("consumer", "the consumer name", consumer),
+                    ("aggregate_type", "x-aggregate-type", aggregate_type),
+                    ("aggregate_id", "x-aggregate-id", aggregate_id),
+                ];
+                if TRUNCATED.contains(&code) {
+                    if let Some(e) = gate_overflow(self, table, values).await? {
+                        return Err(e);
+                    }
+                }
+                return Err(untrusted(&t, code, &text));
+            }
         }
         self.exec_drop(
             format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ? AND version < ?"),

@@ -129,7 +129,7 @@ fn stat(p: &Proc, k: &str) -> i64 {
     p.stats()[k].as_i64().unwrap_or(0)
 }
 
-fn total_stat(ps: &[Proc], k: &str) -> i64 {
+pub(crate) fn total_stat(ps: &[Proc], k: &str) -> i64 {
     ps.iter().map(|p| stat(p, k)).sum()
 }
 

@@ -12,6 +12,7 @@ mod consumer_faults;
 mod consumer_identity;
 mod consumer_inbox;
 mod consumer_order;
+mod consumer_oversized_ids;
 mod consumer_prune;
 mod crypto_cli;
 mod crypto_fields;
