@@ -96,7 +96,11 @@ pub async fn run(
             .await?
             .is_some();
     let pending = if skip_pending {
-        format!("{}::text = 'pending'", pg_ident(columns.get("status")))
+        // NULL is no status a poll relay claims: such a row is rewritten.
+        format!(
+            "COALESCE({}::text = 'pending', false)",
+            pg_ident(columns.get("status"))
+        )
     } else {
         "false".to_string()
     };
