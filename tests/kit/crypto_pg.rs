@@ -880,3 +880,59 @@ async fn a_poll_relay_during_reencrypt_publishes_each_aggregate_in_order() {
     );
     assert!(out.is_empty(), "{out}");
 }
+
+/// A row whose (nullable) status is NULL is no row a poll relay claims: reencrypt rewrites it
+/// like a published one, and still leaves the pending one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reencrypt_rewrites_a_row_with_a_null_status_and_leaves_a_pending_one() {
+    let db = PgDb::create("reencnull").await;
+    let mut client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox ALTER COLUMN status DROP NOT NULL")
+        .await
+        .unwrap();
+    let clear = outboxd::Outbox::new("outbox").unwrap();
+    let mut tx = client.transaction().await.unwrap();
+    let null_row = clear.write(&mut tx, "t", "a", &payload(1)).await.unwrap();
+    let pending_row = clear.write(&mut tx, "t", "a", &payload(2)).await.unwrap();
+    tx.commit().await.unwrap();
+    client
+        .execute(
+            "UPDATE outbox SET status = NULL WHERE id = $1",
+            &[&null_row],
+        )
+        .await
+        .unwrap();
+    let enc = Encryptor::new(Keyring::generate(8).unwrap(), schema());
+    let p = reencrypt::run(
+        &mut client,
+        &TableName::parse("outbox").unwrap(),
+        &ColumnMap::default(),
+        &enc,
+        &reencrypt::Options::default(),
+        &CancellationToken::new(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (p.scanned, p.rewritten, p.skipped_pending),
+        (2, 1, 1),
+        "{p:?}"
+    );
+    let text = |id: Uuid| {
+        let client = &client;
+        async move {
+            client
+                .query_one("SELECT payload::text FROM outbox WHERE id = $1", &[&id])
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    assert_sealed(&text(null_row).await, 1);
+    assert!(
+        text(pending_row).await.contains("TAX0000002"),
+        "left in clear"
+    );
+}
