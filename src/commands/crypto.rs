@@ -229,6 +229,11 @@ pub struct ReencryptArgs {
     /// Resume after this id (printed with every progress line).
     #[arg(long, env = "OUTBOXD_AFTER")]
     pub after: Option<Uuid>,
+    /// Rewrite rows whose status is still `pending` too: for a table only CDC mode reads (it
+    /// never changes the status). Without it pending rows are left for a later run, so that a
+    /// poll relay never publishes an aggregate's later events first.
+    #[arg(long, env = "OUTBOXD_INCLUDE_PENDING")]
+    pub include_pending: bool,
     /// Also re-wrap the per-aggregate data keys of this keystore under the current key.
     #[command(flatten)]
     pub keystore: KeystoreArgs,
@@ -776,6 +781,31 @@ fn print_counts(
     }
 }
 
+/// `--include-pending` while a poll relay is connected to the database would lock rows it is
+/// about to claim: refused. Poll relays name their session `outboxd_<name>_poll`.
+async fn refuse_pending_with_poll_relays(client: &tokio_postgres::Client) -> Result<(), Error> {
+    let rows = client
+        .query(
+            "SELECT DISTINCT application_name FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name LIKE 'outboxd\\_%\\_poll' \
+             ORDER BY 1",
+            &[],
+        )
+        .await?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    Err(Error::config(
+        format!(
+            "--include-pending, but a poll relay is connected to this database ({}): locking its \
+             pending rows would make it publish an aggregate's later events first",
+            names.join(", ")
+        ),
+        "run `outboxd reencrypt` without --include-pending (pending rows are re-sealed by a later run once published)",
+    ))
+}
+
 /// `outboxd reencrypt`
 pub async fn reencrypt(
     a: ReencryptArgs,
@@ -808,6 +838,9 @@ pub async fn reencrypt(
         m,
     )
     .await?;
+    if a.include_pending {
+        refuse_pending_with_poll_relays(&client).await?;
+    }
     let before = reencrypt::count_by_key(&client, &table, &columns).await?;
     let old: i64 = before
         .iter()
@@ -832,6 +865,7 @@ pub async fn reencrypt(
         batch: a.batch,
         after: a.after,
         limit: None,
+        include_pending: a.include_pending,
     };
     let p = reencrypt::run(&mut client, &table, &columns, &enc, &opts, &shutdown, |p| {
         eprintln!(
@@ -847,9 +881,19 @@ pub async fn reencrypt(
     let after = reencrypt::count_by_key(&client, &table, &columns).await?;
     print_counts(enc.keyring(), &table, &after);
     println!(
-        "scanned {} rows, rewrote {}, failed {}",
-        p.scanned, p.rewritten, p.failed
+        "scanned {} rows, rewrote {}, failed {}, left {} pending",
+        p.scanned, p.rewritten, p.failed, p.skipped_pending
     );
+    if p.skipped_pending > 0 {
+        eprintln!(
+            "outboxd: {} row{} still pending were left alone (a poll relay may be claiming them); \
+             run `outboxd reencrypt` again once they are published, or add --include-pending if \
+             only CDC mode reads {} (it never marks rows published)",
+            p.skipped_pending,
+            if p.skipped_pending == 1 { "" } else { "s" },
+            table.pg_quoted()
+        );
+    }
     for (id, why) in p.failures.iter().take(20) {
         eprintln!("outboxd: row {id}: {why}");
     }

@@ -8,6 +8,13 @@
 //! marked fields and values under any keyring key — is sealed under the row's aggregate's data
 //! key instead, so that `keys forget` erases old rows too.
 //!
+//! Rows still `pending` (the status column poll mode claims by) are left alone unless
+//! [`Options::include_pending`] says no poll relay reads the table: a poll relay's claim
+//! (`FOR UPDATE SKIP LOCKED`, in `(created_at, seq)` order) passes over every row another
+//! transaction holds, so a rewrite that held an aggregate's earlier version while the relay
+//! claimed would have it publish the later versions first. Skipped rows are counted; a later
+//! run re-seals them once they are published.
+//!
 //! In CDC mode the relay keeps INSERTs only, so these UPDATEs are never published again; the
 //! messages already sent keep their old ciphertext, which is why an old key may be retired only
 //! once consumers no longer need it either.
@@ -18,7 +25,7 @@ use super::{Encryptor, SealingKey};
 use crate::names::{pg_ident, ColumnMap, TableName};
 use crate::Error;
 use std::collections::BTreeMap;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -31,6 +38,9 @@ pub struct Options {
     pub after: Option<Uuid>,
     /// Stop after this many rows were scanned (tests, trial runs).
     pub limit: Option<u64>,
+    /// Rewrite rows whose status is still `pending` too. Only for a table no poll relay reads
+    /// (CDC mode never changes the status, so there every row stays `pending`).
+    pub include_pending: bool,
 }
 
 impl Default for Options {
@@ -39,6 +49,7 @@ impl Default for Options {
             batch: 500,
             after: None,
             limit: None,
+            include_pending: false,
         }
     }
 }
@@ -49,6 +60,8 @@ pub struct Progress {
     pub batches: u64,
     pub scanned: u64,
     pub rewritten: u64,
+    /// Rows left alone because their status was `pending` (see the module paragraph).
+    pub skipped_pending: u64,
     /// Rows that could not be decrypted (each is named in `failures`); left as they were.
     pub failed: u64,
     pub failures: Vec<(Uuid, String)>,
@@ -70,11 +83,37 @@ pub async fn run(
     let t = table.pg_quoted();
     let id = pg_ident(columns.get("id"));
     let payload = pg_ident(columns.get("payload"));
-    // FOR UPDATE: a row is not changed under us (a poll-mode relay stamping it, a pruner)
-    // between the read and the rewrite; the lock lasts one short batch.
     let aggregate = pg_ident(columns.get("aggregate_id"));
+    // Pending rows are left alone (module paragraph) when the table has a status column at all;
+    // without one no poll relay can read it.
+    let skip_pending = !opts.include_pending
+        && client
+            .query_opt(
+                "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 \
+                 AND attnum > 0 AND NOT attisdropped",
+                &[&t, &columns.get("status")],
+            )
+            .await?
+            .is_some();
+    let pending = if skip_pending {
+        // NULL is no status a poll relay claims: such a row is rewritten.
+        format!(
+            "COALESCE({}::text = 'pending', false)",
+            pg_ident(columns.get("status"))
+        )
+    } else {
+        "false".to_string()
+    };
+    // The page (the next `batch` ids) is read without a lock: locking a pending row, even for
+    // a moment, would make a poll relay's claim pass over it.
+    let page = format!("SELECT {id}, {pending} FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2");
+    // FOR UPDATE: a row is not changed under us (a pruner) between the read and the rewrite;
+    // the lock lasts one short batch. The status test sits in the locking query's WHERE, which
+    // Postgres applies before it locks a row: a row pending in that statement's snapshot (a
+    // relay's uncommitted mark included) is passed over, never locked, never waited for.
     let select = format!(
-        "SELECT {id}, {payload}::text, {aggregate}::text FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2 FOR UPDATE"
+        "SELECT {id}, {payload}::text, {aggregate}::text FROM {t} WHERE {id} = ANY($1) \
+         AND NOT ({pending}) ORDER BY {id} FOR UPDATE"
     );
     // Data keys by aggregate, looked up (or created) once per run.
     let mut data_keys: HashMap<String, (String, KeyBytes)> = HashMap::new();
@@ -90,19 +129,31 @@ pub async fn run(
             break;
         }
         let tx = client.transaction().await?;
+        let page_stmt = tx.prepare(&page).await?;
         let select_stmt = tx.prepare(&select).await?;
         let update_stmt = tx.prepare(&update).await?;
         let after = p.last_id.unwrap_or(Uuid::nil());
-        let rows = tx.query(&select_stmt, &[&after, &batch]).await?;
-        if rows.is_empty() {
+        let page_rows = tx.query(&page_stmt, &[&after, &batch]).await?;
+        let Some(last) = page_rows.last() else {
             tx.commit().await?;
             break;
-        }
+        };
+        let ids: Vec<Uuid> = page_rows.iter().map(|r| r.get(0)).collect();
+        let pending_ids: Vec<Uuid> = page_rows
+            .iter()
+            .filter(|r| r.get::<_, bool>(1))
+            .map(|r| r.get(0))
+            .collect();
+        let rows = tx.query(&select_stmt, &[&ids]).await?;
+        p.scanned += ids.len() as u64;
+        p.last_id = Some(last.get(0));
+        // Pending at the page read and not locked since (a row a relay marked meanwhile was
+        // locked, and rewritten, instead).
+        let locked: HashSet<Uuid> = rows.iter().map(|r| r.get(0)).collect();
+        p.skipped_pending += pending_ids.iter().filter(|i| !locked.contains(i)).count() as u64;
         for row in &rows {
             let row_id: Uuid = row.get(0);
             let text: String = row.get(1);
-            p.scanned += 1;
-            p.last_id = Some(row_id);
             let value: serde_json::Value = match serde_json::from_str(&text) {
                 Ok(v) => v,
                 Err(e) => {

@@ -9,7 +9,7 @@ use common::*;
 use outboxd::crypto::{self, reencrypt, Encryptor, Keyring, Schema};
 use outboxd::outbox::{ColumnMap, TableName};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -249,6 +249,8 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
         batch: 7,
         after: None,
         limit: Some(14),
+        // No poll relay reads this table: its rows stay `pending`, as under CDC mode.
+        include_pending: true,
     };
     let mut reports = 0;
     let p = reencrypt::run(
@@ -286,6 +288,7 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
             "7",
             "--after",
             &last,
+            "--include-pending",
         ],
         "",
     );
@@ -330,13 +333,36 @@ async fn reencrypt_moves_every_row_to_the_current_key_and_resumes() {
 
     // A second run changes nothing.
     let (code, out, err) = outboxd_cli(
+        &[
+            "reencrypt",
+            "--source",
+            &dsn,
+            "--keys",
+            k,
+            "--schema",
+            s,
+            "--include-pending",
+        ],
+        "",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("scanned 50 rows, rewrote 0, failed 0, left 0 pending"),
+        "{out}"
+    );
+    // Without --include-pending the (still pending) rows are left alone, and it says so.
+    let (code, out, err) = outboxd_cli(
         &["reencrypt", "--source", &dsn, "--keys", k, "--schema", s],
         "",
     );
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("scanned 50 rows, rewrote 0, failed 0"),
+        out.contains("scanned 50 rows, rewrote 0, failed 0, left 50 pending"),
         "{out}"
+    );
+    assert!(
+        err.contains("50 rows still pending were left alone") && err.contains("--include-pending"),
+        "{err}"
     );
 
     // Now the old key can go.
@@ -561,6 +587,7 @@ async fn a_forgotten_aggregate_decrypts_as_erased_while_others_stay_readable() {
             schema_path.to_str().unwrap(),
             "--keystore",
             &dsn,
+            "--include-pending",
         ],
         "",
     );
@@ -664,4 +691,248 @@ async fn through_rabbitmq_the_body_is_the_stored_ciphertext_and_the_consumer_rea
             payload(i)
         );
     }
+}
+
+/// A poll relay claiming while `reencrypt` holds a batch: every aggregate's versions are first
+/// delivered in order. The overlap is made certain by a trigger on the table that makes
+/// reencrypt's first rewrite wait on an advisory lock the test holds — by then its batch is
+/// locked — and the relay is started only once reencrypt waits there. The lock is released only
+/// when every pending row that reencrypt does not hold has been published (the row's `xmax` is
+/// the waiting transaction's id for the rows it holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_relay_during_reencrypt_publishes_each_aggregate_in_order() {
+    let db = PgDb::create("reencpoll").await;
+    let mut client = db.client().await;
+    let clear = outboxd::Outbox::new("outbox").unwrap();
+    // Three rows already published by poll mode, then four versions of five aggregates, still
+    // pending, in one transaction (so the relay's claim order is their insert order).
+    let mut tx = client.transaction().await.unwrap();
+    let mut published = Vec::new();
+    for i in 0..3 {
+        published.push(
+            clear
+                .write(&mut tx, "t", "done", &payload(i))
+                .await
+                .unwrap(),
+        );
+    }
+    tx.commit().await.unwrap();
+    client
+        .execute(
+            "UPDATE outbox SET status = 'published', published_at = now() WHERE id = ANY($1)",
+            &[&published],
+        )
+        .await
+        .unwrap();
+    let mut version_of: HashMap<Uuid, (String, usize)> = HashMap::new();
+    let mut tx = client.transaction().await.unwrap();
+    for v in 1..=4 {
+        for a in 0..5 {
+            let agg = format!("agg{a}");
+            let id = clear
+                .write(&mut tx, "t", &agg, &payload(10 * v + a))
+                .await
+                .unwrap();
+            version_of.insert(id, (agg, v));
+        }
+    }
+    tx.commit().await.unwrap();
+    client
+        .batch_execute(
+            "CREATE FUNCTION hold_rewrite() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$;
+             CREATE TRIGGER hold_rewrite BEFORE UPDATE ON outbox FOR EACH ROW
+               WHEN (OLD.payload::text IS DISTINCT FROM NEW.payload::text)
+               EXECUTE FUNCTION hold_rewrite();
+             SELECT pg_advisory_lock(4242);",
+        )
+        .await
+        .unwrap();
+
+    // The first batch covers the published rows and the first two versions of every aggregate.
+    let keyring = Keyring::generate(8).unwrap();
+    let enc = Encryptor::new(keyring, schema());
+    let mut rclient = db.client().await;
+    let reenc = tokio::spawn(async move {
+        let table = TableName::parse("outbox").unwrap();
+        let opts = reencrypt::Options {
+            batch: 13,
+            after: None,
+            limit: None,
+            include_pending: false,
+        };
+        reencrypt::run(
+            &mut rclient,
+            &table,
+            &ColumnMap::default(),
+            &enc,
+            &opts,
+            &CancellationToken::new(),
+            |_| {},
+        )
+        .await
+        .unwrap()
+    });
+    let admin = pg_connect(PG_ADMIN).await;
+    let waiting = "SELECT 1 FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'";
+    wait_for("reencrypt waits with its batch locked", T, || async {
+        admin
+            .query_opt(waiting, &[&db.name])
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+
+    let dsn = db.dsn();
+    let relay = Relay::start(&common::poll::stdout_args(&dsn, "rp", "20ms", "5"));
+    let unheld = "SELECT count(*) FROM outbox o WHERE o.status = 'pending' AND NOT EXISTS (
+                    SELECT 1 FROM pg_stat_activity a WHERE a.wait_event_type = 'Lock'
+                       AND a.wait_event = 'advisory' AND a.backend_xid = o.xmax)";
+    wait_for(
+        "every pending row reencrypt does not hold is published",
+        T,
+        || async {
+            client
+                .query_one(unheld, &[])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 0
+        },
+    )
+    .await;
+    client
+        .execute("SELECT pg_advisory_unlock(4242)", &[])
+        .await
+        .unwrap();
+    let p = reenc.await.unwrap();
+    wait_for("every row published", T, || async {
+        client
+            .query_one("SELECT count(*) FROM outbox WHERE status = 'pending'", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+    })
+    .await;
+
+    let mut seen = std::collections::HashSet::new();
+    let mut firsts: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for id in common::poll::ids(&relay) {
+        if seen.insert(id) {
+            let (agg, v) = &version_of[&id];
+            firsts.entry(agg.clone()).or_default().push(*v);
+        }
+    }
+    assert_eq!(seen.len(), 20, "every pending row published");
+    for (agg, versions) in &firsts {
+        assert_eq!(
+            versions,
+            &vec![1, 2, 3, 4],
+            "{agg}: first deliveries out of version order"
+        );
+    }
+    // The first batch's ten pending rows were left alone; by the second batch (after the
+    // release) the relay had published every row, so its ten were re-sealed.
+    assert_eq!(
+        (p.scanned, p.rewritten, p.skipped_pending),
+        (23, 13, 10),
+        "published rows re-sealed, pending ones left: {p:?}"
+    );
+    let sealed = client
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE payload::text LIKE '%enc:v1:%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0);
+    assert_eq!(sealed, 13, "the rows left pending stayed as they were");
+    // With the poll relay still connected, --include-pending is refused with the fix.
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.json");
+    Keyring::generate(8).unwrap().save_new(&keys).unwrap();
+    let schema_path = dir.path().join("schema.json");
+    std::fs::write(
+        &schema_path,
+        r#"{"properties": {"customer": {"properties": {"name": {"x-gdpr-sensitive": true}}}}}"#,
+    )
+    .unwrap();
+    let (code, out, err) = outboxd_cli(
+        &[
+            "reencrypt",
+            "--source",
+            &dsn,
+            "--keys",
+            keys.to_str().unwrap(),
+            "--schema",
+            schema_path.to_str().unwrap(),
+            "--include-pending",
+        ],
+        "",
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("a poll relay is connected to this database (outboxd_rp_poll)")
+            && err.contains("without --include-pending"),
+        "{err}"
+    );
+    assert!(out.is_empty(), "{out}");
+}
+
+/// A row whose (nullable) status is NULL is no row a poll relay claims: reencrypt rewrites it
+/// like a published one, and still leaves the pending one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reencrypt_rewrites_a_row_with_a_null_status_and_leaves_a_pending_one() {
+    let db = PgDb::create("reencnull").await;
+    let mut client = db.client().await;
+    client
+        .batch_execute("ALTER TABLE outbox ALTER COLUMN status DROP NOT NULL")
+        .await
+        .unwrap();
+    let clear = outboxd::Outbox::new("outbox").unwrap();
+    let mut tx = client.transaction().await.unwrap();
+    let null_row = clear.write(&mut tx, "t", "a", &payload(1)).await.unwrap();
+    let pending_row = clear.write(&mut tx, "t", "a", &payload(2)).await.unwrap();
+    tx.commit().await.unwrap();
+    client
+        .execute(
+            "UPDATE outbox SET status = NULL WHERE id = $1",
+            &[&null_row],
+        )
+        .await
+        .unwrap();
+    let enc = Encryptor::new(Keyring::generate(8).unwrap(), schema());
+    let p = reencrypt::run(
+        &mut client,
+        &TableName::parse("outbox").unwrap(),
+        &ColumnMap::default(),
+        &enc,
+        &reencrypt::Options::default(),
+        &CancellationToken::new(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (p.scanned, p.rewritten, p.skipped_pending),
+        (2, 1, 1),
+        "{p:?}"
+    );
+    let text = |id: Uuid| {
+        let client = &client;
+        async move {
+            client
+                .query_one("SELECT payload::text FROM outbox WHERE id = $1", &[&id])
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    assert_sealed(&text(null_row).await, 1);
+    assert!(
+        text(pending_row).await.contains("TAX0000002"),
+        "left in clear"
+    );
 }
