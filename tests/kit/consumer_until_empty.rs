@@ -91,16 +91,23 @@ async fn until_empty_processes_the_deliveries_already_sent_before_it_stops() {
         .get(0);
     assert_eq!(ledger, N as i64, "every message's effect");
     let totals: i64 = client
-        .query_one("SELECT COALESCE(sum(invoices), 0)::bigint FROM invoice_totals", &[])
+        .query_one(
+            "SELECT COALESCE(sum(invoices), 0)::bigint FROM invoice_totals",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
     assert_eq!(totals, N as i64, "every message counted once in the totals");
     // The broker's own view, which it refreshes every few seconds: nothing ready, nothing
     // unacked.
-    wait_for("the management API to show 0 ready and 0 unacked", T, || {
-        let name = q.name.clone();
-        async move { mgmt_counts(&name) == (0, 0) }
-    })
+    wait_for(
+        "the management API to show 0 ready and 0 unacked",
+        T,
+        || {
+            let name = q.name.clone();
+            async move { mgmt_counts(&name) == (0, 0) }
+        },
+    )
     .await;
 }
