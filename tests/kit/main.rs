@@ -14,6 +14,7 @@ mod consumer_inbox;
 mod consumer_order;
 mod consumer_oversized_ids;
 mod consumer_prune;
+mod consumer_until_empty;
 mod crypto_cli;
 mod crypto_fields;
 mod crypto_keys;

@@ -240,6 +240,12 @@ pub(super) async fn open_session(
 
 /// Hands deliveries to workers until the stream fails (`Err`) or the runner stops (`Ok`, after
 /// cancelling the consumer so the broker sends nothing more).
+///
+/// With `until_empty`, a queue that reads as drained does not stop the runner at once: the
+/// broker counts what it already sent (prefetch) as unacked, not ready, so deliveries can still
+/// be on the wire or in the consumer's buffer. The consumer is cancelled instead; the broker
+/// answers after the last delivery it sent, so the stream yields those and then ends. Once
+/// the workers have settled them, the runner stops.
 pub(super) async fn dispatch(
     session: &Arc<Session>,
     mut consumer: lapin::Consumer,
@@ -248,30 +254,37 @@ pub(super) async fn dispatch(
 ) -> Result<(), ConsumerError> {
     let mut probe = tokio::time::interval(Duration::from_millis(100));
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // `until_empty` found the queue drained and cancelled the consumer: what the stream still
+    // yields was sent before, and its end is the broker's `cancel-ok`.
+    let mut draining = false;
     loop {
         let next = tokio::select! {
             d = consumer.next() => d,
-            _ = probe.tick(), if session.probe.is_some() => {
+            _ = probe.tick(), if session.probe.is_some() && !draining => {
                 if queue_drained(session, shared).await? {
-                    tracing::info!(queue = %shared.opts.queue, "the queue is empty and nothing is in hand: stopping (--until-empty)");
-                    shared.stop.cancel();
+                    tracing::info!(queue = %shared.opts.queue, "the queue has nothing ready and nothing is in hand: cancelling the consumer, then finishing what the broker already sent (--until-empty)");
+                    cancel_consumer(session).await?;
+                    draining = true;
                 }
                 continue;
             }
             _ = shared.stop.cancelled() => {
-                let _ = tokio::time::timeout(
-                    ACK_TIMEOUT,
-                    session
-                        .channel
-                        .basic_cancel(session.tag.clone().into(), BasicCancelOptions::default()),
-                )
-                .await;
+                if !draining {
+                    let _ = tokio::time::timeout(
+                        ACK_TIMEOUT,
+                        session
+                            .channel
+                            .basic_cancel(session.tag.clone().into(), BasicCancelOptions::default()),
+                    )
+                    .await;
+                }
                 return Ok(());
             }
         };
         let d = match next {
             Some(Ok(d)) => d,
             Some(Err(e)) => return Err(e.into()),
+            None if draining => return finish_drained(shared).await,
             None => {
                 return Err(ConsumerError::Broker {
                     message: "the broker ended the consumer (queue deleted?)".into(),
@@ -308,6 +321,48 @@ pub(super) async fn dispatch(
                 }
             }
             _ = shared.stop.cancelled() => {}
+        }
+    }
+}
+
+/// `basic.cancel` for `until_empty`, bounded: a broker that does not answer is a lost
+/// connection (the runner reconnects and looks at the queue again).
+async fn cancel_consumer(session: &Session) -> Result<(), ConsumerError> {
+    match tokio::time::timeout(
+        ACK_TIMEOUT,
+        session
+            .channel
+            .basic_cancel(session.tag.clone().into(), BasicCancelOptions::default()),
+    )
+    .await
+    {
+        Ok(r) => r.map_err(ConsumerError::from),
+        Err(_) => Err(ConsumerError::Broker {
+            message: format!(
+                "the broker did not confirm cancelling the consumer within {ACK_TIMEOUT:?}"
+            ),
+            retryable: true,
+        }),
+    }
+}
+
+/// The cancelled consumer's stream has ended: every delivery the broker sent is with a worker.
+/// Waits until the workers have settled them all (or the runner is stopped otherwise, by a
+/// signal or a halt), then stops the runner.
+async fn finish_drained(shared: &Shared) -> Result<(), ConsumerError> {
+    // The workers count down `in_flight` without signalling; its reaching zero is checked
+    // often enough not to add noticeably to a batch run.
+    let mut check = tokio::time::interval(Duration::from_millis(10));
+    loop {
+        tokio::select! {
+            _ = check.tick() => {
+                if shared.in_flight.load(Ordering::SeqCst) == 0 {
+                    tracing::info!(queue = %shared.opts.queue, "every message sent before the queue read empty is settled: stopping (--until-empty)");
+                    shared.stop.cancel();
+                    return Ok(());
+                }
+            }
+            _ = shared.stop.cancelled() => return Ok(()),
         }
     }
 }

@@ -26,6 +26,9 @@
 //! - **Shutdown.** When the token is cancelled the consumer is cancelled at the broker, each
 //!   worker finishes the message in hand (commit, ack), messages not yet started go back to
 //!   the queue when the channel closes, and `run` returns.
+//! - **Until empty.** Once the queue has nothing ready and nothing is in hand, the consumer is
+//!   cancelled at the broker and what it had already sent (counted by the broker as unacked,
+//!   not ready) is processed and acked before the runner stops.
 //!
 //! The files: [`options`] (what the loop is told and what it counts), `amqp` (the broker
 //! session: connect, declare, consume, hand out deliveries), `worker` (one message or batch at

@@ -43,7 +43,8 @@ pub struct RunnerOptions {
     pub retry_max: Duration,
     pub declare: Option<Declare>,
     /// Stop (gracefully) once the queue has nothing ready and nothing is in hand: for batch
-    /// runs, drains and benchmarks.
+    /// runs, drains and benchmarks. What the broker already sent is processed first (the
+    /// consumer is cancelled, its stream read to the end, the workers settle it).
     pub until_empty: bool,
     /// Most messages a worker commits in one transaction (of those already delivered; it
     /// never waits to fill a batch). 1 = a transaction per message.
