@@ -259,7 +259,20 @@ pub(super) async fn dispatch(
     let mut draining = false;
     loop {
         let next = tokio::select! {
-            d = consumer.next() => d,
+            d = async {
+                if draining {
+                    // After `cancel-ok` every delivery sent before it is already in the
+                    // client (frames of one channel arrive in order): the stream yields at
+                    // once or has nothing more. lapin was seen once not to end the stream of a
+                    // cancelled consumer (a batch run that never stopped): a quiet second is
+                    // its end.
+                    tokio::time::timeout(DRAIN_QUIET, consumer.next())
+                        .await
+                        .unwrap_or(None)
+                } else {
+                    consumer.next().await
+                }
+            } => d,
             _ = probe.tick(), if session.probe.is_some() && !draining => {
                 if queue_drained(session, shared).await? {
                     tracing::info!(queue = %shared.opts.queue, "the queue has nothing ready and nothing is in hand: cancelling the consumer, then finishing what the broker already sent (--until-empty)");
@@ -324,6 +337,9 @@ pub(super) async fn dispatch(
         }
     }
 }
+
+/// How long a cancelled consumer's stream may stay silent before it counts as ended.
+const DRAIN_QUIET: Duration = Duration::from_secs(1);
 
 /// `basic.cancel` for `until_empty`, bounded: a broker that does not answer is a lost
 /// connection (the runner reconnects and looks at the queue again).
