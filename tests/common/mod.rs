@@ -1232,6 +1232,16 @@ pub fn metric_value(body: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// The relay's `outboxd_reconnects_total{cause="sink"}` on `127.0.0.1:port` (0 while it does not
+/// answer).
+pub async fn sink_reconnects(port: u16) -> f64 {
+    metric_value(
+        &scrape_metrics(port).await,
+        "outboxd_reconnects_total{cause=\"sink\"}",
+    )
+    .unwrap_or(0.0)
+}
+
 /// `--ha`: pauses `leader` (SIGSTOP) past its lease until `standby` has published `n` events,
 /// then resumes it (SIGCONT) and waits for it to exit. Returns how many lines the leader had
 /// printed when it was resumed, and its exit code. The pause is long (≥ the lease TTL) so the

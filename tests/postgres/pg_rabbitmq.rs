@@ -923,14 +923,6 @@ async fn returned_messages_fail_and_are_republished_until_they_route() {
 }
 
 /// Reconnects of the relay's sink so far, from its metrics.
-async fn sink_reconnects(port: u16) -> f64 {
-    metric_value(
-        &scrape_metrics(port).await,
-        "outboxd_reconnects_total{cause=\"sink\"}",
-    )
-    .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_the_broker_keeps_refusing_costs_a_few_reconnects_then_resumes_in_order() {
     let db = PgDb::create("rmqst").await;

@@ -63,14 +63,6 @@ async fn declare_exchange(topo: &Topology) {
         .unwrap();
 }
 
-async fn sink_reconnects(port: u16) -> f64 {
-    metric_value(
-        &scrape_metrics(port).await,
-        "outboxd_reconnects_total{cause=\"sink\"}",
-    )
-    .unwrap_or(0.0)
-}
-
 async fn refused_then_accepted<D: SourceDb>(kind: Refusal, tag: &str) {
     let db = D::create(tag).await;
     let mut topo = Topology::new(tag).await;
