@@ -1026,6 +1026,24 @@ mod tests {
         Err(Error::config("the test's sessions failed", "none: a bug"))
     }
 
+    /// The loop's link to a test: where its messages arrive, and the sender of acknowledgements.
+    fn test_link() -> (
+        SourceLink,
+        mpsc::Receiver<SourceMsg>,
+        watch::Sender<Option<Checkpoint>>,
+    ) {
+        let (tx, rx) = mpsc::channel(64);
+        let (ack_tx, acks) = watch::channel(None);
+        let link = SourceLink {
+            outlet: Outlet {
+                events: tx,
+                budget: Budget::new(1 << 20),
+            },
+            acks,
+        };
+        (link, rx, ack_tx)
+    }
+
     /// The next message from the loop, bounded so that a loop that stops handing over fails
     /// the test instead of hanging it.
     async fn next(rx: &mut mpsc::Receiver<SourceMsg>) -> Option<SourceMsg> {
@@ -1048,15 +1066,7 @@ mod tests {
                 fail: None,
             })
             .collect();
-        let (tx, mut rx) = mpsc::channel(64);
-        let (ack_tx, acks) = watch::channel(None);
-        let link = SourceLink {
-            outlet: Outlet {
-                events: tx,
-                budget: Budget::new(1 << 20),
-            },
-            acks,
-        };
+        let (link, mut rx, ack_tx) = test_link();
         let cfg = LoopConfig {
             batch: 2,
             interval: Duration::from_secs(3600),
@@ -1127,15 +1137,7 @@ mod tests {
                 fail: None,
             })
             .collect();
-        let (tx, mut rx) = mpsc::channel(64);
-        let (ack_tx, acks) = watch::channel(None);
-        let link = SourceLink {
-            outlet: Outlet {
-                events: tx,
-                budget: Budget::new(1 << 20),
-            },
-            acks,
-        };
+        let (link, mut rx, ack_tx) = test_link();
         let cfg = LoopConfig {
             batch: 2,
             interval: Duration::from_secs(3600),
@@ -1218,15 +1220,7 @@ mod tests {
                 async move { Ok(dbs) }
             }
         };
-        let (tx, mut rx) = mpsc::channel(64);
-        let (ack_tx, acks) = watch::channel(None);
-        let link = SourceLink {
-            outlet: Outlet {
-                events: tx,
-                budget: Budget::new(1 << 20),
-            },
-            acks,
-        };
+        let (link, mut rx, ack_tx) = test_link();
         let cfg = LoopConfig {
             batch: 2,
             interval: Duration::from_secs(3600),
@@ -1286,15 +1280,7 @@ mod tests {
             gate: None,
             fail: None,
         }];
-        let (tx, mut rx) = mpsc::channel(64);
-        let (ack_tx, acks) = watch::channel(None);
-        let link = SourceLink {
-            outlet: Outlet {
-                events: tx,
-                budget: Budget::new(1 << 20),
-            },
-            acks,
-        };
+        let (link, mut rx, ack_tx) = test_link();
         let cfg = LoopConfig {
             batch: 4,
             interval: Duration::from_secs(3600),
