@@ -117,6 +117,33 @@ impl PgDb {
         .is_some()
     }
 
+    /// Drops `slot` once no walsender holds it. A relay that exited has closed its
+    /// connection, but the server's walsender notices that a moment later: dropping before it
+    /// has gone fails with 55006 ("replication slot ... is active").
+    pub async fn drop_released_slot(&self, slot: &str) {
+        let c = pg_connect(PG_ADMIN).await;
+        wait_for(
+            "the slot released by its walsender",
+            Duration::from_secs(30),
+            || {
+                let c = &c;
+                async move {
+                    c.query_opt(
+                        "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                        &[&slot],
+                    )
+                    .await
+                    .unwrap()
+                    .is_some()
+                }
+            },
+        )
+        .await;
+        c.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .unwrap();
+    }
+
     pub async fn slot_confirmed(&self, slot: &str) -> Option<String> {
         let c = pg_connect(PG_ADMIN).await;
         c.query_opt(

@@ -111,11 +111,7 @@ async fn slot_dropped_while_stopped_is_a_lost_position() {
     wait_for("slot active", T, || db.slot_active(&slot)).await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
-    let admin = pg_connect(PG_ADMIN).await;
-    admin
-        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-        .await
-        .unwrap();
+    db.drop_released_slot(&slot).await;
 
     let mut again = Relay::start(&args);
     let code = again.wait_exit(T).await;

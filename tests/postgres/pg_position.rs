@@ -137,11 +137,7 @@ async fn recovery_forgets_a_stored_position_ahead_of_the_servers_wal() {
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
     carried_over(&db, &name).await;
-    pg_connect(PG_ADMIN)
-        .await
-        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-        .await
-        .unwrap();
+    db.drop_released_slot(&slot).await;
     let mut client = db.client().await;
     let committed = write_events(&mut client, 5, 1, "committed").await;
 
@@ -317,11 +313,7 @@ async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
     first.wait().unwrap();
     drop(unread);
 
-    pg_connect(PG_ADMIN)
-        .await
-        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-        .await
-        .unwrap();
+    db.drop_released_slot(&slot).await;
     let mut early = Vec::new();
     for _ in 0..3 {
         let id = Uuid::new_v4();

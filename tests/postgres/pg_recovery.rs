@@ -85,11 +85,7 @@ async fn a_dropped_slot_is_recovered_through_the_table() {
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
 
-    pg_connect(PG_ADMIN)
-        .await
-        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-        .await
-        .unwrap();
+    db.drop_released_slot(&slot).await;
     let while_lost = write_events(&mut client, 3, 10, "while.lost").await;
     long_tx.commit().await.unwrap();
 
