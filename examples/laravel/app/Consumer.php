@@ -52,7 +52,12 @@ final class Consumer
         $this->channel->queue_declare($this->queue . '.dead', false, true, false, false);
     }
 
-    public function run(int $prefetch = 20): void
+    /**
+     * Consumes until stopped; with `$untilEmpty`, returns once a second passes without a
+     * delivery and the queue holds no ready message (every message this consumer took has been
+     * handled by then: the callback runs to its ack before the next wait).
+     */
+    public function run(int $prefetch = 20, bool $untilEmpty = false): void
     {
         $this->channel->confirm_select(); // for the dead-letter publishes
         $this->channel->basic_qos(0, $prefetch, false);
@@ -60,7 +65,14 @@ final class Consumer
             $this->handle($m);
         });
         while ($this->channel->is_consuming()) {
-            $this->channel->wait();
+            try {
+                $this->channel->wait(null, false, $untilEmpty ? 1.0 : 0);
+            } catch (\PhpAmqpLib\Exception\AMQPTimeoutException) {
+                [, $ready] = $this->conn->channel()->queue_declare($this->queue, true);
+                if ($ready === 0) {
+                    return;
+                }
+            }
         }
     }
 
