@@ -398,6 +398,28 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     assert_eq!(dead.len(), 1);
     let reason = amqp::header_str(&dead[0], "x-outboxd-error").unwrap_or_default();
     assert!(reason.starts_with("WrongEvent"), "{reason}");
+
+    // Pruning is outboxd's: the consumer's claims and the relayed outbox rows (a window of 0s
+    // here; in production longer than any redelivery can come late).
+    for table in ["processed_messages", "outbox"] {
+        let before = lv.count(&format!("SELECT COUNT(*) FROM {table}")).await;
+        assert!(before >= total, "{table}: {before} rows before pruning");
+        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["prune", "--source", &lv.db.dsn(), "--table", table])
+            .args(["--older-than", "0s", "--force"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            lv.count(&format!("SELECT COUNT(*) FROM {table}")).await,
+            0,
+            "{table}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
