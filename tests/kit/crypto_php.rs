@@ -4,12 +4,11 @@
 //! with, moved to another field or copied to another event fails on both sides; the blind
 //! indexes agree; PHP reproduces the known-answer vector of docs/encryption.md.
 
-use super::crypto_cli::{outboxd, Out};
+use super::crypto_cli::{outboxd, run, Out};
 use outboxd::crypto::{decrypt_payload, encrypt_payload, CryptoError, Keyring, Schema};
 use serde_json::{json, Value};
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use uuid::Uuid;
 
 const SCHEMA: &str = r#"{"invoice_id": {"x-gdpr-sensitive": false},
@@ -33,31 +32,16 @@ pub fn artisan() -> PathBuf {
 /// `php <args>` with `stdin`; fails with the install command when PHP or the Debian packages
 /// the example needs are missing.
 pub fn php(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Out {
-    let mut cmd = Command::new("php");
-    cmd.args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap_or_else(|e| {
-        panic!("cannot run php ({e}): install it with `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework)")
-    });
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let out = Out {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    };
+    let out = run(
+        Command::new("php"),
+        args,
+        stdin,
+        env,
+        "cannot run php: install it with `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework)",
+    );
+    // bootstrap.php names the script when a Debian package is missing.
     assert!(
-        !out.stderr.contains("missing ") || !out.stderr.contains("scripts/services/php.sh"),
+        !out.stderr.contains("scripts/services/php.sh"),
         "{}",
         out.stderr
     );

@@ -116,25 +116,10 @@ impl Laravel {
         )
     }
 
-    /// After the relay declared the exchange: an audit queue that keeps a copy of every
-    /// message as the broker carried it, then the consumer, ready once its queue is bound.
-    async fn start_consumer_after(&mut self, relay: &mut Relay) -> Relay {
-        relay
-            .wait_running("the exchange", T, || async {
-                let ch = self.topo.channel().await;
-                ch.exchange_declare(
-                    self.topo.exchange.as_str().into(),
-                    lapin::ExchangeKind::Topic,
-                    lapin::options::ExchangeDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    Default::default(),
-                )
-                .await
-                .is_ok()
-            })
-            .await;
+    /// Once the relay declared the exchange: an audit queue that keeps a copy of every message
+    /// as the broker carried it, then the consumer, ready once its queue is bound.
+    async fn start_consumer(&mut self) -> Relay {
+        self.topo.wait_declared(T).await;
         self.audit = self.topo.bind_queue("audit", "#").await;
         self.consumer().await
     }
@@ -292,7 +277,7 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     let mut lv = Laravel::new("lv_cdc").await;
     let name = unique("lv");
     let mut relay = lv.relay(&name, "cdc");
-    let mut consumer = lv.start_consumer_after(&mut relay).await;
+    let mut consumer = lv.start_consumer().await;
     let total = 60;
     let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "60"]);
 
@@ -426,7 +411,7 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
 async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
     let mut lv = Laravel::new("lv_poll").await;
     let mut poll = lv.relay(&unique("lvp"), "poll");
-    let mut consumer = lv.start_consumer_after(&mut poll).await;
+    let mut consumer = lv.start_consumer().await;
     let total = 40;
     let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "40"]);
 
