@@ -1,6 +1,7 @@
 <?php
 // Boots the example the way a Laravel application boots its database layer, from Debian's
-// packages alone (php-laravel-framework, php-amqplib under /usr/share/php; no Packagist):
+// packages alone (php-illuminate-database, php-illuminate-events and php-amqplib under
+// /usr/share/php; no Packagist):
 // illuminate/database's Capsule as the global `DB`, Eloquent, and the event dispatcher.
 // Configuration from the environment, with Laravel's variable names.
 
@@ -9,7 +10,7 @@ declare(strict_types=1);
 set_include_path(get_include_path() . PATH_SEPARATOR . '/usr/share/php');
 foreach (['Illuminate/Database/autoload.php', 'Illuminate/Events/autoload.php', 'PhpAmqpLib/autoload.php'] as $lib) {
     if (!stream_resolve_include_path($lib)) {
-        fwrite(STDERR, "missing $lib: install Debian's packages with scripts/services/php.sh (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework)\n");
+        fwrite(STDERR, "missing $lib: install Debian's packages with scripts/services/php.sh (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-illuminate-database php-illuminate-events)\n");
         exit(2);
     }
     require_once $lib;

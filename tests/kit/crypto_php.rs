@@ -37,7 +37,7 @@ pub fn php(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Out {
         args,
         stdin,
         env,
-        "cannot run php: install it with `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework)",
+        "cannot run php: install it with `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-illuminate-database php-illuminate-events)",
     );
     // bootstrap.php names the script when a Debian package is missing.
     assert!(

@@ -39,7 +39,7 @@ impl Laravel {
         let php = Command::new("php").arg("-v").output();
         assert!(
             php.is_ok_and(|o| o.status.success()),
-            "php is not installed: run `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework)"
+            "php is not installed: run `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-illuminate-database php-illuminate-events)"
         );
         let db = MyDb::create(prefix).await;
         // The example brings its own outbox table (the contract's has other columns).

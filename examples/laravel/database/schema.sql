@@ -1,5 +1,5 @@
 -- The example's tables on MariaDB/MySQL (run by `php artisan migrate`).
--- The invoice table is the business data; the outbox table has the article-style layout that
+-- The invoice table is the business data; the outbox table has a layout common in PHP services, which
 -- outboxd reads unchanged: BINARY(16) ids, `event_type` as the topic (outboxd's
 -- `--column topic=event_type`), a status ENUM with more states than outboxd's two, and
 -- DATETIME(6) timestamps in UTC.
