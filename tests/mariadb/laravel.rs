@@ -147,14 +147,13 @@ impl Laravel {
         self.count("SELECT COUNT(*) FROM ledger").await
     }
 
-    /// Waits until `n` ledger lines exist while `producer` still runs (the kill that follows
-    /// is mid-stream); returns the count.
-    async fn booked_mid_stream(&self, n: u64, total: u64, producer: &mut Relay) -> u64 {
-        producer
-            .wait_running(&format!("{n} invoices booked"), T, || async {
-                self.booked().await >= n
-            })
-            .await;
+    /// Waits until `n` ledger lines exist and checks that some of the `total` invoices are still
+    /// to come (the kill that follows is mid-stream); returns the count.
+    async fn booked_mid_stream(&self, n: u64, total: u64) -> u64 {
+        wait_for(&format!("{n} invoices booked"), T, || async {
+            self.booked().await >= n
+        })
+        .await;
         let booked = self.booked().await;
         assert!(
             booked < total,
@@ -282,7 +281,7 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "60"]);
 
     // The relay, once it has stored a position (a relay killed before that starts over).
-    lv.booked_mid_stream(10, total, &mut producer).await;
+    lv.booked_mid_stream(10, total).await;
     relay
         .wait_running("a stored position", T, || async {
             lv.db.stored(&name).await.is_some()
@@ -291,9 +290,7 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     relay.sigkill();
     let mut relay = lv.relay(&name, "cdc");
     // The consumer, mid-stream too; the next one takes over its unacknowledged messages.
-    let at = lv
-        .booked_mid_stream(lv.booked().await + 10, total, &mut producer)
-        .await;
+    let at = lv.booked_mid_stream(lv.booked().await + 10, total).await;
     consumer.sigkill();
     let consumer2 = lv.consumer().await;
     let issued = lv.issued(&mut producer, total as usize).await;
@@ -413,16 +410,27 @@ async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
     let mut poll = lv.relay(&unique("lvp"), "poll");
     let mut consumer = lv.start_consumer().await;
     let total = 40;
-    let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "40"]);
+    let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "30"]);
 
     // The switch: the poll relay stops (SIGTERM: its batch in flight is marked or released),
-    // a CDC relay starts; its first start publishes the rows still pending, then streams.
-    lv.booked_mid_stream(10, total, &mut producer).await;
+    // a CDC relay starts; its first start publishes the rows still pending, then streams. The
+    // last 10 invoices are issued after the switch, so CDC carries some whatever the timing.
+    lv.booked_mid_stream(10, 30).await;
     poll.signal("TERM");
     assert_eq!(poll.wait_exit(T).await, 0, "{}", poll.stderr());
     let name = unique("lvc");
     let mut cdc = lv.relay(&name, "cdc");
-    let issued = lv.issued(&mut producer, total as usize).await;
+    let mut issued = lv.issued(&mut producer, 30).await;
+    let mut producer2 = lv.spawn(&[
+        "issue-invoices",
+        "--rate",
+        "50",
+        "--count",
+        "10",
+        "--first",
+        "31",
+    ]);
+    issued.extend(lv.issued(&mut producer2, 10).await);
 
     let head = lv.db.head_past_writes().await;
     cdc.wait_running("the stored position past the last invoice", T, || async {
@@ -456,6 +464,7 @@ async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
         consumer.stderr(),
         drained,
         producer.stderr(),
+        producer2.stderr(),
     ])
     .await;
 }
