@@ -334,10 +334,10 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     // fields were copied to another event id goes to the dead-letter queue with the reason.
     let ch = lv.topo.channel().await;
     let original = &messages[0];
-    let publish = |id: String| {
+    // `original`'s headers with `version` as x-aggregate-version (none: without the header,
+    // so the stale gate lets the message through and the claim alone must stop a repeat).
+    let publish = |id: String, body: Vec<u8>, version: Option<i64>| {
         let ch = ch.clone();
-        // Without its version header, so that the stale gate lets it through and the claim
-        // alone must stop it.
         let mut headers = lapin::types::FieldTable::default();
         for (k, v) in original
             .properties
@@ -350,12 +350,17 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
                 headers.insert(k.clone(), v.clone());
             }
         }
+        if let Some(v) = version {
+            headers.insert(
+                "x-aggregate-version".into(),
+                lapin::types::AMQPValue::LongLongInt(v),
+            );
+        }
         let props = original
             .properties
             .clone()
             .with_message_id(id.into())
             .with_headers(headers);
-        let body = original.data.clone();
         let q = lv.queue.clone();
         async move {
             ch.basic_publish(
@@ -371,8 +376,9 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
             .unwrap();
         }
     };
-    publish(amqp::message_id(original).to_string()).await;
-    publish(uuid::Uuid::now_v7().to_string()).await;
+    let body = original.data.clone();
+    publish(amqp::message_id(original).to_string(), body.clone(), None).await;
+    publish(uuid::Uuid::now_v7().to_string(), body, None).await;
     let drained = lv.drain().await;
     assert!(drained.contains("WrongEvent"), "{drained}");
     lv.assert_each_booked_once(&issued).await;
@@ -380,6 +386,27 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     assert_eq!(dead.len(), 1);
     let reason = amqp::header_str(&dead[0], "x-outboxd-error").unwrap_or_default();
     assert!(reason.starts_with("WrongEvent"), "{reason}");
+
+    // The stale gate: new events of the same invoice, version 1 again (stale: dropped, its
+    // claim recorded) and version 2 (newer: booked).
+    let invoice: serde_json::Value = serde_json::from_slice(&original.data).unwrap();
+    for (version, name) in [(1, "stale version"), (2, "newer version")] {
+        let body = serde_json::json!({"invoice_id": invoice["invoice_id"], "customer_name": name,
+                                      "total_cents": 1});
+        publish(
+            uuid::Uuid::now_v7().to_string(),
+            body.to_string().into_bytes(),
+            Some(version),
+        )
+        .await;
+    }
+    lv.drain().await;
+    assert_eq!(lv.booked().await, total + 1);
+    let gated = "SELECT COUNT(*) FROM ledger WHERE customer_name";
+    assert_eq!(lv.count(&format!("{gated} = 'stale version'")).await, 0);
+    assert_eq!(lv.count(&format!("{gated} = 'newer version'")).await, 1);
+    let claims = lv.count("SELECT COUNT(*) FROM processed_messages").await;
+    assert_eq!(claims, total + 2, "the stale message is claimed too");
 
     // Pruning is outboxd's: the consumer's claims and the relayed outbox rows (a window of 0s
     // here; in production longer than any redelivery can come late).
