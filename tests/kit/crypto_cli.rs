@@ -13,16 +13,29 @@ pub struct Out {
 
 pub fn outboxd(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Out {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_outboxd"));
+    cmd.env_remove("OUTBOXD_KEYRING").env_remove("OUTBOXD_KEYS");
+    run(cmd, args, stdin, env, "cannot run outboxd")
+}
+
+/// Runs `cmd` with `args`, `stdin` written to it and `env` added; `spawn_failed` explains a
+/// program that cannot be started.
+pub fn run(
+    mut cmd: Command,
+    args: &[&str],
+    stdin: &str,
+    env: &[(&str, &str)],
+    spawn_failed: &str,
+) -> Out {
     cmd.args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .env_remove("OUTBOXD_KEYRING")
-        .env_remove("OUTBOXD_KEYS");
+        .stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{spawn_failed}: {e}"));
     child
         .stdin
         .take()

@@ -20,4 +20,5 @@ mod crypto_fields;
 mod crypto_keys;
 mod crypto_mysql;
 mod crypto_pg;
+mod crypto_php;
 mod outbox_prune_locks;

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod laravel;
 mod mysql_faults;
 mod mysql_file;
 mod mysql_offset_file;
