@@ -6,6 +6,7 @@
 mod common;
 
 mod concurrent_start;
+mod conformance;
 mod fault_suite;
 mod faults;
 mod ha;
