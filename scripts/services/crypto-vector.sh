@@ -13,9 +13,7 @@ crypto_vector_section() {
         say crypto "ok: python3 cryptography"
         return
     fi
-    if DEBIAN_FRONTEND=noninteractive apt-get install -y python3-cryptography >/tmp/outboxd-python-crypto.log 2>&1 \
-        || { apt-get update >>/tmp/outboxd-python-crypto.log 2>&1 \
-            && DEBIAN_FRONTEND=noninteractive apt-get install -y python3-cryptography >>/tmp/outboxd-python-crypto.log 2>&1; }; then
+    if apt_install python3-cryptography /tmp/outboxd-python-crypto.log; then
         changed crypto "installed Debian's python3-cryptography package"
     else
         say crypto "WARNING: apt-get install -y python3-cryptography failed (see /tmp/outboxd-python-crypto.log); tests/kit/crypto_cli.rs fails until it is installed"

@@ -15,10 +15,7 @@ docker_compose_section() {
         return
     fi
     # Not a service the relay needs: when apt cannot reach its mirrors, warn and go on.
-    # A fresh machine may have no package lists yet: update once and try again.
-    if DEBIAN_FRONTEND=noninteractive apt-get install -y docker-compose >/tmp/outboxd-docker-compose.log 2>&1 \
-        || { apt-get update >>/tmp/outboxd-docker-compose.log 2>&1 \
-            && DEBIAN_FRONTEND=noninteractive apt-get install -y docker-compose >>/tmp/outboxd-docker-compose.log 2>&1; }; then
+    if apt_install docker-compose /tmp/outboxd-docker-compose.log; then
         changed compose "installed Debian's docker-compose package"
     else
         say compose "WARNING: apt-get install -y docker-compose failed (see /tmp/outboxd-docker-compose.log); tests/surface/compose.rs fails until it is installed"

@@ -52,6 +52,14 @@ preflight() {
     fi
 }
 
+# apt_install PACKAGE LOG: installs a Debian package, output to LOG; a fresh machine may have
+# no package lists yet, so on failure it updates them once and tries again.
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "$1" >"$2" 2>&1 ||
+        { apt-get update >>"$2" 2>&1 &&
+            DEBIAN_FRONTEND=noninteractive apt-get install -y "$1" >>"$2" 2>&1; }
+}
+
 # ---- The test CA: Postgres and MariaDB serve certificates it signs --------------------------
 #
 #   ca.key        root 0600      the test CA's key (only these scripts sign with it)

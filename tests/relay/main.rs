@@ -18,4 +18,5 @@ mod nats_sink;
 mod proxy_selftest;
 mod refusals;
 mod routing;
+mod sink_conformance;
 mod tables;
