@@ -110,8 +110,10 @@ if ensure_component clippy clippy; then
     for kit in "${kits[@]}"; do
         features=${kit%%|*} forbidden=${kit#*|}
         cargo clippy "${LOCKED[@]}" --lib --no-default-features --features "$features" -- -D warnings
-        found=$(cargo tree "${LOCKED[@]}" --no-default-features --features "$features" -e normal \
-            --prefix none | grep -E "^($forbidden) v" | sort -u) || true
+        # A failing `cargo tree` stops the run here (set -e), before the grep could pass it.
+        tree=$(cargo tree "${LOCKED[@]}" --no-default-features --features "$features" -e normal \
+            --prefix none)
+        found=$(grep -E "^($forbidden) v" <<<"$tree" | sort -u) || true
         if [[ -n $found ]]; then
             echo "test.sh: ERROR: --no-default-features --features $features pulls in: ${found//$'\n'/, }" >&2
             exit 1
