@@ -18,7 +18,7 @@
 //! prints its counters as one JSON line on stdout.
 
 use clap::Parser;
-use outboxd::commands::consumer::{ConsumeArgs, Database};
+use outboxd::consumer::cli::{ConsumeArgs, Database};
 use outboxd::consumer::runner::Runner;
 use outboxd::consumer::{
     ConsumerError, Handler, IdempotencyKey, Message, MyProcessor, PgProcessor,

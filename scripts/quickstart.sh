@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Zero to a message in one command, on a machine prepared by scripts/services.sh (as root):
-# builds outboxd if needed, creates a demo database (a unique name) with the outbox table,
+# Zero to a message in one command (as root, as scripts/test.sh): configures the local services
+# with scripts/services.sh (idempotent: nothing changes when they are ready), builds outboxd if
+# needed, creates a demo database (a unique name) with the outbox table,
 # runs `outboxd check` and `outboxd setup`, starts the relay to the local RabbitMQ, binds a
 # queue, writes three events in one business transaction, consumes them and prints each
 # (message id, routing key, headers, body), shows `outboxd status` and /metrics, stops the
 # relay with SIGTERM and removes everything it created. Exit 0 when all three arrived.
 #
 # Environment (all optional):
+#   OUTBOXD_SKIP_SERVICES=1  do not run scripts/services.sh (services are managed elsewhere)
 #   OUTBOXD_BIN   the outboxd binary to use (default: target/debug/outboxd, built with cargo)
 #   PGHOST/PGPORT/PGUSER   Postgres (default 127.0.0.1:5432, user postgres, as services.sh)
 #   RABBIT_URL    the AMQP URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
@@ -23,6 +25,17 @@ export RABBIT_API
 
 say() { printf '\n== %s\n' "$*"; }
 die() { echo "quickstart: $*" >&2; exit 1; }
+
+if [[ ${OUTBOXD_SKIP_SERVICES:-0} == 1 ]]; then
+    say "services: skipped (OUTBOXD_SKIP_SERVICES=1)"
+else
+    say "services (scripts/services.sh: Postgres, MariaDB, RabbitMQ, NATS; changes nothing when ready)"
+    scripts/services.sh >"${TMPDIR:-/tmp}/outboxd-quickstart-services.log" 2>&1 || {
+        cat "${TMPDIR:-/tmp}/outboxd-quickstart-services.log" >&2
+        die "scripts/services.sh failed (its output is above)"
+    }
+    grep -E '^(postgres|mariadb|rabbitmq|nats) +[0-9]' "${TMPDIR:-/tmp}/outboxd-quickstart-services.log" || true
+fi
 
 for tool in psql python3 curl; do
     command -v "$tool" >/dev/null || die "$tool is missing: run scripts/services.sh (as root) first"

@@ -94,6 +94,35 @@ if ensure_component clippy clippy; then
     phase_end
 fi
 
+# The kits without the relay: a service that writes outbox rows (or consumes with the inbox)
+# links the library with one database feature. Linted (so a `cfg` that leaves dead code or a
+# missing import fails here) and its dependency tree checked: none of the relay's or the
+# brokers' clients, nor the other database's. A check, not a build: it compiles no binary.
+if ensure_component clippy clippy; then
+    phase_begin kit-build
+    # FEATURES|crates that must not be in its tree (a regex alternation)
+    kits=(
+        "postgres|lapin|async-nats|pgwire-replication|hyper|clap|mysql_async"
+        "mysql|lapin|async-nats|pgwire-replication|hyper|clap|tokio-postgres"
+        "postgres,rabbitmq|async-nats|pgwire-replication|hyper|clap|mysql_async"
+        "mysql,rabbitmq|async-nats|pgwire-replication|hyper|clap|tokio-postgres"
+    )
+    for kit in "${kits[@]}"; do
+        features=${kit%%|*} forbidden=${kit#*|}
+        cargo clippy "${LOCKED[@]}" --lib --no-default-features --features "$features" -- -D warnings
+        # A failing `cargo tree` stops the run here (set -e), before the grep could pass it.
+        tree=$(cargo tree "${LOCKED[@]}" --no-default-features --features "$features" -e normal \
+            --prefix none)
+        found=$(grep -E "^($forbidden) v" <<<"$tree" | sort -u) || true
+        if [[ -n $found ]]; then
+            echo "test.sh: ERROR: --no-default-features --features $features pulls in: ${found//$'\n'/, }" >&2
+            exit 1
+        fi
+        echo "kit-build: --no-default-features --features $features: none of $forbidden (ok)"
+    done
+    phase_end
+fi
+
 phase_begin build
 cargo build "${LOCKED[@]}" --all-targets "${CARGO_ARGS[@]}"
 phase_end

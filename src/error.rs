@@ -43,6 +43,7 @@ pub enum Error {
     Decode(String),
 
     #[error(transparent)]
+    #[cfg(feature = "relay")]
     Sink(#[from] crate::sink::SinkError),
 
     /// Field-level encryption: keyring, schema, or a value that does not decrypt.
@@ -72,6 +73,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Source { retryable, .. } => *retryable,
+            #[cfg(feature = "relay")]
             Error::Sink(e) => e.is_retryable(),
             _ => false,
         }
@@ -79,9 +81,9 @@ impl Error {
 
     pub fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::Config { .. } | Error::Sink(crate::sink::SinkError::Config { .. }) => {
-                ExitStatus::Config
-            }
+            Error::Config { .. } => ExitStatus::Config,
+            #[cfg(feature = "relay")]
+            Error::Sink(crate::sink::SinkError::Config { .. }) => ExitStatus::Config,
             Error::PositionLost { .. } => ExitStatus::PositionLost,
             Error::Leadership(_) => ExitStatus::LeadershipLost,
             Error::Crypto(e) if e.is_config() => ExitStatus::Config,
@@ -90,6 +92,7 @@ impl Error {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl From<tokio_postgres::Error> for Error {
     fn from(e: tokio_postgres::Error) -> Self {
         let retryable = crate::db::postgres::is_retryable_pg(&e);

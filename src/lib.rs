@@ -5,6 +5,32 @@
 //! The data path, in module order: [`source`] → [`relay`] → [`sink`], with [`state`] holding
 //! the position and lease, and [`connector`] wiring them together for `outboxd run`.
 //!
+//! # What a service calls
+//!
+//! The documented surface is what this file re-exports, plus the two kit modules:
+//!
+//! - the producer's write: [`Outbox`], [`NewEvent`], [`ColumnMap`], [`OutboxBackend`];
+//! - the idempotent-consumer kit: [`consumer`] ([`consumer::Inbox`], [`consumer::runner`] with
+//!   the `rabbitmq` feature);
+//! - per-field encryption: [`crypto`];
+//! - the events and errors: [`OutboxEvent`], [`Checkpoint`], [`SourcePosition`], [`Error`],
+//!   [`ExitStatus`];
+//! - with the `relay` feature, the two seams an implementation plugs into: [`Sink`] (with
+//!   [`Delivery`], [`SinkError`]) and [`StateStore`] (with [`Stored`], [`Lease`]); with
+//!   `test-util` also their in-memory doubles [`MemorySink`] and [`MemoryStore`].
+//!
+//! Every other module is `#[doc(hidden)]`: public only because the `outboxd` binary (its
+//! command layer, `src/commands/`) and the repository's own tests, benches and fuzz targets
+//! reach into them. They carry no stability promise.
+//!
+//! # Features
+//!
+//! `postgres` and `mysql` (the database clients for the kits), `rabbitmq` (the consumer
+//! runner), `nats`, `relay` (both sources, the relay, every sink and store, the metrics
+//! server; takes the four before it), `cli` (the binary and the consumer binaries' flags in
+//! `consumer::cli`), all on by default; `test-util` (the memory doubles) off. A service that
+//! only writes outbox rows builds with `default-features = false, features = ["postgres"]`.
+//!
 //! # Layout
 //!
 //! - The data path: [`source`] (Postgres WAL, MySQL/MariaDB binlog, poll mode) sends
@@ -22,32 +48,78 @@
 //! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
 //!   Postgres and MySQL clients), [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
 //!   [`operator`] (the `check` line), [`error`].
-//! - The edge: [`commands`], the only module that knows `clap`; `main.rs` maps its result to
-//!   exit codes. Nothing in the library imports it.
+//! - The edge: the command layer (`src/commands/`, the only code that knows `clap` besides
+//!   the consumer binaries' flags in `consumer::cli`) is a module of the binary, `main.rs`,
+//!   which maps its result to exit codes. The library never imports it.
 
-pub mod amqp;
-pub mod backoff;
-pub mod commands;
-pub mod connector;
+// The kits: what services link. Consumers read RabbitMQ deliveries, so their kit needs it.
+#[cfg(feature = "rabbitmq")]
 pub mod consumer;
 pub mod crypto;
-pub mod db;
-pub mod dsn;
 pub mod error;
 pub mod event;
+pub mod outbox;
+
+// Leaves the kits and the relay share.
+#[cfg(feature = "rabbitmq")]
+#[doc(hidden)]
+pub mod amqp;
+#[doc(hidden)]
+pub mod backoff;
+#[doc(hidden)]
+pub mod db;
+#[doc(hidden)]
+pub mod dsn;
+#[doc(hidden)]
+pub mod names;
+#[doc(hidden)]
+pub mod secret_file;
+#[doc(hidden)]
+pub mod tls;
+
+// The relay.
+#[cfg(feature = "relay")]
+#[doc(hidden)]
+pub mod connector;
+#[cfg(all(feature = "relay", feature = "test-util"))]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod names;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod operator;
-pub mod outbox;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod relay;
-pub mod secret_file;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod sink;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod source;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod state;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod telemetry;
-pub mod tls;
+
+// `impl clap::ValueEnum` for the library's option enums. The orphan rule keeps a foreign
+// trait's impls for this crate's types in this crate, so this one file of the command layer
+// (it stays with the others in `src/commands/`) is compiled into the library, under `cli`.
+#[cfg(feature = "cli")]
+#[path = "commands/values.rs"]
+mod values;
 
 pub use error::{Error, ExitStatus, Result};
 pub use event::{Checkpoint, OutboxEvent, SourcePosition};
 pub use outbox::{ColumnMap, NewEvent, Outbox, OutboxBackend};
+
+#[cfg(feature = "relay")]
+pub use sink::{Delivery, Sink, SinkError};
+#[cfg(feature = "relay")]
+pub use state::{Lease, StateStore, Stored};
+
+#[cfg(all(feature = "relay", feature = "test-util"))]
+pub use sink::memory::{MemoryHandle, MemorySink};
+#[cfg(all(feature = "relay", feature = "test-util"))]
+pub use state::memory::{MemoryStore, MemoryStoreHandle};

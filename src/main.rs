@@ -1,8 +1,20 @@
 //! The `outboxd` binary: parses the command line, sets up logging and signals, runs the
-//! command, and maps its result to the contract's exit codes.
+//! command, and maps its result to the contract's exit codes. The command layer
+//! (`src/commands/`, the only place `clap` lives besides the consumer binaries' flags in
+//! `outboxd::consumer::cli`) is a module of this binary, not of the library.
+
+// The command files name the library's modules as `crate::…` paths: these imports put the
+// modules they use at this crate's root, so those paths read the same as they did inside the
+// library.
+use outboxd::{
+    connector, consumer, crypto, db, dsn, event, operator, outbox, relay, secret_file, sink,
+    source, state, telemetry, tls, Error,
+};
+
+mod commands;
 
 use clap::{CommandFactory, FromArgMatches};
-use outboxd::commands::{Cli, LogFormat};
+use commands::{Cli, LogFormat};
 use outboxd::ExitStatus;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -33,7 +45,7 @@ fn main() -> ExitCode {
 fn try_main() -> anyhow::Result<()> {
     // The config file fills in the environment for flags it names, before clap reads both.
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    outboxd::commands::config_file::apply(&Cli::command(), &argv)?;
+    commands::config_file::apply(&Cli::command(), &argv)?;
     let matches = match Cli::command().try_get_matches_from(argv) {
         Ok(m) => m,
         Err(e) => {
@@ -44,7 +56,7 @@ fn try_main() -> anyhow::Result<()> {
     let cli = Cli::from_arg_matches(&matches)?;
     outboxd::telemetry::init_logging(&cli.log_level, cli.log_format == LogFormat::Json);
     let shutdown_timeout = match &cli.command {
-        outboxd::commands::Command::Run(a) => a.shutdown_timeout,
+        commands::Command::Run(a) => a.shutdown_timeout,
         _ => std::time::Duration::from_secs(30),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -53,7 +65,7 @@ fn try_main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(watch_signals(shutdown.clone(), shutdown_timeout));
-        outboxd::commands::execute(cli, &matches, shutdown).await
+        commands::execute(cli, &matches, shutdown).await
     })?;
     Ok(())
 }

@@ -46,7 +46,9 @@ pub struct Outbox {
     table: TableName,
     columns: ColumnMap,
     encryptor: Option<crate::crypto::Encryptor>,
-    /// MySQL: the id and aggregate id column types, looked up once.
+    /// MySQL: the id and aggregate id column types, looked up once (only the MySQL backend
+    /// reads them).
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     my_types: std::sync::Arc<std::sync::OnceLock<MyTypes>>,
 }
 
@@ -160,8 +162,9 @@ pub trait OutboxBackend: Send {
 /// What [`OutboxBackend::plan`] learnt of the table for [`OutboxBackend::insert`]. Opaque: only
 /// the backends in this module fill it in.
 #[derive(Debug, Clone, Copy)]
-pub struct Plan(Option<MyTypes>);
+pub struct Plan(#[cfg_attr(not(feature = "mysql"), allow(dead_code))] Option<MyTypes>);
 
+#[cfg(feature = "postgres")]
 impl OutboxBackend for tokio_postgres::Transaction<'_> {
     /// A prepared INSERT: its parameter types say what the aggregate id and version columns
     /// are (bigint, uuid or text; smallint, integer or bigint), and the values are converted
@@ -262,6 +265,7 @@ impl Outbox {
     }
 
     /// `db`.`table` or `table` (the session's database).
+    #[cfg(feature = "mysql")]
     fn my_quoted(&self) -> String {
         match &self.table.schema {
             Some(db) => format!("{}.{}", my_ident(db), my_ident(&self.table.name)),
@@ -269,6 +273,7 @@ impl Outbox {
         }
     }
 
+    #[cfg(feature = "mysql")]
     async fn my_types(&self, tx: &mut mysql_async::Transaction<'_>) -> Result<MyTypes, Error> {
         use mysql_async::prelude::Queryable;
         if let Some(t) = self.my_types.get() {
@@ -307,6 +312,7 @@ impl Outbox {
     }
 }
 
+#[cfg(feature = "mysql")]
 impl OutboxBackend for mysql_async::Transaction<'_> {
     /// The id and aggregate id column types, looked up once per [`Outbox`] (they decide how
     /// the values are encoded).

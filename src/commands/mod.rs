@@ -14,7 +14,6 @@ use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, Parser, Subcommand, ValueEnum};
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 mod check;
@@ -27,7 +26,6 @@ mod run;
 mod setup;
 mod status;
 pub mod topology;
-mod values;
 
 use check::check;
 use offset::offset;
@@ -37,8 +35,8 @@ use status::status;
 
 pub use check::CheckArgs;
 pub use health::HealthArgs;
-pub use offset::{OffsetCommand, OffsetSetArgs};
-pub use run::{message_options, MySqlArgs, RabbitArgs, RunArgs};
+pub use offset::OffsetCommand;
+pub use run::RunArgs;
 pub use setup::{SetupArgs, TeardownArgs};
 pub use status::StatusArgs;
 
@@ -210,28 +208,8 @@ impl NatsArgs {
     }
 }
 
-/// `30s`, `500ms`, `2m`, `1h`, `7d`, or plain seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 30s"))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => n / 1000.0,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86400.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h, d)")),
-    };
-    // try_from: a value too large for a Duration (or one that overflows to infinity) is an
-    // error, not a panic.
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
-}
+// The one duration parser, shared with consumer binaries (they cannot see this module).
+pub use outboxd::consumer::cli::parse_duration;
 
 /// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
 pub fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -458,6 +436,7 @@ fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn durations_and_names() {

@@ -47,6 +47,7 @@ pub fn classify_sql(sqlstate: &str, mysql_code: Option<u16>) -> Fault {
             c if MY_DATA.contains(&c) => return Fault::Data,
             // Connection trouble, shutdown, too many connections, --read-only (1290),
             // read-only mode (1836): the list the relay reconnects on.
+            #[cfg(feature = "mysql")]
             c if crate::db::mysql::is_retryable_code(c) => return Fault::Unavailable,
             _ => {}
         }

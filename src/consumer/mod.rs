@@ -34,28 +34,36 @@
 //! - [`setup`]: creates the inbox tables, and migrates those of an earlier release in place
 //!   (idempotently);
 //! - [`prune`]: `outboxd prune`, batched deletion of old `processed_messages` and outbox rows;
-//! - `commands::consumer`: the flags of `outboxd prune` and of consumer binaries built on
-//!   [`runner`] (outside this module: the command line is the only place clap lives).
+//! - `cli` (feature `cli`): the flags of consumer binaries built on [`runner`]; those of
+//!   `outboxd prune` are the binary's (`src/commands/consumer.rs`).
 //!
 //! `docs/consumer.md` is the guide; `examples/invoice_projection.rs` is a complete consumer.
 
+#[cfg(all(feature = "cli", feature = "rabbitmq"))]
+pub mod cli;
 pub mod fault;
 pub mod inbox;
 pub mod key;
 pub mod message;
+#[cfg(feature = "mysql")]
 pub mod mysql;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod processor;
 pub mod prune;
+#[cfg(feature = "rabbitmq")]
 pub mod runner;
 pub mod setup;
 
 pub use inbox::InboxBackend;
 pub use key::IdempotencyKey;
 pub use message::Message;
+#[cfg(feature = "mysql")]
 pub use mysql::{MyProcessor, Mysql};
+#[cfg(feature = "postgres")]
 pub use postgres::{PgProcessor, Postgres};
 pub use processor::{Database, Handler, InboxProcessor};
+#[cfg(feature = "rabbitmq")]
 pub use runner::{OnPoison, Processor, RunnerOptions, Stats};
 
 use std::fmt;
@@ -194,12 +202,14 @@ impl ConsumerError {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl From<tokio_postgres::Error> for ConsumerError {
     fn from(e: tokio_postgres::Error) -> Self {
         postgres::classify(&e)
     }
 }
 
+#[cfg(feature = "mysql")]
 impl From<mysql_async::Error> for ConsumerError {
     fn from(e: mysql_async::Error) -> Self {
         mysql::classify(e)

@@ -20,10 +20,13 @@
 
 use super::ConsumerError;
 use crate::dsn::DbDsn;
+#[cfg(feature = "postgres")]
+use crate::outbox::pg_ident;
 use crate::outbox::Mode;
-use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::outbox::{ColumnMap, TableName};
 use std::fmt;
 use std::time::{Duration, Instant};
+#[cfg(feature = "postgres")]
 use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 
@@ -233,6 +236,7 @@ fn lock_name(qualified: &str) -> String {
     format!("outboxd_prune:{}", &k.hex()[..40])
 }
 
+#[cfg(feature = "postgres")]
 /// Prunes a Postgres table. `progress` sees the report after every batch.
 pub async fn prune_postgres(
     dsn: &DbDsn,
@@ -401,6 +405,7 @@ pub async fn prune_postgres(
     Ok(report)
 }
 
+#[cfg(feature = "mysql")]
 /// Prunes a MySQL/MariaDB table (see [`prune_postgres`]).
 pub async fn prune_mysql(
     dsn: &DbDsn,

@@ -12,11 +12,15 @@
 //! of type `''`, which is what messages without `x-aggregate-type` are gated on.
 
 use super::ConsumerError;
+#[cfg(feature = "mysql")]
 use mysql_async::prelude::Queryable;
 
+#[cfg(feature = "postgres")]
 const PG_DDL: &str = include_str!("../../migrations/postgres/003_processed_messages.sql");
+#[cfg(feature = "mysql")]
 const MY_DDL: &str = include_str!("../../migrations/mysql/003_processed_messages.sql");
 
+#[cfg(feature = "postgres")]
 /// Creates the inbox tables on Postgres (in the session's schema), or migrates the ones there;
 /// returns what it changed (empty when nothing was to do). One transaction; the table lock is
 /// taken only when there is something to migrate (running consumers are not held up by a
@@ -60,6 +64,7 @@ pub async fn postgres(client: &mut tokio_postgres::Client) -> Result<Vec<String>
     Ok(done)
 }
 
+#[cfg(feature = "mysql")]
 /// Creates the inbox tables on MySQL/MariaDB (in the session's database), or migrates the
 /// ones there; returns what it changed (empty when nothing was to do). A setup running at the
 /// same moment may win the race to an `ALTER TABLE`; the catalog is read again then, and
@@ -78,6 +83,7 @@ pub async fn mysql(conn: &mut mysql_async::Conn) -> Result<Vec<String>, Consumer
     }
 }
 
+#[cfg(feature = "mysql")]
 async fn my_migrate(conn: &mut mysql_async::Conn) -> Result<Vec<String>, ConsumerError> {
     let steps = my_steps(conn).await?;
     let mut done = Vec::new();
@@ -88,6 +94,7 @@ async fn my_migrate(conn: &mut mysql_async::Conn) -> Result<Vec<String>, Consume
     Ok(done)
 }
 
+#[cfg(feature = "mysql")]
 /// The `ALTER TABLE`s still to run, with what each does, from the catalog.
 async fn my_steps(conn: &mut mysql_async::Conn) -> Result<Vec<(String, String)>, ConsumerError> {
     let cols: Vec<(String, String, String)> = conn

@@ -12,6 +12,7 @@ pub mod blind;
 pub mod envelope;
 pub mod error;
 pub mod keyring;
+#[cfg(feature = "postgres")]
 pub mod reencrypt;
 pub mod schema;
 pub mod shred;
@@ -473,6 +474,8 @@ pub fn key_ids_in(payload: &Value) -> std::collections::BTreeMap<String, usize> 
 pub struct Encryptor {
     keyring: Arc<Keyring>,
     schema: Arc<Schema>,
+    // The keystore of per-aggregate data keys is a Postgres table.
+    #[cfg(feature = "postgres")]
     keystore: Option<Arc<shred::Keystore>>,
 }
 
@@ -481,40 +484,43 @@ impl Encryptor {
         Encryptor {
             keyring: Arc::new(keyring),
             schema: Arc::new(schema),
+            #[cfg(feature = "postgres")]
             keystore: None,
         }
     }
 
     /// Seals each event's fields with its aggregate's data key from `keystore` (created on
     /// first use), so `keys forget --aggregate ID` can later erase them (crypto-shredding).
+    #[cfg(feature = "postgres")]
     pub fn with_keystore(mut self, keystore: shred::Keystore) -> Encryptor {
         self.keystore = Some(Arc::new(keystore));
         self
     }
 
+    #[cfg(feature = "postgres")]
     pub fn keystore(&self) -> Option<&shred::Keystore> {
         self.keystore.as_deref()
     }
 
     /// Encrypts an event's payload: under the aggregate's data key when there is a keystore,
     /// else under the keyring's current key.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub async fn encrypt_event(
         &self,
         event_id: Uuid,
         aggregate_id: &str,
         payload: &Value,
     ) -> Result<Value, crate::Error> {
-        match &self.keystore {
-            None => Ok(self.encrypt_payload(event_id, payload)?),
-            Some(ks) => {
-                let (id, material) = ks.data_key_for(&self.keyring, aggregate_id).await?;
-                let key = SealingKey {
-                    id: &id,
-                    material: &material,
-                };
-                Ok(encrypt_payload_with(key, &self.schema, event_id, payload)?)
-            }
+        #[cfg(feature = "postgres")]
+        if let Some(ks) = &self.keystore {
+            let (id, material) = ks.data_key_for(&self.keyring, aggregate_id).await?;
+            let key = SealingKey {
+                id: &id,
+                material: &material,
+            };
+            return Ok(encrypt_payload_with(key, &self.schema, event_id, payload)?);
         }
+        Ok(self.encrypt_payload(event_id, payload)?)
     }
 
     /// Decrypts an event's payload, looking data keys up in the keystore when there is one;
@@ -524,13 +530,12 @@ impl Encryptor {
         event_id: Uuid,
         payload: &Value,
     ) -> Result<Decrypted, crate::Error> {
-        match &self.keystore {
-            None => Ok(decrypt_payload_with(&*self.keyring, event_id, payload)?),
-            Some(ks) => {
-                let keys = ks.resolver(&self.keyring, payload).await?;
-                Ok(decrypt_payload_with(&keys, event_id, payload)?)
-            }
+        #[cfg(feature = "postgres")]
+        if let Some(ks) = &self.keystore {
+            let keys = ks.resolver(&self.keyring, payload).await?;
+            return Ok(decrypt_payload_with(&keys, event_id, payload)?);
         }
+        Ok(decrypt_payload_with(&*self.keyring, event_id, payload)?)
     }
 
     /// From a keyring file (or `OUTBOXD_KEYRING` when `keys` is `None`) and a schema file. The

@@ -7,6 +7,9 @@
 //! Data key ids are `d-` + 16 hex digits; keyring key ids may not start with `d-`, so a value's
 //! key id alone says where its key lives.
 
+// Key wrapping serves the keystore, a Postgres table: without `postgres` it has no user.
+#![cfg_attr(not(feature = "postgres"), allow(dead_code, unused_imports))]
+
 use super::envelope::{self, KeyBytes};
 use super::error::CryptoError;
 use super::keyring::Keyring;
@@ -92,18 +95,21 @@ pub enum DataKey {
     Unknown,
 }
 
+#[cfg(feature = "postgres")]
 /// The key table, on its own connection (never inside a producer's transaction: a data key
 /// created for a transaction that rolls back is merely unused).
 pub struct Keystore {
     client: tokio_postgres::Client,
 }
 
+#[cfg(feature = "postgres")]
 impl std::fmt::Debug for Keystore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Keystore")
     }
 }
 
+#[cfg(feature = "postgres")]
 impl Keystore {
     /// Uses `client` and creates the key table if it is missing.
     pub async fn new(client: tokio_postgres::Client) -> Result<Keystore, Error> {
@@ -266,6 +272,7 @@ pub struct StillReadable {
     pub why: String,
 }
 
+#[cfg(feature = "postgres")]
 /// The rows of `aggregate_id` in a Postgres outbox table: (event id, payload text).
 pub async fn aggregate_rows_pg(
     client: &tokio_postgres::Client,
@@ -291,6 +298,7 @@ pub async fn aggregate_rows_pg(
 
 /// The rows of `aggregate_id` in a MySQL/MariaDB outbox table: (event id, payload text). A
 /// 16-byte id is the contract's `BINARY(16)` UUID; any other id is shown as its text.
+#[cfg(feature = "mysql")]
 pub async fn aggregate_rows_mysql(
     conn: &mut mysql_async::Conn,
     table: &crate::names::TableName,
@@ -325,6 +333,7 @@ pub async fn aggregate_rows_mysql(
         .collect())
 }
 
+#[cfg(feature = "postgres")]
 /// Every value in `rows` (an aggregate's rows: event id, payload text) that forgetting the
 /// aggregate's data key would not erase: values under a keyring key, under another
 /// aggregate's data key or a data key this keystore does not hold, and clear fields `schema`
@@ -380,6 +389,7 @@ pub async fn readable_after_forget(
     Ok(out)
 }
 
+#[cfg(feature = "postgres")]
 /// The aggregate a data key id belongs to (live or forgotten), if the keystore holds it.
 async fn owner_of(ks: &Keystore, key_id: &str) -> Result<Option<String>, Error> {
     Ok(ks

@@ -499,7 +499,8 @@ async fn the_stored_position_never_moves_backwards_across_a_republish_and_a_rest
         .unwrap();
     h.wait_acked(lsn(&events[2])).await;
     // The keeper hands it to the guard, which refuses it before it reaches the store (the
-    // memory store panics on a backwards write: the keeper's task would fail).
+    // memory store records every position asked of it: the check of `positions()` below
+    // would show it).
     wait_until("the older position refused", || {
         telemetry::get().position_backwards_refused.get() > refused_before
     })

@@ -391,7 +391,7 @@ pub fn validate_name(flag: &str, name: &str) -> Result<(), Error> {
 }
 
 /// Checks a topic pattern for `--bind`: at most 255 bytes (a binding key is a short string).
-pub(crate) fn validate_pattern(p: &str) -> Result<(), Error> {
+pub fn validate_pattern(p: &str) -> Result<(), Error> {
     if p.is_empty() || p.len() > 255 {
         return Err(Error::config(
             format!("--bind {p:?} is not a topic pattern"),
@@ -402,7 +402,7 @@ pub(crate) fn validate_pattern(p: &str) -> Result<(), Error> {
 }
 
 /// One line of `outboxd check`.
-pub(crate) fn check_line(
+pub fn check_line(
     level: crate::operator::Level,
     check: &str,
     detail: impl Into<String>,
@@ -418,7 +418,7 @@ pub(crate) fn check_line(
 
 /// Declares and deletes a scratch exchange of type `x-consistent-hash`: the only way AMQP
 /// tells whether the plugin is enabled.
-pub(crate) async fn consistent_hash_plugin(conn: &Connection) -> crate::operator::CheckLine {
+pub async fn consistent_hash_plugin(conn: &Connection) -> crate::operator::CheckLine {
     use crate::operator::Level;
     let name = format!("outboxd.check.{}", uuid::Uuid::new_v4().simple());
     let r = async {

@@ -5,6 +5,8 @@
 
 pub mod file;
 pub mod forward;
+// The in-memory double: for tests only (the `test-util` feature), never in a release build.
+#[cfg(any(test, feature = "test-util"))]
 pub mod memory;
 pub mod mysql;
 pub mod postgres;

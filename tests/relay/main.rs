@@ -6,6 +6,7 @@
 mod common;
 
 mod concurrent_start;
+mod conformance;
 mod fault_suite;
 mod faults;
 mod ha;
@@ -17,4 +18,5 @@ mod nats_sink;
 mod proxy_selftest;
 mod refusals;
 mod routing;
+mod sink_conformance;
 mod tables;

@@ -1,5 +1,5 @@
 //! What a runner is told ([`RunnerOptions`], [`OnPoison`], [`Declare`]: the flags of a
-//! consumer binary, parsed in `commands::consumer`) and what it counts ([`Stats`]). Plain data,
+//! consumer binary, parsed in `consumer::cli`) and what it counts ([`Stats`]). Plain data,
 //! apart from the loop, so the command line and the tests can build and read it.
 
 use crate::dsn::redact;

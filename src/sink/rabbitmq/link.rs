@@ -91,7 +91,7 @@ pub(super) async fn guard_socket(
 }
 
 impl RabbitSink {
-    pub(crate) async fn connection(&self) -> Result<Connection, SinkError> {
+    pub async fn connection(&self) -> Result<Connection, SinkError> {
         self.connection_with_socket().await.map(|(conn, _)| conn)
     }
 
