@@ -930,6 +930,7 @@ main() {
     local t0=$SECONDS
     preflight
     postgres_section
+    "$(dirname "${BASH_SOURCE[0]}")/services/postgres-versions.sh" # PostgreSQL 14, 16, 17, 18 beside 15
     mariadb_section
     rabbitmq_section
     rabbitmq_tls_section
