@@ -17,3 +17,4 @@ mod pg_recovery;
 mod pg_snapshot;
 mod pg_stdout;
 mod pg_tls;
+mod pg_versions;
