@@ -7,7 +7,10 @@
 //! not running fails with the command that starts it.
 
 use crate::common;
-use common::PG_VERSIONS;
+use common::{unique, PgDb, Relay, PG_VERSIONS};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(60);
 
 /// The port of the private server of major version `major`.
 pub(crate) fn port_of(major: u32) -> u16 {
@@ -16,6 +19,112 @@ pub(crate) fn port_of(major: u32) -> u16 {
         .find(|(m, _)| *m == major)
         .map(|(_, p)| *p)
         .unwrap_or_else(|| panic!("no PostgreSQL {major} in PG_VERSIONS"))
+}
+
+/// Runs `outboxd ARGS…` to its end: (exit code, stdout, stderr).
+async fn outboxd(args: &[&str]) -> (i32, String, String) {
+    let mut r = Relay::start(args);
+    let code = r.wait_exit(T).await;
+    (code, r.lines().join("\n"), r.stderr())
+}
+
+/// `check` and `status` say which server they talk to, and show what only some versions have:
+/// the 17+ slot columns, 18's idle-slot timeout.
+async fn check_and_status_name_the_version(major: u32) {
+    let db = PgDb::create_on(port_of(major), "vers").await;
+    let (dsn, name) = (db.dsn(), unique("r"));
+    let (code, _, err) = outboxd(&["setup", "--source", &dsn, "--name", &name]).await;
+    assert_eq!(code, 0, "{err}");
+
+    let (code, out, err) = outboxd(&["check", "--source", &dsn, "--name", &name]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("ok   server version: PostgreSQL {major}.")),
+        "{out}"
+    );
+    assert_eq!(
+        out.contains("idle_replication_slot_timeout"),
+        major >= 18,
+        "{out}"
+    );
+    // Below 17 there are no failover slots to speak of.
+    assert_eq!(out.contains("is not a failover slot"), major >= 17, "{out}");
+
+    let (code, out, err) = outboxd(&["status", "--source", &dsn, "--name", &name]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("server           PostgreSQL {major}.")),
+        "{out}"
+    );
+    assert_eq!(
+        out.contains("slot (17+)       failover no, synced no"),
+        major >= 17,
+        "{out}"
+    );
+}
+
+/// `setup --failover-slot`: a failover slot on 17+, refused below with nothing created.
+async fn setup_failover_slot(major: u32) {
+    let db = PgDb::create_on(port_of(major), "fslot").await;
+    let (dsn, name) = (db.dsn(), unique("r"));
+    let slot = format!("outboxd_{name}");
+    let (code, out, err) = outboxd(&[
+        "setup",
+        "--failover-slot",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+    ])
+    .await;
+    let failover: Option<bool> = common::pg_admin_connect(db.port)
+        .await
+        .query_opt(
+            if major >= 17 {
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = $1"
+            } else {
+                "SELECT false FROM pg_replication_slots WHERE slot_name = $1"
+            },
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0));
+    if major < 17 {
+        assert_ne!(code, 0, "{out}");
+        assert!(
+            err.contains("--failover-slot needs PostgreSQL 17 or later"),
+            "{err}"
+        );
+        assert_eq!(failover, None, "a refused setup created the slot");
+        return;
+    }
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("replication slot {slot} (created, failover)")),
+        "{out}"
+    );
+    assert_eq!(failover, Some(true));
+    // Without synchronized_standby_slots the relay could publish what no standby has: warned.
+    let (_, out, _) = outboxd(&["check", "--source", &dsn, "--name", &name]).await;
+    assert!(
+        out.contains("warn failover slot") && out.contains("synchronized_standby_slots"),
+        "{out}"
+    );
+    // A second setup keeps it; status shows it.
+    let (code, out, err) = outboxd(&[
+        "setup",
+        "--failover-slot",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("(exists, failover)"), "{out}");
+    let (_, out, _) = outboxd(&["status", "--source", &dsn, "--name", &name]).await;
+    assert!(out.contains("failover yes"), "{out}");
 }
 
 /// One module per version (`pg14::…`, `pg16::…`): each test runs one shared body against
@@ -68,6 +177,16 @@ macro_rules! version_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn setup_status_teardown() {
                 pg_operator::status_teardown_and_offset_on(port()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn check_and_status_name_the_version() {
+                super::check_and_status_name_the_version($major).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn setup_failover_slot() {
+                super::setup_failover_slot($major).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
