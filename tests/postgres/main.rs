@@ -6,6 +6,7 @@
 mod common;
 
 mod pg_config;
+mod pg_failover;
 mod pg_faults;
 mod pg_limits;
 mod pg_operator;
