@@ -313,6 +313,38 @@ async fn failover_under_a_producer(major: u32) {
         .await;
     }
 
+    // `check --standby` verifies the settings of both servers before the failover.
+    let standby_dsn = db.dsn_via(standby.port);
+    let mut check = Relay::start(&[
+        "check",
+        "--source",
+        &primary_dsn,
+        "--name",
+        &name,
+        "--standby",
+        &standby_dsn,
+    ]);
+    check.wait_exit(T).await;
+    let out = check.lines().join("\n");
+    if failover_slots {
+        for ok in [
+            "ok   failover slot",
+            "ok   standby: PostgreSQL 17.",
+            "ok   hot_standby_feedback",
+            "ok   sync_replication_slots",
+            "ok   primary_slot_name: standby1 (active on the primary)",
+            "ok   synchronized_standby_slots: standby1",
+            "ok   standby slot",
+        ] {
+            assert!(out.contains(ok), "{ok}:\n{out}");
+        }
+    } else {
+        assert!(
+            out.contains("has no failover slots") && out.contains("--on-position-lost poll"),
+            "{out}"
+        );
+    }
+
     // The failover: the primary stopped hard under the producer, the standby promoted.
     let t0 = Instant::now();
     primary.pg_ctl(&["-m", "immediate", "-w", "stop"]);
@@ -322,7 +354,6 @@ async fn failover_under_a_producer(major: u32) {
     first.sigkill(); // it retries the dead primary; its operator points it elsewhere
     let before = printed_ids(&first);
 
-    let standby_dsn = db.dsn_via(standby.port);
     let second = run(&standby_dsn);
     // The producer goes on against the new primary: the relay streams it from there.
     let mut on_new = pg_connect(&format!(

@@ -22,6 +22,8 @@ pub struct PgTarget<'a> {
     pub columns: &'a ColumnMap,
     pub slot: &'a str,
     pub publication: &'a str,
+    /// `--standby`: a physical standby whose failover-slot settings are checked too.
+    pub standby: Option<&'a DbDsn>,
 }
 
 /// Roles of managed Postgres services that matter for logical replication, and the service.
@@ -427,6 +429,9 @@ async fn check_server(
         t.slot,
         details.as_ref(),
     ));
+    if let Some(standby) = t.standby {
+        out.extend(version::standby_lines(client, standby, t.slot).await);
+    }
     Ok(())
 }
 

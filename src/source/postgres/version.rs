@@ -196,7 +196,7 @@ pub fn settings_lines(
                 Level::Warn,
                 "failover slot",
                 format!("{slot} is a failover slot but synchronized_standby_slots is empty: the relay can be sent (and publish) a transaction a standby has not received, which a failover to that standby rolls back"),
-                Some(format!("ALTER SYSTEM SET synchronized_standby_slots = {}; SELECT pg_reload_conf();  -- the standby's physical slot (its primary_slot_name; docs/operations.md, failover runbook)", pg_literal("STANDBY_SLOT"))),
+                Some(format!("ALTER SYSTEM SET synchronized_standby_slots = {}; SELECT pg_reload_conf();  -- the standby's physical slot (its primary_slot_name); verify with `outboxd check --standby DSN`", pg_literal("STANDBY_SLOT"))),
             )
         } else {
             line(
@@ -218,6 +218,170 @@ pub fn settings_lines(
         ));
     }
     out
+}
+
+/// `check --standby DSN`: the lines that say whether a failover to that physical standby keeps
+/// the relay's slot (17+), reading the primary's settings on `primary` and the standby's on a
+/// connection of its own.
+pub async fn standby_lines(
+    primary: &Client,
+    standby: &crate::dsn::DbDsn,
+    slot: &str,
+) -> Vec<CheckLine> {
+    let mut out = Vec::new();
+    let sb = match super::connect_sql(standby, "outboxd_check").await {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(line(
+                Level::Fail,
+                "standby connect",
+                e.to_string(),
+                Some(format!(
+                    "make the standby reachable at {}:{} for user {}",
+                    standby.host, standby.port, standby.user
+                )),
+            ));
+            return out;
+        }
+    };
+    if let Err(e) = standby_checks(primary, &sb, slot, &mut out).await {
+        out.push(line(Level::Fail, "standby query", e.to_string(), None));
+    }
+    out
+}
+
+async fn standby_checks(
+    primary: &Client,
+    sb: &Client,
+    slot: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let v = ServerVersion::of(sb).await?;
+    let in_recovery: bool = sb
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await?
+        .get(0);
+    if !in_recovery {
+        out.push(line(
+            Level::Fail,
+            "standby",
+            format!("PostgreSQL {v}, not in recovery: this is a primary, not a standby"),
+            Some("give --standby the DSN of the physical standby".into()),
+        ));
+        return Ok(());
+    }
+    if !v.has_failover_slots() {
+        out.push(line(
+            Level::Warn,
+            "standby",
+            format!("PostgreSQL {v} has no failover slots: a failover to it loses the relay's slot"),
+            Some("run the relay with --on-position-lost poll (recovery through the table), or upgrade both servers to 17+ (docs/operations.md)".into()),
+        ));
+        return Ok(());
+    }
+    out.push(line(
+        Level::Ok,
+        "standby",
+        format!("PostgreSQL {v}, in recovery"),
+        None,
+    ));
+    for (name, fix) in [
+        ("hot_standby_feedback", "ALTER SYSTEM SET hot_standby_feedback = on; SELECT pg_reload_conf();  -- on the standby"),
+        ("sync_replication_slots", "ALTER SYSTEM SET sync_replication_slots = on; SELECT pg_reload_conf();  -- on the standby"),
+    ] {
+        let value = setting(sb, name).await?;
+        out.push(if value == "on" {
+            line(Level::Ok, name, "on (standby)", None)
+        } else {
+            line(Level::Fail, name, format!("{value:?} on the standby, failover slots need on"), Some(fix.into()))
+        });
+    }
+    if !setting(sb, "primary_conninfo").await?.contains("dbname") {
+        out.push(line(
+            Level::Fail,
+            "primary_conninfo",
+            "names no dbname on the standby: the slot sync worker cannot connect",
+            Some("ALTER SYSTEM SET primary_conninfo = '… dbname=postgres'; SELECT pg_reload_conf();  -- on the standby".into()),
+        ));
+    }
+    let standby_slot = setting(sb, "primary_slot_name").await?;
+    if standby_slot.is_empty() {
+        out.push(line(
+            Level::Fail,
+            "primary_slot_name",
+            "empty on the standby: slot synchronisation needs a physical slot",
+            Some("SELECT pg_create_physical_replication_slot('standby1');  -- on the primary; then on the standby: ALTER SYSTEM SET primary_slot_name = 'standby1'; SELECT pg_reload_conf();".into()),
+        ));
+        return Ok(());
+    }
+    let physical = primary
+        .query_opt(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1 AND slot_type = 'physical'",
+            &[&standby_slot],
+        )
+        .await?;
+    out.push(match physical {
+        Some(r) if r.get::<_, bool>(0) => line(
+            Level::Ok,
+            "primary_slot_name",
+            format!("{standby_slot} (active on the primary)"),
+            None,
+        ),
+        Some(_) => line(
+            Level::Warn,
+            "primary_slot_name",
+            format!(
+                "{standby_slot} exists on the primary but the standby is not streaming from it"
+            ),
+            Some("see the standby's log".into()),
+        ),
+        None => line(
+            Level::Fail,
+            "primary_slot_name",
+            format!("{standby_slot} does not exist on the primary"),
+            Some(format!(
+                "SELECT pg_create_physical_replication_slot({});  -- on the primary",
+                pg_literal(&standby_slot)
+            )),
+        ),
+    });
+    let listed = setting(primary, "synchronized_standby_slots").await?;
+    out.push(if listed.split(',').any(|s| s.trim().trim_matches('"') == standby_slot) {
+        line(Level::Ok, "synchronized_standby_slots", format!("{listed} (primary)"), None)
+    } else {
+        line(
+            Level::Fail,
+            "synchronized_standby_slots",
+            format!("{listed:?} on the primary does not name {standby_slot}: the relay can publish what the standby has not received"),
+            Some(format!("ALTER SYSTEM SET synchronized_standby_slots = {}; SELECT pg_reload_conf();  -- on the primary", pg_literal(&standby_slot))),
+        )
+    });
+    let synced = sb
+        .query_opt(
+            "SELECT synced FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    out.push(match synced {
+        Some(r) if r.get::<_, bool>(0) => line(Level::Ok, "standby slot", format!("{slot} synchronised to the standby"), None),
+        _ => line(
+            Level::Fail,
+            "standby slot",
+            format!("{slot} is not synchronised to the standby"),
+            Some("create it as a failover slot (`outboxd setup --failover-slot` before the first run), then wait for the standby's slot sync worker".into()),
+        ),
+    });
+    Ok(())
+}
+
+/// A setting as `pg_settings` shows it to this role (empty when it cannot see it).
+async fn setting(c: &Client, name: &str) -> Result<String, Error> {
+    Ok(
+        c.query_opt("SELECT setting FROM pg_settings WHERE name = $1", &[&name])
+            .await?
+            .map(|r| r.get(0))
+            .unwrap_or_default(),
+    )
 }
 
 /// The SQL that creates the relay's slot: with `failover` (17+) a standby with
