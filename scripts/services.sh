@@ -7,6 +7,7 @@
 #   - nats.sh:           nats-server with JetStream on 127.0.0.1:4222
 #   - docker-compose.sh: Debian's package, to validate docker-compose.yml
 #   - crypto-vector.sh:  python3-cryptography, for scripts/crypto-vector.py
+#   - postgres-versions.sh: PostgreSQL 14, 16, 17, 18 beside the system 15 (ports 5414-5418)
 #   - php.sh:            PHP for examples/laravel (tests/kit/crypto_php.rs, tests/mariadb/laravel.rs)
 #
 # For a Debian 12 machine with the distribution packages, run as root, no systemd. Idempotent:
@@ -28,6 +29,7 @@ service() { # NAME: run scripts/services/NAME.sh under a heading
 }
 
 service postgres
+service postgres-versions
 service mariadb
 service rabbitmq
 service nats

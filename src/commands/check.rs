@@ -26,6 +26,11 @@ pub struct CheckArgs {
     /// instead of the binlog).
     #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
     pub mode: Mode,
+    /// Postgres 17+: also check a physical standby (postgres://… DSN) for failover slots —
+    /// its sync_replication_slots, hot_standby_feedback, primary_slot_name, the primary's
+    /// synchronized_standby_slots, and the relay's slot synchronised there.
+    #[arg(long, env = "OUTBOXD_STANDBY", hide_env_values = true)]
+    pub standby: Option<crate::dsn::DsnArg>,
 }
 
 pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
@@ -54,6 +59,10 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
         lines
     } else {
         let dsn = postgres_only(r.source, "check")?;
+        let standby = match &args.standby {
+            Some(s) => Some(postgres_only(SourceDsn::parse(s)?, "check --standby")?),
+            None => None,
+        };
         crate::source::postgres::operator::check_postgres(
             &crate::source::postgres::operator::PgTarget {
                 dsn: &dsn,
@@ -62,6 +71,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
                 columns: &r.columns,
                 slot: &r.slot,
                 publication: &r.publication,
+                standby: standby.as_ref(),
             },
         )
         .await

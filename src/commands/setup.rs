@@ -6,7 +6,7 @@ use super::{resolve_source, Resolved, SourceArgs};
 use crate::connector;
 use crate::dsn::{self, SourceDsn};
 use crate::outbox::{Mode, TableName};
-use crate::source::postgres::{self as pg, admin};
+use crate::source::postgres::{self as pg, admin, version};
 use crate::Error;
 use clap::{ArgMatches, Args};
 
@@ -23,6 +23,11 @@ pub struct SetupArgs {
     /// Poll mode only: create the table (and trigger) but no slot or publication.
     #[arg(long, env = "OUTBOXD_MODE", value_enum, default_value_t = Mode::Cdc)]
     pub mode: Mode,
+    /// Create the replication slot as a failover slot (PostgreSQL 17+): a physical standby
+    /// with sync_replication_slots = on keeps a copy the relay resumes from after a failover
+    /// (docs/operations.md, failover runbook). Refused below 17.
+    #[arg(long, env = "OUTBOXD_FAILOVER_SLOT")]
+    pub failover_slot: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -90,6 +95,11 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         return Ok(());
     }
     admin::require_logical(&client).await?;
+    // Refused before anything is created: a half-done setup is worse than none.
+    let server = version::ServerVersion::of(&client).await?;
+    if args.failover_slot && !server.has_failover_slots() {
+        return Err(version::failover_refused(server));
+    }
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
     let list = r
@@ -112,6 +122,22 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         ),
     }
     match admin::slot(&client, &r.slot).await? {
+        Some(_) if args.failover_slot => {
+            let failover = version::slot_details(&client, server, &r.slot)
+                .await?
+                .is_some_and(|d| d.failover);
+            if !failover {
+                return Err(Error::config(
+                    format!("replication slot {} exists but is not a failover slot", r.slot),
+                    format!(
+                        "psql \"host={} port={} user={} dbname={} replication=database\" -c 'ALTER_REPLICATION_SLOT {} (FAILOVER true)'  (with the relay stopped)",
+                        dsn.host, dsn.port, dsn.user, dsn.database,
+                        r.slot
+                    ),
+                ));
+            }
+            println!("ok   replication slot {} (exists, failover)", r.slot)
+        }
         Some(_) => println!("ok   replication slot {} (exists)", r.slot),
         None => {
             let state = crate::state::postgres::load(&client, &r.name).await?;
@@ -124,8 +150,12 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
                     fix: admin::lost_slot_fix(&r.name, &r.slot),
                 });
             }
-            admin::create_slot(&client, &r.slot).await?;
-            println!("ok   replication slot {} (created)", r.slot);
+            admin::create_slot_as(&client, &r.slot, args.failover_slot).await?;
+            println!(
+                "ok   replication slot {} (created{})",
+                r.slot,
+                if args.failover_slot { ", failover" } else { "" }
+            );
         }
     }
     Ok(())

@@ -14,6 +14,29 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+/// The system server's port: the default every test uses unless it names a version.
+pub const PG_PORT: u16 = 5432;
+/// The private servers of `scripts/services/postgres-versions.sh`: (major version, port) on
+/// 127.0.0.1. The script pins the same ports: change both together.
+pub const PG_VERSIONS: [(u32, u16); 4] = [(14, 5414), (16, 5416), (17, 5417), (18, 5418)];
+
+/// The admin connection string of the server on `port` (database `test`).
+pub fn pg_admin(port: u16) -> String {
+    format!("host=127.0.0.1 port={port} user=postgres dbname=test")
+}
+
+/// Connects to the admin database of the server on `port`; a server that does not answer is
+/// reported with the command that starts it.
+pub async fn pg_admin_connect(port: u16) -> tokio_postgres::Client {
+    let fix = match PG_VERSIONS.iter().find(|(_, p)| *p == port) {
+        None => "Start and configure it with `sudo scripts/services.sh`".to_string(),
+        Some((major, _)) => format!(
+            "PostgreSQL {major}: install and start it with `sudo scripts/services/postgres-versions.sh` \
+             (or all services: `sudo scripts/services.sh`)"
+        ),
+    };
+    pg_connect_or(&pg_admin(port), &fix).await
+}
 
 /// Polls `cond` until it holds or `timeout` passes; panics with `what` on timeout.
 pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut cond: F)
@@ -42,11 +65,18 @@ pub fn unique(prefix: &str) -> String {
 }
 
 pub async fn pg_connect(conninfo: &str) -> tokio_postgres::Client {
+    pg_connect_or(
+        conninfo,
+        "Start and configure it with `sudo scripts/services.sh`",
+    )
+    .await
+}
+
+/// [`pg_connect`] naming `fix` when the server does not answer.
+async fn pg_connect_or(conninfo: &str, fix: &str) -> tokio_postgres::Client {
     let (client, conn) = match tokio_postgres::connect(conninfo, tokio_postgres::NoTls).await {
         Ok(c) => c,
-        Err(e) => panic!(
-            "Postgres is not reachable ({conninfo}): {e}. Start and configure it with `sudo scripts/services.sh`"
-        ),
+        Err(e) => panic!("Postgres is not reachable ({conninfo}): {e}. {fix}"),
     };
     tokio::spawn(async move {
         let _ = conn.await;
@@ -59,17 +89,24 @@ pub async fn pg_connect(conninfo: &str) -> tokio_postgres::Client {
 pub struct PgDb {
     pub name: String,
     pub slots: Vec<String>,
+    /// The server's port on 127.0.0.1: [`PG_PORT`] or one of [`PG_VERSIONS`].
+    pub port: u16,
 }
 
 pub const OUTBOX_DDL: &str = include_str!("../../migrations/postgres/001_outbox.sql");
 
 impl PgDb {
     pub async fn create(prefix: &str) -> PgDb {
-        let admin = pg_connect(PG_ADMIN).await;
+        PgDb::create_on(PG_PORT, prefix).await
+    }
+
+    /// The same on the server listening on `port` (one of [`PG_VERSIONS`]).
+    pub async fn create_on(port: u16, prefix: &str) -> PgDb {
+        let admin = pg_admin_connect(port).await;
         let level: String = admin.query_one("SHOW wal_level", &[]).await.unwrap().get(0);
         assert_eq!(
             level, "logical",
-            "Postgres runs with wal_level={level}: run `sudo scripts/services.sh` to configure it"
+            "Postgres on port {port} runs with wal_level={level}: run `sudo scripts/services.sh` to configure it"
         );
         let name = unique(prefix);
         admin
@@ -79,13 +116,14 @@ impl PgDb {
         let db = PgDb {
             name,
             slots: Vec::new(),
+            port,
         };
         db.client().await.batch_execute(OUTBOX_DDL).await.unwrap();
         db
     }
 
     pub fn dsn(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:5432/{}", self.name)
+        self.dsn_via(self.port)
     }
 
     pub fn dsn_via(&self, port: u16) -> String {
@@ -94,8 +132,8 @@ impl PgDb {
 
     pub fn conninfo(&self) -> String {
         format!(
-            "host=127.0.0.1 port=5432 user=postgres dbname={}",
-            self.name
+            "host=127.0.0.1 port={} user=postgres dbname={}",
+            self.port, self.name
         )
     }
 
@@ -106,7 +144,7 @@ impl PgDb {
     /// Slot `slot` is streaming to a walsender (not merely being created by a backend).
     pub async fn slot_active(&self, slot: impl AsRef<str>) -> bool {
         let slot = slot.as_ref();
-        let c = pg_connect(PG_ADMIN).await;
+        let c = pg_connect(&pg_admin(self.port)).await;
         c.query_opt(
             "SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
               WHERE s.slot_name = $1 AND s.confirmed_flush_lsn IS NOT NULL",
@@ -121,7 +159,7 @@ impl PgDb {
     /// connection, but the server's walsender notices that a moment later: dropping before it
     /// has gone fails with 55006 ("replication slot ... is active").
     pub async fn drop_released_slot(&self, slot: &str) {
-        let c = pg_connect(PG_ADMIN).await;
+        let c = pg_connect(&pg_admin(self.port)).await;
         wait_for(
             "the slot released by its walsender",
             Duration::from_secs(30),
@@ -145,7 +183,7 @@ impl PgDb {
     }
 
     pub async fn slot_confirmed(&self, slot: &str) -> Option<String> {
-        let c = pg_connect(PG_ADMIN).await;
+        let c = pg_connect(&pg_admin(self.port)).await;
         c.query_opt(
             "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
@@ -159,6 +197,7 @@ impl PgDb {
 impl Drop for PgDb {
     fn drop(&mut self) {
         let name = self.name.clone();
+        let admin = pg_admin(self.port);
         // Slots are cluster-wide and keep WAL: never leave one behind.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -166,7 +205,7 @@ impl Drop for PgDb {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let Ok((c, conn)) = tokio_postgres::connect(PG_ADMIN, tokio_postgres::NoTls).await else {
+                let Ok((c, conn)) = tokio_postgres::connect(&admin, tokio_postgres::NoTls).await else {
                     return;
                 };
                 tokio::spawn(conn);

@@ -36,7 +36,7 @@ impl PollDb for PgDb {
     }
 
     fn server_port(&self) -> u16 {
-        5432
+        self.port
     }
 
     async fn pending_ids(&self) -> HashSet<Uuid> {
@@ -58,7 +58,7 @@ impl PollDb for PgDb {
     }
 
     async fn kill_sessions(&self) -> usize {
-        pg_connect(PG_ADMIN)
+        pg_admin_connect(self.port)
             .await
             .query(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",

@@ -6,6 +6,7 @@
 mod common;
 
 mod pg_config;
+mod pg_failover;
 mod pg_faults;
 mod pg_limits;
 mod pg_operator;
@@ -17,3 +18,4 @@ mod pg_recovery;
 mod pg_snapshot;
 mod pg_stdout;
 mod pg_tls;
+mod pg_versions;

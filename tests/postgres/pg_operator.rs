@@ -45,7 +45,12 @@ async fn insert_raw(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_start_publishes_pending_rows_only() {
-    let db = PgDb::create("snap1").await;
+    first_start_publishes_pending_rows_only_on(PG_PORT).await
+}
+
+/// [`first_start_publishes_pending_rows_only`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn first_start_publishes_pending_rows_only_on(port: u16) {
+    let db = PgDb::create_on(port, "snap1").await;
     let c = db.client().await;
     let p1 = insert_raw(&c, "outbox", Some("pending"), "2026-01-01T00:00:00Z").await;
     let _done = insert_raw(&c, "outbox", Some("published"), "2026-01-01T00:00:01Z").await;
@@ -88,7 +93,12 @@ async fn first_start_publishes_pending_rows_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_start_without_a_status_column() {
-    let db = PgDb::create("snap2").await;
+    first_start_without_a_status_column_on(PG_PORT).await
+}
+
+/// [`first_start_without_a_status_column`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn first_start_without_a_status_column_on(port: u16) {
+    let db = PgDb::create_on(port, "snap2").await;
     let c = db.client().await;
     c.batch_execute("ALTER TABLE outbox DROP COLUMN status, DROP COLUMN published_at")
         .await
@@ -231,7 +241,12 @@ async fn rows_written_while_the_snapshot_runs_arrive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_reports_each_problem_with_its_fix() {
-    let db = PgDb::create("check").await;
+    check_reports_each_problem_with_its_fix_on(PG_PORT).await
+}
+
+/// [`check_reports_each_problem_with_its_fix`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn check_reports_each_problem_with_its_fix_on(port: u16) {
+    let db = PgDb::create_on(port, "check").await;
     let dsn = db.dsn();
     let name = unique("r");
     let run_check = |table: &'static str| {
@@ -281,7 +296,12 @@ async fn check_reports_each_problem_with_its_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_teardown_and_offset() {
-    let db = PgDb::create("ops").await;
+    status_teardown_and_offset_on(PG_PORT).await
+}
+
+/// [`status_teardown_and_offset`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn status_teardown_and_offset_on(port: u16) {
+    let db = PgDb::create_on(port, "ops").await;
     let dsn = db.dsn();
     let name = unique("r");
     let slot = format!("outboxd_{name}");

@@ -107,7 +107,12 @@ fn assert_none_lost(got: &[Uuid], expected: &[Uuid]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_events_arrive_exactly_as_the_contract_says() {
-    let db = PgDb::create("rmq").await;
+    ten_thousand_events_arrive_exactly_as_the_contract_says_on(PG_PORT).await
+}
+
+/// [`ten_thousand_events_arrive_exactly_as_the_contract_says`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn ten_thousand_events_arrive_exactly_as_the_contract_says_on(port: u16) {
+    let db = PgDb::create_on(port, "rmq").await;
     let mut topo = Topology::new("x").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
@@ -675,7 +680,12 @@ async fn cut_broker_connections_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_stream_loses_nothing() {
-    let db = PgDb::create("rmqk").await;
+    sigkill_mid_stream_loses_nothing_on(PG_PORT).await
+}
+
+/// [`sigkill_mid_stream_loses_nothing`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn sigkill_mid_stream_loses_nothing_on(port: u16) {
+    let db = PgDb::create_on(port, "rmqk").await;
     let mut topo = Topology::new("xk").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");

@@ -21,7 +21,12 @@ fn ids(relay: &Relay) -> HashSet<Uuid> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_recovered_through_the_table() {
-    let db = PgDb::create("recover").await;
+    a_dropped_slot_is_recovered_through_the_table_on(PG_PORT).await
+}
+
+/// [`a_dropped_slot_is_recovered_through_the_table`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn a_dropped_slot_is_recovered_through_the_table_on(port: u16) {
+    let db = PgDb::create_on(port, "recover").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();

@@ -24,7 +24,12 @@ fn run_args<'a>(dsn: &'a str, name: &'a str) -> Vec<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_events_arrive_and_nothing_else() {
-    let db = PgDb::create("e2e").await;
+    ten_thousand_events_arrive_and_nothing_else_on(PG_PORT).await
+}
+
+/// [`ten_thousand_events_arrive_and_nothing_else`] on the server at `port` (run per version by `pg_versions` too).
+pub(crate) async fn ten_thousand_events_arrive_and_nothing_else_on(port: u16) {
+    let db = PgDb::create_on(port, "e2e").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();

@@ -259,11 +259,14 @@ pub async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, 
 /// someone else a moment earlier (`outboxd setup` beside a first start) is taken as it is:
 /// its confirmed position, which is where a new slot would have started too.
 pub async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
+    create_slot_as(client, slot, false).await
+}
+
+/// [`create_slot`], as a failover slot when `failover` (PostgreSQL 17+: the caller checks the
+/// version, see [`super::version`]).
+pub async fn create_slot_as(client: &Client, slot: &str, failover: bool) -> Result<u64, Error> {
     let row = match client
-        .query_one(
-            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
-        )
+        .query_one(super::version::create_slot_sql(failover), &[&slot])
         .await
     {
         Ok(row) => row,
@@ -280,7 +283,7 @@ pub async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
         Err(e) => return Err(e.into()),
     };
     let lsn: String = row.get(0);
-    tracing::info!(slot, at = %lsn, "created replication slot");
+    tracing::info!(slot, at = %lsn, failover, "created replication slot");
     parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("slot LSN {lsn:?}")))
 }
 

@@ -17,6 +17,7 @@ pub mod rows;
 pub mod snapshot;
 pub mod startup;
 pub mod tls_bridge;
+pub mod version;
 
 use crate::backoff::Backoff;
 // The Postgres client every module uses lives in `crate::db::postgres`; re-exported here for

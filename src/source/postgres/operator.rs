@@ -6,7 +6,7 @@ use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn};
 use crate::operator::{line, CheckLine, Level};
 use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
-use crate::source::postgres::{self as pg, admin, rows::RowMapper, snapshot};
+use crate::source::postgres::{self as pg, admin, rows::RowMapper, snapshot, version};
 use crate::state;
 use crate::Error;
 use serde::Serialize;
@@ -22,6 +22,8 @@ pub struct PgTarget<'a> {
     pub columns: &'a ColumnMap,
     pub slot: &'a str,
     pub publication: &'a str,
+    /// `--standby`: a physical standby whose failover-slot settings are checked too.
+    pub standby: Option<&'a DbDsn>,
 }
 
 /// Roles of managed Postgres services that matter for logical replication, and the service.
@@ -162,6 +164,8 @@ async fn check_server(
     t: &PgTarget<'_>,
     out: &mut Vec<CheckLine>,
 ) -> Result<(), Error> {
+    let server = version::ServerVersion::of(client).await?;
+    out.push(version::version_line(server));
     let level = admin::wal_level(client).await?;
     out.push(if level == "logical" {
         line(Level::Ok, "wal_level", "logical", None)
@@ -359,6 +363,12 @@ async fn check_server(
     }
 
     let state_row = state::postgres::load(client, t.name).await?;
+    let details = version::slot_details(client, server, t.slot).await?;
+    let reason = details
+        .as_ref()
+        .and_then(|d| d.invalidation_reason.as_deref())
+        .map(|r| format!(", invalidation_reason {r}"))
+        .unwrap_or_default();
     match admin::slot(client, t.slot).await? {
         None if state_row.as_ref().is_some_and(|s| s.initialized) => out.push(line(
             Level::Fail,
@@ -384,7 +394,7 @@ async fn check_server(
         Some(s) if s.wal_status.as_deref() == Some("lost") => out.push(line(
             Level::Fail,
             "replication slot",
-            format!("{} was invalidated (wal_status lost)", t.slot),
+            format!("{} was invalidated (wal_status lost{reason})", t.slot),
             Some(admin::lost_slot_fix(t.name, t.slot)),
         )),
         Some(s) if s.plugin.as_deref() != Some("pgoutput") => out.push(line(
@@ -412,6 +422,16 @@ async fn check_server(
             None,
         )),
     }
+    let settings = version::settings(client, server).await?;
+    out.extend(version::settings_lines(
+        server,
+        &settings,
+        t.slot,
+        details.as_ref(),
+    ));
+    if let Some(standby) = t.standby {
+        out.extend(version::standby_lines(client, standby, t.slot).await);
+    }
     Ok(())
 }
 
@@ -419,6 +439,8 @@ async fn check_server(
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub name: String,
+    /// `PostgreSQL 17.10`.
+    pub server_version: String,
     pub slot: String,
     pub stored_position: Option<String>,
     pub slot_confirmed: Option<String>,
@@ -432,6 +454,12 @@ pub struct Status {
     pub lease_live: bool,
     pub epoch: Option<i64>,
     pub replay_requested_since: Option<String>,
+    /// 17+: why the slot was invalidated, since when it is unused, whether it is a failover
+    /// slot and whether it is a standby's synchronised copy (`None` below 17).
+    pub invalidation_reason: Option<String>,
+    pub inactive_since: Option<String>,
+    pub failover: Option<bool>,
+    pub synced: Option<bool>,
 }
 
 /// The server's WAL head (`pg_current_wal_lsn()`), as `status` shows it.
@@ -461,8 +489,11 @@ pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Stat
         )
         .await?;
     let row = state::postgres::load(&client, name).await?;
+    let server = version::ServerVersion::of(&client).await?;
+    let details = version::slot_details(&client, server, slot).await?;
     Ok(Status {
         name: name.to_string(),
+        server_version: format!("PostgreSQL {server}"),
         slot: slot.to_string(),
         stored_position: row.as_ref().and_then(|r| r.position_lsn).map(format_lsn),
         slot_confirmed: s.as_ref().and_then(|s| s.get(0)),
@@ -479,6 +510,10 @@ pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Stat
             .as_ref()
             .and_then(|r| r.replay_since)
             .map(|t| t.to_rfc3339()),
+        invalidation_reason: details.as_ref().and_then(|d| d.invalidation_reason.clone()),
+        inactive_since: details.as_ref().and_then(|d| d.inactive_since.clone()),
+        failover: details.as_ref().map(|d| d.failover),
+        synced: details.as_ref().map(|d| d.synced),
     })
 }
 
@@ -486,6 +521,7 @@ impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let o = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
         writeln!(f, "relay            {}", self.name)?;
+        writeln!(f, "server           {}", self.server_version)?;
         writeln!(f, "stored position  {}", o(&self.stored_position))?;
         writeln!(
             f,
@@ -499,6 +535,16 @@ impl std::fmt::Display for Status {
             },
             o(&self.wal_status)
         )?;
+        if let Some(failover) = self.failover {
+            writeln!(
+                f,
+                "slot (17+)       failover {}, synced {}, inactive since {}, invalidation_reason {}",
+                if failover { "yes" } else { "no" },
+                if self.synced == Some(true) { "yes" } else { "no" },
+                o(&self.inactive_since),
+                o(&self.invalidation_reason)
+            )?;
+        }
         writeln!(f, "server head      {}", self.server_head)?;
         writeln!(
             f,
