@@ -7,6 +7,7 @@ pub mod contract;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;
+pub mod snapshot;
 pub mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};

@@ -14,7 +14,7 @@ use super::rows::OutboxTable;
 use super::{admin, FirstStart, Resume};
 use crate::dsn::DbDsn;
 use crate::event::Checkpoint;
-use crate::source::postgres::snapshot::{SnapshotKey, SnapshotMode, SnapshotPlan};
+use crate::source::snapshot::{SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::startup::{self, PositionLostPolicy, StartOptions};
 use crate::state::{self, file::FileStore, Lease};
 use crate::Error;
