@@ -12,8 +12,8 @@ use crate::relay::{self, RelayOptions, RelayStats};
 use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
 use crate::sink::stdout::StdoutSink;
 use crate::sink::{AnySink, Sink};
-use crate::source::postgres::snapshot::SnapshotMode;
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
+use crate::source::snapshot::SnapshotMode;
 use crate::source::startup::StartOptions;
 use crate::source::{Budget, Outlet, SourceLink};
 use crate::state;
@@ -161,17 +161,28 @@ pub async fn run_postgres(
         .with_slot(&cfg.slot)
         .with_stored(stored_tx)
         .with_server_stopping(stopping_tx);
-    drive(&cfg, store, lease, None, resumed, commits_rx, move |link| {
-        pg::run(
-            source_cfg,
-            link,
-            start,
-            stored_rx,
-            commits_tx,
-            stopping_rx,
-            shutdown,
-        )
-    })
+    let sink = make_sink(&cfg)?;
+    let opts = DriveOptions::from(&cfg);
+    drive(
+        &opts,
+        sink,
+        store,
+        lease,
+        None,
+        resumed,
+        commits_rx,
+        move |link| {
+            pg::run(
+                source_cfg,
+                link,
+                start,
+                stored_rx,
+                commits_tx,
+                stopping_rx,
+                shutdown,
+            )
+        },
+    )
     .await
 }
 
@@ -339,7 +350,7 @@ where
             "add --commit-offsets (or use an amqp:// sink)",
         ));
     }
-    let (link, ev_rx, ack_tx) = source_link(cfg);
+    let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
     PipelineStarted.emit();
     // Poll mode has no stream: it is "streaming" while it can poll.
@@ -351,7 +362,7 @@ where
 /// The channels between a source and the relay: the source's link (events out, the relay's
 /// acknowledgements in), the relay's event input and its acknowledgement output.
 fn source_link(
-    cfg: &RunConfig,
+    max_inflight_bytes: usize,
 ) -> (
     SourceLink,
     mpsc::Receiver<crate::source::SourceMsg>,
@@ -362,7 +373,7 @@ fn source_link(
     let link = SourceLink {
         outlet: Outlet {
             events: ev_tx,
-            budget: Budget::new(cfg.max_inflight_bytes),
+            budget: Budget::new(max_inflight_bytes),
         },
         acks: ack_rx,
     };
@@ -510,7 +521,7 @@ pub async fn run_file(
         .collect::<Result<Vec<_>, Error>>()?;
     let paths = file::binlog_files(&files)?;
     let mut sink = make_sink(&cfg)?;
-    let (link, ev_rx, ack_tx) = source_link(&cfg);
+    let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
     PipelineStarted.emit();
     SourceRunning.emit();
@@ -565,22 +576,46 @@ pub async fn run_mysql(
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
+    let sink = make_sink(&cfg)?;
+    let opts = DriveOptions::from(&cfg);
+    let (first, commits) = (store_first, commits_rx);
     match file_store {
-        Some(store) => drive(&cfg, store, lease, store_first, resumed, commits_rx, source).await,
+        Some(store) => drive(&opts, sink, store, lease, first, resumed, commits, source).await,
         None => {
             let store = state::mysql::MyStateStore::new(dsn.clone());
-            drive(&cfg, store, lease, store_first, resumed, commits_rx, source).await
+            drive(&opts, sink, store, lease, first, resumed, commits, source).await
         }
     }
 }
 
-/// Runs a source, the relay and the configured sink with a lease keeper beside them, until the
+/// What [`drive`] takes of a run's settings.
+#[derive(Debug, Clone, Default)]
+struct DriveOptions {
+    relay: RelayOptions,
+    max_inflight_bytes: usize,
+    /// `--ha`: the lease keeper ends the run when it cannot renew (see `state::keep_lease`).
+    ha: bool,
+}
+
+impl From<&RunConfig> for DriveOptions {
+    fn from(cfg: &RunConfig) -> Self {
+        DriveOptions {
+            relay: cfg.relay.clone(),
+            max_inflight_bytes: cfg.max_inflight_bytes,
+            ha: cfg.ha,
+        }
+    }
+}
+
+/// Runs a source, the relay and `sink` with a lease keeper on `store` beside them, until the
 /// source ends (graceful stop) or something fails; then stores the final position and releases
 /// the lease. `first` is a first start's position (and whether that start is over with it),
 /// stored before the source may publish anything; `resumed` is where the source starts: no
 /// position older than it is stored.
-async fn drive<St, F, Fut>(
-    cfg: &RunConfig,
+#[allow(clippy::too_many_arguments)]
+async fn drive<Si, St, F, Fut>(
+    cfg: &DriveOptions,
+    mut sink: Si,
     mut store: St,
     mut lease: state::Lease,
     first: Option<(Checkpoint, bool)>,
@@ -589,14 +624,14 @@ async fn drive<St, F, Fut>(
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
 where
+    Si: Sink,
     St: state::StateStore + 'static,
     F: FnOnce(SourceLink) -> Fut,
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
-    let (link, ev_rx, ack_tx) = source_link(cfg);
+    let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let ack_rx = link.acks.clone();
     let lease_stop = CancellationToken::new();
-    let mut sink = make_sink(cfg)?;
     if let Some((start, done)) = &first {
         store.store_start(&lease, start, *done).await?;
         tracing::info!(position = %start, "first start: position stored");
@@ -638,3 +673,6 @@ where
     lease_result?;
     Ok(stats)
 }
+
+#[cfg(test)]
+mod tests;

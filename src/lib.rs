@@ -34,12 +34,14 @@
 //! # Layout
 //!
 //! - The data path: [`source`] (Postgres WAL, MySQL/MariaDB binlog, poll mode) sends
-//!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s; [`relay`] keeps the window of
+//!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s, every row mapped through one
+//!   contract (`source::contract`); [`relay`] keeps the window of
 //!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
 //!   RabbitMQ, NATS JetStream); [`state`] stores the acknowledged position and keeps the lease.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
 //!   one function per source that decides where to start and returns a `StartPlan` (what both
-//!   share is in `source::startup`); [`connector`] runs every plan through one `drive`.
+//!   share is in `source::startup`); [`connector`] runs every plan through one `drive`, which
+//!   is handed its sink and state store (in-process tests run it on the memory doubles).
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the

@@ -82,7 +82,12 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test]
+// In-process tests under paused time: the tokio clock stands still while any task can run
+// and jumps to the next timer once all of them wait, so seconds of relay and lease time
+// take milliseconds, and "nothing happened for 5 s" is an exact statement about 5 s of the
+// relay's time.
+
+#[tokio::test(start_paused = true)]
 async fn a_refused_event_is_retried_at_the_backoffs_pace_then_delivered_in_order() {
     // 1 ms doubling to 20 ms stands for 100 ms doubling to 30 s.
     let cap = Duration::from_millis(20);
@@ -145,7 +150,7 @@ async fn a_refused_event_is_retried_at_the_backoffs_pace_then_delivered_in_order
     h.relay.await.unwrap().unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn connect_failures_back_off_and_recover() {
     let mut h = start(RelayOptions {
         retry_backoff: (Duration::from_millis(1), Duration::from_millis(10)),
@@ -168,7 +173,7 @@ async fn connect_failures_back_off_and_recover() {
     h.relay.await.unwrap().unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn nothing_is_published_while_the_fence_is_closed() {
     let fence = Fence::new(Duration::from_millis(300));
     let mut h = start(RelayOptions {
@@ -201,11 +206,6 @@ async fn nothing_is_published_while_the_fence_is_closed() {
     drop(h.tx);
     h.relay.await.unwrap().unwrap();
 }
-
-// In-process tests under paused time: the tokio clock stands still while any task can run
-// and jumps to the next timer once all of them wait, so seconds of relay and lease time
-// take milliseconds, and "nothing happened for 5 s" is an exact statement about 5 s of the
-// relay's time. The sink holds confirmations until the test gives them, in any order.
 
 fn lsn(e: &OutboxEvent) -> u64 {
     match e.position {

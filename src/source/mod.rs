@@ -3,9 +3,11 @@
 //! newest checkpoint whose events are all durable, and only then tell the server (or the state
 //! table) that it may forget what came before.
 
+pub mod contract;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;
+pub mod snapshot;
 pub mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};

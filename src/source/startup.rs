@@ -6,7 +6,7 @@
 //! owns only what must not differ between the two. Poll mode and binlog files take no lease and
 //! resume nothing, so they use none of it.
 
-use crate::source::postgres::snapshot::SnapshotMode;
+use crate::source::snapshot::SnapshotMode;
 use crate::state;
 use crate::Error;
 use std::future::Future;

@@ -149,10 +149,13 @@ impl Case {
     }
 
     /// `--on-position-lost poll`: the rows written while stopped come from the table, the rows
-    /// written after the start from the stream, and the position moves to the server's binlog.
+    /// written after the start from the stream, and the stored position (in the state table or
+    /// the offset file `extra` names) moves to the server's binlog.
     async fn expect_recovery(&self, extra: &[&str]) {
-        let relay = self.start("poll", extra);
-        wait_for("the binlog dump after recovery", T, || self.db.streaming()).await;
+        let mut relay = self.start("poll", extra);
+        relay
+            .wait_running("the binlog dump after recovery", T, || self.db.streaming())
+            .await;
         let mut c = self.db.conn().await;
         let after = my_write_events(&mut c, 1, 3, "after").await;
         let expected: Vec<Uuid> = self.while_stopped.iter().chain(&after).copied().collect();
@@ -167,15 +170,25 @@ impl Case {
             err.contains("POSITION LOST") && err.contains("replay_since"),
             "said loudly: {err}"
         );
-        if extra.is_empty() {
-            let files = server_files().await;
-            wait_for("a stored position in a file the server has", T, || async {
-                self.db
-                    .stored(&self.name)
-                    .await
-                    .is_some_and(|(f, _, _)| files.contains(&f))
-            })
-            .await;
+        let files = server_files().await;
+        wait_for("a stored position in a file the server has", T, || async {
+            self.stored_file(extra)
+                .await
+                .is_some_and(|f| files.contains(&f))
+        })
+        .await;
+    }
+
+    /// The binlog file of the stored position: in the offset file `extra` names, else in
+    /// `outboxd_state`.
+    async fn stored_file(&self, extra: &[&str]) -> Option<String> {
+        match extra.iter().position(|a| *a == "--offset-file") {
+            Some(i) => {
+                let stored: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(extra[i + 1]).ok()?).ok()?;
+                stored["binlog_file"].as_str().map(str::to_string)
+            }
+            None => self.db.stored(&self.name).await.map(|(f, _, _)| f),
         }
     }
 }
@@ -278,7 +291,8 @@ async fn a_file_created_again_is_told_by_the_gtid_state_and_event_boundaries() {
     case.expect_recovery(&[]).await;
 }
 
-/// The same check for a position kept in `--offset-file` (exit 3, the problem and the fix).
+/// The same check for a position kept in `--offset-file` (exit 3, the problem and the fix), and
+/// `poll` recovering it without the state table an offset-file setup does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offset_file_position_the_server_does_not_have_is_lost() {
     let dir = tempfile::tempdir().unwrap();
@@ -297,4 +311,15 @@ async fn an_offset_file_position_the_server_does_not_have_is_lost() {
         &[&format!("{gone:?}"), "is not on the server"],
     )
     .await;
+    // `--on-position-lost poll` recovers with what the offset file holds: an offset-file
+    // setup has no `outboxd_state`, and the recovery neither needs nor creates one.
+    case.expect_recovery(&["--offset-file", &p]).await;
+    let mut c = case.db.conn().await;
+    let tables = my_value(
+        &mut c,
+        "SELECT COUNT(*) FROM information_schema.TABLES
+          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outboxd_state'",
+    )
+    .await;
+    assert_eq!(tables.as_deref(), Some("0"), "no outboxd_state table");
 }

@@ -14,7 +14,7 @@ use super::rows::{ColumnInfo, OutboxTable, RowContext};
 use super::{admin, gtid::GtidState, Resume};
 use crate::event::Checkpoint;
 use crate::outbox::my_ident;
-use crate::source::postgres::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
+use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::Outlet;
 use crate::Error;
 use mysql_async::binlog::value::BinlogValue;

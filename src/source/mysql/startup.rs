@@ -14,7 +14,7 @@ use super::rows::OutboxTable;
 use super::{admin, FirstStart, Resume};
 use crate::dsn::DbDsn;
 use crate::event::Checkpoint;
-use crate::source::postgres::snapshot::{SnapshotKey, SnapshotMode, SnapshotPlan};
+use crate::source::snapshot::{SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::startup::{self, PositionLostPolicy, StartOptions};
 use crate::state::{self, file::FileStore, Lease};
 use crate::Error;
@@ -108,7 +108,15 @@ pub async fn start_plan(
             admin::require_position(&mut sql, &opts.name, resume, settings.mariadb, true).await;
         checked = verdict.is_ok();
         if let Err(Error::PositionLost { problem, .. }) = verdict {
-            let commit = state::mysql::load_commit(&mut sql, &opts.name).await?;
+            // From the store the position came from: an offset-file setup has no
+            // `outboxd_state` (the file keeps no commit times, so the replay starts earlier).
+            let commit = match &mut file_store {
+                Some(store) => state::StateStore::load(store, &opts.name)
+                    .await?
+                    .map(|s| s.commit)
+                    .unwrap_or_default(),
+                None => state::mysql::load_commit(&mut sql, &opts.name).await?,
+            };
             // Binlog commit times are whole seconds (truncated): one more second of margin.
             let since = startup::replay_start(
                 &commit,

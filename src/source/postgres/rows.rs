@@ -6,10 +6,12 @@
 use super::pgoutput::{Relation, Value};
 use crate::event::{OutboxEvent, SourcePosition};
 use crate::outbox::{ColumnMap, TableName};
+use crate::source::contract::{self, Column, Json, Poison, PoisonReason, RowMeta, RowValues};
 use crate::Error;
 use bytes::Bytes;
 use chrono::{DateTime, NaiveDateTime, TimeZone, Utc};
 use std::collections::HashMap;
+use std::sync::Arc;
 use uuid::Uuid;
 
 // Type OIDs from pg_type.
@@ -195,169 +197,172 @@ impl RowMapper {
                 )))
             }
         };
-        let mut poison: Vec<String> = Vec::new();
-        let text = |(i, _): (usize, Kind), what: &str, poison: &mut Vec<String>| -> Option<Bytes> {
-            match tuple.get(i) {
-                Some(Value::Text(b)) => Some(b.clone()),
-                Some(Value::Null) => {
-                    poison.push(format!("{what} is NULL"));
-                    None
-                }
-                Some(other) => {
-                    poison.push(format!("{what}: unexpected value {other:?}"));
-                    None
-                }
-                None => {
-                    poison.push(format!("{what}: missing from the row"));
-                    None
-                }
-            }
-        };
-        let utf8 = |b: &Bytes, what: &str, poison: &mut Vec<String>| -> Option<String> {
-            match std::str::from_utf8(b) {
-                Ok(s) => Some(s.to_string()),
-                Err(_) => {
-                    poison.push(format!("{what} is not UTF-8"));
-                    None
-                }
-            }
-        };
-
-        let id = text(mapping.id, "id", &mut poison)
-            .and_then(|b| utf8(&b, "id", &mut poison))
-            .and_then(|s| match Uuid::parse_str(s.trim()) {
-                Ok(u) => Some(u),
-                Err(_) => {
-                    poison.push(format!("id {s:?} is not a UUID"));
-                    None
-                }
-            })
-            .unwrap_or(Uuid::nil());
-        let aggregate_id = text(mapping.aggregate_id, "aggregate_id", &mut poison)
-            .and_then(|b| utf8(&b, "aggregate_id", &mut poison))
-            .unwrap_or_default();
-        let topic = text(mapping.topic, "topic", &mut poison)
-            .and_then(|b| utf8(&b, "topic", &mut poison))
-            .unwrap_or_default();
-        if topic.is_empty() && !poison.iter().any(|p| p.starts_with("topic")) {
-            poison.push("topic is empty: not a routing key".into());
-        } else if topic.len() > 255 {
-            poison.push(format!(
-                "topic is {} bytes: a routing key holds at most 255",
-                topic.len()
-            ));
-        }
-        let mut payload = text(mapping.payload, "payload", &mut poison).unwrap_or_default();
-        if mapping.payload.1 == Kind::Bytea {
-            match decode_bytea(&payload) {
-                Some(b) => payload = b,
-                None => poison.push("payload is not bytea text (\\x…)".into()),
-            }
-        }
-        let json_column = matches!(mapping.payload.1, Kind::Json | Kind::Jsonb);
-        let content_type = if json_column || !mapping.opaque {
-            None
-        } else {
-            let row_ct = match mapping.content_type.and_then(|(i, _)| tuple.get(i)) {
-                Some(Value::Text(b)) => std::str::from_utf8(b)
-                    .ok()
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(std::sync::Arc::<str>::from),
-                _ => None,
-            };
-            Some(
-                row_ct
-                    .or_else(|| self.columns.payload_content_type().cloned())
-                    .unwrap_or_else(|| "application/octet-stream".into()),
-            )
-        };
-        if !json_column
-            && content_type.as_deref().is_none_or(is_json_type)
-            && !payload.is_empty()
-            && serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err()
-        {
-            poison.push("payload is not valid JSON".into());
-        }
         // Snapshot rows have no commit time (0 stands for none).
         let committed_at = (commit_time_micros != 0)
             .then(|| pg_time(commit_time_micros))
             .flatten();
-        let created_at = match mapping.created_at {
-            Some(col) => text(col, "created_at", &mut poison)
-                .and_then(|b| utf8(&b, "created_at", &mut poison))
-                .and_then(|s| match parse_timestamp(&s, col.1 == Kind::Timestamptz) {
-                    Some(t) => Some(t),
-                    None => {
-                        poison.push(format!("created_at {s:?} is not a timestamp"));
-                        None
-                    }
-                })
-                .unwrap_or_default(),
-            // No created_at column: the commit time (a snapshot row's read time).
-            None => committed_at.unwrap_or_else(Utc::now),
+        let row = PgRow {
+            mapping,
+            tuple,
+            default_content_type: self.columns.payload_content_type(),
         };
-        let extra = mapping
+        Ok(Some(contract::event(
+            &row,
+            RowMeta {
+                position: SourcePosition::Pg { commit_lsn, index },
+                gtid: None,
+                committed_at,
+                table: mapping.label.clone(),
+            },
+        )))
+    }
+}
+
+/// One pgoutput tuple (or a row read over SQL as text) of a mapped outbox relation.
+struct PgRow<'a> {
+    mapping: &'a Mapping,
+    tuple: &'a [Value],
+    default_content_type: Option<&'a Arc<str>>,
+}
+
+impl PgRow<'_> {
+    /// The text of a column the message needs; `None` with the reason pushed.
+    fn text(&self, (i, _): (usize, Kind), column: Column, poison: &mut Poison) -> Option<Bytes> {
+        match self.tuple.get(i) {
+            Some(Value::Text(b)) => Some(b.clone()),
+            Some(Value::Null) => {
+                poison.push(PoisonReason::Null(column));
+                None
+            }
+            Some(other) => {
+                poison.push(PoisonReason::Unexpected(column, format!("{other:?}")));
+                None
+            }
+            None => {
+                poison.push(PoisonReason::Missing(column));
+                None
+            }
+        }
+    }
+
+    /// The same as UTF-8 text.
+    fn string(&self, col: (usize, Kind), column: Column, poison: &mut Poison) -> Option<String> {
+        let b = self.text(col, column, poison)?;
+        match std::str::from_utf8(&b) {
+            Ok(s) => Some(s.to_string()),
+            Err(_) => {
+                poison.push(PoisonReason::NotUtf8(column));
+                None
+            }
+        }
+    }
+
+    /// The text of an optional column; `None` when the table lacks it or it is NULL.
+    fn optional(&self, col: Option<(usize, Kind)>) -> Option<&Bytes> {
+        match col.and_then(|(i, _)| self.tuple.get(i)) {
+            Some(Value::Text(b)) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+impl RowValues for PgRow<'_> {
+    fn id(&self, poison: &mut Poison) -> Option<Uuid> {
+        let s = self.string(self.mapping.id, Column::Id, poison)?;
+        match Uuid::parse_str(s.trim()) {
+            Ok(u) => Some(u),
+            Err(_) => {
+                poison.push(PoisonReason::NotUuid(s));
+                None
+            }
+        }
+    }
+
+    fn aggregate_id(&self, poison: &mut Poison) -> String {
+        self.string(self.mapping.aggregate_id, Column::AggregateId, poison)
+            .unwrap_or_default()
+    }
+
+    fn topic(&self, poison: &mut Poison) -> String {
+        self.string(self.mapping.topic, Column::Topic, poison)
+            .unwrap_or_default()
+    }
+
+    fn json_payload_column(&self) -> bool {
+        matches!(self.mapping.payload.1, Kind::Json | Kind::Jsonb)
+    }
+
+    fn opaque_payloads(&self) -> bool {
+        self.mapping.opaque
+    }
+
+    fn row_content_type(&self) -> Option<Bytes> {
+        self.optional(self.mapping.content_type).cloned()
+    }
+
+    fn default_content_type(&self) -> Option<&Arc<str>> {
+        self.default_content_type
+    }
+
+    fn payload(&self, poison: &mut Poison) -> Json {
+        let Some(text) = self.text(self.mapping.payload, Column::Payload, poison) else {
+            return Json::Unreadable;
+        };
+        match self.mapping.payload.1 {
+            Kind::Json | Kind::Jsonb => Json::Typed(text),
+            Kind::Bytea => match decode_bytea(&text) {
+                Some(b) => Json::Text(b),
+                None => {
+                    poison.push(PoisonReason::NotBytea);
+                    Json::Unreadable
+                }
+            },
+            _ => Json::Text(text),
+        }
+    }
+
+    fn created_at(&self, poison: &mut Poison) -> Option<Option<DateTime<Utc>>> {
+        let col = self.mapping.created_at?;
+        let s = self.string(col, Column::CreatedAt, poison);
+        Some(
+            s.and_then(|s| match parse_timestamp(&s, col.1 == Kind::Timestamptz) {
+                Some(t) => Some(t),
+                None => {
+                    poison.push(PoisonReason::NotTimestamp(s));
+                    None
+                }
+            }),
+        )
+    }
+
+    fn headers(&self) -> Option<Json> {
+        self.optional(self.mapping.headers)
+            .map(|b| Json::Text(b.clone()))
+    }
+
+    fn version(&self, poison: &mut Poison) -> Option<i64> {
+        let b = self.optional(self.mapping.version)?;
+        let v = std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse::<i64>().ok());
+        if v.is_none() {
+            poison.push(PoisonReason::VersionNotInteger);
+        }
+        v
+    }
+
+    fn extra(&self) -> Vec<(Arc<str>, String)> {
+        self.mapping
             .extra
             .iter()
-            .filter_map(|(key, index)| match index.and_then(|i| tuple.get(i)) {
+            .filter_map(|(key, index)| match index.and_then(|i| self.tuple.get(i)) {
                 Some(Value::Text(b)) => {
                     Some((key.clone(), String::from_utf8_lossy(b).into_owned()))
                 }
                 _ => None,
             })
-            .collect();
-        let headers = match mapping.headers.and_then(|(i, _)| tuple.get(i)) {
-            Some(Value::Text(b)) => match serde_json::from_slice::<serde_json::Value>(b) {
-                Ok(serde_json::Value::Object(m)) => Some(m),
-                Ok(serde_json::Value::Null) => None,
-                _ => {
-                    poison.push("headers is not a JSON object".into());
-                    None
-                }
-            },
-            _ => None,
-        };
-        let version = match mapping.version.and_then(|(i, _)| tuple.get(i)) {
-            Some(Value::Text(b)) => match std::str::from_utf8(b)
-                .ok()
-                .and_then(|s| s.parse::<i64>().ok())
-            {
-                Some(v) => Some(v),
-                None => {
-                    poison.push("version is not an integer".into());
-                    None
-                }
-            },
-            _ => None,
-        };
-        Ok(Some(OutboxEvent {
-            id,
-            aggregate_id,
-            topic,
-            payload,
-            created_at,
-            position: SourcePosition::Pg { commit_lsn, index },
-            headers,
-            version,
-            gtid: None,
-            committed_at,
-            poison: if poison.is_empty() {
-                None
-            } else {
-                Some(poison.join("; "))
-            },
-            table: mapping.label.clone(),
-            extra,
-            content_type,
-        }))
+            .collect()
     }
-}
-
-/// Whether a content type is JSON (`application/json`, `…+json`): such payloads must parse.
-pub fn is_json_type(ct: &str) -> bool {
-    let base = ct.split(';').next().unwrap_or("").trim();
-    base.eq_ignore_ascii_case("application/json") || base.to_ascii_lowercase().ends_with("+json")
 }
 
 /// A bytea value in Postgres' text form (`\x` and hex digits) as its bytes.
@@ -425,6 +430,69 @@ pub fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::postgres::pgoutput::Column as RelColumn;
+
+    /// `public.outbox` with a text payload (and no other optional column).
+    fn text_payload_mapper() -> RowMapper {
+        let table = TableName {
+            schema: Some("public".into()),
+            name: "outbox".into(),
+        };
+        let mut mapper = RowMapper::new(table, ColumnMap::default());
+        let col = |name: &str, type_oid| RelColumn {
+            flags: 0,
+            name: name.into(),
+            type_oid,
+            type_modifier: -1,
+        };
+        mapper
+            .relation(Relation {
+                id: 1,
+                namespace: "public".into(),
+                name: "outbox".into(),
+                replica_identity: b'd',
+                columns: vec![
+                    col("id", UUID_OID),
+                    col("aggregate_id", 25),
+                    col("topic", 25),
+                    col("payload", 25),
+                ],
+            })
+            .unwrap();
+        mapper
+    }
+
+    fn row(payload: Value) -> Vec<Value> {
+        let text = |s: &str| Value::Text(Bytes::from(s.to_string()));
+        vec![
+            text("0190b1c4-7a8e-7cc4-9c1e-1d4c6a3e2f10"),
+            text("a1"),
+            text("order.created"),
+            payload,
+        ]
+    }
+
+    /// A text payload must be JSON, an empty one too (it went out as an empty body claimed to
+    /// be JSON before the row contract was shared with MySQL, which refused it).
+    #[test]
+    fn an_empty_text_payload_is_poison() {
+        let mapper = text_payload_mapper();
+        let good = mapper
+            .insert(1, &row(Value::Text(Bytes::from_static(b"{}"))), 16, 0, 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(good.poison, None);
+        let empty = mapper
+            .insert(1, &row(Value::Text(Bytes::new())), 16, 1, 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(empty.poison.as_deref(), Some("payload is not valid JSON"));
+        let null = mapper
+            .insert(1, &row(Value::Null), 16, 2, 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(null.poison.as_deref(), Some("payload is NULL"));
+    }
 
     #[test]
     fn timestamps_keep_their_offset() {

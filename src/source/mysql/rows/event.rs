@@ -3,6 +3,7 @@
 
 use super::{Col, Kind, Mapping, OutboxTable, SourceTz};
 use crate::event::{OutboxEvent, SourcePosition};
+use crate::source::contract::{self, Column, Json, Poison, PoisonReason, RowMeta, RowValues};
 use crate::Error;
 use bytes::Bytes;
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
@@ -84,258 +85,205 @@ impl Mapping {
         ctx: RowContext<'_>,
         tz: SourceTz,
     ) -> OutboxEvent {
-        let slot = |c: Col| -> Option<&'v BinlogValue<'v>> { value(c.index) };
-        let mut poison: Vec<String> = Vec::new();
+        let row = MyRow {
+            mapping: self,
+            value,
+            tz,
+        };
+        contract::event(
+            &row,
+            RowMeta {
+                position: SourcePosition::Binlog {
+                    file: ctx.file.to_string(),
+                    end_pos: 0,
+                    index: ctx.index,
+                },
+                gtid: ctx.gtid,
+                committed_at: ctx.committed_at,
+                table: self.label.clone(),
+            },
+        )
+    }
+}
 
-        let id = match slot(self.id) {
-            Some(BinlogValue::Value(Value::Bytes(b))) => {
-                let b = pad(b, self.id);
-                if self.id.binary {
-                    match <[u8; 16]>::try_from(b.as_slice()) {
-                        Ok(a) => Some(Uuid::from_bytes(a)),
-                        Err(_) => {
-                            poison.push(format!("id is {} bytes, not a 16-byte UUID", b.len()));
-                            None
-                        }
-                    }
-                } else {
-                    match std::str::from_utf8(&b)
-                        .ok()
-                        .and_then(|s| Uuid::parse_str(s.trim_end()).ok())
-                    {
-                        Some(u) => Some(u),
-                        None => {
-                            poison.push(format!(
-                                "id {:?} is not a UUID",
-                                String::from_utf8_lossy(&b)
-                            ));
-                            None
-                        }
-                    }
-                }
-            }
-            other => {
-                poison.push(describe_bad("id", other));
-                None
-            }
+/// One row of a mapped outbox table: `value(i)` is table column `i`'s value.
+struct MyRow<'m, F> {
+    mapping: &'m Mapping,
+    value: F,
+    tz: SourceTz,
+}
+
+impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> MyRow<'_, F> {
+    fn slot(&self, c: Col) -> Option<&'v BinlogValue<'v>> {
+        (self.value)(c.index)
+    }
+
+    /// The value of an optional column; `None` when the table lacks it or it is NULL.
+    fn optional(&self, c: Option<Col>) -> Option<&'v BinlogValue<'v>> {
+        match c.map(|c| self.slot(c)) {
+            None | Some(None) | Some(Some(BinlogValue::Value(Value::NULL))) => None,
+            Some(v) => v,
         }
-        .unwrap_or(Uuid::nil());
+    }
+}
 
-        let aggregate_id = match slot(self.aggregate_id) {
+impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F> {
+    fn id(&self, poison: &mut Poison) -> Option<Uuid> {
+        let col = self.mapping.id;
+        let b = match self.slot(col) {
+            Some(BinlogValue::Value(Value::Bytes(b))) => pad(b, col),
+            other => {
+                poison.push(bad(Column::Id, other));
+                return None;
+            }
+        };
+        let id = if col.binary {
+            <[u8; 16]>::try_from(b.as_slice())
+                .map(Uuid::from_bytes)
+                .map_err(|_| PoisonReason::UuidLength(b.len()))
+        } else {
+            std::str::from_utf8(&b)
+                .ok()
+                .and_then(|s| Uuid::parse_str(s.trim_end()).ok())
+                .ok_or_else(|| PoisonReason::NotUuid(String::from_utf8_lossy(&b).into_owned()))
+        };
+        id.map_err(|r| poison.push(r)).ok()
+    }
+
+    fn aggregate_id(&self, poison: &mut Poison) -> String {
+        let col = self.mapping.aggregate_id;
+        match self.slot(col) {
             Some(BinlogValue::Value(Value::Int(i))) => i.to_string(),
             Some(BinlogValue::Value(Value::UInt(u))) => u.to_string(),
             Some(BinlogValue::Value(Value::Bytes(b))) => {
-                let b = pad(b, self.aggregate_id);
-                if self.aggregate_id.binary && b.len() == 16 {
+                let b = pad(b, col);
+                if col.binary && b.len() == 16 {
                     Uuid::from_bytes(b.as_slice().try_into().expect("16 bytes")).to_string()
                 } else {
                     match String::from_utf8(b) {
-                        Ok(s)
-                            if self.aggregate_id.kind == Kind::Fixed
-                                && !self.aggregate_id.binary =>
-                        {
+                        Ok(s) if col.kind == Kind::Fixed && !col.binary => {
                             s.trim_end_matches(' ').to_string()
                         }
                         Ok(s) => s,
                         Err(_) => {
-                            poison.push("aggregate_id is not UTF-8".into());
+                            poison.push(PoisonReason::NotUtf8(Column::AggregateId));
                             String::new()
                         }
                     }
                 }
             }
             other => {
-                poison.push(describe_bad("aggregate_id", other));
+                poison.push(bad(Column::AggregateId, other));
                 String::new()
             }
-        };
+        }
+    }
 
-        let topic = match slot(self.topic) {
+    fn topic(&self, poison: &mut Poison) -> String {
+        match self.slot(self.mapping.topic) {
             Some(BinlogValue::Value(Value::Bytes(b))) => match std::str::from_utf8(b) {
-                Ok(s) if self.topic.kind == Kind::Fixed => s.trim_end_matches(' ').to_string(),
+                Ok(s) if self.mapping.topic.kind == Kind::Fixed => {
+                    s.trim_end_matches(' ').to_string()
+                }
                 Ok(s) => s.to_string(),
                 Err(_) => {
-                    poison.push("topic is not UTF-8".into());
+                    poison.push(PoisonReason::NotUtf8(Column::Topic));
                     String::new()
                 }
             },
             other => {
-                poison.push(describe_bad("topic", other));
+                poison.push(bad(Column::Topic, other));
                 String::new()
             }
-        };
-        if topic.is_empty() && !poison.iter().any(|p| p.starts_with("topic")) {
-            poison.push("topic is empty: not a routing key".into());
-        } else if topic.len() > 255 {
-            poison.push(format!(
-                "topic is {} bytes: a routing key holds at most 255",
-                topic.len()
-            ));
         }
+    }
 
+    fn json_payload_column(&self) -> bool {
         // MariaDB's JSON is LONGTEXT: only MySQL 8's binary JSON is known to be JSON by type.
-        let content_type = if !self.opaque || self.payload.kind == Kind::Json {
-            None
-        } else {
-            let row_ct = match self.content_type.map(slot) {
-                Some(Some(BinlogValue::Value(Value::Bytes(b)))) => std::str::from_utf8(b)
-                    .ok()
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(std::sync::Arc::<str>::from),
-                _ => None,
-            };
-            Some(
-                row_ct
-                    .or_else(|| self.payload_content_type.clone())
-                    .unwrap_or_else(|| "application/octet-stream".into()),
-            )
-        };
-        let payload = match content_type.as_deref() {
-            Some(ct) if !crate::source::postgres::rows::is_json_type(ct) => {
-                match slot(self.payload) {
-                    Some(BinlogValue::Value(Value::Bytes(b))) => Bytes::copy_from_slice(b),
-                    other => {
-                        poison.push(describe_bad("payload", other));
-                        Bytes::new()
-                    }
-                }
-            }
-            _ => match json_text(slot(self.payload)) {
-                Ok(b) => b,
-                Err(why) => {
-                    poison.push(format!("payload {why}"));
-                    Bytes::new()
-                }
-            },
-        };
+        self.mapping.payload.kind == Kind::Json
+    }
 
+    fn opaque_payloads(&self) -> bool {
+        self.mapping.opaque
+    }
+
+    fn row_content_type(&self) -> Option<Bytes> {
+        match self.mapping.content_type.map(|c| self.slot(c)) {
+            Some(Some(BinlogValue::Value(Value::Bytes(b)))) => Some(Bytes::copy_from_slice(b)),
+            _ => None,
+        }
+    }
+
+    fn default_content_type(&self) -> Option<&std::sync::Arc<str>> {
+        self.mapping.payload_content_type.as_ref()
+    }
+
+    fn payload(&self, poison: &mut Poison) -> Json {
+        json_value(self.slot(self.mapping.payload), Column::Payload).unwrap_or_else(|r| {
+            poison.push(r);
+            Json::Unreadable
+        })
+    }
+
+    fn created_at(&self, poison: &mut Poison) -> Option<Option<DateTime<Utc>>> {
+        let col = self.mapping.created_at?;
         // DATETIME is wall-clock time in the source zone; a TIMESTAMP read as a date (the
         // snapshot reads with the session zone at UTC) is UTC.
-        let tz = if self.created_at.is_some_and(|c| c.kind == Kind::Timestamp) {
+        let tz = if col.kind == Kind::Timestamp {
             SourceTz::Utc
         } else {
-            tz
+            self.tz
         };
-        let created_slot = match self.created_at {
-            Some(c) => slot(c),
-            // No created_at column: the commit time (a snapshot row's read time) stands in.
-            None => Some(&CREATED_PLACEHOLDER),
-        };
-        let created_at = match created_slot {
-            Some(BinlogValue::Value(Value::NULL)) if self.created_at.is_none() => {
-                Some(ctx.committed_at.unwrap_or_else(Utc::now))
-            }
+        let at = match self.slot(col) {
             Some(BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us))) => {
                 let naive = NaiveDate::from_ymd_opt(*y as i32, *mo as u32, *d as u32)
                     .and_then(|date| date.and_hms_micro_opt(*h as u32, *mi as u32, *s as u32, *us));
                 match naive {
-                    Some(n) => match tz.to_utc(n) {
-                        Some(t) => Some(t),
-                        None => {
-                            poison.push(format!(
-                                "created_at {n} does not exist in the source time zone"
-                            ));
-                            None
-                        }
-                    },
-                    None => {
-                        poison.push(format!(
-                            "created_at {y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06} is not a valid date"
-                        ));
-                        None
-                    }
+                    Some(n) => tz
+                        .to_utc(n)
+                        .ok_or_else(|| PoisonReason::NoSuchLocalTime(n.to_string())),
+                    None => Err(PoisonReason::InvalidDate(format!(
+                        "{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06}"
+                    ))),
                 }
             }
-            Some(BinlogValue::Value(Value::Bytes(b))) => {
-                // TIMESTAMP(n): "seconds" or "seconds.micros" since the epoch.
-                match parse_epoch(b) {
-                    Some(t) => Some(t),
-                    None => {
-                        poison.push(format!(
-                            "created_at {:?} is not a timestamp",
-                            String::from_utf8_lossy(b)
-                        ));
-                        None
-                    }
-                }
+            // TIMESTAMP(n): "seconds" or "seconds.micros" since the epoch.
+            Some(BinlogValue::Value(Value::Bytes(b))) => parse_epoch(b)
+                .ok_or_else(|| PoisonReason::NotTimestamp(String::from_utf8_lossy(b).into_owned())),
+            Some(BinlogValue::Value(Value::Int(secs))) => {
+                Ok(Utc.timestamp_opt(*secs, 0).single().unwrap_or_default())
             }
-            Some(BinlogValue::Value(Value::Int(secs))) => Utc.timestamp_opt(*secs, 0).single(),
-            other => {
-                poison.push(describe_bad("created_at", other));
-                None
-            }
-        }
-        .unwrap_or_default();
-
-        let headers = match self.headers.map(slot) {
-            None | Some(None) | Some(Some(BinlogValue::Value(Value::NULL))) => None,
-            Some(v) => match json_text(v)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            {
-                Some(serde_json::Value::Object(m)) => Some(m),
-                Some(serde_json::Value::Null) => None,
-                _ => {
-                    poison.push("headers is not a JSON object".into());
-                    None
-                }
-            },
+            other => Err(bad(Column::CreatedAt, other)),
         };
+        Some(at.map_err(|r| poison.push(r)).ok())
+    }
 
-        let version = match self.version.map(slot) {
-            None | Some(None) | Some(Some(BinlogValue::Value(Value::NULL))) => None,
-            Some(Some(BinlogValue::Value(Value::Int(i)))) => Some(*i),
-            Some(Some(BinlogValue::Value(Value::UInt(u)))) => match i64::try_from(*u) {
-                Ok(v) => Some(v),
-                Err(_) => {
-                    poison.push(format!("version {u} does not fit a signed 64-bit integer"));
-                    None
-                }
-            },
-            Some(Some(_)) => {
-                poison.push("version is not an integer".into());
-                None
+    fn headers(&self) -> Option<Json> {
+        let v = self.optional(self.mapping.headers)?;
+        Some(json_value(Some(v), Column::Headers).unwrap_or(Json::Unreadable))
+    }
+
+    fn version(&self, poison: &mut Poison) -> Option<i64> {
+        let v = match self.optional(self.mapping.version)? {
+            BinlogValue::Value(Value::Int(i)) => Ok(*i),
+            BinlogValue::Value(Value::UInt(u)) => {
+                i64::try_from(*u).map_err(|_| PoisonReason::VersionOutOfRange(*u))
             }
+            _ => Err(PoisonReason::VersionNotInteger),
         };
+        v.map_err(|r| poison.push(r)).ok()
+    }
 
-        let extra = self
+    fn extra(&self) -> Vec<(std::sync::Arc<str>, String)> {
+        self.mapping
             .extra
             .iter()
             .filter_map(|(key, index)| {
-                value_text(index.and_then(&value)?).map(|v| (key.clone(), v))
+                value_text(index.and_then(&self.value)?).map(|v| (key.clone(), v))
             })
-            .collect();
-
-        OutboxEvent {
-            id,
-            aggregate_id,
-            topic,
-            payload,
-            created_at,
-            extra,
-            content_type,
-            position: SourcePosition::Binlog {
-                file: ctx.file.to_string(),
-                end_pos: 0,
-                index: ctx.index,
-            },
-            headers,
-            version,
-            gtid: ctx.gtid,
-            committed_at: ctx.committed_at,
-            poison: if poison.is_empty() {
-                None
-            } else {
-                Some(poison.join("; "))
-            },
-            table: self.label.clone(),
-        }
+            .collect()
     }
 }
-
-/// Stands for the created_at value of a table without that column (never read as a date).
-static CREATED_PLACEHOLDER: BinlogValue<'static> = BinlogValue::Value(Value::NULL);
 
 /// An extra column's value as text (`None` for NULL): numbers in decimal, dates in ISO form,
 /// text as is (bytes that are not UTF-8 lossily), MySQL 8 JSON rendered.
@@ -370,11 +318,12 @@ fn pad(b: &[u8], col: Col) -> Vec<u8> {
     v
 }
 
-fn describe_bad(what: &str, v: Option<&BinlogValue<'_>>) -> String {
+/// Why a column the message needs has no usable value.
+fn bad(column: Column, v: Option<&BinlogValue<'_>>) -> PoisonReason {
     match v {
-        None => format!("{what}: missing from the row"),
-        Some(BinlogValue::Value(Value::NULL)) => format!("{what} is NULL"),
-        Some(other) => format!("{what}: unexpected value {}", short_debug(other)),
+        None => PoisonReason::Missing(column),
+        Some(BinlogValue::Value(Value::NULL)) => PoisonReason::Null(column),
+        Some(other) => PoisonReason::Unexpected(column, short_debug(other)),
     }
 }
 
@@ -391,24 +340,27 @@ fn short_debug(v: &BinlogValue<'_>) -> String {
     s
 }
 
-/// JSON text of a payload/headers value: text columns byte for byte (validated), MySQL 8
-/// binary JSON rendered as text.
-pub fn json_text(v: Option<&BinlogValue<'_>>) -> Result<Bytes, String> {
+/// A JSON-bearing column's value: text byte for byte, MySQL 8 binary JSON rendered as text.
+fn json_value(v: Option<&BinlogValue<'_>>, column: Column) -> Result<Json, PoisonReason> {
     match v {
-        Some(BinlogValue::Value(Value::Bytes(b))) => {
-            if serde_json::from_slice::<serde::de::IgnoredAny>(b).is_ok() {
-                Ok(Bytes::copy_from_slice(b))
-            } else {
-                Err("is not valid JSON".into())
-            }
-        }
+        Some(BinlogValue::Value(Value::Bytes(b))) => Ok(Json::Text(Bytes::copy_from_slice(b))),
         Some(BinlogValue::Jsonb(j)) => match serde_json::Value::try_from(j.clone()) {
-            Ok(value) => Ok(Bytes::from(value.to_string())),
-            Err(e) => Err(format!("binary JSON cannot be rendered: {e}")),
+            Ok(value) => Ok(Json::Typed(Bytes::from(value.to_string()))),
+            Err(e) => Err(PoisonReason::JsonUnrenderable(e.to_string())),
         },
-        Some(BinlogValue::Value(Value::NULL)) => Err("is NULL".into()),
-        None => Err("is missing from the row".into()),
-        Some(other) => Err(format!("has an unexpected value {}", short_debug(other))),
+        other => Err(bad(column, other)),
+    }
+}
+
+/// JSON text of a payload value: text columns byte for byte (validated), MySQL 8 binary JSON
+/// rendered as text.
+pub fn json_text(v: Option<&BinlogValue<'_>>) -> Result<Bytes, PoisonReason> {
+    match json_value(v, Column::Payload)? {
+        Json::Text(b) if serde_json::from_slice::<serde::de::IgnoredAny>(&b).is_err() => {
+            Err(PoisonReason::NotJson(Column::Payload))
+        }
+        Json::Text(b) | Json::Typed(b) => Ok(b),
+        Json::Unreadable => Err(PoisonReason::Null(Column::Payload)),
     }
 }
 

@@ -1,0 +1,261 @@
+//! `drive` in one process: a scripted source, the relay, `MemorySink` and `MemoryStore` on
+//! tokio's paused clock. What a start hands to `drive` (a first start's position, the resumed
+//! one), what a lease taken over does to the run, and the order of a graceful stop.
+
+use super::*;
+use crate::event::{OutboxEvent, SourcePosition};
+use crate::sink::memory::MemorySink;
+use crate::state::memory::{MemoryStore, MemoryStoreHandle};
+use crate::state::StateStore;
+
+const NAME: &str = "drive_test";
+
+fn event(lsn: u64) -> OutboxEvent {
+    let mut e = crate::sink::test_event();
+    e.id = uuid::Uuid::now_v7();
+    e.position = SourcePosition::Pg {
+        commit_lsn: lsn,
+        index: 0,
+    };
+    e
+}
+
+/// The checkpoint after the one-event transaction committed at `lsn`.
+fn end(lsn: u64) -> Checkpoint {
+    Checkpoint::Lsn(lsn + 8)
+}
+
+/// Sends one one-event transaction committed at `lsn`; its event's id.
+async fn send(link: &SourceLink, lsn: u64) -> Result<uuid::Uuid, Error> {
+    let e = event(lsn);
+    let id = e.id;
+    link.outlet.send_event(e).await?;
+    link.outlet.send_checkpoint(end(lsn)).await?;
+    Ok(id)
+}
+
+/// A source that sends one-event transactions committed at `lsns`, then ends when `stop` is
+/// cancelled (a log source stops at a transaction boundary).
+async fn scripted(link: SourceLink, lsns: Vec<u64>, stop: CancellationToken) -> Result<(), Error> {
+    for lsn in lsns {
+        send(&link, lsn).await?;
+    }
+    stop.cancelled().await;
+    Ok(())
+}
+
+fn commits() -> watch::Receiver<state::DurableCommit> {
+    watch::channel(state::DurableCommit::default()).1
+}
+
+fn opts() -> DriveOptions {
+    DriveOptions {
+        max_inflight_bytes: 1 << 20,
+        ..DriveOptions::default()
+    }
+}
+
+fn stopped() -> CancellationToken {
+    let t = CancellationToken::new();
+    t.cancel();
+    t
+}
+
+/// `drive` on a first start at 0x100 without a snapshot (over once its position is stored).
+async fn drive_fresh<F, Fut>(
+    sink: MemorySink,
+    store: MemoryStore,
+    lease: state::Lease,
+    source: F,
+) -> Result<Arc<RelayStats>, Error>
+where
+    F: FnOnce(SourceLink) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let first = Some((Checkpoint::Lsn(0x100), true));
+    drive(&opts(), sink, store, lease, first, None, commits(), source).await
+}
+
+/// Polls `cond` on the paused clock (each poll advances it a little).
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..100_000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// Positions were stored in order, never backwards (MemoryStore also panics on one).
+fn assert_forward(st: &MemoryStoreHandle) {
+    let stored = st.positions();
+    for w in stored.windows(2) {
+        assert!(
+            matches!(
+                w[0].compare(&w[1]),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            ),
+            "{stored:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_start_stores_its_position_before_the_first_publish_and_is_then_marked_done() {
+    let (mut store, st) = MemoryStore::new();
+    let (lease, stored) = store.acquire(NAME, "h1").await.unwrap();
+    assert!(lease.first_start && stored.is_none());
+    let (sink, sk) = MemorySink::new();
+    let start = Checkpoint::Lsn(0x100);
+    let (st2, sk2) = (st.clone(), sk.clone());
+    let first = Some((start.clone(), false));
+    drive(
+        &opts(),
+        sink,
+        store,
+        lease,
+        first,
+        None,
+        commits(),
+        |link| async move {
+            assert_eq!(st2.position(), Some(Checkpoint::Lsn(0x100)), "stored first");
+            assert!(!st2.initialized(), "a snapshot is still to come");
+            assert!(sk2.published_ids().is_empty());
+            scripted(link, vec![0x200, 0x300], stopped()).await
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(st.positions().first(), Some(&start));
+    assert_eq!(st.position(), Some(end(0x300)));
+    assert!(
+        st.initialized(),
+        "the first start's end is durable: marked done"
+    );
+    assert_eq!(st.holder(), None, "released");
+    assert_eq!(sk.confirmed_ids().len(), 2);
+    assert_forward(&st);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_resumes_after_what_the_last_run_stored() {
+    let (mut store, st) = MemoryStore::new();
+    let (lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    let (sink, _) = MemorySink::new();
+    drive_fresh(sink, store, lease, |link| {
+        scripted(link, vec![0x200], stopped())
+    })
+    .await
+    .unwrap();
+    assert!(
+        st.initialized(),
+        "a first start without a snapshot is done at once"
+    );
+
+    let mut store = MemoryStore::reopen(&st);
+    let (lease, stored) = store.acquire(NAME, "h2").await.unwrap();
+    assert_eq!((lease.epoch, lease.first_start), (2, false));
+    assert_eq!(stored, Some(end(0x200)));
+    let (sink, sk) = MemorySink::new();
+    drive(
+        &opts(),
+        sink,
+        store,
+        lease,
+        None,
+        stored,
+        commits(),
+        |link| scripted(link, vec![0x400, 0x500], stopped()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(st.position(), Some(end(0x500)));
+    assert_eq!(sk.confirmed_ids().len(), 2);
+    assert_eq!((st.holder(), st.releases()), (None, 2));
+    assert_forward(&st);
+}
+
+/// Another relay takes the lease over while this one cannot renew it: this run publishes
+/// nothing more, stores nothing more, and ends with the leadership error.
+#[tokio::test(start_paused = true)]
+async fn a_lease_taken_over_ends_the_run_without_another_publish() {
+    let (mut store, st) = MemoryStore::new();
+    let (lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    let (sink, sk) = MemorySink::new();
+    let (st2, sk2) = (st.clone(), sk.clone());
+    let late = event(0x300).id;
+    let result = drive_fresh(sink, store, lease, |link| {
+        async move {
+            send(&link, 0x200).await?;
+            wait_until("the first event's position stored", || {
+                st2.position() == Some(end(0x200))
+            })
+            .await;
+            // The renewals fail past the lease's lifetime; another relay takes it over.
+            st2.fail_renewals(true);
+            tokio::time::sleep(state::LEASE_TTL + Duration::from_secs(1)).await;
+            let mut other = MemoryStore::reopen(&st2);
+            let (taken, _) = other.acquire(NAME, "h2").await.unwrap();
+            assert_eq!(taken.epoch, 2);
+            st2.fail_renewals(false);
+            let mut e = event(0x300);
+            e.id = late;
+            link.outlet.send_event(e).await?;
+            link.outlet.send_checkpoint(end(0x300)).await?;
+            // A source streams until told to stop: the lease keeper ends the run.
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    })
+    .await;
+    assert!(
+        matches!(result, Err(Error::Leadership(_))),
+        "{:?}",
+        result.err()
+    );
+    let (renewals, failed) = st.renewals();
+    assert!(failed > 0 && renewals > failed, "the failure was injected");
+    assert!(
+        !sk2.published_ids().contains(&late),
+        "published after the takeover"
+    );
+    assert_eq!(st.position(), Some(end(0x200)));
+    assert_eq!(st.holder().as_deref(), Some("h2"));
+}
+
+/// A stop: the source ends, the relay waits for every confirmation, then the last position is
+/// stored and only then the lease released.
+#[tokio::test(start_paused = true)]
+async fn a_stop_drains_every_confirmation_then_stores_the_last_position_then_releases() {
+    let (mut store, st) = MemoryStore::new();
+    let (lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    let (sink, sk) = MemorySink::new();
+    sk.hold_confirms();
+    let stop = CancellationToken::new();
+    let source_stop = stop.clone();
+    let run = tokio::spawn(async move {
+        drive_fresh(sink, store, lease, |link| {
+            scripted(link, vec![0x200, 0x300, 0x400], source_stop)
+        })
+        .await
+    });
+    wait_until("three publishes awaiting confirmation", || {
+        sk.held().len() == 3
+    })
+    .await;
+    stop.cancel();
+    // However long the confirmations take (below the confirm timeout), the run waits.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!run.is_finished());
+    assert_eq!(st.position(), Some(Checkpoint::Lsn(0x100)));
+    assert_eq!(st.holder().as_deref(), Some("h1"));
+    for id in sk.held() {
+        assert!(sk.confirm(id));
+    }
+    run.await.unwrap().unwrap();
+    assert_eq!(st.position(), Some(end(0x400)));
+    assert_eq!((st.holder(), st.releases()), (None, 1));
+    assert_eq!(sk.confirmed_ids().len(), 3);
+    assert_forward(&st);
+}
