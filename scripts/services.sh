@@ -936,6 +936,7 @@ main() {
     nats_section
     docker_compose_section
     crypto_vector_section
+    "$(dirname "${BASH_SOURCE[0]}")/services/kafka.sh"
     verify
     echo "services.sh done in $((SECONDS - t0))s"
 }

@@ -9,6 +9,8 @@ mod concurrent_start;
 mod fault_suite;
 mod faults;
 mod ha;
+mod kafka_broker;
+mod kafka_sink;
 mod kill_loop;
 mod message_format;
 mod metrics;
