@@ -8,6 +8,7 @@
 use crate::common;
 
 use common::kafka::{self, Record};
+use common::proxy::FaultProxy;
 use common::source_db::{on_both_sources, SourceDb};
 use common::*;
 use std::collections::{HashMap, HashSet};
@@ -157,7 +158,7 @@ async fn events_reach_kafka_keyed_in_order_with_headers_and_poison_is_dead<D: So
         assert_eq!(r.header("x-aggregate-id"), Some(key));
         assert_eq!(
             r.partition,
-            outboxd::sink::kafka::tail::partition_of(key.as_bytes(), 3),
+            outboxd::sink::partition::partition_of(key, 3) as i32,
             "Kafka's default partitioner (murmur2) places {key}"
         );
         assert_eq!(r.header("x-outbox-relay"), Some(name.as_str()));
@@ -242,4 +243,114 @@ async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
         "no life found an event of an earlier one in Kafka: the kills tested nothing"
     );
     eprintln!("{kills} kills: {skipped_lives} lives skipped events already in Kafka");
+}
+
+/// A broker of the test's own behind the TCP proxy (its advertised address is the proxy's,
+/// so every connection the client makes goes through it): two cuts and a stall while a writer
+/// commits lose nothing and duplicate nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_cut_and_stalled_connections_lose_and_duplicate_nothing() {
+    let db = PgDb::create("kafkac").await;
+    let t = Topics::new("kc");
+    let broker_port = free_local_port();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
+        .await
+        .unwrap();
+    let _broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(proxy.port()),
+        &["--confirm-timeout", "3s"],
+    );
+    let topic = t.topic("cut.stream");
+    let count = |n: i64| {
+        let topic = topic.clone();
+        async move {
+            let t = topic.clone();
+            tokio::task::spawn_blocking(move || kafka::count_on(broker_port, &t))
+                .await
+                .unwrap()
+                >= n
+        }
+    };
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(40, 50, Duration::from_millis(20), "cut.stream");
+    for k in 1..=2i64 {
+        let accepted = proxy.accepted();
+        wait_for(&format!("{} records before cut {k}", k * 400), T, || {
+            count(k * 400)
+        })
+        .await;
+        proxy.cut();
+        wait_for("the client to reconnect", T, || {
+            let now = proxy.accepted();
+            async move { now > accepted }
+        })
+        .await;
+    }
+    proxy.stall();
+    wait_for("a delivery timeout under the stall", T, || {
+        let err = relay.stderr();
+        async move { err.contains("sink still unavailable") || err.contains("retrying") }
+    })
+    .await;
+    proxy.resume();
+    let expected = writer.await.unwrap();
+    let got = kafka::wait_records_on(broker_port, &topic, expected.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let t2 = topic.clone();
+    let got = if got.len() < expected.len() {
+        got
+    } else {
+        tokio::task::spawn_blocking(move || kafka::read_all_on(broker_port, &t2, true))
+            .await
+            .unwrap()
+    };
+    assert_exactly_once_in_order(&got, &expected);
+}
+
+/// `--declare off` with the topic missing: the relay says what is missing and how to create
+/// it, publishes nothing and keeps its position; once the topic exists every event arrives
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_missing_topic_under_declare_off_holds_the_relay_back_and_loses_nothing() {
+    let db = PgDb::create("kafkao").await;
+    let t = Topics::new("ko");
+    let name = unique("r");
+    kafka::create_topic(&t.dead(), 1).await;
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url(),
+        &["--declare", "off", "--confirm-timeout", "3s"],
+    );
+    db.wait_streaming(&name).await;
+    let expected = db.write(10, 5, "late.topic").await;
+    let topic = t.topic("late.topic");
+    relay
+        .wait_for_stderr(&["does not exist", "--declare auto"], T)
+        .await;
+    let t2 = topic.clone();
+    assert!(
+        !tokio::task::spawn_blocking(move || kafka::topic_exists_on(kafka::PORT, &t2))
+            .await
+            .unwrap(),
+        "--declare off created the topic"
+    );
+    let stored_before = db.stored_pos(&name).await;
+    kafka::create_topic(&topic, 1).await;
+    let got = kafka::wait_records(&topic, expected.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_exactly_once_in_order(&got, &expected);
+    let stored_after = db.stored_pos(&name).await;
+    assert!(
+        stored_after > stored_before,
+        "the position moved once the topic existed ({stored_before:?} → {stored_after:?})"
+    );
 }

@@ -177,7 +177,7 @@ impl KafkaSink {
                 n
             }
         };
-        let partition = tail::partition_of(out.key.as_bytes(), partitions);
+        let partition = crate::sink::partition::partition_of(&out.key, partitions as u32) as i32;
         // Poll positions are numbered per process: nothing an earlier process wrote matches.
         if matches!(position, SourcePosition::Poll { .. }) {
             return Ok((partition, false));

@@ -7,9 +7,9 @@
 //! mark: an event is skipped only when its own record was read back, so a gap (a record lost
 //! while later ones were written) is republished, never skipped.
 //!
-//! Also the partitioner: the sink picks every record's partition itself — Kafka's Java
-//! default (murmur2 of the key, as Debezium's producers place records) — so that it knows which
-//! partition to read back.
+//! The sink picks every record's partition itself — Kafka's Java default partitioner
+//! (`sink::partition`: murmur2 of the key, as Debezium's producers place records) — so that it
+//! knows which partition to read back.
 
 use super::config::KafkaConfig;
 use crate::event::SourcePosition;
@@ -25,53 +25,6 @@ use std::time::{Duration, Instant};
 pub const RELAY_HEADER: &str = "x-outbox-relay";
 /// Records read back per step (then four times as many, and so on).
 const FIRST_STEP: i64 = 256;
-
-/// Kafka's murmur2 (as `org.apache.kafka.common.utils.Utils.murmur2`).
-pub fn murmur2(data: &[u8]) -> i32 {
-    const SEED: u32 = 0x9747_b28c;
-    const M: u32 = 0x5bd1_e995;
-    const R: u32 = 24;
-    let len = data.len();
-    let mut h: u32 = SEED ^ (len as u32);
-    let chunks = data.chunks_exact(4);
-    let rest = chunks.remainder();
-    for c in chunks {
-        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        k = k.wrapping_mul(M);
-        k ^= k >> R;
-        k = k.wrapping_mul(M);
-        h = h.wrapping_mul(M);
-        h ^= k;
-    }
-    match rest.len() {
-        3 => {
-            h ^= (rest[2] as u32) << 16;
-            h ^= (rest[1] as u32) << 8;
-            h ^= rest[0] as u32;
-            h = h.wrapping_mul(M);
-        }
-        2 => {
-            h ^= (rest[1] as u32) << 8;
-            h ^= rest[0] as u32;
-            h = h.wrapping_mul(M);
-        }
-        1 => {
-            h ^= rest[0] as u32;
-            h = h.wrapping_mul(M);
-        }
-        _ => {}
-    }
-    h ^= h >> 13;
-    h = h.wrapping_mul(M);
-    h ^= h >> 15;
-    h as i32
-}
-
-/// The partition of `key` among `partitions`, as Kafka's default partitioner places a keyed
-/// record.
-pub fn partition_of(key: &[u8], partitions: i32) -> i32 {
-    ((murmur2(key) & 0x7fff_ffff) as i64 % partitions.max(1) as i64) as i32
-}
 
 /// The number of partitions of `topic`. Blocking.
 pub fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
@@ -206,34 +159,5 @@ fn scan(
             }
             found.insert(p);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn murmur2_matches_kafka() {
-        // Values of Kafka's own UtilsTest.testMurmur2.
-        assert_eq!(murmur2(b"21"), -973932308);
-        assert_eq!(murmur2(b"foobar"), -790332482);
-        assert_eq!(murmur2(b"a-little-bit-long-string"), -985981536);
-        assert_eq!(murmur2(b"a-little-bit-longer-string"), -1486304829);
-        assert_eq!(
-            murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"),
-            -58897971
-        );
-        assert_eq!(murmur2(b"abc"), 479470107);
-    }
-
-    #[test]
-    fn partitions_are_stable_and_in_range() {
-        for key in ["agg-1", "", "order-42", "ü"] {
-            let p = partition_of(key.as_bytes(), 6);
-            assert!((0..6).contains(&p));
-            assert_eq!(p, partition_of(key.as_bytes(), 6));
-        }
-        assert_eq!(partition_of(b"x", 1), 0);
     }
 }
