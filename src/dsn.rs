@@ -463,7 +463,15 @@ mod tests {
         assert!(err.contains("fix: add ssl-ca="), "{err}");
         assert!(SourceDsn::parse("postgres://x/db?sslmode=verify-ca&sslrootcert=/ca.pem").is_ok());
         assert_eq!(SinkDsn::parse("stdout").unwrap(), SinkDsn::Stdout);
-        assert!(SinkDsn::parse("kafka://x").is_err());
+        assert_eq!(
+            SinkDsn::parse("kafka://k1:9092,k2:9092").unwrap(),
+            SinkDsn::Kafka("kafka://k1:9092,k2:9092".into())
+        );
+        assert!(SinkDsn::parse("redis://x").is_err());
+        assert_eq!(
+            with_password("kafka://app@k1:9092,k2:9092", "p@ss").unwrap(),
+            "kafka://app:p%40ss@k1:9092,k2:9092"
+        );
         let with = with_password("postgres://u@h/db", "p@ss").unwrap();
         let SourceDsn::Postgres(d) = SourceDsn::parse(&with).unwrap() else {
             panic!()

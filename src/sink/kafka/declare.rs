@@ -1,10 +1,10 @@
-//! The topics under `--declare`: `auto` creates what is missing (the dead topic at connect, each event topic the first time the link sees it), `passive` only checks that they
-//! exist and says how to create them, `off` assumes they do (a missing event topic then fails
-//! its transaction, and the relay retries with backoff without moving its position). And
-//! `outboxd check`'s lines for a Kafka sink.
+//! The topics under `--declare`: `auto` creates what is missing (the dead topic at connect,
+//! each event topic the first time a link writes to it), `passive` only checks that they
+//! exist and says how to create them, `off` assumes they do. A missing event topic refuses its
+//! events (with the command that creates it) and the relay retries with backoff, without
+//! moving its position.
 
 use super::config::KafkaConfig;
-use crate::operator::{CheckLine, Level};
 use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::SinkError;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -96,47 +96,4 @@ pub async fn ensure(admin: &Admin, cfg: &KafkaConfig, topic: &str) -> Result<(),
             }
         }
     }
-}
-
-/// `outboxd check` for a Kafka sink: the brokers answer, and the dead topic exists (or will be
-/// created under `--declare auto`). Event topics come from the template, row by row.
-pub async fn check(cfg: &KafkaConfig) -> Vec<CheckLine> {
-    let line = |level, check: &str, detail: String, fix: Option<String>| CheckLine {
-        level,
-        check: check.into(),
-        detail,
-        fix,
-    };
-    let mut out = Vec::new();
-    for (what, topic) in [("kafka dead topic", cfg.options.dead_topic.clone())] {
-        match exists_async(cfg, &topic).await {
-            Err(e) => {
-                out.push(line(
-                    Level::Fail,
-                    "kafka connection",
-                    format!("{e}"),
-                    Some("check --sink (the brokers' host:port), the TLS files and the SASL credentials".into()),
-                ));
-                return out;
-            }
-            Ok(true) => out.push(line(Level::Ok, what, format!("{topic} exists"), None)),
-            Ok(false) if cfg.declare == DeclareMode::Auto => out.push(line(
-                Level::Ok,
-                what,
-                format!("{topic} is missing; --declare auto creates it at start"),
-                None,
-            )),
-            Ok(false) => out.push(line(
-                Level::Fail,
-                what,
-                format!(
-                    "{topic} is missing and --declare {:?} does not create it",
-                    cfg.declare
-                )
-                .to_lowercase(),
-                Some(create_fix(cfg, &topic)),
-            )),
-        }
-    }
-    out
 }

@@ -9,7 +9,7 @@
 //! relay already wrote there is acknowledged without producing it again (`tail`).
 //!
 //! The folder keeps the parts apart: `config` (address, credentials, names, librdkafka
-//! settings), `record` (one event as a record), `declare` (topics, and `outboxd check`),
+//! settings), `record` (one event as a record), `declare` (topics),
 //! `tail` (the partitioner and what is already written).
 
 pub mod config;
