@@ -8,6 +8,7 @@
 #   - docker-compose.sh: Debian's package, to validate docker-compose.yml
 #   - crypto-vector.sh:  python3-cryptography, for scripts/crypto-vector.py
 #   - postgres-versions.sh: PostgreSQL 14, 16, 17, 18 beside the system 15 (ports 5414-5418)
+#   - kafka.sh:          tansu (Kafka wire protocol) on 127.0.0.1:9092, and what rdkafka's build needs
 #   - php.sh:            PHP for examples/laravel (tests/kit/crypto_php.rs, tests/mariadb/laravel.rs)
 #
 # For a Debian 12 machine with the distribution packages, run as root, no systemd. Idempotent:
@@ -33,6 +34,7 @@ service postgres-versions
 service mariadb
 service rabbitmq
 service nats
+service kafka
 service docker-compose
 service crypto-vector
 service php

@@ -53,6 +53,8 @@ pub struct RunConfig {
     pub rabbit: RabbitOptions,
     /// NATS JetStream sink settings (used when the sink is `nats://` or `tls://`).
     pub nats: NatsOptions,
+    /// Kafka sink settings (used when the sink is `kafka://` or `kafkas://`).
+    pub kafka: crate::sink::kafka::KafkaOptions,
 }
 
 /// NATS sink settings from the command line (the URL is in [`RunConfig::sink`]; `--declare`,
@@ -209,7 +211,7 @@ pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
 /// Nothing connects here.
 pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
     match cfg.sink {
-        SinkDsn::Amqp(_) | SinkDsn::Nats(_) => make_sink(cfg).map(drop),
+        SinkDsn::Amqp(_) | SinkDsn::Nats(_) | SinkDsn::Kafka(_) => make_sink(cfg).map(drop),
         _ => Ok(()),
     }
 }
@@ -238,6 +240,24 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             dead_queue_type: cfg.rabbit.dead_queue_type,
             message: cfg.rabbit.message.clone(),
         })?)),
+        SinkDsn::Kafka(url) => {
+            if cfg.rabbit.partitioning.partitions > 0 {
+                tracing::warn!("--partitions applies to RabbitMQ and NATS: a Kafka topic has partitions of its own (--kafka-partitions), and the record key (the aggregate id) keeps each aggregate in one");
+            }
+            AnySink::Kafka(Box::new(crate::sink::kafka::KafkaSink::new(
+                crate::sink::kafka::KafkaConfig {
+                    url: url.clone(),
+                    name: cfg.name.clone(),
+                    options: cfg.kafka.clone(),
+                    message: cfg.rabbit.message.clone(),
+                    declare: cfg.rabbit.declare,
+                    op_timeout: cfg.relay.confirm_timeout,
+                    ca_file: cfg.rabbit.ca_file.clone(),
+                    cert_file: cfg.rabbit.cert_file.clone(),
+                    key_file: cfg.rabbit.key_file.clone(),
+                },
+            )?))
+        }
         SinkDsn::Nats(url) => {
             let p = &cfg.rabbit.partitioning;
             if !p.header_counts.is_empty() && p.header_counts != [p.partitions] {

@@ -209,6 +209,8 @@ pub enum SinkDsn {
     Amqp(String),
     /// `nats://` or `tls://` (NATS JetStream), kept whole; credentials are split off at connect.
     Nats(String),
+    /// `kafka://` or `kafkas://` (TLS), kept whole; brokers and credentials are split at connect.
+    Kafka(String),
 }
 
 impl fmt::Debug for SinkDsn {
@@ -217,6 +219,7 @@ impl fmt::Debug for SinkDsn {
             SinkDsn::Stdout => f.write_str("Stdout"),
             SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
             SinkDsn::Nats(u) => write!(f, "Nats({})", redact_token(u)),
+            SinkDsn::Kafka(u) => write!(f, "Kafka({})", redact(u)),
         }
     }
 }
@@ -227,10 +230,14 @@ impl SinkDsn {
         if s == "stdout" || s == "-" {
             return Ok(SinkDsn::Stdout);
         }
+        // Several brokers (`kafka://k1:9092,k2:9092`) are no URL: the Kafka sink parses them.
+        if s.starts_with("kafka://") || s.starts_with("kafkas://") {
+            return Ok(SinkDsn::Kafka(s.to_string()));
+        }
         let url = Url::parse(s).map_err(|e| {
             Error::config(
                 format!("cannot parse the sink {}: {e}", redact(s)),
-                "use stdout, amqp://user@host:5672/%2f or nats://host:4222",
+                "use stdout, amqp://user@host:5672/%2f, nats://host:4222 or kafka://host:9092",
             )
         })?;
         match url.scheme() {
@@ -238,7 +245,7 @@ impl SinkDsn {
             "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
             other => Err(Error::config(
                 format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp://, amqps://, nats:// or tls://",
+                "use stdout, amqp://, amqps://, nats://, tls://, kafka:// or kafkas://",
             )),
         }
     }
@@ -249,6 +256,9 @@ impl SinkDsn {
             SinkDsn::Amqp(u) | SinkDsn::Nats(u) => Url::parse(u)
                 .ok()
                 .and_then(|u| u.password().map(str::to_string)),
+            SinkDsn::Kafka(u) => crate::sink::kafka::config::endpoint(u)
+                .ok()
+                .and_then(|e| e.password),
         }
     }
 }
@@ -338,6 +348,27 @@ pub fn redact_token(s: &str) -> String {
 
 /// Puts a password into a DSN that has none (passwords from `--source-file`/environment).
 pub fn with_password(dsn: &str, password: &str) -> Result<String, Error> {
+    // A Kafka sink lists several brokers, which `Url` cannot parse: the password goes after
+    // the user by hand.
+    let t = dsn.trim();
+    if let Some(scheme) = ["kafka://", "kafkas://"]
+        .into_iter()
+        .find(|s| t.starts_with(s))
+    {
+        let rest = &t[scheme.len()..];
+        let Some((user, hosts)) = rest
+            .rsplit_once('@')
+            .filter(|(u, _)| !u.is_empty() && !u.contains(':'))
+        else {
+            return Err(Error::config(
+                format!("{} names no user to give the password to", redact(dsn)),
+                "write the user into --sink, e.g. kafka://app@broker:9092",
+            ));
+        };
+        let enc =
+            percent_encoding::utf8_percent_encode(password, percent_encoding::NON_ALPHANUMERIC);
+        return Ok(format!("{scheme}{user}:{enc}@{hosts}"));
+    }
     let mut url = Url::parse(dsn.trim()).map_err(|e| {
         Error::config(
             format!("cannot parse {}: {e}", redact(dsn)),
@@ -432,7 +463,15 @@ mod tests {
         assert!(err.contains("fix: add ssl-ca="), "{err}");
         assert!(SourceDsn::parse("postgres://x/db?sslmode=verify-ca&sslrootcert=/ca.pem").is_ok());
         assert_eq!(SinkDsn::parse("stdout").unwrap(), SinkDsn::Stdout);
-        assert!(SinkDsn::parse("kafka://x").is_err());
+        assert_eq!(
+            SinkDsn::parse("kafka://k1:9092,k2:9092").unwrap(),
+            SinkDsn::Kafka("kafka://k1:9092,k2:9092".into())
+        );
+        assert!(SinkDsn::parse("redis://x").is_err());
+        assert_eq!(
+            with_password("kafka://app@k1:9092,k2:9092", "p@ss").unwrap(),
+            "kafka://app:p%40ss@k1:9092,k2:9092"
+        );
         let with = with_password("postgres://u@h/db", "p@ss").unwrap();
         let SourceDsn::Postgres(d) = SourceDsn::parse(&with).unwrap() else {
             panic!()

@@ -41,6 +41,33 @@ impl fmt::Display for SourcePosition {
 }
 
 impl SourcePosition {
+    /// Reads back what `Display` wrote, for the positions a sink stores at the broker (the
+    /// Kafka sink's positions topic). Poll positions are numbered per process and mean nothing
+    /// to another one: `None`, as for anything that is not a position.
+    pub fn parse_stored(s: &str) -> Option<SourcePosition> {
+        let s = s.trim();
+        if s.starts_with("poll:") {
+            return None;
+        }
+        let (head, index) = s.rsplit_once(':')?;
+        let index: u32 = index.parse().ok()?;
+        if let Some(lsn) = (!head.contains(':')).then(|| parse_lsn(head)).flatten() {
+            return Some(SourcePosition::Pg {
+                commit_lsn: lsn,
+                index,
+            });
+        }
+        let (file, end_pos) = head.rsplit_once(':')?;
+        if file.is_empty() {
+            return None;
+        }
+        Some(SourcePosition::Binlog {
+            file: file.to_string(),
+            end_pos: end_pos.parse().ok()?,
+            index,
+        })
+    }
+
     /// Order of two positions of the same source (commit order); `None` across kinds.
     pub fn compare(&self, other: &SourcePosition) -> Option<Ordering> {
         use SourcePosition::*;
@@ -284,6 +311,33 @@ pub fn binlog_file_seq(file: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stored_positions_read_back_as_written() {
+        for p in [
+            SourcePosition::Pg {
+                commit_lsn: 0x1_16B3748,
+                index: 3,
+            },
+            SourcePosition::Binlog {
+                file: "mysql-bin.000012".into(),
+                end_pos: 4711,
+                index: 0,
+            },
+            SourcePosition::Binlog {
+                file: "odd:name.000001".into(),
+                end_pos: 9,
+                index: 2,
+            },
+        ] {
+            assert_eq!(SourcePosition::parse_stored(&p.to_string()), Some(p));
+        }
+        let poll = SourcePosition::Poll { batch: 1, index: 2 };
+        assert_eq!(SourcePosition::parse_stored(&poll.to_string()), None);
+        for bad in ["", "x", "0/1", ":1:2", "a:b:c"] {
+            assert_eq!(SourcePosition::parse_stored(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn dead_record_ids_are_distinct_per_position_and_stable() {

@@ -37,7 +37,7 @@
 //!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s, every row mapped through one
 //!   contract (`source::contract`); [`relay`] keeps the window of
 //!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
-//!   RabbitMQ, NATS JetStream); [`state`] stores the acknowledged position and keeps the lease.
+//!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
 //!   one function per source that decides where to start and returns a `StartPlan` (what both
 //!   share is in `source::startup`); [`connector`] runs every plan through one `drive`, which

@@ -211,6 +211,44 @@ impl NatsArgs {
 // The one duration parser, shared with consumer binaries (they cannot see this module).
 pub use outboxd::consumer::cli::parse_duration;
 
+/// Kafka sink settings (docs/kafka.md). The topic is the `--routing-key` template.
+#[derive(Debug, Clone, Args)]
+pub struct KafkaArgs {
+    /// Kafka sink: the topic dead records go to (body-less, with x-dead-reason).
+    #[arg(long, env = "OUTBOXD_KAFKA_DEAD_TOPIC", default_value = crate::sink::kafka::config::DEFAULT_DEAD_TOPIC)]
+    pub kafka_dead_topic: String,
+    /// Kafka sink: most records read back from the end of a partition, at start and after a
+    /// reconnect, to find the events the relay already wrote there.
+    #[arg(long, env = "OUTBOXD_KAFKA_SCAN_LIMIT", default_value_t = crate::sink::kafka::config::DEFAULT_SCAN_LIMIT)]
+    pub kafka_scan_limit: i64,
+    /// Kafka sink: partitions of a topic --declare auto creates.
+    #[arg(long, env = "OUTBOXD_KAFKA_PARTITIONS", default_value_t = 1)]
+    pub kafka_partitions: i32,
+    /// Kafka sink: replication factor of a topic --declare auto creates.
+    #[arg(long, env = "OUTBOXD_KAFKA_REPLICATION", default_value_t = 1)]
+    pub kafka_replication: i32,
+    /// Kafka sink: a record (key, value and headers) larger than this becomes a dead record.
+    #[arg(long, env = "OUTBOXD_KAFKA_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "1000000")]
+    pub kafka_max_message_bytes: usize,
+    /// Kafka sink: how long the producer waits to fill a batch (librdkafka's linger.ms).
+    #[arg(long, env = "OUTBOXD_KAFKA_LINGER", value_parser = parse_duration, default_value = "5ms")]
+    pub kafka_linger: Duration,
+}
+
+impl KafkaArgs {
+    pub fn options(&self) -> crate::sink::kafka::KafkaOptions {
+        crate::sink::kafka::KafkaOptions {
+            dead_topic: self.kafka_dead_topic.clone(),
+            scan_limit: self.kafka_scan_limit,
+            partitions: self.kafka_partitions,
+            replication: self.kafka_replication,
+            max_message_bytes: self.kafka_max_message_bytes,
+            linger: self.kafka_linger,
+        }
+    }
+}
+
+
 /// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
 pub fn parse_bytes(s: &str) -> Result<usize, String> {
     let t = s.trim();

@@ -40,6 +40,8 @@ pub const RESERVED_PREFIXES: &[&str] = &[
     "nats-",
     "cloudevents:",
     "cloudevents_",
+    // CloudEvents' Kafka binding (binary mode): `ce_id`, `ce_type`, …
+    "ce_",
 ];
 
 /// Whole names the relay or a broker owns (compared without case): RabbitMQ routes a message
@@ -104,6 +106,39 @@ pub fn row_headers(
         .emit();
         false
     })
+}
+
+/// Values of dead records are cut here, so a record always fits.
+pub const DEAD_VALUE_MAX: usize = 1024;
+
+/// A value for a dead record's header: line breaks become spaces (no broker's headers take
+/// them all) and it is cut at [`DEAD_VALUE_MAX`] bytes.
+pub fn dead_value(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
+        .collect();
+    if out.len() > DEAD_VALUE_MAX {
+        let mut end = DEAD_VALUE_MAX;
+        while !out.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.truncate(end);
+    }
+    out
+}
+
+/// The headers of an event's dead record (body-less: it says why the event could not be
+/// published and where it came from), as text.
+pub fn dead_headers(event: &OutboxEvent, reason: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("x-dead-reason", dead_value(reason)),
+        ("x-source-position", dead_value(&event.position.to_string())),
+        ("x-original-topic", dead_value(&event.topic)),
+        ("x-aggregate-id", dead_value(&event.aggregate_id)),
+        ("x-outbox-created-at", event.created_at_rfc3339()),
+        ("x-original-size", event.payload.len().to_string()),
+    ]
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 pub mod format;
 pub mod headers;
+pub mod kafka;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
 #[cfg(any(test, feature = "test-util"))]
 pub mod memory;
@@ -155,6 +156,7 @@ pub enum AnySink {
     Stdout(stdout::StdoutSink),
     Rabbit(Box<rabbitmq::RabbitSink>),
     Nats(Box<nats::NatsSink>),
+    Kafka(Box<kafka::KafkaSink>),
 }
 
 impl Sink for AnySink {
@@ -163,6 +165,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.name(),
             AnySink::Rabbit(s) => s.name(),
             AnySink::Nats(s) => s.name(),
+            AnySink::Kafka(s) => s.name(),
         }
     }
 
@@ -171,6 +174,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.stores_position(),
             AnySink::Rabbit(s) => s.stores_position(),
             AnySink::Nats(s) => s.stores_position(),
+            AnySink::Kafka(s) => s.stores_position(),
         }
     }
 
@@ -179,6 +183,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.connect().await,
             AnySink::Rabbit(s) => s.connect().await,
             AnySink::Nats(s) => s.connect().await,
+            AnySink::Kafka(s) => s.connect().await,
         }
     }
 
@@ -187,6 +192,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.publish(event).await,
             AnySink::Rabbit(s) => s.publish(event).await,
             AnySink::Nats(s) => s.publish(event).await,
+            AnySink::Kafka(s) => s.publish(event).await,
         }
     }
 
@@ -195,6 +201,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
             AnySink::Nats(s) => s.flush().await,
+            AnySink::Kafka(s) => s.flush().await,
         }
     }
 
@@ -203,6 +210,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.guard_wire(fence),
             AnySink::Rabbit(s) => s.guard_wire(fence),
             AnySink::Nats(s) => s.guard_wire(fence),
+            AnySink::Kafka(s) => s.guard_wire(fence),
         }
     }
 
@@ -211,6 +219,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.is_broken(),
             AnySink::Rabbit(s) => s.is_broken(),
             AnySink::Nats(s) => s.is_broken(),
+            AnySink::Kafka(s) => s.is_broken(),
         }
     }
 
@@ -219,6 +228,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flow_control(),
             AnySink::Rabbit(s) => s.flow_control(),
             AnySink::Nats(s) => s.flow_control(),
+            AnySink::Kafka(s) => s.flow_control(),
         }
     }
 }

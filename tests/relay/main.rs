@@ -10,6 +10,8 @@ mod conformance;
 mod fault_suite;
 mod faults;
 mod ha;
+mod kafka_broker;
+mod kafka_sink;
 mod kill_loop;
 mod message_format;
 mod metrics;

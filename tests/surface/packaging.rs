@@ -69,13 +69,23 @@ fn ring_is_the_only_crypto_provider() {
             .map(|l| l.trim_end_matches('"'))
             .collect();
         assert!(packages.contains(&"ring"), "{lock} has ring");
-        for p in [
-            "aws-lc-rs",
-            "aws-lc-sys",
-            "aws-lc-fips-sys",
-            "openssl",
-            "openssl-sys",
-        ] {
+        // The one exception: librdkafka (the Kafka sink) has no rustls, and links the system
+        // OpenSSL for its TLS and SCRAM (docs/kafka.md, docs/dependencies.md). Nothing else may.
+        let dependents: Vec<String> = text
+            .split("[[package]]")
+            .filter(|block| block.contains("\n \"openssl-sys\""))
+            .filter_map(|block| {
+                block
+                    .lines()
+                    .find_map(|l| l.strip_prefix("name = \""))
+                    .map(|n| n.trim_end_matches('"').to_string())
+            })
+            .collect();
+        assert!(
+            dependents.iter().all(|d| d == "rdkafka-sys"),
+            "{lock}: openssl-sys is pulled in by {dependents:?}; only rdkafka-sys (the Kafka sink's librdkafka) may"
+        );
+        for p in ["aws-lc-rs", "aws-lc-sys", "aws-lc-fips-sys", "openssl"] {
             assert!(
                 !packages.contains(&p),
                 "{lock} pulls in {p}: find the dependency with `cargo tree -i {p}` and turn off its default features"

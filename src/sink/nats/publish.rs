@@ -14,8 +14,6 @@ use bytes::Bytes;
 
 /// The header JetStream deduplicates by.
 pub const MSG_ID: &str = "Nats-Msg-Id";
-/// Values of dead records are cut here, so a record always fits.
-const DEAD_VALUE_MAX: usize = 1024;
 /// `NATS/1.0\r\n` and the blank line that end a header block.
 const HEADER_FRAMING: usize = 12;
 
@@ -94,21 +92,6 @@ fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, Str
     Ok(h)
 }
 
-fn clean(s: &str) -> String {
-    let mut out: String = s
-        .chars()
-        .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
-        .collect();
-    if out.len() > DEAD_VALUE_MAX {
-        let mut end = DEAD_VALUE_MAX;
-        while !out.is_char_boundary(end) {
-            end -= 1;
-        }
-        out.truncate(end);
-    }
-    out
-}
-
 /// The largest message (headers and payload together) that can be stored: the smaller of the
 /// server's `max_payload` and the stream's `max_msg_size`, and which of the two it is. A
 /// message over it would be refused again at every attempt, so it is dead-lettered instead.
@@ -183,14 +166,7 @@ pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLi
             // A row without a usable id gets one from its position: dead records never share
             // the nil UUID, which the stream would store once and acknowledge as a duplicate.
             h.insert(MSG_ID, event.dead_record_id().hyphenated().to_string());
-            for (k, v) in [
-                ("x-dead-reason", clean(&reason)),
-                ("x-source-position", clean(&event.position.to_string())),
-                ("x-original-topic", clean(&event.topic)),
-                ("x-aggregate-id", clean(&event.aggregate_id)),
-                ("x-outbox-created-at", event.created_at_rfc3339()),
-                ("x-original-size", event.payload.len().to_string()),
-            ] {
+            for (k, v) in headers::dead_headers(event, &reason) {
                 h.insert(k, v);
             }
             Outgoing {

@@ -1,0 +1,99 @@
+//! The topics under `--declare`: `auto` creates what is missing (the dead topic at connect,
+//! each event topic the first time a link writes to it), `passive` only checks that they
+//! exist and says how to create them, `off` assumes they do. A missing event topic refuses its
+//! events (with the command that creates it) and the relay retries with backoff, without
+//! moving its position.
+
+use super::config::KafkaConfig;
+use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::SinkError;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::types::RDKafkaErrorCode;
+
+pub type Admin = AdminClient<DefaultClientContext>;
+
+/// The fix for a missing topic: the command that creates it as `auto` would (with
+/// `--kafka-partitions` and `--kafka-replication`).
+fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
+    format!(
+        "kafka-topics.sh --bootstrap-server <broker> --create --topic {name} --partitions {} --replication-factor {} (or run with --declare auto)",
+        cfg.options.partitions, cfg.options.replication
+    )
+}
+
+/// Whether `topic` exists. Blocking (a metadata request): run it on a blocking thread.
+pub fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
+    let c: BaseConsumer = cfg
+        .client()?
+        .set("allow.auto.create.topics", "false")
+        .create()
+        .map_err(|e| SinkError::Connection(format!("creating a metadata client: {e}")))?;
+    let meta = c
+        .fetch_metadata(Some(topic), cfg.op_timeout)
+        .map_err(|e| SinkError::Connection(format!("reading the metadata of {topic}: {e}")))?;
+    Ok(meta
+        .topics()
+        .iter()
+        .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+}
+
+async fn exists_async(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
+    let (cfg, topic) = (cfg.clone(), topic.to_string());
+    tokio::task::spawn_blocking(move || exists(&cfg, &topic))
+        .await
+        .map_err(|e| SinkError::Connection(format!("metadata task: {e}")))?
+}
+
+async fn create(admin: &Admin, cfg: &KafkaConfig, name: &str) -> Result<(), SinkError> {
+    let t = NewTopic::new(
+        name,
+        cfg.options.partitions,
+        TopicReplication::Fixed(cfg.options.replication),
+    );
+    let opts = AdminOptions::new().operation_timeout(Some(cfg.op_timeout));
+    let results = admin
+        .create_topics([&t], &opts)
+        .await
+        .map_err(|e| SinkError::Connection(format!("creating topic {name}: {e}")))?;
+    for r in results {
+        match r {
+            Ok(_) => tracing::info!(topic = name, "created Kafka topic"),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((_, code)) => {
+                return Err(SinkError::Config {
+                    problem: format!("the broker refused to create topic {name}: {code}"),
+                    fix: create_fix(cfg, name),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes sure `topic` exists as `--declare` asks.
+pub async fn ensure(admin: &Admin, cfg: &KafkaConfig, topic: &str) -> Result<(), SinkError> {
+    match cfg.declare {
+        DeclareMode::Off => Ok(()),
+        DeclareMode::Passive => {
+            if exists_async(cfg, topic).await? {
+                Ok(())
+            } else {
+                // An event topic that is missing is refused again at every attempt until it is
+                // created: retryable (the relay backs off), not a reason to stop.
+                Err(SinkError::Rejected(format!(
+                    "topic {topic} does not exist and --declare passive does not create it; fix: {}",
+                    create_fix(cfg, topic)
+                )))
+            }
+        }
+        DeclareMode::Auto => {
+            if exists_async(cfg, topic).await? {
+                Ok(())
+            } else {
+                create(admin, cfg, topic).await
+            }
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! Postgres and MariaDB sources → Kafka, end to end against the local tansu broker
+//! (docs/kafka.md): what the topics hold and how (keyed by aggregate, in the partition Kafka's
+//! default partitioner gives the key, in commit order, with the `id` header and the relay's
+//! headers), where poison goes, and that 20 SIGKILLs with immediate restarts under a writer
+//! leave every event exactly once. Each scenario is written once over [`SourceDb`] and runs as
+//! `<scenario>::postgres` and `<scenario>::mariadb`.
+
+use crate::common;
+
+use common::kafka::{self, Record};
+use common::proxy::FaultProxy;
+use common::source_db::{on_both_sources, SourceDb};
+use common::*;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(90);
+
+on_both_sources!(
+    events_reach_kafka_keyed_in_order_with_headers_and_poison_is_dead,
+    sigkill_restarts_leave_every_event_exactly_once,
+);
+
+/// A test's own names: events go to `<prefix>.<topic>`, dead records to `<prefix>.dead`.
+pub struct Topics {
+    pub prefix: String,
+}
+
+impl Topics {
+    pub fn new(tag: &str) -> Topics {
+        kafka::require();
+        Topics {
+            prefix: unique(tag).replace('_', "-"),
+        }
+    }
+
+    pub fn args(&self) -> Vec<String> {
+        vec![
+            "--routing-key".into(),
+            format!("{}.{{topic}}", self.prefix),
+            "--kafka-dead-topic".into(),
+            self.dead(),
+        ]
+    }
+
+    pub fn topic(&self, topic: &str) -> String {
+        format!("{}.{topic}", self.prefix)
+    }
+
+    pub fn dead(&self) -> String {
+        format!("{}.dead", self.prefix)
+    }
+}
+
+/// `outboxd run` with the Kafka sink `sink` given through the environment.
+pub fn start(source: &str, name: &str, t: &Topics, sink: &str, extra: &[&str]) -> Relay {
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--source".into(),
+        source.into(),
+        "--name".into(),
+        name.into(),
+        "--log-level".into(),
+        std::env::var("OUTBOXD_TEST_LOG").unwrap_or_else(|_| "info".into()),
+    ];
+    args.extend(t.args());
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Relay::start_with_env(&args, &[("OUTBOXD_SINK", sink)])
+}
+
+pub fn id_of(r: &Record) -> Uuid {
+    r.header("id")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("a record without an id header: {r:?}"))
+}
+
+/// Every expected id exactly once, nothing else, and within each partition in commit order.
+pub fn assert_exactly_once_in_order(records: &[Record], expected: &[Uuid]) {
+    let mut counts: HashMap<Uuid, usize> = HashMap::new();
+    for r in records {
+        *counts.entry(id_of(r)).or_default() += 1;
+    }
+    let dups: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    for (id, _) in dups.iter().take(3) {
+        for r in records.iter().filter(|r| id_of(r) == **id) {
+            eprintln!(
+                "duplicate {id}: partition {} offset {} position {:?}",
+                r.partition,
+                r.offset,
+                r.header("x-source-position")
+            );
+        }
+    }
+    assert!(
+        dups.is_empty(),
+        "{} ids stored more than once, e.g. {:?}",
+        dups.len(),
+        &dups[..dups.len().min(3)]
+    );
+    let have: HashSet<&Uuid> = counts.keys().collect();
+    let missing: Vec<&Uuid> = expected.iter().filter(|i| !have.contains(i)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} events missing, e.g. {:?}",
+        missing.len(),
+        expected.len(),
+        &missing[..missing.len().min(3)]
+    );
+    assert_eq!(
+        records.len(),
+        expected.len(),
+        "nothing but the expected events"
+    );
+    let rank: HashMap<&Uuid, usize> = expected.iter().enumerate().map(|(i, u)| (u, i)).collect();
+    let mut last: HashMap<i32, usize> = HashMap::new();
+    for r in records {
+        let at = rank[&id_of(r)];
+        if let Some(prev) = last.insert(r.partition, at) {
+            assert!(
+                prev < at,
+                "partition {} holds event #{at} after #{prev}: not commit order",
+                r.partition
+            );
+        }
+    }
+}
+
+async fn events_reach_kafka_keyed_in_order_with_headers_and_poison_is_dead<D: SourceDb>() {
+    let db = D::create("kafkae").await;
+    let t = Topics::new("ke");
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url(),
+        &["--kafka-partitions", "3"],
+    );
+    db.wait_streaming(&name).await;
+    let expected = db.write(20, 5, "order.placed").await;
+    // A topic no Kafka topic can be named after: a dead record with the reason.
+    let poison = db.write(1, 1, "bad topic").await;
+    let topic = t.topic("order.placed");
+    let got = kafka::wait_records(&topic, expected.len(), T).await;
+    let dead = kafka::wait_records(&t.dead(), 1, T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_exactly_once_in_order(&got, &expected);
+    let partitions: HashSet<i32> = got.iter().map(|r| r.partition).collect();
+    assert!(
+        partitions.len() > 1,
+        "3 partitions, keys spread: {partitions:?}"
+    );
+    for r in &got {
+        let key = r.key.as_deref().expect("keyed by aggregate id");
+        assert_eq!(r.header("x-aggregate-id"), Some(key));
+        assert_eq!(
+            r.partition,
+            outboxd::sink::partition::partition_of(key, 3) as i32,
+            "Kafka's default partitioner (murmur2) places {key}"
+        );
+        assert_eq!(r.header("x-outbox-relay"), Some(name.as_str()));
+        assert!(D::is_position(r.header("x-source-position").unwrap_or("")));
+        let body: serde_json::Value = serde_json::from_slice(&r.value).expect("raw JSON payload");
+        assert_eq!(body["total"], "12.50");
+    }
+    assert_eq!(dead.len(), 1, "one dead record: {dead:?}");
+    assert!(dead[0].value.is_empty(), "a dead record has no body");
+    assert!(
+        dead[0]
+            .header("x-dead-reason")
+            .unwrap_or("")
+            .contains("[A-Za-z0-9._-]"),
+        "{:?}",
+        dead[0].headers
+    );
+    assert_eq!(dead[0].header("x-original-topic"), Some("bad topic"));
+    assert_eq!(
+        dead[0].header("id"),
+        Some(poison[0].hyphenated().to_string().as_str())
+    );
+}
+
+/// 20 SIGKILLs, each followed at once by a restart, while a writer commits all along: every
+/// committed event is in Kafka exactly once, in commit order per partition.
+async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
+    let db = D::create("kafkak").await;
+    let t = Topics::new("kk");
+    let name = unique("r");
+    let life = || {
+        start(
+            &db.dsn(),
+            &name,
+            &t,
+            &kafka::url(),
+            &["--kafka-partitions", "2"],
+        )
+    };
+    let mut relay = life();
+    db.wait_streaming(&name).await;
+    // About 5 s of writing, so that most of the 20 kills land while the producer writes;
+    // transactions of 50 events, so that a kill finds events written but not yet stored.
+    let writer = db.write_in_background(80, 25, Duration::from_millis(100), "kill.stream");
+    let topic = t.topic("kill.stream");
+    let (kills, step) = (20, 80);
+    let mut lives = Vec::new();
+    for k in 1..=kills {
+        kafka::wait_count(&topic, (k * step) as i64, T).await;
+        relay.sigkill();
+        lives.push(relay.stderr());
+        relay = life();
+    }
+    let expected = writer.await.unwrap();
+    let got = kafka::wait_records(&topic, expected.len(), T).await;
+    // Past the count: wait until the last life stored a position past the last event, so a
+    // late duplicate would have been written by now.
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let got = if got.len() < expected.len() {
+        got
+    } else {
+        kafka::read_all(&topic, true)
+    };
+    lives.push(relay.stderr());
+    let skipped_lives = lives
+        .iter()
+        .filter(|e| e.contains("already in Kafka are acknowledged without publishing"))
+        .count();
+    let kafka_lines: Vec<&str> = lives
+        .iter()
+        .flat_map(|e| e.lines())
+        .filter(|l| l.contains("Kafka") || l.contains("resuming") || l.contains("tail"))
+        .collect();
+    if std::env::var_os("OUTBOXD_TEST_VERBOSE").is_some() {
+        eprintln!("{}", kafka_lines.join("\n"));
+    }
+    assert_exactly_once_in_order(&got, &expected);
+    // The kills did leave written events unstored, and a later life found them in Kafka.
+    assert!(
+        skipped_lives > 0,
+        "no life found an event of an earlier one in Kafka: the kills tested nothing"
+    );
+    eprintln!("{kills} kills: {skipped_lives} lives skipped events already in Kafka");
+}
+
+/// A broker of the test's own behind the TCP proxy (its advertised address is the proxy's,
+/// so every connection the client makes goes through it): two cuts and a stall while a writer
+/// commits lose nothing and duplicate nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_cut_and_stalled_connections_lose_and_duplicate_nothing() {
+    let db = PgDb::create("kafkac").await;
+    let t = Topics::new("kc");
+    let broker_port = free_local_port();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
+        .await
+        .unwrap();
+    let _broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(proxy.port()),
+        &["--confirm-timeout", "3s"],
+    );
+    let topic = t.topic("cut.stream");
+    let count = |n: i64| {
+        let topic = topic.clone();
+        async move {
+            let t = topic.clone();
+            tokio::task::spawn_blocking(move || kafka::count_on(broker_port, &t))
+                .await
+                .unwrap()
+                >= n
+        }
+    };
+    db.wait_streaming(&name).await;
+    let writer = db.write_in_background(40, 50, Duration::from_millis(20), "cut.stream");
+    for k in 1..=2i64 {
+        let accepted = proxy.accepted();
+        wait_for(&format!("{} records before cut {k}", k * 400), T, || {
+            count(k * 400)
+        })
+        .await;
+        proxy.cut();
+        wait_for("the client to reconnect", T, || {
+            let now = proxy.accepted();
+            async move { now > accepted }
+        })
+        .await;
+    }
+    proxy.stall();
+    wait_for("a delivery timeout under the stall", T, || {
+        let err = relay.stderr();
+        async move { err.contains("sink still unavailable") || err.contains("retrying") }
+    })
+    .await;
+    proxy.resume();
+    let expected = writer.await.unwrap();
+    let got = kafka::wait_records_on(broker_port, &topic, expected.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let t2 = topic.clone();
+    let got = if got.len() < expected.len() {
+        got
+    } else {
+        tokio::task::spawn_blocking(move || kafka::read_all_on(broker_port, &t2, true))
+            .await
+            .unwrap()
+    };
+    assert_exactly_once_in_order(&got, &expected);
+}
+
+/// `--declare off` with the topic missing: the relay says what is missing and how to create
+/// it, publishes nothing and keeps its position; once the topic exists every event arrives
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_missing_topic_under_declare_off_holds_the_relay_back_and_loses_nothing() {
+    let db = PgDb::create("kafkao").await;
+    let t = Topics::new("ko");
+    let name = unique("r");
+    kafka::create_topic(&t.dead(), 1).await;
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url(),
+        &["--declare", "off", "--confirm-timeout", "3s"],
+    );
+    db.wait_streaming(&name).await;
+    let expected = db.write(10, 5, "late.topic").await;
+    let topic = t.topic("late.topic");
+    relay
+        .wait_for_stderr(&["does not exist", "--declare auto"], T)
+        .await;
+    let t2 = topic.clone();
+    assert!(
+        !tokio::task::spawn_blocking(move || kafka::topic_exists_on(kafka::PORT, &t2))
+            .await
+            .unwrap(),
+        "--declare off created the topic"
+    );
+    let stored_before = db.stored_pos(&name).await;
+    kafka::create_topic(&topic, 1).await;
+    let got = kafka::wait_records(&topic, expected.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    assert_exactly_once_in_order(&got, &expected);
+    let stored_after = db.stored_pos(&name).await;
+    assert!(
+        stored_after > stored_before,
+        "the position moved once the topic existed ({stored_before:?} → {stored_after:?})"
+    );
+}
