@@ -15,6 +15,7 @@ use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, Parser, Subcommand, ValueEnum};
 use tokio_util::sync::CancellationToken;
+use std::time::Duration;
 
 mod check;
 pub mod config_file;
