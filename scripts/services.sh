@@ -933,6 +933,7 @@ main() {
     mariadb_section
     rabbitmq_section
     rabbitmq_tls_section
+    bash "$(dirname "${BASH_SOURCE[0]}")/services/rabbitmq-stream.sh"
     nats_section
     docker_compose_section
     crypto_vector_section

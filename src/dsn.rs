@@ -209,6 +209,8 @@ pub enum SinkDsn {
     Amqp(String),
     /// `nats://` or `tls://` (NATS JetStream), kept whole; credentials are split off at connect.
     Nats(String),
+    /// `rabbitmq-stream://` (a RabbitMQ stream), kept whole; parsed by the stream sink.
+    RabbitStream(String),
 }
 
 impl fmt::Debug for SinkDsn {
@@ -217,6 +219,7 @@ impl fmt::Debug for SinkDsn {
             SinkDsn::Stdout => f.write_str("Stdout"),
             SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
             SinkDsn::Nats(u) => write!(f, "Nats({})", redact_token(u)),
+            SinkDsn::RabbitStream(u) => write!(f, "RabbitStream({})", redact(u)),
         }
     }
 }
@@ -230,15 +233,16 @@ impl SinkDsn {
         let url = Url::parse(s).map_err(|e| {
             Error::config(
                 format!("cannot parse the sink {}: {e}", redact(s)),
-                "use stdout, amqp://user@host:5672/%2f or nats://host:4222",
+                "use stdout, amqp://user@host:5672/%2f, nats://host:4222 or rabbitmq-stream://user@host:5552/%2f",
             )
         })?;
         match url.scheme() {
             "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
             "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
+            "rabbitmq-stream" => Ok(SinkDsn::RabbitStream(s.to_string())),
             other => Err(Error::config(
                 format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp://, amqps://, nats:// or tls://",
+                "use stdout, amqp://, amqps://, nats://, tls:// or rabbitmq-stream://",
             )),
         }
     }
@@ -246,7 +250,7 @@ impl SinkDsn {
     pub fn password(&self) -> Option<String> {
         match self {
             SinkDsn::Stdout => None,
-            SinkDsn::Amqp(u) | SinkDsn::Nats(u) => Url::parse(u)
+            SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::RabbitStream(u) => Url::parse(u)
                 .ok()
                 .and_then(|u| u.password().map(str::to_string)),
         }

@@ -3,7 +3,8 @@
 //! connector for the source and mode.
 
 use super::{
-    parse_bytes, parse_duration, resolve_dsn, resolve_source, NatsArgs, PartitionArgs, SourceArgs,
+    parse_bytes, parse_duration, resolve_dsn, resolve_source, NatsArgs, PartitionArgs,
+    RabbitStreamArgs, SourceArgs,
 };
 use crate::connector::{self, RunConfig};
 use crate::dsn::{SinkDsn, SourceDsn};
@@ -20,8 +21,8 @@ use tokio_util::sync::CancellationToken;
 pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
-    /// Sink: stdout, amqp://user@host:5672/vhost (amqps:// for TLS), or NATS JetStream
-    /// nats://host:4222 (tls:// for TLS).
+    /// Sink: stdout, amqp://user@host:5672/vhost (amqps:// for TLS), NATS JetStream
+    /// nats://host:4222 (tls:// for TLS), or a RabbitMQ stream rabbitmq-stream://user@host:5552/vhost.
     #[arg(
         long,
         env = "OUTBOXD_SINK",
@@ -90,6 +91,8 @@ pub struct RunArgs {
     pub rabbit: RabbitArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
+    #[command(flatten)]
+    pub rabbit_stream: RabbitStreamArgs,
     #[command(flatten)]
     pub mysql: MySqlArgs,
 }
@@ -237,7 +240,7 @@ pub fn message_options(
 
 fn sink_url(sink: &SinkDsn) -> String {
     match sink {
-        SinkDsn::Amqp(u) | SinkDsn::Nats(u) => u.clone(),
+        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::RabbitStream(u) => u.clone(),
         SinkDsn::Stdout => String::new(),
     }
 }
@@ -285,6 +288,7 @@ pub(super) async fn run(
     rabbitmq::validate_exchange(&exchange)?;
     let cfg = RunConfig {
         nats: args.nats.options()?,
+        rabbit_stream: args.rabbit_stream.options(),
         rabbit: connector::RabbitOptions {
             message,
             exchange,

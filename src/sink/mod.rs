@@ -9,6 +9,7 @@ pub mod memory;
 pub mod nats;
 pub mod partition;
 pub mod rabbitmq;
+pub mod rabbitmq_stream;
 pub mod stdout;
 pub mod template;
 pub mod topology;
@@ -153,6 +154,7 @@ pub enum AnySink {
     Stdout(stdout::StdoutSink),
     Rabbit(Box<rabbitmq::RabbitSink>),
     Nats(Box<nats::NatsSink>),
+    RabbitStream(Box<rabbitmq_stream::RabbitStreamSink>),
 }
 
 impl Sink for AnySink {
@@ -161,6 +163,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.name(),
             AnySink::Rabbit(s) => s.name(),
             AnySink::Nats(s) => s.name(),
+            AnySink::RabbitStream(s) => s.name(),
         }
     }
 
@@ -169,6 +172,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.stores_position(),
             AnySink::Rabbit(s) => s.stores_position(),
             AnySink::Nats(s) => s.stores_position(),
+            AnySink::RabbitStream(s) => s.stores_position(),
         }
     }
 
@@ -177,6 +181,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.connect().await,
             AnySink::Rabbit(s) => s.connect().await,
             AnySink::Nats(s) => s.connect().await,
+            AnySink::RabbitStream(s) => s.connect().await,
         }
     }
 
@@ -185,6 +190,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.publish(event).await,
             AnySink::Rabbit(s) => s.publish(event).await,
             AnySink::Nats(s) => s.publish(event).await,
+            AnySink::RabbitStream(s) => s.publish(event).await,
         }
     }
 
@@ -193,6 +199,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flush().await,
             AnySink::Rabbit(s) => s.flush().await,
             AnySink::Nats(s) => s.flush().await,
+            AnySink::RabbitStream(s) => s.flush().await,
         }
     }
 
@@ -201,6 +208,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.guard_wire(fence),
             AnySink::Rabbit(s) => s.guard_wire(fence),
             AnySink::Nats(s) => s.guard_wire(fence),
+            AnySink::RabbitStream(s) => s.guard_wire(fence),
         }
     }
 
@@ -209,6 +217,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.is_broken(),
             AnySink::Rabbit(s) => s.is_broken(),
             AnySink::Nats(s) => s.is_broken(),
+            AnySink::RabbitStream(s) => s.is_broken(),
         }
     }
 
@@ -217,6 +226,7 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flow_control(),
             AnySink::Rabbit(s) => s.flow_control(),
             AnySink::Nats(s) => s.flow_control(),
+            AnySink::RabbitStream(s) => s.flow_control(),
         }
     }
 }
