@@ -13,7 +13,7 @@ use rabbitmq_stream_client::types::{Message, SimpleValue};
 pub fn to_message(out: &Outgoing, publishing_id: u64) -> Message {
     let p = &out.props;
     let mut props = Message::builder()
-        .publishing_id(publishing_id)
+        .publising_id(publishing_id)
         .body(out.body.to_vec())
         .properties();
     if let Some(id) = p.message_id() {

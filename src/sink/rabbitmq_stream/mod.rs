@@ -33,7 +33,7 @@ use futures::{FutureExt, StreamExt};
 use ids::{Assign, PublishingIds, Tail, PUBLISHING_ID_HEADER};
 use rabbitmq_stream_client::error::{ClientError, ProducerCreateError};
 use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode, SimpleValue};
-use rabbitmq_stream_client::{ClientOptions, ConfirmationStatus, Dedup, Environment, Producer};
+use rabbitmq_stream_client::{ClientOptions, Dedup, Environment, Producer};
 use std::collections::HashMap;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -60,6 +60,9 @@ pub struct RabbitStreamSink {
     fence: Option<crate::state::Fence>,
     /// Events confirmed without being sent since the last connect (the stream held them).
     held: u64,
+    /// Streams found or created so far: one `--declare auto` has to create again was deleted
+    /// under the relay.
+    seen: std::collections::HashSet<String>,
 }
 
 fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
@@ -107,10 +110,11 @@ impl RabbitStreamSink {
             lanes: Vec::new(),
             fence: None,
             held: 0,
+            seen: Default::default(),
         })
     }
 
-    fn client_options(&self, role: &str) -> ClientOptions {
+    fn client_options(&self) -> ClientOptions {
         let e = &self.endpoint;
         ClientOptions::builder()
             .host(&e.host)
@@ -122,7 +126,6 @@ impl RabbitStreamSink {
             // instead of following the advertised host: the relay reaches the broker through
             // that address (a load balancer, a proxy, a container's published port).
             .load_balancer_mode(true)
-            .client_provided_name(format!("outboxd {} {role}", self.cfg.relay_name))
             .build()
     }
 
@@ -133,15 +136,16 @@ impl RabbitStreamSink {
         ))
     }
 
-    /// Creates the stream (`--declare auto`) or checks that it exists (`passive`).
+    /// Creates the stream (`--declare auto`) or checks that it exists (`passive`); whether it
+    /// had to be created.
     async fn declare(
         &self,
         admin: &rabbitmq_stream_client::Client,
         stream: &str,
-    ) -> Result<(), SinkError> {
+    ) -> Result<bool, SinkError> {
         use crate::sink::rabbitmq::DeclareMode;
         match self.cfg.declare {
-            DeclareMode::Off => Ok(()),
+            DeclareMode::Off => Ok(false),
             DeclareMode::Auto => {
                 let mut args = HashMap::new();
                 if let Some(b) = self.cfg.max_bytes {
@@ -155,14 +159,11 @@ impl RabbitStreamSink {
                     .await
                     .map_err(|e| self.connection_err("creating the stream", e))?;
                 match r.code() {
-                    ResponseCode::Ok | ResponseCode::StreamAlreadyExists => Ok(()),
+                    ResponseCode::Ok => Ok(true),
+                    ResponseCode::StreamAlreadyExists => Ok(false),
                     ResponseCode::AccessRefused => Err(config_err(
                         format!("the broker refused to create the stream {stream:?} (access refused)"),
                         "grant the user configure permission on it, or create it and run with --declare passive",
-                    )),
-                    ResponseCode::PreconditionFailed => Err(config_err(
-                        format!("the broker refused to create the stream {stream:?}: a queue of another type has that name, or a retention setting is invalid"),
-                        "choose another --stream, or check --stream-max-bytes/--stream-max-age",
                     )),
                     code => Err(self.connection_err(
                         &format!("creating the stream {stream:?}"),
@@ -176,7 +177,7 @@ impl RabbitStreamSink {
                     .await
                     .map_err(|e| self.connection_err("reading the stream's metadata", e))?;
                 match meta.get(stream).map(|m| &m.response_code) {
-                    Some(ResponseCode::Ok) => Ok(()),
+                    Some(ResponseCode::Ok) => Ok(false),
                     _ => Err(missing_stream(stream)),
                 }
             }
@@ -224,7 +225,7 @@ impl RabbitStreamSink {
     }
 
     async fn open(&mut self) -> Result<Vec<Lane>, SinkError> {
-        let admin = rabbitmq_stream_client::Client::connect(self.client_options("admin"))
+        let admin = rabbitmq_stream_client::Client::connect(self.client_options())
             .await
             .map_err(|e| self.connect_err(e))?;
         let e = &self.endpoint;
@@ -236,19 +237,24 @@ impl RabbitStreamSink {
             .virtual_host(&e.vhost)
             // As in `client_options`: connect where the URL says.
             .load_balancer_mode(true)
-            .client_provided_name(&format!("outboxd {}", self.cfg.relay_name))
             .build()
             .await
             .map_err(|e| self.connect_err(e))?;
         let mut lanes = Vec::new();
         for stream in self.cfg.streams() {
-            self.declare(&admin, &stream).await?;
+            if self.declare(&admin, &stream).await? && self.seen.contains(&stream) {
+                tracing::error!(
+                    stream = %stream,
+                    "the stream {stream:?} was deleted while the relay published into it, and --declare auto \
+                     created it again: the messages it held are gone; the events from the stored position on \
+                     are published into the new stream"
+                );
+            }
             let name = self.cfg.producer_name(&stream);
             let producer = env
                 .producer()
                 .name(&name)
                 .batch_size(1)
-                .client_provided_name(&format!("outboxd {} {stream}", self.cfg.relay_name))
                 .build(&stream)
                 .await
                 .map_err(|e| match e {
@@ -300,6 +306,7 @@ impl RabbitStreamSink {
             });
         }
         let _ = admin.close().await;
+        self.seen.extend(lanes.iter().map(|l| l.stream.clone()));
         Ok(lanes)
     }
 
@@ -353,8 +360,12 @@ impl Sink for RabbitStreamSink {
         self.close_lanes().await;
         if let Some(f) = &self.fence {
             // Only the lease holder opens the producers: the broker does not keep two
-            // connections from using one producer name.
-            if !f.is_open() {
+            // connections from using one producer name. The relay may connect while it is
+            // still taking the lease, so wait for it (as long as any other connect step).
+            if tokio::time::timeout(self.cfg.op_timeout, f.wait_open())
+                .await
+                .is_err()
+            {
                 return Err(SinkError::Connection(
                     "the lease is not held: the stream producers stay closed".into(),
                 ));
@@ -419,7 +430,16 @@ impl Sink for RabbitStreamSink {
             None => event.id,
         };
         let lane = &mut self.lanes[k];
-        let id = match lane.ids.assign(&event.position, message_id) {
+        let before_tail = lane.ids.before_tail();
+        let assigned = lane.ids.assign(&event.position, message_id);
+        if before_tail && !lane.ids.before_tail() {
+            tracing::info!(
+                stream = %lane.stream,
+                held = self.held + u64::from(assigned == Ok(Assign::Held)),
+                "replayed events the stream already held: confirmed them without sending them again"
+            );
+        }
+        let id = match assigned {
             Ok(Assign::Held) => {
                 self.held += 1;
                 return Ok(Delivery::Pending(futures::future::ready(Ok(())).boxed()));
@@ -439,25 +459,40 @@ impl Sink for RabbitStreamSink {
         };
         let stream = lane.stream.clone();
         let (tx, rx) = oneshot::channel();
-        lane.producer
-            .send(encode::to_message(&out, id), move |r| {
-                let _ = tx.send(r);
+        // The client takes an `Fn` callback; it calls it once per publishing id.
+        let tx = std::sync::Mutex::new(Some(tx));
+        let confirm_stream = stream.clone();
+        let send = lane.producer.send(encode::to_message(&out, id), move |r| {
+            let stream = &confirm_stream;
+            {
+                // A confirmation, or the broker's error code for the message as a retryable
+                // refusal: the relay reconnects and republishes (with backoff), which
+                // recomputes the ids, so a refused message is never skipped.
+                let outcome = match r {
+                    Ok(status) if status.confirmed() => Ok(()),
+                    Ok(status) => Err(SinkError::Rejected(format!(
+                        "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
+                        status.status()
+                    ))),
+                    Err(e) => Err(SinkError::Connection(format!(
+                        "publishing id {id} into the stream {stream:?}: {e}"
+                    ))),
+                };
+                if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    let _ = tx.send(outcome);
+                }
                 futures::future::ready(())
-            })
-            .await
-            .map_err(|e| {
-                SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
-            })?;
-        let fut: BoxFuture<'static, Result<(), SinkError>> = async move {
-            match rx.await {
-                Ok(Ok(status)) => confirmed(status, &stream),
-                Ok(Err(e)) => Err(SinkError::Connection(format!(
-                    "publishing id {id} into the stream {stream:?}: {e}"
-                ))),
-                Err(_) => Err(SinkError::Connection(format!(
-                    "the stream connection was replaced before publishing id {id} was confirmed"
-                ))),
             }
+        });
+        send.await.map_err(|e| {
+            SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
+        })?;
+        let fut: BoxFuture<'static, Result<(), SinkError>> = async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(SinkError::Connection(format!(
+                    "the stream connection was replaced before publishing id {id} was confirmed"
+                )))
+            })
         }
         .boxed();
         Ok(Delivery::Pending(fut))
@@ -466,21 +501,6 @@ impl Sink for RabbitStreamSink {
     async fn flush(&mut self) -> Result<(), SinkError> {
         // Every event is Pending until confirmed: nothing is buffered here.
         Ok(())
-    }
-}
-
-/// A confirmation, or the broker's error code for the message as a retryable refusal: the
-/// relay reconnects and republishes (with backoff), which recomputes the ids, so a refused
-/// message is never skipped.
-fn confirmed(status: ConfirmationStatus, stream: &str) -> Result<(), SinkError> {
-    if status.confirmed() {
-        Ok(())
-    } else {
-        Err(SinkError::Rejected(format!(
-            "the broker refused publishing id {} on the stream {stream:?}: {:?}",
-            status.publishing_id(),
-            status.status()
-        )))
     }
 }
 
