@@ -19,14 +19,6 @@ use rustls::{
 };
 use std::sync::Arc;
 
-/// Makes ring the process-wide rustls provider, for clients that build their TLS
-/// configuration with it (mysql_async, async-nats): the stream client's TLS dependency also
-/// compiles rustls' aws-lc-rs provider, and with two compiled in rustls picks neither on its
-/// own. Installing twice is a no-op.
-pub fn use_ring_process_wide() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }

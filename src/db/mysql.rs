@@ -87,8 +87,8 @@ fn ssl_opts(dsn: &DbDsn) -> Result<Option<SslOpts>, Error> {
         return Ok(None);
     }
     // mysql_async builds its rustls configuration with the process-wide provider: make it the
-    // same ring provider the rest of the crate uses.
-    crate::tls::use_ring_process_wide();
+    // same ring provider the rest of the crate uses (installing twice is a no-op).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let mut opts = SslOpts::default();
     if let Some(ca) = &tls.ca_file {
         // Fail early with a clear message rather than in the handshake.

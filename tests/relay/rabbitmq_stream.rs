@@ -20,7 +20,10 @@ const RATE: u32 = 200;
 fn kill_plan() -> Plan {
     Plan {
         kills: 20,
-        lives: [300, 700, 450, 900, 550]
+        // Longer than the stdout loop's: a life connects to the stream (three connections and
+        // a read of the stream's tail) after it logs where it resumes, and on a loaded machine
+        // that can take most of a second.
+        lives: [900, 1600, 1100, 2000, 1300]
             .iter()
             .map(|&m| Duration::from_millis(m))
             .collect(),
@@ -101,7 +104,9 @@ async fn crash_loop(dsn: String, name: String, producer: impl FnOnce() -> killlo
         "no life replayed events the stream already held; stderr tail:\n{}",
         tail(&out.stderr)
     );
-    out.assert_progress(out.kills / 2);
+    // Lives store progress for the next: fewer than the stdout loop's half, as each life opens
+    // three stream connections (and reads the stream's tail) before its first publish.
+    out.assert_progress(out.kills / 4);
     s.delete(0).await;
 }
 

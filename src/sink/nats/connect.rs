@@ -94,9 +94,6 @@ async fn options(cfg: &NatsConfig, ep: &Endpoint) -> Result<ConnectOptions, Sink
     if let Some(t) = &ep.token {
         opts = opts.token(t.clone());
     }
-    // async-nats builds its rustls configuration (TLS, or a server that asks for it) with the
-    // process-wide provider.
-    crate::tls::use_ring_process_wide();
     if ep.tls {
         opts = opts.require_tls(true);
     }
