@@ -4,6 +4,7 @@
 #   - postgres.sh:       wal_level=logical, replication, TLS with a test CA
 #   - mariadb.sh:        binary log in ROW format, FULL row image and metadata, TLS
 #   - rabbitmq.sh:       running, two plugins, a TLS listener on 127.0.0.1:5671
+#   - rabbitmq-stream.sh: the rabbitmq_stream plugin (port 5552), enabled online
 #   - nats.sh:           nats-server with JetStream on 127.0.0.1:4222
 #   - docker-compose.sh: Debian's package, to validate docker-compose.yml
 #   - crypto-vector.sh:  python3-cryptography, for scripts/crypto-vector.py
@@ -33,6 +34,7 @@ service postgres
 service postgres-versions
 service mariadb
 service rabbitmq
+service rabbitmq-stream
 service nats
 service kafka
 service docker-compose

@@ -55,6 +55,16 @@ pub struct RunConfig {
     pub nats: NatsOptions,
     /// Kafka sink settings (used when the sink is `kafka://` or `kafkas://`).
     pub kafka: crate::sink::kafka::KafkaOptions,
+    /// RabbitMQ stream sink settings (used when the sink is `rabbitmq-stream://`; the stream is
+    /// `--stream`, the TLS-free URL is in [`RunConfig::sink`]).
+    pub rabbit_stream: RabbitStreamOptions,
+}
+
+/// Retention of a stream the RabbitMQ stream sink creates (`--declare auto`).
+#[derive(Debug, Clone, Default)]
+pub struct RabbitStreamOptions {
+    pub max_bytes: Option<u64>,
+    pub max_age: Option<Duration>,
 }
 
 /// NATS sink settings from the command line (the URL is in [`RunConfig::sink`]; `--declare`,
@@ -211,8 +221,26 @@ pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
 /// Nothing connects here.
 pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
     match cfg.sink {
-        SinkDsn::Amqp(_) | SinkDsn::Nats(_) | SinkDsn::Kafka(_) => make_sink(cfg).map(drop),
+        SinkDsn::Amqp(_) | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_) => make_sink(cfg).map(drop),
         _ => Ok(()),
+    }
+}
+
+/// The AMQP sink's settings; the stream sink renders its messages with the same ones.
+fn rabbit_config(cfg: &RunConfig, url: &str) -> RabbitConfig {
+    RabbitConfig {
+        url: url.to_string(),
+        exchange: cfg.rabbit.exchange.clone(),
+        declare: cfg.rabbit.declare,
+        max_message_bytes: cfg.rabbit.max_message_bytes,
+        op_timeout: cfg.relay.confirm_timeout,
+        ca_file: cfg.rabbit.ca_file.clone(),
+        cert_file: cfg.rabbit.cert_file.clone(),
+        key_file: cfg.rabbit.key_file.clone(),
+        connection_name: format!("outboxd {}", cfg.name),
+        partitioning: cfg.rabbit.partitioning.clone(),
+        dead_queue_type: cfg.rabbit.dead_queue_type,
+        message: cfg.rabbit.message.clone(),
     }
 }
 
@@ -226,20 +254,7 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
             }
             AnySink::Stdout(StdoutSink::new(cfg.commit_offsets))
         }
-        SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(RabbitConfig {
-            url: url.clone(),
-            exchange: cfg.rabbit.exchange.clone(),
-            declare: cfg.rabbit.declare,
-            max_message_bytes: cfg.rabbit.max_message_bytes,
-            op_timeout: cfg.relay.confirm_timeout,
-            ca_file: cfg.rabbit.ca_file.clone(),
-            cert_file: cfg.rabbit.cert_file.clone(),
-            key_file: cfg.rabbit.key_file.clone(),
-            connection_name: format!("outboxd {}", cfg.name),
-            partitioning: cfg.rabbit.partitioning.clone(),
-            dead_queue_type: cfg.rabbit.dead_queue_type,
-            message: cfg.rabbit.message.clone(),
-        })?)),
+        SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(rabbit_config(cfg, url))?)),
         SinkDsn::Kafka(url) => {
             if cfg.rabbit.partitioning.partitions > 0 {
                 tracing::warn!("--partitions applies to RabbitMQ and NATS: a Kafka topic has partitions of its own (--kafka-partitions), and the record key (the aggregate id) keeps each aggregate in one");
@@ -258,6 +273,20 @@ pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
                 },
             )?))
         }
+        SinkDsn::RabbitStream(url) => {
+            use crate::sink::rabbitmq_stream::{RabbitStreamSink, StreamSinkConfig};
+            AnySink::RabbitStream(Box::new(RabbitStreamSink::new(StreamSinkConfig {
+                url: url.clone(),
+                stream: cfg.nats.stream.clone(),
+                declare: cfg.rabbit.declare,
+                max_bytes: cfg.rabbit_stream.max_bytes,
+                max_age: cfg.rabbit_stream.max_age,
+                op_timeout: cfg.relay.confirm_timeout,
+                relay_name: cfg.name.clone(),
+                message: rabbit_config(cfg, url),
+            })?))
+        }
+
         SinkDsn::Nats(url) => {
             let p = &cfg.rabbit.partitioning;
             if !p.header_counts.is_empty() && p.header_counts != [p.partitions] {

@@ -211,6 +211,8 @@ pub enum SinkDsn {
     Nats(String),
     /// `kafka://` or `kafkas://` (TLS), kept whole; brokers and credentials are split at connect.
     Kafka(String),
+    /// `rabbitmq-stream://` (a RabbitMQ stream), kept whole; parsed by the stream sink.
+    RabbitStream(String),
 }
 
 impl fmt::Debug for SinkDsn {
@@ -220,6 +222,7 @@ impl fmt::Debug for SinkDsn {
             SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
             SinkDsn::Nats(u) => write!(f, "Nats({})", redact_token(u)),
             SinkDsn::Kafka(u) => write!(f, "Kafka({})", redact(u)),
+            SinkDsn::RabbitStream(u) => write!(f, "RabbitStream({})", redact(u)),
         }
     }
 }
@@ -237,15 +240,16 @@ impl SinkDsn {
         let url = Url::parse(s).map_err(|e| {
             Error::config(
                 format!("cannot parse the sink {}: {e}", redact(s)),
-                "use stdout, amqp://user@host:5672/%2f, nats://host:4222 or kafka://host:9092",
+                "use stdout, amqp://user@host:5672/%2f, nats://host:4222, kafka://host:9092 or rabbitmq-stream://user@host:5552/%2f",
             )
         })?;
         match url.scheme() {
             "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
             "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
+            "rabbitmq-stream" => Ok(SinkDsn::RabbitStream(s.to_string())),
             other => Err(Error::config(
                 format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp://, amqps://, nats://, tls://, kafka:// or kafkas://",
+                "use stdout, amqp://, amqps://, nats://, tls://, kafka://, kafkas:// or rabbitmq-stream://",
             )),
         }
     }
@@ -253,7 +257,7 @@ impl SinkDsn {
     pub fn password(&self) -> Option<String> {
         match self {
             SinkDsn::Stdout => None,
-            SinkDsn::Amqp(u) | SinkDsn::Nats(u) => Url::parse(u)
+            SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::RabbitStream(u) => Url::parse(u)
                 .ok()
                 .and_then(|u| u.password().map(str::to_string)),
             SinkDsn::Kafka(u) => crate::sink::kafka::config::endpoint(u)

@@ -192,7 +192,8 @@ pub struct NatsArgs {
     /// its first token is the prefix (<prefix>.dead for poison records, <prefix>.> in the stream).
     #[arg(long, env = "OUTBOXD_SUBJECT", default_value = crate::sink::nats::config::DEFAULT_SUBJECT)]
     pub subject: String,
-    /// NATS sink: the JetStream stream (declared with --declare auto, checked with passive).
+    /// NATS sink: the JetStream stream (declared with --declare auto, checked with passive);
+    /// RabbitMQ stream sink: the stream (with --partitions N: <stream>-0 … <stream>-<N-1>).
     #[arg(long, env = "OUTBOXD_STREAM", default_value = crate::sink::nats::config::DEFAULT_STREAM)]
     pub stream: String,
 }
@@ -206,6 +207,26 @@ impl NatsArgs {
             subject,
             stream: self.stream.clone(),
         })
+    }
+}
+
+/// RabbitMQ stream sink settings (docs/rabbitmq-stream.md); the stream's name is `--stream`.
+#[derive(Debug, Clone, Args)]
+pub struct RabbitStreamArgs {
+    /// RabbitMQ stream sink: retention in bytes of a stream --declare auto creates (e.g. 20GB).
+    #[arg(long, env = "OUTBOXD_STREAM_MAX_BYTES", value_parser = parse_bytes)]
+    pub stream_max_bytes: Option<usize>,
+    /// RabbitMQ stream sink: retention in time of a stream --declare auto creates (e.g. 7d).
+    #[arg(long, env = "OUTBOXD_STREAM_MAX_AGE", value_parser = parse_duration)]
+    pub stream_max_age: Option<Duration>,
+}
+
+impl RabbitStreamArgs {
+    pub fn options(&self) -> connector::RabbitStreamOptions {
+        connector::RabbitStreamOptions {
+            max_bytes: self.stream_max_bytes.map(|b| b as u64),
+            max_age: self.stream_max_age,
+        }
     }
 }
 

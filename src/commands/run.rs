@@ -4,7 +4,7 @@
 
 use super::{
     parse_bytes, parse_duration, resolve_dsn, resolve_source, KafkaArgs, NatsArgs, PartitionArgs,
-    SourceArgs,
+    RabbitStreamArgs, SourceArgs,
 };
 use crate::connector::{self, RunConfig};
 use crate::dsn::{SinkDsn, SourceDsn};
@@ -22,8 +22,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub source: SourceArgs,
     /// Sink: stdout, amqp://user@host:5672/vhost (amqps:// for TLS), NATS JetStream
-    /// nats://host:4222 (tls:// for TLS), or Kafka kafka://host:9092[,host:9092…] (kafkas://
-    /// for TLS; user:password@ for SASL).
+    /// nats://host:4222 (tls:// for TLS), Kafka kafka://host:9092[,host:9092…] (kafkas:// for
+    /// TLS; user:password@ for SASL), or a RabbitMQ stream rabbitmq-stream://user@host:5552/vhost.
     #[arg(
         long,
         env = "OUTBOXD_SINK",
@@ -94,6 +94,7 @@ pub struct RunArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub kafka: KafkaArgs,
+    pub rabbit_stream: RabbitStreamArgs,
     #[command(flatten)]
     pub mysql: MySqlArgs,
 }
@@ -241,7 +242,7 @@ pub fn message_options(
 
 fn sink_url(sink: &SinkDsn) -> String {
     match sink {
-        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::Kafka(u) => u.clone(),
+        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::Kafka(u) | SinkDsn::RabbitStream(u) => u.clone(),
         SinkDsn::Stdout => String::new(),
     }
 }
@@ -290,6 +291,7 @@ pub(super) async fn run(
     let cfg = RunConfig {
         nats: args.nats.options()?,
         kafka: args.kafka.options(),
+        rabbit_stream: args.rabbit_stream.options(),
         rabbit: connector::RabbitOptions {
             message,
             exchange,

@@ -12,6 +12,7 @@ pub mod memory;
 pub mod nats;
 pub mod partition;
 pub mod rabbitmq;
+pub mod rabbitmq_stream;
 pub mod stdout;
 pub mod template;
 pub mod topology;
@@ -157,6 +158,7 @@ pub enum AnySink {
     Rabbit(Box<rabbitmq::RabbitSink>),
     Nats(Box<nats::NatsSink>),
     Kafka(Box<kafka::KafkaSink>),
+    RabbitStream(Box<rabbitmq_stream::RabbitStreamSink>),
 }
 
 impl Sink for AnySink {
@@ -166,6 +168,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.name(),
             AnySink::Nats(s) => s.name(),
             AnySink::Kafka(s) => s.name(),
+            AnySink::RabbitStream(s) => s.name(),
         }
     }
 
@@ -175,6 +178,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.stores_position(),
             AnySink::Nats(s) => s.stores_position(),
             AnySink::Kafka(s) => s.stores_position(),
+            AnySink::RabbitStream(s) => s.stores_position(),
         }
     }
 
@@ -184,6 +188,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.connect().await,
             AnySink::Nats(s) => s.connect().await,
             AnySink::Kafka(s) => s.connect().await,
+            AnySink::RabbitStream(s) => s.connect().await,
         }
     }
 
@@ -193,6 +198,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.publish(event).await,
             AnySink::Nats(s) => s.publish(event).await,
             AnySink::Kafka(s) => s.publish(event).await,
+            AnySink::RabbitStream(s) => s.publish(event).await,
         }
     }
 
@@ -202,6 +208,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.flush().await,
             AnySink::Nats(s) => s.flush().await,
             AnySink::Kafka(s) => s.flush().await,
+            AnySink::RabbitStream(s) => s.flush().await,
         }
     }
 
@@ -211,6 +218,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.guard_wire(fence),
             AnySink::Nats(s) => s.guard_wire(fence),
             AnySink::Kafka(s) => s.guard_wire(fence),
+            AnySink::RabbitStream(s) => s.guard_wire(fence),
         }
     }
 
@@ -220,6 +228,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.is_broken(),
             AnySink::Nats(s) => s.is_broken(),
             AnySink::Kafka(s) => s.is_broken(),
+            AnySink::RabbitStream(s) => s.is_broken(),
         }
     }
 
@@ -229,6 +238,7 @@ impl Sink for AnySink {
             AnySink::Rabbit(s) => s.flow_control(),
             AnySink::Nats(s) => s.flow_control(),
             AnySink::Kafka(s) => s.flow_control(),
+            AnySink::RabbitStream(s) => s.flow_control(),
         }
     }
 }

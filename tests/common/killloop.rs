@@ -274,6 +274,30 @@ pub async fn run<P>(args: &[&str], plan: &Plan, before: Vec<Uuid>, producer: P) 
 where
     P: FnOnce() -> Producer,
 {
+    run_reading(
+        args,
+        plan,
+        before,
+        producer,
+        None::<fn(usize) -> std::future::Ready<Vec<Uuid>>>,
+    )
+    .await
+}
+
+/// [`run`] for a sink that prints nothing: `read(n)` reads back everything the sink holds
+/// (every copy, in its order), waiting for at least `n` events, in place of the lives' stdout.
+pub async fn run_reading<P, R, F>(
+    args: &[&str],
+    plan: &Plan,
+    before: Vec<Uuid>,
+    producer: P,
+    read: Option<R>,
+) -> Outcome
+where
+    P: FnOnce() -> Producer,
+    R: Fn(usize) -> F,
+    F: std::future::Future<Output = Vec<Uuid>>,
+{
     let deadline = Duration::from_secs(120);
     let mut lives: Vec<Relay> = Vec::new();
     let mut producer = Some(producer);
@@ -306,7 +330,12 @@ where
     // Not a panic on timeout: what is missing then is the finding, reported by the caller.
     let give_up = Instant::now() + Duration::from_secs(40);
     loop {
-        let now: HashSet<Uuid> = ids(&last).into_iter().collect();
+        let now: HashSet<Uuid> = match &read {
+            Some(r) => r(want.len()).await,
+            None => ids(&last),
+        }
+        .into_iter()
+        .collect();
         if want.iter().all(|i| earlier.contains(i) || now.contains(i)) || Instant::now() > give_up {
             break;
         }
@@ -316,9 +345,13 @@ where
     let mut last = last;
     last.sigkill();
     lives.push(last);
+    let delivered = match &read {
+        Some(r) => r(want.len()).await,
+        None => lives.iter().flat_map(ids).collect(),
+    };
     Outcome {
         expected,
-        delivered: lives.iter().flat_map(ids).collect(),
+        delivered,
         kills: plan.kills,
         produced,
         elapsed,

@@ -7,6 +7,7 @@ pub mod nats;
 pub mod partitions;
 pub mod poll;
 pub mod proxy;
+pub mod rmq_stream;
 pub mod source_db;
 
 use std::io::{BufRead, BufReader};

@@ -18,6 +18,7 @@ mod metrics;
 mod nats_restart;
 mod nats_sink;
 mod proxy_selftest;
+mod rabbitmq_stream;
 mod refusals;
 mod routing;
 mod sink_conformance;

@@ -3,6 +3,7 @@
 //! a frame. Pure and broker-free, so the rules for what becomes poison and how JSON headers
 //! map onto AMQP field values can be read and unit-tested on their own.
 
+use super::config::RabbitConfig;
 use super::config::{APP_ID, DEAD_VALUE_MAX};
 use super::RabbitSink;
 use crate::event::OutboxEvent;
@@ -13,137 +14,149 @@ use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 
 impl RabbitSink {
-    /// Headers of a normal message, or the reason it is poison.
-    fn headers(
-        &self,
-        event: &OutboxEvent,
-        body: &Body,
-        limit: usize,
-    ) -> Result<FieldTable, String> {
-        let mut t = FieldTable::default();
-        // The row's headers never include a reserved name (see `sink::headers`): a row can
-        // neither forge the relay's headers nor route its message elsewhere with `CC`/`BCC`.
-        for (k, v) in headers::row_headers(event) {
-            let key = ShortString::try_new(k.as_str()).map_err(|_| {
-                format!("header name of {} bytes: AMQP allows at most 255", k.len())
-            })?;
-            t.insert(key, json_to_amqp(v)?);
-        }
-        // `--header COLUMN=NAME` (names checked at start: none is reserved) wins over the
-        // row's headers object.
-        for (k, v) in self.cfg.message.column_headers(event) {
-            t.insert(k.into(), AMQPValue::LongString(v.into()));
-        }
-        for (k, v) in body.headers.iter().cloned() {
-            t.insert(k.into(), amqp_value(v));
-        }
-        for (k, v) in standard_headers(event) {
-            t.insert(k.into(), v);
-        }
-        for (k, v) in self.cfg.partitioning.headers(&event.aggregate_id) {
-            t.insert(k, v);
-        }
-        let size = table_size(&t);
-        if size > limit {
-            return Err(format!(
-                "headers encode to {size} bytes, more than the {limit} allowed"
-            ));
-        }
-        Ok(t)
-    }
-
-    /// What the event is sent as: a normal message, or a dead-letter record with a reason.
+    /// What the event is sent as (see [`render`]), under the broker's size limit learnt so far.
     pub(super) fn render(
         &self,
         event: &OutboxEvent,
         header_limit: usize,
         route: Result<(String, String), String>,
     ) -> Outgoing {
-        let reason = if let Some(p) = &event.poison {
-            Some(p.clone())
-        } else if event.payload.len() > self.cfg.max_message_bytes {
-            Some(format!(
-                "payload is {} bytes, more than --max-message-bytes {}",
-                event.payload.len(),
-                self.cfg.max_message_bytes
-            ))
-        } else if event.topic.len() > 255 {
-            Some(format!(
-                "topic is {} bytes: a message type holds at most 255",
-                event.topic.len()
-            ))
-        } else {
-            route.as_ref().err().cloned()
-        };
-        let message = match reason {
+        let broker_max = self
+            .broker_max_message
+            .load(std::sync::atomic::Ordering::Acquire);
+        render(&self.cfg, broker_max, event, header_limit, route)
+    }
+}
+
+/// Headers of a normal message, or the reason it is poison.
+fn headers(
+    cfg: &RabbitConfig,
+    event: &OutboxEvent,
+    body: &Body,
+    limit: usize,
+) -> Result<FieldTable, String> {
+    let mut t = FieldTable::default();
+    // The row's headers never include a reserved name (see `sink::headers`): a row can
+    // neither forge the relay's headers nor route its message elsewhere with `CC`/`BCC`.
+    for (k, v) in headers::row_headers(event) {
+        let key = ShortString::try_new(k.as_str())
+            .map_err(|_| format!("header name of {} bytes: AMQP allows at most 255", k.len()))?;
+        t.insert(key, json_to_amqp(v)?);
+    }
+    // `--header COLUMN=NAME` (names checked at start: none is reserved) wins over the
+    // row's headers object.
+    for (k, v) in cfg.message.column_headers(event) {
+        t.insert(k.into(), AMQPValue::LongString(v.into()));
+    }
+    for (k, v) in body.headers.iter().cloned() {
+        t.insert(k.into(), amqp_value(v));
+    }
+    for (k, v) in standard_headers(event) {
+        t.insert(k.into(), v);
+    }
+    for (k, v) in cfg.partitioning.headers(&event.aggregate_id) {
+        t.insert(k, v);
+    }
+    let size = table_size(&t);
+    if size > limit {
+        return Err(format!(
+            "headers encode to {size} bytes, more than the {limit} allowed"
+        ));
+    }
+    Ok(t)
+}
+
+/// What the event is sent as: a normal message, or a dead-letter record with a reason.
+/// `broker_max` is the broker's message size limit when known (0: not known). Shared with the
+/// RabbitMQ stream sink, whose messages carry the same properties and headers.
+pub(crate) fn render(
+    cfg: &RabbitConfig,
+    broker_max: usize,
+    event: &OutboxEvent,
+    header_limit: usize,
+    route: Result<(String, String), String>,
+) -> Outgoing {
+    let reason = if let Some(p) = &event.poison {
+        Some(p.clone())
+    } else if event.payload.len() > cfg.max_message_bytes {
+        Some(format!(
+            "payload is {} bytes, more than --max-message-bytes {}",
+            event.payload.len(),
+            cfg.max_message_bytes
+        ))
+    } else if event.topic.len() > 255 {
+        Some(format!(
+            "topic is {} bytes: a message type holds at most 255",
+            event.topic.len()
+        ))
+    } else {
+        route.as_ref().err().cloned()
+    };
+    let message = match reason {
             Some(r) => Err(r),
-            None => self.cfg.message.body(event).and_then(|body| {
-                if body.bytes.len() > self.cfg.max_message_bytes {
+            None => cfg.message.body(event).and_then(|body| {
+                if body.bytes.len() > cfg.max_message_bytes {
                     return Err(format!(
                         "the {:?} body is {} bytes, more than --max-message-bytes {}",
-                        self.cfg.message.format,
+                        cfg.message.format,
                         body.bytes.len(),
-                        self.cfg.max_message_bytes
+                        cfg.max_message_bytes
                     ));
                 }
-                let broker_max = self
-                    .broker_max_message
-                    .load(std::sync::atomic::Ordering::Acquire);
                 if broker_max > 0 && body.bytes.len() > broker_max {
                     return Err(format!(
                         "the {:?} body is {} bytes, more than RabbitMQ's max_message_size {broker_max} \
                          (the broker closed the channel with 406 PRECONDITION_FAILED for it; \
                          raise max_message_size in rabbitmq.conf, or lower --max-message-bytes)",
-                        self.cfg.message.format,
+                        cfg.message.format,
                         body.bytes.len(),
                     ));
                 }
-                let h = self.headers(event, &body, header_limit)?;
+                let h = headers(cfg, event, &body, header_limit)?;
                 Ok((body, h))
             }),
         };
-        let props = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_message_id(event.id.hyphenated().to_string().into())
-            .with_timestamp(event.created_at.timestamp().max(0) as u64)
-            .with_app_id(APP_ID.into());
-        match (message, route) {
-            (Ok((body, h)), Ok((exchange, routing_key))) => Outgoing {
-                exchange,
-                routing_key,
-                body: body.bytes,
+    let props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(event.id.hyphenated().to_string().into())
+        .with_timestamp(event.created_at.timestamp().max(0) as u64)
+        .with_app_id(APP_ID.into());
+    match (message, route) {
+        (Ok((body, h)), Ok((exchange, routing_key))) => Outgoing {
+            exchange,
+            routing_key,
+            body: body.bytes,
+            props: props
+                .with_content_type(body.content_type.into())
+                .with_type(event.topic.clone().into())
+                .with_headers(h),
+            dead: None,
+        },
+        (Ok(_), Err(reason)) | (Err(reason), _) => {
+            let mut h = FieldTable::default();
+            for (k, v) in [
+                ("x-dead-reason", truncate(&reason)),
+                ("x-source-position", event.position.to_string()),
+                ("x-original-topic", truncate(&event.topic)),
+                ("x-aggregate-id", truncate(&event.aggregate_id)),
+                ("x-outbox-created-at", event.created_at_rfc3339()),
+            ] {
+                h.insert(k.into(), AMQPValue::LongString(v.into()));
+            }
+            h.insert(
+                "x-original-size".into(),
+                AMQPValue::LongLongInt(event.payload.len() as i64),
+            );
+            Outgoing {
+                exchange: String::new(),
+                routing_key: format!("{}.dead", cfg.exchange),
+                body: Bytes::new(),
+                // A row without a usable id gets one from its position: dead records
+                // never share the nil UUID (one idempotency key for all of them).
                 props: props
-                    .with_content_type(body.content_type.into())
-                    .with_type(event.topic.clone().into())
+                    .with_message_id(event.dead_record_id().hyphenated().to_string().into())
                     .with_headers(h),
-                dead: None,
-            },
-            (Ok(_), Err(reason)) | (Err(reason), _) => {
-                let mut h = FieldTable::default();
-                for (k, v) in [
-                    ("x-dead-reason", truncate(&reason)),
-                    ("x-source-position", event.position.to_string()),
-                    ("x-original-topic", truncate(&event.topic)),
-                    ("x-aggregate-id", truncate(&event.aggregate_id)),
-                    ("x-outbox-created-at", event.created_at_rfc3339()),
-                ] {
-                    h.insert(k.into(), AMQPValue::LongString(v.into()));
-                }
-                h.insert(
-                    "x-original-size".into(),
-                    AMQPValue::LongLongInt(event.payload.len() as i64),
-                );
-                Outgoing {
-                    exchange: String::new(),
-                    routing_key: format!("{}.dead", self.cfg.exchange),
-                    body: Bytes::new(),
-                    // A row without a usable id gets one from its position: dead records
-                    // never share the nil UUID (one idempotency key for all of them).
-                    props: props
-                        .with_message_id(event.dead_record_id().hyphenated().to_string().into())
-                        .with_headers(h),
-                    dead: Some(reason),
-                }
+                dead: Some(reason),
             }
         }
     }
@@ -188,13 +201,13 @@ pub(super) fn size_refusal_limit(text: &str) -> Option<usize> {
 }
 
 /// One message ready to go out.
-pub(super) struct Outgoing {
-    pub(super) exchange: String,
-    pub(super) routing_key: String,
-    pub(super) body: Bytes,
-    pub(super) props: BasicProperties,
+pub(crate) struct Outgoing {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Bytes,
+    pub(crate) props: BasicProperties,
     /// The dead-letter reason when this is a poison record.
-    pub(super) dead: Option<String>,
+    pub(crate) dead: Option<String>,
 }
 
 /// The relay's own headers in AMQP encoding.

@@ -47,13 +47,13 @@ pub use config::{
     validate_exchange, DeclareMode, RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES,
 };
 pub use encode::{json_to_amqp, table_size};
+pub(crate) use encode::{render, Outgoing};
 
 use super::topology;
 use super::{Delivery, FlowControl, Sink, SinkError};
 use crate::amqp::Endpoint;
 use crate::event::OutboxEvent;
 use confirms::{lock, Outcome};
-use encode::Outgoing;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use lapin::options::BasicPublishOptions;

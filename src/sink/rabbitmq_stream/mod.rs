@@ -1,0 +1,580 @@
+//! The RabbitMQ stream sink (docs/rabbitmq-stream.md): every event becomes one AMQP 1.0 message
+//! in a RabbitMQ stream, published by a **named producer** with a **publishing id** the broker
+//! deduplicates on, so a relay that crashes and replays from its stored position does not add
+//! a second copy of what the stream already holds.
+//!
+//! One producer per stream (`--partitions N`: the streams `<stream>-0` … `<stream>-<N-1>`,
+//! placed by the same murmur2 hash as the AMQP sink's partitions), named after the relay and
+//! the stream, opened only while the lease is held. The publishing ids are computed in `ids`:
+//! on every connect the sink asks the broker for the producer's last stored id and reads the
+//! message that carries it back from the stream, so the events up to that message are confirmed
+//! without being sent and the ones after it continue the sequence. The messages are rendered
+//! by the AMQP sink's `render` (the same properties and headers) and converted in `encode`.
+//!
+//! No sub-entry batching (it would make one publishing id cover several events). The client
+//! puts up to its batch size of messages into one frame without checking the frame size, so the
+//! sink sends one message per frame and caps a message at what a frame holds; a larger one is
+//! a dead record, like a payload over `--max-message-bytes`.
+//!
+//! Recovery is the relay's: on a failure it calls [`Sink::connect`] again, which opens new
+//! connections, reads the producers' state again and so recomputes the ids of the events it
+//! republishes. Everything this sink imports from the stream client stays in this folder.
+
+pub mod config;
+mod encode;
+pub mod ids;
+
+pub use config::{StreamEndpoint, StreamSinkConfig};
+
+use super::{Delivery, Sink, SinkError};
+use crate::event::OutboxEvent;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use ids::{Assign, PublishingIds, Tail, PUBLISHING_ID_HEADER};
+use rabbitmq_stream_client::error::{ClientError, ProducerCreateError};
+use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode, SimpleValue};
+use rabbitmq_stream_client::{ClientOptions, Dedup, Environment, Producer};
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// The broker's default `stream.frame_max`: one publish frame holds at most this.
+pub const FRAME_MAX: usize = 1024 * 1024;
+/// Encoded headers above this are a poison event.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Room in a frame for the message's properties and the frame's own fields.
+const FRAME_RESERVE: usize = 4096;
+
+/// One stream and its producer.
+struct Lane {
+    stream: String,
+    producer: Producer<Dedup>,
+    ids: PublishingIds,
+}
+
+/// The sink. Create with [`RabbitStreamSink::new`]; the relay calls `connect` before publishing.
+pub struct RabbitStreamSink {
+    cfg: StreamSinkConfig,
+    endpoint: StreamEndpoint,
+    lanes: Vec<Lane>,
+    fence: Option<crate::state::Fence>,
+    /// Events confirmed without being sent since the last connect (the stream held them).
+    held: u64,
+    /// Streams found or created so far: one `--declare auto` has to create again was deleted
+    /// under the relay.
+    seen: std::collections::HashSet<String>,
+}
+
+fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
+    SinkError::Config {
+        problem: problem.into(),
+        fix: fix.into(),
+    }
+}
+
+/// Checks a stream name: RabbitMQ's queue names are at most 255 bytes, and `--partitions`
+/// appends `-<k>`.
+pub fn validate_stream(name: &str, partitions: u32) -> Result<(), crate::Error> {
+    let suffix = if partitions > 0 {
+        format!("-{}", partitions - 1).len()
+    } else {
+        0
+    };
+    if name.is_empty()
+        || name.len() + suffix > 255
+        || name.starts_with("amq.")
+        || name.chars().any(|c| c.is_control())
+    {
+        return Err(crate::Error::config(
+            format!("--stream {name:?} is not a usable stream name"),
+            "use 1 to 250 printable characters, not starting with amq., e.g. --stream outbox",
+        ));
+    }
+    Ok(())
+}
+
+impl RabbitStreamSink {
+    /// Parses the URL and checks the names; connects only in [`Sink::connect`].
+    pub fn new(mut cfg: StreamSinkConfig) -> Result<RabbitStreamSink, crate::Error> {
+        let endpoint = StreamEndpoint::parse(&cfg.url)?;
+        validate_stream(&cfg.stream, cfg.message.partitioning.partitions)?;
+        // A message travels in one frame: a body that cannot fit is a dead record up front
+        // instead of a frame the broker refuses by closing the connection, on every retry.
+        cfg.message.max_message_bytes = cfg
+            .message
+            .max_message_bytes
+            .min(FRAME_MAX - MAX_HEADER_BYTES - FRAME_RESERVE);
+        Ok(RabbitStreamSink {
+            cfg,
+            endpoint,
+            lanes: Vec::new(),
+            fence: None,
+            held: 0,
+            seen: Default::default(),
+        })
+    }
+
+    fn client_options(&self) -> ClientOptions {
+        let e = &self.endpoint;
+        ClientOptions::builder()
+            .host(&e.host)
+            .port(e.port)
+            .user(&e.user)
+            .password(&e.password)
+            .v_host(&e.vhost)
+            // Connect where the URL says and check that the node there leads the stream,
+            // instead of following the advertised host: the relay reaches the broker through
+            // that address (a load balancer, a proxy, a container's published port).
+            .load_balancer_mode(true)
+            .build()
+    }
+
+    fn connection_err(&self, what: &str, e: impl std::fmt::Display) -> SinkError {
+        SinkError::Connection(format!(
+            "RabbitMQ stream sink at {}: {what}: {e}",
+            self.endpoint.redacted
+        ))
+    }
+
+    /// Creates the stream (`--declare auto`) or checks that it exists (`passive`); whether it
+    /// had to be created.
+    async fn declare(
+        &self,
+        admin: &rabbitmq_stream_client::Client,
+        stream: &str,
+    ) -> Result<bool, SinkError> {
+        use crate::sink::rabbitmq::DeclareMode;
+        match self.cfg.declare {
+            DeclareMode::Off => Ok(false),
+            DeclareMode::Auto => {
+                let mut args = HashMap::new();
+                if let Some(b) = self.cfg.max_bytes {
+                    args.insert("max-length-bytes".to_string(), b.to_string());
+                }
+                if let Some(a) = self.cfg.max_age {
+                    args.insert("max-age".to_string(), format!("{}s", a.as_secs().max(1)));
+                }
+                let r = admin
+                    .create_stream(stream, args)
+                    .await
+                    .map_err(|e| self.connection_err("creating the stream", e))?;
+                match r.code() {
+                    ResponseCode::Ok => Ok(true),
+                    ResponseCode::StreamAlreadyExists => Ok(false),
+                    ResponseCode::AccessRefused => Err(config_err(
+                        format!("the broker refused to create the stream {stream:?} (access refused)"),
+                        "grant the user configure permission on it, or create it and run with --declare passive",
+                    )),
+                    code => Err(self.connection_err(
+                        &format!("creating the stream {stream:?}"),
+                        format!("{code:?}"),
+                    )),
+                }
+            }
+            DeclareMode::Passive => {
+                let meta = admin
+                    .metadata(vec![stream.to_string()])
+                    .await
+                    .map_err(|e| self.connection_err("reading the stream's metadata", e))?;
+                match meta.get(stream).map(|m| &m.response_code) {
+                    Some(ResponseCode::Ok) => Ok(false),
+                    _ => Err(missing_stream(stream)),
+                }
+            }
+        }
+    }
+
+    /// The message that carries the producer's last stored id, read back from the stream.
+    async fn read_tail(&self, env: &Environment, stream: &str, last: u64) -> Option<Tail> {
+        let read = async {
+            let mut consumer = env
+                .consumer()
+                .offset(OffsetSpecification::Last)
+                .build(stream)
+                .await
+                .ok()?;
+            let mut found = None;
+            while let Some(Ok(d)) = consumer.next().await {
+                let m = d.message();
+                let app = m.application_properties();
+                let id = app.and_then(|a| a.get(PUBLISHING_ID_HEADER));
+                if id == Some(&SimpleValue::Ulong(last)) {
+                    let position = match app.and_then(|a| a.get("x-source-position")) {
+                        Some(SimpleValue::String(s)) => ids::parse_position(s),
+                        _ => None,
+                    };
+                    let message_id = m
+                        .properties()
+                        .and_then(|p| p.message_id.as_ref())
+                        .and_then(|id| <&String>::try_from(id).ok())
+                        .and_then(|s| uuid::Uuid::parse_str(s).ok());
+                    found = position.zip(message_id).map(|(position, message_id)| Tail {
+                        position,
+                        message_id,
+                    });
+                    break;
+                }
+            }
+            let _ = consumer.handle().close().await;
+            found
+        };
+        tokio::time::timeout(self.cfg.op_timeout, read)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn open(&mut self) -> Result<Vec<Lane>, SinkError> {
+        let admin = rabbitmq_stream_client::Client::connect(self.client_options())
+            .await
+            .map_err(|e| self.connect_err(e))?;
+        let e = &self.endpoint;
+        let env = Environment::builder()
+            .host(&e.host)
+            .port(e.port)
+            .username(&e.user)
+            .password(&e.password)
+            .virtual_host(&e.vhost)
+            // As in `client_options`: connect where the URL says.
+            .load_balancer_mode(true)
+            .build()
+            .await
+            .map_err(|e| self.connect_err(e))?;
+        let mut lanes = Vec::new();
+        for stream in self.cfg.streams() {
+            if self.declare(&admin, &stream).await? && self.seen.contains(&stream) {
+                tracing::error!(
+                    stream = %stream,
+                    "the stream {stream:?} was deleted while the relay published into it, and --declare auto \
+                     created it again: the messages it held are gone; the events from the stored position on \
+                     are published into the new stream"
+                );
+            }
+            let name = self.cfg.producer_name(&stream);
+            let producer = env
+                .producer()
+                .name(&name)
+                .batch_size(1)
+                .build(&stream)
+                .await
+                .map_err(|e| match e {
+                    ProducerCreateError::StreamDoesNotExist { .. } => missing_stream(&stream),
+                    ProducerCreateError::Create {
+                        status: ResponseCode::AccessRefused,
+                        ..
+                    } => config_err(
+                        format!("the broker refused a producer on the stream {stream:?} (access refused)"),
+                        "grant the user write permission on the stream",
+                    ),
+                    ProducerCreateError::Create {
+                        status: ResponseCode::StreamDoesNotExist,
+                        ..
+                    } => missing_stream(&stream),
+                    e => self.connection_err(&format!("opening the producer on {stream:?}"), e),
+                })?;
+            let last = admin
+                .query_publisher_sequence(&name, &stream)
+                .await
+                .map_err(|e| self.connection_err("querying the publisher sequence", e))?;
+            let tail = if last == 0 {
+                None
+            } else {
+                let tail = self.read_tail(&env, &stream, last).await;
+                if tail.is_none() {
+                    tracing::warn!(
+                        stream = %stream,
+                        producer = %name,
+                        last_publishing_id = last,
+                        "could not read back the stream's message with the producer's last publishing id \
+                         (truncated by retention, or written by another producer after it): the events \
+                         replayed from the stored position are published again under new ids, as duplicates"
+                    );
+                }
+                tail
+            };
+            tracing::info!(
+                stream = %stream,
+                producer = %name,
+                last_publishing_id = last,
+                tail = ?tail.as_ref().map(|t| t.position.to_string()),
+                "opened the stream producer"
+            );
+            lanes.push(Lane {
+                stream,
+                producer,
+                ids: PublishingIds::new(last, tail),
+            });
+        }
+        let _ = admin.close().await;
+        self.seen.extend(lanes.iter().map(|l| l.stream.clone()));
+        Ok(lanes)
+    }
+
+    fn connect_err(&self, e: ClientError) -> SinkError {
+        let text = e.to_string();
+        if text.contains("Connection refused") {
+            return SinkError::Connection(format!(
+                "cannot reach the RabbitMQ stream port at {}: {text} (is the stream plugin on? rabbitmq-plugins enable rabbitmq_stream)",
+                self.endpoint.redacted
+            ));
+        }
+        self.connection_err("connecting", e)
+    }
+
+    /// Closes the producers of the previous connection (their unconfirmed messages are the
+    /// relay's to republish).
+    async fn close_lanes(&mut self) {
+        for lane in self.lanes.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(1), lane.producer.close()).await;
+        }
+    }
+}
+
+fn missing_stream(stream: &str) -> SinkError {
+    config_err(
+        format!("the stream {stream:?} does not exist"),
+        format!(
+            "run with --declare auto to create it, or create it: rabbitmqadmin declare queue name={stream} durable=true arguments='{{\"x-queue-type\":\"stream\"}}'"
+        ),
+    )
+}
+
+impl Sink for RabbitStreamSink {
+    fn name(&self) -> &'static str {
+        "rabbitmq-stream"
+    }
+
+    fn stores_position(&self) -> bool {
+        true
+    }
+
+    fn guard_wire(&mut self, fence: crate::state::Fence) {
+        self.fence = Some(fence);
+    }
+
+    fn is_broken(&self) -> bool {
+        self.lanes.is_empty() || self.lanes.iter().any(|l| l.producer.is_closed())
+    }
+
+    async fn connect(&mut self) -> Result<(), SinkError> {
+        self.close_lanes().await;
+        if let Some(f) = &self.fence {
+            // Only the lease holder opens the producers: the broker does not keep two
+            // connections from using one producer name. The relay may connect while it is
+            // still taking the lease, so wait for it (as long as any other connect step).
+            if tokio::time::timeout(self.cfg.op_timeout, f.wait_open())
+                .await
+                .is_err()
+            {
+                return Err(SinkError::Connection(
+                    "the lease is not held: the stream producers stay closed".into(),
+                ));
+            }
+        }
+        let lanes = match tokio::time::timeout(self.cfg.op_timeout, self.open()).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "connecting to the RabbitMQ stream port at {} took longer than {:?}",
+                    self.endpoint.redacted, self.cfg.op_timeout
+                )))
+            }
+        };
+        if self.held > 0 {
+            tracing::info!(
+                held = self.held,
+                "events the stream already held were confirmed without being sent again"
+            );
+        }
+        self.held = 0;
+        self.lanes = lanes;
+        Ok(())
+    }
+
+    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
+        if let Some(f) = &self.fence {
+            if !f.is_open() {
+                return Err(SinkError::Connection(
+                    "the lease is not held: not publishing into the stream".into(),
+                ));
+            }
+        }
+        let lane_count = self.lanes.len();
+        if lane_count == 0 {
+            return Err(SinkError::Connection(
+                "the stream sink is not connected".into(),
+            ));
+        }
+        let k = if lane_count == 1 {
+            0
+        } else {
+            crate::sink::partition::partition_of(&event.aggregate_id, lane_count as u32) as usize
+        };
+        let out = crate::sink::rabbitmq::render(
+            &self.cfg.message,
+            0,
+            event,
+            MAX_HEADER_BYTES,
+            Ok((String::new(), String::new())),
+        );
+        let message_id = match &out.dead {
+            Some(reason) => {
+                tracing::warn!(
+                    id = %event.dead_record_id(),
+                    position = %event.position,
+                    reason = %reason,
+                    "poison event: publishing a dead-letter record without the body into the stream"
+                );
+                event.dead_record_id()
+            }
+            None => event.id,
+        };
+        let lane = &mut self.lanes[k];
+        let before_tail = lane.ids.before_tail();
+        let assigned = lane.ids.assign(&event.position, message_id);
+        if before_tail && !lane.ids.before_tail() {
+            tracing::info!(
+                stream = %lane.stream,
+                held = self.held + u64::from(assigned == Ok(Assign::Held)),
+                "replayed events the stream already held: confirmed them without sending them again"
+            );
+        }
+        let id = match assigned {
+            Ok(Assign::Held) => {
+                self.held += 1;
+                return Ok(Delivery::Pending(futures::future::ready(Ok(())).boxed()));
+            }
+            Ok(Assign::Publish(id)) => id,
+            Err(m) => {
+                return Err(config_err(
+                    format!(
+                        "the stream {:?} does not line up with the source: its last message from this relay is {} at {}, \
+                         but the source has {} at {} (a restored or replaced database, a reset binlog, or another relay \
+                         named {:?} writing the stream)",
+                        lane.stream, m.tail.message_id, m.tail.position, m.message_id, m.position, self.cfg.relay_name
+                    ),
+                    "publish into a new stream (--stream), or start a new producer sequence with a new --name",
+                ))
+            }
+        };
+        let stream = lane.stream.clone();
+        let (tx, rx) = oneshot::channel();
+        // The client takes an `Fn` callback; it calls it once per publishing id.
+        let tx = std::sync::Mutex::new(Some(tx));
+        let confirm_stream = stream.clone();
+        let send = lane.producer.send(encode::to_message(&out, id), move |r| {
+            let stream = &confirm_stream;
+            {
+                // A confirmation, or the broker's error code for the message as a retryable
+                // refusal: the relay reconnects and republishes (with backoff), which
+                // recomputes the ids, so a refused message is never skipped.
+                let outcome = match r {
+                    Ok(status) if status.confirmed() => Ok(()),
+                    Ok(status) => Err(SinkError::Rejected(format!(
+                        "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
+                        status.status()
+                    ))),
+                    Err(e) => Err(SinkError::Connection(format!(
+                        "publishing id {id} into the stream {stream:?}: {e}"
+                    ))),
+                };
+                if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    let _ = tx.send(outcome);
+                }
+                futures::future::ready(())
+            }
+        });
+        send.await.map_err(|e| {
+            SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
+        })?;
+        let fut: BoxFuture<'static, Result<(), SinkError>> = async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(SinkError::Connection(format!(
+                    "the stream connection was replaced before publishing id {id} was confirmed"
+                )))
+            })
+        }
+        .boxed();
+        Ok(Delivery::Pending(fut))
+    }
+
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        // Every event is Pending until confirmed: nothing is buffered here.
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::sink::rabbitmq::{DeclareMode, RabbitConfig};
+
+    pub(crate) fn message_config() -> RabbitConfig {
+        RabbitConfig {
+            url: String::new(),
+            exchange: "outbox".into(),
+            declare: DeclareMode::Auto,
+            max_message_bytes: crate::sink::rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
+            op_timeout: Duration::from_secs(5),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            connection_name: "test".into(),
+            partitioning: Default::default(),
+            dead_queue_type: Default::default(),
+            message: Default::default(),
+        }
+    }
+
+    fn cfg(stream: &str, partitions: u32) -> StreamSinkConfig {
+        let mut message = message_config();
+        message.partitioning.partitions = partitions;
+        StreamSinkConfig {
+            url: "rabbitmq-stream://guest:secret@127.0.0.1:5552".into(),
+            stream: stream.into(),
+            declare: DeclareMode::Auto,
+            max_bytes: None,
+            max_age: None,
+            op_timeout: Duration::from_secs(5),
+            relay_name: "r1".into(),
+            message,
+        }
+    }
+
+    #[test]
+    fn streams_and_producer_names_follow_the_partitions() {
+        let c = cfg("orders", 3);
+        assert_eq!(c.streams(), ["orders-0", "orders-1", "orders-2"]);
+        assert_eq!(c.producer_name("orders-1"), "outboxd.r1.orders-1");
+        assert_eq!(cfg("orders", 0).streams(), ["orders"]);
+        assert!(!format!("{c:?}").contains("secret"));
+    }
+
+    #[test]
+    fn bodies_that_cannot_fit_a_frame_are_dead_records() {
+        let sink = RabbitStreamSink::new(cfg("orders", 0)).unwrap();
+        assert!(sink.cfg.message.max_message_bytes < FRAME_MAX - MAX_HEADER_BYTES);
+        let mut big = crate::sink::test_event();
+        big.payload = bytes::Bytes::from(vec![b'1'; FRAME_MAX]);
+        let out = crate::sink::rabbitmq::render(
+            &sink.cfg.message,
+            0,
+            &big,
+            MAX_HEADER_BYTES,
+            Ok((String::new(), String::new())),
+        );
+        assert!(out.dead.unwrap().contains("--max-message-bytes"));
+        assert!(out.body.is_empty());
+    }
+
+    #[test]
+    fn bad_stream_names_are_refused() {
+        for bad in ["", "amq.x", "a\nb", &"x".repeat(255)] {
+            let mut c = cfg(bad, 0);
+            if bad.len() == 255 {
+                c.message.partitioning.partitions = 4;
+            }
+            assert!(RabbitStreamSink::new(c).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The RabbitMQ stream sink against the local broker's stream port (docs/rabbitmq-stream.md):
+//! the crash proof on both sources — 20 SIGKILLs, each followed by an immediate restart, under a
+//! producer writing all along, then every committed event exactly once in the stream, in commit
+//! order per aggregate — and the faults a stream relay meets: a stream deleted under it, a
+//! connection cut and stalled through the TCP proxy, a broker port that does not answer.
+
+use crate::common;
+
+use common::killloop::{self, Plan};
+use common::proxy::FaultProxy;
+use common::rmq_stream::{assert_ordered, TestStream};
+use common::source_db::SourceDb;
+use common::*;
+use std::collections::HashSet;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(90);
+const RATE: u32 = 200;
+
+fn kill_plan() -> Plan {
+    Plan {
+        kills: 20,
+        // Longer than the stdout loop's: a life connects to the stream (three connections and
+        // a read of the stream's tail) after it logs where it resumes, and on a loaded machine
+        // that can take most of a second.
+        lives: [900, 1600, 1100, 2000, 1300]
+            .iter()
+            .map(|&m| Duration::from_millis(m))
+            .collect(),
+        rate: RATE,
+        produce_after: Some("resuming"),
+    }
+}
+
+async fn crash_loop(dsn: String, name: String, producer: impl FnOnce() -> killloop::Producer) {
+    let s = TestStream::new("kls");
+    let mut args = vec![
+        "run".to_string(),
+        "--source".into(),
+        dsn,
+        "--name".into(),
+        name,
+        "--window".into(),
+        "100".into(),
+        "--snapshot".into(),
+        "never".into(),
+    ];
+    args.extend(s.args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let stream = s.name.clone();
+    let out = killloop::run_reading(
+        &args,
+        &kill_plan(),
+        Vec::new(),
+        producer,
+        Some(|n: usize| {
+            let stream = stream.clone();
+            async move {
+                TestStream::read_stream(&stream, n, Duration::from_secs(30))
+                    .await
+                    .into_iter()
+                    .map(|m| m.id)
+                    .collect()
+            }
+        }),
+    )
+    .await;
+    let msgs = s.read(out.expected.len(), Duration::from_secs(30)).await;
+    let lost = out.lost();
+    eprintln!(
+        "stream kill loop: {} committed ({:.0}/s), {} in the stream, {} lost, {} duplicates, {} SIGKILLs",
+        out.expected.len(),
+        out.rate(),
+        msgs.len(),
+        lost.len(),
+        out.duplicates(),
+        out.kills
+    );
+    let tail = |s: &str| s[s.len().saturating_sub(6000)..].to_string();
+    assert!(
+        lost.is_empty(),
+        "{} of {} committed events are not in the stream (first {:?}); stderr tail:\n{}",
+        lost.len(),
+        out.expected.len(),
+        lost.first(),
+        tail(&out.stderr)
+    );
+    assert_eq!(
+        out.duplicates(),
+        0,
+        "the stream holds duplicates; stderr tail:\n{}",
+        tail(&out.stderr)
+    );
+    let expected: HashSet<_> = out.expected.iter().collect();
+    assert!(
+        msgs.iter().all(|m| expected.contains(&m.id)),
+        "a message no one committed"
+    );
+    assert_ordered(&msgs);
+    // The fault was real: lives replayed from their stored position into what the stream held.
+    assert!(
+        out.stderr
+            .contains("replayed events the stream already held"),
+        "no life replayed events the stream already held; stderr tail:\n{}",
+        tail(&out.stderr)
+    );
+    // Lives store progress for the next: fewer than the stdout loop's half, as each life opens
+    // three stream connections (and reads the stream's tail) before its first publish.
+    out.assert_progress(out.kills / 4);
+    s.delete(0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_postgres_twenty_sigkills_exactly_once() {
+    let mut db = PgDb::create("kls_pg").await;
+    let name = unique("kls");
+    db.slots.push(format!("outboxd_{name}"));
+    let dsn = db.dsn();
+    crash_loop(dsn, name, || killloop::pg_producer(&db, RATE, "kls.pg")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_mariadb_twenty_sigkills_exactly_once() {
+    let db = MyDb::create("kls_my").await;
+    let name = unique("kls");
+    let dsn = db.dsn();
+    crash_loop(dsn, name, || killloop::my_producer(&db, RATE, "kls.my")).await;
+}
+
+/// A stream deleted under a running relay: the relay says which stream is gone, `--declare
+/// auto` creates it again, and every event committed after the deletion reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_deleted_under_the_relay_is_reported_and_nothing_after_it_is_lost() {
+    let db = PgDb::create("sdel").await;
+    let s = TestStream::new("sdel");
+    let name = unique("sd");
+    let dsn = db.dsn();
+    let mut args = vec![
+        "run".to_string(),
+        "--source".into(),
+        dsn,
+        "--name".into(),
+        name.clone(),
+        "--confirm-timeout".into(),
+        "3s".into(),
+    ];
+    args.extend(s.args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let first = db.write(10, 2, "sdel.before").await;
+    assert_eq!(s.read(first.len(), T).await.len(), first.len());
+    common::rmq_stream::env()
+        .await
+        .delete_stream(&s.name)
+        .await
+        .expect("delete the stream");
+    let after = db.write(10, 2, "sdel.after").await;
+    let want: HashSet<_> = after.iter().copied().collect();
+    wait_for(
+        "the events after the deletion in the re-created stream",
+        T,
+        || async {
+            let got: HashSet<_> = s.read(0, T).await.into_iter().map(|m| m.id).collect();
+            want.is_subset(&got)
+        },
+    )
+    .await;
+    // Events before the deletion that the stored position had not passed yet are published
+    // into the new stream too; nothing twice.
+    let msgs = s.read(after.len(), T).await;
+    let ids: Vec<_> = msgs.iter().map(|m| m.id).collect();
+    assert_eq!(
+        ids.iter().collect::<HashSet<_>>().len(),
+        ids.len(),
+        "duplicates: {msgs:?}"
+    );
+    assert!(ids.iter().all(|i| want.contains(i) || first.contains(i)));
+    assert_ordered(&msgs);
+    let err = relay.stderr_plain();
+    assert!(
+        err.contains(&format!("the stream \"{}\" was deleted", s.name)),
+        "the relay did not report the deleted stream: {err}"
+    );
+    relay.sigkill();
+    s.delete(0).await;
+}
+
+/// A cut and then a stall of the stream connection through the TCP proxy: the relay
+/// reconnects, and the stream holds every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_cut_and_stalled_connection_loses_and_duplicates_nothing() {
+    let db = PgDb::create("scut").await;
+    let s = TestStream::new("scut");
+    let proxy = FaultProxy::start(([127, 0, 0, 1], common::rmq_stream::PORT).into())
+        .await
+        .unwrap();
+    let name = unique("sc");
+    let dsn = db.dsn();
+    let sink = common::rmq_stream::url_via(proxy.port());
+    let args = [
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--sink",
+        &sink,
+        "--stream",
+        &s.name,
+        "--confirm-timeout",
+        "2s",
+    ];
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let mut ids = db.write(20, 2, "scut.a").await;
+    assert_eq!(s.read(ids.len(), T).await.len(), ids.len());
+    let accepted = proxy.accepted();
+    proxy.cut();
+    ids.extend(db.write(20, 2, "scut.b").await);
+    wait_for("a new connection after the cut", T, || async {
+        proxy.accepted() > accepted
+    })
+    .await;
+    assert_eq!(s.read(ids.len(), T).await.len(), ids.len());
+    proxy.stall();
+    let stalled = proxy.bytes();
+    ids.extend(db.write(20, 2, "scut.c").await);
+    let e = relay.stderr_plain();
+    wait_for("the relay to give up on the stalled connection", T, || {
+        let e2 = relay.stderr_plain();
+        let before = e.len();
+        async move { e2.len() > before && e2[before..].contains("unavailable") }
+    })
+    .await;
+    assert_eq!(
+        proxy.bytes(),
+        stalled,
+        "bytes moved through a stalled proxy"
+    );
+    proxy.resume();
+    let msgs = s.read(ids.len(), T).await;
+    let got: Vec<_> = msgs.iter().map(|m| m.id).collect();
+    assert_eq!(
+        got.iter().collect::<HashSet<_>>().len(),
+        got.len(),
+        "duplicates in the stream"
+    );
+    assert_eq!(
+        got.iter().collect::<HashSet<_>>(),
+        ids.iter().collect::<HashSet<_>>(),
+        "the stream differs from what was committed"
+    );
+    assert_ordered(&msgs);
+    relay.sigkill();
+    s.delete(0).await;
+}
+
+/// A broker without the stream plugin (nothing listens on the port): the relay names the
+/// command that enables it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_port_closed_names_the_plugin_command() {
+    let db = PgDb::create("snone").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let name = unique("sn");
+    let dsn = db.dsn();
+    let sink = common::rmq_stream::url_via(port);
+    let relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--sink",
+        &sink,
+        "--stream",
+        "never_made",
+    ]);
+    relay
+        .wait_for_stderr(&["rabbitmq-plugins enable rabbitmq_stream"], T)
+        .await;
+}
