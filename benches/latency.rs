@@ -27,6 +27,16 @@
 //! against the goal of ≤ 3×, flagged when the two producers' achieved rates differ by more than
 //! 10 % (the dual write's producer waits for each confirm and can fall behind). A message that
 //! never arrived within 120 s after the last send fails the bench (after the table is printed).
+//!
+//! A second table breaks each relay row down by stage from the relay's own histograms
+//! (`--metrics-addr`, scraped before it stops): commit → handed to the broker (the source's
+//! read and decode, the relay's queue), handed → confirmed, and confirmed → consumed (the
+//! bench's commit → consume minus the relay's commit → confirm).
+//!
+//! `OUTBOXD_BENCH_PIN=1` (root, cgroup v1 cpuset controller) runs every row with the database
+//! servers and this process on CPU 0 and the broker and the relay on CPU 1 (see
+//! `support::Pinning`), so host contention and the relay's own latency can be told apart; the
+//! placement is printed under the tables.
 
 pub(crate) mod support;
 
@@ -478,19 +488,28 @@ async fn arrived(
     latencies_ms(sent, &arr)
 }
 
+/// A relay row's stages from the relay's own histograms: (count, mean ms, p99 bucket bound ms)
+/// of commit → confirm and of handed to the broker → confirm.
+type Stages = Option<((u64, f64, f64), (u64, f64, f64))>;
+
 async fn relay_run(
     source: &str,
     rate: u64,
     seconds: u64,
     amqp: &Connection,
-) -> (&'static str, Run, Duration) {
+    pinning: Option<&support::Pinning>,
+) -> (&'static str, Run, Duration, Stages) {
     let db = format!("lat_{}_{source}_{rate}", std::process::id());
     let (mut producer, dsn) = Producer::create(source, &db).await;
     let exchange = db.clone();
     let bin = env!("CARGO_BIN_EXE_outboxd");
+    let metrics = support::free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
     let mut relay = Command::new(bin)
         .args([
             "run",
+            "--metrics-addr",
+            &metrics_addr,
             "--source",
             &dsn,
             "--name",
@@ -505,6 +524,9 @@ async fn relay_run(
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
+    if let Some(p) = pinning {
+        p.pin(1, relay.id()).expect("pinning the relay");
+    }
     // Wait for the relay's topology, then bind our queue.
     let queue = format!("{exchange}.all");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -552,6 +574,15 @@ async fn relay_run(
     let n = (rate * seconds) as usize;
     let (committed, achieved) = produce(&producer, &db, rate, n, None).await;
     let lat = arrived(&committed, &arrivals).await;
+    let text = support::scrape_metrics(metrics);
+    let ms = |(n, mean, p99): (u64, f64, f64)| (n, mean * 1000.0, p99 * 1000.0);
+    let stages = support::histogram(&text, "outboxd_commit_confirm_seconds", 0.99)
+        .zip(support::histogram(
+            &text,
+            "outboxd_publish_confirm_seconds",
+            0.99,
+        ))
+        .map(|(c, p)| (ms(c), ms(p)));
     let _ = Command::new("kill")
         .args(["-TERM", &relay.id().to_string()])
         .status();
@@ -575,7 +606,32 @@ async fn relay_run(
             latencies_ms: lat,
         },
         warm_up,
+        stages,
     )
+}
+
+/// A row of the stage table: where a relay row's commit → consume went, by the means (exact
+/// per stage, so they add up) and the p99 bucket bounds of the relay's histograms.
+fn stage_row(label: &str, rate: u64, relay: &Run, stages: Stages) -> String {
+    let mean = relay.latencies_ms.iter().sum::<f64>() / relay.latencies_ms.len().max(1) as f64;
+    let p99 = relay
+        .quantile(0.99)
+        .map_or_else(|| "n/a".into(), |v| format!("{v:.2}"));
+    match stages {
+        // A binlog event's timestamp has whole seconds: commit → anything in the relay is off
+        // by up to a second there, so only the relay's own publish → confirm is shown.
+        Some(((n, _, _), (_, publish_confirm, pc99))) if label == "MariaDB" => format!(
+            "| {label} | {rate}/s | {n} | n/a (binlog timestamps are whole seconds) | {publish_confirm:.2} | ≤ {pc99:.1} | n/a | n/a | n/a | {mean:.2} | {p99} |"
+        ),
+        Some(((n, commit_confirm, cc99), (_, publish_confirm, pc99))) => format!(
+            "| {label} | {rate}/s | {n} | {:.2} | {publish_confirm:.2} | ≤ {pc99:.1} | {commit_confirm:.2} | ≤ {cc99:.1} | {:.2} | {mean:.2} | {p99} |",
+            commit_confirm - publish_confirm,
+            mean - commit_confirm,
+        ),
+        None => format!(
+            "| {label} | {rate}/s | the relay's /metrics did not answer | | | | | | | {mean:.2} | {p99} |"
+        ),
+    }
 }
 
 /// The naive dual write on `source`: the relay run's producer commits each row and then
@@ -712,6 +768,10 @@ async fn main() {
         .map(|s| s.trim().to_lowercase())
         .collect();
     let load_before = support::load_average();
+    let pinning = (std::env::var("OUTBOXD_BENCH_PIN").as_deref() == Ok("1")).then(|| {
+        support::Pinning::start()
+            .unwrap_or_else(|e| panic!("OUTBOXD_BENCH_PIN=1: {e}; or run without it"))
+    });
     let amqp = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
@@ -722,6 +782,7 @@ async fn main() {
     println!("{HEADER}");
     let mut lost = Vec::new();
     let mut starts = Vec::new();
+    let mut stage_rows = Vec::new();
     let mut check = |what: String, run: &Run| {
         if run.lost() > 0 {
             lost.push(format!("{what}: {} of {}", run.lost(), run.sent));
@@ -737,7 +798,9 @@ async fn main() {
             let path = "dual write: commit, publish, confirm → consume";
             println!("{}", dual.row(label, path, rate, "1 (the floor)"));
             check(format!("{label} {path} at {rate}/s"), &dual);
-            let (label, relay, warm_up) = relay_run(source, rate, seconds, &amqp).await;
+            let (label, relay, warm_up, stages) =
+                relay_run(source, rate, seconds, &amqp, pinning.as_ref()).await;
+            stage_rows.push(stage_row(label, rate, &relay, stages));
             starts.push(format!(
                 "{label} at {rate}/s {:.0} ms",
                 warm_up.as_secs_f64() * 1000.0
@@ -755,6 +818,15 @@ async fn main() {
         "\nrelay start (a first row committed as soon as the server lists the relay's stream → consumed; each relay row's schedule starts after it): {}",
         starts.join(", ")
     );
+    println!(
+        "\nThe relay rows by stage (ms; means add up, p99s are the bounds of the relay's doubling histogram buckets; the commit time is the server's commit timestamp in the relay, COMMIT's return in the bench):\n\n| source | rate | events | commit → handed to the broker, mean | handed → confirmed, mean | its p99 | commit → confirmed, mean | its p99 | confirmed → consumed, mean | commit → consumed, mean | its p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for row in &stage_rows {
+        println!("{row}");
+    }
+    if let Some(p) = &pinning {
+        println!("\npinned (cgroup v1 cpusets): {}", p.placement.join("; "));
+    }
     println!(
         "\nload average before: {load_before}, after: {}",
         support::load_average()

@@ -252,12 +252,15 @@ struct Row {
     /// The goal this row has, if any: (minimum ratio, its name).
     goal: Option<f64>,
     relay: Option<(f64, f64, u64)>,
+    /// CPU seconds of the publishing process: the relay's, or the raw publisher's own.
+    publisher_cpu: f64,
     /// CPU seconds the database servers and the broker used during the run.
     host: (f64, f64),
 }
 
-/// One raw run: its window, msg/s, and the host's (servers', broker's) CPU seconds.
-type RawRun = (usize, f64, (f64, f64));
+/// One raw run: its window, msg/s, the host's (servers', broker's) CPU seconds, and the
+/// CPU seconds this process (the raw publisher, its runtime and lapin's I/O thread) used.
+type RawRun = (usize, f64, (f64, f64), f64);
 
 /// The raw publisher on `bodies` with `windows` in all over `channels` channels, each run into
 /// the queues `queues` (purged first, checked to hold every body after); returns each run and
@@ -279,7 +282,11 @@ async fn raw_runs(
             purge(ch, q).await;
         }
         let before = support::host_cpu();
+        // The publisher's own CPU in the same run, measured as the relay's is (from /proc), so
+        // the two per-event figures compare: only the raw publisher runs in this process now.
+        let own_before = cpu_secs(std::process::id()).unwrap_or(0.0);
         let rate = raw_publish(conn, x, bodies, window, channels, source).await;
+        let own = cpu_secs(std::process::id()).unwrap_or(0.0) - own_before;
         let after = support::host_cpu();
         let host = (after.0 - before.0, after.1 - before.1);
         let mut held = 0;
@@ -295,11 +302,11 @@ async fn raw_runs(
             "{}: raw lapin, {channels} channel(s), window {window}: {rate:.0} msg/s",
             source.label()
         );
-        raw.push((window, rate, host));
+        raw.push((window, rate, host, own));
     }
     let best = raw
         .iter()
-        .map(|&(w, r, _)| (w, r))
+        .map(|&(w, r, _, _)| (w, r))
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap();
     (raw, best)
@@ -333,7 +340,7 @@ fn goal_of(run: RelayRun) -> Option<f64> {
 
 fn raw_rows(source: Source, channels: usize, raw: &[RawRun], best: f64) -> Vec<Row> {
     raw.iter()
-        .map(|&(w, r, host)| Row {
+        .map(|&(w, r, host, own)| Row {
             what: format!("raw lapin publisher, {} bodies", source.label()),
             channels,
             window: w.to_string(),
@@ -341,6 +348,7 @@ fn raw_rows(source: Source, channels: usize, raw: &[RawRun], best: f64) -> Vec<R
             ratio: r / best,
             goal: None,
             relay: None,
+            publisher_cpu: own,
             host,
         })
         .collect()
@@ -365,6 +373,7 @@ fn relay_row(source: Source, run: RelayRun, best: f64, r: (f64, u64, f64, f64, (
         ratio: rate / best,
         goal: goal_of(run),
         relay: Some((cpu, secs, peak)),
+        publisher_cpu: cpu,
         host,
     }
 }
@@ -613,9 +622,9 @@ async fn main() {
     }
 
     println!(
-        "\n| run | channels | window | msg/s | vs best raw (same bodies, same channels) | goal | relay CPU | peak RSS | database servers' CPU | broker CPU |"
+        "\n| run | channels | window | msg/s | vs best raw (same bodies, same channels) | goal | relay CPU | publisher CPU per event | peak RSS | database servers' CPU | broker CPU |"
     );
-    println!("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|");
     for r in &table {
         let goal = match r.goal {
             Some(g) if r.ratio >= g => format!("≥ {g} met"),
@@ -623,19 +632,19 @@ async fn main() {
             None => String::new(),
         };
         let (server, broker) = r.host;
+        let per_event = r.publisher_cpu * 1e6 / events as f64;
         match r.relay {
             None => println!(
-                "| {} | {} | {} | {:.0} | {:.2} | | | | {server:.1} s | {broker:.1} s |",
+                "| {} | {} | {} | {:.0} | {:.2} | | | {per_event:.1} µs | | {server:.1} s | {broker:.1} s |",
                 r.what, r.channels, r.window, r.rate, r.ratio
             ),
             Some((cpu, secs, peak)) => println!(
-                "| {} | {} | {} | {:.0} | **{:.2}** | {goal} | {cpu:.1} s of {secs:.1} s ({:.0} µs/event) | {} MiB | {server:.1} s | {broker:.1} s |",
+                "| {} | {} | {} | {:.0} | **{:.2}** | {goal} | {cpu:.1} s of {secs:.1} s | {per_event:.1} µs | {} MiB | {server:.1} s | {broker:.1} s |",
                 r.what,
                 r.channels,
                 r.window,
                 r.rate,
                 r.ratio,
-                cpu * 1e6 / events as f64,
                 peak / 1024
             ),
         }
@@ -645,7 +654,7 @@ async fn main() {
         sizes.join(", ")
     );
     println!(
-        "CPU columns are seconds used during the run (user + system, from /proc) on a host of {} cores: the relay's own, the database servers' (`postgres`, `mariadbd`; the raw publisher does not read the database, so its runs show only what else ran) and the broker's (`beam.smp`).",
+        "CPU columns are seconds used during the run (user + system, from /proc) on a host of {} cores: the relay's own (per event: the relay's, or the raw publisher process's own in its run), the database servers' (`postgres`, `mariadbd`; the raw publisher does not read the database, so its runs show only what else ran) and the broker's (`beam.smp`).",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(

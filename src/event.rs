@@ -25,19 +25,66 @@ pub enum SourcePosition {
 }
 
 impl fmt::Display for SourcePosition {
+    // Every published event renders its position (the `x-source-position` header): the
+    // padded numbers are written by hand, which costs about a tenth of `write!`'s padding
+    // machinery (a callgrind count of the relay put that at 5 % of its instructions per event).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut buf = [0u8; 20];
         match self {
             SourcePosition::Pg { commit_lsn, index } => {
-                write!(f, "{}:{index:010}", format_lsn_padded(*commit_lsn))
+                f.write_str(lsn_hex(*commit_lsn).as_str())?;
+                f.write_str(":")?;
+                f.write_str(decimal_pad10(u64::from(*index), &mut buf))
             }
             SourcePosition::Binlog {
                 file,
                 end_pos,
                 index,
-            } => write!(f, "{file}:{end_pos:010}:{index:010}"),
+            } => {
+                f.write_str(file)?;
+                f.write_str(":")?;
+                f.write_str(decimal_pad10(*end_pos, &mut buf))?;
+                f.write_str(":")?;
+                f.write_str(decimal_pad10(u64::from(*index), &mut buf))
+            }
             SourcePosition::Poll { batch, index } => write!(f, "poll:{batch:016}:{index:010}"),
         }
     }
+}
+
+/// `n` in decimal, zero-padded to at least 10 digits (what `{n:010}` writes).
+fn decimal_pad10(mut n: u64, buf: &mut [u8; 20]) -> &str {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let start = i.min(buf.len() - 10);
+    buf[start..i].fill(b'0');
+    std::str::from_utf8(&buf[start..]).unwrap_or_default()
+}
+
+/// An LSN as `XXXXXXXX/XXXXXXXX`: upper-case hex, eight digits on each side.
+struct LsnHex([u8; 17]);
+
+impl LsnHex {
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+fn lsn_hex(lsn: u64) -> LsnHex {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = [b'/'; 17];
+    for k in 0..8 {
+        out[k] = HEX[((lsn >> (60 - 4 * k)) & 0xf) as usize];
+        out[9 + k] = HEX[((lsn >> (28 - 4 * k)) & 0xf) as usize];
+    }
+    LsnHex(out)
 }
 
 impl SourcePosition {
@@ -131,7 +178,7 @@ pub fn format_lsn(lsn: u64) -> String {
 
 /// `00000000/016B3748`: sortable as a string.
 pub fn format_lsn_padded(lsn: u64) -> String {
-    format!("{:08X}/{:08X}", lsn >> 32, lsn & 0xffff_ffff)
+    lsn_hex(lsn).as_str().to_string()
 }
 
 /// Parses `16/B374D848` (Postgres' form, padded or not).
@@ -385,6 +432,38 @@ mod tests {
             Some(Ordering::Less)
         );
         assert_eq!(pg(1, 0).compare(&bl("b.000001", 1, 0)), None);
+    }
+
+    /// The hand-written rendering is the padded `format!` one, at the edges of every field.
+    #[test]
+    fn positions_render_as_the_padded_format() {
+        for lsn in [0, 1, 0x16B3748, 0xA476_0B98_0000_0001, u64::MAX] {
+            for index in [0, 7, 1_000_000_000, u32::MAX] {
+                assert_eq!(
+                    SourcePosition::Pg {
+                        commit_lsn: lsn,
+                        index
+                    }
+                    .to_string(),
+                    format!("{:08X}/{:08X}:{index:010}", lsn >> 32, lsn & 0xffff_ffff)
+                );
+                for end_pos in [0, 4, 9_999_999_999, 10_000_000_000, u64::MAX] {
+                    assert_eq!(
+                        SourcePosition::Binlog {
+                            file: "mariadb-bin.000012".into(),
+                            end_pos,
+                            index
+                        }
+                        .to_string(),
+                        format!("mariadb-bin.000012:{end_pos:010}:{index:010}")
+                    );
+                }
+            }
+            assert_eq!(
+                format_lsn_padded(lsn),
+                format!("{:08X}/{:08X}", lsn >> 32, lsn & 0xffff_ffff)
+            );
+        }
     }
 
     #[test]

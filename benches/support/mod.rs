@@ -490,3 +490,145 @@ pub async fn new_backlog(
     assert!(ok, "outboxd setup failed");
     pg_backlog(client, events, 100).await;
 }
+
+/// The CPU each process group runs on in a pinned run (`OUTBOXD_BENCH_PIN=1`): cgroup v1
+/// cpusets, one per CPU, so that the host's contention can be told apart from the relay's own
+/// latency. With two CPUs the groups share: CPU 0 holds the database servers and the bench
+/// process (producer and consumer), CPU 1 the broker and the relay. Processes are moved whole
+/// (every thread; children they start later stay in their group); dropping the value moves
+/// every one of them back to the root cpuset and removes the groups.
+pub struct Pinning {
+    groups: Vec<String>,
+    /// What went where, for the report.
+    pub placement: Vec<String>,
+}
+
+const CPUSET: &str = "/sys/fs/cgroup/cpuset";
+
+impl Pinning {
+    /// Creates the groups and pins the servers and this process; fails with what is missing.
+    pub fn start() -> Result<Pinning, String> {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cpus < 2 {
+            return Err(format!("pinning needs 2 CPUs, the host has {cpus}"));
+        }
+        if !std::path::Path::new(CPUSET).join("cgroup.procs").exists() {
+            return Err(format!(
+                "pinning needs the cgroup v1 cpuset controller at {CPUSET} (and root)"
+            ));
+        }
+        let mems = std::fs::read_to_string(format!("{CPUSET}/cpuset.mems"))
+            .map_err(|e| format!("{CPUSET}/cpuset.mems: {e}"))?;
+        let mut p = Pinning {
+            groups: Vec::new(),
+            placement: Vec::new(),
+        };
+        for cpu in 0..2 {
+            let dir = format!("{CPUSET}/outboxd_bench_cpu{cpu}");
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e} (root needed)"))?;
+            // A cpuset takes tasks only once it has CPUs and memory nodes.
+            std::fs::write(format!("{dir}/cpuset.cpus"), cpu.to_string())
+                .and_then(|_| std::fs::write(format!("{dir}/cpuset.mems"), mems.trim()))
+                .map_err(|e| format!("{dir}: {e}"))?;
+            p.groups.push(dir);
+        }
+        let servers = |names: &[&str]| -> Vec<u32> {
+            std::fs::read_dir("/proc")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|pid| {
+                    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .is_ok_and(|c| names.contains(&c.trim_end()))
+                })
+                .collect()
+        };
+        for pid in servers(&["postgres", "mariadbd", "mysqld"]) {
+            p.pin(0, pid)?;
+        }
+        for pid in servers(&["beam.smp", "epmd", "erl_child_setup", "inet_gethost"]) {
+            p.pin(1, pid)?;
+        }
+        p.pin(0, std::process::id())?;
+        p.placement = vec![
+            "CPU 0: the database servers (postgres, mariadbd) and the bench process (producers, the dual write's publisher, the raw publisher, the consumer)".into(),
+            "CPU 1: the broker (beam.smp) and the relay (outboxd run)".into(),
+        ];
+        Ok(p)
+    }
+
+    /// Moves process `pid` (every thread) into CPU `cpu`'s group.
+    pub fn pin(&self, cpu: usize, pid: u32) -> Result<(), String> {
+        let procs = format!("{}/cgroup.procs", self.groups[cpu]);
+        match std::fs::write(&procs, pid.to_string()) {
+            Ok(()) => Ok(()),
+            // A process that ended meanwhile (a Postgres backend) has nothing to pin.
+            Err(_) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => Ok(()),
+            Err(e) => Err(format!("{procs} ← {pid}: {e}")),
+        }
+    }
+}
+
+impl Drop for Pinning {
+    fn drop(&mut self) {
+        for dir in &self.groups {
+            let procs = std::fs::read_to_string(format!("{dir}/cgroup.procs")).unwrap_or_default();
+            for pid in procs.lines() {
+                let _ = std::fs::write(format!("{CPUSET}/cgroup.procs"), pid);
+            }
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+/// A free local TCP port (bound and released at once) for a child's `--metrics-addr`.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free local port")
+}
+
+/// The relay's Prometheus text from `GET /metrics` on `port` (empty when it does not answer).
+pub fn scrape_metrics(port: u16) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text
+}
+
+/// One histogram of a Prometheus text: count, mean and the upper bound of the bucket that holds
+/// quantile `q` (the buckets double, so this bound is within 2× of the true quantile).
+pub fn histogram(text: &str, name: &str, q: f64) -> Option<(u64, f64, f64)> {
+    let value = |suffix: &str| -> Option<f64> {
+        let key = format!("{name}_{suffix} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let count = value("count")? as u64;
+    if count == 0 {
+        return None;
+    }
+    let mean = value("sum")? / count as f64;
+    let prefix = format!("{name}_bucket{{le=\"");
+    let bound = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|l| {
+            let (le, n) = l.split_once("\"} ")?;
+            Some((
+                le.parse::<f64>().unwrap_or(f64::INFINITY),
+                n.trim().parse::<f64>().ok()?,
+            ))
+        })
+        .find(|&(_, n)| n >= q * count as f64)
+        .map_or(f64::INFINITY, |(le, _)| le);
+    Some((count, mean, bound))
+}
