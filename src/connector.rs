@@ -221,7 +221,9 @@ pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
 /// Nothing connects here.
 pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
     match cfg.sink {
-        SinkDsn::Amqp(_) | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_) => make_sink(cfg).map(drop),
+        SinkDsn::Amqp(_) | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_) => {
+            make_sink(cfg).map(drop)
+        }
         _ => Ok(()),
     }
 }

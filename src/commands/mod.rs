@@ -14,8 +14,8 @@ use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, Parser, Subcommand, ValueEnum};
-use tokio_util::sync::CancellationToken;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 mod check;
 pub mod config_file;
@@ -269,7 +269,6 @@ impl KafkaArgs {
         }
     }
 }
-
 
 /// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
 pub fn parse_bytes(s: &str) -> Result<usize, String> {

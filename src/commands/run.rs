@@ -94,6 +94,7 @@ pub struct RunArgs {
     pub nats: NatsArgs,
     #[command(flatten)]
     pub kafka: KafkaArgs,
+    #[command(flatten)]
     pub rabbit_stream: RabbitStreamArgs,
     #[command(flatten)]
     pub mysql: MySqlArgs,
@@ -242,7 +243,9 @@ pub fn message_options(
 
 fn sink_url(sink: &SinkDsn) -> String {
     match sink {
-        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::Kafka(u) | SinkDsn::RabbitStream(u) => u.clone(),
+        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::Kafka(u) | SinkDsn::RabbitStream(u) => {
+            u.clone()
+        }
         SinkDsn::Stdout => String::new(),
     }
 }

@@ -275,7 +275,9 @@ pub async fn check_rabbitmq(
     };
     let url = match SinkDsn::parse(&url) {
         Ok(SinkDsn::Amqp(u)) => u,
-        Ok(SinkDsn::Stdout | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_)) => return out,
+        Ok(SinkDsn::Stdout | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_)) => {
+            return out
+        }
         Err(e) => {
             out.push(check_line(Level::Fail, "sink", e.to_string(), None));
             return out;
