@@ -212,7 +212,7 @@ async fn bad_input_is_a_clear_error_with_the_contracts_exit_code() {
             "unknown column",
         ),
         (
-            vec!["run", "--source", &dsn, "--sink", "kafka://x"],
+            vec!["run", "--source", &dsn, "--sink", "redis://x"],
             2,
             "unsupported sink scheme",
         ),
