@@ -23,8 +23,9 @@ fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
     )
 }
 
-/// Whether `topic` exists. Blocking (a metadata request): run it on a blocking thread.
-pub fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
+/// The number of partitions of `topic` (0: it does not exist, or the broker reports an error
+/// for it). Blocking (a metadata request): run it on a blocking thread.
+pub fn partition_count(cfg: &KafkaConfig, topic: &str) -> Result<usize, SinkError> {
     let c: BaseConsumer = cfg
         .client()?
         .set("allow.auto.create.topics", "false")
@@ -36,7 +37,13 @@ pub fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
     Ok(meta
         .topics()
         .iter()
-        .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map_or(0, |t| t.partitions().len()))
+}
+
+/// Whether `topic` exists. Blocking.
+pub fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
+    Ok(partition_count(cfg, topic)? > 0)
 }
 
 async fn exists_async(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {

@@ -28,19 +28,7 @@ const FIRST_STEP: i64 = 256;
 
 /// The number of partitions of `topic`. Blocking.
 pub fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
-    let c: BaseConsumer = cfg
-        .client()?
-        .set("allow.auto.create.topics", "false")
-        .create()
-        .map_err(|e| SinkError::Connection(format!("creating a metadata client: {e}")))?;
-    let meta = c
-        .fetch_metadata(Some(topic), cfg.op_timeout)
-        .map_err(|e| SinkError::Connection(format!("reading the metadata of {topic}: {e}")))?;
-    let n = meta
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic && t.error().is_none())
-        .map_or(0, |t| t.partitions().len() as i32);
+    let n = super::declare::partition_count(cfg, topic)? as i32;
     if n == 0 {
         return Err(SinkError::Rejected(format!(
             "topic {topic} does not exist (or has no partitions): create it, or run with --declare auto"
