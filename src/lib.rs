@@ -3,7 +3,7 @@
 //! publisher confirms, and stores its position only past what the sink confirmed.
 //!
 //! The data path, in module order: [`source`] → [`relay`] → [`sink`], with [`state`] holding
-//! the position and lease, and [`connector`] wiring them together for `outboxd run`.
+//! the position and lease, and [`pipeline`] wiring them together for `outboxd run`.
 //!
 //! # What a service calls
 //!
@@ -40,16 +40,16 @@
 //!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
 //!   one function per source that decides where to start and returns a `StartPlan` (what both
-//!   share is in `source::startup`); [`connector`] runs every plan through one `drive`, which
+//!   share is in `source::startup`); [`pipeline`] runs every plan through one `drive`, which
 //!   is handed its sink and state store (in-process tests run it on the memory doubles).
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the
 //!   internal events in `telemetry::events`, which also log); `check`, `status` and `offset` of
-//!   each source in `source::postgres::operator` and `source::mysql::operator`.
+//!   each source in `source::postgres::diagnostics` and `source::mysql::diagnostics`.
 //! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
 //!   Postgres and MySQL clients), [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
-//!   [`operator`] (the `check` line), [`error`].
+//!   [`diagnostics`] (the `check` line), [`error`].
 //! - The edge: the command layer (`src/commands/`, the only code that knows `clap` besides
 //!   the consumer binaries' flags in `consumer::cli`) is a module of the binary, `main.rs`,
 //!   which maps its result to exit codes. The library never imports it.
@@ -82,13 +82,13 @@ pub mod tls;
 // The relay.
 #[cfg(feature = "relay")]
 #[doc(hidden)]
-pub mod connector;
+pub mod diagnostics;
 #[cfg(all(feature = "relay", feature = "test-util"))]
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
-pub mod operator;
+pub mod pipeline;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
 pub mod relay;

@@ -7,7 +7,7 @@
 // modules they use at this crate's root, so those paths read the same as they did inside the
 // library.
 use outboxd::{
-    connector, consumer, crypto, db, dsn, event, operator, outbox, relay, secret_file, sink,
+    consumer, crypto, db, diagnostics, dsn, event, outbox, pipeline, relay, secret_file, sink,
     source, state, telemetry, tls, Error,
 };
 

@@ -2,9 +2,9 @@
 //! sink (`topology::check_rabbitmq`) and a NATS sink, one line per check.
 
 use super::{postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, SourceArgs};
-use crate::connector;
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::Mode;
+use crate::pipeline;
 use crate::sink::rabbitmq;
 use crate::Error;
 use clap::parser::ValueSource;
@@ -37,8 +37,8 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     let r = resolve_source(&args.source, m)?;
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let mut lines = Vec::new();
-        for table in connector::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
-            let table_lines = crate::source::mysql::operator::check_mysql(
+        for table in pipeline::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
+            let table_lines = crate::source::mysql::diagnostics::check_mysql(
                 dsn,
                 &r.name,
                 &table,
@@ -48,7 +48,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
             // The server-wide lines once; each further table adds its own.
             let seen: Vec<String> = lines
                 .iter()
-                .map(|l: &crate::operator::CheckLine| l.to_string())
+                .map(|l: &crate::diagnostics::CheckLine| l.to_string())
                 .collect();
             lines.extend(
                 table_lines
@@ -63,8 +63,8 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
             Some(s) => Some(postgres_only(SourceDsn::parse(s)?, "check --standby")?),
             None => None,
         };
-        crate::source::postgres::operator::check_postgres(
-            &crate::source::postgres::operator::PgTarget {
+        crate::source::postgres::diagnostics::check_postgres(
+            &crate::source::postgres::diagnostics::PgTarget {
                 dsn: &dsn,
                 name: &r.name,
                 tables: &r.tables,
@@ -88,7 +88,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     }
     let failed = lines
         .iter()
-        .filter(|l| l.level == crate::operator::Level::Fail)
+        .filter(|l| l.level == crate::diagnostics::Level::Fail)
         .count();
     if failed > 0 {
         return Err(Error::Other(format!(
@@ -100,8 +100,8 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
 }
 
 /// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
-async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::operator::CheckLine> {
-    use crate::operator::{CheckLine, Level};
+async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics::CheckLine> {
+    use crate::diagnostics::{CheckLine, Level};
     let fail = |detail: String| CheckLine {
         level: Level::Fail,
         check: "nats settings".into(),
@@ -133,7 +133,7 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::operator::Ch
     let cfg = crate::sink::nats::NatsConfig {
         url,
         subject: opts.subject,
-        stream: opts.stream,
+        stream: args.nats.stream.clone(),
         declare: args.sink.declare,
         max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
         op_timeout: Duration::from_secs(15),

@@ -387,7 +387,7 @@ async fn retire(a: RetireArgs, m: &ArgMatches) -> Result<(), Error> {
         .await?;
         // The head first: every event committed before it is either in the table (counted
         // next) or was deleted from it and lives on in the log until a relay publishes it.
-        let head = crate::source::postgres::operator::wal_head(&client).await?;
+        let head = crate::source::postgres::diagnostics::wal_head(&client).await?;
         let counts = reencrypt::count_by_key(&client, &table, &columns).await?;
         let n = counts.get(&a.id).copied().unwrap_or(0);
         if n > 0 {

@@ -8,7 +8,6 @@
 //! `offset`, `setup` (`setup` and `teardown`), `health`, `topology`, `crypto` (`keys`,
 //! `encrypt`, `decrypt`, `reencrypt`) and `consumer` (`prune`).
 
-use crate::connector;
 use crate::dsn::{self, SourceDsn};
 use crate::outbox::{ColumnMap, TableName};
 use crate::Error;
@@ -199,14 +198,11 @@ pub struct NatsArgs {
 }
 
 impl NatsArgs {
-    pub fn options(&self) -> Result<connector::NatsOptions, Error> {
+    pub fn options(&self) -> Result<crate::sink::options::NatsOptions, Error> {
         let subject = crate::sink::template::Template::parse(&self.subject).map_err(|e| {
             Error::config(format!("--subject: {e}"), "e.g. --subject outbox.{topic}")
         })?;
-        Ok(connector::NatsOptions {
-            subject,
-            stream: self.stream.clone(),
-        })
+        Ok(crate::sink::options::NatsOptions { subject })
     }
 }
 
@@ -222,8 +218,8 @@ pub struct RabbitStreamArgs {
 }
 
 impl RabbitStreamArgs {
-    pub fn options(&self) -> connector::RabbitStreamOptions {
-        connector::RabbitStreamOptions {
+    pub fn options(&self) -> crate::sink::options::RabbitStreamOptions {
+        crate::sink::options::RabbitStreamOptions {
             max_bytes: self.stream_max_bytes.map(|b| b as u64),
             max_age: self.stream_max_age,
         }

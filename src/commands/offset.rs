@@ -52,7 +52,7 @@ pub(super) async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Err
                         "use offset set --binlog-position FILE:POS",
                     ));
                 };
-                let stored = crate::source::mysql::operator::set_position(
+                let stored = crate::source::mysql::diagnostics::set_position(
                     dsn,
                     &r.name,
                     at,
@@ -70,9 +70,10 @@ pub(super) async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Err
             }
             let dsn = postgres_only(r.source, "offset set")?;
             if let Some(lsn) = args.lsn {
-                let end =
-                    crate::source::postgres::operator::advance_slot(&dsn, &r.name, &r.slot, &lsn)
-                        .await?;
+                let end = crate::source::postgres::diagnostics::advance_slot(
+                    &dsn, &r.name, &r.slot, &lsn,
+                )
+                .await?;
                 println!("ok   slot {} moved to {end}", r.slot);
             } else if let Some(since) = args.replay_since {
                 let since = chrono::DateTime::parse_from_rfc3339(since.trim())

@@ -1,15 +1,16 @@
 //! `outboxd run` (and the flags `config` prints): the relay's flags — the sink, the window,
 //! recovery, poll mode, the RabbitMQ and MySQL settings — turned into a `RunConfig`, then the
-//! connector for the source and mode.
+//! pipeline for the source and mode.
 
 use super::{
     parse_bytes, parse_duration, resolve_dsn, resolve_source, KafkaArgs, NatsArgs, PartitionArgs,
     RabbitStreamArgs, SourceArgs,
 };
-use crate::connector::{self, RunConfig};
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::{ColumnMap, Mode};
+use crate::pipeline::{self, RunConfig};
 use crate::relay::RelayOptions;
+use crate::sink::options::{RabbitOptions, SinkOptions, TlsFiles};
 use crate::sink::rabbitmq::{self, DeclareMode};
 use crate::Error;
 use clap::parser::ValueSource;
@@ -52,8 +53,8 @@ pub struct RunArgs {
     /// When the log position cannot be resumed (slot dropped or invalidated): fail (exit 3) or
     /// poll (open a fresh position and publish again from the table every row committed after
     /// the last confirmed event).
-    #[arg(long, env = "OUTBOXD_ON_POSITION_LOST", value_enum, default_value_t = connector::PositionLostPolicy::Fail)]
-    pub on_position_lost: connector::PositionLostPolicy,
+    #[arg(long, env = "OUTBOXD_ON_POSITION_LOST", value_enum, default_value_t = pipeline::PositionLostPolicy::Fail)]
+    pub on_position_lost: pipeline::PositionLostPolicy,
     /// Recovery through the table: replay rows created since this RFC 3339 time instead of the
     /// computed one.
     #[arg(long, env = "OUTBOXD_REPLAY_SINCE")]
@@ -292,19 +293,24 @@ pub(super) async fn run(
     };
     rabbitmq::validate_exchange(&exchange)?;
     let cfg = RunConfig {
-        nats: args.nats.options()?,
-        kafka: args.kafka.options(),
-        rabbit_stream: args.rabbit_stream.options(),
-        rabbit: connector::RabbitOptions {
-            message,
-            exchange,
+        sink_options: SinkOptions {
             declare: args.rabbit.declare,
             max_message_bytes: args.rabbit.max_message_bytes,
-            ca_file: args.rabbit.sink_ca.clone(),
-            cert_file: args.rabbit.sink_cert.clone(),
-            key_file: args.rabbit.sink_key.clone(),
+            tls: TlsFiles {
+                ca_file: args.rabbit.sink_ca.clone(),
+                cert_file: args.rabbit.sink_cert.clone(),
+                key_file: args.rabbit.sink_key.clone(),
+            },
             partitioning: args.rabbit.partitions.validate()?,
-            dead_queue_type: args.rabbit.dead_queue_type,
+            message,
+            stream: args.nats.stream.clone(),
+            rabbit: RabbitOptions {
+                exchange,
+                dead_queue_type: args.rabbit.dead_queue_type,
+            },
+            nats: args.nats.options()?,
+            rabbit_stream: args.rabbit_stream.options(),
+            kafka: args.kafka.options(),
         },
         name: r.name,
         slot: r.slot,
@@ -336,7 +342,7 @@ pub(super) async fn run(
         },
         recovery_margin: args.recovery_margin,
         ha: args.ha,
-        mysql: connector::MySqlOptions {
+        mysql: pipeline::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),
             max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
@@ -363,19 +369,17 @@ pub(super) async fn run(
         interval: args.poll_interval,
         notify: args.notify,
     };
-    connector::check_sink(&cfg)?;
+    pipeline::check_sink(&cfg)?;
     let stats = match (r.source, args.mode) {
-        (SourceDsn::Postgres(dsn), Mode::Cdc) => {
-            connector::run_postgres(dsn, cfg, shutdown).await?
-        }
+        (SourceDsn::Postgres(dsn), Mode::Cdc) => pipeline::run_postgres(dsn, cfg, shutdown).await?,
         (SourceDsn::Postgres(dsn), Mode::Poll) => {
-            connector::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+            pipeline::run_poll_postgres(dsn, cfg, poll, shutdown).await?
         }
-        (SourceDsn::Mysql(dsn), Mode::Cdc) => connector::run_mysql(dsn, cfg, shutdown).await?,
+        (SourceDsn::Mysql(dsn), Mode::Cdc) => pipeline::run_mysql(dsn, cfg, shutdown).await?,
         (SourceDsn::Mysql(dsn), Mode::Poll) => {
-            connector::run_poll_mysql(dsn, cfg, poll, shutdown).await?
+            pipeline::run_poll_mysql(dsn, cfg, poll, shutdown).await?
         }
-        (SourceDsn::File(files), Mode::Cdc) => connector::run_file(files, cfg, shutdown).await?,
+        (SourceDsn::File(files), Mode::Cdc) => pipeline::run_file(files, cfg, shutdown).await?,
         (SourceDsn::File(_), Mode::Poll) => {
             return Err(Error::config(
                 "poll mode queries a database table; a binlog-file source has none",

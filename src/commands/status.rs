@@ -18,7 +18,7 @@ pub struct StatusArgs {
 pub(super) async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     if let SourceDsn::Mysql(dsn) = &r.source {
-        let st = crate::source::mysql::operator::status_mysql(dsn, &r.name).await?;
+        let st = crate::source::mysql::diagnostics::status_mysql(dsn, &r.name).await?;
         if args.json {
             println!("{}", serde_json::to_string(&st).unwrap_or_default());
         } else {
@@ -27,7 +27,7 @@ pub(super) async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error
         return Ok(());
     }
     let dsn = postgres_only(r.source, "status")?;
-    let st = crate::source::postgres::operator::status_postgres(&dsn, &r.name, &r.slot).await?;
+    let st = crate::source::postgres::diagnostics::status_postgres(&dsn, &r.name, &r.slot).await?;
     if args.json {
         println!("{}", serde_json::to_string(&st).unwrap_or_default());
     } else {

@@ -256,8 +256,8 @@ pub struct SinkCheckArgs {
 pub async fn check_rabbitmq(
     args: &SinkCheckArgs,
     m: &ArgMatches,
-) -> Vec<crate::operator::CheckLine> {
-    use crate::operator::Level;
+) -> Vec<crate::diagnostics::CheckLine> {
+    use crate::diagnostics::Level;
     let mut out = Vec::new();
     let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let url = match super::resolve_dsn(

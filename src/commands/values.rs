@@ -1,11 +1,11 @@
 //! The command-line names of the library's option enums. The enums live with the code they
-//! steer (the sink, the partitioner, the connector, the consumer kit) and know nothing of
+//! steer (the sink, the partitioner, the pipeline, the consumer kit) and know nothing of
 //! clap; this file says how each variant is spelled after its flag and the one-line help
 //! `--help` prints for it, so the command line stays the only place clap is imported.
 
-use crate::connector::PositionLostPolicy;
 use crate::consumer::runner::OnPoison;
 use crate::outbox::Mode;
+use crate::pipeline::PositionLostPolicy;
 use crate::sink::format::BodyFormat;
 use crate::sink::partition::{PartitionRouting, QueueType};
 use crate::sink::rabbitmq::DeclareMode;

@@ -329,7 +329,7 @@ async fn a_failure_mid_window_republishes_every_unconfirmed_event_in_order() {
     h.relay.await.unwrap().unwrap();
 }
 
-/// A lease keeper on a [`MemoryStore`] beside a relay, as `connector::drive` wires them.
+/// A lease keeper on a [`MemoryStore`] beside a relay, as `pipeline::drive` wires them.
 struct Keeper {
     store: crate::state::memory::MemoryStoreHandle,
     fence: Fence,

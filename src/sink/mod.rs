@@ -10,6 +10,7 @@ pub mod kafka;
 #[cfg(any(test, feature = "test-util"))]
 pub mod memory;
 pub mod nats;
+pub mod options;
 pub mod partition;
 pub mod rabbitmq;
 pub mod rabbitmq_stream;
@@ -152,7 +153,7 @@ impl FlowControl {
 }
 
 /// The sink chosen on the command line. Dispatching here keeps the relay generic and the
-/// connector free of one copy of its wiring per sink.
+/// pipeline free of one copy of its wiring per sink.
 pub enum AnySink {
     Stdout(stdout::StdoutSink),
     Rabbit(Box<rabbitmq::RabbitSink>),

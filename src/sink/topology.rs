@@ -403,12 +403,12 @@ pub fn validate_pattern(p: &str) -> Result<(), Error> {
 
 /// One line of `outboxd check`.
 pub fn check_line(
-    level: crate::operator::Level,
+    level: crate::diagnostics::Level,
     check: &str,
     detail: impl Into<String>,
     fix: Option<String>,
-) -> crate::operator::CheckLine {
-    crate::operator::CheckLine {
+) -> crate::diagnostics::CheckLine {
+    crate::diagnostics::CheckLine {
         level,
         check: check.into(),
         detail: detail.into(),
@@ -418,8 +418,8 @@ pub fn check_line(
 
 /// Declares and deletes a scratch exchange of type `x-consistent-hash`: the only way AMQP
 /// tells whether the plugin is enabled.
-pub async fn consistent_hash_plugin(conn: &Connection) -> crate::operator::CheckLine {
-    use crate::operator::Level;
+pub async fn consistent_hash_plugin(conn: &Connection) -> crate::diagnostics::CheckLine {
+    use crate::diagnostics::Level;
     let name = format!("outboxd.check.{}", uuid::Uuid::new_v4().simple());
     let r = async {
         let ch = conn.create_channel().await?;

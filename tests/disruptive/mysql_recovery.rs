@@ -228,7 +228,7 @@ fn mysql_replays_start_a_second_earlier_for_whole_second_commit_times() {
         commit_at: Some(commit),
         max_gap_ms: Some(60_000),
     };
-    let since = outboxd::connector::replay_start(
+    let since = outboxd::pipeline::replay_start(
         &stored,
         None,
         None,
@@ -237,7 +237,7 @@ fn mysql_replays_start_a_second_earlier_for_whole_second_commit_times() {
     );
     assert_eq!(since, commit - chrono::Duration::seconds(62));
     // A larger margin wins; --replay-since wins over both.
-    let since = outboxd::connector::replay_start(
+    let since = outboxd::pipeline::replay_start(
         &stored,
         None,
         None,
@@ -247,7 +247,7 @@ fn mysql_replays_start_a_second_earlier_for_whole_second_commit_times() {
     assert_eq!(since, commit - chrono::Duration::minutes(10));
     let explicit = commit - chrono::Duration::days(2);
     assert_eq!(
-        outboxd::connector::replay_start(
+        outboxd::pipeline::replay_start(
             &stored,
             None,
             Some(explicit),

@@ -4,7 +4,7 @@
 //! change. An existing stream is never edited: its settings are the operator's.
 
 use super::config::{self, NatsConfig, DUPLICATE_WINDOW};
-use crate::operator::{CheckLine, Level};
+use crate::diagnostics::{CheckLine, Level};
 use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::SinkError;
 use async_nats::jetstream::context::{Context, GetStreamErrorKind};

@@ -21,9 +21,9 @@
 
 pub mod admin;
 pub mod decode;
+pub mod diagnostics;
 pub mod file;
 pub mod gtid;
-pub mod operator;
 pub mod poll;
 pub mod rows;
 pub mod snapshot;

@@ -11,7 +11,7 @@
 //! from its start), so a dropped connection adds neither gaps nor duplicates.
 
 pub mod admin;
-pub mod operator;
+pub mod diagnostics;
 pub mod pgoutput;
 pub mod rows;
 pub mod snapshot;

@@ -6,7 +6,7 @@
 //! decoding), which every version from 10 to 18 speaks the same way, so a prepared
 //! transaction arrives only at `COMMIT PREPARED` and a rolled-back one never.
 
-use crate::operator::{line, CheckLine, Level};
+use crate::diagnostics::{line, CheckLine, Level};
 use crate::outbox::pg_literal;
 use crate::Error;
 use tokio_postgres::Client;

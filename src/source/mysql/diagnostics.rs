@@ -5,9 +5,9 @@
 
 use super::rows::OutboxTable;
 use super::{admin, connect_sql, snapshot};
+use crate::diagnostics::{CheckLine, Level};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint};
-use crate::operator::{CheckLine, Level};
 use crate::outbox::my_ident;
 use crate::Error;
 use mysql_async::prelude::Queryable;

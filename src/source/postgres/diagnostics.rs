@@ -2,9 +2,9 @@
 //! and the exact fix for each failure), `status` (position, head, lag, slot, lease) and
 //! `offset show|set`. They print to stdout; failures that stop them are errors as usual.
 
+use crate::diagnostics::{line, CheckLine, Level};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn};
-use crate::operator::{line, CheckLine, Level};
 use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
 use crate::source::postgres::{self as pg, admin, rows::RowMapper, snapshot, version};
 use crate::state;

@@ -9,8 +9,7 @@ use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::Checkpoint;
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
-use crate::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
-use crate::sink::stdout::StdoutSink;
+use crate::sink::options::{SinkContext, SinkOptions};
 use crate::sink::{AnySink, Sink};
 use crate::source::postgres::{self as pg, admin, PgSourceConfig};
 use crate::source::snapshot::SnapshotMode;
@@ -50,58 +49,8 @@ pub struct RunConfig {
     /// High availability: wait as a standby while another relay holds the lease, and stop
     /// publishing by our own clock before our lease can expire.
     pub ha: bool,
-    pub rabbit: RabbitOptions,
-    /// NATS JetStream sink settings (used when the sink is `nats://` or `tls://`).
-    pub nats: NatsOptions,
-    /// Kafka sink settings (used when the sink is `kafka://` or `kafkas://`).
-    pub kafka: crate::sink::kafka::KafkaOptions,
-    /// RabbitMQ stream sink settings (used when the sink is `rabbitmq-stream://`; the stream is
-    /// `--stream`, the TLS-free URL is in [`RunConfig::sink`]).
-    pub rabbit_stream: RabbitStreamOptions,
-}
-
-/// Retention of a stream the RabbitMQ stream sink creates (`--declare auto`).
-#[derive(Debug, Clone, Default)]
-pub struct RabbitStreamOptions {
-    pub max_bytes: Option<u64>,
-    pub max_age: Option<Duration>,
-}
-
-/// NATS sink settings from the command line (the URL is in [`RunConfig::sink`]; `--declare`,
-/// `--max-message-bytes`, `--partitions` and the TLS files are shared with RabbitMQ's).
-#[derive(Debug, Clone)]
-pub struct NatsOptions {
-    pub subject: crate::sink::template::Template,
-    pub stream: String,
-}
-
-impl Default for NatsOptions {
-    fn default() -> Self {
-        NatsOptions {
-            subject: crate::sink::template::Template::parse(
-                crate::sink::nats::config::DEFAULT_SUBJECT,
-            )
-            .expect("the default subject parses"),
-            stream: crate::sink::nats::config::DEFAULT_STREAM.into(),
-        }
-    }
-}
-
-/// RabbitMQ sink settings from the command line (the URL is in [`RunConfig::sink`]).
-#[derive(Debug, Clone, Default)]
-pub struct RabbitOptions {
-    pub exchange: String,
-    pub declare: DeclareMode,
-    pub max_message_bytes: usize,
-    pub ca_file: Option<std::path::PathBuf>,
-    pub cert_file: Option<std::path::PathBuf>,
-    pub key_file: Option<std::path::PathBuf>,
-    /// `--partitions`, `--group-partitions`, `--queue-type`, `--partition-routing`.
-    pub partitioning: crate::sink::partition::Partitioning,
-    /// `--dead-queue-type`.
-    pub dead_queue_type: crate::sink::partition::QueueType,
-    /// `--routing-key`, a templated `--exchange`, `--header`, `--format`.
-    pub message: crate::sink::format::MessageOptions,
+    /// Every sink's settings (the sink itself is [`RunConfig::sink`]).
+    pub sink_options: SinkOptions,
 }
 
 // Defined by the startups that use them; `commands` and the tests name them through here.
@@ -162,7 +111,7 @@ pub async fn run_postgres(
         status_interval: state::STORE_INTERVAL,
         snapshot,
         snapshot_after,
-        max_wire_message_bytes: pg::wire_message_limit(cfg.rabbit.max_message_bytes),
+        max_wire_message_bytes: pg::wire_message_limit(cfg.sink_options.max_message_bytes),
     };
     let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
     // The slot is confirmed only up to what the state row holds (pg::run).
@@ -228,90 +177,17 @@ pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
     }
 }
 
-/// The AMQP sink's settings; the stream sink renders its messages with the same ones.
-fn rabbit_config(cfg: &RunConfig, url: &str) -> RabbitConfig {
-    RabbitConfig {
-        url: url.to_string(),
-        exchange: cfg.rabbit.exchange.clone(),
-        declare: cfg.rabbit.declare,
-        max_message_bytes: cfg.rabbit.max_message_bytes,
-        op_timeout: cfg.relay.confirm_timeout,
-        ca_file: cfg.rabbit.ca_file.clone(),
-        cert_file: cfg.rabbit.cert_file.clone(),
-        key_file: cfg.rabbit.key_file.clone(),
-        connection_name: format!("outboxd {}", cfg.name),
-        partitioning: cfg.rabbit.partitioning.clone(),
-        dead_queue_type: cfg.rabbit.dead_queue_type,
-        message: cfg.rabbit.message.clone(),
-    }
-}
-
 /// Builds the sink named by `--sink`.
 pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
-    Ok(match &cfg.sink {
-        SinkDsn::Stdout => {
-            let p = &cfg.rabbit.partitioning;
-            if p.partitions > 0 || p.sends_headers() {
-                tracing::warn!("--partitions and --group-partitions apply to a RabbitMQ sink: the stdout sink ignores them");
-            }
-            AnySink::Stdout(StdoutSink::new(cfg.commit_offsets))
-        }
-        SinkDsn::Amqp(url) => AnySink::Rabbit(Box::new(RabbitSink::new(rabbit_config(cfg, url))?)),
-        SinkDsn::Kafka(url) => {
-            if cfg.rabbit.partitioning.partitions > 0 {
-                tracing::warn!("--partitions applies to RabbitMQ and NATS: a Kafka topic has partitions of its own (--kafka-partitions), and the record key (the aggregate id) keeps each aggregate in one");
-            }
-            AnySink::Kafka(Box::new(crate::sink::kafka::KafkaSink::new(
-                crate::sink::kafka::KafkaConfig {
-                    url: url.clone(),
-                    name: cfg.name.clone(),
-                    options: cfg.kafka.clone(),
-                    message: cfg.rabbit.message.clone(),
-                    declare: cfg.rabbit.declare,
-                    op_timeout: cfg.relay.confirm_timeout,
-                    ca_file: cfg.rabbit.ca_file.clone(),
-                    cert_file: cfg.rabbit.cert_file.clone(),
-                    key_file: cfg.rabbit.key_file.clone(),
-                },
-            )?))
-        }
-        SinkDsn::RabbitStream(url) => {
-            use crate::sink::rabbitmq_stream::{RabbitStreamSink, StreamSinkConfig};
-            AnySink::RabbitStream(Box::new(RabbitStreamSink::new(StreamSinkConfig {
-                url: url.clone(),
-                stream: cfg.nats.stream.clone(),
-                declare: cfg.rabbit.declare,
-                max_bytes: cfg.rabbit_stream.max_bytes,
-                max_age: cfg.rabbit_stream.max_age,
-                op_timeout: cfg.relay.confirm_timeout,
-                relay_name: cfg.name.clone(),
-                message: rabbit_config(cfg, url),
-            })?))
-        }
-
-        SinkDsn::Nats(url) => {
-            let p = &cfg.rabbit.partitioning;
-            if !p.header_counts.is_empty() && p.header_counts != [p.partitions] {
-                tracing::warn!("--group-partitions applies to a RabbitMQ sink: the NATS sink ignores it (subjects carry the relay's own partition)");
-            }
-            AnySink::Nats(Box::new(crate::sink::nats::NatsSink::new(
-                crate::sink::nats::NatsConfig {
-                    url: url.clone(),
-                    subject: cfg.nats.subject.clone(),
-                    stream: cfg.nats.stream.clone(),
-                    declare: cfg.rabbit.declare,
-                    max_message_bytes: cfg.rabbit.max_message_bytes,
-                    op_timeout: cfg.relay.confirm_timeout,
-                    window: cfg.relay.window,
-                    ca_file: cfg.rabbit.ca_file.clone(),
-                    cert_file: cfg.rabbit.cert_file.clone(),
-                    key_file: cfg.rabbit.key_file.clone(),
-                    connection_name: format!("outboxd {}", cfg.name),
-                    partitions: p.partitions,
-                },
-            )?))
-        }
-    })
+    cfg.sink_options.build(
+        &cfg.sink,
+        &SinkContext {
+            name: &cfg.name,
+            op_timeout: cfg.relay.confirm_timeout,
+            window: cfg.relay.window,
+            commit_offsets: cfg.commit_offsets,
+        },
+    )
 }
 
 /// Runs poll mode on a Postgres table until `shutdown`. No lease: several relays may poll one
