@@ -5,6 +5,8 @@
 //! lost-position recovery) is its own `startup` module's decision, returned as a `StartPlan`;
 //! this module runs that plan.
 
+pub mod checkpoint;
+
 use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::Checkpoint;
 use crate::outbox::{ColumnMap, TableName};
@@ -18,6 +20,7 @@ use crate::source::{Budget, Outlet, SourceLink};
 use crate::state;
 use crate::telemetry::events::{InternalEvent, PipelineStarted, SourceRunning};
 use crate::Error;
+use checkpoint::Checkpointer;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -113,15 +116,12 @@ pub async fn run_postgres(
         snapshot_after,
         max_wire_message_bytes: pg::wire_message_limit(cfg.sink_options.max_message_bytes),
     };
-    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    // The slot is confirmed only up to what the state row holds (pg::run).
-    let (stored_tx, stored_rx) = watch::channel(start);
-    // A server shutting down waits for the replication stream to close (pg::run).
-    let (stopping_tx, stopping_rx) = watch::channel(None);
+    // The slot is confirmed only up to what the state row holds: the store tells the return
+    // path what it wrote, the source confirms what that allows.
+    let checkpoints = Checkpointer::new(start);
     let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
         .with_slot(&cfg.slot)
-        .with_stored(stored_tx)
-        .with_server_stopping(stopping_tx);
+        .with_checkpointer(checkpoints.clone());
     let sink = make_sink(&cfg)?;
     let opts = DriveOptions::from(&cfg);
     drive(
@@ -131,18 +131,8 @@ pub async fn run_postgres(
         lease,
         None,
         resumed,
-        commits_rx,
-        move |link| {
-            pg::run(
-                source_cfg,
-                link,
-                start,
-                stored_rx,
-                commits_tx,
-                stopping_rx,
-                shutdown,
-            )
-        },
+        checkpoints.clone(),
+        move |link| pg::run(source_cfg, link, start, checkpoints, shutdown),
     )
     .await
 }
@@ -501,11 +491,13 @@ pub async fn run_mysql(
         xa_prepare_limit: cfg.mysql.xa_prepare_limit,
         xa_prepare_expired: cfg.mysql.xa_prepare_expired,
     };
-    let (commits_tx, commits_rx) = watch::channel(state::DurableCommit::default());
-    let source = move |link| my::run(source_cfg, link, start, first, commits_tx, shutdown);
+    // Nothing upstream to confirm on the binlog: the return path carries commit times only.
+    let checkpoints = Checkpointer::new(0);
+    let commits = checkpoints.clone();
+    let source = move |link| my::run(source_cfg, link, start, first, checkpoints, shutdown);
     let sink = make_sink(&cfg)?;
     let opts = DriveOptions::from(&cfg);
-    let (first, commits) = (store_first, commits_rx);
+    let first = store_first;
     match file_store {
         Some(store) => drive(&opts, sink, store, lease, first, resumed, commits, source).await,
         None => {
@@ -538,7 +530,8 @@ impl From<&RunConfig> for DriveOptions {
 /// source ends (graceful stop) or something fails; then stores the final position and releases
 /// the lease. `first` is a first start's position (and whether that start is over with it),
 /// stored before the source may publish anything; `resumed` is where the source starts: no
-/// position older than it is stored.
+/// position older than it is stored. `checkpoints` is the run's return path, shared with the
+/// source.
 #[allow(clippy::too_many_arguments)]
 async fn drive<Si, St, F, Fut>(
     cfg: &DriveOptions,
@@ -547,7 +540,7 @@ async fn drive<Si, St, F, Fut>(
     mut lease: state::Lease,
     first: Option<(Checkpoint, bool)>,
     resumed: Option<Checkpoint>,
-    commits: watch::Receiver<state::DurableCommit>,
+    checkpoints: Checkpointer,
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
 where
@@ -576,7 +569,7 @@ where
         state::forward::ForwardOnly::new(store, resumed),
         lease,
         ack_rx,
-        commits,
+        checkpoints,
         cfg.ha,
         fence,
         lease_stop.clone(),

@@ -44,8 +44,8 @@ async fn scripted(link: SourceLink, lsns: Vec<u64>, stop: CancellationToken) -> 
     Ok(())
 }
 
-fn commits() -> watch::Receiver<state::DurableCommit> {
-    watch::channel(state::DurableCommit::default()).1
+fn commits() -> Checkpointer {
+    Checkpointer::new(0)
 }
 
 fn opts() -> DriveOptions {

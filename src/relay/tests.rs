@@ -348,13 +348,12 @@ async fn keep(
 ) -> Keeper {
     use crate::state::{forward::ForwardOnly, StateStore};
     let (lease, resumed) = store.acquire("r1", "host:1:a").await.unwrap();
-    let (_commits_tx, commits) = watch::channel(crate::state::DurableCommit::default());
     let stop = tokio_util::sync::CancellationToken::new();
     let task = tokio::spawn(crate::state::keep_lease(
         ForwardOnly::new(store, resumed),
         lease,
         h.acks.clone(),
-        commits,
+        crate::pipeline::checkpoint::Checkpointer::new(0),
         self_fence,
         fence.clone(),
         stop.clone(),

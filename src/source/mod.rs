@@ -3,6 +3,7 @@
 //! newest checkpoint whose events are all durable, and only then tell the server (or the state
 //! table) that it may forget what came before.
 
+pub mod assemble;
 pub mod contract;
 pub mod mysql;
 pub mod poll;

@@ -272,61 +272,6 @@ pub struct DurableCommit {
     pub max_gap_ms: Option<i64>,
 }
 
-/// Commit times of forwarded transactions until they are durable, and the largest
-/// commit-vs-`created_at` gap seen: what recovery through the table needs. `K` orders
-/// positions (a Postgres LSN; a MySQL binlog file sequence and offset).
-#[derive(Debug)]
-pub struct CommitLog<K> {
-    pending: std::collections::VecDeque<(K, Option<chrono::DateTime<chrono::Utc>>)>,
-    max_gap_ms: Option<i64>,
-}
-
-impl<K> Default for CommitLog<K> {
-    fn default() -> Self {
-        CommitLog {
-            pending: Default::default(),
-            max_gap_ms: None,
-        }
-    }
-}
-
-impl<K: Ord + Copy> CommitLog<K> {
-    /// A row created at `created` was committed at `committed`.
-    pub fn observe(
-        &mut self,
-        committed: chrono::DateTime<chrono::Utc>,
-        created: chrono::DateTime<chrono::Utc>,
-    ) {
-        let gap = (committed - created).num_milliseconds().max(0);
-        self.max_gap_ms = Some(self.max_gap_ms.map_or(gap, |g| g.max(gap)));
-    }
-
-    /// A transaction ending at `end` and committed at `commit_at` was handed to the relay.
-    pub fn forwarded(&mut self, end: K, commit_at: Option<chrono::DateTime<chrono::Utc>>) {
-        self.pending.push_back((end, commit_at));
-    }
-
-    /// Everything up to `pos` is durable: publish the newest commit time among them.
-    pub fn durable_up_to(&mut self, pos: K, out: &watch::Sender<DurableCommit>) {
-        let mut last = None;
-        while let Some(&(end, t)) = self.pending.front() {
-            if end > pos {
-                break;
-            }
-            last = t.or(last);
-            self.pending.pop_front();
-        }
-        if last.is_some() || self.max_gap_ms != out.borrow().max_gap_ms {
-            out.send_modify(|d| {
-                if last.is_some() {
-                    d.commit_at = last;
-                }
-                d.max_gap_ms = self.max_gap_ms;
-            });
-        }
-    }
-}
-
 /// A lease this process holds.
 #[derive(Debug, Clone)]
 pub struct Lease {
@@ -425,7 +370,8 @@ enum Wake {
 
 /// Renews the lease about every second, and stores each newer durable position as soon as the
 /// relay acknowledges it (at most every [`STORE_INTERVAL`]; a position write renews the lease
-/// too). At the end, stores the final position and releases the lease. Every successful
+/// too), with the commit times `checkpoints` knows for it. At the end, stores the final
+/// position and releases the lease. Every successful
 /// renewal opens `fence` (the relay publishes only while it is open). Ends early only when the
 /// lease was lost, or with `self_fence` (`--ha`) when it could not be renewed for
 /// [`SELF_FENCE_AFTER`].
@@ -433,7 +379,7 @@ pub async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
-    commits: watch::Receiver<DurableCommit>,
+    checkpoints: crate::pipeline::checkpoint::Checkpointer,
     self_fence: bool,
     fence: Fence,
     stop: CancellationToken,
@@ -485,7 +431,7 @@ pub async fn keep_lease<S: StateStore>(
         if wake == Wake::Ack && pos.is_none() && !stopping {
             continue;
         }
-        let commit = commits.borrow().clone();
+        let commit = checkpoints.to_store(pos.as_ref());
         if pos.is_some() {
             // Failed attempts count too: a store that keeps failing is retried at this pace.
             stored_at = Some(tokio::time::Instant::now());

@@ -4,6 +4,7 @@
 use super::{holder_is_dead_locally, Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
+use crate::pipeline::checkpoint::Checkpointer;
 use crate::telemetry::events::{InternalEvent, SlotRetainedWal};
 use crate::Error;
 use tokio_postgres::Client;
@@ -19,14 +20,9 @@ pub struct PgStateStore {
     /// The publication [`StateStore::acquire`] records for the relay name.
     publication: Option<String>,
     renewals: u64,
-    /// Told every position this store has written: the source confirms to the slot only
-    /// what the row already holds.
-    stored: Option<tokio::sync::watch::Sender<u64>>,
-    /// Told when the server answered that it is shutting down (see
-    /// [`PgStateStore::with_server_stopping`]).
-    server_stopping: Option<tokio::sync::watch::Sender<Option<std::time::Instant>>>,
-    /// A row position ahead of this store's own, already warned about.
-    foreign_seen: Option<u64>,
+    /// The run's return path: told what the row holds after each position write (the slot is
+    /// confirmed only up to that) and when the server is shutting down.
+    checkpoints: Option<Checkpointer>,
 }
 
 impl PgStateStore {
@@ -38,28 +34,14 @@ impl PgStateStore {
             slot: None,
             publication: None,
             renewals: 0,
-            stored: None,
-            server_stopping: None,
-            foreign_seen: None,
+            checkpoints: None,
         }
     }
 
-    /// Reports when a renewal finds the server shutting down. The source then closes its
-    /// replication stream: the server's walsender waits, before the server may stop, until the
-    /// slot is confirmed up to the shutdown checkpoint, which the source confirms only once
-    /// this store has written it, and no write succeeds any more. Without this, every fast
-    /// shutdown of the source database would hang until `pg_ctl` gives up.
-    pub fn with_server_stopping(
-        mut self,
-        tx: tokio::sync::watch::Sender<Option<std::time::Instant>>,
-    ) -> Self {
-        self.server_stopping = Some(tx);
-        self
-    }
-
-    /// Reports each position once it is written to the row.
-    pub fn with_stored(mut self, stored: tokio::sync::watch::Sender<u64>) -> Self {
-        self.stored = Some(stored);
+    /// Reports each position write (and what the row holds after it), and a server found
+    /// shutting down, to the run's return path: the Postgres source confirms the slot from it.
+    pub fn with_checkpointer(mut self, checkpoints: Checkpointer) -> Self {
+        self.checkpoints = Some(checkpoints);
         self
     }
 
@@ -92,8 +74,8 @@ impl PgStateStore {
             _ => (None, None),
         };
         let r = renew(self.client().await?, lease, lsn, commit).await;
-        if let (Ok(held), Some(l)) = (&r, lsn) {
-            self.report_stored(l, *held);
+        if let (Ok(held), Some(l), Some(cp)) = (&r, lsn, &self.checkpoints) {
+            cp.written(l, *held);
         }
         let r = r.map(drop);
         let r = match (r, snapshot_key) {
@@ -121,35 +103,6 @@ impl PgStateStore {
             self.client = None;
         }
         r
-    }
-}
-
-impl PgStateStore {
-    /// Tells the source that `l` is stored only when the row holds exactly `l` (`held`). A row
-    /// already past it kept its own value, which this process never streamed (the start
-    /// resumes at or after the stored position, so its own positions only grow from there):
-    /// confirming `l` to the slot on the word of that value would let the next start resume
-    /// from a position nobody delivered up to.
-    fn report_stored(&mut self, l: u64, held: Option<u64>) {
-        let Some(tx) = &self.stored else {
-            return;
-        };
-        if held == Some(l) {
-            tx.send_if_modified(|v| {
-                let newer = l > *v;
-                if newer {
-                    *v = l;
-                }
-                newer
-            });
-        } else if held.is_some_and(|h| h > l) && self.foreign_seen != held {
-            self.foreign_seen = held;
-            tracing::warn!(
-                position = %format_lsn(l),
-                stored = %held.map(format_lsn).unwrap_or_default(),
-                "the state row holds a position this relay never stored: not confirming the slot past what the row agrees with"
-            );
-        }
     }
 }
 
@@ -191,9 +144,9 @@ impl StateStore for PgStateStore {
         commit: &DurableCommit,
     ) -> Result<(), Error> {
         let r = self.renew_once(lease, position, commit).await;
-        if let (Err(e), Some(tx)) = (&r, &self.server_stopping) {
+        if let (Err(e), Some(cp)) = (&r, &self.checkpoints) {
             if crate::db::postgres::is_server_stopping(e) {
-                tx.send_replace(Some(std::time::Instant::now()));
+                cp.server_stopping();
             }
         }
         r
@@ -328,7 +281,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
 /// Whether the slot was replaced behind this relay's back (dropped and created again under
 /// the same name, or moved by hand): its confirmed position is past everything this relay
 /// name ever let it confirm. The relay confirms to the slot only positions already stored in
-/// the row (see `PgStateStore::with_stored`), so a legitimate slot is never ahead of
+/// the row (see `pipeline::checkpoint::slot_confirm`), so a legitimate slot is never ahead of
 /// max(stored position, where the slot started); a slot created anew is, because it starts at
 /// the WAL's head, past every position stored before. `None` also when the row predates
 /// [`StateRow::slot_created_lsn`] (nothing to compare with yet).

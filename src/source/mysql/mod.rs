@@ -35,7 +35,7 @@ use crate::backoff::Backoff;
 // source's own modules.
 pub use crate::db::mysql::{classify, connect_sql, connect_state, server_code};
 use crate::dsn::DbDsn;
-use crate::event::{binlog_file_seq, Checkpoint, OutboxEvent, SourcePosition};
+use crate::event::{Checkpoint, OutboxEvent, SourcePosition};
 use crate::source::SourceLink;
 use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceKind, SourceReconnecting};
 use crate::Error;
@@ -321,13 +321,10 @@ pub async fn run(
     link: SourceLink,
     start: Resume,
     first: FirstStart,
-    durable_commits: tokio::sync::watch::Sender<crate::state::DurableCommit>,
+    checkpoints: crate::pipeline::checkpoint::Checkpointer,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let SourceLink { outlet, mut acks } = link;
-    // Commit times by (file sequence, end position), until the relay confirms them.
-    let mut commits = crate::state::CommitLog::<(u64, u64)>::default();
-    let mut acks_open = true;
+    let SourceLink { outlet, .. } = link;
     match first {
         FirstStart::No => {}
         FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
@@ -414,13 +411,6 @@ pub async fn run(
             let item = tokio::select! {
                 biased;
                 _ = shutdown.cancelled(), if !dec.in_txn() => break 'connect,
-                changed = acks.changed(), if acks_open => {
-                    acks_open = changed.is_ok();
-                    if let Some(Checkpoint::Binlog { file, pos, .. }) = &*acks.borrow_and_update() {
-                        commits.durable_up_to((binlog_file_seq(file), *pos), &durable_commits);
-                    }
-                    continue;
-                }
                 _ = xa_tick.tick() => {
                     if xa_watch.check(&mut dec, cfg.xa_prepare_limit, cfg.xa_prepare_expired)? {
                         // Prepares given up: the position read so far goes out now, no longer
@@ -692,10 +682,11 @@ pub async fn run(
                                 if let Some(at) = committed_at {
                                     if let Some(created) = o_min_created {
                                         // Whole seconds: the commit may be up to 1 s later.
-                                        commits.observe(at + chrono::Duration::seconds(1), created);
+                                        checkpoints
+                                            .observe(at + chrono::Duration::seconds(1), created);
                                     }
                                 }
-                                commits.forwarded((binlog_file_seq(dec.file()), end), committed_at);
+                                checkpoints.forwarded(&checkpoint, committed_at);
                                 outlet.send_checkpoint(held(checkpoint, &dec)).await?;
                                 pending = None;
                                 last_sent = Instant::now();

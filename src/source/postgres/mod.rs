@@ -11,6 +11,7 @@
 //! from its start), so a dropped connection adds neither gaps nor duplicates.
 
 pub mod admin;
+pub mod assemble;
 pub mod diagnostics;
 pub mod pgoutput;
 pub mod rows;
@@ -30,12 +31,14 @@ pub(crate) use crate::db::postgres::{sql_config, tls_connect_error};
 use crate::dsn::{DbDsn, TlsMode};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
-use crate::source::SourceLink;
-use crate::state::postgres::DurableCommit;
+use crate::pipeline::checkpoint::{Checkpointer, Upstream};
+use crate::source::assemble::deliver;
+use crate::source::{Outlet, SourceLink};
 use crate::telemetry::events::{
     InternalEvent, PgStreaming, SourceKind, SourceLag, SourceReconnecting,
 };
 use crate::Error;
+use assemble::{Assembler, Input};
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
 };
@@ -190,119 +193,41 @@ fn server_sqlstate(message: &str) -> Option<&str> {
 /// Streams from the slot until `shutdown`, then stops at a transaction boundary, waits for the
 /// relay to confirm everything, and makes sure the final position reached the server.
 ///
-/// `stored` says which positions the state row holds: the slot is confirmed only up to
-/// min(durable, stored), so a slot found ahead of the row was moved by something else (it was
-/// dropped and created again) and is reported as a lost position, never streamed from.
+/// The slot is confirmed only as far as `checkpoints` allows (what the state row holds, see
+/// [`crate::pipeline::checkpoint::slot_confirm`]), so a slot found ahead of that was moved by
+/// something else (it was dropped and created again) and is reported as a lost position,
+/// never streamed from.
 pub async fn run(
     cfg: PgSourceConfig,
     link: SourceLink,
     start: u64,
-    mut stored: tokio::sync::watch::Receiver<u64>,
-    durable_commits: tokio::sync::watch::Sender<DurableCommit>,
-    mut server_stopping: tokio::sync::watch::Receiver<Option<Instant>>,
+    checkpoints: Checkpointer,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let mut commits = crate::state::CommitLog::<u64>::default();
     let SourceLink { outlet, mut acks } = link;
-    if cfg
-        .snapshot
-        .iter()
-        .any(|(_, p)| *p != snapshot::SnapshotPlan::Nothing)
-    {
-        let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
-        let mut sent = 0;
-        for (i, (table, plan)) in cfg.snapshot.iter().enumerate() {
-            let Some(resume) = snapshot::SnapshotKey::applies(cfg.snapshot_after.as_ref(), i)
-            else {
-                continue;
-            };
-            sent += snapshot::publish(
-                &mut sql,
-                &cfg.tables,
-                table,
-                &cfg.columns,
-                plan,
-                (start, sent),
-                &outlet,
-                (i, cfg.snapshot_after.as_ref().filter(|_| resume)),
-            )
-            .await?;
-        }
-        // Acknowledging this means every snapshot row is durable: the lease keeper then marks
-        // the first start done.
-        outlet.send_checkpoint(Checkpoint::Lsn(start)).await?;
-    }
-    let mut outlet = Some(outlet);
-    let mut mapper = RowMapper::for_tables(cfg.tables.clone(), cfg.columns.clone());
-    // Highest commit LSN forwarded to the relay: after a reconnect, transactions up to it are
-    // repeated by the server and skipped here.
-    let mut forwarded_commit: u64 = 0;
-    // The transaction being forwarded when the stream broke: (commit LSN, events handed over).
-    // The server sends it again from its start; those events are skipped, the rest follow.
-    let mut partial: Option<(u64, u32)> = None;
+    publish_snapshot(&cfg, start, &outlet).await?;
+    let mut asm = Assembler::new(RowMapper::for_tables(
+        cfg.tables.clone(),
+        cfg.columns.clone(),
+    ));
+    let mut upstream = checkpoints.upstream();
     let mut acked: u64 = start;
     // The highest position ever confirmed to the server by this process.
-    let mut reported: u64 = start;
-    let mut stored_open = true;
-    let mut stopping_open = true;
+    let mut reported: u64 = upstream.borrow_and_update().confirm;
     let mut backoff = Backoff::standard();
-
     'connect: loop {
-        let mut client = match connect_replication(&cfg, acked, reported).await {
-            Ok(c) => c,
-            Err(err) => {
-                if !err.is_retryable() {
-                    return Err(err);
-                }
-                let d = backoff.next_delay();
-                tracing::warn!(error = %err, retry_in = ?d, "replication connect failed");
-                tokio::time::sleep(d).await;
-                continue;
-            }
+        reported = reported.max(upstream.borrow_and_update().confirm);
+        let Some(mut client) = open(&cfg, acked, reported, &mut backoff, &shutdown).await? else {
+            return Ok(());
         };
-        let started = tokio::select! {
-            r = client.wait_started() => r,
-            _ = shutdown.cancelled() => {
-                client.abort();
-                return Ok(());
-            }
-        };
-        if let Err(e) = started {
-            let err = wire_error(e, &cfg.slot, &cfg.name);
-            if !err.is_retryable() {
-                return Err(err);
-            }
-            let d = backoff.next_delay();
-            tracing::warn!(error = %err, retry_in = ?d, "replication start refused; retrying");
-            tokio::time::sleep(d).await;
-            continue;
-        }
-        // Now that our walsender holds the slot nobody can swap it: check that it is still
-        // the one we confirmed to (it may have been dropped and created again meanwhile).
-        if let Err(err) = slot_is_ours(&cfg, reported).await {
-            client.abort();
-            if !err.is_retryable() {
-                return Err(err);
-            }
-            let d = backoff.next_delay();
-            tracing::warn!(error = %err, retry_in = ?d, "could not check the slot; reconnecting");
-            tokio::time::sleep(d).await;
-            continue;
-        }
         let streaming_since = Instant::now();
         PgStreaming {
             slot: &cfg.slot,
             from: &format_lsn(acked),
         }
         .emit();
-        let mut in_txn: Option<Txn> = None;
-        let mut last_idle_checkpoint: u64 = 0;
-
+        asm.restart();
         loop {
-            let Some(out) = outlet.as_ref() else {
-                break 'connect;
-            };
-            let mut stop = false;
             tokio::select! {
                 biased;
                 changed = acks.changed() => {
@@ -311,56 +236,38 @@ pub async fn run(
                         client.abort();
                         return Ok(());
                     }
-                    if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
-                        if l > acked {
-                            acked = l;
-                            commits.durable_up_to(l, &durable_commits);
-                            confirm(&client, acked.min(*stored.borrow()), &mut reported);
-                        }
+                    if let Some(Checkpoint::Lsn(l)) = *acks.borrow_and_update() {
+                        acked = acked.max(l);
                     }
                 }
-                changed = stored.changed(), if stored_open => {
-                    stored_open = changed.is_ok();
-                    let s = *stored.borrow_and_update();
-                    confirm(&client, acked.min(s), &mut reported);
-                }
-                changed = server_stopping.changed(), if stopping_open => {
-                    stopping_open = changed.is_ok();
-                    let seen = *server_stopping.borrow_and_update();
+                _ = upstream.changed() => {
+                    let up = *upstream.borrow_and_update();
+                    confirm(&client, up.confirm, &mut reported);
                     // Only a shutdown seen while this stream ran: an older one is over.
-                    if seen.is_some_and(|at| at > streaming_since) {
-                        // The server's walsender keeps it from stopping until the slot is
-                        // confirmed up to its shutdown checkpoint; that position cannot be
-                        // stored any more, so it is never confirmed. Closing the stream lets
-                        // the server stop; the slot keeps the last stored position.
+                    if up.server_stopping.is_some_and(|at| at > streaming_since) {
+                        // The slot cannot be confirmed up to the server's shutdown checkpoint
+                        // any more (it cannot be stored): closing the stream lets it stop; the
+                        // slot keeps the last stored position.
                         client.abort();
                         let d = backoff.next_delay();
-                        SourceReconnecting {
-                            source: SourceKind::Postgres,
-                            message: "the server is shutting down: closed the replication stream so that it can; resuming from the slot",
-                            error: None,
-                            timeout: None,
-                            retry_in: Some(d),
-                        }
-                        .emit();
+                        reconnecting("the server is shutting down: closed the replication stream so that it can; resuming from the slot", None, Some(d));
                         tokio::time::sleep(d).await;
                         continue 'connect;
                     }
                 }
-                _ = shutdown.cancelled(), if in_txn.is_none() => stop = true,
+                _ = shutdown.cancelled(), if !asm.in_txn() => {
+                    tracing::info!("stopping at a transaction boundary");
+                    // Closing the channel tells the relay that no more events come.
+                    drop(outlet);
+                    drain_and_confirm(&mut client, &mut acks, &mut upstream, &mut acked, &mut reported).await;
+                    return Ok(());
+                }
                 ev = client.recv() => {
                     let ev = match ev {
                         Ok(Some(ev)) => ev,
                         Ok(None) => {
                             let err = Error::source("replication stream ended", true);
-                            SourceReconnecting {
-                                source: SourceKind::Postgres,
-                                message: "reconnecting",
-                                error: Some(&err),
-                                timeout: None,
-                                retry_in: None,
-                            }
-                            .emit();
+                            reconnecting("reconnecting", Some(&err), None);
                             continue 'connect;
                         }
                         Err(e) => {
@@ -369,99 +276,140 @@ pub async fn run(
                                 return Err(err);
                             }
                             let d = backoff.next_delay();
-                            SourceReconnecting {
-                                source: SourceKind::Postgres,
-                                message: "replication stream broke; resuming from the slot",
-                                error: Some(&err),
-                                timeout: None,
-                                retry_in: Some(d),
-                            }
-                            .emit();
+                            reconnecting("replication stream broke; resuming from the slot", Some(&err), Some(d));
                             tokio::time::sleep(d).await;
                             continue 'connect;
                         }
                     };
                     backoff.reset();
-                    match ev {
-                        ReplicationEvent::Begin { final_lsn, commit_time_micros, .. } => {
-                            let commit_lsn = final_lsn.as_u64();
-                            in_txn = Some(Txn {
-                                commit_lsn,
-                                commit_time_micros,
-                                index: 0,
-                                skip: commit_lsn <= forwarded_commit,
-                                already_sent: resent_prefix(partial, commit_lsn),
-                            });
-                        }
-                        ReplicationEvent::XLogData { data, .. } => {
-                            let msg = pgoutput::decode(data).map_err(|e| Error::Decode(e.to_string()))?;
-                            match msg {
-                                pgoutput::Message::Relation(rel) => mapper.relation(rel)?,
-                                pgoutput::Message::Insert { relation_id, tuple } => {
-                                    let Some(txn) = in_txn.as_mut() else {
-                                        return Err(Error::Decode("insert outside a transaction".into()));
-                                    };
-                                    if let Some(event) = mapper.insert(relation_id, &tuple, txn.commit_lsn, txn.index, txn.commit_time_micros)? {
-                                        let index = txn.index;
-                                        txn.index += 1;
-                                        if let Some(committed) = event.committed_at {
-                                            commits.observe(committed, event.created_at);
-                                        }
-                                        // The server decodes a transaction the same way each
-                                        // time, so (commit LSN, index) names the same event.
-                                        if !txn.skip && index >= txn.already_sent {
-                                            out.send_event(event).await?;
-                                            partial = Some((txn.commit_lsn, txn.index));
-                                        }
-                                    }
-                                }
-                                // publish = 'insert' keeps these away; other messages are
-                                // not ours.
-                                _ => {}
-                            }
-                        }
-                        ReplicationEvent::Commit { end_lsn, .. } => {
-                            if let Some(txn) = in_txn.take() {
-                                if !txn.skip {
-                                    partial = None;
-                                    commits.forwarded(end_lsn.as_u64(), rows::pg_time(txn.commit_time_micros));
-                                    out.send_checkpoint(Checkpoint::Lsn(end_lsn.as_u64())).await?;
-                                    forwarded_commit = txn.commit_lsn;
-                                }
-                            }
-                        }
-                        ReplicationEvent::KeepAlive { wal_end, .. } => {
-                            let w = wal_end.as_u64();
-                            SourceLag { bytes: w.saturating_sub(acked) }.emit();
-                            // Everything before a keepalive has been sent to us, so once the
-                            // events before it are durable the slot may move here: an idle
-                            // outbox beside busy tables keeps the slot near the head.
-                            if in_txn.is_none() && w > last_idle_checkpoint && w > acked {
-                                last_idle_checkpoint = w;
-                                out.send_checkpoint(Checkpoint::Lsn(w)).await?;
-                            }
-                        }
-                        ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+                    let Some(input) = input_of(ev, acked)? else { continue };
+                    if let Some(out) = asm.feed(input, acked)? {
+                        deliver(out, &outlet, &checkpoints).await?;
                     }
                 }
             }
-            if stop {
-                tracing::info!("stopping at a transaction boundary");
-                // Closing the channel tells the relay that no more events come.
-                drop(outlet.take());
-                drain_and_confirm(
-                    &mut client,
-                    &mut acks,
-                    &mut stored,
-                    &mut acked,
-                    &mut reported,
-                )
-                .await;
-                return Ok(());
-            }
         }
     }
-    Ok(())
+}
+
+/// A first start's (or a requested replay's) existing rows, before streaming. Acknowledging
+/// the start position after them means every snapshot row is durable: the lease keeper then
+/// marks the first start done.
+async fn publish_snapshot(cfg: &PgSourceConfig, start: u64, outlet: &Outlet) -> Result<(), Error> {
+    if cfg
+        .snapshot
+        .iter()
+        .all(|(_, p)| *p == snapshot::SnapshotPlan::Nothing)
+    {
+        return Ok(());
+    }
+    let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
+    let mut sent = 0;
+    for (i, (table, plan)) in cfg.snapshot.iter().enumerate() {
+        let Some(resume) = snapshot::SnapshotKey::applies(cfg.snapshot_after.as_ref(), i) else {
+            continue;
+        };
+        sent += snapshot::publish(
+            &mut sql,
+            &cfg.tables,
+            table,
+            &cfg.columns,
+            plan,
+            (start, sent),
+            outlet,
+            (i, cfg.snapshot_after.as_ref().filter(|_| resume)),
+        )
+        .await?;
+    }
+    outlet.send_checkpoint(Checkpoint::Lsn(start)).await
+}
+
+/// Connects and starts streaming from `acked` with the slot confirmed to `reported`, retrying
+/// what can be retried; `None` when `shutdown` came first.
+async fn open(
+    cfg: &PgSourceConfig,
+    acked: u64,
+    reported: u64,
+    backoff: &mut Backoff,
+    shutdown: &CancellationToken,
+) -> Result<Option<ReplicationClient>, Error> {
+    loop {
+        let (err, what) = match connect_replication(cfg, acked, reported).await {
+            Err(err) => (err, "replication connect failed"),
+            Ok(mut client) => {
+                let started = tokio::select! {
+                    r = client.wait_started() => r,
+                    _ = shutdown.cancelled() => {
+                        client.abort();
+                        return Ok(None);
+                    }
+                };
+                match started {
+                    Err(e) => (
+                        wire_error(e, &cfg.slot, &cfg.name),
+                        "replication start refused; retrying",
+                    ),
+                    // Now that our walsender holds the slot nobody can swap it: check that it
+                    // is still the one we confirmed to (it may have been dropped and created
+                    // again meanwhile).
+                    Ok(()) => match slot_is_ours(cfg, reported).await {
+                        Ok(()) => return Ok(Some(client)),
+                        Err(err) => {
+                            client.abort();
+                            (err, "could not check the slot; reconnecting")
+                        }
+                    },
+                }
+            }
+        };
+        if !err.is_retryable() {
+            return Err(err);
+        }
+        let d = backoff.next_delay();
+        tracing::warn!(error = %err, retry_in = ?d, "{what}");
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// The assembler's input for one message of the stream (`None`: nothing for it); a keepalive
+/// also reports how far behind the acknowledged position the server's WAL is.
+fn input_of(ev: ReplicationEvent, acked: u64) -> Result<Option<Input>, Error> {
+    Ok(Some(match ev {
+        ReplicationEvent::Begin {
+            final_lsn,
+            commit_time_micros,
+            ..
+        } => Input::Begin {
+            final_lsn: final_lsn.as_u64(),
+            commit_time_micros,
+        },
+        ReplicationEvent::XLogData { data, .. } => {
+            Input::Message(pgoutput::decode(data).map_err(|e| Error::Decode(e.to_string()))?)
+        }
+        ReplicationEvent::Commit { end_lsn, .. } => Input::Commit {
+            end_lsn: end_lsn.as_u64(),
+        },
+        ReplicationEvent::KeepAlive { wal_end, .. } => {
+            let wal_end = wal_end.as_u64();
+            SourceLag {
+                bytes: wal_end.saturating_sub(acked),
+            }
+            .emit();
+            Input::KeepAlive { wal_end }
+        }
+        ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => return Ok(None),
+    }))
+}
+
+fn reconnecting(message: &'static str, error: Option<&Error>, retry_in: Option<Duration>) {
+    SourceReconnecting {
+        source: SourceKind::Postgres,
+        message,
+        error: error.map(|e| e as &dyn std::fmt::Display),
+        timeout: None,
+        retry_in,
+    }
+    .emit();
 }
 
 /// Tells the server the slot may move to `to`, if that is further than before.
@@ -495,43 +443,22 @@ async fn slot_is_ours(cfg: &PgSourceConfig, reported: u64) -> Result<(), Error> 
     }
 }
 
-struct Txn {
-    commit_lsn: u64,
-    commit_time_micros: i64,
-    index: u32,
-    /// Forwarded whole before a reconnect: every event is skipped.
-    skip: bool,
-    /// Events of this transaction forwarded before the stream broke mid-way: skipped.
-    already_sent: u32,
-}
-
-/// How many leading events of the transaction committing at `commit_lsn` were forwarded
-/// before the stream broke inside it.
-fn resent_prefix(partial: Option<(u64, u32)>, commit_lsn: u64) -> u32 {
-    match partial {
-        Some((lsn, sent)) if lsn == commit_lsn => sent,
-        _ => 0,
-    }
-}
-
 /// After the last event was handed over: take every acknowledgement until the relay ends, then
 /// make sure the final one reached the server before the stream closes (the library sends no
 /// final status update on stop).
 async fn drain_and_confirm(
     client: &mut ReplicationClient,
     acks: &mut tokio::sync::watch::Receiver<Option<Checkpoint>>,
-    stored: &mut tokio::sync::watch::Receiver<u64>,
+    upstream: &mut tokio::sync::watch::Receiver<Upstream>,
     acked: &mut u64,
     reported: &mut u64,
 ) {
     loop {
         let changed = acks.changed().await;
-        if let Some(Checkpoint::Lsn(l)) = acks.borrow_and_update().clone() {
-            if l > *acked {
-                *acked = l;
-                confirm(client, (*acked).min(*stored.borrow()), reported);
-            }
+        if let Some(Checkpoint::Lsn(l)) = *acks.borrow_and_update() {
+            *acked = (*acked).max(l);
         }
+        confirm(client, upstream.borrow().confirm, reported);
         if changed.is_err() {
             break;
         }
@@ -541,7 +468,7 @@ async fn drain_and_confirm(
     while metrics.last_applied_lsn().as_u64() < *acked && Instant::now() < deadline {
         // The lease keeper stores the final position on its next renewal; only then may the
         // slot have it.
-        confirm(client, (*acked).min(*stored.borrow()), reported);
+        confirm(client, upstream.borrow().confirm, reported);
         // Keep the stream's events flowing so the worker is not blocked on a full channel.
         let _ = tokio::time::timeout(Duration::from_millis(50), client.recv()).await;
     }
