@@ -413,7 +413,7 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
     );
 }
 
-/// The lease keeper tells the source a position is stored (so the slot may be confirmed to
+/// The store tells the return path a position is stored (so the slot may be confirmed to
 /// it) only when the row holds exactly that position: a row that kept a larger one of its own
 /// (a renewal never lowers it) did not store it, and confirming the slot on its word would let
 /// a later start resume from a position nobody delivered up to.
@@ -427,18 +427,23 @@ async fn stored_is_reported_only_for_what_the_row_holds() {
     else {
         panic!("a Postgres DSN");
     };
-    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let checkpoints = outboxd::pipeline::checkpoint::Checkpointer::new(0);
+    let rx = checkpoints.upstream();
     let mut store = outboxd::state::postgres::PgStateStore::new(dsn, format!("outboxd_{name}"))
         .with_slot(&format!("outboxd_{name}"))
         .with_publication(&format!("outboxd_{name}"))
-        .with_stored(tx);
+        .with_checkpointer(checkpoints);
     let (lease, _) = store.acquire(&name, "test-holder").await.unwrap();
     let commit = outboxd::state::DurableCommit::default();
     store
         .renew(&lease, Some(&Checkpoint::Lsn(0x1000)), &commit)
         .await
         .unwrap();
-    assert_eq!(*rx.borrow(), 0x1000, "a position the row took is reported");
+    assert_eq!(
+        rx.borrow().confirm,
+        0x1000,
+        "a position the row took is reported"
+    );
 
     // The row holds a larger position than any this store wrote.
     db.client()
@@ -454,7 +459,7 @@ async fn stored_is_reported_only_for_what_the_row_holds() {
         .await
         .unwrap();
     assert_eq!(
-        *rx.borrow(),
+        rx.borrow().confirm,
         0x1000,
         "0/2000 reported as stored while the row holds {BOGUS}"
     );

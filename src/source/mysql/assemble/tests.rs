@@ -1,0 +1,316 @@
+//! The binlog assembler fed decoder steps (synthetic, and decoded from the binlog fixtures in
+//! `tests/fixtures/mysql-binlogs`): every reconnect case (before a begin, inside a held or a
+//! streamed transaction, after a forwarded commit, a commit without its transaction), the
+//! large-transaction scan and re-read, rollbacks to a savepoint, and the idle checkpoints.
+
+use super::*;
+use crate::dsn::SourceDsn;
+use crate::event::SourcePosition;
+use crate::source::mysql::rows::SourceTz;
+
+fn table(database: &str) -> OutboxTable {
+    OutboxTable {
+        database: database.into(),
+        table: "outbox".into(),
+        columns: Default::default(),
+        tz: SourceTz::Utc,
+        label: None,
+    }
+}
+
+fn cfg(txn_buffer_bytes: usize) -> MySqlSourceConfig {
+    let SourceDsn::Mysql(dsn) = SourceDsn::parse("mysql://u@localhost:3306/app").unwrap() else {
+        panic!("a MySQL DSN")
+    };
+    MySqlSourceConfig {
+        dsn,
+        name: "asm".into(),
+        tables: vec![table("app")],
+        server_id: 1,
+        heartbeat: Duration::from_secs(1),
+        read_timeout: Duration::from_secs(5),
+        txn_buffer_bytes,
+        max_payload_bytes: crate::source::mysql::decode::DEFAULT_PAYLOAD_LIMIT,
+        mariadb: false,
+        xa_prepare_limit: Duration::from_secs(3600),
+        xa_prepare_expired: XaExpired::Stop,
+    }
+}
+
+fn start() -> Resume {
+    Resume {
+        file: "binlog.000001".into(),
+        pos: 4,
+        gtid: None,
+        mysql_gtids: None,
+        by_position: true,
+    }
+}
+
+fn assembler(txn_buffer_bytes: usize, now: Instant) -> Assembler {
+    let c = cfg(txn_buffer_bytes);
+    Assembler::new(c.tables.clone(), start(), &c, now)
+}
+
+/// Row `index` of the transaction, aggregate id `a<n>`.
+fn row(n: u32, index: u32) -> OutboxEvent {
+    let mut e = crate::sink::test_event();
+    e.aggregate_id = format!("a{n}");
+    e.position = SourcePosition::Binlog {
+        file: "binlog.000001".into(),
+        end_pos: 0,
+        index,
+    };
+    e
+}
+
+fn begin(pos: u64) -> Step {
+    Step::Begin {
+        file: "binlog.000001".into(),
+        pos,
+    }
+}
+
+/// Rows `ns` of a transaction, their indexes from `first`.
+fn rows(ns: std::ops::Range<u32>, first: u32) -> Step {
+    Step::Rows(
+        ns.enumerate()
+            .map(|(i, n)| row(n, first + i as u32))
+            .collect(),
+    )
+}
+
+fn commit(start: u64, end: u64, own: bool) -> Step {
+    Step::Commit {
+        start_file: "binlog.000001".into(),
+        start_pos: start,
+        checkpoint: Checkpoint::Binlog {
+            file: "binlog.000001".into(),
+            pos: end,
+            gtid_state: None,
+        },
+        own,
+        committed_at: chrono::DateTime::from_timestamp(1_800_000_000, 0),
+    }
+}
+
+/// Feeds steps; what came out as `e<aggregate id>@<end>`, `c<end>` (a transaction's
+/// checkpoint) or `i<end>` (an idle one), and whether a re-read was asked for.
+fn feed(a: &mut Assembler, steps: Vec<Step>, now: Instant) -> (Vec<String>, bool) {
+    let mut out = Vec::new();
+    let mut reread = false;
+    for s in steps {
+        reread |= a.step(s, now, &mut out).unwrap() == Next::Reread;
+    }
+    let shown = out
+        .into_iter()
+        .map(|o| match o {
+            Output::Event(e) => match &e.position {
+                SourcePosition::Binlog { end_pos, .. } => format!("e{}@{end_pos}", e.aggregate_id),
+                p => panic!("{p:?}"),
+            },
+            Output::Committed {
+                checkpoint,
+                end,
+                commit_at,
+                gap,
+            } => {
+                assert_eq!(checkpoint, end, "no XA prepare holds it back");
+                assert!(
+                    commit_at.is_some() && gap.is_some(),
+                    "commit time and gap noted"
+                );
+                format!("c{}", pos_of(&end))
+            }
+            Output::Checkpoint(cp) => format!("i{}", pos_of(&cp)),
+        })
+        .collect();
+    (shown, reread)
+}
+
+fn pos_of(cp: &Checkpoint) -> u64 {
+    match cp {
+        Checkpoint::Binlog { pos, .. } => *pos,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn a_held_transaction_goes_out_at_its_commit_with_its_end_position() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    let (got, _) = feed(&mut a, vec![begin(4), rows(0..1, 0)], now);
+    assert!(got.is_empty(), "held until the commit: {got:?}");
+    let (got, _) = feed(&mut a, vec![rows(1..2, 1), commit(4, 300, false)], now);
+    assert_eq!(got, strs(&["ea0@300", "ea1@300", "c300"]));
+    assert_eq!(a.resume().pos, 300, "the next stream starts after it");
+}
+
+#[test]
+fn a_reconnect_before_a_begin_repeats_nothing() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    feed(
+        &mut a,
+        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
+        now,
+    );
+    a.restart();
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(300), rows(1..2, 0), commit(300, 500, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea1@500", "c500"]));
+}
+
+#[test]
+fn a_reconnect_inside_a_held_transaction_reads_it_again_whole() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    let (got, _) = feed(&mut a, vec![begin(4), rows(0..2, 0)], now);
+    assert!(got.is_empty());
+    // The stream broke before the commit: nothing of it went out, all of it comes again.
+    a.restart();
+    assert_eq!(a.resume().pos, 4);
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(4), rows(0..3, 0), commit(4, 300, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea0@300", "ea1@300", "ea2@300", "c300"]));
+}
+
+#[test]
+fn a_transaction_larger_than_the_buffer_is_scanned_then_streamed_and_resumed_inside() {
+    let now = Instant::now();
+    // Room for one row only.
+    let mut a = assembler(row(0, 0).size() + 1, now);
+    let (got, reread) = feed(
+        &mut a,
+        vec![begin(4), rows(0..4, 0), commit(4, 900, false)],
+        now,
+    );
+    assert!(
+        got.is_empty() && reread,
+        "scanned to its end, nothing sent: {got:?}"
+    );
+    assert_eq!(a.resume().pos, 4, "re-read from its start");
+    a.restart();
+    // Streamed with the end known; the stream breaks after two rows.
+    let (got, _) = feed(&mut a, vec![begin(4), rows(0..2, 0)], now);
+    assert_eq!(got, strs(&["ea0@900", "ea1@900"]));
+    a.restart();
+    // The server sends it again from its start: only the rest goes out.
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(4), rows(0..4, 0), commit(4, 900, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea2@900", "ea3@900", "c900"]));
+    // The next transaction is held again, and a reconnect after it repeats nothing.
+    a.restart();
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(900), rows(4..5, 0), commit(900, 1000, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea4@1000", "c1000"]));
+}
+
+#[test]
+fn a_reconnect_after_a_forwarded_commit_resumes_past_it() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    feed(
+        &mut a,
+        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
+        now,
+    );
+    let before = a.resume().clone();
+    a.restart();
+    assert_eq!(a.resume(), &before, "a restart keeps the boundary");
+    assert_eq!(before.checkpoint().to_string(), "binlog.000001:300");
+}
+
+#[test]
+fn a_commit_without_its_transaction_sends_no_event() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea0@300", "c300"]));
+    // The same commit again (no open transaction): a position only, rate-limited.
+    let later = now + IDLE_CHECKPOINT_INTERVAL;
+    let (got, _) = feed(&mut a, vec![commit(4, 300, false)], later);
+    assert_eq!(got, strs(&["i300"]));
+}
+
+#[test]
+fn rows_rolled_back_to_a_savepoint_are_dropped_and_a_streamed_one_stops_the_relay() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    let undo = |keep| Step::Undo {
+        keep,
+        what: "ROLLBACK TO sp at binlog.000001:200".into(),
+    };
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(4), rows(0..3, 0), undo(1), commit(4, 300, false)],
+        now,
+    );
+    assert_eq!(got, strs(&["ea0@300", "c300"]));
+
+    let mut b = assembler(row(0, 0).size() + 1, now);
+    let (_, reread) = feed(
+        &mut b,
+        vec![begin(4), rows(0..3, 0), commit(4, 900, false)],
+        now,
+    );
+    assert!(reread);
+    b.restart();
+    let mut out = Vec::new();
+    for s in [begin(4), rows(0..3, 0)] {
+        b.step(s, now, &mut out).unwrap();
+    }
+    let err = b.step(undo(1), now, &mut out).unwrap_err().to_string();
+    assert!(err.contains("--txn-buffer"), "{err}");
+}
+
+#[test]
+fn idle_positions_are_rate_limited_and_the_relays_own_writes_move_nothing() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    // Another table's transaction right after the start: held back.
+    let (got, _) = feed(&mut a, vec![begin(4), commit(4, 100, false)], now);
+    assert!(got.is_empty());
+    assert_eq!(a.flush_at(), Some(now + IDLE_CHECKPOINT_INTERVAL));
+    // A later one replaces it; the pause sends it.
+    feed(&mut a, vec![begin(100), commit(100, 200, false)], now);
+    let out = a
+        .flush(now + IDLE_CHECKPOINT_INTERVAL)
+        .map(|o| format!("{o:?}"));
+    assert!(out.is_some_and(|o| o.contains("pos: 200")));
+    assert_eq!(a.flush_at(), None);
+    // The relay's own state write: nothing, until OWN_CHECKPOINT_INTERVAL has passed.
+    let (got, _) = feed(
+        &mut a,
+        vec![begin(200), commit(200, 300, true)],
+        now + IDLE_CHECKPOINT_INTERVAL,
+    );
+    assert!(got.is_empty());
+    let late = now + OWN_CHECKPOINT_INTERVAL + IDLE_CHECKPOINT_INTERVAL;
+    let (got, _) = feed(&mut a, vec![begin(300), commit(300, 400, true)], late);
+    assert_eq!(got, strs(&["i400"]));
+    // A heartbeat sends a held position at once.
+    feed(&mut a, vec![begin(400), commit(400, 500, false)], late);
+    let (got, _) = feed(&mut a, vec![Step::Heartbeat], late);
+    assert_eq!(got, strs(&["i500"]));
+}
