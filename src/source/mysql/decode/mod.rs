@@ -380,60 +380,10 @@ impl Decoder {
             }
             STOP => {}
             HEARTBEAT | HEARTBEAT_V2 => steps.push(Step::Heartbeat),
-            MARIA_GTID => {
-                let g = gtid::parse_gtid_event(ev.data(), header.server_id()).ok_or_else(|| {
-                    Error::Decode(format!("GTID event at {}:{start} is too short", self.file))
-                })?;
-                self.no_open_group(start, &mut steps)?;
-                self.track_gtid = true;
-                steps.push(self.begin(start, Some(g.gtid), !g.standalone, header.timestamp()));
-                if ev.data()[12] & MARIA_FL_PREPARED_XA != 0 {
-                    if let Some(txn) = self.txn.as_mut() {
-                        txn.xa = true;
-                    }
-                }
+            MARIA_GTID | MYSQL_GTID | MYSQL_ANONYMOUS_GTID | MYSQL_GTID_TAGGED => {
+                self.gtid(ev, kind, start, &mut steps)?
             }
-            MYSQL_GTID | MYSQL_ANONYMOUS_GTID | MYSQL_GTID_TAGGED => {
-                let mysql_gtid = if kind == MYSQL_ANONYMOUS_GTID {
-                    None
-                } else {
-                    let g: GtidEvent = ev
-                        .read_event()
-                        .map_err(|e| self.decode_err("GTID event", start, e))?;
-                    let tag = g.tag().map(|t| t.to_string()).unwrap_or_default();
-                    Some((g.sid(), tag.to_ascii_lowercase(), g.gno()))
-                };
-                self.no_open_group(start, &mut steps)?;
-                steps.push(self.begin(start, None, false, header.timestamp()));
-                if let Some(txn) = self.txn.as_mut() {
-                    txn.mysql_gtid = mysql_gtid;
-                }
-            }
-            MYSQL_PREVIOUS_GTIDS => {
-                // Every GTID written before this file: the executed set at its start.
-                if !gtid::previous_gtids_fit(ev.data()) {
-                    return Err(self.decode_err(
-                        "Previous_gtids event",
-                        start,
-                        "its counts do not fit its length (corrupt)",
-                    ));
-                }
-                let p: PreviousGtidsEvent<'_> = ev
-                    .read_event()
-                    .map_err(|e| self.decode_err("Previous_gtids event", start, e))?;
-                let set = self.mysql_gtids.get_or_insert_with(MysqlGtidSet::default);
-                for sid in p.sids() {
-                    let tag = sid.tag().map(|t| t.to_string()).unwrap_or_default();
-                    for iv in sid.intervals() {
-                        set.add_interval(
-                            sid.uuid(),
-                            &tag.to_ascii_lowercase(),
-                            iv.start(),
-                            iv.end(),
-                        );
-                    }
-                }
-            }
+            MYSQL_PREVIOUS_GTIDS => self.previous_gtids(ev, start)?,
             TRANSACTION_PAYLOAD => {
                 // Whole, for callers that feed events one by one; the sources stream a
                 // payload's events with `payload_events` and `feed_inner` instead.
@@ -456,50 +406,7 @@ impl Decoder {
                 }
             }
             QUERY | MARIA_QUERY_COMPRESSED | EXECUTE_LOAD_QUERY => {
-                if kind == MARIA_QUERY_COMPRESSED {
-                    // Its text is compressed; a statement on the outbox table would not be
-                    // seen, so refuse what we cannot check.
-                    return Err(compressed_binlog());
-                }
-                let q: QueryEvent<'_> = if kind == QUERY {
-                    ev.read_event()
-                        .map_err(|e| self.decode_err("query event", start, e))?
-                } else {
-                    // EXECUTE_LOAD_QUERY shares the query event's layout plus 13 bytes of
-                    // post-header; its text is checked through the generic path below.
-                    return self.check_load_query(ev, start).map(|_| steps);
-                };
-                let text = q.query_raw();
-                let verb = first_word(text);
-                if verb.eq_ignore_ascii_case("XA") {
-                    self.xa_statement(text, start, end, header.timestamp(), &mut steps)?;
-                } else if verb.eq_ignore_ascii_case("BEGIN") {
-                    match self.txn.as_mut() {
-                        Some(txn) => txn.begun = true,
-                        None => steps.push(self.begin(start, None, true, header.timestamp())),
-                    }
-                } else if verb.eq_ignore_ascii_case("COMMIT") {
-                    steps.push(self.commit(end, header.timestamp()));
-                } else if let Some(sp) = savepoint::parse(text).filter(|_| self.txn.is_some()) {
-                    self.savepoint_statement(sp, text, start, end, header.timestamp(), &mut steps)?;
-                } else if verb.eq_ignore_ascii_case("ROLLBACK") {
-                    // Outside a group: nothing to end.
-                } else {
-                    self.check_statement(&q)?;
-                    let standalone = match self.txn.as_mut() {
-                        Some(txn) => {
-                            txn.other = true;
-                            !txn.begun
-                        }
-                        None => {
-                            steps.push(self.begin(start, None, false, header.timestamp()));
-                            true
-                        }
-                    };
-                    if standalone {
-                        steps.push(self.commit(end, header.timestamp()));
-                    }
-                }
+                self.query(ev, kind, start, end, &mut steps)?
             }
             XID => {
                 self.release_held(&mut steps);
@@ -507,55 +414,184 @@ impl Decoder {
             }
             XA_PREPARE => self.xa_prepare(ev, start, end, header.timestamp(), &mut steps)?,
             INCIDENT => return Err(self.incident(ev.data(), start, end, header.timestamp())),
-            TABLE_MAP => {
-                let tme: TableMapEvent<'_> = ev
-                    .read_event()
-                    .map_err(|e| self.decode_err("table map event", start, e))?;
-                let id = tme.table_id();
-                let kind = if let Some(i) = self.outbox.iter().position(|t| t.matches(&tme)) {
-                    super::rows::table_map_fits(&tme)
-                        .map_err(|m| self.decode_err("table map event", start, m))?;
-                    let mapping = self.outbox[i].map(&tme)?;
-                    TableKind::Outbox(Box::new((tme.into_owned(), mapping, i)))
-                } else if tme.database_name_raw() == self.outbox[0].database.as_bytes()
-                    && tme.table_name_raw() == STATE_TABLE.as_bytes()
-                {
-                    TableKind::State
-                } else {
-                    TableKind::Other
-                };
-                self.tables.insert(id, kind);
-            }
+            TABLE_MAP => self.table_map(ev, start)?,
             WRITE_ROWS_V1 | WRITE_ROWS | UPDATE_ROWS_V1 | UPDATE_ROWS | DELETE_ROWS_V1
-            | DELETE_ROWS | PARTIAL_UPDATE_ROWS => {
-                if self.txn.is_none() {
-                    // Servers without GTIDs or BEGIN (very old ones) still bracket rows
-                    // with XID: open the group here.
-                    steps.push(self.begin(start, None, true, header.timestamp()));
+            | DELETE_ROWS | PARTIAL_UPDATE_ROWS => self.rows(ev, start, &mut steps)?,
+            k if (MARIA_ROWS_COMPRESSED_FIRST..=MARIA_ROWS_COMPRESSED_LAST).contains(&k) => {
+                self.compressed_rows(ev)?
+            }
+            // Annotations, checkpoints, intvar/rand/user vars and the like.
+            _ => {}
+        }
+        Ok(steps)
+    }
+
+    /// A MariaDB GTID event, or a MySQL (anonymous, tagged) GTID event: a group begins.
+    fn gtid(
+        &mut self,
+        ev: &Event,
+        kind: u8,
+        start: u64,
+        steps: &mut Vec<Step>,
+    ) -> Result<(), Error> {
+        let header = ev.header();
+        if kind == MARIA_GTID {
+            let g = gtid::parse_gtid_event(ev.data(), header.server_id()).ok_or_else(|| {
+                Error::Decode(format!("GTID event at {}:{start} is too short", self.file))
+            })?;
+            self.no_open_group(start, steps)?;
+            self.track_gtid = true;
+            steps.push(self.begin(start, Some(g.gtid), !g.standalone, header.timestamp()));
+            if ev.data()[12] & MARIA_FL_PREPARED_XA != 0 {
+                if let Some(txn) = self.txn.as_mut() {
+                    txn.xa = true;
                 }
-                let data = match ev.read_data() {
-                    Ok(Some(mysql_common::binlog::events::EventData::RowsEvent(r))) => r,
-                    Ok(_) => return Err(self.decode_err("rows event", start, "not a rows event")),
-                    Err(e) => return Err(self.decode_err("rows event", start, e)),
-                };
-                let table_id = data.table_id();
-                let txn = self.txn.as_mut().expect("opened above");
-                match self.tables.get(&table_id) {
-                    Some(TableKind::State) => txn.state_rows = true,
-                    Some(TableKind::Outbox(outbox)) => {
-                        let (tme, mapping, i) = &**outbox;
-                        txn.other = true;
-                        if let RowsEventData::WriteRowsEventV1(_)
-                        | RowsEventData::WriteRowsEvent(_) = data
-                        {
-                            let events = decode_inserts(
-                                &self.outbox[*i],
-                                tme,
-                                mapping,
-                                &data,
-                                &self.file,
-                                txn,
-                            )
+            }
+            return Ok(());
+        }
+        let mysql_gtid = if kind == MYSQL_ANONYMOUS_GTID {
+            None
+        } else {
+            let g: GtidEvent = ev
+                .read_event()
+                .map_err(|e| self.decode_err("GTID event", start, e))?;
+            let tag = g.tag().map(|t| t.to_string()).unwrap_or_default();
+            Some((g.sid(), tag.to_ascii_lowercase(), g.gno()))
+        };
+        self.no_open_group(start, steps)?;
+        steps.push(self.begin(start, None, false, header.timestamp()));
+        if let Some(txn) = self.txn.as_mut() {
+            txn.mysql_gtid = mysql_gtid;
+        }
+        Ok(())
+    }
+
+    /// MySQL Previous_gtids: every GTID written before this file, the executed set at its start.
+    fn previous_gtids(&mut self, ev: &Event, start: u64) -> Result<(), Error> {
+        // Every GTID written before this file: the executed set at its start.
+        if !gtid::previous_gtids_fit(ev.data()) {
+            return Err(self.decode_err(
+                "Previous_gtids event",
+                start,
+                "its counts do not fit its length (corrupt)",
+            ));
+        }
+        let p: PreviousGtidsEvent<'_> = ev
+            .read_event()
+            .map_err(|e| self.decode_err("Previous_gtids event", start, e))?;
+        let set = self.mysql_gtids.get_or_insert_with(MysqlGtidSet::default);
+        for sid in p.sids() {
+            let tag = sid.tag().map(|t| t.to_string()).unwrap_or_default();
+            for iv in sid.intervals() {
+                set.add_interval(sid.uuid(), &tag.to_ascii_lowercase(), iv.start(), iv.end());
+            }
+        }
+        Ok(())
+    }
+
+    /// A statement: BEGIN, COMMIT, XA, savepoints, or one that must not touch the outbox table.
+    fn query(
+        &mut self,
+        ev: &Event,
+        kind: u8,
+        start: u64,
+        end: u64,
+        steps: &mut Vec<Step>,
+    ) -> Result<(), Error> {
+        let header = ev.header();
+        if kind == MARIA_QUERY_COMPRESSED {
+            // Its text is compressed; a statement on the outbox table would not be
+            // seen, so refuse what we cannot check.
+            return Err(compressed_binlog());
+        }
+        let q: QueryEvent<'_> = if kind == QUERY {
+            ev.read_event()
+                .map_err(|e| self.decode_err("query event", start, e))?
+        } else {
+            // EXECUTE_LOAD_QUERY shares the query event's layout plus 13 bytes of
+            // post-header; its text is checked through the generic path below.
+            return self.check_load_query(ev, start);
+        };
+        let text = q.query_raw();
+        let verb = first_word(text);
+        if verb.eq_ignore_ascii_case("XA") {
+            self.xa_statement(text, start, end, header.timestamp(), steps)?;
+        } else if verb.eq_ignore_ascii_case("BEGIN") {
+            match self.txn.as_mut() {
+                Some(txn) => txn.begun = true,
+                None => steps.push(self.begin(start, None, true, header.timestamp())),
+            }
+        } else if verb.eq_ignore_ascii_case("COMMIT") {
+            steps.push(self.commit(end, header.timestamp()));
+        } else if let Some(sp) = savepoint::parse(text).filter(|_| self.txn.is_some()) {
+            self.savepoint_statement(sp, text, start, end, header.timestamp(), steps)?;
+        } else if verb.eq_ignore_ascii_case("ROLLBACK") {
+            // Outside a group: nothing to end.
+        } else {
+            self.check_statement(&q)?;
+            let standalone = match self.txn.as_mut() {
+                Some(txn) => {
+                    txn.other = true;
+                    !txn.begun
+                }
+                None => {
+                    steps.push(self.begin(start, None, false, header.timestamp()));
+                    true
+                }
+            };
+            if standalone {
+                steps.push(self.commit(end, header.timestamp()));
+            }
+        }
+        Ok(())
+    }
+
+    /// A table map: which table id is an outbox table, the state table, or another.
+    fn table_map(&mut self, ev: &Event, start: u64) -> Result<(), Error> {
+        let tme: TableMapEvent<'_> = ev
+            .read_event()
+            .map_err(|e| self.decode_err("table map event", start, e))?;
+        let id = tme.table_id();
+        let kind = if let Some(i) = self.outbox.iter().position(|t| t.matches(&tme)) {
+            super::rows::table_map_fits(&tme)
+                .map_err(|m| self.decode_err("table map event", start, m))?;
+            let mapping = self.outbox[i].map(&tme)?;
+            TableKind::Outbox(Box::new((tme.into_owned(), mapping, i)))
+        } else if tme.database_name_raw() == self.outbox[0].database.as_bytes()
+            && tme.table_name_raw() == STATE_TABLE.as_bytes()
+        {
+            TableKind::State
+        } else {
+            TableKind::Other
+        };
+        self.tables.insert(id, kind);
+        Ok(())
+    }
+
+    /// A rows event: an outbox table's inserts become events (held for an XA transaction).
+    fn rows(&mut self, ev: &Event, start: u64, steps: &mut Vec<Step>) -> Result<(), Error> {
+        let header = ev.header();
+        if self.txn.is_none() {
+            // Servers without GTIDs or BEGIN (very old ones) still bracket rows
+            // with XID: open the group here.
+            steps.push(self.begin(start, None, true, header.timestamp()));
+        }
+        let data = match ev.read_data() {
+            Ok(Some(mysql_common::binlog::events::EventData::RowsEvent(r))) => r,
+            Ok(_) => return Err(self.decode_err("rows event", start, "not a rows event")),
+            Err(e) => return Err(self.decode_err("rows event", start, e)),
+        };
+        let table_id = data.table_id();
+        let txn = self.txn.as_mut().expect("opened above");
+        match self.tables.get(&table_id) {
+            Some(TableKind::State) => txn.state_rows = true,
+            Some(TableKind::Outbox(outbox)) => {
+                let (tme, mapping, i) = &**outbox;
+                txn.other = true;
+                if let RowsEventData::WriteRowsEventV1(_) | RowsEventData::WriteRowsEvent(_) = data
+                {
+                    let events =
+                        decode_inserts(&self.outbox[*i], tme, mapping, &data, &self.file, txn)
                             .map_err(|e| match e {
                                 Error::Decode(m) => Error::Decode(format!(
                                     "rows event at {}:{start}: {m}",
@@ -563,67 +599,66 @@ impl Decoder {
                                 )),
                                 other => other,
                             })?;
-                            if txn.xa {
-                                // Held until the prepare or one-phase commit, within the
-                                // same bound as the relay's transaction buffer.
-                                let bytes: usize = events.iter().map(OutboxEvent::size).sum();
-                                let total = self.prepared.iter().map(|p| p.bytes).sum::<usize>()
-                                    + txn.held_bytes
-                                    + bytes;
-                                if total > self.xa_limit {
-                                    return Err(xa_too_large(
-                                        &txn.start_file,
-                                        txn.start_pos,
-                                        total,
-                                        self.xa_limit,
-                                    ));
-                                }
-                                txn.held_bytes += bytes;
-                                txn.held.extend(events);
-                            } else if !events.is_empty() {
-                                steps.push(Step::Rows(events));
-                            }
+                    if txn.xa {
+                        // Held until the prepare or one-phase commit, within the
+                        // same bound as the relay's transaction buffer.
+                        let bytes: usize = events.iter().map(OutboxEvent::size).sum();
+                        let total = self.prepared.iter().map(|p| p.bytes).sum::<usize>()
+                            + txn.held_bytes
+                            + bytes;
+                        if total > self.xa_limit {
+                            return Err(xa_too_large(
+                                &txn.start_file,
+                                txn.start_pos,
+                                total,
+                                self.xa_limit,
+                            ));
                         }
-                    }
-                    Some(TableKind::Other) => txn.other = true,
-                    None => {
-                        return Err(Error::Decode(format!(
-                        "rows event at {}:{start} for table id {table_id} without its table map",
-                        self.file
-                    )))
+                        txn.held_bytes += bytes;
+                        txn.held.extend(events);
+                    } else if !events.is_empty() {
+                        steps.push(Step::Rows(events));
                     }
                 }
             }
-            k if (MARIA_ROWS_COMPRESSED_FIRST..=MARIA_ROWS_COMPRESSED_LAST).contains(&k) => {
-                // Compressed rows (log_bin_compress=ON): the table id comes first, as in an
-                // ordinary rows event.
-                let data = ev.data();
-                let table_id = data
-                    .get(..6)
-                    .map(|b| {
-                        let mut a = [0u8; 8];
-                        a[..6].copy_from_slice(b);
-                        u64::from_le_bytes(a)
-                    })
-                    .unwrap_or(u64::MAX);
-                match self.tables.get(&table_id) {
-                    Some(TableKind::Outbox(_)) => return Err(compressed_binlog()),
-                    Some(TableKind::State) => {
-                        if let Some(t) = self.txn.as_mut() {
-                            t.state_rows = true
-                        }
-                    }
-                    _ => {
-                        if let Some(t) = self.txn.as_mut() {
-                            t.other = true
-                        }
-                    }
-                }
+            Some(TableKind::Other) => txn.other = true,
+            None => {
+                return Err(Error::Decode(format!(
+                    "rows event at {}:{start} for table id {table_id} without its table map",
+                    self.file
+                )))
             }
-            // Annotations, checkpoints, intvar/rand/user vars and the like.
-            _ => {}
         }
-        Ok(steps)
+        Ok(())
+    }
+
+    /// MariaDB compressed rows (log_bin_compress=ON): refused on an outbox table.
+    fn compressed_rows(&mut self, ev: &Event) -> Result<(), Error> {
+        // Compressed rows (log_bin_compress=ON): the table id comes first, as in an
+        // ordinary rows event.
+        let data = ev.data();
+        let table_id = data
+            .get(..6)
+            .map(|b| {
+                let mut a = [0u8; 8];
+                a[..6].copy_from_slice(b);
+                u64::from_le_bytes(a)
+            })
+            .unwrap_or(u64::MAX);
+        match self.tables.get(&table_id) {
+            Some(TableKind::Outbox(_)) => return Err(compressed_binlog()),
+            Some(TableKind::State) => {
+                if let Some(t) = self.txn.as_mut() {
+                    t.state_rows = true
+                }
+            }
+            _ => {
+                if let Some(t) = self.txn.as_mut() {
+                    t.other = true
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A new group begins: one still open never ended. Without outbox rows that is only
