@@ -38,6 +38,10 @@
 //!   contract (`source::contract`); [`relay`] keeps the window of
 //!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
 //!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
+//!   Each log source is a sans-IO transaction assembler (`source::postgres::assemble`,
+//!   `source::mysql::assemble`, sharing `source::assemble`) driven by an I/O run loop.
+//! - The return path: `pipeline::checkpoint::Checkpointer` — relay acknowledgement → state
+//!   store → slot confirm (Postgres: never past what the state row holds) → commit times.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
 //!   one function per source that decides where to start and returns a `StartPlan` (what both
 //!   share is in `source::startup`); [`pipeline`] runs every plan through one `drive`, which
