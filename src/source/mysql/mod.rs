@@ -7,7 +7,8 @@
 //! bytes in the first (fake) Rotate's file name, heartbeats plus a read timeout on every read,
 //! and reconnecting — the library has none.
 //!
-//! Position rule: an event's position is `file:end_pos:index` where `end_pos` ends its
+//! Position rule (kept by the transaction assembler, [`assemble`]; `run` is the I/O around it):
+//! an event's position is `file:end_pos:index` where `end_pos` ends its
 //! transaction, so a transaction's rows are held until its commit (up to
 //! `txn_buffer_bytes`; a larger one is scanned to its end once, then re-read from its start
 //! and streamed with the end known). Rows a transaction rolled back inside its group (to a

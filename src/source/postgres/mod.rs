@@ -5,10 +5,10 @@
 //!
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
-//! them). A reconnect resumes from the slot and skips transactions this process already
-//! forwarded, and the events of a transaction it was forwarding when the stream broke that
-//! were already handed over (same commit LSN and index: the server sends the transaction again
-//! from its start), so a dropped connection adds neither gaps nor duplicates.
+//! them), and only once the state row holds it (`pipeline::checkpoint::slot_confirm`). A
+//! reconnect resumes from the slot; the transaction assembler ([`assemble`]) skips what the
+//! server sends again, so a dropped connection adds neither gaps nor duplicates. `run` is the
+//! I/O around it: connect, read, deliver, confirm.
 
 pub mod admin;
 pub mod assemble;
