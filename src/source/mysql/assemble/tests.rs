@@ -80,6 +80,11 @@ fn rows(ns: std::ops::Range<u32>, first: u32) -> Step {
     )
 }
 
+/// A whole transaction from `start` to `end` with rows `ns`.
+fn txn(start: u64, ns: std::ops::Range<u32>, end: u64) -> Vec<Step> {
+    vec![begin(start), rows(ns, 0), commit(start, end, false)]
+}
+
 fn commit(start: u64, end: u64, own: bool) -> Step {
     Step::Commit {
         start_file: "binlog.000001".into(),
@@ -154,17 +159,9 @@ fn a_held_transaction_goes_out_at_its_commit_with_its_end_position() {
 fn a_reconnect_before_a_begin_repeats_nothing() {
     let now = Instant::now();
     let mut a = assembler(1 << 20, now);
-    feed(
-        &mut a,
-        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
-        now,
-    );
+    feed(&mut a, txn(4, 0..1, 300), now);
     a.restart();
-    let (got, _) = feed(
-        &mut a,
-        vec![begin(300), rows(1..2, 0), commit(300, 500, false)],
-        now,
-    );
+    let (got, _) = feed(&mut a, txn(300, 1..2, 500), now);
     assert_eq!(got, strs(&["ea1@500", "c500"]));
 }
 
@@ -177,11 +174,7 @@ fn a_reconnect_inside_a_held_transaction_reads_it_again_whole() {
     // The stream broke before the commit: nothing of it went out, all of it comes again.
     a.restart();
     assert_eq!(a.resume().pos, 4);
-    let (got, _) = feed(
-        &mut a,
-        vec![begin(4), rows(0..3, 0), commit(4, 300, false)],
-        now,
-    );
+    let (got, _) = feed(&mut a, txn(4, 0..3, 300), now);
     assert_eq!(got, strs(&["ea0@300", "ea1@300", "ea2@300", "c300"]));
 }
 
@@ -190,11 +183,7 @@ fn a_transaction_larger_than_the_buffer_is_scanned_then_streamed_and_resumed_ins
     let now = Instant::now();
     // Room for one row only.
     let mut a = assembler(row(0, 0).size() + 1, now);
-    let (got, reread) = feed(
-        &mut a,
-        vec![begin(4), rows(0..4, 0), commit(4, 900, false)],
-        now,
-    );
+    let (got, reread) = feed(&mut a, txn(4, 0..4, 900), now);
     assert!(
         got.is_empty() && reread,
         "scanned to its end, nothing sent: {got:?}"
@@ -206,19 +195,11 @@ fn a_transaction_larger_than_the_buffer_is_scanned_then_streamed_and_resumed_ins
     assert_eq!(got, strs(&["ea0@900", "ea1@900"]));
     a.restart();
     // The server sends it again from its start: only the rest goes out.
-    let (got, _) = feed(
-        &mut a,
-        vec![begin(4), rows(0..4, 0), commit(4, 900, false)],
-        now,
-    );
+    let (got, _) = feed(&mut a, txn(4, 0..4, 900), now);
     assert_eq!(got, strs(&["ea2@900", "ea3@900", "c900"]));
     // The next transaction is held again, and a reconnect after it repeats nothing.
     a.restart();
-    let (got, _) = feed(
-        &mut a,
-        vec![begin(900), rows(4..5, 0), commit(900, 1000, false)],
-        now,
-    );
+    let (got, _) = feed(&mut a, txn(900, 4..5, 1000), now);
     assert_eq!(got, strs(&["ea4@1000", "c1000"]));
 }
 
@@ -226,11 +207,7 @@ fn a_transaction_larger_than_the_buffer_is_scanned_then_streamed_and_resumed_ins
 fn a_reconnect_after_a_forwarded_commit_resumes_past_it() {
     let now = Instant::now();
     let mut a = assembler(1 << 20, now);
-    feed(
-        &mut a,
-        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
-        now,
-    );
+    feed(&mut a, txn(4, 0..1, 300), now);
     let before = a.resume().clone();
     a.restart();
     assert_eq!(a.resume(), &before, "a restart keeps the boundary");
@@ -241,11 +218,7 @@ fn a_reconnect_after_a_forwarded_commit_resumes_past_it() {
 fn a_commit_without_its_transaction_sends_no_event() {
     let now = Instant::now();
     let mut a = assembler(1 << 20, now);
-    let (got, _) = feed(
-        &mut a,
-        vec![begin(4), rows(0..1, 0), commit(4, 300, false)],
-        now,
-    );
+    let (got, _) = feed(&mut a, txn(4, 0..1, 300), now);
     assert_eq!(got, strs(&["ea0@300", "c300"]));
     // The same commit again (no open transaction): a position only, rate-limited.
     let later = now + IDLE_CHECKPOINT_INTERVAL;
@@ -269,11 +242,7 @@ fn rows_rolled_back_to_a_savepoint_are_dropped_and_a_streamed_one_stops_the_rela
     assert_eq!(got, strs(&["ea0@300", "c300"]));
 
     let mut b = assembler(row(0, 0).size() + 1, now);
-    let (_, reread) = feed(
-        &mut b,
-        vec![begin(4), rows(0..3, 0), commit(4, 900, false)],
-        now,
-    );
+    let (_, reread) = feed(&mut b, txn(4, 0..3, 900), now);
     assert!(reread);
     b.restart();
     let mut out = Vec::new();
