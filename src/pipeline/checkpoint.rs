@@ -55,7 +55,7 @@ struct Shared {
 struct Inner {
     /// Forwarded transactions not yet stored: their end position (in log order) and commit
     /// time, oldest first.
-    pending: VecDeque<((u64, u64), Option<DateTime<Utc>>)>,
+    pending: VecDeque<(LogOrder, Option<DateTime<Utc>>)>,
     /// The largest commit-vs-`created_at` gap seen.
     max_gap_ms: Option<i64>,
     /// What is known of the newest stored transaction's commit.
@@ -66,9 +66,12 @@ struct Inner {
     foreign_seen: Option<u64>,
 }
 
+/// Where a position sits in its log: (binlog file sequence, offset), or (0, LSN).
+type LogOrder = (u64, u64);
+
 /// Where a position sits in its log, for ordering commit times against acknowledgements;
 /// `None` for positions that are not a log's (a snapshot mark, a poll batch).
-fn log_order(cp: &Checkpoint) -> Option<(u64, u64)> {
+fn log_order(cp: &Checkpoint) -> Option<LogOrder> {
     match cp {
         Checkpoint::Lsn(l) => Some((0, *l)),
         Checkpoint::Binlog { file, pos, .. } => Some((binlog_file_seq(file), *pos)),
