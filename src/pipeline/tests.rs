@@ -259,3 +259,41 @@ async fn a_stop_drains_every_confirmation_then_stores_the_last_position_then_rel
     assert_eq!(sk.confirmed_ids().len(), 3);
     assert_forward(&st);
 }
+
+/// The return path in one run: the commit time (and gap) a source notes for a forwarded
+/// transaction reaches the store with the position that covers it, and a transaction the
+/// relay never acknowledged leaves what is stored alone.
+#[tokio::test(start_paused = true)]
+async fn commit_times_reach_the_store_with_the_position_that_covers_them() {
+    let (mut store, st) = MemoryStore::new();
+    let (lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    let (sink, _sk) = MemorySink::new();
+    let checkpoints = Checkpointer::new(0);
+    let noted = checkpoints.clone();
+    let at = chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+    let later = at + chrono::Duration::seconds(60);
+    let first = Some((Checkpoint::Lsn(0x100), true));
+    drive(
+        &opts(),
+        sink,
+        store,
+        lease,
+        first,
+        None,
+        checkpoints,
+        move |link| async move {
+            noted.observe(at, at - chrono::Duration::seconds(2));
+            noted.forwarded(&end(0x200), Some(at));
+            send(&link, 0x200).await?;
+            // Noted, but never sent: no acknowledgement covers it.
+            noted.forwarded(&end(0x300), Some(later));
+            Ok(())
+        },
+    )
+    .await
+    .unwrap();
+    let stored = MemoryStore::reopen(&st).load(NAME).await.unwrap().unwrap();
+    assert_eq!(stored.position, Some(end(0x200)));
+    assert_eq!(stored.commit.commit_at, Some(at));
+    assert_eq!(stored.commit.max_gap_ms, Some(2000));
+}
