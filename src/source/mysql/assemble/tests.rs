@@ -356,3 +356,49 @@ fn binlog_fixtures_resumed_inside_a_transaction_give_each_position_once() {
         assert_eq!(joined, all, "{name}: resumed at {at}");
     }
 }
+
+/// While a prepared XA transaction with outbox rows is open, every checkpoint is the position
+/// before its prepare (the commit's own end is still noted for recovery); given up under
+/// `--xa-prepare-expired release`, the position read so far goes out at once.
+#[test]
+fn a_prepared_xa_holds_every_checkpoint_before_it_until_given_up() {
+    let now = Instant::now();
+    let mut a = assembler(1 << 20, now);
+    a.decoder().hold_prepared("x1", 200, 1, 7200);
+    let mut out = Vec::new();
+    for s in txn(300, 0..1, 400) {
+        a.step(s, now, &mut out).unwrap();
+    }
+    let Some(Output::Committed {
+        checkpoint, end, ..
+    }) = out.pop()
+    else {
+        panic!("a forwarded transaction")
+    };
+    assert_eq!((pos_of(&checkpoint), pos_of(&end)), (200, 400));
+    // An idle position is held too.
+    a.step(
+        commit(400, 500, false),
+        now + IDLE_CHECKPOINT_INTERVAL,
+        &mut out,
+    )
+    .unwrap();
+    assert!(matches!(out.pop(), Some(Output::Checkpoint(cp)) if pos_of(&cp) == 200));
+    // Within the limit nothing changes; past it, `release` sends the position read so far.
+    let limit = Duration::from_secs(3600 * 3);
+    assert!(a
+        .xa_check(limit, XaExpired::Release, now)
+        .unwrap()
+        .is_none());
+    let limit = Duration::from_secs(60);
+    let sent = a.xa_check(limit, XaExpired::Release, now).unwrap();
+    assert!(matches!(sent, Some(Output::Checkpoint(cp)) if pos_of(&cp) == 500));
+    // `stop` ends the relay instead.
+    let mut b = assembler(1 << 20, now);
+    b.decoder().hold_prepared("x2", 200, 1, 7200);
+    let err = b
+        .xa_check(limit, XaExpired::Stop, now)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("XA"), "{err}");
+}

@@ -69,6 +69,13 @@ pub struct XaPin {
 }
 
 impl Decoder {
+    /// For the source's in-process tests: an XA transaction with `rows` outbox rows, prepared
+    /// at `pos` `age_s` seconds ago and not ended (as a prepare event read earlier leaves it).
+    #[cfg(test)]
+    pub(crate) fn hold_prepared(&mut self, gtrid: &str, pos: u64, rows: usize, age_s: i64) {
+        self.prepared.push(tests::prepared(gtrid, pos, rows, age_s));
+    }
+
     /// An XA statement in the binlog: `XA START` opens an XA group (MySQL; MariaDB flags its
     /// GTID event instead), `XA END` is part of it, and `XA COMMIT`/`XA ROLLBACK` of a prepared
     /// transaction end a group of their own, releasing or dropping the rows held for it.
@@ -426,7 +433,7 @@ mod tests {
         Decoder::new(vec![table], "bin.000001", None)
     }
 
-    fn prepared(gtrid: &str, pos: u64, rows: usize, age_s: i64) -> PreparedXa {
+    pub(super) fn prepared(gtrid: &str, pos: u64, rows: usize, age_s: i64) -> PreparedXa {
         PreparedXa {
             xid: Xid {
                 format: 1,
