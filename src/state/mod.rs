@@ -410,7 +410,9 @@ pub trait StateStore: Send {
 
     /// A renewal was abandoned midway (it timed out): drop whatever session it used, so the
     /// next call starts on a fresh one instead of queueing behind a stalled one.
-    fn abandon(&mut self) {}
+    fn abandon(&mut self) {
+        // A store without a session of its own (a file, memory) has nothing to drop.
+    }
 }
 
 /// Why the lease keeper woke up.
