@@ -431,6 +431,7 @@ impl StateStore for FileStore {
         next.binlog_pos = None;
         next.gtid_state = None;
         next.snapshot_key = None;
+        next.initialized = false;
         next.updated_at = now();
         self.save(next).await
     }

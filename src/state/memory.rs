@@ -275,8 +275,10 @@ impl StateStore for MemoryStore {
         r.position = None;
         r.snapshot_key = None;
         r.stream_start = None;
-        if replay_since.is_some() {
-            r.replay_since = replay_since;
+        match replay_since {
+            Some(since) => r.replay_since = Some(since),
+            // As the Postgres store: only a first start is begun again without a replay.
+            None => r.initialized = false,
         }
         Ok(())
     }

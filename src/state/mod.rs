@@ -447,9 +447,9 @@ pub trait StateStore: Send {
     }
 
     /// Forgets the stored position, the snapshot's progress and the stream start, so a fresh
-    /// stream and snapshot begin: an interrupted first start begun again, or (with
-    /// `replay_since`) a lost position's recovery, whose replay is recorded until it is durable
-    /// (see [`Lease::replay_since`]). The commit time and gap stay: a replay cut off starts from
+    /// stream and snapshot begin: without `replay_since`, a first start begun again (the next
+    /// start is a first start); with it, a lost position's recovery, whose replay is recorded
+    /// until it is durable (see [`Lease::replay_since`]). The commit time and gap stay: a replay cut off starts from
     /// them again. Refused when the lease was lost.
     fn restart(
         &mut self,
@@ -573,7 +573,7 @@ pub async fn keep_lease<S: StateStore>(
                 Ok(r) => r,
                 Err(_) => {
                     store.abandon();
-                    Err(Error::source("lease renewal timed out", true))
+                    Err(Error::timeout("lease renewal timed out"))
                 }
             };
         if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {

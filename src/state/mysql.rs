@@ -510,10 +510,9 @@ impl MyStateStore {
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
 
 fn no_answer() -> Error {
-    Error::source(
-        format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
-        true,
-    )
+    Error::timeout(format!(
+        "state store: no answer within {STATEMENT_TIMEOUT:?}"
+    ))
 }
 
 impl StateStore for MyStateStore {
@@ -645,7 +644,7 @@ pub(crate) fn no_replay() -> Error {
 async fn forget_position(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
         "UPDATE outboxd_state SET binlog_file = NULL, binlog_pos = NULL, gtid_state = NULL, position = NULL,
-                snapshot_key = NULL, updated_at = UTC_TIMESTAMP(6)
+                snapshot_key = NULL, initialized_at = NULL, updated_at = UTC_TIMESTAMP(6)
           WHERE name = ? AND epoch = ? AND lease_holder = ?",
         (&lease.name, lease.epoch, &lease.holder),
     )
