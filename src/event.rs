@@ -292,6 +292,14 @@ pub enum Checkpoint {
 }
 
 impl Checkpoint {
+    /// The LSN of a Postgres position; `None` for any other kind.
+    pub fn lsn(&self) -> Option<u64> {
+        match self {
+            Checkpoint::Lsn(l) => Some(*l),
+            _ => None,
+        }
+    }
+
     /// Order of two checkpoints of the same source; `None` across kinds.
     pub fn compare(&self, other: &Checkpoint) -> Option<Ordering> {
         match (self, other) {

@@ -43,9 +43,10 @@
 //! - The return path: `pipeline::checkpoint::Checkpointer` — relay acknowledgement → state
 //!   store → slot confirm (Postgres: never past what the state row holds) → commit times.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
-//!   one function per source that decides where to start and returns a `StartPlan` (what both
-//!   share is in `source::startup`); [`pipeline`] runs every plan through one `drive`, which
-//!   is handed its sink and state store (in-process tests run it on the memory doubles).
+//!   one function per source that decides where to start, through the relay's [`StateStore`],
+//!   and returns a `StartPlan` (one shape for both, in `source::startup`); [`pipeline`] runs
+//!   every plan through one `drive`, which is handed its sink and state store (in-process tests
+//!   run it on the memory doubles).
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the
@@ -116,7 +117,7 @@ pub mod telemetry;
 #[path = "commands/values.rs"]
 mod values;
 
-pub use error::{Error, ExitStatus, Result};
+pub use error::{should_retry, Error, ErrorKind, ExitStatus, Result, ServerCode};
 pub use event::{Checkpoint, OutboxEvent, SourcePosition};
 pub use outbox::{ColumnMap, NewEvent, Outbox, OutboxBackend};
 

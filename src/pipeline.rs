@@ -2,8 +2,9 @@
 //! owns the order of a graceful stop — the source stops at a transaction boundary, the relay
 //! drains every confirmation, the final position reaches the server and the state table, and
 //! the lease is released. Where each log source starts (lease, resume or first start,
-//! lost-position recovery) is its own `startup` module's decision, returned as a `StartPlan`;
-//! this module runs that plan.
+//! lost-position recovery, a first start's position stored) is its own `startup` module's
+//! decision, made through the relay's `StateStore` and returned as a `StartPlan`; this module
+//! runs that plan.
 
 pub mod checkpoint;
 
@@ -87,19 +88,26 @@ pub async fn run_postgres(
         tables: &cfg.tables,
         columns: &cfg.columns,
     };
-    let Some(plan) = pg::startup::start_plan(src, &start_options(&cfg), &shutdown).await? else {
+    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
+        .with_slot(&cfg.slot)
+        .with_publication(&cfg.publication);
+    let Some(plan) = pg::startup::start_plan(src, store, &start_options(&cfg), &shutdown).await?
+    else {
         // A standby asked to stop before it got the lease.
         return Ok(Arc::new(RelayStats::default()));
     };
     let pg::startup::StartPlan {
-        // Held until the relay stops (see StartPlan::session).
-        session: _session,
+        store,
         lease,
-        start,
-        snapshot,
-        snapshot_after,
         resumed,
-        ..
+        source:
+            pg::startup::PgStart {
+                // Held until the relay stops (see PgStart::session).
+                session: _session,
+                start,
+                snapshot,
+                snapshot_after,
+            },
     } = plan;
 
     let source_cfg = PgSourceConfig {
@@ -119,9 +127,7 @@ pub async fn run_postgres(
     // The slot is confirmed only up to what the state row holds: the store tells the return
     // path what it wrote, the source confirms what that allows.
     let checkpoints = Checkpointer::new(start);
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
-        .with_slot(&cfg.slot)
-        .with_checkpointer(checkpoints.clone());
+    let store = store.with_checkpointer(checkpoints.clone());
     let sink = make_sink(&cfg)?;
     let opts = DriveOptions::from(&cfg);
     drive(
@@ -129,7 +135,6 @@ pub async fn run_postgres(
         sink,
         store,
         lease,
-        None,
         resumed,
         checkpoints.clone(),
         move |link| pg::run(source_cfg, link, start, checkpoints, shutdown),
@@ -457,25 +462,55 @@ pub async fn run_mysql(
     cfg: RunConfig,
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
-    use crate::source::mysql as my;
     let tables = mysql_tables(&dsn, &cfg.tables, &cfg.columns, cfg.mysql.time_zone)?;
+    // The state lives in the offset file or in `outboxd_state`: past this choice, the start and
+    // the lease keeper see only a StateStore.
+    match cfg.mysql.offset_file.clone() {
+        Some(path) => {
+            run_mysql_on(
+                dsn,
+                cfg,
+                tables,
+                state::file::FileStore::open(&path),
+                shutdown,
+            )
+            .await
+        }
+        None => {
+            let store = state::mysql::MyStateStore::new(dsn.clone());
+            run_mysql_on(dsn, cfg, tables, store, shutdown).await
+        }
+    }
+}
+
+/// [`run_mysql`] with its state in `store`.
+async fn run_mysql_on<St: state::StateStore + 'static>(
+    dsn: DbDsn,
+    cfg: RunConfig,
+    tables: Vec<crate::source::mysql::rows::OutboxTable>,
+    store: St,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    use crate::source::mysql as my;
     let src = my::startup::Source {
         dsn: &dsn,
         tables: &tables,
-        offset_file: cfg.mysql.offset_file.as_deref(),
     };
-    let Some(plan) = my::startup::start_plan(src, &start_options(&cfg), &shutdown).await? else {
+    let Some(plan) = my::startup::start_plan(src, store, &start_options(&cfg), &shutdown).await?
+    else {
         // A standby asked to stop before it got the lease.
         return Ok(Arc::new(RelayStats::default()));
     };
     let my::startup::StartPlan {
+        store,
         lease,
-        mariadb,
-        start,
-        first,
-        store_first,
         resumed,
-        file_store,
+        source:
+            my::startup::MyStart {
+                mariadb,
+                start,
+                first,
+            },
     } = plan;
 
     let source_cfg = my::MySqlSourceConfig {
@@ -497,14 +532,7 @@ pub async fn run_mysql(
     let source = move |link| my::run(source_cfg, link, start, first, checkpoints, shutdown);
     let sink = make_sink(&cfg)?;
     let opts = DriveOptions::from(&cfg);
-    let first = store_first;
-    match file_store {
-        Some(store) => drive(&opts, sink, store, lease, first, resumed, commits, source).await,
-        None => {
-            let store = state::mysql::MyStateStore::new(dsn.clone());
-            drive(&opts, sink, store, lease, first, resumed, commits, source).await
-        }
-    }
+    drive(&opts, sink, store, lease, resumed, commits, source).await
 }
 
 /// What [`drive`] takes of a run's settings.
@@ -528,17 +556,14 @@ impl From<&RunConfig> for DriveOptions {
 
 /// Runs a source, the relay and `sink` with a lease keeper on `store` beside them, until the
 /// source ends (graceful stop) or something fails; then stores the final position and releases
-/// the lease. `first` is a first start's position (and whether that start is over with it),
-/// stored before the source may publish anything; `resumed` is where the source starts: no
-/// position older than it is stored. `checkpoints` is the run's return path, shared with the
-/// source.
-#[allow(clippy::too_many_arguments)]
+/// the lease. The start already wrote what a first start stores before its first event;
+/// `resumed` is where the source starts: no position older than it is stored. `checkpoints` is
+/// the run's return path, shared with the source.
 async fn drive<Si, St, F, Fut>(
     cfg: &DriveOptions,
     mut sink: Si,
-    mut store: St,
-    mut lease: state::Lease,
-    first: Option<(Checkpoint, bool)>,
+    store: St,
+    lease: state::Lease,
     resumed: Option<Checkpoint>,
     checkpoints: Checkpointer,
     source: F,
@@ -552,13 +577,6 @@ where
     let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let ack_rx = link.acks.clone();
     let lease_stop = CancellationToken::new();
-    if let Some((start, done)) = &first {
-        store.store_start(&lease, start, *done).await?;
-        tracing::info!(position = %start, "first start: position stored");
-        if *done {
-            lease.first_start = false;
-        }
-    }
     // The relay publishes only while the lease keeper's last renewal is fresh.
     let fence = state::Fence::new(state::SELF_FENCE_AFTER);
     let relay_opts = RelayOptions {

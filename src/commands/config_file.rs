@@ -241,59 +241,12 @@ impl File<'_> {
         table: &toml_edit::Table,
         out: &mut BTreeMap<String, (usize, String)>,
     ) -> Result<(), Error> {
-        let path = self.path;
-        let top = at.is_empty();
-        let where_ = if top {
-            String::new()
-        } else {
-            format!(" in [{}]", at.join("."))
-        };
-        let command = |at: &[String]| format!("outboxd {}", at.join(" "));
-        let known = if top {
-            keys(self.root)
-        } else {
-            let mut k = keys(scope);
-            // Global flags (log_level) belong to every command.
-            for a in self.root.get_arguments().filter(|a| a.is_global_set()) {
-                if let Some(long) = a.get_long() {
-                    k.entry(long.replace('-', "_")).or_default().push(a.clone());
-                }
-            }
-            k
-        };
+        let known = self.known_keys(scope, at.is_empty());
         let applies = self.leaf.is_some() && self.invoked.starts_with(at);
         for (key, item) in table.iter() {
             if let Some(sub) = item.as_table() {
                 let Some(next) = scope.find_subcommand(key) else {
-                    let names: Vec<String> = scope
-                        .get_subcommands()
-                        .map(|c| c.get_name().to_string())
-                        .collect();
-                    let fix = match closest(key, names.iter()) {
-                        Some(n) => format!("did you mean [{}]? (a section is named after a command: [prune], [keys.retire])", at.iter().chain([n]).cloned().collect::<Vec<_>>().join(".")),
-                        None if names.is_empty() => format!(
-                            "{} has no subcommands: put its keys directly under [{}]",
-                            command(at),
-                            at.join(".")
-                        ),
-                        None => format!(
-                            "a section is named after a command ([prune], [keys.retire]); {} has: {}",
-                            if top { "outboxd".to_string() } else { command(at) },
-                            names.join(", ")
-                        ),
-                    };
-                    return Err(refuse(
-                        path,
-                        format!(
-                            "[{}] is not a command",
-                            at.iter()
-                                .chain([&key.to_string()])
-                                .cloned()
-                                .collect::<Vec<_>>()
-                                .join(".")
-                        ),
-                        fix,
-                    ));
+                    return Err(self.not_a_command(scope, at, key));
                 };
                 at.push(next.get_name().to_string());
                 let r = self.section(next, at, sub, out);
@@ -301,108 +254,222 @@ impl File<'_> {
                 r?;
                 continue;
             }
-            if !item.is_value() {
-                return Err(refuse(
-                    path,
-                    format!("{key:?}{where_} is neither a key nor a command's section"),
-                    "write key = value, or a [command] section (e.g. [prune])",
-                ));
-            }
-            if key == "config" {
-                return Err(refuse(
-                    path,
-                    "a config file cannot name another config file",
-                    "remove the config key",
-                ));
-            }
-            if CONFIRMATIONS.contains(&key) {
-                return Err(refuse(
-                    path,
-                    format!("{key:?}{where_} confirms a destructive step, which a file never does: it would apply to every later run"),
-                    format!("remove {key:?} from the file and pass --{key} on the command line of the one run it is meant for"),
-                ));
-            }
-            let args = match known.get(key) {
-                Some(a) => a,
-                None => {
-                    let underscored = key.replace('-', "_");
-                    let help = if top {
-                        "outboxd run --help".to_string()
-                    } else {
-                        format!("{} --help", command(at))
-                    };
-                    let fix = if known.contains_key(&underscored) {
-                        format!("write {underscored:?}: keys are the long flags with '_' for '-'")
-                    } else {
-                        match closest(key, known.keys()) {
-                            Some(k) => format!("did you mean {k:?}? (keys are the long flags with '_' for '-')"),
-                            None if top => format!("keys are the long flags with '_' for '-' ({help} lists them)"),
-                            None => format!("{} has no --{}: move the key to the section of the command that takes it ({help} lists this one's flags)", command(at), key.replace('_', "-")),
-                        }
-                    };
-                    return Err(refuse(path, format!("unknown key {key:?}{where_}"), fix));
-                }
-            };
-            let arg = &args[0];
-            let long = arg.get_long().unwrap_or(key);
-            if !args.iter().any(|a| a.get_env().is_some()) {
-                return Err(refuse(
-                    path,
-                    format!("--{long} is a command-line-only flag"),
-                    format!("remove {key:?} from the file and pass --{long} on the command line"),
-                ));
-            }
-            let lower = key.to_ascii_lowercase();
-            let any_env = args
-                .iter()
-                .find_map(|a| a.get_env())
-                .map(|e| e.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            if SECRET_WORDS.iter().any(|w| lower.contains(w)) && !lower.ends_with("_file") {
-                return Err(refuse(
-                    path,
-                    format!("{key:?} is a secret: the file may only refer to secrets"),
-                    format!(
-                        "put it in a file named by {key}_file, or in the environment ({any_env})"
-                    ),
-                ));
-            }
-            let value = value_text(path, key, item, arg)?;
-            if args.iter().any(|a| a.is_hide_env_values_set()) && has_inline_password(&value) {
-                return Err(refuse(
-                    path,
-                    format!("{key:?} holds a password inline"),
-                    format!(
-                        "remove the password from {key:?} and put it in a file named by {key}_file (the file may hold the whole DSN or only its password), or set {any_env} in the environment"
-                    ),
-                ));
-            }
-            if !applies {
-                continue;
-            }
-            // The variable of the running command's own flag: two commands may give one flag
-            // different variables. A key the running command does not take sets nothing (a
-            // top-level key of another command; the file serves them all).
-            let own = self
-                .leaf
-                .into_iter()
-                .flat_map(|l| l.get_arguments())
-                .chain(self.root.get_arguments())
-                .find(|a| a.get_long() == Some(long))
-                .and_then(|a| a.get_env());
-            let env = match own {
-                Some(e) => e.to_string_lossy().into_owned(),
-                // No command named (`load` for the top level alone): the flag's variable.
-                None if self.invoked.is_empty() => any_env.clone(),
-                None => continue,
-            };
-            let depth = at.len();
-            if out.get(&env).is_none_or(|(d, _)| *d <= depth) {
-                out.insert(env, (depth, value));
+            let key = self.accepted(&known, at, key, item)?;
+            if applies {
+                self.apply(key, at.len(), out);
             }
         }
         Ok(())
     }
+
+    /// The keys a section may hold: the flags of its command (at the top level, of the root
+    /// command), global flags (log_level) included, by their long name with '_' for '-'.
+    fn known_keys(&self, scope: &Command, top: bool) -> BTreeMap<String, Vec<Arg>> {
+        if top {
+            return keys(self.root);
+        }
+        let mut k = keys(scope);
+        for a in self.root.get_arguments().filter(|a| a.is_global_set()) {
+            if let Some(long) = a.get_long() {
+                k.entry(long.replace('-', "_")).or_default().push(a.clone());
+            }
+        }
+        k
+    }
+
+    /// The refusal of a section `[at.key]` that names no subcommand of `scope`.
+    fn not_a_command(&self, scope: &Command, at: &[String], key: &str) -> Error {
+        let top = at.is_empty();
+        let names: Vec<String> = scope
+            .get_subcommands()
+            .map(|c| c.get_name().to_string())
+            .collect();
+        let fix = match closest(key, names.iter()) {
+            Some(n) => format!(
+                "did you mean [{}]? (a section is named after a command: [prune], [keys.retire])",
+                at.iter().chain([n]).cloned().collect::<Vec<_>>().join(".")
+            ),
+            None if names.is_empty() => format!(
+                "{} has no subcommands: put its keys directly under [{}]",
+                command(at),
+                at.join(".")
+            ),
+            None => format!(
+                "a section is named after a command ([prune], [keys.retire]); {} has: {}",
+                if top {
+                    "outboxd".to_string()
+                } else {
+                    command(at)
+                },
+                names.join(", ")
+            ),
+        };
+        refuse(
+            self.path,
+            format!(
+                "[{}] is not a command",
+                at.iter()
+                    .chain([&key.to_string()])
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(".")
+            ),
+            fix,
+        )
+    }
+
+    /// Checks one `key = value` of the section at `at` against the flags it may set (`known`):
+    /// returns what it sets, or the refusal with
+    /// its fix (a nested file, a confirmation, an unknown or command-line-only flag, a secret
+    /// inline).
+    fn accepted<'k>(
+        &self,
+        known: &'k BTreeMap<String, Vec<Arg>>,
+        at: &[String],
+        key: &'k str,
+        item: &toml_edit::Item,
+    ) -> Result<Accepted<'k>, Error> {
+        let path = self.path;
+        let where_ = if at.is_empty() {
+            String::new()
+        } else {
+            format!(" in [{}]", at.join("."))
+        };
+        if !item.is_value() {
+            return Err(refuse(
+                path,
+                format!("{key:?}{where_} is neither a key nor a command's section"),
+                "write key = value, or a [command] section (e.g. [prune])",
+            ));
+        }
+        if key == "config" {
+            return Err(refuse(
+                path,
+                "a config file cannot name another config file",
+                "remove the config key",
+            ));
+        }
+        if CONFIRMATIONS.contains(&key) {
+            return Err(refuse(
+                path,
+                format!("{key:?}{where_} confirms a destructive step, which a file never does: it would apply to every later run"),
+                format!("remove {key:?} from the file and pass --{key} on the command line of the one run it is meant for"),
+            ));
+        }
+        let Some(args) = known.get(key) else {
+            return Err(self.unknown_key(known, at, key, &where_));
+        };
+        let arg = &args[0];
+        let long = arg.get_long().unwrap_or(key);
+        if !args.iter().any(|a| a.get_env().is_some()) {
+            return Err(refuse(
+                path,
+                format!("--{long} is a command-line-only flag"),
+                format!("remove {key:?} from the file and pass --{long} on the command line"),
+            ));
+        }
+        let lower = key.to_ascii_lowercase();
+        let any_env = any_env(args);
+        if SECRET_WORDS.iter().any(|w| lower.contains(w)) && !lower.ends_with("_file") {
+            return Err(refuse(
+                path,
+                format!("{key:?} is a secret: the file may only refer to secrets"),
+                format!("put it in a file named by {key}_file, or in the environment ({any_env})"),
+            ));
+        }
+        let value = value_text(path, key, item, arg)?;
+        if args.iter().any(|a| a.is_hide_env_values_set()) && has_inline_password(&value) {
+            return Err(refuse(
+                path,
+                format!("{key:?} holds a password inline"),
+                format!(
+                    "remove the password from {key:?} and put it in a file named by {key}_file (the file may hold the whole DSN or only its password), or set {any_env} in the environment"
+                ),
+            ));
+        }
+        Ok(Accepted {
+            long,
+            value,
+            any_env,
+        })
+    }
+
+    /// The refusal of a key no flag of the section's command has, with the nearest name.
+    fn unknown_key(
+        &self,
+        known: &BTreeMap<String, Vec<Arg>>,
+        at: &[String],
+        key: &str,
+        where_: &str,
+    ) -> Error {
+        let top = at.is_empty();
+        let underscored = key.replace('-', "_");
+        let help = if top {
+            "outboxd run --help".to_string()
+        } else {
+            format!("{} --help", command(at))
+        };
+        let fix = if known.contains_key(&underscored) {
+            format!("write {underscored:?}: keys are the long flags with '_' for '-'")
+        } else {
+            match closest(key, known.keys()) {
+                Some(k) => format!("did you mean {k:?}? (keys are the long flags with '_' for '-')"),
+                None if top => format!("keys are the long flags with '_' for '-' ({help} lists them)"),
+                None => format!("{} has no --{}: move the key to the section of the command that takes it ({help} lists this one's flags)", command(at), key.replace('_', "-")),
+            }
+        };
+        refuse(self.path, format!("unknown key {key:?}{where_}"), fix)
+    }
+
+    /// Sets the running command's variable of the key's flag, unless a deeper section already
+    /// set it.
+    fn apply(&self, key: Accepted<'_>, depth: usize, out: &mut BTreeMap<String, (usize, String)>) {
+        let Accepted {
+            long,
+            value,
+            any_env,
+        } = key;
+        // The variable of the running command's own flag: two commands may give one flag
+        // different variables. A key the running command does not take sets nothing (a
+        // top-level key of another command; the file serves them all).
+        let own = self
+            .leaf
+            .into_iter()
+            .flat_map(|l| l.get_arguments())
+            .chain(self.root.get_arguments())
+            .find(|a| a.get_long() == Some(long))
+            .and_then(|a| a.get_env());
+        let env = match own {
+            Some(e) => e.to_string_lossy().into_owned(),
+            // No command named (`load` for the top level alone): the flag's variable.
+            None if self.invoked.is_empty() => any_env,
+            None => return,
+        };
+        if out.get(&env).is_none_or(|(d, _)| *d <= depth) {
+            out.insert(env, (depth, value));
+        }
+    }
+}
+
+/// A key a section may hold: its flag's long name, its value as the flag's environment text,
+/// and the first variable any flag of that name reads.
+struct Accepted<'k> {
+    long: &'k str,
+    value: String,
+    any_env: String,
+}
+
+/// `outboxd <at…>`, for messages.
+fn command(at: &[String]) -> String {
+    format!("outboxd {}", at.join(" "))
+}
+
+/// The first environment variable any of `args` reads (empty when none does).
+fn any_env(args: &[Arg]) -> String {
+    args.iter()
+        .find_map(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// A TOML value as the flag's environment text: strings as they are, numbers and booleans

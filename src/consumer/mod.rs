@@ -242,7 +242,7 @@ impl From<ConsumerError> for crate::Error {
         match e {
             ConsumerError::Config { problem, fix } => crate::Error::Config { problem, fix },
             ConsumerError::Database { message, retryable } => {
-                crate::Error::Source { message, retryable }
+                crate::Error::source(message, retryable)
             }
             other => crate::Error::Other(other.to_string()),
         }

@@ -236,149 +236,109 @@ fn lock_name(qualified: &str) -> String {
     format!("outboxd_prune:{}", &k.hex()[..40])
 }
 
-#[cfg(feature = "postgres")]
-/// Prunes a Postgres table. `progress` sees the report after every batch.
-pub async fn prune_postgres(
-    dsn: &DbDsn,
+/// The rows a prune deletes: older than the cutoff by the time column, of one consumer
+/// (`--consumer`), and in poll mode only published ones. Names unquoted: each database quotes
+/// them and writes the placeholders its own way.
+struct Filter {
+    time: String,
+    consumer: bool,
+    /// The status column, when only `published` rows may go (poll mode).
+    status: Option<String>,
+}
+
+impl Filter {
+    fn new(kind: TableKind, opts: &PruneOptions) -> Filter {
+        Filter {
+            time: time_column(kind, opts).to_string(),
+            consumer: opts.consumer.is_some(),
+            status: (kind == TableKind::Outbox && opts.mode == Mode::Poll)
+                .then(|| opts.columns.get("status").to_string()),
+        }
+    }
+
+    /// `time < P1 [AND consumer = P2] [AND status = 'published']`, with `quote` quoting a name
+    /// and `param(i)` the i-th (1-based) placeholder.
+    fn sql(&self, quote: impl Fn(&str) -> String, param: impl Fn(usize) -> String) -> String {
+        let mut cond = format!("{} < {}", quote(&self.time), param(1));
+        if self.consumer {
+            cond.push_str(&format!(" AND consumer = {}", param(2)));
+        }
+        if let Some(status) = &self.status {
+            cond.push_str(&format!(" AND {} = 'published'", quote(status)));
+        }
+        cond
+    }
+}
+
+/// What one database does for a prune; [`prune`] owns the order, the same for both: the kind
+/// from the table's columns, the window check, the cutoff from the database's clock, then a
+/// count (`--dry-run`) or the lock, the batch statement, the batches and the unlock.
+trait Backend {
+    /// The table as messages name it.
+    fn shown(&self) -> &str;
+    /// The table's column names, lowercase; empty when it does not exist.
+    async fn columns(&mut self) -> Result<Vec<String>, ConsumerError>;
+    /// Reads the database's clock minus `older_than` and keeps it to bind (with `consumer`);
+    /// returns it as the database prints it.
+    async fn cutoff(
+        &mut self,
+        older_than: Duration,
+        consumer: Option<&str>,
+    ) -> Result<String, ConsumerError>;
+    /// How many rows `filter` selects.
+    async fn count(&mut self, filter: &Filter) -> Result<u64, ConsumerError>;
+    /// Takes the table's prune lock; refused, naming the holder, while another prune has it.
+    async fn lock(&mut self) -> Result<(), ConsumerError>;
+    /// The statement deleting one batch of `batch` rows, after the index checks the database
+    /// needs (the lock is held; an error here is returned after the unlock).
+    async fn batch_statement(
+        &mut self,
+        filter: &Filter,
+        batch: u64,
+    ) -> Result<String, ConsumerError>;
+    /// Runs one batch; the rows it deleted.
+    async fn delete(&mut self, sql: &str) -> Result<u64, ConsumerError>;
+    /// Gives the lock up (and the session).
+    async fn unlock(&mut self);
+}
+
+/// Prunes through `db` (see the module's documentation). `progress` sees the report after
+/// every batch.
+async fn prune<B: Backend>(
+    db: &mut B,
     opts: &PruneOptions,
     progress: &mut (dyn FnMut(&PruneReport) + Send),
     shutdown: &CancellationToken,
 ) -> Result<PruneReport, ConsumerError> {
-    let client = crate::db::postgres::connect_sql(dsn, "outboxd_prune").await?;
-    let shown = opts.table.pg_quoted();
-    let schema = opts.table.pg_schema().to_string();
-    let cols: Vec<String> = client
-        .query(
-            "SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2",
-            &[&schema, &opts.table.name],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get::<_, String>(0).to_lowercase())
-        .collect();
-    let kind = kind_of(&cols, opts, &shown)?;
+    let cols = db.columns().await?;
+    let kind = kind_of(&cols, opts, db.shown())?;
     if !opts.dry_run {
         check_window(kind, opts.older_than, opts.force)?;
     }
-    let time = pg_ident(time_column(kind, opts));
-    let mut cond = format!("{time} < $1");
-    if opts.consumer.is_some() {
-        cond.push_str(" AND consumer = $2");
-    }
-    if kind == TableKind::Outbox && opts.mode == Mode::Poll {
-        cond.push_str(&format!(
-            " AND {} = 'published'",
-            pg_ident(opts.columns.get("status"))
-        ));
-    }
-    let cutoff: chrono::DateTime<chrono::Utc> = client
-        .query_one(
-            "SELECT now() - $1::float8 * interval '1 second'",
-            &[&opts.older_than.as_secs_f64()],
-        )
-        .await?
-        .get(0);
+    let filter = Filter::new(kind, opts);
+    let cutoff = db.cutoff(opts.older_than, opts.consumer.as_deref()).await?;
     let mut report = PruneReport {
-        table: shown.clone(),
+        table: db.shown().to_string(),
         kind,
-        cutoff: cutoff.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        cutoff,
         rows: 0,
         batches: 0,
         elapsed: Duration::ZERO,
         dry_run: opts.dry_run,
         interrupted: false,
     };
-    let batch = opts.batch as i64;
-    let consumer = opts.consumer.clone().unwrap_or_default();
-    type Param<'a> = (&'a (dyn tokio_postgres::types::ToSql + Sync), Type);
-    let mut params: Vec<Param<'_>> = vec![(&cutoff, Type::TIMESTAMPTZ)];
-    if opts.consumer.is_some() {
-        params.push((&consumer, Type::TEXT));
-    }
     let start = Instant::now();
     if opts.dry_run {
-        let sql = format!("SELECT count(*) FROM {shown} WHERE {cond}");
-        let n: i64 = client.query_typed(&sql, &params).await?[0].get(0);
-        report.rows = n as u64;
+        report.rows = db.count(&filter).await?;
         report.batches = batches_for(report.rows, opts.batch);
         report.elapsed = start.elapsed();
         return Ok(report);
     }
-    // The batch size is the last parameter of the DELETE.
-    let limit = format!("${}", params.len() + 1);
-    params.push((&batch, Type::INT8));
-
-    let key = lock_name(&format!("{schema}.{}", opts.table.name));
-    let locked: bool = client
-        .query_one(
-            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
-            &[&key],
-        )
-        .await?
-        .get(0);
-    if !locked {
-        let holder = client
-            .query_opt(
-                "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.client_addr::text, 'local')
-                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-                  WHERE l.locktype = 'advisory' AND l.granted
-                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                    AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended($1, 0)
-                  LIMIT 1",
-                &[&key],
-            )
-            .await?
-            .map(|r| {
-                format!(
-                    "backend pid {} ({}, from {})",
-                    r.get::<_, i32>(0),
-                    r.get::<_, String>(1),
-                    r.get::<_, String>(2)
-                )
-            })
-            .unwrap_or_else(|| "another session".into());
-        return Err(ConsumerError::Database {
-            message: format!("another outboxd prune of {shown} is running: {holder} holds the advisory lock {key:?}; one pruner at a time"),
-            retryable: false,
-        });
-    }
-
-    // ORDER BY the time column only when a full (not partial) index leads with it (poll mode:
-    // (status, time) also serves); without one, a sort per batch would read every candidate
-    // each time.
-    let indexed: bool = client
-        .query_one(
-            "SELECT EXISTS (
-               SELECT 1 FROM pg_index i
-                 JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
-                 LEFT JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
-                WHERE i.indrelid = $1::text::regclass AND i.indpred IS NULL
-                  AND (a0.attname = $2 OR ($3 AND a0.attname = $4 AND a1.attname = $2)))",
-            &[
-                &shown,
-                &time_column(kind, opts),
-                &(kind == TableKind::Outbox && opts.mode == Mode::Poll),
-                &opts.columns.get("status"),
-            ],
-        )
-        .await?
-        .get(0);
-    if !indexed {
-        tracing::warn!(
-            "{shown} has no index on {time}: every batch scans for candidates; CREATE INDEX CONCURRENTLY ON {shown} ({time}) makes pruning cheaper"
-        );
-    }
-    let order = if indexed {
-        format!(" ORDER BY {time}")
-    } else {
-        String::new()
-    };
-    let sql = format!(
-        "DELETE FROM {shown} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {shown} WHERE {cond}{order} LIMIT {limit})) AND {cond}"
-    );
+    db.lock().await?;
     let result = async {
+        let sql = db.batch_statement(&filter, opts.batch).await?;
         loop {
-            let n = client.execute_typed(&sql, &params).await?;
+            let n = db.delete(&sql).await?;
             if n == 0 {
                 break;
             }
@@ -394,15 +354,221 @@ pub async fn prune_postgres(
         Ok::<_, ConsumerError>(())
     }
     .await;
-    let _ = client
-        .execute(
-            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
-            &[&key],
-        )
-        .await;
+    db.unlock().await;
     result?;
     report.elapsed = start.elapsed();
     Ok(report)
+}
+
+#[cfg(feature = "postgres")]
+/// Prunes a Postgres table. `progress` sees the report after every batch.
+pub async fn prune_postgres(
+    dsn: &DbDsn,
+    opts: &PruneOptions,
+    progress: &mut (dyn FnMut(&PruneReport) + Send),
+    shutdown: &CancellationToken,
+) -> Result<PruneReport, ConsumerError> {
+    let client = crate::db::postgres::connect_sql(dsn, "outboxd_prune").await?;
+    let mut db = PgPrune {
+        client,
+        shown: opts.table.pg_quoted(),
+        schema: opts.table.pg_schema().to_string(),
+        table: opts.table.name.clone(),
+        key: String::new(),
+        cutoff: chrono::DateTime::<chrono::Utc>::MIN_UTC,
+        consumer: None,
+        batch: 0,
+    };
+    db.key = lock_name(&format!("{}.{}", db.schema, db.table));
+    prune(&mut db, opts, progress, shutdown).await
+}
+
+/// A prune's Postgres session: `DELETE … WHERE ctid = ANY(ARRAY(SELECT ctid … LIMIT n)) AND
+/// <condition>`, under `pg_try_advisory_lock`.
+#[cfg(feature = "postgres")]
+struct PgPrune {
+    client: tokio_postgres::Client,
+    shown: String,
+    schema: String,
+    table: String,
+    /// The advisory lock's name.
+    key: String,
+    cutoff: chrono::DateTime<chrono::Utc>,
+    consumer: Option<String>,
+    /// The batch size, bound as the DELETE's last parameter.
+    batch: i64,
+}
+
+#[cfg(feature = "postgres")]
+type PgParam<'a> = (&'a (dyn tokio_postgres::types::ToSql + Sync), Type);
+
+#[cfg(feature = "postgres")]
+impl PgPrune {
+    /// The filter's parameters: the cutoff, then the consumer when there is one.
+    fn params(&self) -> Vec<PgParam<'_>> {
+        let mut params: Vec<PgParam<'_>> = vec![(&self.cutoff, Type::TIMESTAMPTZ)];
+        if let Some(c) = &self.consumer {
+            params.push((c, Type::TEXT));
+        }
+        params
+    }
+
+    fn condition(&self, filter: &Filter) -> String {
+        filter.sql(pg_ident, |i| format!("${i}"))
+    }
+
+    /// The holder of the advisory lock, as a refusal can name it.
+    async fn lock_holder(&self) -> Result<String, ConsumerError> {
+        Ok(self
+            .client
+            .query_opt(
+                "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.client_addr::text, 'local')
+                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'advisory' AND l.granted
+                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                    AND ((l.classid::bigint << 32) | l.objid::bigint) = hashtextextended($1, 0)
+                  LIMIT 1",
+                &[&self.key],
+            )
+            .await?
+            .map(|r| {
+                format!(
+                    "backend pid {} ({}, from {})",
+                    r.get::<_, i32>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, String>(2)
+                )
+            })
+            .unwrap_or_else(|| "another session".into()))
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Backend for PgPrune {
+    fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    async fn columns(&mut self) -> Result<Vec<String>, ConsumerError> {
+        Ok(self.client
+            .query(
+                "SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2",
+                &[&self.schema, &self.table],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get::<_, String>(0).to_lowercase())
+            .collect())
+    }
+
+    async fn cutoff(
+        &mut self,
+        older_than: Duration,
+        consumer: Option<&str>,
+    ) -> Result<String, ConsumerError> {
+        self.cutoff = self
+            .client
+            .query_one(
+                "SELECT now() - $1::float8 * interval '1 second'",
+                &[&older_than.as_secs_f64()],
+            )
+            .await?
+            .get(0);
+        self.consumer = consumer.map(str::to_string);
+        Ok(self
+            .cutoff
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+    }
+
+    async fn count(&mut self, filter: &Filter) -> Result<u64, ConsumerError> {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE {}",
+            self.shown,
+            self.condition(filter)
+        );
+        let n: i64 = self.client.query_typed(&sql, &self.params()).await?[0].get(0);
+        Ok(n as u64)
+    }
+
+    async fn lock(&mut self) -> Result<(), ConsumerError> {
+        let locked: bool = self
+            .client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                &[&self.key],
+            )
+            .await?
+            .get(0);
+        if locked {
+            return Ok(());
+        }
+        let holder = self.lock_holder().await?;
+        Err(ConsumerError::Database {
+            message: format!("another outboxd prune of {} is running: {holder} holds the advisory lock {:?}; one pruner at a time", self.shown, self.key),
+            retryable: false,
+        })
+    }
+
+    async fn batch_statement(
+        &mut self,
+        filter: &Filter,
+        batch: u64,
+    ) -> Result<String, ConsumerError> {
+        self.batch = batch as i64;
+        let (shown, time) = (&self.shown, pg_ident(&filter.time));
+        // ORDER BY the time column only when a full (not partial) index leads with it (poll
+        // mode: (status, time) also serves); without one, a sort per batch would read every
+        // candidate each time.
+        let indexed: bool = self.client
+            .query_one(
+                "SELECT EXISTS (
+                   SELECT 1 FROM pg_index i
+                     JOIN pg_attribute a0 ON a0.attrelid = i.indrelid AND a0.attnum = i.indkey[0]
+                     LEFT JOIN pg_attribute a1 ON a1.attrelid = i.indrelid AND a1.attnum = i.indkey[1]
+                    WHERE i.indrelid = $1::text::regclass AND i.indpred IS NULL
+                      AND (a0.attname = $2 OR ($3 AND a0.attname = $4 AND a1.attname = $2)))",
+                &[
+                    shown,
+                    &filter.time,
+                    &filter.status.is_some(),
+                    &filter.status.as_deref().unwrap_or_default(),
+                ],
+            )
+            .await?
+            .get(0);
+        if !indexed {
+            tracing::warn!(
+                "{shown} has no index on {time}: every batch scans for candidates; CREATE INDEX CONCURRENTLY ON {shown} ({time}) makes pruning cheaper"
+            );
+        }
+        let order = if indexed {
+            format!(" ORDER BY {time}")
+        } else {
+            String::new()
+        };
+        let cond = self.condition(filter);
+        // The batch size is the last parameter.
+        let limit = format!("${}", self.params().len() + 1);
+        Ok(format!(
+            "DELETE FROM {shown} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {shown} WHERE {cond}{order} LIMIT {limit})) AND {cond}"
+        ))
+    }
+
+    async fn delete(&mut self, sql: &str) -> Result<u64, ConsumerError> {
+        let mut params = self.params();
+        params.push((&self.batch, Type::INT8));
+        Ok(self.client.execute_typed(sql, &params).await?)
+    }
+
+    async fn unlock(&mut self) {
+        let _ = self
+            .client
+            .execute(
+                "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+                &[&self.key],
+            )
+            .await;
+    }
 }
 
 #[cfg(feature = "mysql")]
@@ -415,7 +581,6 @@ pub async fn prune_mysql(
 ) -> Result<PruneReport, ConsumerError> {
     use mysql_async::prelude::Queryable;
     let mut conn = super::mysql::connect(dsn).await?;
-    let shown = super::mysql::quoted(&opts.table);
     let db: Option<String> = match &opts.table.schema {
         Some(s) => Some(s.clone()),
         None => conn.query_first("SELECT DATABASE()").await?.flatten(),
@@ -426,154 +591,194 @@ pub async fn prune_mysql(
             "write mysql://user@host:3306/app or --table app.processed_messages",
         ));
     };
-    let cols: Vec<String> = conn
-        .exec::<String, _, _>(
-            "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
-            (db.as_str(), opts.table.name.as_str()),
-        )
-        .await?
-        .into_iter()
-        .map(|c| c.to_lowercase())
-        .collect();
-    let kind = kind_of(&cols, opts, &shown)?;
-    if !opts.dry_run {
-        check_window(kind, opts.older_than, opts.force)?;
-    }
-    let q = crate::outbox::my_ident;
-    let time_name = time_column(kind, opts).to_string();
-    let time = q(&time_name);
-    let mut cond = format!("{time} < ?");
-    if opts.consumer.is_some() {
-        cond.push_str(" AND consumer = ?");
-    }
-    let status_name = opts.columns.get("status").to_string();
-    let poll = kind == TableKind::Outbox && opts.mode == Mode::Poll;
-    if poll {
-        cond.push_str(&format!(" AND {} = 'published'", q(&status_name)));
-    }
-    let micros = opts.older_than.as_micros() as u64;
-    let (cutoff, cutoff_text): (mysql_async::Value, String) = conn
-        .exec_first(
-            "SELECT NOW(6) - INTERVAL ? MICROSECOND, CAST(NOW(6) - INTERVAL ? MICROSECOND AS CHAR)",
-            (micros, micros),
-        )
-        .await?
-        .ok_or_else(|| ConsumerError::Database {
-            message: "the server returned no clock".into(),
-            retryable: true,
-        })?;
-    let mut params = vec![cutoff];
-    if let Some(c) = &opts.consumer {
-        params.push(c.clone().into());
-    }
-    let mut report = PruneReport {
-        table: shown.clone(),
-        kind,
-        cutoff: cutoff_text,
-        rows: 0,
-        batches: 0,
-        elapsed: Duration::ZERO,
-        dry_run: opts.dry_run,
-        interrupted: false,
+    let mut my = MyPrune {
+        conn: Some(conn),
+        shown: super::mysql::quoted(&opts.table),
+        key: lock_name(&format!("{db}.{}", opts.table.name)),
+        db,
+        table: opts.table.name.clone(),
+        params: Vec::new(),
     };
-    let start = Instant::now();
-    if opts.dry_run {
-        let n: Option<u64> = conn
-            .exec_first(
-                format!("SELECT COUNT(*) FROM {shown} WHERE {cond}"),
-                params.clone(),
-            )
-            .await?;
-        report.rows = n.unwrap_or(0);
-        report.batches = batches_for(report.rows, opts.batch);
-        report.elapsed = start.elapsed();
-        return Ok(report);
+    let r = prune(&mut my, opts, progress, shutdown).await;
+    if let Some(conn) = my.conn.take() {
+        let _ = conn.disconnect().await;
+    }
+    r
+}
+
+/// A prune's MySQL/MariaDB session: `DELETE … WHERE <condition> ORDER BY time LIMIT n`, under
+/// `GET_LOCK`.
+#[cfg(feature = "mysql")]
+struct MyPrune {
+    /// Taken only at the end (to disconnect).
+    conn: Option<mysql_async::Conn>,
+    shown: String,
+    db: String,
+    table: String,
+    /// The `GET_LOCK` name.
+    key: String,
+    /// The filter's parameters: the cutoff, then the consumer when there is one.
+    params: Vec<mysql_async::Value>,
+}
+
+#[cfg(feature = "mysql")]
+impl MyPrune {
+    fn conn(&mut self) -> &mut mysql_async::Conn {
+        self.conn.as_mut().expect("open until the prune ends")
     }
 
-    let key = lock_name(&format!("{db}.{}", opts.table.name));
-    let got: Option<Option<i64>> = conn
-        .exec_first("SELECT GET_LOCK(?, 0)", (key.as_str(),))
-        .await?;
-    if got.flatten() != Some(1) {
-        let holder: Option<Option<u64>> = conn
+    fn condition(filter: &Filter) -> String {
+        filter.sql(crate::outbox::my_ident, |_| "?".to_string())
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Backend for MyPrune {
+    fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    async fn columns(&mut self) -> Result<Vec<String>, ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let (db, table) = (self.db.clone(), self.table.clone());
+        Ok(self.conn()
+            .exec::<String, _, _>(
+                "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
+                (db, table),
+            )
+            .await?
+            .into_iter()
+            .map(|c| c.to_lowercase())
+            .collect())
+    }
+
+    async fn cutoff(
+        &mut self,
+        older_than: Duration,
+        consumer: Option<&str>,
+    ) -> Result<String, ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let micros = older_than.as_micros() as u64;
+        let (cutoff, cutoff_text): (mysql_async::Value, String) = self
+            .conn()
+            .exec_first(
+                "SELECT NOW(6) - INTERVAL ? MICROSECOND, CAST(NOW(6) - INTERVAL ? MICROSECOND AS CHAR)",
+                (micros, micros),
+            )
+            .await?
+            .ok_or_else(|| ConsumerError::Database {
+                message: "the server returned no clock".into(),
+                retryable: true,
+            })?;
+        self.params = vec![cutoff];
+        if let Some(c) = consumer {
+            self.params.push(c.into());
+        }
+        Ok(cutoff_text)
+    }
+
+    async fn count(&mut self, filter: &Filter) -> Result<u64, ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let sql = format!(
+            "SELECT COUNT(*) FROM {} WHERE {}",
+            self.shown,
+            Self::condition(filter)
+        );
+        let params = self.params.clone();
+        let n: Option<u64> = self.conn().exec_first(sql, params).await?;
+        Ok(n.unwrap_or(0))
+    }
+
+    async fn lock(&mut self) -> Result<(), ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let key = self.key.clone();
+        let got: Option<Option<i64>> = self
+            .conn()
+            .exec_first("SELECT GET_LOCK(?, 0)", (key.as_str(),))
+            .await?;
+        if got.flatten() == Some(1) {
+            return Ok(());
+        }
+        let holder: Option<Option<u64>> = self
+            .conn()
             .exec_first("SELECT IS_USED_LOCK(?)", (key.as_str(),))
             .await?;
         let holder = match holder.flatten() {
             Some(id) => format!("connection {id}"),
             None => "another session".into(),
         };
-        return Err(ConsumerError::Database {
-            message: format!("another outboxd prune of {shown} is running: {holder} holds GET_LOCK({key:?}); one pruner at a time"),
+        Err(ConsumerError::Database {
+            message: format!("another outboxd prune of {} is running: {holder} holds GET_LOCK({key:?}); one pruner at a time", self.shown),
             retryable: false,
-        });
+        })
     }
-    let indexed: Option<u64> = conn
-        .exec_first(
-            "SELECT COUNT(*) FROM information_schema.STATISTICS s
-              WHERE s.TABLE_SCHEMA = ? AND s.TABLE_NAME = ?
-                AND ((s.SEQ_IN_INDEX = 1 AND s.COLUMN_NAME = ?)
-                  OR (? AND s.SEQ_IN_INDEX = 2 AND s.COLUMN_NAME = ? AND EXISTS (
-                        SELECT 1 FROM information_schema.STATISTICS f
-                         WHERE f.TABLE_SCHEMA = s.TABLE_SCHEMA AND f.TABLE_NAME = s.TABLE_NAME
-                           AND f.INDEX_NAME = s.INDEX_NAME AND f.SEQ_IN_INDEX = 1 AND f.COLUMN_NAME = ?)))",
-            (
-                db.as_str(),
-                opts.table.name.as_str(),
-                time_name.as_str(),
-                poll,
-                time_name.as_str(),
-                status_name.as_str(),
-            ),
-        )
-        .await?;
-    if indexed.unwrap_or(0) == 0 {
-        // Without it each batch's DELETE scans the whole clustered index under next-key locks:
-        // it waits for every producer's open transaction it meets and, meanwhile, holds the
-        // gaps it passed against every other producer's insert (under READ COMMITTED too: a
-        // DELETE takes no semi-consistent reads). With it, the range stays on old rows.
-        let _ = conn
+
+    async fn batch_statement(
+        &mut self,
+        filter: &Filter,
+        batch: u64,
+    ) -> Result<String, ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let q = crate::outbox::my_ident;
+        let (db, table) = (self.db.clone(), self.table.clone());
+        let status = filter.status.clone().unwrap_or_default();
+        let indexed: Option<u64> = self.conn()
+            .exec_first(
+                "SELECT COUNT(*) FROM information_schema.STATISTICS s
+                  WHERE s.TABLE_SCHEMA = ? AND s.TABLE_NAME = ?
+                    AND ((s.SEQ_IN_INDEX = 1 AND s.COLUMN_NAME = ?)
+                      OR (? AND s.SEQ_IN_INDEX = 2 AND s.COLUMN_NAME = ? AND EXISTS (
+                            SELECT 1 FROM information_schema.STATISTICS f
+                             WHERE f.TABLE_SCHEMA = s.TABLE_SCHEMA AND f.TABLE_NAME = s.TABLE_NAME
+                               AND f.INDEX_NAME = s.INDEX_NAME AND f.SEQ_IN_INDEX = 1 AND f.COLUMN_NAME = ?)))",
+                (
+                    db.as_str(),
+                    table.as_str(),
+                    filter.time.as_str(),
+                    filter.status.is_some(),
+                    filter.time.as_str(),
+                    status.as_str(),
+                ),
+            )
+            .await?;
+        let (shown, time) = (&self.shown, q(&filter.time));
+        if indexed.unwrap_or(0) == 0 {
+            // Without it each batch's DELETE scans the whole clustered index under next-key
+            // locks: it waits for every producer's open transaction it meets and, meanwhile,
+            // holds the gaps it passed against every other producer's insert (under READ
+            // COMMITTED too: a DELETE takes no semi-consistent reads). With it, the range
+            // stays on old rows.
+            let columns = match &filter.status {
+                Some(status) => format!("{}, {time}", q(status)),
+                None => time.clone(),
+            };
+            return Err(ConsumerError::config(
+                format!("{shown} has no index starting with ({columns}): pruning it would scan the table under locks that block producers"),
+                format!("ALTER TABLE {shown} ADD INDEX ({columns}) (once; migrations/mysql/001_outbox.sql has it), then prune again"),
+            ));
+        }
+        Ok(format!(
+            "DELETE FROM {shown} WHERE {} ORDER BY {time} LIMIT {batch}",
+            Self::condition(filter)
+        ))
+    }
+
+    async fn delete(&mut self, sql: &str) -> Result<u64, ConsumerError> {
+        use mysql_async::prelude::Queryable;
+        let params = self.params.clone();
+        let conn = self.conn();
+        conn.exec_drop(sql, params).await?;
+        Ok(conn.affected_rows())
+    }
+
+    async fn unlock(&mut self) {
+        use mysql_async::prelude::Queryable;
+        let key = self.key.clone();
+        let _ = self
+            .conn()
             .exec_drop("SELECT RELEASE_LOCK(?)", (key.as_str(),))
             .await;
-        let columns = if poll {
-            format!("{}, {time}", q(&status_name))
-        } else {
-            time.clone()
-        };
-        return Err(ConsumerError::config(
-            format!("{shown} has no index starting with ({columns}): pruning it would scan the table under locks that block producers"),
-            format!("ALTER TABLE {shown} ADD INDEX ({columns}) (once; migrations/mysql/001_outbox.sql has it), then prune again"),
-        ));
     }
-    let sql = format!(
-        "DELETE FROM {shown} WHERE {cond} ORDER BY {time} LIMIT {}",
-        opts.batch
-    );
-    let result = async {
-        loop {
-            conn.exec_drop(&sql, params.clone()).await?;
-            let n = conn.affected_rows();
-            if n == 0 {
-                break;
-            }
-            report.rows += n;
-            report.batches += 1;
-            report.elapsed = start.elapsed();
-            progress(&report);
-            if !pause(opts.pause, shutdown).await {
-                report.interrupted = true;
-                break;
-            }
-        }
-        Ok::<_, ConsumerError>(())
-    }
-    .await;
-    let _ = conn
-        .exec_drop("SELECT RELEASE_LOCK(?)", (key.as_str(),))
-        .await;
-    let _ = conn.disconnect().await;
-    result?;
-    report.elapsed = start.elapsed();
-    Ok(report)
 }
 
 #[cfg(test)]

@@ -4,19 +4,14 @@
 //! imports nothing of the data path.
 
 use crate::dsn::{DbDsn, TlsMode};
-use crate::Error;
+use crate::{Error, ErrorKind, ServerCode};
 use mysql_async::{Conn, OptsBuilder, SslOpts};
 use std::time::Duration;
 
-/// Server errors that a new attempt may not meet again: too many connections, shutdown in
-/// progress, network errors, connection killed or interrupted (KILL, KILL QUERY), lock wait
-/// timeouts and deadlocks, disconnected for inactivity (4031), and read-only (1290, 1836: a
-/// failover in progress).
+/// Whether a server error with this number is worth a new attempt (see
+/// [`ErrorKind::of_mysql`]).
 pub fn is_retryable_code(code: u16) -> bool {
-    matches!(
-        code,
-        1040 | 1053 | 1077..=1080 | 1152..=1161 | 1205 | 1213 | 1290 | 1317 | 1836 | 1927 | 4031
-    )
+    crate::should_retry(ErrorKind::of_mysql(code))
 }
 
 impl From<mysql_async::Error> for Error {
@@ -41,8 +36,14 @@ pub fn classify(e: mysql_async::Error) -> Error {
                     format!("MySQL: {text}"),
                     "name an existing database in the DSN, e.g. mysql://user@host:3306/app",
                 ),
-                code if is_retryable_code(code) => Error::source(format!("MySQL: {text}"), true),
-                _ => Error::source(format!("MySQL: {text}"), false),
+                code => Error::server(
+                    format!("MySQL: {text}"),
+                    ErrorKind::of_mysql(code),
+                    Some(ServerCode {
+                        sqlstate: s.state.to_string(),
+                        mysql: Some(code),
+                    }),
+                ),
             }
         }
         // rustls reports a refused certificate as an io::Error wrapping its own error.
@@ -51,8 +52,11 @@ pub fn classify(e: mysql_async::Error) -> Error {
         }
         E::Io(IoError::Io(io)) => {
             // Parsing trouble surfaces as io::Error too; it does not go away by retrying.
-            let retryable = !matches!(io.kind(), std::io::ErrorKind::InvalidData);
-            Error::source(format!("MySQL connection: {io}"), retryable)
+            let kind = match io.kind() {
+                std::io::ErrorKind::InvalidData => ErrorKind::Permanent,
+                _ => ErrorKind::Connection,
+            };
+            Error::server(format!("MySQL connection: {io}"), kind, None)
         }
         E::Io(IoError::Tls(t)) => Error::config(format!("MySQL TLS: {t}"), TLS_FIX),
         E::Driver(DriverError::NoClientSslFlagFromServer) => Error::config(
@@ -60,7 +64,7 @@ pub fn classify(e: mysql_async::Error) -> Error {
             "enable TLS on the server (ssl_cert, ssl_key), or use ssl-mode=prefer or disable in the DSN",
         ),
         E::Driver(d @ (DriverError::ConnectionClosed | DriverError::PacketOutOfOrder | DriverError::UnexpectedPacket { .. })) => {
-            Error::source(format!("MySQL connection: {d}"), true)
+            Error::server(format!("MySQL connection: {d}"), ErrorKind::Connection, None)
         }
         E::Driver(d) => Error::source(format!("MySQL client: {d}"), false),
         E::Url(u) => Error::config(format!("MySQL DSN: {u}"), "check the DSN syntax"),

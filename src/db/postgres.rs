@@ -5,7 +5,7 @@
 //! another through it.
 
 use crate::dsn::{DbDsn, TlsMode};
-use crate::Error;
+use crate::{Error, ErrorKind};
 use std::time::Duration;
 
 /// The advisory lock (per database) that serializes what relays and `outboxd setup` create:
@@ -14,42 +14,39 @@ use std::time::Duration;
 /// (`pg_type_typname_nsp_index`) instead of one of them finding the object there.
 pub const SETUP_LOCK: i64 = 0x6f75_7462_6f78_6400; // "outboxd\0"
 
-/// Whether a Postgres error is worth a reconnect.
+/// Whether a Postgres error is worth a reconnect ([`crate::should_retry`] of its kind).
 pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
-    if e.is_closed() {
-        return true;
-    }
-    match e.code() {
-        Some(code) => retryable_sqlstate(code.code()),
-        // No SQLSTATE: retryable only when an I/O error is underneath (not, say, a value that
-        // cannot be serialized).
-        None => {
-            let mut src = std::error::Error::source(e);
-            while let Some(s) = src {
-                if s.is::<std::io::Error>() {
-                    return true;
-                }
-                src = s.source();
-            }
-            false
-        }
-    }
+    crate::should_retry(pg_kind(e))
 }
 
-/// Whether an error (as [`describe_pg_error`] words it) says the server is shutting down and
-/// takes no new sessions: SQLSTATE 57P03 ("cannot connect now", also said while it starts up)
-/// or 57P02 (crash shutdown). The lease keeper's reconnect meets it first; the source then
-/// closes its replication stream, which the server waits for before it can stop (see
-/// `source::postgres::run`). A terminated session (57P01) alone does not count: `pg_terminate_backend` says
-/// the same to a server that keeps running.
+/// The kind of a Postgres client error: by its SQLSTATE when the server sent one; a closed
+/// connection, or an I/O error underneath, is a connection failure; anything else (a value
+/// that cannot be serialized, say) is permanent.
+pub fn pg_kind(e: &tokio_postgres::Error) -> ErrorKind {
+    if e.is_closed() {
+        return ErrorKind::Connection;
+    }
+    if let Some(code) = e.code() {
+        return ErrorKind::of_sqlstate(code.code());
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if s.is::<std::io::Error>() {
+            return ErrorKind::Connection;
+        }
+        src = s.source();
+    }
+    ErrorKind::Permanent
+}
+
+/// Whether an error says the server is shutting down and takes no new sessions: SQLSTATE
+/// 57P03 ("cannot connect now", also said while it starts up) or 57P02 (crash shutdown), as
+/// the server sent it. The lease keeper's reconnect meets it first; the source then closes its
+/// replication stream, which the server waits for before it can stop (see
+/// `source::postgres::run`). A terminated session (57P01) alone does not count:
+/// `pg_terminate_backend` says the same to a server that keeps running.
 pub fn is_server_stopping(e: &Error) -> bool {
-    let Error::Source { message, .. } = e else {
-        return false;
-    };
-    message.match_indices("(SQLSTATE ").any(|(at, tag)| {
-        let code = message.get(at + tag.len()..at + tag.len() + 5);
-        matches!(code, Some("57P03" | "57P02"))
-    })
+    matches!(e.sqlstate(), Some("57P03" | "57P02"))
 }
 
 pub fn describe_pg_error(e: &tokio_postgres::Error) -> String {
@@ -160,17 +157,4 @@ pub(crate) fn tls_connect_error(e: tokio_postgres::Error, dsn: &DbDsn) -> Error 
         );
     }
     Error::from(e)
-}
-
-/// Whether an error with this SQLSTATE is worth a reconnect: connection exceptions (class
-/// 08), operator intervention (57: shutdown, restart, "the database system is starting up"),
-/// insufficient resources (53: too many connections), serialization failures and deadlocks,
-/// and "object in use" (55006: a slot still held by a dead relay's walsender).
-pub(crate) fn retryable_sqlstate(code: &str) -> bool {
-    code.starts_with("08")
-        || code.starts_with("57")
-        || code.starts_with("53")
-        || code == "40001"
-        || code == "40P01"
-        || code == "55006"
 }

@@ -1,6 +1,7 @@
 //! `drive` in one process: a scripted source, the relay, `MemorySink` and `MemoryStore` on
-//! tokio's paused clock. What a start hands to `drive` (a first start's position, the resumed
-//! one), what a lease taken over does to the run, and the order of a graceful stop.
+//! tokio's paused clock. What a start leaves in the store and hands to `drive` (a first
+//! start's position, the resumed one, a lost position's replay), what a lease taken over does
+//! to the run, and the order of a graceful stop.
 
 use super::*;
 use crate::event::{OutboxEvent, SourcePosition};
@@ -61,19 +62,29 @@ fn stopped() -> CancellationToken {
     t
 }
 
+/// What a startup does on a first start at `start` before it hands over: stores the position
+/// (`done`: there is no snapshot, so the first start is over with it).
+async fn start_first(store: &mut MemoryStore, lease: &mut state::Lease, start: u64, done: bool) {
+    store
+        .store_start(lease, &Checkpoint::Lsn(start), done)
+        .await
+        .unwrap();
+    lease.first_start &= !done;
+}
+
 /// `drive` on a first start at 0x100 without a snapshot (over once its position is stored).
 async fn drive_fresh<F, Fut>(
     sink: MemorySink,
-    store: MemoryStore,
-    lease: state::Lease,
+    mut store: MemoryStore,
+    mut lease: state::Lease,
     source: F,
 ) -> Result<Arc<RelayStats>, Error>
 where
     F: FnOnce(SourceLink) -> Fut,
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
-    let first = Some((Checkpoint::Lsn(0x100), true));
-    drive(&opts(), sink, store, lease, first, None, commits(), source).await
+    start_first(&mut store, &mut lease, 0x100, true).await;
+    drive(&opts(), sink, store, lease, None, commits(), source).await
 }
 
 /// Polls `cond` on the paused clock (each poll advances it a little).
@@ -104,18 +115,18 @@ fn assert_forward(st: &MemoryStoreHandle) {
 #[tokio::test(start_paused = true)]
 async fn a_first_start_stores_its_position_before_the_first_publish_and_is_then_marked_done() {
     let (mut store, st) = MemoryStore::new();
-    let (lease, stored) = store.acquire(NAME, "h1").await.unwrap();
+    let (mut lease, stored) = store.acquire(NAME, "h1").await.unwrap();
     assert!(lease.first_start && stored.is_none());
     let (sink, sk) = MemorySink::new();
     let start = Checkpoint::Lsn(0x100);
     let (st2, sk2) = (st.clone(), sk.clone());
-    let first = Some((start.clone(), false));
+    start_first(&mut store, &mut lease, 0x100, false).await;
+    assert!(lease.first_start, "a snapshot is still to come");
     drive(
         &opts(),
         sink,
         store,
         lease,
-        first,
         None,
         commits(),
         |link| async move {
@@ -158,16 +169,9 @@ async fn a_restart_resumes_after_what_the_last_run_stored() {
     assert_eq!((lease.epoch, lease.first_start), (2, false));
     assert_eq!(stored, Some(end(0x200)));
     let (sink, sk) = MemorySink::new();
-    drive(
-        &opts(),
-        sink,
-        store,
-        lease,
-        None,
-        stored,
-        commits(),
-        |link| scripted(link, vec![0x400, 0x500], stopped()),
-    )
+    drive(&opts(), sink, store, lease, stored, commits(), |link| {
+        scripted(link, vec![0x400, 0x500], stopped())
+    })
     .await
     .unwrap();
     assert_eq!(st.position(), Some(end(0x500)));
@@ -266,19 +270,18 @@ async fn a_stop_drains_every_confirmation_then_stores_the_last_position_then_rel
 #[tokio::test(start_paused = true)]
 async fn commit_times_reach_the_store_with_the_position_that_covers_them() {
     let (mut store, st) = MemoryStore::new();
-    let (lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    let (mut lease, _) = store.acquire(NAME, "h1").await.unwrap();
     let (sink, _sk) = MemorySink::new();
     let checkpoints = Checkpointer::new(0);
     let noted = checkpoints.clone();
     let at = chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap();
     let later = at + chrono::Duration::seconds(60);
-    let first = Some((Checkpoint::Lsn(0x100), true));
+    start_first(&mut store, &mut lease, 0x100, true).await;
     drive(
         &opts(),
         sink,
         store,
         lease,
-        first,
         None,
         checkpoints,
         move |link| async move {
@@ -296,4 +299,89 @@ async fn commit_times_reach_the_store_with_the_position_that_covers_them() {
     assert_eq!(stored.position, Some(end(0x200)));
     assert_eq!(stored.commit.commit_at, Some(at));
     assert_eq!(stored.commit.max_gap_ms, Some(2000));
+}
+
+/// A lost position with `--on-position-lost poll`, as a start leaves it: the lost position
+/// forgotten and the replay recorded, the source publishing the replayed rows (snapshot marks)
+/// and then streaming from a fresh position far below the lost one. Every replayed row is
+/// confirmed, the fresh positions replace the lost one (none is refused as backwards), and
+/// the replay is marked done only once the stream's first position is durable.
+#[tokio::test(start_paused = true)]
+async fn a_lost_position_replays_then_stores_the_fresh_stream_below_it() {
+    let (mut store, st) = MemoryStore::new();
+    let (mut lease, _) = store.acquire(NAME, "h1").await.unwrap();
+    // An earlier run got far on a stream that is gone (a slot dropped, a binlog purged).
+    start_first(&mut store, &mut lease, 0x9000, true).await;
+    store
+        .renew(&lease, Some(&end(0x9100)), &state::DurableCommit::default())
+        .await
+        .unwrap();
+    store.release(&lease).await.unwrap();
+
+    let mut store = MemoryStore::reopen(&st);
+    let (mut lease, stored) = store.acquire(NAME, "h2").await.unwrap();
+    assert_eq!((lease.first_start, stored), (false, Some(end(0x9100))));
+    // The start's recovery: the replay recorded before anything is published.
+    let since = chrono::Utc::now() - chrono::Duration::minutes(5);
+    store.restart(&lease, Some(since)).await.unwrap();
+    lease.replay_since = Some(since);
+    lease.first_start = true;
+    assert_eq!((st.position(), st.replay_since()), (None, Some(since)));
+
+    let (sink, sk) = MemorySink::new();
+    let st2 = st.clone();
+    let refused = crate::telemetry::get().position_backwards_refused.get();
+    let replayed = [event(0x10), event(0x20)];
+    let ids: Vec<uuid::Uuid> = replayed.iter().map(|e| e.id).collect();
+    drive(
+        &opts(),
+        sink,
+        store,
+        lease,
+        None,
+        commits(),
+        |link| async move {
+            for (seq, e) in replayed.into_iter().enumerate() {
+                let key = format!("row-{seq}");
+                link.outlet.send_event(e).await?;
+                link.outlet
+                    .send_checkpoint(Checkpoint::Snapshot {
+                        seq: seq as u64,
+                        key,
+                    })
+                    .await?;
+            }
+            wait_until("the replay's progress stored", || {
+                st2.snapshot_key().as_deref() == Some("row-1")
+            })
+            .await;
+            // Not durable before its end: a crash now replays again.
+            assert!(st2.replay_since().is_some(), "the replay marked done early");
+            scripted(link, vec![0x200, 0x300], stopped()).await
+        },
+    )
+    .await
+    .unwrap();
+    let confirmed = sk.confirmed_ids();
+    assert!(
+        ids.iter().all(|id| confirmed.contains(id)),
+        "every replayed row confirmed"
+    );
+    assert_eq!(confirmed.len(), 4);
+    assert_eq!(
+        st.position(),
+        Some(end(0x300)),
+        "the fresh stream replaced the lost position"
+    );
+    assert!(
+        st.initialized() && st.replay_since().is_none(),
+        "the replay is marked done"
+    );
+    assert_eq!(st.snapshot_key(), None);
+    assert_eq!(
+        crate::telemetry::get().position_backwards_refused.get(),
+        refused,
+        "no position refused as backwards"
+    );
+    assert_eq!((st.holder(), st.releases()), (None, 2));
 }

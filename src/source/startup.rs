@@ -1,13 +1,14 @@
 //! What the startups of both log sources share: the settings of `outboxd run` a start needs
-//! ([`StartOptions`]), taking the relay's lease (under `--ha`, as a standby while another relay
+//! ([`StartOptions`]), the shape of what a start decides ([`StartPlan`]), taking the relay's lease (under `--ha`, as a standby while another relay
 //! holds it), and where a replay through the table starts after a lost position. Each source's
 //! own startup (`postgres::startup`, `mysql::startup`) owns the rest of its start, because the
 //! order of its steps depends on what its server keeps (a slot, or binlog files); this module
 //! owns only what must not differ between the two. Poll mode and binlog files take no lease and
 //! resume nothing, so they use none of it.
 
+use crate::event::Checkpoint;
 use crate::source::snapshot::SnapshotMode;
-use crate::state;
+use crate::state::{self, Lease, StateStore};
 use crate::Error;
 use std::future::Future;
 use std::time::Duration;
@@ -39,6 +40,42 @@ pub struct StartOptions {
     pub replay_since: Option<chrono::DateTime<chrono::Utc>>,
     /// Smallest margin recovery subtracts from the last durable commit time.
     pub recovery_margin: Duration,
+}
+
+/// How a log source streams, as its start decided: the same shape for every database.
+pub struct StartPlan<St, S> {
+    /// The state store the start took the lease through and wrote its first-start records
+    /// to; the lease keeper goes on with it.
+    pub store: St,
+    /// The lease, with `first_start` and `replay_since` as they stand once the start is done.
+    pub lease: Lease,
+    /// The floor of the positions the lease keeper stores: the start position, or none while a
+    /// snapshot is pending (its marks sort before every stream position).
+    pub resumed: Option<Checkpoint>,
+    /// What the database's source begins with: where it streams from and what it publishes
+    /// before.
+    pub source: S,
+}
+
+/// Takes the lease of relay `opts.name` through `store` for this process (under `--ha` as a
+/// standby while another relay holds it); `None` when asked to stop meanwhile. Returns the
+/// store, the lease and the stored position.
+pub async fn take_lease<St: StateStore>(
+    store: St,
+    opts: &StartOptions,
+    shutdown: &CancellationToken,
+) -> Result<Option<(St, Lease, Option<Checkpoint>)>, Error> {
+    let holder = state::holder_id();
+    let (name, holder) = (opts.name.as_str(), holder.as_str());
+    let taken = acquire_lease(store, opts.ha, shutdown, |mut store| async move {
+        let r = store.acquire(name, holder).await;
+        (store, r)
+    })
+    .await?;
+    Ok(taken.map(|(store, (lease, at))| {
+        tracing::info!(name = %lease.name, epoch = lease.epoch, holder = %lease.holder, "lease acquired");
+        (store, lease, at)
+    }))
 }
 
 /// Takes the lease through `attempt`, which is handed the startup's session and gives it back

@@ -251,11 +251,6 @@ pub struct FileStore {
 }
 
 impl FileStore {
-    /// How far an unfinished first start's snapshot got.
-    pub fn snapshot_key(&self) -> Option<&str> {
-        self.content.snapshot_key.as_deref()
-    }
-
     /// A store on `path` that holds no lock yet: [`StateStore::acquire`] takes it.
     pub fn open(path: &Path) -> FileStore {
         FileStore {
@@ -304,14 +299,6 @@ impl FileStore {
         self.lock = Some(lock);
         self.content = content;
         Ok((lease, stored))
-    }
-
-    /// Replaces the stored position by `marker`, as [`crate::state::mysql::mark_lost`] does.
-    pub async fn mark_lost(&mut self, marker: &Checkpoint) -> Result<(), Error> {
-        let mut next = self.content.clone();
-        next.set_position(marker)?;
-        next.updated_at = now();
-        self.save(next).await
     }
 
     async fn save(&mut self, next: OffsetFile) -> Result<(), Error> {
@@ -369,6 +356,8 @@ impl StateStore for FileStore {
             // The file keeps no commit times: recovery through the table replays from the
             // fallback (see source::startup::replay_start).
             commit: Default::default(),
+            stream_start: None,
+            created_at: None,
         }))
     }
 
@@ -427,6 +416,31 @@ impl StateStore for FileStore {
         // Dropping the file closes it, which releases the flock.
         self.lock = None;
         Ok(())
+    }
+
+    async fn restart(
+        &mut self,
+        _lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<(), Error> {
+        if replay_since.is_some() {
+            return Err(super::mysql::no_replay());
+        }
+        let mut next = self.content.clone();
+        next.binlog_file = None;
+        next.binlog_pos = None;
+        next.gtid_state = None;
+        next.snapshot_key = None;
+        next.initialized = false;
+        next.updated_at = now();
+        self.save(next).await
+    }
+
+    async fn replace_position(&mut self, _lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+        let mut next = self.content.clone();
+        next.set_position(marker)?;
+        next.updated_at = now();
+        self.save(next).await
     }
 }
 

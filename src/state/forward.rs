@@ -90,6 +90,32 @@ impl<S: StateStore> StateStore for ForwardOnly<S> {
         self.inner.mark_initialized(lease).await
     }
 
+    async fn record_stream_start(
+        &mut self,
+        lease: &Lease,
+        at: &Checkpoint,
+        created: bool,
+    ) -> Result<(), Error> {
+        self.inner.record_stream_start(lease, at, created).await
+    }
+
+    // The floor moves with the record: forgotten, or replaced by the marker.
+    async fn restart(
+        &mut self,
+        lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<(), Error> {
+        self.inner.restart(lease, replay_since).await?;
+        self.stored = None;
+        Ok(())
+    }
+
+    async fn replace_position(&mut self, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+        self.inner.replace_position(lease, marker).await?;
+        self.stored = Some(marker.clone());
+        Ok(())
+    }
+
     async fn release(&mut self, lease: &Lease) -> Result<(), Error> {
         self.inner.release(lease).await
     }
@@ -135,6 +161,23 @@ mod tests {
         }
 
         async fn release(&mut self, _lease: &Lease) -> Result<(), Error> {
+            Ok(())
+        }
+
+        async fn restart(
+            &mut self,
+            _lease: &Lease,
+            _replay_since: Option<chrono::DateTime<chrono::Utc>>,
+        ) -> Result<(), Error> {
+            Ok(())
+        }
+
+        async fn replace_position(
+            &mut self,
+            _lease: &Lease,
+            marker: &Checkpoint,
+        ) -> Result<(), Error> {
+            self.stored.push(marker.clone());
             Ok(())
         }
     }

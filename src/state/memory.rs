@@ -9,7 +9,7 @@
 //! Renewals fail on request (to drive self-fencing). [`MemoryStore::new`] also returns a
 //! handle that shares the record, for inspection while the store is owned by a lease keeper.
 
-use super::{DurableCommit, Lease, StateStore, Stored, LEASE_TTL};
+use super::{lost, DurableCommit, Lease, StateStore, Stored, LEASE_TTL};
 use crate::event::Checkpoint;
 use crate::Error;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -25,6 +25,12 @@ struct Record {
     initialized: bool,
     snapshot_key: Option<String>,
     commit: DurableCommit,
+    /// Where the stream started (see [`StateStore::record_stream_start`]).
+    stream_start: Option<Checkpoint>,
+    /// A replay recorded by [`StateStore::restart`], until the first start is marked done.
+    replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    /// When the record was first acquired (the wall clock: recovery replays from it).
+    created_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Every position asked to be stored, in order (snapshot marks and refused older ones
     /// included).
     history: Vec<Checkpoint>,
@@ -98,6 +104,16 @@ impl MemoryStoreHandle {
         lock(&self.shared).initialized
     }
 
+    /// The snapshot's recorded progress.
+    pub fn snapshot_key(&self) -> Option<String> {
+        lock(&self.shared).snapshot_key.clone()
+    }
+
+    /// The replay a restart recorded, until the first start is marked done.
+    pub fn replay_since(&self) -> Option<chrono::DateTime<chrono::Utc>> {
+        lock(&self.shared).replay_since
+    }
+
     /// Renewals attempted, and how many of them failed.
     pub fn renewals(&self) -> (u64, u64) {
         let r = lock(&self.shared);
@@ -107,13 +123,6 @@ impl MemoryStoreHandle {
     pub fn releases(&self) -> u64 {
         lock(&self.shared).releases
     }
-}
-
-fn lost(lease: &Lease) -> Error {
-    Error::Leadership(format!(
-        "lease of relay {:?} lost: another relay took epoch {} over",
-        lease.name, lease.epoch
-    ))
 }
 
 impl Record {
@@ -156,18 +165,9 @@ impl StateStore for MemoryStore {
             ));
         }
         let live = r.expires.is_some_and(|e| e > Instant::now());
-        // The same takeover rule as the databases' stores: a live lease is taken over only from a
-        // holder that provably no longer exists.
-        if let Some(h) = r
-            .holder
-            .as_deref()
-            .filter(|h| live && *h != holder && !super::holder_is_dead_locally(h))
-        {
-            return Err(Error::LeaseHeld(format!(
-                "relay {name:?} is already running: lease held by {h}"
-            )));
-        }
+        super::take_over(name, r.holder.as_deref(), live, holder)?;
         r.name = Some(name.to_string());
+        r.created_at.get_or_insert_with(chrono::Utc::now);
         r.epoch += 1;
         r.holder = Some(holder.to_string());
         r.expires = Some(Instant::now() + LEASE_TTL);
@@ -176,7 +176,7 @@ impl StateStore for MemoryStore {
             holder: holder.to_string(),
             epoch: r.epoch,
             first_start: !r.initialized,
-            replay_since: None,
+            replay_since: r.replay_since,
         };
         Ok((lease, r.position.clone()))
     }
@@ -188,6 +188,8 @@ impl StateStore for MemoryStore {
             initialized: r.initialized,
             snapshot_key: r.snapshot_key.clone(),
             commit: r.commit.clone(),
+            stream_start: r.stream_start.clone(),
+            created_at: r.created_at,
         }))
     }
 
@@ -241,6 +243,53 @@ impl StateStore for MemoryStore {
         }
         r.initialized = true;
         r.snapshot_key = None;
+        r.replay_since = None;
+        Ok(())
+    }
+
+    async fn record_stream_start(
+        &mut self,
+        lease: &Lease,
+        at: &Checkpoint,
+        created: bool,
+    ) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        if created || r.stream_start.is_none() {
+            r.stream_start = Some(at.clone());
+        }
+        Ok(())
+    }
+
+    async fn restart(
+        &mut self,
+        lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        r.position = None;
+        r.snapshot_key = None;
+        r.stream_start = None;
+        match replay_since {
+            Some(since) => r.replay_since = Some(since),
+            // As the Postgres store: only a first start is begun again without a replay.
+            None => r.initialized = false,
+        }
+        Ok(())
+    }
+
+    async fn replace_position(&mut self, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+        let mut r = lock(&self.shared);
+        if !r.holds(lease) {
+            return Err(lost(lease));
+        }
+        r.history.push(marker.clone());
+        r.position = Some(marker.clone());
         Ok(())
     }
 

@@ -297,6 +297,44 @@ pub struct Stored {
     pub snapshot_key: Option<String>,
     /// What is known of the position's commit: where a recovery through the table replays from.
     pub commit: DurableCommit,
+    /// Where the stream this record follows started, as [`StateStore::record_stream_start`]
+    /// recorded it (Postgres: the slot's start, when this relay name created or first adopted
+    /// it); `None` for stores whose stream has no start of its own.
+    pub stream_start: Option<Checkpoint>,
+    /// When the record was created: where a recovery replays from when no commit time is
+    /// known (`None` where the store does not keep it).
+    pub created_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// The refusal of a write from `lease` after another relay took its epoch over.
+pub(crate) fn lost(lease: &Lease) -> Error {
+    Error::Leadership(format!(
+        "lease of relay {:?} lost: another relay took epoch {} over",
+        lease.name, lease.epoch
+    ))
+}
+
+/// The one lease-takeover rule, for every store that keeps its lease as a record (the SQL
+/// tables, memory; an offset file's lease is a `flock`, which the kernel drops with its
+/// holder): `holder` may take the lease of relay `name` unless another process, whose lease
+/// is still `live`, holds it and is not provably dead on this machine
+/// ([`holder_is_dead_locally`]). Refused with `Error::LeaseHeld`, naming the holder; a
+/// takeover is logged.
+pub fn take_over(name: &str, current: Option<&str>, live: bool, holder: &str) -> Result<(), Error> {
+    let Some(h) = current else {
+        return Ok(());
+    };
+    if live && h != holder && !holder_is_dead_locally(h) {
+        return Err(Error::LeaseHeld(format!(
+            "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
+             stop that relay, or run this one with another --name)",
+            LEASE_TTL.as_secs()
+        )));
+    }
+    if h != holder {
+        tracing::info!(name, previous_holder = h, live, "taking over the lease");
+    }
+    Ok(())
 }
 
 /// The one interface to a relay's state, whatever keeps it (the source database's
@@ -340,6 +378,39 @@ pub trait StateStore: Send {
         async { Ok(()) }
     }
 
+    /// Records where the stream this relay follows starts (Postgres: where its slot starts):
+    /// always when this start just created that stream (`created`), otherwise only when none is
+    /// recorded yet. From then on a stream found past both this and the stored position was
+    /// moved by something else. Stores whose stream has no start of its own need not.
+    fn record_stream_start(
+        &mut self,
+        _lease: &Lease,
+        _at: &Checkpoint,
+        _created: bool,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Forgets the stored position, the snapshot's progress and the stream start, so a fresh
+    /// stream and snapshot begin: without `replay_since`, a first start begun again (the next
+    /// start is a first start); with it, a lost position's recovery, whose replay is recorded
+    /// until it is durable (see [`Lease::replay_since`]). The commit time and gap stay: a replay cut off starts from
+    /// them again. Refused when the lease was lost.
+    fn restart(
+        &mut self,
+        lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+
+    /// Replaces the stored position by `marker`, even an older one, while this lease holds: a
+    /// recovery whose new positions sort before the lost one, which the forward-only rule would
+    /// otherwise never let replace it.
+    fn replace_position(
+        &mut self,
+        lease: &Lease,
+        marker: &Checkpoint,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
+
     /// Records that the first start's snapshot (or a requested replay) is durable.
     fn mark_initialized(
         &mut self,
@@ -355,7 +426,9 @@ pub trait StateStore: Send {
 
     /// A renewal was abandoned midway (it timed out): drop whatever session it used, so the
     /// next call starts on a fresh one instead of queueing behind a stalled one.
-    fn abandon(&mut self) {}
+    fn abandon(&mut self) {
+        // A store without a session of its own (a file, memory) has nothing to drop.
+    }
 }
 
 /// Why the lease keeper woke up.
@@ -446,7 +519,7 @@ pub async fn keep_lease<S: StateStore>(
                 Ok(r) => r,
                 Err(_) => {
                     store.abandon();
-                    Err(Error::source("lease renewal timed out", true))
+                    Err(Error::timeout("lease renewal timed out"))
                 }
             };
         if attempt.is_err() && self_fence && !stopping && renewed.elapsed() >= SELF_FENCE_AFTER {

@@ -190,26 +190,12 @@ pub async fn acquire(
             "choose another --name",
         ));
     }
-    if let Some(h) = row.lease_holder.as_deref() {
-        if row.lease_live && h != holder && !holder_is_dead_locally(h) {
-            // Rolled back now, not when the session is next used: a standby (`--ha`) keeps
-            // this session idle between attempts, and the row lock would stall the leader's
-            // renewals until it fences itself.
-            tx.rollback().await?;
-            return Err(Error::LeaseHeld(format!(
-                "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
-                 stop that relay, or run this one with another --name)",
-                LEASE_TTL.as_secs()
-            )));
-        }
-        if h != holder {
-            tracing::info!(
-                name,
-                previous_holder = h,
-                live = row.lease_live,
-                "taking over the lease"
-            );
-        }
+    if let Err(e) = super::take_over(name, row.lease_holder.as_deref(), row.lease_live, holder) {
+        // Rolled back now, not when the session is next used: a standby (`--ha`) keeps this
+        // session idle between attempts, and the row lock would stall the leader's renewals
+        // until it fences itself.
+        tx.rollback().await?;
+        return Err(e);
     }
     tx.exec_drop(
         "UPDATE outboxd_state SET epoch = epoch + 1, lease_holder = ?,
@@ -237,12 +223,7 @@ pub async fn acquire(
     ))
 }
 
-fn lost(lease: &Lease) -> Error {
-    Error::Leadership(format!(
-        "lease of relay {:?} lost: another relay took epoch {} over",
-        lease.name, lease.epoch
-    ))
-}
+use super::lost;
 
 fn parts(cp: &Checkpoint) -> Result<(String, u64, Option<String>), Error> {
     match cp {
@@ -529,10 +510,9 @@ impl MyStateStore {
 const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
 
 fn no_answer() -> Error {
-    Error::source(
-        format!("state store: no answer within {STATEMENT_TIMEOUT:?}"),
-        true,
-    )
+    Error::timeout(format!(
+        "state store: no answer within {STATEMENT_TIMEOUT:?}"
+    ))
 }
 
 impl StateStore for MyStateStore {
@@ -566,6 +546,8 @@ impl StateStore for MyStateStore {
                 initialized: row.initialized,
                 snapshot_key: load_snapshot_key(&mut conn, name).await?,
                 commit: load_commit(&mut conn, name).await?,
+                stream_start: None,
+                created_at: None,
             }))
         }
         .await;
@@ -626,6 +608,51 @@ impl StateStore for MyStateStore {
         .await
         .unwrap_or_else(|_| Err(no_answer()))
     }
+
+    async fn restart(
+        &mut self,
+        lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<(), Error> {
+        if replay_since.is_some() {
+            return Err(no_replay());
+        }
+        let mut conn = self.take_conn().await?;
+        let r = forget_position(&mut conn, lease).await;
+        self.put_back(conn, &r);
+        r
+    }
+
+    async fn replace_position(&mut self, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+        let mut conn = self.take_conn().await?;
+        let r = mark_lost(&mut conn, lease, marker).await;
+        self.put_back(conn, &r);
+        r
+    }
+}
+
+/// A binlog source's recovery keeps the lost position stored until its replay is confirmed
+/// (see `source::mysql::startup`), so its stores record no replay.
+pub(crate) fn no_replay() -> Error {
+    Error::Other(
+        "a binlog source's state records no replay: its recovery keeps the lost position until the replay is confirmed"
+            .into(),
+    )
+}
+
+/// Forgets the stored position and the snapshot's progress (see [`StateStore::restart`]).
+async fn forget_position(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
+    conn.exec_drop(
+        "UPDATE outboxd_state SET binlog_file = NULL, binlog_pos = NULL, gtid_state = NULL, position = NULL,
+                snapshot_key = NULL, initialized_at = NULL, updated_at = UTC_TIMESTAMP(6)
+          WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (&lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    if conn.affected_rows() == 0 {
+        return Err(lost(lease));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
-use super::{holder_is_dead_locally, Lease, StateStore, Stored, LEASE_TTL};
+use super::{Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
 use crate::pipeline::checkpoint::Checkpointer;
@@ -126,15 +126,9 @@ impl StateStore for PgStateStore {
     }
 
     async fn load(&mut self, name: &str) -> Result<Option<Stored>, Error> {
-        Ok(load(self.client().await?, name).await?.map(|row| Stored {
-            position: row.position_lsn.map(Checkpoint::Lsn),
-            initialized: row.initialized,
-            snapshot_key: row.snapshot_key,
-            commit: DurableCommit {
-                commit_at: row.position_commit_at,
-                max_gap_ms: row.commit_gap_ms,
-            },
-        }))
+        Ok(load(self.client().await?, name)
+            .await?
+            .map(|row| row.stored()))
     }
 
     async fn renew(
@@ -162,6 +156,54 @@ impl StateStore for PgStateStore {
 
     async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
         mark_initialized(self.client().await?, lease).await
+    }
+
+    async fn record_stream_start(
+        &mut self,
+        lease: &Lease,
+        at: &Checkpoint,
+        created: bool,
+    ) -> Result<(), Error> {
+        record_slot_start(self.client().await?, lease, lsn(at)?, created).await
+    }
+
+    async fn restart(
+        &mut self,
+        lease: &Lease,
+        replay_since: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<(), Error> {
+        let client = self.client().await?;
+        match replay_since {
+            Some(since) => set_replay(client, lease, since).await,
+            None => restart_first_start(client, lease).await,
+        }
+    }
+
+    async fn replace_position(&mut self, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+        let at = format_lsn(lsn(marker)?);
+        let n = self
+            .client()
+            .await?
+            .execute(
+                "UPDATE outboxd_state SET position_lsn = $3::text::pg_lsn, position = $3, updated_at = now()
+                  WHERE name = $1 AND epoch = $2 AND lease_holder = $4",
+                &[&lease.name, &lease.epoch, &at, &lease.holder],
+            )
+            .await?;
+        if n == 0 {
+            return Err(lost(lease));
+        }
+        Ok(())
+    }
+}
+
+/// The LSN of a Postgres position.
+fn lsn(cp: &Checkpoint) -> Result<u64, Error> {
+    match cp {
+        Checkpoint::Lsn(l) => Ok(*l),
+        other => Err(Error::Other(format!(
+            "a {other} position cannot be stored for a Postgres source"
+        ))),
     }
 }
 
@@ -215,6 +257,23 @@ pub struct StateRow {
     /// it. From then on the slot is confirmed only up to positions stored in this row, so a
     /// slot ahead of both was moved by something else: see [`slot_replaced`].
     pub slot_created_lsn: Option<u64>,
+}
+
+impl StateRow {
+    /// The row as every store describes its record.
+    pub fn stored(&self) -> Stored {
+        Stored {
+            position: self.position_lsn.map(Checkpoint::Lsn),
+            initialized: self.initialized,
+            snapshot_key: self.snapshot_key.clone(),
+            commit: DurableCommit {
+                commit_at: self.position_commit_at,
+                max_gap_ms: self.commit_gap_ms,
+            },
+            stream_start: self.slot_created_lsn.map(Checkpoint::Lsn),
+            created_at: self.created_at,
+        }
+    }
 }
 
 /// Creates the state table (and columns added after the first release) when missing. One
@@ -285,17 +344,28 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
 /// max(stored position, where the slot started); a slot created anew is, because it starts at
 /// the WAL's head, past every position stored before. `None` also when the row predates
 /// [`StateRow::slot_created_lsn`] (nothing to compare with yet).
-pub fn slot_replaced(row: &StateRow, confirmed: Option<u64>) -> Option<String> {
-    let floor = row.slot_created_lsn?;
+pub fn slot_replaced(
+    name: &str,
+    slot: &str,
+    stored: &Stored,
+    confirmed: Option<u64>,
+) -> Option<String> {
+    let floor = stored.stream_start.as_ref().and_then(Checkpoint::lsn)?;
     let confirmed = confirmed?;
-    let bound = floor.max(row.position_lsn.unwrap_or(0));
+    let bound = floor.max(
+        stored
+            .position
+            .as_ref()
+            .and_then(Checkpoint::lsn)
+            .unwrap_or(0),
+    );
     (confirmed > bound).then(|| {
         format!(
             "replication slot {:?} confirms {} but relay {:?} never confirmed past {}: the slot was dropped and created again \
              (or advanced by hand), so the events between those positions were never relayed",
-            row.slot.as_deref().unwrap_or_default(),
+            slot,
             format_lsn(confirmed),
-            row.name,
+            name,
             format_lsn(bound),
         )
     })
@@ -306,8 +376,9 @@ pub fn slot_replaced(row: &StateRow, confirmed: Option<u64>) -> Option<String> {
 /// only flushed WAL, so such a row was carried over from another cluster (a dump and restore, a
 /// logical upgrade, a blue/green switch). Resuming from it would skip every event up to it and
 /// confirm the slot there; its `slot_created_lsn`, just as foreign, would hide a replaced slot.
-pub fn foreign_position(row: &StateRow, flush: u64) -> Option<String> {
-    let (what, at) = match (row.position_lsn, row.slot_created_lsn) {
+pub fn foreign_position(name: &str, stored: &Stored, flush: u64) -> Option<String> {
+    let lsn_of = |c: &Option<Checkpoint>| c.as_ref().and_then(Checkpoint::lsn);
+    let (what, at) = match (lsn_of(&stored.position), lsn_of(&stored.stream_start)) {
         (Some(p), _) if p > flush => ("stored position", p),
         (_, Some(c)) if c > flush => ("slot start", c),
         _ => return None,
@@ -317,7 +388,7 @@ pub fn foreign_position(row: &StateRow, flush: u64) -> Option<String> {
          by another server (a dump and restore, a logical upgrade, a blue/green switch), so its position means nothing \
          here and resuming from it would skip every event up to it",
         format_lsn(at),
-        row.name,
+        name,
         format_lsn(flush),
     ))
 }
@@ -390,18 +461,7 @@ pub async fn acquire(
             ));
         }
     }
-    if let Some(h) = current.as_deref() {
-        if live && h != holder && !holder_is_dead_locally(h) {
-            return Err(Error::LeaseHeld(format!(
-                "relay {name:?} is already running: lease held by {h} (it expires within {}s of its last renewal; \
-                 stop that relay, or run this one with another --name)",
-                LEASE_TTL.as_secs()
-            )));
-        }
-        if h != holder {
-            tracing::info!(name, previous_holder = h, live, "taking over the lease");
-        }
-    }
+    super::take_over(name, current.as_deref(), live, holder)?;
     let epoch: i64 = tx
         .query_one(
             "UPDATE outboxd_state SET epoch = epoch + 1, lease_holder = $2, lease_renewed_at = now(),
@@ -453,12 +513,7 @@ pub async fn store_snapshot_key(client: &Client, lease: &Lease, key: &str) -> Re
     Ok(())
 }
 
-fn lost(lease: &Lease) -> Error {
-    Error::Leadership(format!(
-        "lease of relay {:?} lost: another relay took epoch {} over",
-        lease.name, lease.epoch
-    ))
-}
+use super::lost;
 
 /// Renews the lease and, when given, stores a newer position. A position older than the stored
 /// one is ignored by the statement itself, so the row can never move backwards. Returns the

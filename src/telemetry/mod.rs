@@ -119,137 +119,152 @@ impl Telemetry {
             started: AtomicBool::new(false),
             registry: Registry::default(),
         };
+        t.register_counts(&mut registry);
+        t.register_latency(&mut registry);
+        t.register_health(&mut registry);
+        Telemetry { registry, ..t }
+    }
+
+    /// What happened to events and positions: counters that only grow.
+    fn register_counts(&self, registry: &mut Registry) {
         registry.register(
             "events_read",
             "Outbox rows decoded from the source",
-            t.events_read.clone(),
+            self.events_read.clone(),
         );
         registry.register(
             "events_published",
             "Events handed to the sink (first attempts)",
-            t.events_published.clone(),
+            self.events_published.clone(),
         );
         registry.register(
             "events_confirmed",
             "Events the sink made durable",
-            t.events_confirmed.clone(),
+            self.events_confirmed.clone(),
         );
         registry.register(
             "events_dead_lettered",
             "Poison events sent to <exchange>.dead",
-            t.events_dead_lettered.clone(),
+            self.events_dead_lettered.clone(),
         );
         registry.register(
             "events_republished",
             "Unconfirmed events published again after a sink failure",
-            t.events_republished.clone(),
+            self.events_republished.clone(),
         );
         registry.register(
             "events_deduplicated",
             "Published events the sink reported as already stored and did not store again (NATS JetStream: the same Nats-Msg-Id within the stream's duplicate window)",
-            t.events_deduplicated.clone(),
+            self.events_deduplicated.clone(),
         );
         registry.register(
             "events_suspicious_duplicates",
             "First publishes the sink reported as duplicates of another event (NATS JetStream: the same Nats-Msg-Id at another source position): not stored; do two outbox rows share an id?",
-            t.events_suspicious_duplicates.clone(),
+            self.events_suspicious_duplicates.clone(),
         );
         registry.register(
             "row_headers_dropped",
             "Header names a row's headers object set that the relay reserves (dropped)",
-            t.row_headers_dropped.clone(),
+            self.row_headers_dropped.clone(),
         );
         registry.register(
             "position_backwards_refused",
             "Attempts to store a position older than the stored one (refused; a relay bug)",
-            t.position_backwards_refused.clone(),
+            self.position_backwards_refused.clone(),
         );
         registry.register(
             "http_connections_refused",
             "Connections to this endpoint closed unserved, over its connection limit",
-            t.http_connections_refused.clone(),
+            self.http_connections_refused.clone(),
         );
         registry.register(
             "reconnects",
             "Reconnects by cause (source, sink)",
-            t.reconnects.clone(),
+            self.reconnects.clone(),
         );
         registry.register(
             "sink_retries",
             "Failed attempts to get the oldest unconfirmed event confirmed (cause: rejected = returned or nacked, timeout, connection); each is followed by a paced reconnect",
-            t.sink_retries.clone(),
+            self.sink_retries.clone(),
         );
         registry.register(
             "order_at_risk",
             "Events handed to the sink after one it refused in place (a RabbitMQ nack, a full JetStream stream) and before that refusal arrived: their first delivery may precede the refused event's; always 0 with --window 1",
-            t.order_at_risk.clone(),
+            self.order_at_risk.clone(),
         );
+    }
+
+    /// How long confirmations take and how far behind the source and the stored position are.
+    fn register_latency(&self, registry: &mut Registry) {
         registry.register(
             "publish_confirm_seconds",
             "From handing an event to the sink to its confirmation",
-            t.publish_confirm_seconds.clone(),
+            self.publish_confirm_seconds.clone(),
         );
         registry.register(
             "commit_confirm_seconds",
             "From the source transaction's commit to the event's confirmation",
-            t.commit_confirm_seconds.clone(),
+            self.commit_confirm_seconds.clone(),
         );
         registry.register(
             "source_lag_bytes",
             "Log bytes between the server's position and the acknowledged one",
-            t.source_lag_bytes.clone(),
+            self.source_lag_bytes.clone(),
         );
         registry.register(
             "source_lag_seconds",
             "Age of the newest confirmed event's commit when it was confirmed",
-            t.source_lag_seconds.clone(),
+            self.source_lag_seconds.clone(),
         );
         registry.register(
             "slot_retained_wal_bytes",
             "WAL the replication slot keeps on the server",
-            t.slot_retained_wal_bytes.clone(),
+            self.slot_retained_wal_bytes.clone(),
         );
         registry.register(
             "xa_prepared_oldest_age_seconds",
             "Age of the oldest prepared XA transaction with outbox rows that holds the stored position back (0: none)",
-            t.xa_prepared_oldest_age_seconds.clone(),
+            self.xa_prepared_oldest_age_seconds.clone(),
         );
         registry.register(
             "xa_prepares_released",
             "Prepared XA transactions the stored position moved past (--xa-prepare-expired release)",
-            t.xa_prepares_released.clone(),
+            self.xa_prepares_released.clone(),
         );
         registry.register(
             "position_age_seconds",
             "Time since the position was last stored",
-            t.position_age_seconds.clone(),
+            self.position_age_seconds.clone(),
         );
+    }
+
+    /// The process's state: the lease, the source stream, the sink, the self-fence.
+    fn register_health(&self, registry: &mut Registry) {
         registry.register(
             "leader",
             "1 while this process holds the lease",
-            t.leader.clone(),
+            self.leader.clone(),
         );
         registry.register(
             "source_streaming",
             "1 while the source stream is open",
-            t.source_streaming.clone(),
+            self.source_streaming.clone(),
         );
         registry.register(
             "sink_connected",
             "1 while the sink is connected",
-            t.sink_connected.clone(),
+            self.sink_connected.clone(),
         );
         registry.register(
             "sink_blocked",
             "1 while the broker blocks publishing (resource alarm)",
-            t.sink_blocked.clone(),
+            self.sink_blocked.clone(),
         );
         registry.register(
             "publishing_fenced",
             "1 while publishing waits for a lease renewal (the last one is older than the self-fence limit)",
-            t.publishing_fenced.clone(),
+            self.publishing_fenced.clone(),
         );
-        Telemetry { registry, ..t }
     }
 
     /// The position was stored just now.

@@ -381,7 +381,8 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
         snapshot_key: None,
         slot_created_lsn: Some(0x100),
     };
-    let problem = outboxd::state::postgres::foreign_position(&row, flush).expect("foreign");
+    let problem = outboxd::state::postgres::foreign_position(&row.name, &row.stored(), flush)
+        .expect("foreign");
     assert!(
         problem.contains("stored position FFFF/0")
             && problem.contains("ahead of this server's WAL (flushed up to 1/0)"),
@@ -392,7 +393,7 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
         ..row.clone()
     };
     assert_eq!(
-        outboxd::state::postgres::foreign_position(&here, flush),
+        outboxd::state::postgres::foreign_position(&here.name, &here.stored(), flush),
         None
     );
     let slot_start = outboxd::state::postgres::StateRow {
@@ -400,7 +401,9 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
         slot_created_lsn: Some(flush + 1),
         ..row.clone()
     };
-    let problem = outboxd::state::postgres::foreign_position(&slot_start, flush).expect("foreign");
+    let problem =
+        outboxd::state::postgres::foreign_position(&slot_start.name, &slot_start.stored(), flush)
+            .expect("foreign");
     assert!(problem.contains("slot start 1/1"), "{problem}");
     let empty = outboxd::state::postgres::StateRow {
         position_lsn: None,
@@ -408,7 +411,7 @@ fn a_row_past_the_servers_flush_lsn_is_foreign() {
         ..row
     };
     assert_eq!(
-        outboxd::state::postgres::foreign_position(&empty, flush),
+        outboxd::state::postgres::foreign_position(&empty.name, &empty.stored(), flush),
         None
     );
 }

@@ -141,7 +141,7 @@ fn the_replay_starts_before_the_last_commit_by_the_largest_gap() {
     };
     let small = Duration::from_secs(60);
     // The observed one-hour gap wins over a one-minute margin.
-    let since = outboxd::pipeline::recovery_since(&row, None, small);
+    let since = outboxd::pipeline::recovery_since(&row.stored(), None, small);
     assert!(since <= commit - chrono::Duration::hours(1), "{since}");
     // A larger margin wins over a smaller gap.
     let row2 = outboxd::state::postgres::StateRow {
@@ -149,13 +149,13 @@ fn the_replay_starts_before_the_last_commit_by_the_largest_gap() {
         ..row.clone()
     };
     assert_eq!(
-        outboxd::pipeline::recovery_since(&row2, None, Duration::from_secs(600)),
+        outboxd::pipeline::recovery_since(&row2.stored(), None, Duration::from_secs(600)),
         commit - chrono::Duration::minutes(10)
     );
     // --replay-since wins over both.
     let explicit = commit - chrono::Duration::days(2);
     assert_eq!(
-        outboxd::pipeline::recovery_since(&row, Some(explicit), small),
+        outboxd::pipeline::recovery_since(&row.stored(), Some(explicit), small),
         explicit
     );
 }

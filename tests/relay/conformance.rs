@@ -8,7 +8,14 @@
 //! - a stored position never moves backwards: an older one leaves the newer in place;
 //! - a holder that provably no longer exists is taken over at once, with the next epoch, and
 //!   (where the old store can outlive its lease) the old lease's writes are refused;
-//! - a finished first start is on record for the next acquire.
+//! - a finished first start is on record for the next acquire;
+//! - a restart forgets the position, the snapshot's progress and the stream start (a fresh
+//!   stream's lower positions are stored next; the next start is a first start), and records a
+//!   requested replay where the store
+//!   keeps one (refused where it does not) until the first start is marked done;
+//! - a position replaced by a marker may move backwards, but only under the current lease;
+//! - a stream start is recorded where the store keeps one: kept, unless the stream was just
+//!   created.
 //!
 //! A new store is one `impl Kind` and one line in the list of tests at the end.
 
@@ -40,6 +47,11 @@ trait Kind {
     /// The `i`-th position of this store's source, in order.
     fn position(&self, i: u64) -> Checkpoint;
     fn fencing(&self) -> Fencing;
+    /// Whether the store keeps a replay and a stream start (a Postgres source's records; a
+    /// binlog source's recovery needs neither).
+    fn keeps_replay(&self) -> bool {
+        false
+    }
 }
 
 fn db_dsn(dsn: &str) -> DbDsn {
@@ -71,6 +83,9 @@ impl Kind for Postgres {
     }
     fn fencing(&self) -> Fencing {
         Fencing::Epoch
+    }
+    fn keeps_replay(&self) -> bool {
+        true
     }
 }
 
@@ -126,6 +141,10 @@ impl Kind for Memory {
     }
     fn fencing(&self) -> Fencing {
         Fencing::Epoch
+    }
+    // The double models every store: it keeps what the Postgres one keeps.
+    fn keeps_replay(&self) -> bool {
+        true
     }
 }
 
@@ -303,11 +322,119 @@ async fn first_start_recorded<K: Kind>(kind: &K) {
     again.release(&next).await.expect("release");
 }
 
+async fn restart_forgets_the_position<K: Kind>(kind: &K) {
+    let name = unique("conf_restart");
+    let mut s = kind.open(&name).await;
+    let (mut lease, _) = s.acquire(&name, &holder_id()).await.expect("acquire");
+    s.store_start(&lease, &kind.position(2), true)
+        .await
+        .expect("store_start");
+    s.renew(&lease, Some(&kind.position(3)), &NO_COMMIT)
+        .await
+        .expect("renew");
+    s.restart(&lease, None).await.expect("restart");
+    let stored = s.load(&name).await.expect("load").expect("record");
+    assert_eq!(
+        (&stored.position, &stored.snapshot_key, &stored.stream_start),
+        (&None, &None, &None)
+    );
+    // Begun again, the next start is a first start (Postgres: it never was done).
+    assert!(!stored.initialized, "{stored:?}");
+    // The fresh stream's positions may sort below the forgotten one.
+    s.renew(&lease, Some(&kind.position(1)), &NO_COMMIT)
+        .await
+        .expect("renew");
+    assert_eq!(stored_position(&mut s, &name).await, Some(kind.position(1)));
+
+    // A lost position's recovery records its replay, where the store keeps one.
+    let since = chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+    let replay = s.restart(&lease, Some(since)).await;
+    if !kind.keeps_replay() {
+        assert!(replay.is_err(), "a replay it cannot keep is refused");
+        s.release(&lease).await.expect("release");
+        return;
+    }
+    replay.expect("restart with a replay");
+    s.release(&lease).await.expect("release");
+    let mut again = kind.open(&name).await;
+    (lease, _) = again.acquire(&name, &holder_id()).await.expect("acquire");
+    assert_eq!(lease.replay_since, Some(since), "the replay is on record");
+    again
+        .mark_initialized(&lease)
+        .await
+        .expect("mark_initialized");
+    again.release(&lease).await.expect("release");
+    let mut last = kind.open(&name).await;
+    let (lease, _) = last.acquire(&name, &holder_id()).await.expect("acquire");
+    assert_eq!(lease.replay_since, None, "a durable replay is done");
+    last.release(&lease).await.expect("release");
+}
+
+async fn replaced_position_moves_backwards<K: Kind>(kind: &K) {
+    let name = unique("conf_replace");
+    let mut s = kind.open(&name).await;
+    let (lease, _) = s.acquire(&name, &holder_id()).await.expect("acquire");
+    s.store_start(&lease, &kind.position(2), true)
+        .await
+        .expect("store_start");
+    s.renew(&lease, Some(&kind.position(3)), &NO_COMMIT)
+        .await
+        .expect("renew");
+    s.replace_position(&lease, &kind.position(0))
+        .await
+        .expect("replace_position");
+    assert_eq!(stored_position(&mut s, &name).await, Some(kind.position(0)));
+    if kind.fencing() == Fencing::Epoch {
+        // Taken over (a dead holder's lease): the old lease replaces nothing.
+        s.release(&lease).await.expect("release");
+        let mut b = kind.open(&name).await;
+        let (new, _) = b.acquire(&name, &holder_id()).await.expect("acquire");
+        let stale = s.replace_position(&lease, &kind.position(5)).await;
+        assert!(matches!(stale, Err(Error::Leadership(_))), "{stale:?}");
+        assert_eq!(stored_position(&mut b, &name).await, Some(kind.position(0)));
+        b.release(&new).await.expect("release");
+    } else {
+        s.release(&lease).await.expect("release");
+    }
+}
+
+async fn stream_start_recorded<K: Kind>(kind: &K) {
+    let name = unique("conf_stream");
+    let mut s = kind.open(&name).await;
+    let (lease, _) = s.acquire(&name, &holder_id()).await.expect("acquire");
+    let start = |s: Option<outboxd::Stored>| s.expect("record").stream_start;
+    s.record_stream_start(&lease, &kind.position(1), false)
+        .await
+        .expect("record_stream_start");
+    s.record_stream_start(&lease, &kind.position(2), false)
+        .await
+        .expect("record_stream_start");
+    let kept = kind.keeps_replay().then(|| kind.position(1));
+    assert_eq!(
+        start(s.load(&name).await.expect("load")),
+        kept,
+        "the first one is kept"
+    );
+    s.record_stream_start(&lease, &kind.position(3), true)
+        .await
+        .expect("record_stream_start");
+    let created = kind.keeps_replay().then(|| kind.position(3));
+    assert_eq!(
+        start(s.load(&name).await.expect("load")),
+        created,
+        "a new stream replaces it"
+    );
+    s.release(&lease).await.expect("release");
+}
+
 async fn state_store_suite<K: Kind>(kind: K) {
     first_acquire_and_never_backwards(&kind).await;
     live_lease_refused_then_released(&kind).await;
     dead_holder_taken_over(&kind).await;
     first_start_recorded(&kind).await;
+    restart_forgets_the_position(&kind).await;
+    replaced_position_moves_backwards(&kind).await;
+    stream_start_recorded(&kind).await;
 }
 
 // One line per store.

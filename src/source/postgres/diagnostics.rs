@@ -159,6 +159,9 @@ async fn setting(client: &Client, name: &str) -> Result<String, Error> {
         .get(0))
 }
 
+/// The server's side of `check`: version, settings, the role's grants, each outbox table with
+/// its publication, the slot, and (with `--standby`) the failover settings. One helper per
+/// subject, in the order the lines are printed.
 async fn check_server(
     client: &Client,
     t: &PgTarget<'_>,
@@ -166,8 +169,32 @@ async fn check_server(
 ) -> Result<(), Error> {
     let server = version::ServerVersion::of(client).await?;
     out.push(version::version_line(server));
+    out.push(check_wal_level(client).await?);
+    check_capacity(client, t.slot, out).await?;
+    let user = check_replication_grant(client, out).await?;
+    for table in t.tables {
+        check_table(client, t, table, &user, out).await?;
+        out.push(check_publication(client, t.publication, table).await?);
+    }
+    let details = version::slot_details(client, server, t.slot).await?;
+    out.push(check_slot(client, t, details.as_ref()).await?);
+    let settings = version::settings(client, server).await?;
+    out.extend(version::settings_lines(
+        server,
+        &settings,
+        t.slot,
+        details.as_ref(),
+    ));
+    if let Some(standby) = t.standby {
+        out.extend(version::standby_lines(client, standby, t.slot).await);
+    }
+    Ok(())
+}
+
+/// `wal_level` must be `logical`; the fix names a managed service's own setting where it has one.
+async fn check_wal_level(client: &Client) -> Result<CheckLine, Error> {
     let level = admin::wal_level(client).await?;
-    out.push(if level == "logical" {
+    Ok(if level == "logical" {
         line(Level::Ok, "wal_level", "logical", None)
     } else {
         // Managed services do not allow ALTER SYSTEM: their own setting turns it on.
@@ -186,8 +213,15 @@ async fn check_server(
             format!("{level}, logical decoding needs logical"),
             Some(wal_level_fix(&managed)),
         )
-    });
+    })
+}
 
+/// Room for one more slot and walsender, and whether an abandoned slot could fill the disk.
+async fn check_capacity(
+    client: &Client,
+    slot: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
     let max_slots: i64 = setting(client, "max_replication_slots")
         .await?
         .parse()
@@ -196,7 +230,7 @@ async fn check_server(
         .query_one("SELECT count(*) FROM pg_replication_slots", &[])
         .await?
         .get(0);
-    let ours_exists = admin::slot(client, t.slot).await?.is_some();
+    let ours_exists = admin::slot(client, slot).await?.is_some();
     let needed = used + if ours_exists { 0 } else { 1 };
     out.push(if needed <= max_slots {
         line(
@@ -250,7 +284,14 @@ async fn check_server(
     } else {
         line(Level::Ok, "max_slot_wal_keep_size", format!("{keep} MB"), None)
     });
+    Ok(())
+}
 
+/// The role's right to replicate (an attribute, or a managed service's role); returns the role.
+async fn check_replication_grant(
+    client: &Client,
+    out: &mut Vec<CheckLine>,
+) -> Result<String, Error> {
     // Managed services grant logical replication without the REPLICATION attribute (Amazon
     // RDS / Aurora: membership of rds_replication) or through their admin role: membership
     // is transitive (`pg_has_role … MEMBER`), so the RDS master user (rds_superuser) counts.
@@ -272,105 +313,126 @@ async fn check_server(
     };
     let (level, detail, fix) = grant.judge();
     out.push(line(level, "replication privilege", detail, fix));
-    let user = grant.user;
+    Ok(grant.user)
+}
 
-    for table in t.tables {
-        let exists: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+/// One outbox table: it exists, maps onto the column map, and the role may read it.
+async fn check_table(
+    client: &Client,
+    t: &PgTarget<'_>,
+    table: &TableName,
+    user: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.pg_quoted()])
+        .await?
+        .get(0);
+    if !exists {
+        out.push(line(
+            Level::Fail,
+            "outbox table",
+            format!("{} does not exist", table.pg_quoted()),
+            Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", table.pg_quoted())),
+        ));
+    } else {
+        let rel = snapshot::table_relation(client, table).await?;
+        let mut mapper = RowMapper::new(table.clone(), t.columns.clone());
+        out.push(match mapper.relation(rel) {
+            Ok(()) => line(
+                Level::Ok,
+                "outbox table",
+                format!(
+                    "{} has the mapped columns with usable types",
+                    table.pg_quoted()
+                ),
+                None,
+            ),
+            Err(Error::Config { problem, fix }) => {
+                line(Level::Fail, "outbox table", problem, Some(fix))
+            }
+            Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
+        });
+        let privileged: bool = client
+            .query_one(
+                "SELECT has_table_privilege($1, 'SELECT')",
+                &[&table.pg_quoted()],
+            )
             .await?
             .get(0);
-        if !exists {
+        if !privileged {
             out.push(line(
                 Level::Fail,
-                "outbox table",
-                format!("{} does not exist", table.pg_quoted()),
-                Some(format!("psql -f migrations/postgres/001_outbox.sql  (or `outboxd setup --create-table --table {}`)", table.pg_quoted())),
+                "table privilege",
+                format!("{user} cannot SELECT {}", table.pg_quoted()),
+                Some(format!(
+                    "GRANT SELECT ON {} TO {};",
+                    table.pg_quoted(),
+                    pg_ident(user)
+                )),
             ));
-        } else {
-            let rel = snapshot::table_relation(client, table).await?;
-            let mut mapper = RowMapper::new(table.clone(), t.columns.clone());
-            out.push(match mapper.relation(rel) {
-                Ok(()) => line(
-                    Level::Ok,
-                    "outbox table",
-                    format!(
-                        "{} has the mapped columns with usable types",
-                        table.pg_quoted()
-                    ),
-                    None,
-                ),
-                Err(Error::Config { problem, fix }) => {
-                    line(Level::Fail, "outbox table", problem, Some(fix))
-                }
-                Err(e) => line(Level::Fail, "outbox table", e.to_string(), None),
-            });
-            let privileged: bool = client
-                .query_one(
-                    "SELECT has_table_privilege($1, 'SELECT')",
-                    &[&table.pg_quoted()],
-                )
-                .await?
-                .get(0);
-            if !privileged {
-                out.push(line(
-                    Level::Fail,
-                    "table privilege",
-                    format!("{user} cannot SELECT {}", table.pg_quoted()),
-                    Some(format!(
-                        "GRANT SELECT ON {} TO {};",
-                        table.pg_quoted(),
-                        pg_ident(&user)
-                    )),
-                ));
-            }
         }
-
-        let publication = client
-            .query_opt(
-                "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
-                &[&t.publication],
-            )
-            .await?;
-        let covers: bool = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
-                &[&t.publication, &table.pg_schema(), &table.name],
-            )
-            .await?
-            .get(0);
-        let create_pub = format!(
-            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
-            pg_ident(t.publication),
-            table.pg_quoted()
-        );
-        let partitioned = admin::is_partitioned(client, table).await?;
-        out.push(match publication {
-            Some(r) if partitioned && !r.get::<_, bool>(1) => line(
-                Level::Fail,
-                "publication",
-                format!("{} publishes the partitions of {} under their own names (publish_via_partition_root is off)", t.publication, table.pg_quoted()),
-                Some(format!("ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true);", pg_ident(t.publication))),
-            ),
-            None => line(Level::Fail, "publication", format!("{} does not exist", t.publication), Some(create_pub)),
-            Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", t.publication, table.pg_quoted()), None),
-            Some(_) => line(
-                Level::Fail,
-                "publication",
-                format!("{} does not publish inserts of {}", t.publication, table.pg_quoted()),
-                Some(format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(t.publication), table.pg_quoted())),
-            ),
-        });
     }
+    Ok(())
+}
 
+/// The publication exists, publishes inserts of `table`, and (partitioned) under its root's name.
+async fn check_publication(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<CheckLine, Error> {
+    let pub_row = client
+        .query_opt(
+            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?;
+    let covers: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+            &[&publication, &table.pg_schema(), &table.name],
+        )
+        .await?
+        .get(0);
+    let create_pub = format!(
+        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
+        pg_ident(publication),
+        table.pg_quoted()
+    );
+    let partitioned = admin::is_partitioned(client, table).await?;
+    Ok(match pub_row {
+        Some(r) if partitioned && !r.get::<_, bool>(1) => line(
+            Level::Fail,
+            "publication",
+            format!("{} publishes the partitions of {} under their own names (publish_via_partition_root is off)", publication, table.pg_quoted()),
+            Some(format!("ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true);", pg_ident(publication))),
+        ),
+        None => line(Level::Fail, "publication", format!("{} does not exist", publication), Some(create_pub)),
+        Some(r) if r.get::<_, bool>(0) && covers => line(Level::Ok, "publication", format!("{} publishes inserts of {}", publication, table.pg_quoted()), None),
+        Some(_) => line(
+            Level::Fail,
+            "publication",
+            format!("{} does not publish inserts of {}", publication, table.pg_quoted()),
+            Some(format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(publication), table.pg_quoted())),
+        ),
+    })
+}
+
+/// The slot: missing (fine before the first run, not once a position is stored), invalidated,
+/// of another plugin, or usable.
+async fn check_slot(
+    client: &Client,
+    t: &PgTarget<'_>,
+    details: Option<&version::SlotDetails>,
+) -> Result<CheckLine, Error> {
     let state_row = state::postgres::load(client, t.name).await?;
-    let details = version::slot_details(client, server, t.slot).await?;
     let reason = details
-        .as_ref()
         .and_then(|d| d.invalidation_reason.as_deref())
         .map(|r| format!(", invalidation_reason {r}"))
         .unwrap_or_default();
-    match admin::slot(client, t.slot).await? {
-        None if state_row.as_ref().is_some_and(|s| s.initialized) => out.push(line(
+    Ok(match admin::slot(client, t.slot).await? {
+        None if state_row.as_ref().is_some_and(|s| s.initialized) => line(
             Level::Fail,
             "replication slot",
             format!(
@@ -378,8 +440,8 @@ async fn check_server(
                 t.slot, t.name
             ),
             Some(admin::lost_slot_fix(t.name, t.slot)),
-        )),
-        None => out.push(line(
+        ),
+        None => line(
             Level::Warn,
             "replication slot",
             format!(
@@ -390,14 +452,14 @@ async fn check_server(
                 "outboxd setup --name {}  -- creates it now",
                 t.name
             )),
-        )),
-        Some(s) if s.wal_status.as_deref() == Some("lost") => out.push(line(
+        ),
+        Some(s) if s.wal_status.as_deref() == Some("lost") => line(
             Level::Fail,
             "replication slot",
             format!("{} was invalidated (wal_status lost{reason})", t.slot),
             Some(admin::lost_slot_fix(t.name, t.slot)),
-        )),
-        Some(s) if s.plugin.as_deref() != Some("pgoutput") => out.push(line(
+        ),
+        Some(s) if s.plugin.as_deref() != Some("pgoutput") => line(
             Level::Fail,
             "replication slot",
             format!("{} uses plugin {:?}, not pgoutput", t.slot, s.plugin),
@@ -405,8 +467,8 @@ async fn check_server(
                 "SELECT pg_drop_replication_slot({}); then `outboxd setup`",
                 pg_literal(t.slot)
             )),
-        )),
-        Some(s) => out.push(line(
+        ),
+        Some(s) => line(
             if s.wal_status.as_deref() == Some("unreserved") {
                 Level::Warn
             } else {
@@ -420,19 +482,8 @@ async fn check_server(
                 if s.active { "active" } else { "inactive" }
             ),
             None,
-        )),
-    }
-    let settings = version::settings(client, server).await?;
-    out.extend(version::settings_lines(
-        server,
-        &settings,
-        t.slot,
-        details.as_ref(),
-    ));
-    if let Some(standby) = t.standby {
-        out.extend(version::standby_lines(client, standby, t.slot).await);
-    }
-    Ok(())
+        ),
+    })
 }
 
 /// What `status` shows.

@@ -23,7 +23,6 @@ pub mod version;
 use crate::backoff::Backoff;
 // The Postgres client every module uses lives in `crate::db::postgres`; re-exported here for
 // the source's own modules.
-pub(crate) use crate::db::postgres::retryable_sqlstate;
 pub use crate::db::postgres::{
     connect_sql, describe_pg_error, is_retryable_pg, is_server_stopping,
 };
@@ -37,7 +36,7 @@ use crate::source::{Outlet, SourceLink};
 use crate::telemetry::events::{
     InternalEvent, PgStreaming, SourceKind, SourceLag, SourceReconnecting,
 };
-use crate::Error;
+use crate::{Error, ErrorKind, ServerCode};
 use assemble::{Assembler, Input};
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig,
@@ -171,13 +170,21 @@ fn wire_error(e: PgWireError, slot: &str, name: &str) -> Error {
             ),
         );
     }
-    let retryable = match &e {
-        PgWireError::Io(_) | PgWireError::Task(_) => true,
-        PgWireError::Server(_) => code.is_some_and(retryable_sqlstate),
-        PgWireError::Protocol(m) => m.contains("EOF") || m.contains("closed"),
-        _ => false,
+    // pgwire-replication words a server error as text: its SQLSTATE is read once, here, and
+    // kept as data on the error.
+    let kind = match (&e, code) {
+        (PgWireError::Io(_) | PgWireError::Task(_), _) => ErrorKind::Connection,
+        (PgWireError::Server(_), Some(code)) => ErrorKind::of_sqlstate(code),
+        (PgWireError::Protocol(m), _) if m.contains("EOF") || m.contains("closed") => {
+            ErrorKind::Connection
+        }
+        _ => ErrorKind::Permanent,
     };
-    Error::source(format!("replication stream: {text}"), retryable)
+    Error::server(
+        format!("replication stream: {text}"),
+        kind,
+        code.map(ServerCode::sqlstate),
+    )
 }
 
 /// The SQLSTATE of a server error as pgwire-replication words it: `<message> (SQLSTATE
