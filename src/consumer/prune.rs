@@ -302,6 +302,16 @@ trait Backend {
     async fn unlock(&mut self);
 }
 
+/// The refusal of a second prune of `shown` while `holder` holds `lock`.
+fn already_pruning(shown: &str, holder: &str, lock: &str) -> ConsumerError {
+    ConsumerError::Database {
+        message: format!(
+            "another outboxd prune of {shown} is running: {holder} holds {lock}; one pruner at a time"
+        ),
+        retryable: false,
+    }
+}
+
 /// Prunes through `db` (see the module's documentation). `progress` sees the report after
 /// every batch.
 async fn prune<B: Backend>(
@@ -503,10 +513,11 @@ impl Backend for PgPrune {
             return Ok(());
         }
         let holder = self.lock_holder().await?;
-        Err(ConsumerError::Database {
-            message: format!("another outboxd prune of {} is running: {holder} holds the advisory lock {:?}; one pruner at a time", self.shown, self.key),
-            retryable: false,
-        })
+        Err(already_pruning(
+            &self.shown,
+            &holder,
+            &format!("the advisory lock {:?}", self.key),
+        ))
     }
 
     async fn batch_statement(
@@ -707,10 +718,11 @@ impl Backend for MyPrune {
             Some(id) => format!("connection {id}"),
             None => "another session".into(),
         };
-        Err(ConsumerError::Database {
-            message: format!("another outboxd prune of {} is running: {holder} holds GET_LOCK({key:?}); one pruner at a time", self.shown),
-            retryable: false,
-        })
+        Err(already_pruning(
+            &self.shown,
+            &holder,
+            &format!("GET_LOCK({key:?})"),
+        ))
     }
 
     async fn batch_statement(

@@ -82,7 +82,7 @@ pub async fn take_lease<St: StateStore>(
 /// with its result: each store takes the lease through the session the startup goes on with.
 /// Under `--ha` (`ha`), a lease another relay holds is waited for and asked for again; `None`
 /// when asked to stop meanwhile. Any other error ends the start.
-pub async fn acquire_lease<C, T, F, Fut>(
+async fn acquire_lease<C, T, F, Fut>(
     mut session: C,
     ha: bool,
     shutdown: &CancellationToken,
