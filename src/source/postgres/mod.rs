@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod diagnostics;
 pub mod pgoutput;
+pub mod poll;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
