@@ -129,6 +129,28 @@ impl Fresh {
         }
     }
 
+    /// CPU seconds the relays' own poll sessions have cost the server so far (Postgres: their
+    /// backends' utime + stime, from /proc; `None` on MariaDB, whose sessions are threads):
+    /// unlike the whole server's CPU, no other client of the shared server is in it.
+    async fn poller_backends_cpu(&self) -> Option<f64> {
+        if self.db != Db::Postgres {
+            return None;
+        }
+        let rows = pg(&self_conninfo(&self.name))
+            .await
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE 'outboxd\\_%\\_poll'",
+                &[&self.name],
+            )
+            .await
+            .unwrap();
+        Some(
+            rows.iter()
+                .filter_map(|r| latency::support::cpu_secs(r.get::<_, i32>(0) as u32))
+                .sum(),
+        )
+    }
+
     async fn exec(&self, sql: &str) {
         match self.db {
             Db::Postgres => pg(&self_conninfo(&self.name))
@@ -372,7 +394,7 @@ async fn drain_run(
     n: usize,
     args: &[&str],
     amqp: &Connection,
-) -> (f64, f64, (f64, f64)) {
+) -> (f64, f64, (f64, f64), Option<f64>) {
     let exchange = format!("bpoll_{tag}_{relays}_{}", std::process::id());
     let host_before = latency::support::host_cpu();
     let start = Instant::now();
@@ -391,6 +413,8 @@ async fn drain_run(
     }
     let secs = start.elapsed().as_secs_f64();
     let host_after = latency::support::host_cpu();
+    // The sessions are the relays' first ones (a reconnect would show in their log).
+    let sessions_cpu = fresh.poller_backends_cpu().await;
     let relay_cpu: f64 = children
         .iter()
         .filter_map(|c| latency::support::cpu_secs(c.id()))
@@ -405,7 +429,7 @@ async fn drain_run(
             .await;
     }
     let host = (host_after.0 - host_before.0, host_after.1 - host_before.1);
-    (secs, relay_cpu, host)
+    (secs, relay_cpu, host, sessions_cpu)
 }
 
 fn cpu_ticks(stat_path: &str) -> u64 {
@@ -572,8 +596,8 @@ async fn main() {
     }
     if parts.contains("drain") {
         println!("\nThroughput, draining {backlog} pending rows (poll mode, RabbitMQ sink, relay arguments `{}`):\n", drain_args.join(" "));
-        println!("| database | relays | seconds | events/s | relays' CPU | database server's CPU | broker CPU |");
-        println!("|---|---:|---:|---:|---:|---:|---:|");
+        println!("| database | relays | seconds | events/s | relays' CPU | database server's CPU (all clients) | the poll sessions' server CPU per row | broker CPU |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
         for db in [Db::Postgres, Db::Maria].into_iter().filter(|d| picked(*d)) {
             let fresh = Fresh::new(db, "drain").await;
             fresh.producer().await.backlog(backlog).await;
@@ -588,10 +612,13 @@ async fn main() {
                         .exec("UPDATE outbox SET status = 'pending', published_at = NULL")
                         .await;
                 }
-                let (secs, relay_cpu, (server, broker)) =
+                let (secs, relay_cpu, (server, broker), sessions) =
                     drain_run(&fresh, "drain", relays, backlog, &drain_args, &amqp).await;
+                let per_row = sessions.map_or("n/a".to_string(), |c| {
+                    format!("{:.1} µs", c * 1e6 / backlog as f64)
+                });
                 println!(
-                "| {name} | {relays} | {secs:.1} | {:.0} | {relay_cpu:.1} s | {server:.1} s | {broker:.1} s |",
+                "| {name} | {relays} | {secs:.1} | {:.0} | {relay_cpu:.1} s | {server:.1} s | {per_row} | {broker:.1} s |",
                 backlog as f64 / secs
             );
             }
