@@ -165,14 +165,19 @@ impl Fresh {
     async fn drop_db(self) {
         match self.db {
             Db::Postgres => {
-                let _ = pg(PG_ADMIN)
-                    .await
+                // Two requests: in one query string the DROP would run inside the implicit
+                // transaction of the string and fail (the database was left behind).
+                let admin = pg(PG_ADMIN).await;
+                let _ = admin
                     .batch_execute(&format!(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{0}';
-                         DROP DATABASE {0} WITH (FORCE)",
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{}'",
                         self.name
                     ))
                     .await;
+                admin
+                    .batch_execute(&format!("DROP DATABASE {} WITH (FORCE)", self.name))
+                    .await
+                    .unwrap();
             }
             Db::Maria => {
                 let _ = my(None)
