@@ -10,6 +10,11 @@
 //!   poller's session, from /proc) over `OUTBOXD_BENCH_IDLE_SECONDS` (default 30) s of an
 //!   idle poller on an empty table at the default interval, and the relay process's own.
 //!
+//! `OUTBOXD_BENCH_PARTS` (default `latency,drain,idle`) picks the parts, `OUTBOXD_BENCH_SOURCES`
+//! (default `postgres,mariadb`) the databases, and `OUTBOXD_BENCH_POLL_ARGS` (whitespace
+//! separated, e.g. `--poll-batch 2000`) is added to the draining relays' command line, so one
+//! build compares settings.
+//!
 //! The consumer and the timing helpers are the latency benchmark's (benches/latency.rs), the
 //! MariaDB connection the shared bench support's (benches/support/mod.rs).
 
@@ -124,6 +129,28 @@ impl Fresh {
         }
     }
 
+    /// CPU seconds the relays' own poll sessions have cost the server so far (Postgres: their
+    /// backends' utime + stime, from /proc; `None` on MariaDB, whose sessions are threads):
+    /// unlike the whole server's CPU, no other client of the shared server is in it.
+    async fn poller_backends_cpu(&self) -> Option<f64> {
+        if self.db != Db::Postgres {
+            return None;
+        }
+        let rows = pg(&self_conninfo(&self.name))
+            .await
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE 'outboxd\\_%\\_poll'",
+                &[&self.name],
+            )
+            .await
+            .unwrap();
+        Some(
+            rows.iter()
+                .filter_map(|r| latency::support::cpu_secs(r.get::<_, i32>(0) as u32))
+                .sum(),
+        )
+    }
+
     async fn exec(&self, sql: &str) {
         match self.db {
             Db::Postgres => pg(&self_conninfo(&self.name))
@@ -138,14 +165,19 @@ impl Fresh {
     async fn drop_db(self) {
         match self.db {
             Db::Postgres => {
-                let _ = pg(PG_ADMIN)
-                    .await
+                // Two requests: in one query string the DROP would run inside the implicit
+                // transaction of the string and fail (the database was left behind).
+                let admin = pg(PG_ADMIN).await;
+                let _ = admin
                     .batch_execute(&format!(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{0}';
-                         DROP DATABASE {0} WITH (FORCE)",
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{}'",
                         self.name
                     ))
                     .await;
+                admin
+                    .batch_execute(&format!("DROP DATABASE {} WITH (FORCE)", self.name))
+                    .await
+                    .unwrap();
             }
             Db::Maria => {
                 let _ = my(None)
@@ -365,21 +397,14 @@ async fn drain_run(
     tag: &str,
     relays: usize,
     n: usize,
+    args: &[&str],
     amqp: &Connection,
-) -> (f64, f64, (f64, f64)) {
+) -> (f64, f64, (f64, f64), Option<f64>) {
     let exchange = format!("bpoll_{tag}_{relays}_{}", std::process::id());
     let host_before = latency::support::host_cpu();
     let start = Instant::now();
     let children: Vec<Child> = (0..relays)
-        .map(|r| {
-            relay(
-                &fresh.dsn(),
-                &format!("{tag}{r}"),
-                AMQP,
-                &exchange,
-                &["--mode", "poll"],
-            )
-        })
+        .map(|r| relay(&fresh.dsn(), &format!("{tag}{r}"), AMQP, &exchange, args))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut left = fresh.pending().await;
@@ -393,6 +418,8 @@ async fn drain_run(
     }
     let secs = start.elapsed().as_secs_f64();
     let host_after = latency::support::host_cpu();
+    // The sessions are the relays' first ones (a reconnect would show in their log).
+    let sessions_cpu = fresh.poller_backends_cpu().await;
     let relay_cpu: f64 = children
         .iter()
         .filter_map(|c| latency::support::cpu_secs(c.id()))
@@ -407,7 +434,7 @@ async fn drain_run(
             .await;
     }
     let host = (host_after.0 - host_before.0, host_after.1 - host_before.1);
-    (secs, relay_cpu, host)
+    (secs, relay_cpu, host, sessions_cpu)
 }
 
 fn cpu_ticks(stat_path: &str) -> u64 {
@@ -523,83 +550,107 @@ async fn main() {
     let seconds = env_u64("OUTBOXD_BENCH_SECONDS", 10);
     let backlog = env_u64("OUTBOXD_BENCH_BACKLOG", 50_000) as usize;
     let idle = env_u64("OUTBOXD_BENCH_IDLE_SECONDS", 30);
+    let parts =
+        std::env::var("OUTBOXD_BENCH_PARTS").unwrap_or_else(|_| "latency,drain,idle".into());
+    let sources =
+        std::env::var("OUTBOXD_BENCH_SOURCES").unwrap_or_else(|_| "postgres,mariadb".into());
+    let picked = |db: Db| match db {
+        Db::Postgres => sources.contains("postgres"),
+        Db::Maria => sources.contains("mariadb"),
+    };
+    let drain_args = std::env::var("OUTBOXD_BENCH_POLL_ARGS").unwrap_or_default();
+    let drain_args: Vec<&str> = ["--mode", "poll"]
+        .into_iter()
+        .chain(drain_args.split_whitespace())
+        .collect();
     let amqp = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
     let started = Instant::now();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
+    if parts.contains("latency") {
+        println!(
         "Latency, commit → consume at {rate} events/s for {seconds} s (one row per transaction):\n"
     );
-    println!("| database | mode | p50 ms | p99 ms | p99.9 ms | messages |");
-    println!("|---|---|---:|---:|---:|---:|");
-    let runs: [(Db, &str, &str, &[&str]); 5] = [
-        (Db::Postgres, "pgcdc", "CDC", &["--snapshot", "never"]),
-        (Db::Postgres, "pgpoll", "poll (200 ms)", &["--mode", "poll"]),
-        (
-            Db::Postgres,
-            "pgnotify",
-            "poll (200 ms) + NOTIFY",
-            &["--mode", "poll", "--notify"],
-        ),
-        (Db::Maria, "mycdc", "CDC", &["--snapshot", "never"]),
-        (Db::Maria, "mypoll", "poll (200 ms)", &["--mode", "poll"]),
-    ];
-    for (db, tag, label, mode) in runs {
-        let (p50, p99, p999, n) = latency_run(db, tag, mode, rate, seconds, &amqp).await;
-        let name = if db == Db::Postgres {
-            "Postgres"
-        } else {
-            "MariaDB"
-        };
-        println!("| {name} | {label} | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
-    }
-    println!("\nThroughput, draining {backlog} pending rows (poll mode, RabbitMQ sink):\n");
-    println!("| database | relays | seconds | events/s | relays' CPU | database server's CPU | broker CPU |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    for db in [Db::Postgres, Db::Maria] {
-        let fresh = Fresh::new(db, "drain").await;
-        fresh.producer().await.backlog(backlog).await;
-        let name = if db == Db::Postgres {
-            "Postgres"
-        } else {
-            "MariaDB"
-        };
-        for relays in [1, 3] {
-            if relays == 3 {
-                fresh
-                    .exec("UPDATE outbox SET status = 'pending', published_at = NULL")
-                    .await;
+        println!("| database | mode | p50 ms | p99 ms | p99.9 ms | messages |");
+        println!("|---|---|---:|---:|---:|---:|");
+        let runs: [(Db, &str, &str, &[&str]); 5] = [
+            (Db::Postgres, "pgcdc", "CDC", &["--snapshot", "never"]),
+            (Db::Postgres, "pgpoll", "poll (200 ms)", &["--mode", "poll"]),
+            (
+                Db::Postgres,
+                "pgnotify",
+                "poll (200 ms) + NOTIFY",
+                &["--mode", "poll", "--notify"],
+            ),
+            (Db::Maria, "mycdc", "CDC", &["--snapshot", "never"]),
+            (Db::Maria, "mypoll", "poll (200 ms)", &["--mode", "poll"]),
+        ];
+        for (db, tag, label, mode) in runs {
+            if !picked(db) {
+                continue;
             }
-            let (secs, relay_cpu, (server, broker)) =
-                drain_run(&fresh, "drain", relays, backlog, &amqp).await;
-            println!(
-                "| {name} | {relays} | {secs:.1} | {:.0} | {relay_cpu:.1} s | {server:.1} s | {broker:.1} s |",
+            let (p50, p99, p999, n) = latency_run(db, tag, mode, rate, seconds, &amqp).await;
+            let name = if db == Db::Postgres {
+                "Postgres"
+            } else {
+                "MariaDB"
+            };
+            println!("| {name} | {label} | {p50:.2} | {p99:.2} | {p999:.2} | {n} |");
+        }
+    }
+    if parts.contains("drain") {
+        println!("\nThroughput, draining {backlog} pending rows (poll mode, RabbitMQ sink, relay arguments `{}`):\n", drain_args.join(" "));
+        println!("| database | relays | seconds | events/s | relays' CPU | database server's CPU (all clients) | the poll sessions' server CPU per row | broker CPU |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        for db in [Db::Postgres, Db::Maria].into_iter().filter(|d| picked(*d)) {
+            let fresh = Fresh::new(db, "drain").await;
+            fresh.producer().await.backlog(backlog).await;
+            let name = if db == Db::Postgres {
+                "Postgres"
+            } else {
+                "MariaDB"
+            };
+            for relays in [1, 3] {
+                if relays == 3 {
+                    fresh
+                        .exec("UPDATE outbox SET status = 'pending', published_at = NULL")
+                        .await;
+                }
+                let (secs, relay_cpu, (server, broker), sessions) =
+                    drain_run(&fresh, "drain", relays, backlog, &drain_args, &amqp).await;
+                let per_row = sessions.map_or("n/a".to_string(), |c| {
+                    format!("{:.1} µs", c * 1e6 / backlog as f64)
+                });
+                println!(
+                "| {name} | {relays} | {secs:.1} | {:.0} | {relay_cpu:.1} s | {server:.1} s | {per_row} | {broker:.1} s |",
                 backlog as f64 / secs
             );
+            }
+            fresh.drop_db().await;
         }
-        fresh.drop_db().await;
     }
-    println!(
+    if parts.contains("idle") {
+        println!(
         "\nIdle poller (empty table, --poll-interval 200 ms) over {idle} s, CPU ms per minute:\n"
     );
-    println!("| database | server (the poller's sessions) | relay process |");
-    println!("|---|---:|---:|");
-    for db in [Db::Postgres, Db::Maria] {
-        let (server, relay) = idle_run(db, idle).await;
-        let name = if db == Db::Postgres {
-            "Postgres"
-        } else {
-            "MariaDB"
-        };
-        println!("| {name} | {server:.0} | {relay:.0} |");
+        println!("| database | server (the poller's sessions) | relay process |");
+        println!("|---|---:|---:|");
+        for db in [Db::Postgres, Db::Maria].into_iter().filter(|d| picked(*d)) {
+            let (server, relay) = idle_run(db, idle).await;
+            let name = if db == Db::Postgres {
+                "Postgres"
+            } else {
+                "MariaDB"
+            };
+            println!("| {name} | {server:.0} | {relay:.0} |");
+        }
     }
+    let three = |l: &str| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     println!(
-        "\n(load average at start: {}; took {:.0} s)",
-        load.split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" "),
+        "\n(load average at start: {}, at the end: {}; took {:.0} s)",
+        three(&load),
+        three(&std::fs::read_to_string("/proc/loadavg").unwrap_or_default()),
         started.elapsed().as_secs_f64()
     );
 }

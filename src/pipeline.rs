@@ -198,7 +198,7 @@ pub async fn run_poll_postgres(
         let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
         admin::require_table(&sql, &table).await?;
     }
-    let poll_cfg = crate::source::poll::PollConfig {
+    let poll_cfg = crate::source::postgres::poll::PollConfig {
         dsn,
         name: cfg.name.clone(),
         table: table.clone(),
@@ -207,10 +207,10 @@ pub async fn run_poll_postgres(
         run: poll.loop_config(cfg.relay.confirm_timeout.max(Duration::from_secs(1))),
         notify_channel: poll
             .notify
-            .then(|| crate::source::poll::notify_channel(&table)),
+            .then(|| crate::source::postgres::poll::notify_channel(&table)),
     };
     run_poll(&cfg, move |link| {
-        crate::source::poll::run_postgres(poll_cfg, link, shutdown)
+        crate::source::postgres::poll::run_postgres(poll_cfg, link, shutdown)
     })
     .await
 }

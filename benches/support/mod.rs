@@ -24,16 +24,31 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
 
 /// User + system CPU seconds of a process (from /proc/PID/stat, in clock ticks of 1/100 s).
 pub fn cpu_secs(pid: u32) -> Option<f64> {
+    stat_secs(pid, 11..=12)
+}
+
+/// [`cpu_secs`] plus the CPU of the process's children that ended and were waited for
+/// (cutime + cstime): a Postgres backend that ends during a run moves its CPU into the
+/// postmaster's, so a sum over the live server processes never goes backwards.
+pub fn cpu_secs_with_reaped(pid: u32) -> Option<f64> {
+    stat_secs(pid, 11..=14)
+}
+
+/// The sum of /proc/PID/stat's clock-tick fields `fields`, counted after the command name
+/// (which is in parentheses and may hold spaces), in seconds.
+fn stat_secs(pid: u32, fields: std::ops::RangeInclusive<usize>) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which is in parentheses and may hold spaces).
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    let ticks: u64 = fields
+        .map(|i| f.get(i).and_then(|v| v.parse::<u64>().ok()))
+        .sum::<Option<u64>>()?;
     Some(ticks as f64 / 100.0)
 }
 
 /// User + system CPU seconds of every live process whose command name is one of `names` (the
-/// database server's processes, the broker's `beam.smp`): what the host spent beside the relay.
+/// database server's processes, the broker's `beam.smp`) and of their ended children: what
+/// the host spent beside the relay.
 pub fn cpu_of(names: &[&str]) -> f64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0.0;
@@ -44,7 +59,7 @@ pub fn cpu_of(names: &[&str]) -> f64 {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .is_ok_and(|c| names.contains(&c.trim_end()))
         })
-        .filter_map(cpu_secs)
+        .filter_map(cpu_secs_with_reaped)
         .sum()
 }
 

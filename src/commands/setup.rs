@@ -62,18 +62,19 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         admin::require_table(&client, table).await?;
         if args.notify {
             client
-                .batch_execute(&crate::source::poll::notify_trigger_sql(table))
+                .batch_execute(&crate::source::postgres::poll::notify_trigger_sql(table))
                 .await?;
             println!(
                 "ok   notify trigger on {} (channel {})",
                 table.pg_quoted(),
-                crate::source::poll::notify_channel(table)
+                crate::source::postgres::poll::notify_channel(table)
             );
         }
     }
     if args.mode == Mode::Poll {
         for table in &r.tables {
-            let change = crate::source::poll::ensure_seq(&client, table, &r.columns).await?;
+            let change =
+                crate::source::postgres::poll::ensure_seq(&client, table, &r.columns).await?;
             println!(
                 "ok   poll order on {}: column {} ({}), index on ({}, {}) ({})",
                 table.pg_quoted(),

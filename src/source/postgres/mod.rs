@@ -14,6 +14,7 @@ pub mod admin;
 pub mod assemble;
 pub mod diagnostics;
 pub mod pgoutput;
+pub mod poll;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
