@@ -288,3 +288,70 @@ async fn stream_port_closed_names_the_plugin_command() {
         .wait_for_stderr(&["rabbitmq-plugins enable rabbitmq_stream"], T)
         .await;
 }
+
+/// `outboxd check` against stream partitions: one with retention (reported), one without (a
+/// warning with the policy that bounds it), one missing (a failure with the command that
+/// creates it under `passive`, a warning under `auto`), and a closed port (the plugin command).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_streams_their_retention_and_the_fixes() {
+    let db = PgDb::create("schk").await;
+    let s = TestStream::new("schk");
+    let env = common::rmq_stream::env().await;
+    env.stream_creator()
+        .max_age(Duration::from_secs(7200))
+        .create(&format!("{}-0", s.name))
+        .await
+        .expect("create the partition with retention");
+    env.stream_creator()
+        .create(&format!("{}-1", s.name))
+        .await
+        .expect("create the partition without retention");
+    let check = |sink: String, declare: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["check", "--source", &db.dsn(), "--sink", &sink, "--stream"])
+            .args([&s.name, "--partitions", "3", "--declare", declare])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, text) = check(common::rmq_stream::url(), "passive");
+    assert!(
+        !ok,
+        "a missing stream under --declare passive fails: {text}"
+    );
+    let n = &s.name;
+    for want in [
+        "ok   stream connect".to_string(),
+        format!("ok   stream {n}-0: exists"),
+        format!("ok   stream {n}-0 retention: max-age 7200s"),
+        format!("warn stream {n}-1 retention: none"),
+        format!("rabbitmqctl set_policy -p / outbox-retention '^{n}-1$'"),
+        format!("FAIL stream {n}-2: does not exist"),
+        format!("rabbitmqadmin declare queue name={n}-2 durable=true"),
+    ] {
+        assert!(text.contains(&want), "missing {want:?} in:\n{text}");
+    }
+    let (_, text) = check(common::rmq_stream::url(), "auto");
+    assert!(
+        text.contains(&format!(
+            "warn stream {n}-2: does not exist yet: the relay creates it"
+        )),
+        "{text}"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (ok, text) = check(common::rmq_stream::url_via(port), "auto");
+    assert!(!ok);
+    assert!(
+        text.contains("FAIL stream connect")
+            && text.contains("rabbitmq-plugins enable rabbitmq_stream"),
+        "{text}"
+    );
+    s.delete(3).await;
+}

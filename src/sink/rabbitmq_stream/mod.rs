@@ -20,6 +20,7 @@
 //! connections, reads the producers' state again and so recomputes the ids of the events it
 //! republishes. Everything this sink imports from the stream client stays in this folder.
 
+pub mod check;
 pub mod config;
 mod encode;
 pub mod ids;
