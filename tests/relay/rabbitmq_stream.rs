@@ -355,3 +355,125 @@ async fn check_reports_streams_their_retention_and_the_fixes() {
     );
     s.delete(3).await;
 }
+
+/// Every stream of `s` with `--partitions n`: the messages of each, in stream order.
+async fn read_partitions(
+    s: &TestStream,
+    n: u32,
+    at_least: usize,
+) -> Vec<Vec<common::rmq_stream::Msg>> {
+    let mut out = Vec::new();
+    let mut total = 0;
+    for k in 0..n {
+        // The first streams may hold fewer than all: wait the full patience only on the last.
+        let want = if k + 1 == n {
+            at_least.saturating_sub(total)
+        } else {
+            0
+        };
+        let msgs = TestStream::read_stream(&format!("{}-{k}", s.name), want, T).await;
+        total += msgs.len();
+        out.push(msgs);
+    }
+    out
+}
+
+/// `--partitions 3`: three streams, each event in its aggregate's stream (the murmur2
+/// placement) once and in commit order per aggregate. Then one partition's stream is deleted
+/// under the relay (`--declare passive`, so it stays gone): the other two keep confirming, but
+/// the stored position must not pass the first event the missing stream did not confirm. The
+/// proof: after the stream is back and the relay restarts, every event committed after the
+/// deletion is in its stream (nothing was skipped by the position), and what the other two
+/// streams confirmed meanwhile is not in them twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_partitions_keep_aggregate_order_and_store_only_the_confirmed_prefix() {
+    const N: u32 = 3;
+    let db = PgDb::create("spart").await;
+    let s = TestStream::new("spart");
+    let env = common::rmq_stream::env().await;
+    for k in 0..N {
+        env.stream_creator()
+            .create(&format!("{}-{k}", s.name))
+            .await
+            .expect("create a partition's stream");
+    }
+    let name = unique("sp");
+    let dsn = db.dsn();
+    let mut args = vec![
+        "run".to_string(),
+        "--source".into(),
+        dsn,
+        "--name".into(),
+        name.clone(),
+        "--partitions".into(),
+        N.to_string(),
+        "--declare".into(),
+        "passive".into(),
+        "--confirm-timeout".into(),
+        "3s".into(),
+    ];
+    args.extend(s.args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let mut ids = db.write(30, 2, "spart.a").await;
+    let check = |parts: &[Vec<common::rmq_stream::Msg>], ids: &[uuid::Uuid]| {
+        let mut all = HashSet::new();
+        for (k, msgs) in parts.iter().enumerate() {
+            for m in msgs {
+                assert_eq!(
+                    outboxd::sink::partition::partition_of(&m.aggregate, N),
+                    k as u32,
+                    "{} of aggregate {} in the wrong stream",
+                    m.id,
+                    m.aggregate
+                );
+                assert!(all.insert(m.id), "{} twice", m.id);
+            }
+            assert_ordered(msgs);
+        }
+        let want: HashSet<_> = ids.iter().copied().collect();
+        assert!(
+            want.is_subset(&all),
+            "{} committed events missing",
+            want.difference(&all).count()
+        );
+    };
+    let parts = read_partitions(&s, N, ids.len()).await;
+    assert!(
+        parts.iter().all(|p| !p.is_empty()),
+        "a partition got nothing"
+    );
+    check(&parts, &ids);
+
+    env.delete_stream(&format!("{}-1", s.name))
+        .await
+        .expect("delete partition 1's stream");
+    ids.extend(db.write(30, 2, "spart.b").await);
+    // The fault: the relay met the missing stream (and `passive` keeps it missing).
+    let part1 = format!("{}-1", s.name);
+    relay.wait_for_stderr(&["does not exist", &part1], T).await;
+    relay.sigkill();
+    env.stream_creator()
+        .create(&format!("{}-1", s.name))
+        .await
+        .expect("create partition 1's stream again");
+    let relay = Relay::start(&args);
+    let after = ids[60..].to_vec();
+    wait_for(
+        "the events after the deletion in their streams",
+        T,
+        || async {
+            let parts = read_partitions(&s, N, 0).await;
+            let got: HashSet<_> = parts.iter().flatten().map(|m| m.id).collect();
+            after.iter().all(|i| got.contains(i))
+        },
+    )
+    .await;
+    // Partition 1's events before the deletion went with its stream (those after the stored
+    // position are published into the new one); every event after it is in its stream once.
+    let parts = read_partitions(&s, N, after.len()).await;
+    check(&parts, &after);
+    drop(relay);
+    s.delete(N).await;
+}
