@@ -477,3 +477,118 @@ async fn stream_partitions_keep_aggregate_order_and_store_only_the_confirmed_pre
     drop(relay);
     s.delete(N).await;
 }
+
+/// The test CA's files (made by scripts/services/rabbitmq.sh).
+const RMQ_TLS_DIR: &str = "/etc/rabbitmq/outboxd-tls";
+
+/// A TLS endpoint in front of the plain stream port, with the test CA's server certificate and
+/// client certificates required: what the broker's `stream.listeners.ssl` does, in the test's
+/// own process so that it does not need the shared broker restarted. Returns its port and how
+/// many handshakes completed.
+async fn tls_front() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let file = |n: &str| {
+        let p = format!("{RMQ_TLS_DIR}/{n}");
+        assert!(
+            std::path::Path::new(&p).is_file(),
+            "{p} does not exist: run sudo scripts/services.sh (it makes the RabbitMQ test CA)"
+        );
+        p
+    };
+    let certs: Vec<_> = CertificateDer::pem_file_iter(file("server.pem"))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(file("server.key")).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(file("ca.pem")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = handshakes.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            let count = count.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut plain =
+                    tokio::net::TcpStream::connect(("127.0.0.1", common::rmq_stream::PORT))
+                        .await
+                        .unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    (port, handshakes)
+}
+
+/// `rabbitmq-stream+tls://` with `--sink-ca/--sink-cert/--sink-key`: every event reaches the
+/// stream through TLS connections (the handshakes are counted), and the settings the stream
+/// client would panic on or could not use are refused up front with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_over_tls_with_a_client_certificate_and_bad_tls_settings_refused() {
+    let (port, handshakes) = tls_front().await;
+    let db = PgDb::create("stls").await;
+    let s = TestStream::new("stls");
+    let name = unique("st");
+    let dsn = db.dsn();
+    let sink = format!("rabbitmq-stream+tls://guest:guest@127.0.0.1:{port}/%2f");
+    let ca = format!("{RMQ_TLS_DIR}/ca.pem");
+    let cert = format!("{RMQ_TLS_DIR}/client.pem");
+    let key = format!("{RMQ_TLS_DIR}/client.key");
+    let base = ["run", "--source", &dsn, "--name", &name, "--sink", &sink];
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--stream", &s.name, "--sink-ca", &ca, "--sink-cert", &cert]);
+    args.extend(["--sink-key", &key]);
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let ids = db.write(10, 2, "stls.a").await;
+    let msgs = s.read(ids.len(), T).await;
+    assert_eq!(msgs.iter().map(|m| m.id).collect::<Vec<_>>(), ids);
+    assert!(
+        handshakes.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "no TLS handshake"
+    );
+    relay.sigkill();
+
+    // Refused before connecting, each with its fix.
+    let refused = |extra: &[&str], want: &str| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend(["--stream", "never_made"]);
+        a.extend(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(&a)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(want), "{extra:?}: missing {want:?} in {err}");
+    };
+    refused(&[], "needs --sink-ca");
+    refused(
+        &["--sink-ca", "/nonexistent/ca.pem"],
+        "cannot read /nonexistent/ca.pem",
+    );
+    s.delete(0).await;
+}
