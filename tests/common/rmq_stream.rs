@@ -120,6 +120,29 @@ impl TestStream {
         out
     }
 
+    /// Whether the stream holds at least `n` messages: reads no further than the `n`-th, so
+    /// that it answers while a relay keeps publishing (`read` waits for silence).
+    pub async fn holds_at_least(&self, n: usize, patience: Duration) -> bool {
+        let env = env().await;
+        let Ok(mut consumer) = env
+            .consumer()
+            .offset(OffsetSpecification::First)
+            .build(&self.name)
+            .await
+        else {
+            return false;
+        };
+        let mut seen = 0;
+        while seen < n {
+            match tokio::time::timeout(patience, consumer.next()).await {
+                Ok(Some(Ok(_))) => seen += 1,
+                _ => break,
+            }
+        }
+        let _ = consumer.handle().close().await;
+        seen >= n
+    }
+
     pub async fn read(&self, at_least: usize, patience: Duration) -> Vec<Msg> {
         Self::read_stream(&self.name, at_least, patience).await
     }

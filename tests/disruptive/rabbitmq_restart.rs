@@ -667,13 +667,18 @@ async fn stream_sink_broker_restarted_mid_stream_exactly_once() {
     wait_for(
         "200 events in the stream before the broker stops",
         T,
-        || async { s.read(200, Duration::from_secs(5)).await.len() >= 200 },
+        || async { s.holds_at_least(200, Duration::from_secs(5)).await },
     )
     .await;
+    let t0 = Instant::now();
     let mut broker = BrokerStopped::stop();
+    eprintln!("broker stopped in {:?}", t0.elapsed());
     relay.wait_for_stderr(&["sink still unavailable"], T).await;
+    eprintln!("relay reconnecting after {:?}", t0.elapsed());
     broker.start();
+    eprintln!("broker started after {:?}", t0.elapsed());
     relay.wait_for_stderr(&["sink recovered"], T).await;
+    eprintln!("relay recovered after {:?}", t0.elapsed());
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let expected = writer.await.unwrap();
     let msgs = s.read(expected.len(), T).await;

@@ -560,9 +560,20 @@ impl Sink for RabbitStreamSink {
                     futures::future::ready(())
                 }
             });
-        send.await.map_err(|e| {
-            SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
-        })?;
+        // Bounded like every other broker operation: the client's write to a connection the
+        // broker dropped (a stopped node) can wait without end, and the relay would wait with
+        // it instead of reconnecting.
+        match tokio::time::timeout(self.cfg.op_timeout, send).await {
+            Ok(r) => r.map_err(|e| {
+                SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
+            })?,
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "handing a message to the stream {stream:?} took longer than {:?}",
+                    self.cfg.op_timeout
+                )))
+            }
+        }
         let fut: BoxFuture<'static, Result<(), SinkError>> = async move {
             rx.await.unwrap_or_else(|_| {
                 Err(SinkError::Connection(format!(
