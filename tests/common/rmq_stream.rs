@@ -68,6 +68,17 @@ impl TestStream {
         vec!["--sink".into(), url(), "--stream".into(), self.name.clone()]
     }
 
+    /// `outboxd run` of relay `name` on `dsn` into this stream, with `extra` arguments.
+    pub fn run_args(&self, dsn: &str, name: &str, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> = ["run", "--source", dsn, "--name", name]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .map(String::from)
+            .collect();
+        a.extend(self.args());
+        a
+    }
+
     /// Every message of `stream`, in stream order: reads until at least `at_least` arrived
     /// (giving up after `patience`), then until the stream stays silent for a moment, so
     /// copies past the expected count are read too.

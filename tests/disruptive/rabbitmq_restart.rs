@@ -649,16 +649,7 @@ async fn stream_sink_broker_restarted_mid_stream_exactly_once() {
     let s = TestStream::new("rss");
     let name = unique("rs");
     let dsn = db.dsn();
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name.clone(),
-        "--confirm-timeout".into(),
-        "5s".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(&dsn, &name, &["--confirm-timeout", "5s"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = Relay::start(&args);
     db.wait_streaming(&name).await;

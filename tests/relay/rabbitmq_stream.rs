@@ -34,18 +34,7 @@ fn kill_plan() -> Plan {
 
 async fn crash_loop(dsn: String, name: String, producer: impl FnOnce() -> killloop::Producer) {
     let s = TestStream::new("kls");
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name,
-        "--window".into(),
-        "100".into(),
-        "--snapshot".into(),
-        "never".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(&dsn, &name, &["--window", "100", "--snapshot", "never"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let stream = s.name.clone();
     let out = killloop::run_reading(
@@ -139,16 +128,7 @@ async fn stream_deleted_under_the_relay_is_reported_and_nothing_after_it_is_lost
     let s = TestStream::new("sdel");
     let name = unique("sd");
     let dsn = db.dsn();
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name.clone(),
-        "--confirm-timeout".into(),
-        "3s".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(&dsn, &name, &["--confirm-timeout", "3s"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = Relay::start(&args);
     db.wait_streaming(&name).await;
@@ -399,20 +379,18 @@ async fn stream_partitions_keep_aggregate_order_and_store_only_the_confirmed_pre
     }
     let name = unique("sp");
     let dsn = db.dsn();
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name.clone(),
-        "--partitions".into(),
-        N.to_string(),
-        "--declare".into(),
-        "passive".into(),
-        "--confirm-timeout".into(),
-        "3s".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(
+        &dsn,
+        &name,
+        &[
+            "--partitions",
+            &N.to_string(),
+            "--declare",
+            "passive",
+            "--confirm-timeout",
+            "3s",
+        ],
+    );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = Relay::start(&args);
     db.wait_streaming(&name).await;
