@@ -246,10 +246,10 @@ impl SinkDsn {
         match url.scheme() {
             "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
             "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
-            "rabbitmq-stream" => Ok(SinkDsn::RabbitStream(s.to_string())),
+            "rabbitmq-stream" | "rabbitmq-stream+tls" => Ok(SinkDsn::RabbitStream(s.to_string())),
             other => Err(Error::config(
                 format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp://, amqps://, nats://, tls://, kafka://, kafkas:// or rabbitmq-stream://",
+                "use stdout, amqp://, amqps://, nats://, tls://, kafka://, kafkas://, rabbitmq-stream:// or rabbitmq-stream+tls://",
             )),
         }
     }

@@ -1,7 +1,10 @@
 //! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB), the RabbitMQ
-//! sink (`topology::check_rabbitmq`) and a NATS sink, one line per check.
+//! sink (`topology::check_rabbitmq`), a NATS sink and a RabbitMQ stream sink, one line per
+//! check.
 
-use super::{postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, SourceArgs};
+use super::{
+    postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, RabbitStreamArgs, SourceArgs,
+};
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::Mode;
 use crate::pipeline;
@@ -19,6 +22,12 @@ pub struct CheckArgs {
     pub sink: topology::SinkCheckArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
+    #[command(flatten)]
+    pub rabbit_stream: RabbitStreamArgs,
+    /// RabbitMQ stream sink: the management API the stream's retention is read from
+    /// (http://user:password@host:15672; default: the sink's host, port 15672, its credentials).
+    #[arg(long, env = "OUTBOXD_STREAM_MANAGEMENT_URL", hide_env_values = true)]
+    pub stream_management_url: Option<crate::dsn::DsnArg>,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -79,6 +88,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     let mut lines = lines;
     lines.extend(topology::check_rabbitmq(&args.sink, m).await);
     lines.extend(check_nats(&args, m).await);
+    lines.extend(check_rabbit_stream(&args, m).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -99,25 +109,85 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     Ok(())
 }
 
-/// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
-async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics::CheckLine> {
-    use crate::diagnostics::{CheckLine, Level};
-    let fail = |detail: String| CheckLine {
-        level: Level::Fail,
-        check: "nats settings".into(),
-        detail,
-        fix: None,
-    };
+/// The sink URL of `check`, when there is one; an unreadable one is a failed line.
+fn sink_url(
+    args: &CheckArgs,
+    m: &ArgMatches,
+    check: &str,
+) -> Result<Option<String>, Vec<crate::diagnostics::CheckLine>> {
     let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
-    let url = match resolve_dsn(
+    resolve_dsn(
         args.sink.sink.as_deref(),
         args.sink.sink_file.as_deref(),
         from_argv,
         "sink",
-    ) {
+    )
+    .map_err(|e| vec![fail_line(check, e.to_string())])
+}
+
+fn fail_line(check: &str, detail: String) -> crate::diagnostics::CheckLine {
+    crate::diagnostics::CheckLine {
+        level: crate::diagnostics::Level::Fail,
+        check: check.into(),
+        detail,
+        fix: None,
+    }
+}
+
+/// `check` with a `rabbitmq-stream://` sink: the stream port, each stream and its retention.
+async fn check_rabbit_stream(
+    args: &CheckArgs,
+    m: &ArgMatches,
+) -> Vec<crate::diagnostics::CheckLine> {
+    let url = match sink_url(args, m, "stream settings") {
         Ok(Some(u)) => u,
         Ok(None) => return Vec::new(),
-        Err(e) => return vec![fail(e.to_string())],
+        Err(lines) => return lines,
+    };
+    let Ok(SinkDsn::RabbitStream(url)) = SinkDsn::parse(&url) else {
+        return Vec::new();
+    };
+    let partitioning = match args.sink.partitions.validate() {
+        Ok(p) => p,
+        Err(e) => return vec![fail_line("stream settings", e.to_string())],
+    };
+    let retention = args.rabbit_stream.options();
+    let cfg = crate::sink::rabbitmq_stream::StreamSinkConfig {
+        url: url.clone(),
+        stream: args.nats.stream.clone(),
+        declare: args.sink.declare,
+        max_bytes: retention.max_bytes,
+        max_age: retention.max_age,
+        op_timeout: Duration::from_secs(15),
+        relay_name: "check".into(),
+        message: rabbitmq::RabbitConfig {
+            url,
+            exchange: args.sink.exchange.clone(),
+            declare: args.sink.declare,
+            max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
+            op_timeout: Duration::from_secs(15),
+            ca_file: args.sink.sink_ca.clone(),
+            cert_file: args.sink.sink_cert.clone(),
+            key_file: args.sink.sink_key.clone(),
+            connection_name: "outboxd check".into(),
+            partitioning,
+            dead_queue_type: args.sink.dead_queue_type,
+            message: Default::default(),
+        },
+    };
+    match crate::sink::rabbitmq_stream::RabbitStreamSink::new(cfg) {
+        Ok(sink) => sink.check(args.stream_management_url.as_deref()).await,
+        Err(e) => vec![fail_line("stream settings", e.to_string())],
+    }
+}
+
+/// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
+async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics::CheckLine> {
+    let fail = |detail: String| fail_line("nats settings", detail);
+    let url = match sink_url(args, m, "nats settings") {
+        Ok(Some(u)) => u,
+        Ok(None) => return Vec::new(),
+        Err(lines) => return lines,
     };
     let Ok(SinkDsn::Nats(url)) = SinkDsn::parse(&url) else {
         return Vec::new();

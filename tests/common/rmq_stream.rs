@@ -68,6 +68,17 @@ impl TestStream {
         vec!["--sink".into(), url(), "--stream".into(), self.name.clone()]
     }
 
+    /// `outboxd run` of relay `name` on `dsn` into this stream, with `extra` arguments.
+    pub fn run_args(&self, dsn: &str, name: &str, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> = ["run", "--source", dsn, "--name", name]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .map(String::from)
+            .collect();
+        a.extend(self.args());
+        a
+    }
+
     /// Every message of `stream`, in stream order: reads until at least `at_least` arrived
     /// (giving up after `patience`), then until the stream stays silent for a moment, so
     /// copies past the expected count are read too.
@@ -118,6 +129,29 @@ impl TestStream {
         }
         let _ = consumer.handle().close().await;
         out
+    }
+
+    /// Whether the stream holds at least `n` messages: reads no further than the `n`-th, so
+    /// that it answers while a relay keeps publishing (`read` waits for silence).
+    pub async fn holds_at_least(&self, n: usize, patience: Duration) -> bool {
+        let env = env().await;
+        let Ok(mut consumer) = env
+            .consumer()
+            .offset(OffsetSpecification::First)
+            .build(&self.name)
+            .await
+        else {
+            return false;
+        };
+        let mut seen = 0;
+        while seen < n {
+            match tokio::time::timeout(patience, consumer.next()).await {
+                Ok(Some(Ok(_))) => seen += 1,
+                _ => break,
+            }
+        }
+        let _ = consumer.handle().close().await;
+        seen >= n
     }
 
     pub async fn read(&self, at_least: usize, patience: Duration) -> Vec<Msg> {

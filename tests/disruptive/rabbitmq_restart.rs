@@ -635,3 +635,55 @@ async fn mariadb_memory_alarm_blocks_publishing_and_holds_the_position() {
         "no duplicates without a reconnect"
     );
 }
+
+/// The RabbitMQ stream sink (docs/rabbitmq-stream.md) with the broker stopped and started
+/// under it while a producer writes all along: afterwards every committed event is in the
+/// stream exactly once, in commit order per aggregate (the producer's publishing ids carry
+/// over the restart: the broker kept its deduplication state with the stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_sink_broker_restarted_mid_stream_exactly_once() {
+    use common::rmq_stream::{assert_ordered, TestStream};
+    use common::source_db::SourceDb;
+    let _serial = SERIAL.lock().await;
+    let db = PgDb::create("rmqss").await;
+    let s = TestStream::new("rss");
+    let name = unique("rs");
+    let dsn = db.dsn();
+    let args = s.run_args(&dsn, &name, &["--confirm-timeout", "5s"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = db.write_until(stop.clone(), 5, Duration::from_millis(20), "rss.stream");
+    wait_for(
+        "200 events in the stream before the broker stops",
+        T,
+        || async { s.holds_at_least(200, Duration::from_secs(5)).await },
+    )
+    .await;
+    let t0 = Instant::now();
+    let mut broker = BrokerStopped::stop();
+    eprintln!("broker stopped in {:?}", t0.elapsed());
+    relay.wait_for_stderr(&["sink still unavailable"], T).await;
+    eprintln!("relay reconnecting after {:?}", t0.elapsed());
+    broker.start();
+    eprintln!("broker started after {:?}", t0.elapsed());
+    relay.wait_for_stderr(&["sink recovered"], T).await;
+    eprintln!("relay recovered after {:?}", t0.elapsed());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let expected = writer.await.unwrap();
+    let msgs = s.read(expected.len(), T).await;
+    let got: Vec<Uuid> = msgs.iter().map(|m| m.id).collect();
+    let unique_got: HashSet<&Uuid> = got.iter().collect();
+    assert_eq!(unique_got.len(), got.len(), "duplicates in the stream");
+    assert_eq!(
+        unique_got,
+        expected.iter().collect::<HashSet<_>>(),
+        "the stream differs from what was committed ({} in it, {} committed)",
+        got.len(),
+        expected.len()
+    );
+    assert_ordered(&msgs);
+    relay.sigkill();
+    s.delete(0).await;
+}

@@ -34,18 +34,7 @@ fn kill_plan() -> Plan {
 
 async fn crash_loop(dsn: String, name: String, producer: impl FnOnce() -> killloop::Producer) {
     let s = TestStream::new("kls");
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name,
-        "--window".into(),
-        "100".into(),
-        "--snapshot".into(),
-        "never".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(&dsn, &name, &["--window", "100", "--snapshot", "never"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let stream = s.name.clone();
     let out = killloop::run_reading(
@@ -139,16 +128,7 @@ async fn stream_deleted_under_the_relay_is_reported_and_nothing_after_it_is_lost
     let s = TestStream::new("sdel");
     let name = unique("sd");
     let dsn = db.dsn();
-    let mut args = vec![
-        "run".to_string(),
-        "--source".into(),
-        dsn,
-        "--name".into(),
-        name.clone(),
-        "--confirm-timeout".into(),
-        "3s".into(),
-    ];
-    args.extend(s.args());
+    let args = s.run_args(&dsn, &name, &["--confirm-timeout", "3s"]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = Relay::start(&args);
     db.wait_streaming(&name).await;
@@ -287,4 +267,306 @@ async fn stream_port_closed_names_the_plugin_command() {
     relay
         .wait_for_stderr(&["rabbitmq-plugins enable rabbitmq_stream"], T)
         .await;
+}
+
+/// `outboxd check` against stream partitions: one with retention (reported), one without (a
+/// warning with the policy that bounds it), one missing (a failure with the command that
+/// creates it under `passive`, a warning under `auto`), and a closed port (the plugin command).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_streams_their_retention_and_the_fixes() {
+    let db = PgDb::create("schk").await;
+    let s = TestStream::new("schk");
+    let env = common::rmq_stream::env().await;
+    env.stream_creator()
+        .max_age(Duration::from_secs(7200))
+        .create(&format!("{}-0", s.name))
+        .await
+        .expect("create the partition with retention");
+    env.stream_creator()
+        .create(&format!("{}-1", s.name))
+        .await
+        .expect("create the partition without retention");
+    let check = |sink: String, declare: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["check", "--source", &db.dsn(), "--sink", &sink, "--stream"])
+            .args([&s.name, "--partitions", "3", "--declare", declare])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, text) = check(common::rmq_stream::url(), "passive");
+    assert!(
+        !ok,
+        "a missing stream under --declare passive fails: {text}"
+    );
+    let n = &s.name;
+    for want in [
+        "ok   stream connect".to_string(),
+        format!("ok   stream {n}-0: exists"),
+        format!("ok   stream {n}-0 retention: max-age 7200s"),
+        format!("warn stream {n}-1 retention: none"),
+        format!("rabbitmqctl set_policy -p / outbox-retention '^{n}-1$'"),
+        format!("FAIL stream {n}-2: does not exist"),
+        format!("rabbitmqadmin declare queue name={n}-2 durable=true"),
+    ] {
+        assert!(text.contains(&want), "missing {want:?} in:\n{text}");
+    }
+    let (_, text) = check(common::rmq_stream::url(), "auto");
+    assert!(
+        text.contains(&format!(
+            "warn stream {n}-2: does not exist yet: the relay creates it"
+        )),
+        "{text}"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (ok, text) = check(common::rmq_stream::url_via(port), "auto");
+    assert!(!ok);
+    assert!(
+        text.contains("FAIL stream connect")
+            && text.contains("rabbitmq-plugins enable rabbitmq_stream"),
+        "{text}"
+    );
+    s.delete(3).await;
+}
+
+/// Every stream of `s` with `--partitions n`: the messages of each, in stream order.
+async fn read_partitions(
+    s: &TestStream,
+    n: u32,
+    at_least: usize,
+) -> Vec<Vec<common::rmq_stream::Msg>> {
+    let mut out = Vec::new();
+    let mut total = 0;
+    for k in 0..n {
+        // The first streams may hold fewer than all: wait the full patience only on the last.
+        let want = if k + 1 == n {
+            at_least.saturating_sub(total)
+        } else {
+            0
+        };
+        let msgs = TestStream::read_stream(&format!("{}-{k}", s.name), want, T).await;
+        total += msgs.len();
+        out.push(msgs);
+    }
+    out
+}
+
+/// `--partitions 3`: three streams, each event in its aggregate's stream (the murmur2
+/// placement) once and in commit order per aggregate. Then one partition's stream is deleted
+/// under the relay (`--declare passive`, so it stays gone): the other two keep confirming, but
+/// the stored position must not pass the first event the missing stream did not confirm. The
+/// proof: after the stream is back and the relay restarts, every event committed after the
+/// deletion is in its stream (nothing was skipped by the position), and what the other two
+/// streams confirmed meanwhile is not in them twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_partitions_keep_aggregate_order_and_store_only_the_confirmed_prefix() {
+    const N: u32 = 3;
+    let db = PgDb::create("spart").await;
+    let s = TestStream::new("spart");
+    let env = common::rmq_stream::env().await;
+    for k in 0..N {
+        env.stream_creator()
+            .create(&format!("{}-{k}", s.name))
+            .await
+            .expect("create a partition's stream");
+    }
+    let name = unique("sp");
+    let dsn = db.dsn();
+    let args = s.run_args(
+        &dsn,
+        &name,
+        &[
+            "--partitions",
+            &N.to_string(),
+            "--declare",
+            "passive",
+            "--confirm-timeout",
+            "3s",
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let mut ids = db.write(30, 2, "spart.a").await;
+    let check = |parts: &[Vec<common::rmq_stream::Msg>], ids: &[uuid::Uuid]| {
+        let mut all = HashSet::new();
+        for (k, msgs) in parts.iter().enumerate() {
+            for m in msgs {
+                assert_eq!(
+                    outboxd::sink::partition::partition_of(&m.aggregate, N),
+                    k as u32,
+                    "{} of aggregate {} in the wrong stream",
+                    m.id,
+                    m.aggregate
+                );
+                assert!(all.insert(m.id), "{} twice", m.id);
+            }
+            assert_ordered(msgs);
+        }
+        let want: HashSet<_> = ids.iter().copied().collect();
+        assert!(
+            want.is_subset(&all),
+            "{} committed events missing",
+            want.difference(&all).count()
+        );
+    };
+    let parts = read_partitions(&s, N, ids.len()).await;
+    assert!(
+        parts.iter().all(|p| !p.is_empty()),
+        "a partition got nothing"
+    );
+    check(&parts, &ids);
+
+    env.delete_stream(&format!("{}-1", s.name))
+        .await
+        .expect("delete partition 1's stream");
+    ids.extend(db.write(30, 2, "spart.b").await);
+    // The fault: the relay met the missing stream (and `passive` keeps it missing).
+    let part1 = format!("{}-1", s.name);
+    relay.wait_for_stderr(&["does not exist", &part1], T).await;
+    relay.sigkill();
+    env.stream_creator()
+        .create(&format!("{}-1", s.name))
+        .await
+        .expect("create partition 1's stream again");
+    let relay = Relay::start(&args);
+    let after = ids[60..].to_vec();
+    wait_for(
+        "the events after the deletion in their streams",
+        T,
+        || async {
+            let parts = read_partitions(&s, N, 0).await;
+            let got: HashSet<_> = parts.iter().flatten().map(|m| m.id).collect();
+            after.iter().all(|i| got.contains(i))
+        },
+    )
+    .await;
+    // Partition 1's events before the deletion went with its stream (those after the stored
+    // position are published into the new one); every event after it is in its stream once.
+    let parts = read_partitions(&s, N, after.len()).await;
+    check(&parts, &after);
+    drop(relay);
+    s.delete(N).await;
+}
+
+/// The test CA's files (made by scripts/services/rabbitmq.sh).
+const RMQ_TLS_DIR: &str = "/etc/rabbitmq/outboxd-tls";
+
+/// A TLS endpoint in front of the plain stream port, with the test CA's server certificate and
+/// client certificates required: what the broker's `stream.listeners.ssl` does, in the test's
+/// own process so that it does not need the shared broker restarted. Returns its port and how
+/// many handshakes completed.
+async fn tls_front() -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let file = |n: &str| {
+        let p = format!("{RMQ_TLS_DIR}/{n}");
+        assert!(
+            std::path::Path::new(&p).is_file(),
+            "{p} does not exist: run sudo scripts/services.sh (it makes the RabbitMQ test CA)"
+        );
+        p
+    };
+    let certs: Vec<_> = CertificateDer::pem_file_iter(file("server.pem"))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(file("server.key")).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(file("ca.pem")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let handshakes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = handshakes.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            let count = count.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut plain =
+                    tokio::net::TcpStream::connect(("127.0.0.1", common::rmq_stream::PORT))
+                        .await
+                        .unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    (port, handshakes)
+}
+
+/// `rabbitmq-stream+tls://` with `--sink-ca/--sink-cert/--sink-key`: every event reaches the
+/// stream through TLS connections (the handshakes are counted), and the settings the stream
+/// client would panic on or could not use are refused up front with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_over_tls_with_a_client_certificate_and_bad_tls_settings_refused() {
+    let (port, handshakes) = tls_front().await;
+    let db = PgDb::create("stls").await;
+    let s = TestStream::new("stls");
+    let name = unique("st");
+    let dsn = db.dsn();
+    let sink = format!("rabbitmq-stream+tls://guest:guest@127.0.0.1:{port}/%2f");
+    let ca = format!("{RMQ_TLS_DIR}/ca.pem");
+    let cert = format!("{RMQ_TLS_DIR}/client.pem");
+    let key = format!("{RMQ_TLS_DIR}/client.key");
+    let base = ["run", "--source", &dsn, "--name", &name, "--sink", &sink];
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--stream", &s.name, "--sink-ca", &ca, "--sink-cert", &cert]);
+    args.extend(["--sink-key", &key]);
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let ids = db.write(10, 2, "stls.a").await;
+    let msgs = s.read(ids.len(), T).await;
+    assert_eq!(msgs.iter().map(|m| m.id).collect::<Vec<_>>(), ids);
+    assert!(
+        handshakes.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "no TLS handshake"
+    );
+    relay.sigkill();
+
+    // Refused before connecting, each with its fix.
+    let refused = |extra: &[&str], want: &str| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend(["--stream", "never_made"]);
+        a.extend(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(&a)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(want), "{extra:?}: missing {want:?} in {err}");
+    };
+    refused(&[], "needs --sink-ca");
+    refused(
+        &["--sink-ca", "/nonexistent/ca.pem"],
+        "cannot read /nonexistent/ca.pem",
+    );
+    s.delete(0).await;
 }

@@ -10,6 +10,9 @@ use zeroize::Zeroizing;
 
 /// The stream port RabbitMQ listens on when the URL names none.
 pub const DEFAULT_PORT: u16 = 5552;
+/// RabbitMQ's stream TLS port (`stream.listeners.ssl`) when a `rabbitmq-stream+tls://` URL
+/// names none.
+pub const DEFAULT_TLS_PORT: u16 = 5551;
 
 /// Everything the sink needs, already validated by the command line.
 #[derive(Clone)]
@@ -70,6 +73,8 @@ pub struct StreamEndpoint {
     pub user: String,
     pub password: Zeroizing<String>,
     pub vhost: String,
+    /// `rabbitmq-stream+tls://`: TLS to the stream port.
+    pub tls: bool,
     /// The URL without its password, for logs.
     pub redacted: String,
 }
@@ -83,7 +88,7 @@ impl std::fmt::Debug for StreamEndpoint {
 fn url_err(problem: String) -> crate::Error {
     crate::Error::config(
         problem,
-        "use --sink rabbitmq-stream://user@host:5552/vhost (the password in the URL or from --sink-file; %2f for the vhost /)",
+        "use --sink rabbitmq-stream://user@host:5552/vhost, or rabbitmq-stream+tls://user@host:5551/vhost with --sink-ca (the password in the URL or from --sink-file; %2f for the vhost /)",
     )
 }
 
@@ -93,11 +98,15 @@ impl StreamEndpoint {
         let redacted = redact(url);
         let u = url::Url::parse(url)
             .map_err(|e| url_err(format!("cannot parse the sink {redacted}: {e}")))?;
-        if u.scheme() != "rabbitmq-stream" {
-            return Err(url_err(format!(
-                "the sink {redacted} is not a rabbitmq-stream:// URL (TLS to the stream port is not supported yet)"
-            )));
-        }
+        let tls = match u.scheme() {
+            "rabbitmq-stream" => false,
+            "rabbitmq-stream+tls" => true,
+            _ => {
+                return Err(url_err(format!(
+                    "the sink {redacted} is not a rabbitmq-stream:// or rabbitmq-stream+tls:// URL"
+                )))
+            }
+        };
         let host = u
             .host_str()
             .filter(|h| !h.is_empty())
@@ -130,10 +139,13 @@ impl StreamEndpoint {
         };
         Ok(StreamEndpoint {
             host,
-            port: u.port().unwrap_or(DEFAULT_PORT),
+            port: u
+                .port()
+                .unwrap_or(if tls { DEFAULT_TLS_PORT } else { DEFAULT_PORT }),
             user,
             password,
             vhost,
+            tls,
             redacted,
         })
     }
@@ -163,6 +175,10 @@ mod tests {
             (d.port, d.vhost.as_str(), d.user.as_str()),
             (DEFAULT_PORT, "/", "guest")
         );
+        assert!(!d.tls);
+        let t = StreamEndpoint::parse("rabbitmq-stream+tls://localhost").unwrap();
+        assert!(t.tls);
+        assert_eq!(t.port, DEFAULT_TLS_PORT);
     }
 
     #[test]

@@ -20,6 +20,7 @@
 //! connections, reads the producers' state again and so recomputes the ids of the events it
 //! republishes. Everything this sink imports from the stream client stays in this folder.
 
+pub mod check;
 pub mod config;
 mod encode;
 pub mod ids;
@@ -33,7 +34,7 @@ use futures::{FutureExt, StreamExt};
 use ids::{Assign, PublishingIds, Tail, PUBLISHING_ID_HEADER};
 use rabbitmq_stream_client::error::{ClientError, ProducerCreateError};
 use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode, SimpleValue};
-use rabbitmq_stream_client::{ClientOptions, Dedup, Environment, Producer};
+use rabbitmq_stream_client::{ClientOptions, Dedup, Environment, Producer, TlsConfiguration};
 use std::collections::HashMap;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -56,6 +57,8 @@ struct Lane {
 pub struct RabbitStreamSink {
     cfg: StreamSinkConfig,
     endpoint: StreamEndpoint,
+    /// The stream client's TLS settings (disabled for `rabbitmq-stream://`).
+    tls: TlsConfiguration,
     lanes: Vec<Lane>,
     fence: Option<crate::state::Fence>,
     /// Events confirmed without being sent since the last connect (the stream held them).
@@ -93,6 +96,68 @@ pub fn validate_stream(name: &str, partitions: u32) -> Result<(), crate::Error> 
     Ok(())
 }
 
+/// The stream client's TLS settings for `endpoint`, every file checked here: the client reads
+/// them itself on each connect and panics on a CA file it cannot read, a key that is not
+/// PKCS#8 or a certificate it cannot use, and it has no system roots to fall back on.
+fn tls_configuration(
+    endpoint: &StreamEndpoint,
+    cfg: &StreamSinkConfig,
+) -> Result<TlsConfiguration, crate::Error> {
+    let m = &cfg.message;
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let (ca, cert, key) = (path(&m.ca_file), path(&m.cert_file), path(&m.key_file));
+    if !endpoint.tls {
+        if ca.is_some() || cert.is_some() {
+            return Err(crate::Error::config(
+                format!("--sink-ca/--sink-cert are given but the sink {} is not TLS", endpoint.redacted),
+                "use rabbitmq-stream+tls://host:5551/… for TLS to the stream port, or drop the TLS files",
+            ));
+        }
+        let mut off = TlsConfiguration::default();
+        off.enable(false);
+        return Ok(off);
+    }
+    let Some(ca) = ca else {
+        return Err(crate::Error::config(
+            format!("the sink {} needs --sink-ca", endpoint.redacted),
+            "name the PEM file of the CA that signed the broker's certificate with --sink-ca (the stream client trusts only the CA it is given, no system roots)",
+        ));
+    };
+    if rustls::pki_types::ServerName::try_from(endpoint.host.as_str()).is_err() {
+        return Err(crate::Error::config(
+            format!(
+                "the sink's host {:?} is not a name TLS can verify",
+                endpoint.host
+            ),
+            "use the host name or IP address the broker's certificate names",
+        ));
+    }
+    // The same checks the relay's own TLS makes (readable, PEM, a key the secret-file rules
+    // allow, certificate and key usable together), plus the client's one restriction.
+    crate::tls::client_config(&crate::dsn::TlsSettings {
+        mode: crate::dsn::TlsMode::VerifyFull,
+        ca_file: Some(ca.clone()),
+        cert_file: cert.clone(),
+        key_file: key.clone(),
+    })?;
+    let mut b = TlsConfiguration::builder()
+        .enable(true)
+        .add_root_certificates(ca);
+    if let (Some(cert), Some(key)) = (cert, key) {
+        if !matches!(
+            crate::tls::load_key(&key)?,
+            rustls::pki_types::PrivateKeyDer::Pkcs8(_)
+        ) {
+            return Err(crate::Error::config(
+                format!("--sink-key {key} is not a PKCS#8 key (BEGIN PRIVATE KEY), the only kind the stream client reads"),
+                format!("convert it: openssl pkcs8 -topk8 -nocrypt -in {key} -out client.pk8.pem"),
+            ));
+        }
+        b = b.add_client_certificates_keys(cert, key);
+    }
+    Ok(b.build())
+}
+
 impl RabbitStreamSink {
     /// Parses the URL and checks the names; connects only in [`Sink::connect`].
     pub fn new(mut cfg: StreamSinkConfig) -> Result<RabbitStreamSink, crate::Error> {
@@ -104,9 +169,11 @@ impl RabbitStreamSink {
             .message
             .max_message_bytes
             .min(FRAME_MAX - MAX_HEADER_BYTES - FRAME_RESERVE);
+        let tls = tls_configuration(&endpoint, &cfg)?;
         Ok(RabbitStreamSink {
             cfg,
             endpoint,
+            tls,
             lanes: Vec::new(),
             fence: None,
             held: 0,
@@ -126,6 +193,7 @@ impl RabbitStreamSink {
             // instead of following the advertised host: the relay reaches the broker through
             // that address (a load balancer, a proxy, a container's published port).
             .load_balancer_mode(true)
+            .tls(self.tls.clone())
             .build()
     }
 
@@ -237,6 +305,7 @@ impl RabbitStreamSink {
             .virtual_host(&e.vhost)
             // As in `client_options`: connect where the URL says.
             .load_balancer_mode(true)
+            .tls(self.tls.clone())
             .build()
             .await
             .map_err(|e| self.connect_err(e))?;
@@ -462,31 +531,49 @@ impl Sink for RabbitStreamSink {
         // The client takes an `Fn` callback; it calls it once per publishing id.
         let tx = std::sync::Mutex::new(Some(tx));
         let confirm_stream = stream.clone();
-        let send = lane.producer.send(encode::to_message(&out, id), move |r| {
-            let stream = &confirm_stream;
-            {
-                // A confirmation, or the broker's error code for the message as a retryable
-                // refusal: the relay reconnects and republishes (with backoff), which
-                // recomputes the ids, so a refused message is never skipped.
-                let outcome = match r {
-                    Ok(status) if status.confirmed() => Ok(()),
-                    Ok(status) => Err(SinkError::Rejected(format!(
-                        "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
-                        status.status()
-                    ))),
-                    Err(e) => Err(SinkError::Connection(format!(
-                        "publishing id {id} into the stream {stream:?}: {e}"
-                    ))),
-                };
-                if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                    let _ = tx.send(outcome);
+        // `batch_send` with one message goes straight to the connection. Not `send`: that
+        // counts the message into the client's batch accumulator only after handing it to the
+        // accumulator's channel, so the client's batch timer can take it out first and the
+        // count wraps below zero — an overflow panic in a debug build (the broker-restart test
+        // met it), a message left for the next 100 ms timer tick in a release build.
+        let send = lane
+            .producer
+            .batch_send(vec![encode::to_message(&out, id)], move |r| {
+                let stream = &confirm_stream;
+                {
+                    // A confirmation, or the broker's error code for the message as a retryable
+                    // refusal: the relay reconnects and republishes (with backoff), which
+                    // recomputes the ids, so a refused message is never skipped.
+                    let outcome = match r {
+                        Ok(status) if status.confirmed() => Ok(()),
+                        Ok(status) => Err(SinkError::Rejected(format!(
+                            "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
+                            status.status()
+                        ))),
+                        Err(e) => Err(SinkError::Connection(format!(
+                            "publishing id {id} into the stream {stream:?}: {e}"
+                        ))),
+                    };
+                    if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        let _ = tx.send(outcome);
+                    }
+                    futures::future::ready(())
                 }
-                futures::future::ready(())
+            });
+        // Bounded like every other broker operation: the client's write to a connection the
+        // broker dropped (a stopped node) can wait without end, and the relay would wait with
+        // it instead of reconnecting.
+        match tokio::time::timeout(self.cfg.op_timeout, send).await {
+            Ok(r) => r.map_err(|e| {
+                SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
+            })?,
+            Err(_) => {
+                return Err(SinkError::Connection(format!(
+                    "handing a message to the stream {stream:?} took longer than {:?}",
+                    self.cfg.op_timeout
+                )))
             }
-        });
-        send.await.map_err(|e| {
-            SinkError::Connection(format!("publishing into the stream {stream:?}: {e}"))
-        })?;
+        }
         let fut: BoxFuture<'static, Result<(), SinkError>> = async move {
             rx.await.unwrap_or_else(|_| {
                 Err(SinkError::Connection(format!(
