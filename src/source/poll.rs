@@ -277,7 +277,6 @@ async fn sessions<D: PollTable>(
     state: &mut LoopState,
     claimed: &AtomicBool,
 ) -> Result<(), Error> {
-    let deadline_cfg = cfg.deadline;
     let sessions = dbs.len().max(1);
     // Every session is in exactly one place: free, with the claimer, in flight or with the
     // finisher; so neither channel ever holds more than `sessions` and no send waits.
@@ -285,7 +284,7 @@ async fn sessions<D: PollTable>(
     for db in dbs {
         let _ = free_tx.try_send(db);
     }
-    let (flight_tx, mut flight) = mpsc::channel::<InFlight<D>>(sessions);
+    let (flight_tx, flight) = mpsc::channel::<InFlight<D>>(sessions);
     // Cancelled by the finisher when the relay ended: the claimer then stops at once (rows it
     // holds stay pending when its sessions close).
     let ended = CancellationToken::new();
@@ -408,43 +407,58 @@ async fn sessions<D: PollTable>(
         }
     };
 
-    let finisher = async move {
-        while let Some(mut front) = flight.recv().await {
-            let batch = front.batch;
-            match tokio::time::timeout_at(front.deadline, confirmed(acks, batch)).await {
-                Ok(true) => {
-                    // Confirmed within a sixth of the deadline of its claim: even [`SESSIONS`]
-                    // batches twice this size, one behind the other, would be confirmed in
-                    // time, so the next claims may ask for twice as many.
-                    let quick = deadline_cfg / (2 * SESSIONS as u32);
-                    if tokio::time::Instant::now() + (deadline_cfg - quick) <= front.deadline {
-                        limit.grow(cfg.batch);
-                    }
-                    front.db.mark_and_commit(&front.ids).await?;
-                    tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
-                    let _ = free_tx.try_send(front.db);
-                }
-                // The relay ended (it failed, and says why): the rows stay pending.
-                Ok(false) => {
-                    ended.cancel();
-                    return Ok(());
-                }
-                Err(_) => {
-                    // Not confirmed in time: let the rows go; this or another relay publishes
-                    // them again (a duplicate, never a loss). Later batches keep their own
-                    // deadlines: an ack of a later batch confirms them as well.
-                    let next = limit.shrink(front.ids.len());
-                    released.store(true, Ordering::Relaxed);
-                    tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, next_batch = next, "batch not confirmed in time; releasing its rows and claiming fewer");
-                    front.db.rollback().await?;
-                    let _ = free_tx.try_send(front.db);
-                }
-            }
-        }
-        Ok::<(), Error>(())
-    };
+    let finisher = finish(flight, acks, free_tx, ended, limit, released, cfg);
 
     futures::try_join!(claimer, finisher)?;
+    Ok(())
+}
+
+/// The finisher half of [`sessions`]: waits for the oldest batch's confirms, then marks and
+/// commits it, batch after batch in claim order, and frees its session; a batch not confirmed
+/// by its deadline is rolled back (its rows stay pending) and the next claims are smaller.
+/// Cancels `ended` when the relay ended.
+async fn finish<D: PollTable>(
+    mut flight: mpsc::Receiver<InFlight<D>>,
+    acks: &mut watch::Receiver<Option<Checkpoint>>,
+    free_tx: mpsc::Sender<D>,
+    ended: CancellationToken,
+    limit: &BatchLimit,
+    released: &AtomicBool,
+    cfg: &LoopConfig,
+) -> Result<(), Error> {
+    let deadline_cfg = cfg.deadline;
+    while let Some(mut front) = flight.recv().await {
+        let batch = front.batch;
+        match tokio::time::timeout_at(front.deadline, confirmed(acks, batch)).await {
+            Ok(true) => {
+                // Confirmed within a sixth of the deadline of its claim: even [`SESSIONS`]
+                // batches twice this size, one behind the other, would be confirmed in
+                // time, so the next claims may ask for twice as many.
+                let quick = deadline_cfg / (2 * SESSIONS as u32);
+                if tokio::time::Instant::now() + (deadline_cfg - quick) <= front.deadline {
+                    limit.grow(cfg.batch);
+                }
+                front.db.mark_and_commit(&front.ids).await?;
+                tracing::debug!(batch, rows = front.ids.len(), "batch published and marked");
+                let _ = free_tx.try_send(front.db);
+            }
+            // The relay ended (it failed, and says why): the rows stay pending.
+            Ok(false) => {
+                ended.cancel();
+                return Ok(());
+            }
+            Err(_) => {
+                // Not confirmed in time: let the rows go; this or another relay publishes
+                // them again (a duplicate, never a loss). Later batches keep their own
+                // deadlines: an ack of a later batch confirms them as well.
+                let next = limit.shrink(front.ids.len());
+                released.store(true, Ordering::Relaxed);
+                tracing::warn!(batch, rows = front.ids.len(), deadline = ?deadline_cfg, next_batch = next, "batch not confirmed in time; releasing its rows and claiming fewer");
+                front.db.rollback().await?;
+                let _ = free_tx.try_send(front.db);
+            }
+        }
+    }
     Ok(())
 }
 
