@@ -1,7 +1,9 @@
 //! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB), the RabbitMQ
-//! sink (`topology::check_rabbitmq`) and a NATS sink, one line per check.
+//! sink (`topology::check_rabbitmq`), a NATS sink and a Kafka sink, one line per check.
 
-use super::{postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, SourceArgs};
+use super::{
+    postgres_only, resolve_dsn, resolve_source, topology, KafkaArgs, NatsArgs, SourceArgs,
+};
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::Mode;
 use crate::pipeline;
@@ -19,6 +21,12 @@ pub struct CheckArgs {
     pub sink: topology::SinkCheckArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Kafka sink: the topic template (as `run --routing-key`; default `{topic}`, with
+    /// --column debezium `outbox.event.{aggregate_type}`).
+    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
+    pub routing_key: Option<String>,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -79,6 +87,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     let mut lines = lines;
     lines.extend(topology::check_rabbitmq(&args.sink, m).await);
     lines.extend(check_nats(&args, m).await);
+    lines.extend(check_kafka(&args, m, &r.columns).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -148,4 +157,50 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics:
         return vec![fail(e.to_string())];
     }
     crate::sink::nats::declare::check(&cfg).await
+}
+
+/// `check` with a `kafka://`/`kafkas://` sink: the brokers, idempotence and the topics.
+async fn check_kafka(
+    args: &CheckArgs,
+    m: &ArgMatches,
+    columns: &crate::outbox::ColumnMap,
+) -> Vec<crate::diagnostics::CheckLine> {
+    use crate::diagnostics::{line, Level};
+    let fail = |detail: String| vec![line(Level::Fail, "kafka settings", detail, None)];
+    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    let url = match resolve_dsn(
+        args.sink.sink.as_deref(),
+        args.sink.sink_file.as_deref(),
+        from_argv,
+        "sink",
+    ) {
+        Ok(Some(u)) => u,
+        Ok(None) => return Vec::new(),
+        Err(e) => return fail(e.to_string()),
+    };
+    let Ok(SinkDsn::Kafka(url)) = SinkDsn::parse(&url) else {
+        return Vec::new();
+    };
+    let routing_key = match super::run::routing_template(args.routing_key.as_deref(), columns) {
+        Ok(t) => t,
+        Err(e) => return fail(e.to_string()),
+    };
+    let cfg = crate::sink::kafka::KafkaConfig {
+        url,
+        name: "check".into(),
+        options: args.kafka.options(),
+        message: crate::sink::format::MessageOptions {
+            routing_key,
+            ..Default::default()
+        },
+        declare: args.sink.declare,
+        op_timeout: Duration::from_secs(15),
+        ca_file: args.sink.sink_ca.clone(),
+        cert_file: args.sink.sink_cert.clone(),
+        key_file: args.sink.sink_key.clone(),
+    };
+    if let Err(e) = cfg.validate() {
+        return fail(e.to_string());
+    }
+    crate::sink::kafka::check::check(&cfg).await
 }

@@ -367,3 +367,105 @@ async fn kafka_missing_topic_under_declare_off_holds_the_relay_back_and_loses_no
         "the position moved once the topic existed ({stored_before:?} → {stored_after:?})"
     );
 }
+
+/// `outboxd check` with a Kafka sink: `args` after the source and the sink; (success, stdout).
+fn kafka_check(dsn: &str, name: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["check", "--source", dsn, "--name", name])
+        .args(["--sink", &kafka::url()])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// `check` reports the broker, its support of the idempotent producer, and each topic the
+/// relay writes (the dead topic, a constant template's topic): missing ones fail under
+/// `--declare passive` with the command that creates them, and pass once they exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_check_reports_the_broker_idempotence_and_missing_topics_with_the_fix() {
+    let db = PgDb::create("kafkachk").await;
+    let t = Topics::new("kchk");
+    let name = unique("r");
+    let topic = t.topic("orders");
+    let args = [
+        "--declare",
+        "passive",
+        "--kafka-partitions",
+        "3",
+        "--kafka-dead-topic",
+        &t.dead(),
+        "--routing-key",
+        &topic,
+    ];
+    let (ok, text) = kafka_check(&db.dsn(), &name, &args);
+    assert!(!ok, "missing topics under passive fail check:\n{text}");
+    assert!(
+        text.contains("ok   kafka connect: 1 broker: 127.0.0.1:9092"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ok   kafka idempotent producer: the broker answers InitProducerId"),
+        "{text}"
+    );
+    for (check, missing) in [
+        ("kafka dead topic", t.dead()),
+        ("kafka topic", topic.clone()),
+    ] {
+        assert!(
+            text.contains(&format!("FAIL {check} {missing}: does not exist")),
+            "{missing}:\n{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "kafka-topics.sh --bootstrap-server <broker> --create --topic {missing} --partitions 3 --replication-factor 1"
+            )),
+            "{missing}:\n{text}"
+        );
+    }
+    // Under auto the relay creates them: a warning that says so.
+    let mut auto = args;
+    auto[1] = "auto";
+    let (_, text) = kafka_check(&db.dsn(), &name, &auto);
+    assert!(
+        text.contains(&format!("warn kafka topic {topic}: does not exist"))
+            && text
+                .contains("none needed: the relay creates it (--declare auto) with 3 partition(s)"),
+        "{text}"
+    );
+
+    kafka::create_topic(&t.dead(), 1).await;
+    kafka::create_topic(&topic, 3).await;
+    let (_, text) = kafka_check(&db.dsn(), &name, &args);
+    assert!(
+        text.contains(&format!(
+            "ok   kafka dead topic {}: 1 partition(s), replication 1",
+            t.dead()
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "ok   kafka topic {topic}: 3 partition(s), replication 1"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("FAIL kafka"), "{text}");
+
+    // A template over the row: the topics already under its constant prefix are listed.
+    let template = format!("{}.{{topic}}", t.prefix);
+    let (_, text) = kafka_check(
+        &db.dsn(),
+        &name,
+        &["--declare", "passive", "--routing-key", &template],
+    );
+    assert!(
+        text.contains(&format!(
+            "the topic template {template} names a topic per event"
+        )) && text.contains(&format!("{topic} (3 partition(s), replication 1)")),
+        "{text}"
+    );
+}

@@ -16,7 +16,7 @@ pub type Admin = AdminClient<DefaultClientContext>;
 
 /// The fix for a missing topic: the command that creates it as `auto` would (with
 /// `--kafka-partitions` and `--kafka-replication`).
-fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
+pub(super) fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
     format!(
         "kafka-topics.sh --bootstrap-server <broker> --create --topic {name} --partitions {} --replication-factor {} (or run with --declare auto)",
         cfg.options.partitions, cfg.options.replication

@@ -9,9 +9,10 @@
 //! relay already wrote there is acknowledged without producing it again (`tail`).
 //!
 //! The folder keeps the parts apart: `config` (address, credentials, names, librdkafka
-//! settings), `record` (one event as a record), `declare` (topics),
+//! settings), `record` (one event as a record), `declare` (topics), `check` (`outboxd check`),
 //! `tail` (the partitioner and what is already written).
 
+pub mod check;
 pub mod config;
 pub mod declare;
 pub mod record;
