@@ -332,6 +332,18 @@ impl OwnBroker {
     }
 }
 
+impl OwnBroker {
+    /// Kills the broker and starts it again on the same port: with memory storage, an empty
+    /// broker (no topic, no record, no producer id).
+    pub fn restart(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill the broker");
+            c.wait().expect("reap the broker");
+        }
+        self.spawn();
+    }
+}
+
 impl Drop for OwnBroker {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {

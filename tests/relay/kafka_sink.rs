@@ -469,3 +469,145 @@ async fn kafka_check_reports_the_broker_idempotence_and_missing_topics_with_the_
         "{text}"
     );
 }
+
+/// The broker stopped and started again mid-stream. A broker of the test's own (memory storage,
+/// so the one that comes back is empty) behind the TCP proxy; the relay is frozen (SIGSTOP) and
+/// its connections cut first, so that what the old broker holds can be read at the stop
+/// (nothing else can have been confirmed), then the broker is killed and started again and the
+/// relay resumed, while a writer commits all along.
+/// The relay does not exit, reconnects, declares its topics again (`--declare auto`), and the new
+/// broker holds, once each and in commit order per partition, every event the old one did not
+/// hold at the stop. The events the old broker held are gone with its memory: a durable broker
+/// would keep them (docs/kafka.md, "The test broker").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_broker_restarted_mid_stream_relay_reconnects_and_delivers_every_unheld_event_once() {
+    let db = PgDb::create("kafkar").await;
+    let t = Topics::new("kr");
+    let broker_port = free_local_port();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
+        .await
+        .unwrap();
+    let mut broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(proxy.port()),
+        &["--confirm-timeout", "3s", "--kafka-partitions", "2"],
+    );
+    let topic = t.topic("restart.stream");
+    let read = |committed: bool| {
+        let topic = topic.clone();
+        async move {
+            tokio::task::spawn_blocking(move || kafka::read_all_on(broker_port, &topic, committed))
+                .await
+                .unwrap()
+        }
+    };
+    // Read when nothing more comes (tansu's high watermark lags by up to a batch per
+    // partition); the watermarks (quick) while the writer writes.
+    let count = |n: usize| {
+        let r = read(false);
+        async move { r.await.len() >= n }
+    };
+    let marks = |n: i64| {
+        let topic = topic.clone();
+        async move {
+            tokio::task::spawn_blocking(move || kafka::count_on(broker_port, &topic))
+                .await
+                .unwrap()
+                >= n
+        }
+    };
+    db.wait_streaming(&name).await;
+    let mut expected = db.write(10, 20, "restart.stream").await;
+    relay
+        .wait_running("the first 200 events in Kafka", T, || count(200))
+        .await;
+    let writer = db.write_in_background(80, 10, Duration::from_millis(50), "restart.stream");
+    relay
+        .wait_running("the writer's events flowing", T, || marks(260))
+        .await;
+
+    // The relay frozen and its connections reset: nothing more reaches the old broker, so
+    // what it holds now is everything it will ever have held.
+    relay.signal("STOP");
+    proxy.cut();
+    let held: HashSet<Uuid> = read(false).await.iter().map(id_of).collect();
+    broker.restart();
+    let t2 = topic.clone();
+    assert!(
+        !tokio::task::spawn_blocking(move || kafka::topic_exists_on(broker_port, &t2))
+            .await
+            .unwrap(),
+        "the restarted broker is empty (memory storage): the stop did happen"
+    );
+    relay.signal("CONT");
+
+    expected.extend(writer.await.unwrap());
+    let must: Vec<Uuid> = expected
+        .iter()
+        .filter(|id| !held.contains(id))
+        .copied()
+        .collect();
+    assert!(
+        held.len() >= 260 && !must.is_empty(),
+        "the stop fell mid-stream: {} held, {} not",
+        held.len(),
+        must.len()
+    );
+    relay
+        .wait_running(
+            "every event the old broker did not hold, on the new one",
+            T,
+            || {
+                let r = read(true);
+                let must = must.clone();
+                async move {
+                    let have: HashSet<Uuid> = r.await.iter().map(id_of).collect();
+                    must.iter().all(|id| have.contains(id))
+                }
+            },
+        )
+        .await;
+    let dead = t.dead();
+    assert!(
+        tokio::task::spawn_blocking(move || kafka::topic_exists_on(broker_port, &dead))
+            .await
+            .unwrap(),
+        "the dead topic declared again on the new broker"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let connects = relay.stderr().matches("connected to Kafka").count();
+    assert!(connects >= 2, "the relay reconnected ({connects} connects)");
+
+    // The new broker: the unheld events once each, in commit order per partition; of the held
+    // ones only those whose confirmation the stall kept from the relay (published again).
+    let got = read(true).await;
+    let rank: HashMap<Uuid, usize> = expected.iter().enumerate().map(|(i, u)| (*u, i)).collect();
+    let mut seen = HashSet::new();
+    let mut last: HashMap<i32, usize> = HashMap::new();
+    for r in &got {
+        let id = id_of(r);
+        assert!(seen.insert(id), "{id} twice on the new broker");
+        let at = *rank
+            .get(&id)
+            .unwrap_or_else(|| panic!("{id} was never written"));
+        if let Some(prev) = last.insert(r.partition, at) {
+            assert!(
+                prev < at,
+                "partition {} holds #{at} after #{prev}",
+                r.partition
+            );
+        }
+    }
+    let republished = got.iter().filter(|r| held.contains(&id_of(r))).count();
+    eprintln!(
+        "{} events: {} held at the stop (gone with the broker), {} delivered after it ({republished} of them held but unconfirmed)",
+        expected.len(),
+        held.len(),
+        got.len()
+    );
+}
