@@ -611,3 +611,40 @@ async fn kafka_broker_restarted_mid_stream_relay_reconnects_and_delivers_every_u
         got.len()
     );
 }
+
+/// A broker that cannot be reached (a closed port): every client librdkafka runs logs each
+/// failed connect and "all brokers down", several lines a second. Over a bounded run (three
+/// failed connects of the relay) each kind of line appears once; the relay's own warning says
+/// the sink is unavailable each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_unreachable_broker_logs_each_librdkafka_error_once_not_a_storm() {
+    let db = PgDb::create("kafkaq").await;
+    let t = Topics::new("kq");
+    let closed = free_local_port();
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(closed),
+        &["--confirm-timeout", "2s"],
+    );
+    wait_for("three failed connects", T, || {
+        let n = relay.stderr().matches("sink unavailable").count();
+        async move { n >= 3 }
+    })
+    .await;
+    relay.sigkill();
+    let err = relay.stderr_plain();
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("librdkafka")).collect();
+    assert!(
+        lines.iter().any(|l| l.contains("Connection refused")),
+        "librdkafka reported the refused connects: {err}"
+    );
+    assert!(
+        lines.len() <= 4,
+        "{} librdkafka lines over three failed connects:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+}

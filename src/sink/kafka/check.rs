@@ -22,9 +22,9 @@ use std::sync::Mutex;
 struct ApiSupport(Mutex<(bool, Option<String>)>);
 
 impl ClientContext for ApiSupport {
-    fn log(&self, _level: RDKafkaLogLevel, fac: &str, message: &str) {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
         if fac != "APIVERSION" {
-            return;
+            return super::logs::log(level, fac, message);
         }
         let Ok(mut s) = self.0.lock() else { return };
         if message.contains("Broker API support") {
@@ -32,6 +32,10 @@ impl ClientContext for ApiSupport {
         } else if let Some((_, v)) = message.split_once("ApiKey InitProducerId (22) Versions ") {
             s.1 = Some(v.trim().to_string());
         }
+    }
+
+    fn error(&self, e: rdkafka::error::KafkaError, reason: &str) {
+        super::logs::error(&e, reason)
     }
 }
 
