@@ -648,3 +648,87 @@ async fn kafka_unreachable_broker_logs_each_librdkafka_error_once_not_a_storm() 
         lines.join("\n")
     );
 }
+
+/// docs/migrating-from-debezium.md's Kafka path: Debezium's reference outbox table relayed with
+/// `--column debezium` alone gives what the Outbox Event Router gives: topic
+/// `outbox.event.<aggregatetype>`, key = `aggregateid` (in the partition Kafka's default
+/// partitioner gives it), header `id` = the event id, the payload as the value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_debezium_table_keeps_the_outbox_event_routers_topics_keys_and_id_header() {
+    kafka::require();
+    let db = PgDb::create("kafkadbz").await;
+    let name = unique("r");
+    // The aggregate type names the topic: one of the test's own on the shared broker.
+    let aggregate_type = unique("Order").replace('_', "-");
+    let topic = format!("outbox.event.{aggregate_type}");
+    let dead = format!("{aggregate_type}.dead");
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "DROP TABLE outbox;
+             CREATE TABLE outbox (id uuid NOT NULL PRIMARY KEY, aggregatetype varchar(255) NOT NULL,
+               aggregateid varchar(255) NOT NULL, type varchar(255) NOT NULL, payload jsonb)",
+        )
+        .await
+        .unwrap();
+    let dsn = db.dsn();
+    let sink = kafka::url();
+    let mut relay = Relay::start_with_env(
+        &[
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--column",
+            "debezium",
+            "--kafka-dead-topic",
+            &dead,
+            "--kafka-partitions",
+            "3",
+        ],
+        &[("OUTBOXD_SINK", &sink)],
+    );
+    wait_for("the relay's slot to be active", T, || {
+        db.slot_active(format!("outboxd_{name}"))
+    })
+    .await;
+    let events: Vec<(Uuid, &str)> = ["123", "456", "123", "789"]
+        .into_iter()
+        .map(|key| (Uuid::now_v7(), key))
+        .collect();
+    for (id, key) in &events {
+        client
+            .execute(
+                "INSERT INTO outbox VALUES ($1, $2, $3, 'OrderCreated', '{\"customerId\": 7}')",
+                &[id, &aggregate_type, key],
+            )
+            .await
+            .unwrap();
+    }
+    let got = kafka::wait_records(&topic, events.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let expected: Vec<Uuid> = events.iter().map(|(id, _)| *id).collect();
+    assert_exactly_once_in_order(&got, &expected);
+    for (id, key) in &events {
+        let r = got.iter().find(|r| id_of(r) == *id).expect("the event");
+        assert_eq!(r.key.as_deref(), Some(*key), "key = aggregateid");
+        assert_eq!(
+            r.header("id"),
+            Some(id.hyphenated().to_string().as_str()),
+            "header id = the event id"
+        );
+        assert_eq!(
+            r.partition,
+            outboxd::sink::partition::partition_of(key, 3) as i32,
+            "Kafka's default partitioner places {key}"
+        );
+        let value: serde_json::Value = serde_json::from_slice(&r.value).expect("a JSON value");
+        assert_eq!(
+            value,
+            serde_json::json!({"customerId": 7}),
+            "value = payload"
+        );
+    }
+}
