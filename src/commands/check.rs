@@ -108,6 +108,17 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     Ok(())
 }
 
+/// The `--sink` URL (from the argument, the environment or `--sink-file`), if any.
+fn sink_url(args: &CheckArgs, m: &ArgMatches) -> Result<Option<String>, Error> {
+    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
+    resolve_dsn(
+        args.sink.sink.as_deref(),
+        args.sink.sink_file.as_deref(),
+        from_argv,
+        "sink",
+    )
+}
+
 /// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
 async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics::CheckLine> {
     use crate::diagnostics::{CheckLine, Level};
@@ -117,13 +128,7 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics:
         detail,
         fix: None,
     };
-    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
-    let url = match resolve_dsn(
-        args.sink.sink.as_deref(),
-        args.sink.sink_file.as_deref(),
-        from_argv,
-        "sink",
-    ) {
+    let url = match sink_url(args, m) {
         Ok(Some(u)) => u,
         Ok(None) => return Vec::new(),
         Err(e) => return vec![fail(e.to_string())],
@@ -167,13 +172,7 @@ async fn check_kafka(
 ) -> Vec<crate::diagnostics::CheckLine> {
     use crate::diagnostics::{line, Level};
     let fail = |detail: String| vec![line(Level::Fail, "kafka settings", detail, None)];
-    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
-    let url = match resolve_dsn(
-        args.sink.sink.as_deref(),
-        args.sink.sink_file.as_deref(),
-        from_argv,
-        "sink",
-    ) {
+    let url = match sink_url(args, m) {
         Ok(Some(u)) => u,
         Ok(None) => return Vec::new(),
         Err(e) => return fail(e.to_string()),

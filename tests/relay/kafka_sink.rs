@@ -258,6 +258,17 @@ async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
     eprintln!("{kills} kills: {skipped_lives} lives skipped events already in Kafka");
 }
 
+/// A broker of the test's own on a free port behind the TCP proxy, advertising the proxy's
+/// port: (the broker's port, the proxy, the broker).
+async fn proxied_broker() -> (u16, FaultProxy, kafka::OwnBroker) {
+    let broker_port = free_local_port();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
+        .await
+        .unwrap();
+    let broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    (broker_port, proxy, broker)
+}
+
 /// A broker of the test's own behind the TCP proxy (its advertised address is the proxy's,
 /// so every connection the client makes goes through it): two cuts and a stall while a writer
 /// commits lose nothing and duplicate nothing.
@@ -265,11 +276,7 @@ async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
 async fn kafka_cut_and_stalled_connections_lose_and_duplicate_nothing() {
     let db = PgDb::create("kafkac").await;
     let t = Topics::new("kc");
-    let broker_port = free_local_port();
-    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
-        .await
-        .unwrap();
-    let _broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let (broker_port, proxy, _broker) = proxied_broker().await;
     let name = unique("r");
     let mut relay = start(
         &db.dsn(),
@@ -483,11 +490,7 @@ async fn kafka_check_reports_the_broker_idempotence_and_missing_topics_with_the_
 async fn kafka_broker_restarted_mid_stream_relay_reconnects_and_delivers_every_unheld_event_once() {
     let db = PgDb::create("kafkar").await;
     let t = Topics::new("kr");
-    let broker_port = free_local_port();
-    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
-        .await
-        .unwrap();
-    let mut broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let (broker_port, proxy, mut broker) = proxied_broker().await;
     let name = unique("r");
     let mut relay = start(
         &db.dsn(),
