@@ -1,9 +1,10 @@
 //! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB), the RabbitMQ
-//! sink (`topology::check_rabbitmq`), a NATS sink and a RabbitMQ stream sink, one line per
-//! check.
+//! sink (`topology::check_rabbitmq`), a NATS sink, a RabbitMQ stream sink and a Kafka sink, one
+//! line per check.
 
 use super::{
-    postgres_only, resolve_dsn, resolve_source, topology, NatsArgs, RabbitStreamArgs, SourceArgs,
+    postgres_only, resolve_dsn, resolve_source, topology, KafkaArgs, NatsArgs, RabbitStreamArgs,
+    SourceArgs,
 };
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::Mode;
@@ -28,6 +29,12 @@ pub struct CheckArgs {
     /// (http://user:password@host:15672; default: the sink's host, port 15672, its credentials).
     #[arg(long, env = "OUTBOXD_STREAM_MANAGEMENT_URL", hide_env_values = true)]
     pub stream_management_url: Option<crate::dsn::DsnArg>,
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Kafka sink: the topic template (as `run --routing-key`; default `{topic}`, with
+    /// --column debezium `outbox.event.{aggregate_type}`).
+    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
+    pub routing_key: Option<String>,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -89,6 +96,7 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     lines.extend(topology::check_rabbitmq(&args.sink, m).await);
     lines.extend(check_nats(&args, m).await);
     lines.extend(check_rabbit_stream(&args, m).await);
+    lines.extend(check_kafka(&args, m, &r.columns).await);
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -218,4 +226,43 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics:
         return vec![fail(e.to_string())];
     }
     crate::sink::nats::declare::check(&cfg).await
+}
+
+/// `check` with a `kafka://`/`kafkas://` sink: the brokers, idempotence and the topics.
+async fn check_kafka(
+    args: &CheckArgs,
+    m: &ArgMatches,
+    columns: &crate::outbox::ColumnMap,
+) -> Vec<crate::diagnostics::CheckLine> {
+    let fail = |detail: String| vec![fail_line("kafka settings", detail)];
+    let url = match sink_url(args, m, "kafka settings") {
+        Ok(Some(u)) => u,
+        Ok(None) => return Vec::new(),
+        Err(lines) => return lines,
+    };
+    let Ok(SinkDsn::Kafka(url)) = SinkDsn::parse(&url) else {
+        return Vec::new();
+    };
+    let routing_key = match super::run::routing_template(args.routing_key.as_deref(), columns) {
+        Ok(t) => t,
+        Err(e) => return fail(e.to_string()),
+    };
+    let cfg = crate::sink::kafka::KafkaConfig {
+        url,
+        name: "check".into(),
+        options: args.kafka.options(),
+        message: crate::sink::format::MessageOptions {
+            routing_key,
+            ..Default::default()
+        },
+        declare: args.sink.declare,
+        op_timeout: Duration::from_secs(15),
+        ca_file: args.sink.sink_ca.clone(),
+        cert_file: args.sink.sink_cert.clone(),
+        key_file: args.sink.sink_key.clone(),
+    };
+    if let Err(e) = cfg.validate() {
+        return fail(e.to_string());
+    }
+    crate::sink::kafka::check::check(&cfg).await
 }

@@ -185,6 +185,25 @@ pub struct MySqlArgs {
     pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
 }
 
+/// `--routing-key` parsed, or its default: `{topic}`, and with `--column debezium` the topic
+/// Debezium's Outbox Event Router uses, `outbox.event.{aggregate_type}`.
+pub fn routing_template(
+    text: Option<&str>,
+    columns: &ColumnMap,
+) -> Result<crate::sink::template::Template, Error> {
+    use crate::sink::template::Template;
+    match text {
+        Some(t) => Template::parse(t)
+            .map_err(|e| Error::config(format!("--routing-key: {e}"), TEMPLATE_FIX)),
+        None if columns.is_debezium() => {
+            Ok(Template::parse("outbox.event.{aggregate_type}").expect("valid"))
+        }
+        None => Ok(Template::parse("{topic}").expect("valid")),
+    }
+}
+
+const TEMPLATE_FIX: &str = "write placeholders as {column}, e.g. {topic} or {aggregate_type}.{topic} ({{ and }} for literal braces)";
+
 /// The message options of `run` (templates parsed, header names checked) and the column map
 /// extended by the columns they read.
 pub fn message_options(
@@ -194,20 +213,9 @@ pub fn message_options(
     use crate::sink::format::{self, MessageOptions};
     use crate::sink::template::Template;
     let template = |flag: &str, text: &str| {
-        Template::parse(text).map_err(|e| {
-            Error::config(
-                format!("{flag}: {e}"),
-                "write placeholders as {column}, e.g. {topic} or {aggregate_type}.{topic} ({{ and }} for literal braces)",
-            )
-        })
+        Template::parse(text).map_err(|e| Error::config(format!("{flag}: {e}"), TEMPLATE_FIX))
     };
-    let routing_key = match &args.routing_key {
-        Some(t) => template("--routing-key", t)?,
-        None if columns.is_debezium() => {
-            Template::parse("outbox.event.{aggregate_type}").expect("valid")
-        }
-        None => Template::parse("{topic}").expect("valid"),
-    };
+    let routing_key = routing_template(args.routing_key.as_deref(), &columns)?;
     let exchange = template("--exchange", &args.exchange)?;
     let mut headers = format::parse_column_headers(&args.headers)?;
     // Debezium's event router puts the event id in the header `id`.

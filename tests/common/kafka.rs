@@ -63,8 +63,20 @@ pub fn client_config(port: u16) -> ClientConfig {
 
 /// Creates `topic` with `partitions` partitions (replication 1: one broker).
 pub async fn create_topic_on(port: u16, topic: &str, partitions: i32) {
+    create_topic_with_on(port, topic, partitions, &[]).await
+}
+
+/// Creates `topic` with topic-level `config` (e.g. `max.message.bytes`).
+pub async fn create_topic_with(topic: &str, partitions: i32, config: &[(&str, &str)]) {
+    create_topic_with_on(PORT, topic, partitions, config).await
+}
+
+async fn create_topic_with_on(port: u16, topic: &str, partitions: i32, config: &[(&str, &str)]) {
     let admin: AdminClient<DefaultClientContext> = client_config(port).create().expect("admin");
-    let t = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let t = config.iter().fold(
+        NewTopic::new(topic, partitions, TopicReplication::Fixed(1)),
+        |t, (k, v)| t.set(k, v),
+    );
     let r = admin
         .create_topics([&t], &AdminOptions::new())
         .await
@@ -79,6 +91,22 @@ pub async fn create_topic_on(port: u16, topic: &str, partitions: i32) {
 
 pub async fn create_topic(topic: &str, partitions: i32) {
     create_topic_on(PORT, topic, partitions).await
+}
+
+/// The topics whose names start with `prefix`, sorted.
+pub fn topics_on(port: u16, prefix: &str) -> Vec<String> {
+    let c: BaseConsumer = client_config(port).create().expect("consumer");
+    let meta = c
+        .fetch_metadata(None, Duration::from_secs(10))
+        .expect("the broker's metadata");
+    let mut names: Vec<String> = meta
+        .topics()
+        .iter()
+        .filter(|t| t.name().starts_with(prefix) && t.error().is_none())
+        .map(|t| t.name().to_string())
+        .collect();
+    names.sort();
+    names
 }
 
 /// Whether `topic` exists on the broker.
@@ -301,6 +329,18 @@ impl OwnBroker {
             .expect("spawn tansu");
         self.child = Some(child);
         require_on(self.port);
+    }
+}
+
+impl OwnBroker {
+    /// Kills the broker and starts it again on the same port: with memory storage, an empty
+    /// broker (no topic, no record, no producer id).
+    pub fn restart(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill the broker");
+            c.wait().expect("reap the broker");
+        }
+        self.spawn();
     }
 }
 

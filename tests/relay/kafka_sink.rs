@@ -258,6 +258,17 @@ async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
     eprintln!("{kills} kills: {skipped_lives} lives skipped events already in Kafka");
 }
 
+/// A broker of the test's own on a free port behind the TCP proxy, advertising the proxy's
+/// port: (the broker's port, the proxy, the broker).
+async fn proxied_broker() -> (u16, FaultProxy, kafka::OwnBroker) {
+    let broker_port = free_local_port();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
+        .await
+        .unwrap();
+    let broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    (broker_port, proxy, broker)
+}
+
 /// A broker of the test's own behind the TCP proxy (its advertised address is the proxy's,
 /// so every connection the client makes goes through it): two cuts and a stall while a writer
 /// commits lose nothing and duplicate nothing.
@@ -265,11 +276,7 @@ async fn sigkill_restarts_leave_every_event_exactly_once<D: SourceDb>() {
 async fn kafka_cut_and_stalled_connections_lose_and_duplicate_nothing() {
     let db = PgDb::create("kafkac").await;
     let t = Topics::new("kc");
-    let broker_port = free_local_port();
-    let proxy = FaultProxy::start(([127, 0, 0, 1], broker_port).into())
-        .await
-        .unwrap();
-    let _broker = kafka::OwnBroker::start(broker_port, proxy.port());
+    let (broker_port, proxy, _broker) = proxied_broker().await;
     let name = unique("r");
     let mut relay = start(
         &db.dsn(),
@@ -366,4 +373,365 @@ async fn kafka_missing_topic_under_declare_off_holds_the_relay_back_and_loses_no
         stored_after > stored_before,
         "the position moved once the topic existed ({stored_before:?} → {stored_after:?})"
     );
+}
+
+/// `outboxd check` with a Kafka sink: `args` after the source and the sink; (success, stdout).
+fn kafka_check(dsn: &str, name: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["check", "--source", dsn, "--name", name])
+        .args(["--sink", &kafka::url()])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// `check` reports the broker, its support of the idempotent producer, and each topic the
+/// relay writes (the dead topic, a constant template's topic): missing ones fail under
+/// `--declare passive` with the command that creates them, and pass once they exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_check_reports_the_broker_idempotence_and_missing_topics_with_the_fix() {
+    let db = PgDb::create("kafkachk").await;
+    let t = Topics::new("kchk");
+    let name = unique("r");
+    let topic = t.topic("orders");
+    let args = [
+        "--declare",
+        "passive",
+        "--kafka-partitions",
+        "3",
+        "--kafka-dead-topic",
+        &t.dead(),
+        "--routing-key",
+        &topic,
+    ];
+    let (ok, text) = kafka_check(&db.dsn(), &name, &args);
+    assert!(!ok, "missing topics under passive fail check:\n{text}");
+    assert!(
+        text.contains("ok   kafka connect: 1 broker: 127.0.0.1:9092"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ok   kafka idempotent producer: the broker answers InitProducerId"),
+        "{text}"
+    );
+    for (check, missing) in [
+        ("kafka dead topic", t.dead()),
+        ("kafka topic", topic.clone()),
+    ] {
+        assert!(
+            text.contains(&format!("FAIL {check} {missing}: does not exist")),
+            "{missing}:\n{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "kafka-topics.sh --bootstrap-server <broker> --create --topic {missing} --partitions 3 --replication-factor 1"
+            )),
+            "{missing}:\n{text}"
+        );
+    }
+    // Under auto the relay creates them: a warning that says so.
+    let mut auto = args;
+    auto[1] = "auto";
+    let (_, text) = kafka_check(&db.dsn(), &name, &auto);
+    assert!(
+        text.contains(&format!("warn kafka topic {topic}: does not exist"))
+            && text
+                .contains("none needed: the relay creates it (--declare auto) with 3 partition(s)"),
+        "{text}"
+    );
+
+    kafka::create_topic(&t.dead(), 1).await;
+    kafka::create_topic(&topic, 3).await;
+    let (_, text) = kafka_check(&db.dsn(), &name, &args);
+    assert!(
+        text.contains(&format!(
+            "ok   kafka dead topic {}: 1 partition(s), replication 1",
+            t.dead()
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "ok   kafka topic {topic}: 3 partition(s), replication 1"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("FAIL kafka"), "{text}");
+
+    // A template over the row: the topics already under its constant prefix are listed.
+    let template = format!("{}.{{topic}}", t.prefix);
+    let (_, text) = kafka_check(
+        &db.dsn(),
+        &name,
+        &["--declare", "passive", "--routing-key", &template],
+    );
+    assert!(
+        text.contains(&format!(
+            "the topic template {template} names a topic per event"
+        )) && text.contains(&format!("{topic} (3 partition(s), replication 1)")),
+        "{text}"
+    );
+}
+
+/// The broker stopped and started again mid-stream. A broker of the test's own (memory storage,
+/// so the one that comes back is empty) behind the TCP proxy; the relay is frozen (SIGSTOP) and
+/// its connections cut first, so that what the old broker holds can be read at the stop
+/// (nothing else can have been confirmed), then the broker is killed and started again and the
+/// relay resumed, while a writer commits all along.
+/// The relay does not exit, reconnects, declares its topics again (`--declare auto`), and the new
+/// broker holds, once each and in commit order per partition, every event the old one did not
+/// hold at the stop. The events the old broker held are gone with its memory: a durable broker
+/// would keep them (docs/kafka.md, "The test broker").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_broker_restarted_mid_stream_relay_reconnects_and_delivers_every_unheld_event_once() {
+    let db = PgDb::create("kafkar").await;
+    let t = Topics::new("kr");
+    let (broker_port, proxy, mut broker) = proxied_broker().await;
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(proxy.port()),
+        &["--confirm-timeout", "3s", "--kafka-partitions", "2"],
+    );
+    let topic = t.topic("restart.stream");
+    let read = |committed: bool| {
+        let topic = topic.clone();
+        async move {
+            tokio::task::spawn_blocking(move || kafka::read_all_on(broker_port, &topic, committed))
+                .await
+                .unwrap()
+        }
+    };
+    // Read when nothing more comes (tansu's high watermark lags by up to a batch per
+    // partition); the watermarks (quick) while the writer writes.
+    let count = |n: usize| {
+        let r = read(false);
+        async move { r.await.len() >= n }
+    };
+    let marks = |n: i64| {
+        let topic = topic.clone();
+        async move {
+            tokio::task::spawn_blocking(move || kafka::count_on(broker_port, &topic))
+                .await
+                .unwrap()
+                >= n
+        }
+    };
+    db.wait_streaming(&name).await;
+    let mut expected = db.write(10, 20, "restart.stream").await;
+    relay
+        .wait_running("the first 200 events in Kafka", T, || count(200))
+        .await;
+    let writer = db.write_in_background(80, 10, Duration::from_millis(50), "restart.stream");
+    relay
+        .wait_running("the writer's events flowing", T, || marks(260))
+        .await;
+
+    // The relay frozen and its connections reset: nothing more reaches the old broker, so
+    // what it holds now is everything it will ever have held.
+    relay.signal("STOP");
+    proxy.cut();
+    let held: HashSet<Uuid> = read(false).await.iter().map(id_of).collect();
+    broker.restart();
+    let t2 = topic.clone();
+    assert!(
+        !tokio::task::spawn_blocking(move || kafka::topic_exists_on(broker_port, &t2))
+            .await
+            .unwrap(),
+        "the restarted broker is empty (memory storage): the stop did happen"
+    );
+    relay.signal("CONT");
+
+    expected.extend(writer.await.unwrap());
+    let must: Vec<Uuid> = expected
+        .iter()
+        .filter(|id| !held.contains(id))
+        .copied()
+        .collect();
+    assert!(
+        held.len() >= 260 && !must.is_empty(),
+        "the stop fell mid-stream: {} held, {} not",
+        held.len(),
+        must.len()
+    );
+    relay
+        .wait_running(
+            "every event the old broker did not hold, on the new one",
+            T,
+            || {
+                let r = read(true);
+                let must = must.clone();
+                async move {
+                    let have: HashSet<Uuid> = r.await.iter().map(id_of).collect();
+                    must.iter().all(|id| have.contains(id))
+                }
+            },
+        )
+        .await;
+    let dead = t.dead();
+    assert!(
+        tokio::task::spawn_blocking(move || kafka::topic_exists_on(broker_port, &dead))
+            .await
+            .unwrap(),
+        "the dead topic declared again on the new broker"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    let connects = relay.stderr().matches("connected to Kafka").count();
+    assert!(connects >= 2, "the relay reconnected ({connects} connects)");
+
+    // The new broker: the unheld events once each, in commit order per partition; of the held
+    // ones only those whose confirmation the stall kept from the relay (published again).
+    let got = read(true).await;
+    let rank: HashMap<Uuid, usize> = expected.iter().enumerate().map(|(i, u)| (*u, i)).collect();
+    let mut seen = HashSet::new();
+    let mut last: HashMap<i32, usize> = HashMap::new();
+    for r in &got {
+        let id = id_of(r);
+        assert!(seen.insert(id), "{id} twice on the new broker");
+        let at = *rank
+            .get(&id)
+            .unwrap_or_else(|| panic!("{id} was never written"));
+        if let Some(prev) = last.insert(r.partition, at) {
+            assert!(
+                prev < at,
+                "partition {} holds #{at} after #{prev}",
+                r.partition
+            );
+        }
+    }
+    let republished = got.iter().filter(|r| held.contains(&id_of(r))).count();
+    eprintln!(
+        "{} events: {} held at the stop (gone with the broker), {} delivered after it ({republished} of them held but unconfirmed)",
+        expected.len(),
+        held.len(),
+        got.len()
+    );
+}
+
+/// A broker that cannot be reached (a closed port): every client librdkafka runs logs each
+/// failed connect and "all brokers down", several lines a second. Over a bounded run (three
+/// failed connects of the relay) each kind of line appears once; the relay's own warning says
+/// the sink is unavailable each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_unreachable_broker_logs_each_librdkafka_error_once_not_a_storm() {
+    let db = PgDb::create("kafkaq").await;
+    let t = Topics::new("kq");
+    let closed = free_local_port();
+    let name = unique("r");
+    let mut relay = start(
+        &db.dsn(),
+        &name,
+        &t,
+        &kafka::url_on(closed),
+        &["--confirm-timeout", "2s"],
+    );
+    wait_for("three failed connects", T, || {
+        let n = relay.stderr().matches("sink unavailable").count();
+        async move { n >= 3 }
+    })
+    .await;
+    relay.sigkill();
+    let err = relay.stderr_plain();
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("librdkafka")).collect();
+    assert!(
+        lines.iter().any(|l| l.contains("Connection refused")),
+        "librdkafka reported the refused connects: {err}"
+    );
+    assert!(
+        lines.len() <= 4,
+        "{} librdkafka lines over three failed connects:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+}
+
+/// docs/migrating-from-debezium.md's Kafka path: Debezium's reference outbox table relayed with
+/// `--column debezium` alone gives what the Outbox Event Router gives: topic
+/// `outbox.event.<aggregatetype>`, key = `aggregateid` (in the partition Kafka's default
+/// partitioner gives it), header `id` = the event id, the payload as the value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_debezium_table_keeps_the_outbox_event_routers_topics_keys_and_id_header() {
+    kafka::require();
+    let db = PgDb::create("kafkadbz").await;
+    let name = unique("r");
+    // The aggregate type names the topic: one of the test's own on the shared broker.
+    let aggregate_type = unique("Order").replace('_', "-");
+    let topic = format!("outbox.event.{aggregate_type}");
+    let dead = format!("{aggregate_type}.dead");
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "DROP TABLE outbox;
+             CREATE TABLE outbox (id uuid NOT NULL PRIMARY KEY, aggregatetype varchar(255) NOT NULL,
+               aggregateid varchar(255) NOT NULL, type varchar(255) NOT NULL, payload jsonb)",
+        )
+        .await
+        .unwrap();
+    let dsn = db.dsn();
+    let sink = kafka::url();
+    let mut relay = Relay::start_with_env(
+        &[
+            "run",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+            "--column",
+            "debezium",
+            "--kafka-dead-topic",
+            &dead,
+            "--kafka-partitions",
+            "3",
+        ],
+        &[("OUTBOXD_SINK", &sink)],
+    );
+    wait_for("the relay's slot to be active", T, || {
+        db.slot_active(format!("outboxd_{name}"))
+    })
+    .await;
+    let events: Vec<(Uuid, &str)> = ["123", "456", "123", "789"]
+        .into_iter()
+        .map(|key| (Uuid::now_v7(), key))
+        .collect();
+    for (id, key) in &events {
+        client
+            .execute(
+                "INSERT INTO outbox VALUES ($1, $2, $3, 'OrderCreated', '{\"customerId\": 7}')",
+                &[id, &aggregate_type, key],
+            )
+            .await
+            .unwrap();
+    }
+    let got = kafka::wait_records(&topic, events.len(), T).await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let expected: Vec<Uuid> = events.iter().map(|(id, _)| *id).collect();
+    assert_exactly_once_in_order(&got, &expected);
+    for (id, key) in &events {
+        let r = got.iter().find(|r| id_of(r) == *id).expect("the event");
+        assert_eq!(r.key.as_deref(), Some(*key), "key = aggregateid");
+        assert_eq!(
+            r.header("id"),
+            Some(id.hyphenated().to_string().as_str()),
+            "header id = the event id"
+        );
+        assert_eq!(
+            r.partition,
+            outboxd::sink::partition::partition_of(key, 3) as i32,
+            "Kafka's default partitioner places {key}"
+        );
+        let value: serde_json::Value = serde_json::from_slice(&r.value).expect("a JSON value");
+        assert_eq!(
+            value,
+            serde_json::json!({"customerId": 7}),
+            "value = payload"
+        );
+    }
 }

@@ -8,15 +8,14 @@ use super::config::KafkaConfig;
 use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::SinkError;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::types::RDKafkaErrorCode;
 
-pub type Admin = AdminClient<DefaultClientContext>;
+pub type Admin = AdminClient<super::logs::Quiet>;
 
 /// The fix for a missing topic: the command that creates it as `auto` would (with
 /// `--kafka-partitions` and `--kafka-replication`).
-fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
+pub(super) fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
     format!(
         "kafka-topics.sh --bootstrap-server <broker> --create --topic {name} --partitions {} --replication-factor {} (or run with --declare auto)",
         cfg.options.partitions, cfg.options.replication
@@ -26,10 +25,10 @@ fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
 /// The number of partitions of `topic` (0: it does not exist, or the broker reports an error
 /// for it). Blocking (a metadata request): run it on a blocking thread.
 pub fn partition_count(cfg: &KafkaConfig, topic: &str) -> Result<usize, SinkError> {
-    let c: BaseConsumer = cfg
+    let c: BaseConsumer<super::logs::Quiet> = cfg
         .client()?
         .set("allow.auto.create.topics", "false")
-        .create()
+        .create_with_context(super::logs::Quiet)
         .map_err(|e| SinkError::Connection(format!("creating a metadata client: {e}")))?;
     let meta = c
         .fetch_metadata(Some(topic), cfg.op_timeout)

@@ -9,11 +9,13 @@
 //! relay already wrote there is acknowledged without producing it again (`tail`).
 //!
 //! The folder keeps the parts apart: `config` (address, credentials, names, librdkafka
-//! settings), `record` (one event as a record), `declare` (topics),
+//! settings), `record` (one event as a record), `declare` (topics), `check` (`outboxd check`), `logs` (librdkafka's lines, without a storm),
 //! `tail` (the partitioner and what is already written).
 
+pub mod check;
 pub mod config;
 pub mod declare;
+pub mod logs;
 pub mod record;
 pub mod tail;
 
@@ -48,7 +50,7 @@ pub struct KafkaSink {
 struct Link {
     /// Purges the producer's queue when the lease's gate closes; aborted with the link.
     guard: Option<tokio::task::JoinHandle<()>>,
-    producer: FutureProducer,
+    producer: FutureProducer<logs::Quiet>,
     admin: declare::Admin,
     /// Partition counts of the event topics seen on this link (declared or checked).
     topics: HashMap<String, i32>,
@@ -69,7 +71,7 @@ impl Drop for Link {
 /// from its own queue, so records handed over before a pause would be written after it (see
 /// the RabbitMQ sink's `guard_socket`). Their delivery reports fail, and the relay republishes
 /// them once it holds the lease again.
-async fn guard_queue(fence: Fence, producer: FutureProducer) {
+async fn guard_queue(fence: Fence, producer: FutureProducer<logs::Quiet>) {
     fence.wait_open().await;
     while let Some(open_for) = fence.closes_in() {
         tokio::time::sleep(open_for).await;
@@ -110,7 +112,7 @@ impl KafkaSink {
         })
     }
 
-    fn producer(&self) -> Result<FutureProducer, SinkError> {
+    fn producer(&self) -> Result<FutureProducer<logs::Quiet>, SinkError> {
         let cfg = &self.cfg;
         let timeout_ms = cfg.op_timeout.as_millis().clamp(1000, 900_000) as u64;
         let mut c = cfg.client()?;
@@ -127,16 +129,17 @@ impl KafkaSink {
                     .max(1_000_000)
                     .to_string(),
             );
-        c.create()
+        c.create_with_context(logs::Quiet)
             .map_err(|e| SinkError::Connection(format!("creating the Kafka producer: {e}")))
     }
 
     async fn open(&mut self) -> Result<Link, SinkError> {
         let producer = self.producer()?;
-        let admin: declare::Admin =
-            self.cfg.client()?.create().map_err(|e| {
-                SinkError::Connection(format!("creating the Kafka admin client: {e}"))
-            })?;
+        let admin: declare::Admin = self
+            .cfg
+            .client()?
+            .create_with_context(logs::Quiet)
+            .map_err(|e| SinkError::Connection(format!("creating the Kafka admin client: {e}")))?;
         declare::ensure(&admin, &self.cfg, &self.cfg.options.dead_topic).await?;
         let guard = self
             .fence

@@ -81,13 +81,13 @@ pub fn written(
     Ok(found)
 }
 
-fn reader(cfg: &KafkaConfig) -> Result<BaseConsumer, SinkError> {
+fn reader(cfg: &KafkaConfig) -> Result<BaseConsumer<super::logs::Quiet>, SinkError> {
     cfg.client()?
         .set("enable.partition.eof", "true")
         .set("enable.auto.commit", "false")
         .set("allow.auto.create.topics", "false")
         .set("group.id", format!("outboxd-{}-tail", cfg.name))
-        .create()
+        .create_with_context(super::logs::Quiet)
         .map_err(|e| SinkError::Connection(format!("creating the tail reader: {e}")))
 }
 
@@ -96,7 +96,7 @@ fn reader(cfg: &KafkaConfig) -> Result<BaseConsumer, SinkError> {
 /// relay's positions to `found`; whether one of them is older than `before` (everything after
 /// it has then been read).
 fn scan(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<super::logs::Quiet>,
     cfg: &KafkaConfig,
     topic: &str,
     partition: i32,
