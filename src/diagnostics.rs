@@ -52,3 +52,22 @@ pub fn line(
         fix,
     }
 }
+
+/// The `lease` line of `outboxd status`, the same for every source: who holds the lease
+/// (`-` for no one) and whether it is live.
+pub fn write_lease(
+    f: &mut std::fmt::Formatter<'_>,
+    holder: Option<&str>,
+    live: bool,
+) -> std::fmt::Result {
+    write!(
+        f,
+        "lease            {}{}",
+        holder.unwrap_or("-"),
+        if live {
+            " (live)"
+        } else {
+            " (expired or free)"
+        }
+    )
+}

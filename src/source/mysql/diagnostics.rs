@@ -533,16 +533,7 @@ impl std::fmt::Display for MyStatus {
                 "not connected"
             }
         )?;
-        write!(
-            f,
-            "lease            {}{}",
-            o(&self.lease_holder),
-            if self.lease_live {
-                " (live)"
-            } else {
-                " (expired or free)"
-            }
-        )?;
+        crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
         if let Some(x) = &self.xa_prepare {
             write!(
                 f,

@@ -612,16 +612,7 @@ impl std::fmt::Display for Status {
                 .map(|b| b.to_string())
                 .unwrap_or("-".into())
         )?;
-        write!(
-            f,
-            "lease            {}{}",
-            o(&self.lease_holder),
-            if self.lease_live {
-                " (live)"
-            } else {
-                " (expired or free)"
-            }
-        )?;
+        crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
         if let Some(s) = &self.replay_requested_since {
             write!(f, "\nreplay requested since {s}")?;
         }
