@@ -2,15 +2,19 @@
 //! against, at the same steady rates. Run with `cargo bench --bench latency` (needs the local
 //! services; `scripts/services.sh`).
 //!
-//! For each rate (`OUTBOXD_BENCH_RATES`, default `1000,5000` events/s), each row runs
+//! For each rate (`OUTBOXD_BENCH_RATES`, default `1000,5000` events/s) and each broker
+//! (`OUTBOXD_BENCH_BROKERS`: `amqp` — the default, a classic queue —, `kafka`, `stream`; the
+//! destinations, readers and bare publishers are `support::brokers`), each row runs
 //! `OUTBOXD_BENCH_SECONDS` (default 10) seconds:
-//! - raw: a lapin publisher (persistent, confirms, pipelined) publishes the bodies on a fixed
-//!   schedule to a queue, with no database beside it; latency = arrival − publish call.
+//! - raw: a bare publisher of the broker's client (AMQP persistent with confirms, Kafka
+//!   idempotent with `acks=all`, a named stream producer; pipelined) publishes the bodies on a
+//!   fixed schedule, with no database beside it; latency = arrival − publish call.
 //! - dual write, per source: the naive pattern the outbox replaces. The relay row's producer
 //!   (the same `PRODUCERS` connections, the same schedule, one row of the outbox table's shape
 //!   per autocommit transaction) commits the row, then publishes the message itself
-//!   (persistent, `mandatory`, to a topic exchange bound to the queue) and waits for its
-//!   publisher confirm before its next commit; no relay runs. Latency = arrival − the time the
+//!   with a bare publisher of the broker's client (on AMQP persistent, `mandatory`, to a topic
+//!   exchange bound to the queue) and waits for its confirm (Kafka: the delivery report)
+//!   before its next commit; no relay runs. Latency = arrival − the time the
 //!   COMMIT returned: the floor for any relay under the same database load.
 //! - relay, per source: the same producer commits only; an `outboxd run` child tails the log
 //!   and publishes to its exchange; latency = arrival − the time the COMMIT returned. The
@@ -40,20 +44,13 @@
 
 pub(crate) mod support;
 
-use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::brokers::Broker;
 
 const ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// Producer connections sharing the commit schedule.
 const PRODUCERS: usize = 8;
 
@@ -170,66 +167,6 @@ pub(crate) fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, usize) {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
     (at(0.5), at(0.99), at(0.999), v.len())
-}
-
-/// Consumes `queue`, recording the arrival time of each message id.
-pub(crate) async fn consume(
-    conn: &Connection,
-    queue: &str,
-    arrivals: Arc<Mutex<HashMap<String, Instant>>>,
-) {
-    let ch = conn.create_channel().await.unwrap();
-    ch.basic_qos(1000, Default::default()).await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            queue.into(),
-            "lat".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    tokio::spawn(async move {
-        while let Some(Ok(d)) = consumer.next().await {
-            let now = Instant::now();
-            // The first arrival counts: a redelivered duplicate does not move it.
-            if let Some(id) = d.properties.message_id() {
-                arrivals
-                    .lock()
-                    .unwrap()
-                    .entry(id.to_string())
-                    .or_insert(now);
-            }
-        }
-    });
-}
-
-pub(crate) async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
-    let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    if let Some(x) = exchange {
-        ch.queue_bind(
-            queue.into(),
-            x.into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    }
 }
 
 pub(crate) fn body(i: usize) -> String {
@@ -381,9 +318,6 @@ impl Producer {
     }
 }
 
-/// The routing key, AMQP type and outbox topic of every message.
-const TOPIC: &str = "invoice.issued";
-
 /// Commits `n` rows, row `i` due at `i / rate` s after the start, from `PRODUCERS` connections
 /// to `db` taking turns (row `i` on connection `i % PRODUCERS`). With `publish` (a connection
 /// and an exchange) each producer connection then publishes the row's message itself on a
@@ -395,28 +329,22 @@ async fn produce(
     db: &str,
     rate: u64,
     n: usize,
-    publish: Option<(&Connection, &str)>,
+    publish: Option<(Broker, &str)>,
 ) -> (HashMap<String, Instant>, f64) {
     let writers = PRODUCERS.min(n.max(1));
     // Every connection and channel is open before the schedule starts.
     let mut ready = Vec::with_capacity(writers);
     for _ in 0..writers {
         let writer = producer.writer(db).await;
-        let channel = match publish {
-            Some((conn, exchange)) => {
-                let ch = conn.create_channel().await.unwrap();
-                ch.confirm_select(ConfirmSelectOptions::default())
-                    .await
-                    .unwrap();
-                Some((ch, exchange.to_string()))
-            }
+        let publisher = match publish {
+            Some((broker, dest)) => Some(broker.publisher(dest).await),
             None => None,
         };
-        ready.push((writer, channel));
+        ready.push((writer, publisher));
     }
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(writers);
-    for (w, (mut writer, channel)) in ready.into_iter().enumerate() {
+    for (w, (mut writer, mut publisher)) in ready.into_iter().enumerate() {
         tasks.push(tokio::spawn(async move {
             let mut committed = Vec::with_capacity(n / writers + 1);
             for i in (w..n).step_by(writers) {
@@ -429,31 +357,11 @@ async fn produce(
                 writer.commit_one(id, i, &payload).await;
                 let at = Instant::now();
                 let id = id.to_string();
-                if let Some((ch, exchange)) = &channel {
-                    let props = BasicProperties::default()
-                        .with_delivery_mode(2)
-                        .with_message_id(id.clone().into())
-                        .with_content_type("application/json".into())
-                        .with_type(TOPIC.into());
-                    let confirm = ch
-                        .basic_publish(
-                            exchange.clone().into(),
-                            TOPIC.into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                ..Default::default()
-                            },
-                            payload.as_bytes(),
-                            props,
-                        )
-                        .await
-                        .unwrap_or_else(|e| panic!("dual write: publishing {id} failed: {e}"));
-                    match confirm.await {
-                        Ok(lapin::Confirmation::Ack(None)) => {}
-                        other => panic!(
-                            "dual write: {id} was committed but not confirmed by the broker: {other:?}"
-                        ),
-                    }
+                if let Some(p) = publisher.as_mut() {
+                    // The dual write: publish the committed row's message, wait for the
+                    // broker's confirm before the next row (a refusal panics in `send`).
+                    let key = format!("agg-{}", i % 1000);
+                    p.send(&id, &key, i, payload.as_bytes()).await.await;
                 }
                 committed.push((id, at));
             }
@@ -496,12 +404,16 @@ async fn relay_run(
     source: &str,
     rate: u64,
     seconds: u64,
-    amqp: &Connection,
+    broker: Broker,
     pinning: Option<&support::Pinning>,
 ) -> (&'static str, Run, Duration, Stages) {
     let db = format!("lat_{}_{source}_{rate}", std::process::id());
     let (mut producer, dsn) = Producer::create(source, &db).await;
-    let exchange = db.clone();
+    // The destination exists before the relay starts (on AMQP with the relay's own topology,
+    // which it finds as it would declare it), and is read from its start.
+    broker.create(&db).await;
+    let arrivals = Arc::new(Mutex::new(HashMap::new()));
+    let reader = broker.read(&db, arrivals.clone()).await;
     let bin = env!("CARGO_BIN_EXE_outboxd");
     let metrics = support::free_port();
     let metrics_addr = format!("127.0.0.1:{metrics}");
@@ -514,45 +426,21 @@ async fn relay_run(
             &dsn,
             "--name",
             "lat",
-            "--sink",
-            AMQP,
-            "--exchange",
-            &exchange,
             "--log-level",
             "warn",
         ])
+        .args(broker.relay_args(&db))
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
     if let Some(p) = pinning {
         p.pin(1, relay.id()).expect("pinning the relay");
     }
-    // Wait for the relay's topology, then bind our queue.
-    let queue = format!("{exchange}.all");
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let ch = amqp.create_channel().await.unwrap();
-        let ok = ch
-            .exchange_declare(
-                exchange.clone().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .is_ok();
-        if ok && producer.streaming(&db).await {
-            break;
-        }
+    while !producer.streaming(&db).await {
         assert!(Instant::now() < deadline, "relay did not start");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    declare_queue(amqp, Some(&exchange), &queue).await;
-    let arrivals = Arc::new(Mutex::new(HashMap::new()));
-    consume(amqp, &queue, arrivals.clone()).await;
     // The stream is open once the server lists it, but events flow only after the server has
     // found the start: MariaDB, opening by GTID, first reads the binlog file up to it (about
     // half a second per GB here). One row through the whole path before the schedule starts,
@@ -593,10 +481,8 @@ async fn relay_run(
         warm_up.as_secs_f64() * 1000.0,
         lat.len()
     );
-    let ch = amqp.create_channel().await.unwrap();
-    let _ = ch
-        .queue_delete(queue.into(), QueueDeleteOptions::default())
-        .await;
+    reader.stop().await;
+    broker.delete(&db).await;
     producer.drop_db(&db).await;
     (
         label,
@@ -620,7 +506,7 @@ fn stage_row(label: &str, rate: u64, relay: &Run, stages: Stages) -> String {
     match stages {
         // A binlog event's timestamp has whole seconds: commit → anything in the relay is off
         // by up to a second there, so only the relay's own publish → confirm is shown.
-        Some(((n, _, _), (_, publish_confirm, pc99))) if label == "MariaDB" => format!(
+        Some(((n, _, _), (_, publish_confirm, pc99))) if label.starts_with("MariaDB") => format!(
             "| {label} | {rate}/s | {n} | n/a (binlog timestamps are whole seconds) | {publish_confirm:.2} | ≤ {pc99:.1} | n/a | n/a | n/a | {mean:.2} | {p99} |"
         ),
         Some(((n, commit_confirm, cc99), (_, publish_confirm, pc99))) => format!(
@@ -635,49 +521,24 @@ fn stage_row(label: &str, rate: u64, relay: &Run, stages: Stages) -> String {
 }
 
 /// The naive dual write on `source`: the relay run's producer commits each row and then
-/// publishes its message with `publisher` and waits for the confirm; no relay runs.
-async fn dual_run(
-    source: &str,
-    rate: u64,
-    seconds: u64,
-    amqp: &Connection,
-    publisher: &Connection,
-) -> (&'static str, Run) {
+/// publishes its message with a bare publisher of `broker`'s client and waits for the
+/// confirm; no relay runs.
+async fn dual_run(source: &str, rate: u64, seconds: u64, broker: Broker) -> (&'static str, Run) {
     let db = format!("lat_{}_{source}_{rate}_dual", std::process::id());
     let (producer, _) = Producer::create(source, &db).await;
-    let exchange = db.clone();
-    let queue = format!("{exchange}.all");
-    let ch = amqp.create_channel().await.unwrap();
-    ch.exchange_declare(
-        exchange.clone().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    declare_queue(amqp, Some(&exchange), &queue).await;
+    broker.create(&db).await;
     let arrivals = Arc::new(Mutex::new(HashMap::new()));
-    consume(amqp, &queue, arrivals.clone()).await;
-
+    let reader = broker.read(&db, arrivals.clone()).await;
     let n = (rate * seconds) as usize;
-    let (committed, achieved) =
-        produce(&producer, &db, rate, n, Some((publisher, &exchange))).await;
+    let (committed, achieved) = produce(&producer, &db, rate, n, Some((broker, &db))).await;
     let lat = arrived(&committed, &arrivals).await;
     let label = producer.label();
     eprintln!(
         "dual write on {label}: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
         lat.len()
     );
-    let _ = ch
-        .queue_delete(queue.into(), QueueDeleteOptions::default())
-        .await;
-    let _ = ch
-        .exchange_delete(exchange.into(), Default::default())
-        .await;
+    reader.stop().await;
+    broker.delete(&db).await;
     producer.drop_db(&db).await;
     (
         label,
@@ -689,15 +550,14 @@ async fn dual_run(
     )
 }
 
-async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> Run {
-    let queue = format!("lat_raw_{}_{rate}", std::process::id());
-    declare_queue(amqp, None, &queue).await;
+/// `broker` alone: a bare publisher on the schedule, no database; latency = arrival − the
+/// publish call.
+async fn raw_run(rate: u64, seconds: u64, broker: Broker) -> Run {
+    let dest = format!("lat_raw_{}_{rate}", std::process::id());
+    broker.create(&dest).await;
     let arrivals = Arc::new(Mutex::new(HashMap::new()));
-    consume(amqp, &queue, arrivals.clone()).await;
-    let ch = amqp.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let reader = broker.read(&dest, arrivals.clone()).await;
+    let mut publisher = broker.publisher(&dest).await;
     let n = (rate * seconds) as usize;
     let mut sent: HashMap<String, Instant> = HashMap::with_capacity(n);
     let mut confirms = Vec::with_capacity(n);
@@ -708,38 +568,23 @@ async fn raw_run(rate: u64, seconds: u64, amqp: &Connection) -> Run {
             tokio::time::sleep(wait).await;
         }
         let id = uuid::Uuid::now_v7().to_string();
-        let props = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_message_id(id.clone().into())
-            .with_content_type("application/json".into());
-        sent.insert(id, Instant::now());
-        let c = ch
-            .basic_publish(
-                "".into(),
-                queue.clone().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body(i).as_bytes(),
-                props,
-            )
-            .await
-            .unwrap();
-        confirms.push(c);
+        sent.insert(id.clone(), Instant::now());
+        let key = format!("agg-{}", i % 1000);
+        confirms.push(publisher.send(&id, &key, i, body(i).as_bytes()).await);
     }
     let achieved = n as f64 / start.elapsed().as_secs_f64();
     for c in confirms {
-        let _ = c.await;
+        c.await;
     }
     let lat = arrived(&sent, &arrivals).await;
     eprintln!(
-        "raw publisher: offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
+        "raw publisher ({}): offered {rate}/s, achieved {achieved:.0}/s, {} of {n} arrived",
+        broker.label(),
         lat.len()
     );
-    let _ = ch
-        .queue_delete(queue.into(), QueueDeleteOptions::default())
-        .await;
+    drop(publisher);
+    reader.stop().await;
+    broker.delete(&dest).await;
     Run {
         achieved,
         sent: n,
@@ -772,13 +617,7 @@ async fn main() {
         support::Pinning::start()
             .unwrap_or_else(|e| panic!("OUTBOXD_BENCH_PIN=1: {e}; or run without it"))
     });
-    let amqp = Connection::connect(AMQP, ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
-    // The dual write's publishing connection: the application's own, not the consumer's.
-    let publisher = Connection::connect(AMQP, ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ at 127.0.0.1:5672; run scripts/services.sh");
+    let brokers = Broker::list("OUTBOXD_BENCH_BROKERS", "amqp");
     println!("{HEADER}");
     let mut lost = Vec::new();
     let mut starts = Vec::new();
@@ -789,28 +628,32 @@ async fn main() {
         }
     };
     for rate in rates {
-        let path = "raw lapin publish → consume";
-        let run = raw_run(rate, seconds, &amqp).await;
-        println!("{}", run.row("— (broker only)", path, rate, ""));
-        check(format!("{path} at {rate}/s"), &run);
-        for source in &sources {
-            let (label, dual) = dual_run(source, rate, seconds, &amqp, &publisher).await;
-            let path = "dual write: commit, publish, confirm → consume";
-            println!("{}", dual.row(label, path, rate, "1 (the floor)"));
-            check(format!("{label} {path} at {rate}/s"), &dual);
-            let (label, relay, warm_up, stages) =
-                relay_run(source, rate, seconds, &amqp, pinning.as_ref()).await;
-            stage_rows.push(stage_row(label, rate, &relay, stages));
-            starts.push(format!(
-                "{label} at {rate}/s {:.0} ms",
-                warm_up.as_secs_f64() * 1000.0
-            ));
-            let path = "outboxd: commit → consume";
-            println!(
-                "{}",
-                relay.row(label, path, rate, &ratio_cell(&relay, &dual))
-            );
-            check(format!("{label} {path} at {rate}/s"), &relay);
+        for &broker in &brokers {
+            let b = broker.label();
+            let path = format!("{b}: raw publish → consume");
+            let run = raw_run(rate, seconds, broker).await;
+            println!("{}", run.row("— (broker only)", &path, rate, ""));
+            check(format!("{path} at {rate}/s"), &run);
+            for source in &sources {
+                let (label, dual) = dual_run(source, rate, seconds, broker).await;
+                let path = format!("{b}: dual write: commit, publish, confirm → consume");
+                println!("{}", dual.row(label, &path, rate, "1 (the floor)"));
+                check(format!("{label} {path} at {rate}/s"), &dual);
+                let (label, relay, warm_up, stages) =
+                    relay_run(source, rate, seconds, broker, pinning.as_ref()).await;
+                let label_b = format!("{label} → {b}");
+                stage_rows.push(stage_row(&label_b, rate, &relay, stages));
+                starts.push(format!(
+                    "{label_b} at {rate}/s {:.0} ms",
+                    warm_up.as_secs_f64() * 1000.0
+                ));
+                let path = format!("{b}: outboxd: commit → consume");
+                println!(
+                    "{}",
+                    relay.row(label, &path, rate, &ratio_cell(&relay, &dual))
+                );
+                check(format!("{label} {path} at {rate}/s"), &relay);
+            }
         }
     }
     // Not in the percentiles: each relay row starts its schedule once a first row came through.
@@ -831,6 +674,7 @@ async fn main() {
         "\nload average before: {load_before}, after: {}",
         support::load_average()
     );
+    support::brokers::finish().await;
     // A message that never arrived is not a slow one: the figures above would hide it.
     assert!(
         lost.is_empty(),

@@ -22,11 +22,15 @@
 #[path = "latency.rs"]
 mod latency;
 
-use lapin::options::{ExchangeDeclareOptions, QueueDeleteOptions};
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use latency::support::my_connect as my;
-use latency::{body, consume, declare_queue, percentiles, pg};
+use latency::{body, percentiles, pg};
 use mysql_async::prelude::Queryable;
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -653,4 +657,60 @@ async fn main() {
         three(&std::fs::read_to_string("/proc/loadavg").unwrap_or_default()),
         started.elapsed().as_secs_f64()
     );
+}
+
+/// Consumes `queue`, recording the arrival time of each message id.
+async fn consume(conn: &Connection, queue: &str, arrivals: Arc<Mutex<HashMap<String, Instant>>>) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(1000, Default::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "lat".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let now = Instant::now();
+            // The first arrival counts: a redelivered duplicate does not move it.
+            if let Some(id) = d.properties.message_id() {
+                arrivals
+                    .lock()
+                    .unwrap()
+                    .entry(id.to_string())
+                    .or_insert(now);
+            }
+        }
+    });
+}
+
+async fn declare_queue(conn: &Connection, exchange: Option<&str>, queue: &str) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    if let Some(x) = exchange {
+        ch.queue_bind(
+            queue.into(),
+            x.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
 }

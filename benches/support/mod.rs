@@ -1,9 +1,12 @@
 //! What the benchmarks share: process figures from /proc, connections to the local services,
-//! databases with the outbox table and backlogs written the same way on both databases, a relay
+//! databases with the outbox table and backlogs written the same way on both databases, the
+//! brokers' destinations, readers and bare publishers (`brokers`), a relay
 //! child process whose stdout lines are counted, percentiles. Each bench is its own crate and
 //! includes this file (`mod support;`, or `#[path = "support/mod.rs"]`); not every bench uses
 //! every item.
 #![allow(dead_code)]
+
+pub mod brokers;
 
 use mysql_async::prelude::Queryable;
 use std::io::{BufRead, BufReader};

@@ -170,6 +170,73 @@ async fn stream_deleted_under_the_relay_is_reported_and_nothing_after_it_is_lost
     s.delete(0).await;
 }
 
+/// A stream another tool created with arguments of its own (the stream client's leader
+/// locator and a max-age) is used as it is under `--declare auto`, whatever the relay's own
+/// retention flag says (the broker refuses the relay's create with "precondition failed":
+/// before the fix the relay retried that as an outage, for ever, publishing nothing); a
+/// classic queue holding the name stops the relay with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_created_elsewhere_is_used_and_a_queue_of_its_name_is_refused() {
+    let db = PgDb::create("sown").await;
+    let s = TestStream::new("sown");
+    common::rmq_stream::env()
+        .await
+        .stream_creator()
+        .max_age(Duration::from_secs(3600))
+        .create(&s.name)
+        .await
+        .expect("create the stream with arguments of its own");
+    let name = unique("so");
+    let dsn = db.dsn();
+    let args = s.run_args(&dsn, &name, &["--stream-max-age", "7d"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    db.wait_streaming(&name).await;
+    let ids = db.write(10, 2, "sown.x").await;
+    let msgs = s.read(ids.len(), T).await;
+    let got: Vec<_> = msgs.iter().map(|m| m.id).collect();
+    assert_eq!(
+        got.iter().collect::<HashSet<_>>(),
+        ids.iter().collect::<HashSet<_>>(),
+        "the relay did not publish into the existing stream: {}",
+        relay.stderr_plain()
+    );
+    assert_eq!(got.len(), ids.len(), "duplicates: {msgs:?}");
+    relay.sigkill();
+    s.delete(0).await;
+
+    let q = TestStream::new("sownq");
+    let amqp = common::amqp::connect().await;
+    let ch = amqp.create_channel().await.unwrap();
+    ch.queue_declare(
+        q.name.clone().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .expect("declare a classic queue");
+    let args = q.run_args(&dsn, &name, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    let code = relay.wait_exit(T).await;
+    let err = relay.stderr_plain();
+    let _ = ch
+        .queue_delete(q.name.clone().into(), Default::default())
+        .await;
+    assert_eq!(
+        code, 2,
+        "a classic queue in the stream's place is a configuration error: {err}"
+    );
+    assert!(
+        err.contains("a queue of that name exists that is not a stream")
+            && err.contains("publish into another stream (--stream), or delete that queue"),
+        "{err}"
+    );
+}
+
 /// A cut and then a stall of the stream connection through the TCP proxy: the relay
 /// reconnects, and the stream holds every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -229,6 +229,27 @@ impl RabbitStreamSink {
                 match r.code() {
                     ResponseCode::Ok => Ok(true),
                     ResponseCode::StreamAlreadyExists => Ok(false),
+                    // The name is taken with other arguments: a stream created by another tool
+                    // or client (most set a leader locator), or a queue that is not a stream.
+                    // (The client spells the code `PrecoditionFailed`.) A stream keeps its own
+                    // settings, as documented; anything else is the user's to resolve, not a
+                    // broker outage to retry.
+                    ResponseCode::PrecoditionFailed => {
+                        if self.stream_exists(admin, stream).await? {
+                            tracing::info!(
+                                stream = %stream,
+                                "the stream exists with arguments other than the relay's: it keeps its own                                  (`outboxd check` shows its retention)"
+                            );
+                            Ok(false)
+                        } else {
+                            Err(config_err(
+                                format!(
+                                    "the broker refused to create the stream {stream:?} (precondition failed):                                      a queue of that name exists that is not a stream"
+                                ),
+                                "publish into another stream (--stream), or delete that queue",
+                            ))
+                        }
+                    }
                     ResponseCode::AccessRefused => Err(config_err(
                         format!("the broker refused to create the stream {stream:?} (access refused)"),
                         "grant the user configure permission on it, or create it and run with --declare passive",
@@ -240,16 +261,29 @@ impl RabbitStreamSink {
                 }
             }
             DeclareMode::Passive => {
-                let meta = admin
-                    .metadata(vec![stream.to_string()])
-                    .await
-                    .map_err(|e| self.connection_err("reading the stream's metadata", e))?;
-                match meta.get(stream).map(|m| &m.response_code) {
-                    Some(ResponseCode::Ok) => Ok(false),
-                    _ => Err(missing_stream(stream)),
+                if self.stream_exists(admin, stream).await? {
+                    Ok(false)
+                } else {
+                    Err(missing_stream(stream))
                 }
             }
         }
+    }
+
+    /// Whether the broker's metadata lists `stream` as a stream.
+    async fn stream_exists(
+        &self,
+        admin: &rabbitmq_stream_client::Client,
+        stream: &str,
+    ) -> Result<bool, SinkError> {
+        let meta = admin
+            .metadata(vec![stream.to_string()])
+            .await
+            .map_err(|e| self.connection_err("reading the stream's metadata", e))?;
+        Ok(matches!(
+            meta.get(stream).map(|m| &m.response_code),
+            Some(ResponseCode::Ok)
+        ))
     }
 
     /// The message that carries the producer's last stored id, read back from the stream.
