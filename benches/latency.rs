@@ -337,7 +337,11 @@ async fn produce(
     for _ in 0..writers {
         let writer = producer.writer(db).await;
         let publisher = match publish {
-            Some((broker, dest)) => Some(broker.publisher(dest).await),
+            Some((broker, dest)) => {
+                let mut p = broker.publisher(dest).await;
+                p.warm().await;
+                Some(p)
+            }
             None => None,
         };
         ready.push((writer, publisher));
@@ -558,6 +562,7 @@ async fn raw_run(rate: u64, seconds: u64, broker: Broker) -> Run {
     let arrivals = Arc::new(Mutex::new(HashMap::new()));
     let reader = broker.read(&dest, arrivals.clone()).await;
     let mut publisher = broker.publisher(&dest).await;
+    publisher.warm().await;
     let n = (rate * seconds) as usize;
     let mut sent: HashMap<String, Instant> = HashMap::with_capacity(n);
     let mut confirms = Vec::with_capacity(n);
