@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 // The tokio clock (the same monotonic clock outside paused-time tests): under `start_paused`
 // the relay's ack pacing follows the test's virtual time.
 use tokio::time::Instant;
@@ -61,6 +62,12 @@ pub struct RelayOptions {
     /// Reconnect pacing of recoveries: the first wait, doubled per failure without a
     /// confirmation in between, up to the second.
     pub retry_backoff: (Duration, Duration),
+    /// Cancelled on shutdown. A relay with nothing unconfirmed that waits for its sink
+    /// (connecting at start, or reconnecting after the connection broke while idle) ends at
+    /// once: nothing it holds is lost, the stored position covers only confirmed events. With
+    /// unconfirmed events it keeps trying to deliver them, within the caller's shutdown
+    /// timeout, so fewer are sent again after the restart.
+    pub stop: Option<CancellationToken>,
 }
 
 impl Default for RelayOptions {
@@ -71,6 +78,7 @@ impl Default for RelayOptions {
             ack_interval: Duration::from_millis(100),
             fence: None,
             retry_backoff: (Duration::from_millis(100), Duration::from_secs(30)),
+            stop: None,
         }
     }
 }
@@ -125,7 +133,9 @@ pub async fn run<S: Sink>(
     if let Some(fence) = &opts.fence {
         sink.guard_wire(fence.clone());
     }
-    connect_with_backoff(sink).await?;
+    if connect_with_backoff(sink, opts).await? == Recovery::Stopped {
+        return Ok(());
+    }
     // An idle relay notices a broken sink connection on this tick, not at the next event.
     let mut health = tokio::time::interval(Duration::from_secs(1));
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -156,7 +166,7 @@ pub async fn run<S: Sink>(
                             .emit();
                         }
                         let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
-                        recover(sink, &mut w, e, opts, stats).await?;
+                        if recover(sink, &mut w, e, opts, stats).await? == Recovery::Stopped { return Ok(()); }
                     }
                     Err(e) => return Err(e.into()),
                 }
@@ -184,7 +194,7 @@ pub async fn run<S: Sink>(
                             Ok(confirm) => confirms.push_back(confirm),
                             Err(e) if e.is_retryable() => {
                                 let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
-                                recover(sink, &mut w, e, opts, stats).await?;
+                                if recover(sink, &mut w, e, opts, stats).await? == Recovery::Stopped { return Ok(()); }
                             }
                             Err(e) => return Err(e.into()),
                         }
@@ -196,7 +206,7 @@ pub async fn run<S: Sink>(
                 if sink.is_broken() {
                     let cause = SinkError::Connection("the connection was lost".into());
                     let mut w = Window { queue: &mut queue, confirms: &mut confirms, durable: &mut durable, pacing: &mut pacing };
-                    recover(sink, &mut w, cause, opts, stats).await?;
+                    if recover(sink, &mut w, cause, opts, stats).await? == Recovery::Stopped { return Ok(()); }
                 }
             }
         }
@@ -346,18 +356,49 @@ async fn confirm_within(
     }
 }
 
-async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error> {
+/// How a wait for the sink ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Recovery {
+    /// The sink is back (and, in a recovery, the unconfirmed events are sent again).
+    Recovered,
+    /// Shutdown came while nothing was unconfirmed: the relay ends without the sink.
+    Stopped,
+}
+
+/// Sleeps `delay`; true when shutdown came first and `idle` (nothing unconfirmed) allows
+/// stopping on it.
+async fn backoff_or_stop(delay: Duration, opts: &RelayOptions, idle: bool) -> bool {
+    match &opts.stop {
+        Some(stop) if idle => {
+            tokio::select! {
+                _ = stop.cancelled() => true,
+                _ = tokio::time::sleep(delay) => false,
+            }
+        }
+        _ => {
+            tokio::time::sleep(delay).await;
+            false
+        }
+    }
+}
+
+async fn connect_with_backoff<S: Sink>(
+    sink: &mut S,
+    opts: &RelayOptions,
+) -> Result<Recovery, crate::Error> {
     let mut backoff = Backoff::standard();
     loop {
         match sink.connect().await {
             Ok(()) => {
                 SinkConnected.emit();
-                return Ok(());
+                return Ok(Recovery::Recovered);
             }
             Err(e) if e.is_retryable() => {
                 let delay = backoff.next_delay();
                 tracing::warn!(sink = sink.name(), error = %e, retry_in = ?delay, "sink unavailable");
-                tokio::time::sleep(delay).await;
+                if backoff_or_stop(delay, opts, true).await {
+                    return Ok(Recovery::Stopped);
+                }
             }
             Err(e) => return Err(e.into()),
         }
@@ -365,7 +406,8 @@ async fn connect_with_backoff<S: Sink>(sink: &mut S) -> Result<(), crate::Error>
 }
 
 /// Reconnects and republishes every unconfirmed event, in order, until the oldest of them is
-/// confirmed and the rest are sent, or a non-retryable error says it never will. Every failed
+/// confirmed and the rest are sent, or a non-retryable error says it never will, or shutdown
+/// comes while nothing is unconfirmed ([`RelayOptions::stop`]). Every failed
 /// attempt is logged with the event it is about and the sink's reason, counted, and followed by
 /// the next step of the pacing backoff.
 async fn recover<S: Sink>(
@@ -374,7 +416,7 @@ async fn recover<S: Sink>(
     cause: SinkError,
     opts: &RelayOptions,
     stats: &RelayStats,
-) -> Result<(), crate::Error> {
+) -> Result<Recovery, crate::Error> {
     let mut cause = cause;
     loop {
         // Old confirmations belong to the broken channel: drop them before republishing.
@@ -390,7 +432,10 @@ async fn recover<S: Sink>(
         }
         .emit();
         stats.recoveries.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(delay).await;
+        let idle = front.is_none();
+        if backoff_or_stop(delay, opts, idle).await {
+            return Ok(Recovery::Stopped);
+        }
         match republish(sink, w, opts, stats).await {
             Ok(republished) => {
                 SinkRecovered {
@@ -398,7 +443,7 @@ async fn recover<S: Sink>(
                     republished,
                 }
                 .emit();
-                return Ok(());
+                return Ok(Recovery::Recovered);
             }
             Err(e) if e.is_retryable() => cause = e,
             Err(e) => return Err(e.into()),

@@ -331,6 +331,7 @@ pub(super) async fn run(
         relay: RelayOptions {
             window: args.window,
             confirm_timeout: args.confirm_timeout,
+            stop: Some(shutdown.clone()),
             ..RelayOptions::default()
         },
         snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,

@@ -523,3 +523,65 @@ async fn the_stored_position_never_moves_backwards_across_a_republish_and_a_rest
         "the older acknowledgement after the restart reached the guard"
     );
 }
+
+/// Shutdown while the sink cannot be reached at start and nothing is unconfirmed: the relay
+/// ends at once instead of backing off until the caller's shutdown timeout kills it (it used
+/// to wait out every backoff step; `outboxd run` against a closed broker port took its whole
+/// 30 s shutdown timeout and exited 1).
+#[tokio::test(start_paused = true)]
+async fn shutdown_while_the_sink_is_unreachable_and_nothing_is_unconfirmed_ends_at_once() {
+    let stop = CancellationToken::new();
+    let mut h = start(RelayOptions {
+        stop: Some(stop.clone()),
+        ..RelayOptions::default()
+    });
+    h.handle.fail_connects(u32::MAX);
+    let handle = h.handle.clone();
+    // The fault is in place: the relay has failed to connect, and backs off.
+    wait_until("two failed connects", || handle.connects() >= 2).await;
+    stop.cancel();
+    let ended = tokio::time::timeout(Duration::from_millis(50), &mut h.relay).await;
+    let r = ended.expect("the relay ended within 50 ms of the shutdown");
+    assert!(r.unwrap().is_ok());
+    assert_eq!(*h.acks.borrow(), None, "nothing was acknowledged");
+    assert!(h.handle.published_ids().is_empty());
+}
+
+/// With an unconfirmed event, shutdown does not end the relay's recovery: it keeps trying to
+/// deliver the event (within the caller's shutdown timeout), and once the sink is back the
+/// event is confirmed and acknowledged before the relay ends.
+#[tokio::test(start_paused = true)]
+async fn shutdown_with_an_unconfirmed_event_keeps_trying_to_deliver_it() {
+    let stop = CancellationToken::new();
+    let mut h = start(RelayOptions {
+        stop: Some(stop.clone()),
+        retry_backoff: (Duration::from_millis(1), Duration::from_millis(20)),
+        ..RelayOptions::default()
+    });
+    h.handle.hold_confirms();
+    let e = event(1);
+    h.send(&e).await;
+    let handle = h.handle.clone();
+    wait_until("the event in flight", || handle.held() == vec![e.id]).await;
+    h.handle.fail_connects(u32::MAX);
+    assert!(h.handle.fail(e.id, "nacked"));
+    let before = h.handle.connects();
+    stop.cancel();
+    wait_until("reconnects after the shutdown", || {
+        handle.connects() >= before + 5
+    })
+    .await;
+    assert!(
+        !h.relay.is_finished(),
+        "the relay gave up its unconfirmed event"
+    );
+    h.handle.fail_connects(0);
+    wait_until("the event republished", || handle.held() == vec![e.id]).await;
+    assert!(h.handle.confirm(e.id));
+    h.wait_acked(0x1001).await;
+    drop(h.tx);
+    let r = tokio::time::timeout(Duration::from_secs(5), h.relay)
+        .await
+        .expect("the relay ended once its input closed");
+    assert!(r.unwrap().is_ok());
+}

@@ -288,3 +288,45 @@ async fn sigint_mid_stream_stops_cleanly_and_a_restart_repeats_nothing<D: Source
     assert_none_lost(&expected, &all);
     assert_eq!(dups(&all), 0, "a clean stop leaves nothing to repeat");
 }
+
+/// A relay whose broker does not answer stops on SIGTERM at once, with exit 0: it holds
+/// nothing unconfirmed, so there is nothing to wait for (it used to back off until its whole
+/// shutdown timeout ran out and exit 1). The shutdown timeout is set far above the wait here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_the_broker_is_unreachable_stops_at_once() {
+    let db = PgDb::create("sigunr").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sink = format!("amqp://guest:guest@127.0.0.1:{closed}/%2f");
+    let mut relay = Relay::start(&[
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        &name,
+        "--sink",
+        &sink,
+        "--shutdown-timeout",
+        "120s",
+    ]);
+    // The fault is in place: the relay has tried the closed port twice and backs off.
+    wait_for("two failed connects", T, || {
+        let n = relay.stderr_plain().matches("sink unavailable").count();
+        async move { n >= 2 }
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    relay.signal("TERM");
+    let code = relay.wait_exit(Duration::from_secs(20)).await;
+    assert_eq!(code, 0, "{}", relay.stderr_plain());
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        asked.elapsed()
+    );
+}
