@@ -32,6 +32,15 @@ pub fn classify(e: mysql_async::Error) -> Error {
                     format!("MySQL refused: {text}"),
                     "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '<user>'@'<host>'; (MariaDB 10.5+: also GRANT BINLOG MONITOR, and SELECT, INSERT, UPDATE, DELETE, CREATE on the database for outboxd_state)",
                 ),
+                // ER_SLAVE_SAME_ID (MariaDB): the server ended this binlog stream because
+                // another client registered with the same server id. A relay's server id comes
+                // from its --name and only the lease holder streams: another relay of this
+                // name took over.
+                4052 => Error::Leadership(format!(
+                    "another binlog client connected with this relay's server id (derived from --name), so the \
+                     server ended this relay's stream: another relay of the same name holds the lease now; \
+                     this one stops (restarted, it waits as a standby). MySQL: {text}"
+                )),
                 1049 => Error::config(
                     format!("MySQL: {text}"),
                     "name an existing database in the DSN, e.g. mysql://user@host:3306/app",

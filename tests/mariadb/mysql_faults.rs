@@ -350,3 +350,32 @@ async fn a_relay_whose_lease_was_taken_over_stops_with_exit_4() {
     assert_eq!(code, 4, "exit 4 = leadership lost: {err}");
     assert!(err.contains("lease of relay"), "{err}");
 }
+
+/// Another binlog client with the relay's server id — what a second relay of the same name is
+/// once it holds the lease — makes the server end the relay's binlog stream (MariaDB error
+/// 4052). That is leadership lost, exit 4 with what happened, not a failure (exit 1) that
+/// sends a supervisor looking for a bug: restarted, the relay waits for the lease like any
+/// standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binlog_client_with_the_relays_server_id_ends_it_as_leadership_lost() {
+    let db = MyDb::create("sameid").await;
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name]);
+    common::source_db::SourceDb::wait_streaming(&db, &name).await;
+    let id = outboxd::source::mysql::server_id_for(&name);
+    let mut other = my_connect(None).await;
+    let stream = other
+        .get_binlog_stream(mysql_async::BinlogStreamRequest::new(id))
+        .await
+        .expect("a binlog stream with the relay's server id");
+    let code = relay.wait_exit(T).await;
+    drop(stream);
+    let err = relay.stderr_plain();
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("another relay of the same name holds the lease now")
+            && err.contains("error 4052"),
+        "{err}"
+    );
+}
