@@ -364,7 +364,7 @@ async fn a_binlog_client_with_the_relays_server_id_ends_it_as_leadership_lost() 
     let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name]);
     common::source_db::SourceDb::wait_streaming(&db, &name).await;
     let id = outboxd::source::mysql::server_id_for(&name);
-    let mut other = my_connect(None).await;
+    let other = my_connect(None).await;
     let stream = other
         .get_binlog_stream(mysql_async::BinlogStreamRequest::new(id))
         .await
