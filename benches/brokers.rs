@@ -7,8 +7,8 @@
 //! 1. publishes `OUTBOXD_BENCH_EVENTS` (default 50,000) ~300-byte JSON bodies with the relay's
 //!    headers through a bare publisher configured as the relay's sink (AMQP: persistent,
 //!    mandatory, confirms; Kafka: idempotent, `acks=all`, `linger.ms=5`; stream: a named
-//!    producer with publishing ids, one message per frame as the relay sends), at most 1,000
-//!    confirms outstanding (the relay's default `--window`), into a destination of its own,
+//!    producer with publishing ids, one message per frame as the relay sends), at most the
+//!    relay's default `--window` (5,000) confirms outstanding, into a destination of its own,
 //!    timed from the client's start (as the relay is from its process start);
 //!    on the stream also with 100 messages per frame (`batch_send`: the client's fast path, no
 //!    sub-entry batching, what the relay's one-per-frame costs);
@@ -29,6 +29,9 @@ use support::brokers::{drain_raw, until_arrived, Broker};
 use support::{
     env_list, load_average, new_backlog, pg, pg_database, pg_drop, skip_unless_bench, BIN, PG_ADMIN,
 };
+
+/// The raw publishers' window: the relay's default `--window`.
+const WINDOW: usize = outboxd::relay::DEFAULT_WINDOW;
 
 fn body(i: usize) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
@@ -77,7 +80,7 @@ async fn raw(broker: Broker, dest: &str, events: usize) -> f64 {
     // From the client's start, as the relay's figure is from its process start.
     let t = Instant::now();
     let mut p = broker.publisher(dest).await;
-    drain_raw(&mut p, events, 1000, body).await;
+    drain_raw(&mut p, events, WINDOW, body).await;
     let took = t.elapsed();
     drop(p);
     broker.delete(dest).await;
@@ -102,14 +105,19 @@ async fn main() {
         let label = broker.label();
         let raw_rate = raw(broker, &format!("benchraw-{pid}-{k}"), events).await;
         eprintln!("{label}: raw {raw_rate:.0}/s");
-        println!("| {label} | bare client publisher, window 1,000 | {raw_rate:.0} | | |");
+        println!("| {label} | bare client publisher, window {WINDOW} | {raw_rate:.0} | | |");
         if broker == Broker::Stream {
             let dest = format!("benchbatch-{pid}-{k}");
             broker.create(&dest).await;
-            let took = support::brokers::drain_stream_batched(&dest, events, 100, body).await;
+            let took =
+                support::brokers::drain_stream_batched(&dest, events, 100, WINDOW / 100, body)
+                    .await;
             broker.delete(&dest).await;
             let r = events as f64 / took.as_secs_f64();
-            println!("| {label} | bare client publisher, 100 messages per frame, 10 frames outstanding | {r:.0} | | |");
+            println!(
+                "| {label} | bare client publisher, 100 messages per frame, {} frames outstanding | {r:.0} | | |",
+                WINDOW / 100
+            );
         }
         new_backlog(BIN, &dsn, &admin, &client, events).await;
         let rate = relay(broker, &dsn, &format!("bench-{pid}-{k}"), events).await;

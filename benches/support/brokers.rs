@@ -560,12 +560,13 @@ pub async fn stream_env() -> rabbitmq_stream_client::Environment {
 
 /// The stream client's fast path, for comparison: `n` messages of `body(i)` into stream
 /// `name` with `per_frame` messages per `batch_send` (one frame, each message its own
-/// publishing id: no sub-entry batching), at most 10 frames unconfirmed; returns the time from
+/// publishing id: no sub-entry batching), at most `frames` frames unconfirmed; returns the time from
 /// the client's start to the last confirm.
 pub async fn drain_stream_batched(
     name: &str,
     n: usize,
     per_frame: usize,
+    frames: usize,
     body: impl Fn(usize) -> Vec<u8>,
 ) -> Duration {
     // From the client's start, as the relay is timed from its process start.
@@ -611,7 +612,7 @@ pub async fn drain_stream_batched(
             .await
             .unwrap_or_else(|e| panic!("publishing into the stream: {e}"));
         pending.push_back((rx, count));
-        if pending.len() >= 10 {
+        if pending.len() >= frames {
             confirm_frame(pending.pop_front().unwrap()).await;
         }
         i = to;
