@@ -38,10 +38,12 @@
 mod amqp;
 pub mod options;
 mod poison;
+#[cfg(feature = "rabbitmq-stream")]
+mod stream;
 mod worker;
 
 pub use amqp::connect_broker;
-pub use options::{Declare, OnPoison, RunnerOptions, Stats};
+pub use options::{Declare, OnPoison, RunnerOptions, Stats, StreamOptions, StreamStart};
 
 use super::{Claim, ConsumerError, Message};
 use crate::backoff::Backoff;
@@ -181,6 +183,15 @@ impl<P: Processor> Runner<P> {
             return Err(ConsumerError::config(
                 "--max-failures 0 would give up before the first attempt",
                 "use --max-failures 5",
+            ));
+        }
+        if self.opts.is_stream() {
+            #[cfg(feature = "rabbitmq-stream")]
+            return stream::run(self, shutdown).await;
+            #[cfg(not(feature = "rabbitmq-stream"))]
+            return Err(ConsumerError::config(
+                "the broker URL is a RabbitMQ stream, and this build has no stream client",
+                "build with the rabbitmq-stream feature, or consume a queue (amqp://)",
             ));
         }
         let shared = Arc::new(Shared {
