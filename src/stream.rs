@@ -276,14 +276,28 @@ pub fn to_message(p: &BasicProperties, body: &[u8], publishing_id: u64) -> Messa
         .build()
 }
 
+/// An integer as an application property. The stream client (0.4.4) sizes a `long` between
+/// -128 and 127 one byte larger than it writes it (the one-byte `smalllong` encoding), so a
+/// frame holding one announces a byte it never sends: the broker waits for it, reads the next
+/// frame's first byte into the message, and confirms nothing more on that connection. Those
+/// values go as an `int`, whose small encoding the client sizes right; they read back as the
+/// same number.
+#[cfg(feature = "rabbitmq")]
+fn long(i: i64) -> SimpleValue {
+    match i32::try_from(i) {
+        Ok(small) if i8::try_from(i).is_ok() => SimpleValue::Int(small),
+        _ => SimpleValue::Long(i),
+    }
+}
+
 /// A header value as an application property: AMQP 1.0 application properties hold only
 /// simple values, so an array or a table travels as its JSON text.
 #[cfg(feature = "rabbitmq")]
 pub fn to_simple(v: &AMQPValue) -> SimpleValue {
     match v {
         AMQPValue::Boolean(b) => SimpleValue::Boolean(*b),
-        AMQPValue::LongLongInt(i) => SimpleValue::Long(*i),
-        AMQPValue::LongInt(i) => SimpleValue::Long(i64::from(*i)),
+        AMQPValue::LongLongInt(i) => long(*i),
+        AMQPValue::LongInt(i) => long(i64::from(*i)),
         AMQPValue::Double(d) => SimpleValue::Double((*d).into()),
         AMQPValue::LongString(s) => {
             SimpleValue::String(String::from_utf8_lossy(s.as_bytes()).into_owned())
@@ -469,9 +483,18 @@ mod tests {
             get("x-aggregate-id"),
             Some(AMQPValue::LongString("cust-7".into()))
         );
-        assert_eq!(get("x-aggregate-version"), Some(AMQPValue::LongLongInt(42)));
+        assert_eq!(get("x-aggregate-version"), Some(AMQPValue::LongInt(42)));
         assert_eq!(get("x-flag"), Some(AMQPValue::Boolean(true)));
         assert_eq!(get(PUBLISHING_ID_HEADER), Some(AMQPValue::LongLongInt(9)));
+        assert_eq!(to_simple(&AMQPValue::LongLongInt(7)), SimpleValue::Int(7));
+        assert_eq!(
+            to_simple(&AMQPValue::LongLongInt(-128)),
+            SimpleValue::Int(-128)
+        );
+        assert_eq!(
+            to_simple(&AMQPValue::LongLongInt(128)),
+            SimpleValue::Long(128)
+        );
         assert_eq!(
             to_amqp(&SimpleValue::Ulong(u64::MAX)),
             AMQPValue::LongString(u64::MAX.to_string().into())

@@ -38,7 +38,7 @@ use futures::StreamExt;
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 use rabbitmq_stream_client::error::{ClientError, ConsumerCreateError, StreamCreateError};
-use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode};
+use rabbitmq_stream_client::types::{Message as StreamMessage, OffsetSpecification, ResponseCode};
 use rabbitmq_stream_client::{Client, Consumer, Environment, NoDedup, Producer, TlsConfiguration};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -137,10 +137,13 @@ struct Progress {
     interval: Duration,
     /// The current session's connection (offsets are stored on it).
     client: Mutex<Option<Client>>,
-    /// The current session's producer on `<stream>.dead` (`--on-poison park`).
-    dead: tokio::sync::Mutex<Option<Producer<NoDedup>>>,
+    /// The current session's environment, where `--on-poison park` opens its producer on
+    /// `<stream>.dead`, one per parked message (parking is rare).
+    dead: tokio::sync::Mutex<Option<Environment>>,
     /// Where `park` puts messages.
     dead_stream: String,
+    /// The last publishing id used on the `<stream>.dead` producer.
+    dead_seq: AtomicU64,
 }
 
 impl Progress {
@@ -244,42 +247,60 @@ impl Delivered for StreamJob {
                 ),
             ],
         );
-        let publishing_id = match props
-            .headers()
-            .as_ref()
-            .and_then(|h| h.inner().get(crate::stream::PUBLISHING_ID_HEADER).cloned())
-        {
-            Some(AMQPValue::LongLongInt(n)) => u64::try_from(n).unwrap_or(0),
-            _ => 0,
-        };
+        // A new id for every attempt: the client cannot take a confirmation for an id it no
+        // longer waits for, and an attempt that timed out may still be confirmed late.
+        let publishing_id = self.progress.dead_seq.fetch_add(1, Ordering::SeqCst) + 1;
         let msg = crate::stream::to_message(&props, &self.body, publishing_id);
         let dead = &self.progress.dead_stream;
-        let guard = self.progress.dead.lock().await;
-        let Some(producer) = guard.as_ref() else {
-            return Err(ConsumerError::Broker {
-                message: format!("no producer on {dead:?} yet (reconnecting)"),
-                retryable: true,
-            });
-        };
-        let sent =
-            tokio::time::timeout(ACK_TIMEOUT, producer.batch_send_with_confirm(vec![msg])).await;
         let unconfirmed = |m: String| ConsumerError::Broker {
             message: format!("parking into the stream {dead:?}: {m}"),
             retryable: true,
         };
-        match sent {
-            Ok(Ok(statuses)) if statuses.iter().all(|s| s.confirmed()) && !statuses.is_empty() => {
-                Ok(())
-            }
-            Ok(Ok(statuses)) => Err(unconfirmed(format!(
-                "not confirmed: {:?}",
-                statuses.iter().map(|s| s.status()).collect::<Vec<_>>()
-            ))),
-            Ok(Err(e)) => Err(unconfirmed(e.to_string())),
-            Err(_) => Err(unconfirmed(format!("no confirmation within {ACK_TIMEOUT:?}"))),
-        }
+        let env = self.progress.dead.lock().await.clone();
+        let Some(env) = env else {
+            return Err(unconfirmed("not connected yet (reconnecting)".into()));
+        };
+        let producer = env
+            .producer()
+            .batch_size(1)
+            .build(dead)
+            .await
+            .map_err(|e| unconfirmed(format!("opening a producer: {e}")))?;
+        let r = publish_confirmed(&producer, msg).await.map_err(unconfirmed);
+        let _ = tokio::time::timeout(ACK_TIMEOUT, producer.close()).await;
+        r
     }
 }
+
+/// Publishes `msg` and waits for the broker's confirmation (at most [`PARK_TIMEOUT`]).
+async fn publish_confirmed(producer: &Producer<NoDedup>, msg: StreamMessage) -> Result<(), String> {
+    // As the sink publishes: `batch_send` with a callback the client calls once per
+    // publishing id (its `*_with_confirm` variants can wait past the confirmation).
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = Mutex::new(Some(tx));
+    producer
+        .batch_send(vec![msg], move |r| {
+            let outcome = match r {
+                Ok(status) if status.confirmed() => Ok(()),
+                Ok(status) => Err(format!("refused: {:?}", status.status())),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                let _ = tx.send(outcome);
+            }
+            futures::future::ready(())
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout(PARK_TIMEOUT, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err("the connection closed before the confirmation".into()),
+        Err(_) => Err(format!("no confirmation within {PARK_TIMEOUT:?}")),
+    }
+}
+
+/// A parked copy not confirmed within this is published again (a second copy may then land).
+const PARK_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs `runner` on the streams of its options: one reader and one worker per stream.
 pub(super) async fn run<P: Processor>(
@@ -329,6 +350,7 @@ pub(super) async fn run<P: Processor>(
             client: Mutex::new(None),
             dead: tokio::sync::Mutex::new(None),
             dead_stream: format!("{}.dead", opts.queue),
+            dead_seq: AtomicU64::new(0),
             stream,
         });
         lanes.push(tokio::spawn(lane(p, shared, progress, target.clone())));
@@ -422,9 +444,7 @@ async fn lane<P: Processor>(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take();
-    if let Some(producer) = progress.dead.lock().await.take() {
-        let _ = tokio::time::timeout(ACK_TIMEOUT, producer.close()).await;
-    }
+    progress.dead.lock().await.take();
     if let Some(c) = client {
         let _ = tokio::time::timeout(ACK_TIMEOUT, c.close()).await;
     }
@@ -438,7 +458,7 @@ async fn lane<P: Processor>(
 
 /// Connects, finds the stream, works out where to read from (the in-memory position, else
 /// the stored offset + 1, else `--stream-start`) and subscribes; with `park`, creates
-/// `<stream>.dead` when missing and opens a producer on it.
+/// `<stream>.dead` when missing.
 async fn open(
     target: &Target,
     opts: &RunnerOptions,
@@ -446,12 +466,9 @@ async fn open(
     next: &mut Option<u64>,
 ) -> Result<(Environment, Consumer), ConsumerError> {
     let stream = &progress.stream;
-    let client = Client::connect(crate::stream::client_options(
-        &target.endpoint,
-        &target.tls,
-    ))
-    .await
-    .map_err(|e| target.connect_err(e))?;
+    let client = Client::connect(crate::stream::client_options(&target.endpoint, &target.tls))
+        .await
+        .map_err(|e| target.connect_err(e))?;
     let env = crate::stream::environment(&target.endpoint, &target.tls)
         .await
         .map_err(|e| target.connect_err(e))?;
@@ -511,15 +528,7 @@ async fn open(
             }
             Err(e) => return Err(target.broker_err("creating the poison stream", e)),
         }
-        let producer = env
-            .producer()
-            .batch_size(1)
-            .build(dead)
-            .await
-            .map_err(|e| target.broker_err("opening the poison stream's producer", e))?;
-        if let Some(old) = progress.dead.lock().await.replace(producer) {
-            let _ = tokio::time::timeout(ACK_TIMEOUT, old.close()).await;
-        }
+        *progress.dead.lock().await = Some(env.clone());
     }
     let consumer = env
         .consumer()

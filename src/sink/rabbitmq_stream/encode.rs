@@ -50,7 +50,7 @@ mod tests {
             get("x-aggregate-id"),
             Some(SimpleValue::String("agg-1".into()))
         );
-        assert_eq!(get("x-aggregate-version"), Some(SimpleValue::Long(7)));
+        assert_eq!(get("x-aggregate-version"), Some(SimpleValue::Int(7)));
         assert_eq!(
             get("x-source-position"),
             Some(SimpleValue::String(event.position.to_string()))
