@@ -352,11 +352,11 @@ async fn poison_on_a_stream_halts_before_it_or_is_parked_and_no_healthy_message_
     wait_stored("proj", &s.name, offset_of(&s.name, wire.len()).await).await;
     let dead = format!("{}.dead", s.name);
     let letters = dead_letters(&dead, 2).await;
-    assert_eq!(letters[0]["x-outboxd-offset"], "Long(4)");
+    assert_eq!(letters[0]["x-outboxd-offset"], "Int(4)");
     assert_eq!(letters[0]["x-outboxd-stream"], s.name);
     assert!(letters[0]["x-outboxd-error"].contains("unknown topic"));
     assert_eq!(letters[0]["x-aggregate-id"], bad_topic.customer);
-    assert_eq!(letters[1]["x-outboxd-offset"], "Long(8)");
+    assert_eq!(letters[1]["x-outboxd-offset"], "Int(8)");
     assert!(letters[1]["x-outboxd-error"].contains("not a UUID"));
     s.delete(0).await;
     let env = rmq_stream::env().await;
