@@ -415,3 +415,53 @@ async fn a_missing_stream_stops_the_consumer_with_the_fix() {
     assert_eq!(p.wait_exit(T).await, 2, "{}", p.stderr());
     assert!(p.stderr().contains("does not exist"), "{}", p.stderr());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_connections_cut_twice_mid_stream_change_nothing() {
+    let s = TestStream::new("kit_stream_cut");
+    create(&s.name).await;
+    let db = MariaDb::create("stream_cut").await;
+    setup_projection(&db.dsn()).await;
+    let evs = events(300, 7, 1);
+    let wire: Vec<_> = evs.iter().map(|e| (e.clone(), None)).collect();
+    publish(&s.name, &wire).await;
+    let proxy = crate::common::proxy::FaultProxy::start(
+        format!("127.0.0.1:{}", rmq_stream::PORT).parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let mut p = start_consumer_via(
+        &rmq_stream::url_via(proxy.port()),
+        &db.dsn(),
+        &s.name,
+        "proj",
+        &["--until-empty", "--offset-every", "50"],
+    );
+    // Cut every broker connection once 100, then 200 effects are committed.
+    for at in [100, 200] {
+        let deadline = Instant::now() + T;
+        while db.count("SELECT COUNT(*) FROM invoice_ledger").await < at {
+            assert!(Instant::now() < deadline && p.running(), "{}", p.stderr());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = proxy.accepted();
+        proxy.cut();
+        // The reader connects again (through the proxy) before the next cut.
+        let deadline = Instant::now() + T;
+        while proxy.accepted() == before {
+            assert!(Instant::now() < deadline, "no reconnect: {}", p.stderr());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+    assert!(
+        p.stderr().contains("stream connection lost; reconnecting"),
+        "{}",
+        p.stderr()
+    );
+    // Read on after the last message taken: nothing skipped, nothing read twice.
+    assert_eq!((stat(&p, "applied"), stat(&p, "duplicates")), (300, 0));
+    assert_once_in_order(&db, &evs).await;
+    wait_stored("proj", &s.name, offset_of(&s.name, wire.len()).await).await;
+    s.delete(0).await;
+}
