@@ -55,7 +55,7 @@ enum Command {
         db: String,
     },
     /// Consume until SIGINT/SIGTERM (or, with --until-empty, until the queue is drained).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -311,7 +311,7 @@ fn main() -> std::process::ExitCode {
                 };
                 setup(&db).await
             }
-            Command::Run(args) => run(args).await,
+            Command::Run(args) => run(*args).await,
         }
     });
     match result {

@@ -381,13 +381,13 @@ async fn partitioned_streams_are_read_one_reader_each_with_their_own_offsets() {
             % 3
     };
     let mut sizes = [0u64; 3];
-    for k in 0..3 {
+    for (k, size) in sizes.iter_mut().enumerate() {
         let wire: Vec<_> = evs
             .iter()
             .filter(|e| part(e) == k)
             .map(|e| (e.clone(), None))
             .collect();
-        sizes[k] = wire.len() as u64;
+        *size = wire.len() as u64;
         publish(&format!("{}-{k}", s.name), &wire).await;
     }
     let mut p = stream_consumer(
