@@ -205,20 +205,28 @@ pub fn tls_configuration(
     Ok(b.build())
 }
 
-/// The options of one client connection to `e`. Connect where the URL says and check that the
-/// node there leads the stream, instead of following the advertised host: the relay and the
-/// consumers reach the broker through that address (a load balancer, a proxy, a container's
-/// published port).
+/// The connection settings of `e` on a builder of the client: its client options and its
+/// environment have the same settings under two spellings (`user`/`username`,
+/// `v_host`/`virtual_host`) and no conversion between them, so they are written once here.
+/// Connect where the URL says and check that the node there leads the stream, instead of
+/// following the advertised host: the relay and the consumers reach the broker through that
+/// address (a load balancer, a proxy, a container's published port).
+macro_rules! connect_to {
+    ($builder:expr, $e:expr, $tls:expr, $user:ident, $vhost:ident) => {
+        $builder
+            .host(&$e.host)
+            .port($e.port)
+            .$user(&$e.user)
+            .password(&$e.password)
+            .$vhost(&$e.vhost)
+            .load_balancer_mode(true)
+            .tls($tls.clone())
+    };
+}
+
+/// The options of one client connection to `e`.
 pub fn client_options(e: &StreamEndpoint, tls: &TlsConfiguration) -> ClientOptions {
-    ClientOptions::builder()
-        .host(&e.host)
-        .port(e.port)
-        .user(&e.user)
-        .password(&e.password)
-        .v_host(&e.vhost)
-        .load_balancer_mode(true)
-        .tls(tls.clone())
-        .build()
+    connect_to!(ClientOptions::builder(), e, tls, user, v_host).build()
 }
 
 /// An environment (producers and consumers) on `e`, connecting as [`client_options`] does.
@@ -226,14 +234,7 @@ pub async fn environment(
     e: &StreamEndpoint,
     tls: &TlsConfiguration,
 ) -> Result<Environment, rabbitmq_stream_client::error::ClientError> {
-    Environment::builder()
-        .host(&e.host)
-        .port(e.port)
-        .username(&e.user)
-        .password(&e.password)
-        .virtual_host(&e.vhost)
-        .load_balancer_mode(true)
-        .tls(tls.clone())
+    connect_to!(Environment::builder(), e, tls, username, virtual_host)
         .build()
         .await
 }

@@ -96,16 +96,20 @@ async fn stored(consumer: &str, stream: &str) -> Option<u64> {
     }
 }
 
-/// The offset of the `n`-th message of `stream`. Offsets count the broker's own offset-tracking
-/// entries too, so after a store they run ahead of the messages published.
-async fn offset_of(stream: &str, n: usize) -> u64 {
+/// A consumer (without a name) reading `stream` from its first message.
+async fn from_first(stream: &str) -> rabbitmq_stream_client::Consumer {
     let env = rmq_stream::env().await;
-    let mut c = env
-        .consumer()
+    env.consumer()
         .offset(OffsetSpecification::First)
         .build(stream)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The offset of the `n`-th message of `stream`. Offsets count the broker's own offset-tracking
+/// entries too, so after a store they run ahead of the messages published.
+async fn offset_of(stream: &str, n: usize) -> u64 {
+    let mut c = from_first(stream).await;
     let mut last = 0;
     for _ in 0..n {
         last = tokio::time::timeout(T, c.next())
@@ -135,8 +139,38 @@ async fn wait_stored(consumer: &str, stream: &str, want: u64) {
     }
 }
 
+/// A stream and a database with the inbox and projection tables, both the test's own.
+async fn fixture(tag: &str) -> (TestStream, MariaDb) {
+    let s = TestStream::new(&format!("kit_{tag}"));
+    create(&s.name).await;
+    let db = MariaDb::create(tag).await;
+    setup_projection(&db.dsn()).await;
+    (s, db)
+}
+
+/// `evs` published once each, in order.
+async fn publish_once(stream: &str, evs: &[Ev]) -> usize {
+    let wire: Vec<_> = evs.iter().map(|e| (e.clone(), None)).collect();
+    publish(stream, &wire).await;
+    wire.len()
+}
+
 fn stream_consumer(db: &MariaDb, stream: &str, name: &str, extra: &[&str]) -> Proc {
-    start_consumer_via(&rmq_stream::url(), &db.dsn(), stream, name, extra)
+    stream_consumer_at(rmq_stream::PORT, db, stream, name, extra)
+}
+
+/// The example consumer reading `stream` through the stream port `port` (a fault proxy's).
+fn stream_consumer_at(port: u16, db: &MariaDb, stream: &str, name: &str, extra: &[&str]) -> Proc {
+    start_consumer_via(&rmq_stream::url_via(port), &db.dsn(), stream, name, extra)
+}
+
+/// The consumer `proj` on `stream` with `--until-empty` and `extra`, run to its end (exit 0).
+async fn drain(db: &MariaDb, stream: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["--until-empty"];
+    args.extend_from_slice(extra);
+    let mut p = stream_consumer(db, stream, "proj", &args);
+    assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+    p
 }
 
 fn stat(p: &Proc, k: &str) -> i64 {
@@ -174,10 +208,7 @@ async fn assert_once_in_order(db: &MariaDb, want: &[Ev]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_consumer_applies_each_event_once_in_order_and_resumes_after_its_stored_offset() {
-    let s = TestStream::new("kit_stream");
-    create(&s.name).await;
-    let db = MariaDb::create("stream_e2e").await;
-    setup_projection(&db.dsn()).await;
+    let (s, db) = fixture("stream_e2e").await;
     // 200 events over 7 customers; every 10th published twice (a relay's replay).
     let evs = events(200, 7, 1);
     let mut wire = Vec::new();
@@ -188,50 +219,37 @@ async fn stream_consumer_applies_each_event_once_in_order_and_resumes_after_its_
         }
     }
     publish(&s.name, &wire).await;
-    let mut p = stream_consumer(&db, &s.name, "proj", &["--until-empty"]);
-    assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+    let p = drain(&db, &s.name, &[]).await;
     assert_eq!((stat(&p, "applied"), stat(&p, "duplicates")), (200, 20));
     assert_once_in_order(&db, &evs).await;
     // Stored at the stop: the last offset.
     wait_stored("proj", &s.name, offset_of(&s.name, wire.len()).await).await;
 
     // Again: resumes after the stored offset, reads nothing old.
-    let mut again = stream_consumer(&db, &s.name, "proj", &["--until-empty"]);
-    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+    let again = drain(&db, &s.name, &[]).await;
     assert_eq!(again.stats()["applied"], 0);
     assert_eq!(again.stats()["duplicates"], 0);
 
     // New events: only those, in batches of 8.
     let more = events(30, 7, 1000);
-    let wire2: Vec<_> = more.iter().map(|e| (e.clone(), None)).collect();
-    publish(&s.name, &wire2).await;
-    let mut third = stream_consumer(
-        &db,
-        &s.name,
-        "proj",
-        &["--until-empty", "--batch-size", "8"],
-    );
-    assert_eq!(third.wait_exit(T).await, 0, "{}", third.stderr());
+    let n2 = publish_once(&s.name, &more).await;
+    let third = drain(&db, &s.name, &["--batch-size", "8"]).await;
     assert_eq!(
         (stat(&third, "applied"), stat(&third, "duplicates")),
         (30, 0)
     );
     let all: Vec<Ev> = evs.iter().chain(&more).cloned().collect();
     assert_once_in_order(&db, &all).await;
-    let last = offset_of(&s.name, wire.len() + wire2.len()).await;
+    let last = offset_of(&s.name, wire.len() + n2).await;
     wait_stored("proj", &s.name, last).await;
     s.delete(0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_commit_and_offset_store_rereads_the_claimed_messages_without_effect() {
-    let s = TestStream::new("kit_stream_crash");
-    create(&s.name).await;
-    let db = MariaDb::create("stream_crash").await;
-    setup_projection(&db.dsn()).await;
+    let (s, db) = fixture("stream_crash").await;
     let evs = events(100, 5, 1);
-    let wire: Vec<_> = evs.iter().map(|e| (e.clone(), None)).collect();
-    publish(&s.name, &wire).await;
+    publish_once(&s.name, &evs).await;
 
     // Offsets stored every 30 messages only: the abort at commit 70 (after its effect
     // committed, before anything of it is recorded) leaves the stored offset behind.
@@ -256,8 +274,7 @@ async fn a_crash_between_commit_and_offset_store_rereads_the_claimed_messages_wi
     wait_stored("proj", &s.name, 59).await;
     let lag = 69 - 59;
 
-    let mut second = stream_consumer(&db, &s.name, "proj", &["--until-empty"]);
-    assert_eq!(second.wait_exit(T).await, 0, "{}", second.stderr());
+    let second = drain(&db, &s.name, &[]).await;
     // Re-read: the 10 committed after the stored offset were found claimed.
     assert_eq!(stat(&second, "duplicates"), lag);
     assert_eq!(stat(&second, "applied"), 30);
@@ -269,13 +286,7 @@ async fn a_crash_between_commit_and_offset_store_rereads_the_claimed_messages_wi
 
 /// The application properties of every message in `stream`.
 async fn dead_letters(stream: &str, n: usize) -> Vec<BTreeMap<String, String>> {
-    let env = rmq_stream::env().await;
-    let mut c = env
-        .consumer()
-        .offset(OffsetSpecification::First)
-        .build(stream)
-        .await
-        .unwrap();
+    let mut c = from_first(stream).await;
     let mut out = Vec::new();
     while out.len() < n {
         let d = tokio::time::timeout(T, c.next())
@@ -301,10 +312,7 @@ async fn dead_letters(stream: &str, n: usize) -> Vec<BTreeMap<String, String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_on_a_stream_halts_before_it_or_is_parked_and_no_healthy_message_is_skipped() {
-    let s = TestStream::new("kit_stream_poison");
-    create(&s.name).await;
-    let db = MariaDb::create("stream_poison").await;
-    setup_projection(&db.dsn()).await;
+    let (s, db) = fixture("stream_poison").await;
     let healthy = events(10, 3, 1);
     let mut bad_topic = events(1, 1, 500).remove(0);
     bad_topic.topic = "invoice.unknown";
@@ -333,19 +341,12 @@ async fn poison_on_a_stream_halts_before_it_or_is_parked_and_no_healthy_message_
     wait_stored("proj", &s.name, 3).await;
 
     // park: from offset 4 on, both poison messages to <stream>.dead, every healthy one applied.
-    let mut park = stream_consumer(
+    let park = drain(
         &db,
         &s.name,
-        "proj",
-        &[
-            "--max-failures",
-            "2",
-            "--on-poison",
-            "park",
-            "--until-empty",
-        ],
-    );
-    assert_eq!(park.wait_exit(T).await, 0, "{}", park.stderr());
+        &["--max-failures", "2", "--on-poison", "park"],
+    )
+    .await;
     assert_eq!((stat(&park, "applied"), stat(&park, "parked")), (6, 2));
     assert_eq!(stat(&park, "failures"), 2, "the unknown topic failed twice");
     assert_once_in_order(&db, &healthy).await;
@@ -390,13 +391,7 @@ async fn partitioned_streams_are_read_one_reader_each_with_their_own_offsets() {
         *size = wire.len() as u64;
         publish(&format!("{}-{k}", s.name), &wire).await;
     }
-    let mut p = stream_consumer(
-        &db,
-        &s.name,
-        "proj",
-        &["--partitions", "3", "--until-empty"],
-    );
-    assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+    let p = drain(&db, &s.name, &["--partitions", "3"]).await;
     assert_eq!(stat(&p, "applied"), 90);
     assert_once_in_order(&db, &evs).await;
     for (k, n) in sizes.iter().enumerate() {
@@ -418,25 +413,15 @@ async fn a_missing_stream_stops_the_consumer_with_the_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_connections_cut_twice_mid_stream_change_nothing() {
-    let s = TestStream::new("kit_stream_cut");
-    create(&s.name).await;
-    let db = MariaDb::create("stream_cut").await;
-    setup_projection(&db.dsn()).await;
+    let (s, db) = fixture("stream_cut").await;
     let evs = events(300, 7, 1);
-    let wire: Vec<_> = evs.iter().map(|e| (e.clone(), None)).collect();
-    publish(&s.name, &wire).await;
-    let proxy = crate::common::proxy::FaultProxy::start(
-        format!("127.0.0.1:{}", rmq_stream::PORT).parse().unwrap(),
-    )
-    .await
-    .unwrap();
-    let mut p = start_consumer_via(
-        &rmq_stream::url_via(proxy.port()),
-        &db.dsn(),
-        &s.name,
-        "proj",
-        &["--until-empty", "--offset-every", "50"],
-    );
+    let n = publish_once(&s.name, &evs).await;
+    let upstream = ([127, 0, 0, 1], rmq_stream::PORT).into();
+    let proxy = crate::common::proxy::FaultProxy::start(upstream)
+        .await
+        .unwrap();
+    let extra = ["--until-empty", "--offset-every", "50"];
+    let mut p = stream_consumer_at(proxy.port(), &db, &s.name, "proj", &extra);
     // Cut every broker connection once 100, then 200 effects are committed.
     for at in [100, 200] {
         let deadline = Instant::now() + T;
@@ -462,6 +447,6 @@ async fn broker_connections_cut_twice_mid_stream_change_nothing() {
     // Read on after the last message taken: nothing skipped, nothing read twice.
     assert_eq!((stat(&p, "applied"), stat(&p, "duplicates")), (300, 0));
     assert_once_in_order(&db, &evs).await;
-    wait_stored("proj", &s.name, offset_of(&s.name, wire.len()).await).await;
+    wait_stored("proj", &s.name, offset_of(&s.name, n).await).await;
     s.delete(0).await;
 }

@@ -30,7 +30,7 @@
 use super::options::{OnPoison, RunnerOptions, Stats, StreamStart};
 use super::poison::parked_headers;
 use super::worker::{worker, Delivered, ACK_TIMEOUT};
-use super::{Processor, Runner, Shared, SESSION_TIMEOUT};
+use super::{bounded, Processor, Runner, Shared};
 use crate::backoff::Backoff;
 use crate::consumer::{ConsumerError, Message};
 use crate::stream::{StreamEndpoint, BROKER};
@@ -393,19 +393,8 @@ async fn lane<P: Processor>(
     // The offset after the last message handed to the worker (or the resume point).
     let mut next: Option<u64> = None;
     while !shared.stop.is_cancelled() {
-        let opened = match tokio::time::timeout(
-            SESSION_TIMEOUT,
-            open(&target, &shared.opts, &progress, &mut next),
-        )
-        .await
-        {
-            Ok(r) => r,
-            Err(_) => Err(ConsumerError::Broker {
-                message: format!("opening the stream took longer than {SESSION_TIMEOUT:?}"),
-                retryable: true,
-            }),
-        };
-        match opened {
+        let opening = open(&target, &shared.opts, &progress, &mut next);
+        match bounded("opening the stream", opening).await {
             Ok((env, consumer)) => {
                 backoff.reset();
                 tracing::info!(stream = %progress.stream, consumer = %progress.name, from = ?next, "reading the stream");
@@ -420,17 +409,10 @@ async fn lane<P: Processor>(
                     }
                 }
             }
-            Err(e) if !e.is_retryable() => shared.halt(e),
-            Err(e) => {
-                tracing::warn!(stream = %progress.stream, error = %e, "cannot read the stream yet; retrying")
-            }
+            Err(e) => shared.open_failed(e, &progress.stream),
         }
-        if shared.stop.is_cancelled() {
+        if !shared.pause(&mut backoff).await {
             break;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(backoff.next_delay()) => {}
-            _ = shared.stop.cancelled() => {}
         }
     }
     // The worker finishes the message in hand (or, drained, everything it was given).
