@@ -133,6 +133,8 @@ struct Progress {
     /// Offset + 1 of the last offset stored (0: none this run).
     stored: AtomicU64,
     last_store: Mutex<Instant>,
+    /// When the last store failed (cleared by a successful one).
+    failed: Mutex<Option<Instant>>,
     every: u64,
     interval: Duration,
     /// The current session's connection (offsets are stored on it).
@@ -157,7 +159,11 @@ impl Progress {
         }
         let due = {
             let last = self.last_store.lock().unwrap_or_else(|e| e.into_inner());
-            p - s >= self.every || last.elapsed() >= self.interval
+            let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+            // After a failed store, the next waits an interval (not one per message while the
+            // connection is down).
+            let waiting = failed.is_some_and(|f| f.elapsed() < self.interval);
+            !waiting && (p - s >= self.every || last.elapsed() >= self.interval)
         };
         if !force && !due {
             return;
@@ -176,14 +182,17 @@ impl Progress {
         .await
         {
             Ok(Ok(())) => {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 self.stored.fetch_max(p, Ordering::SeqCst);
                 *self.last_store.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
                 tracing::debug!(stream = %self.stream, offset, "offset stored");
             }
             Ok(Err(e)) => {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
                 tracing::warn!(stream = %self.stream, offset, error = %e, "cannot store the offset yet (the messages after the stored one are read again after a restart, and found claimed)")
             }
             Err(_) => {
+                *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
                 tracing::warn!(stream = %self.stream, offset, "storing the offset took longer than {ACK_TIMEOUT:?}")
             }
         }
@@ -345,6 +354,7 @@ pub(super) async fn run<P: Processor>(
             processed: AtomicU64::new(0),
             stored: AtomicU64::new(0),
             last_store: Mutex::new(Instant::now()),
+            failed: Mutex::new(None),
             every: opts.stream.store_every.max(1),
             interval: opts.stream.store_interval,
             client: Mutex::new(None),
