@@ -12,6 +12,10 @@
 //! cargo run --example invoice_projection -- setup             # tables, then exit
 //! cargo run --example invoice_projection -- run --consumer invoice_projection \
 //!     --queue invoices --exchange outbox --bind 'invoice.#' --on-poison park
+//!
+//! # or read the relay's RabbitMQ stream (offsets stored on the broker under --consumer):
+//! OUTBOXD_BROKER=rabbitmq-stream://guest:guest@127.0.0.1:5552/%2f \
+//!     cargo run --example invoice_projection -- run --consumer invoice_projection --stream outbox
 //! ```
 //!
 //! SIGINT/SIGTERM stop it gracefully (the message in hand is finished and acked); it then
@@ -51,15 +55,15 @@ enum Command {
         db: String,
     },
     /// Consume until SIGINT/SIGTERM (or, with --until-empty, until the queue is drained).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     #[command(flatten)]
     consume: ConsumeArgs,
-    /// Fault injection for tests: abort right after the Nth commit, before its ack (the crash
-    /// the inbox exists for).
+    /// Fault injection for tests: abort right after the Nth commit, before its ack or offset
+    /// store (the crash the inbox exists for).
     #[arg(long, env = "OUTBOXD_CRASH_AFTER_COMMITS", hide = true)]
     crash_after_commits: Option<u64>,
 }
@@ -236,7 +240,8 @@ async fn run(cli: RunArgs) -> Result<(), ConsumerError> {
     let db = cli.consume.database()?;
     let opts = cli.consume.runner_options()?;
     let inbox = cli.consume.inbox()?;
-    let workers = cli.consume.concurrency;
+    // One worker per stream on a stream port; --concurrency on a queue.
+    let workers = opts.workers(cli.consume.concurrency);
     let shutdown = CancellationToken::new();
     tokio::spawn(watch_signals(shutdown.clone()));
 
@@ -246,7 +251,7 @@ async fn run(cli: RunArgs) -> Result<(), ConsumerError> {
         let n = commits.fetch_add(1, Ordering::SeqCst) + 1;
         if crash_after == Some(n) {
             eprintln!(
-                "invoice_projection: crash injected after commit {n} ({} {}), before its ack",
+                "invoice_projection: crash injected after commit {n} ({} {}), before its ack or offset store",
                 msg.id,
                 claim.kind()
             );
@@ -306,7 +311,7 @@ fn main() -> std::process::ExitCode {
                 };
                 setup(&db).await
             }
-            Command::Run(args) => run(args).await,
+            Command::Run(args) => run(*args).await,
         }
     });
     match result {

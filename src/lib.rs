@@ -81,6 +81,9 @@ pub mod dsn;
 pub mod names;
 #[doc(hidden)]
 pub mod secret_file;
+#[cfg(feature = "rabbitmq-stream")]
+#[doc(hidden)]
+pub mod stream;
 #[doc(hidden)]
 pub mod tls;
 

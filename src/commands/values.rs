@@ -3,7 +3,7 @@
 //! clap; this file says how each variant is spelled after its flag and the one-line help
 //! `--help` prints for it, so the command line stays the only place clap is imported.
 
-use crate::consumer::runner::OnPoison;
+use crate::consumer::runner::{OnPoison, StreamStart};
 use crate::outbox::Mode;
 use crate::pipeline::PositionLostPolicy;
 use crate::sink::format::BodyFormat;
@@ -74,6 +74,12 @@ value_enum!(OnPoison {
     Skip => "skip": "Log it and ack it: its effect never happens",
 });
 
+value_enum!(StreamStart {
+    First => "first": "The first message the stream still holds",
+    Last => "last": "The last chunk the stream holds",
+    Next => "next": "Only messages published after the consumer subscribed",
+});
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +102,7 @@ mod tests {
         round_trips::<BodyFormat>();
         round_trips::<PositionLostPolicy>();
         round_trips::<OnPoison>();
+        round_trips::<StreamStart>();
         round_trips::<XaExpired>();
         assert_eq!(
             BodyFormat::from_str("cloudevents-binary", false).unwrap(),

@@ -4,7 +4,7 @@
 //! They live in the library (feature `cli`) because consumer binaries are users' programs;
 //! the `outboxd` binary's own commands are in `src/commands/`, outside it.
 
-use super::runner::{Declare, OnPoison, RunnerOptions};
+use super::runner::{Declare, OnPoison, RunnerOptions, StreamOptions, StreamStart};
 use super::{ConsumerError, Inbox};
 use crate::dsn::{redact, DbDsn, SourceDsn};
 use clap::Args;
@@ -38,12 +38,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// are handled.
 #[derive(Debug, Clone, Args)]
 pub struct ConsumeArgs {
-    /// Broker URL, amqp://user:pass@host:5672/vhost (give it in the environment: it holds a
-    /// password).
+    /// Broker URL, amqp://user:pass@host:5672/vhost, or rabbitmq-stream://user:pass@host:5552/vhost
+    /// to read a stream (give it in the environment: it holds a password).
     #[arg(long, env = "OUTBOXD_BROKER", hide_env_values = true)]
     pub broker: crate::dsn::DsnArg,
-    /// Queue to consume.
-    #[arg(long, env = "OUTBOXD_QUEUE")]
+    /// Queue to consume; with a rabbitmq-stream:// broker, the stream (the relay's --stream).
+    #[arg(long, visible_alias = "stream", env = "OUTBOXD_QUEUE")]
     pub queue: String,
     /// This consumer's name: the first half of the processed_messages key.
     #[arg(long, env = "OUTBOXD_CONSUMER")]
@@ -94,6 +94,20 @@ pub struct ConsumeArgs {
     /// transaction per message). A failing message is retried alone; order holds.
     #[arg(long, env = "OUTBOXD_BATCH_SIZE", default_value_t = 1)]
     pub batch_size: usize,
+    /// Stream only: read <stream>-0 … <stream>-<N-1> (the relay's --partitions N), one reader
+    /// and one worker each.
+    #[arg(long, env = "OUTBOXD_PARTITIONS", default_value_t = 0)]
+    pub partitions: u32,
+    /// Stream only: where to start when the broker holds no offset for --consumer.
+    #[arg(long, env = "OUTBOXD_STREAM_START", value_enum, default_value_t = StreamStart::First)]
+    pub stream_start: StreamStart,
+    /// Stream only: store the offset after this many messages (and every --offset-interval,
+    /// and at a graceful stop); a crash reads what came after the stored offset again.
+    #[arg(long, env = "OUTBOXD_OFFSET_EVERY", default_value_t = 100)]
+    pub offset_every: u64,
+    /// Stream only: store the offset at least this often while messages are processed.
+    #[arg(long, env = "OUTBOXD_OFFSET_INTERVAL", value_parser = parse_duration, default_value = "1s")]
+    pub offset_interval: Duration,
 }
 
 /// The database a consumer writes to.
@@ -120,6 +134,32 @@ impl ConsumeArgs {
             ));
         }
         let mut o = RunnerOptions::new(&self.broker, &self.queue);
+        if o.is_stream() {
+            if self.concurrency > 1 {
+                return Err(ConsumerError::config(
+                    "--concurrency applies to queues: a stream is read by one worker, in order",
+                    "drop --concurrency; read a partitioned stream (--partitions N) for N workers",
+                ));
+            }
+            if self.exchange.is_some() {
+                return Err(ConsumerError::config(
+                    "--exchange/--bind declare a queue: a stream is the relay's (its --stream)",
+                    "drop --exchange and --bind",
+                ));
+            }
+        } else if self.partitions > 0 {
+            return Err(ConsumerError::config(
+                "--partitions reads a partitioned stream: the broker URL is not rabbitmq-stream://",
+                "consume each partition's queue, or read the streams with --broker rabbitmq-stream://…",
+            ));
+        }
+        o.name = self.consumer.clone();
+        o.stream = StreamOptions {
+            partitions: self.partitions,
+            start: self.stream_start,
+            store_every: self.offset_every.max(1),
+            store_interval: self.offset_interval,
+        };
         o.prefetch = self.prefetch.max(1);
         o.max_failures = self.max_failures;
         o.on_poison = self.on_poison;

@@ -1,5 +1,5 @@
 //! The consumer and producer kits against real services: the inbox (`processed_messages`) on
-//! Postgres and MariaDB, the AMQP consumer runner end to end, pruning, and per-field encryption
+//! Postgres and MariaDB, the AMQP and stream consumer runners end to end, pruning, and per-field encryption
 //! (library, command line and the documented cross-language format).
 
 #[path = "../common/mod.rs"]
@@ -14,6 +14,7 @@ mod consumer_inbox;
 mod consumer_order;
 mod consumer_oversized_ids;
 mod consumer_prune;
+mod consumer_stream;
 mod consumer_until_empty;
 mod crypto_cli;
 mod crypto_fields;

@@ -38,10 +38,12 @@
 mod amqp;
 pub mod options;
 mod poison;
+#[cfg(feature = "rabbitmq-stream")]
+mod stream;
 mod worker;
 
 pub use amqp::connect_broker;
-pub use options::{Declare, OnPoison, RunnerOptions, Stats};
+pub use options::{Declare, OnPoison, RunnerOptions, Stats, StreamOptions, StreamStart};
 
 use super::{Claim, ConsumerError, Message};
 use crate::backoff::Backoff;
@@ -108,6 +110,21 @@ pub struct BatchResult {
 /// Called after a message's transaction committed and before its ack (metrics, tests).
 pub type CommitHook = Arc<dyn Fn(&Message, &Claim<()>) + Send + Sync>;
 
+/// Opening a session, bounded by [`SESSION_TIMEOUT`]: a broker that accepts the connection and
+/// then stops answering must not hold the consumer forever.
+async fn bounded<T>(
+    what: &str,
+    open: impl Future<Output = Result<T, ConsumerError>>,
+) -> Result<T, ConsumerError> {
+    match tokio::time::timeout(SESSION_TIMEOUT, open).await {
+        Ok(r) => r,
+        Err(_) => Err(ConsumerError::Broker {
+            message: format!("{what} took longer than {SESSION_TIMEOUT:?}"),
+            retryable: true,
+        }),
+    }
+}
+
 /// The loop: `Runner::new(options, processors).run(shutdown)`. One worker per processor.
 pub struct Runner<P> {
     opts: RunnerOptions,
@@ -139,6 +156,28 @@ struct Shared {
 }
 
 impl Shared {
+    /// A session could not be opened: a setup problem halts the runner, anything else is
+    /// retried after the backoff.
+    fn open_failed(&self, e: ConsumerError, source: &str) {
+        if e.is_retryable() {
+            tracing::warn!(source, error = %e, "cannot consume yet; retrying");
+        } else {
+            self.halt(e);
+        }
+    }
+
+    /// Waits out the reconnect backoff; `false` when the runner is stopping instead.
+    async fn pause(&self, backoff: &mut Backoff) -> bool {
+        if self.stop.is_cancelled() {
+            return false;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
+            _ = self.stop.cancelled() => {}
+        }
+        !self.stop.is_cancelled()
+    }
+
     fn halt(&self, e: ConsumerError) {
         let mut h = self.halted.lock().unwrap_or_else(|p| p.into_inner());
         if h.is_none() {
@@ -183,6 +222,15 @@ impl<P: Processor> Runner<P> {
                 "use --max-failures 5",
             ));
         }
+        if self.opts.is_stream() {
+            #[cfg(feature = "rabbitmq-stream")]
+            return stream::run(self, shutdown).await;
+            #[cfg(not(feature = "rabbitmq-stream"))]
+            return Err(ConsumerError::config(
+                "the broker URL is a RabbitMQ stream, and this build has no stream client",
+                "build with the rabbitmq-stream feature, or consume a queue (amqp://)",
+            ));
+        }
         let shared = Arc::new(Shared {
             opts: self.opts.clone(),
             stats: self.stats.clone(),
@@ -203,17 +251,7 @@ impl<P: Processor> Runner<P> {
         let mut backoff = Backoff::new(self.opts.retry_min, self.opts.retry_max);
         let mut last: Option<Arc<Session>> = None;
         while !shared.stop.is_cancelled() {
-            // Bounded: a broker that accepts the connection and then stops answering must not
-            // hold the consumer forever.
-            let opened = match tokio::time::timeout(SESSION_TIMEOUT, open_session(&self.opts)).await
-            {
-                Ok(r) => r,
-                Err(_) => Err(ConsumerError::Broker {
-                    message: format!("opening the session took longer than {SESSION_TIMEOUT:?}"),
-                    retryable: true,
-                }),
-            };
-            match opened {
+            match bounded("opening the session", open_session(&self.opts)).await {
                 Ok((session, consumer)) => {
                     backoff.reset();
                     tracing::info!(queue = %self.opts.queue, prefetch = self.opts.prefetch, workers = senders.len(), "consuming");
@@ -223,15 +261,10 @@ impl<P: Processor> Runner<P> {
                         tracing::warn!(error = %e, "broker connection lost; reconnecting (unacked messages come again)");
                     }
                 }
-                Err(e) if !e.is_retryable() => shared.halt(e),
-                Err(e) => tracing::warn!(error = %e, "cannot consume yet; retrying"),
+                Err(e) => shared.open_failed(e, &self.opts.queue),
             }
-            if shared.stop.is_cancelled() {
+            if !shared.pause(&mut backoff).await {
                 break;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(backoff.next_delay()) => {}
-                _ = shared.stop.cancelled() => {}
             }
         }
 

@@ -18,6 +18,44 @@ pub enum OnPoison {
     Skip,
 }
 
+/// Where a stream consumer starts when the broker holds no offset for its name
+/// (`--stream-start`); a stored offset always wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamStart {
+    /// The first message the stream still holds.
+    #[default]
+    First,
+    /// The last chunk the stream holds.
+    Last,
+    /// Only messages published after the consumer subscribed.
+    Next,
+}
+
+/// How a runner reads RabbitMQ streams (a `rabbitmq-stream://` broker URL).
+#[derive(Debug, Clone)]
+pub struct StreamOptions {
+    /// `--partitions N`: read `<stream>-0` … `<stream>-<N-1>` (one reader and one worker each)
+    /// instead of `<stream>`; 0 = one stream.
+    pub partitions: u32,
+    pub start: StreamStart,
+    /// Store the offset once this many messages were settled since the last store …
+    pub store_every: u64,
+    /// … or once this long has passed (and at shutdown). What was processed after the last
+    /// stored offset is read again after a crash, and found claimed.
+    pub store_interval: Duration,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            partitions: 0,
+            start: StreamStart::First,
+            store_every: 100,
+            store_interval: Duration::from_secs(1),
+        }
+    }
+}
+
 /// The queue to declare and bind when the consumer owns its topology (`--bind`).
 #[derive(Debug, Clone)]
 pub struct Declare {
@@ -51,6 +89,10 @@ pub struct RunnerOptions {
     pub batch_size: usize,
     /// Shown in the broker's connection list.
     pub connection_name: String,
+    /// The consumer's name (`--consumer`): on a stream, the name its offset is stored under.
+    pub name: String,
+    /// Stream reading (used with a `rabbitmq-stream://` broker).
+    pub stream: StreamOptions,
 }
 
 impl std::fmt::Debug for RunnerOptions {
@@ -64,6 +106,8 @@ impl std::fmt::Debug for RunnerOptions {
             .field("declare", &self.declare)
             .field("until_empty", &self.until_empty)
             .field("batch_size", &self.batch_size)
+            .field("name", &self.name)
+            .field("stream", &self.stream)
             .finish()
     }
 }
@@ -82,6 +126,34 @@ impl RunnerOptions {
             until_empty: false,
             batch_size: 1,
             connection_name: format!("outboxd consumer {queue}"),
+            name: queue.to_string(),
+            stream: StreamOptions::default(),
+        }
+    }
+
+    /// Whether the broker URL is a RabbitMQ stream port (`rabbitmq-stream://`,
+    /// `rabbitmq-stream+tls://`) rather than AMQP.
+    pub fn is_stream(&self) -> bool {
+        let b = self.broker.trim_start();
+        b.starts_with("rabbitmq-stream://") || b.starts_with("rabbitmq-stream+tls://")
+    }
+
+    /// The streams a stream runner reads, in partition order: `<queue>` or, with
+    /// `--partitions N`, `<queue>-0` … `<queue>-<N-1>` (the relay's stream sink's names).
+    pub fn streams(&self) -> Vec<String> {
+        match self.stream.partitions {
+            0 => vec![self.queue.clone()],
+            n => (0..n).map(|k| format!("{}-{k}", self.queue)).collect(),
+        }
+    }
+
+    /// How many processors [`super::Runner::new`] needs: `concurrency` on a queue, one per
+    /// stream on a stream port.
+    pub fn workers(&self, concurrency: usize) -> usize {
+        if self.is_stream() {
+            self.streams().len()
+        } else {
+            concurrency
         }
     }
 
@@ -150,5 +222,12 @@ mod tests {
         let o = RunnerOptions::new("amqp://u:secret@127.0.0.1/", "q");
         assert!(!format!("{o:?}").contains("secret"));
         assert_eq!(o.dead_queue(), "q.dead");
+        assert!(!o.is_stream());
+        let mut s = RunnerOptions::new("rabbitmq-stream://u:secret@h:5552/", "orders");
+        assert!(s.is_stream());
+        assert_eq!(s.streams(), ["orders"]);
+        s.stream.partitions = 3;
+        assert_eq!(s.streams(), ["orders-0", "orders-1", "orders-2"]);
+        assert_eq!((s.workers(8), o.workers(8)), (3, 8));
     }
 }

@@ -1,20 +1,22 @@
-//! A message that failed `--max-failures` times: `halt` stops the runner with it unacked,
-//! `skip` acks it without its effect, `park` publishes it with the error to `<queue>.dead` on
-//! the session's confirm-mode channel and acks it only once the broker confirmed the copy.
+//! A message that failed `--max-failures` times: `halt` stops the runner with it unsettled,
+//! `skip` settles it without its effect, `park` copies it with the error to its dead target
+//! and settles it only once the broker confirmed the copy. On a queue the copy goes to
+//! `<queue>.dead` on the session's confirm-mode channel ([`park`]); what the headers of a
+//! parked copy say is [`parked_headers`], for queues and streams alike.
 
 use super::options::OnPoison;
-use super::worker::ack;
+use super::worker::Delivered;
 use super::{Job, Shared};
 use crate::backoff::Backoff;
 use crate::consumer::ConsumerError;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, ShortString};
-use lapin::Confirmation;
+use lapin::{BasicProperties, Confirmation};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-pub(super) async fn poison(
-    job: &Job,
+pub(super) async fn poison<J: Delivered>(
+    job: &J,
     id: &str,
     error: &ConsumerError,
     failures: u32,
@@ -32,17 +34,17 @@ pub(super) async fn poison(
         OnPoison::Skip => {
             tracing::error!(id, failures, error = %error, "poison message: skipped (--on-poison skip); its effect never happens");
             stats.skipped.fetch_add(1, Ordering::Relaxed);
-            ack(job, id, stats).await;
+            job.settle(id, stats).await;
         }
         OnPoison::Park => {
-            let dead = shared.opts.dead_queue();
+            let dead = job.dead_target(&shared.opts);
             let mut backoff = Backoff::new(shared.opts.retry_min, shared.opts.retry_max);
             loop {
-                match park(job, &dead, error, failures, &shared.opts.queue).await {
+                match job.park(error, failures, &shared.opts).await {
                     Ok(()) => break,
                     Err(e) => {
                         tracing::warn!(id, error = %e, queue = %dead, "cannot park the message yet");
-                        if job.acker.poisoned() {
+                        if job.gone() {
                             return;
                         }
                     }
@@ -54,7 +56,7 @@ pub(super) async fn poison(
             }
             tracing::error!(id, failures, error = %error, queue = %dead, "poison message parked");
             stats.parked.fetch_add(1, Ordering::Relaxed);
-            ack(job, id, stats).await;
+            job.settle(id, stats).await;
         }
     }
 }
@@ -65,16 +67,15 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(30);
 /// Header values stay below this, so a parked message always fits its frame.
 const ERROR_HEADER_MAX: usize = 1024;
 
-/// Publishes the message, body and properties intact, to `<queue>.dead` through the default
-/// exchange, with why and where from in `x-outboxd-*` headers; done when the broker confirmed
-/// it (and did not return it).
-async fn park(
-    job: &Job,
-    dead: &str,
+/// The properties of a parked copy: those of the message, with why and where from in
+/// `x-outboxd-*` headers (`x-outboxd-error`, `-failures`, `-parked-at`, and `from`: the
+/// queue, exchange and routing key, or the stream and offset), persistent.
+pub(super) fn parked_headers(
+    props: &BasicProperties,
     error: &ConsumerError,
     failures: u32,
-    queue: &str,
-) -> Result<(), ConsumerError> {
+    from: &[(&str, AMQPValue)],
+) -> BasicProperties {
     let mut text = error.to_string();
     if text.len() > ERROR_HEADER_MAX {
         let mut end = ERROR_HEADER_MAX;
@@ -84,25 +85,44 @@ async fn park(
         text.truncate(end);
         text.push('…');
     }
-    let mut headers = job.properties.headers().clone().unwrap_or_default();
+    let mut headers = props.headers().clone().unwrap_or_default();
     let s = |v: &str| AMQPValue::LongString(v.into());
     headers.insert("x-outboxd-error".into(), s(&text));
     headers.insert(
         "x-outboxd-failures".into(),
         AMQPValue::LongLongInt(failures.into()),
     );
-    headers.insert("x-outboxd-queue".into(), s(queue));
-    headers.insert("x-outboxd-exchange".into(), s(&job.exchange));
-    headers.insert("x-outboxd-routing-key".into(), s(&job.routing_key));
+    for (k, v) in from {
+        headers.insert((*k).into(), v.clone());
+    }
     headers.insert(
         "x-outboxd-parked-at".into(),
         s(&chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true)),
     );
-    let props = job
-        .properties
-        .clone()
-        .with_headers(headers)
-        .with_delivery_mode(2);
+    props.clone().with_headers(headers).with_delivery_mode(2)
+}
+
+/// Publishes the message, body and properties intact, to `<queue>.dead` through the default
+/// exchange, with why and where from in `x-outboxd-*` headers; done when the broker confirmed
+/// it (and did not return it).
+pub(super) async fn park(
+    job: &Job,
+    dead: &str,
+    error: &ConsumerError,
+    failures: u32,
+    queue: &str,
+) -> Result<(), ConsumerError> {
+    let s = |v: &str| AMQPValue::LongString(v.into());
+    let props = parked_headers(
+        &job.properties,
+        error,
+        failures,
+        &[
+            ("x-outboxd-queue", s(queue)),
+            ("x-outboxd-exchange", s(&job.exchange)),
+            ("x-outboxd-routing-key", s(&job.routing_key)),
+        ],
+    );
     let guard = job.session.park.lock().await;
     let Some(ch) = guard.as_ref() else {
         return Err(ConsumerError::config(

@@ -1,37 +1,84 @@
-//! One worker: it takes jobs from its channel, forms batches of the messages already
+//! One worker: it takes deliveries from its channel, forms batches of the messages already
 //! delivered (`--batch-size`), runs them through its [`Processor`], retries a failing message
 //! alone and in place (so nothing overtakes it), and after each commit runs the hook, counts
-//! and acks. What to do once a message has failed too often is [`super::poison`]'s.
+//! and settles the delivery. What to do once a message has failed too often is
+//! [`super::poison`]'s. Written once over [`Delivered`], which an AMQP delivery (settled by its
+//! ack) and a stream message (settled by recording its offset as processed) implement.
 
-use super::options::Stats;
+use super::options::{RunnerOptions, Stats};
 use super::poison::poison;
 use super::{BatchResult, Job, Processor, Shared};
 use crate::backoff::Backoff;
 use crate::consumer::{Claim, ConsumerError, Message};
 use futures::FutureExt;
 use lapin::options::BasicAckOptions;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-fn parse(job: &Job) -> Result<Message, ConsumerError> {
-    Message::from_parts(
-        &job.exchange,
-        &job.routing_key,
-        job.redelivered,
-        job.properties.clone(),
-        job.body.clone(),
-    )
+/// A delivery as a worker sees it: the message to process, and how to settle it.
+pub(super) trait Delivered: Send + Sync + 'static {
+    /// The message, or why its envelope is unusable ([`ConsumerError::BadMessage`]).
+    fn message(&self) -> Result<Message, ConsumerError>;
+    /// The session it came on is gone and it will come again: not to be processed here (an
+    /// AMQP delivery of a closed channel, which the broker redelivers in queue order).
+    fn gone(&self) -> bool;
+    /// After its commit, or once skipped or parked: ack it, or record its offset.
+    fn settle(&self, id: &str, stats: &Stats) -> impl Future<Output = ()> + Send;
+    /// Where `--on-poison park` puts it.
+    fn dead_target(&self, opts: &RunnerOptions) -> String;
+    /// Copies it, with why it is parked, to [`Delivered::dead_target`]; `Ok` once the broker
+    /// confirmed the copy.
+    fn park(
+        &self,
+        error: &ConsumerError,
+        failures: u32,
+        opts: &RunnerOptions,
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send;
 }
 
-pub(super) async fn worker<P: Processor>(
+impl Delivered for Job {
+    fn message(&self) -> Result<Message, ConsumerError> {
+        Message::from_parts(
+            &self.exchange,
+            &self.routing_key,
+            self.redelivered,
+            self.properties.clone(),
+            self.body.clone(),
+        )
+    }
+
+    fn gone(&self) -> bool {
+        self.acker.poisoned()
+    }
+
+    async fn settle(&self, id: &str, stats: &Stats) {
+        ack(self, id, stats).await
+    }
+
+    fn dead_target(&self, opts: &RunnerOptions) -> String {
+        opts.dead_queue()
+    }
+
+    async fn park(
+        &self,
+        error: &ConsumerError,
+        failures: u32,
+        opts: &RunnerOptions,
+    ) -> Result<(), ConsumerError> {
+        super::poison::park(self, &opts.dead_queue(), error, failures, &opts.queue).await
+    }
+}
+
+pub(super) async fn worker<P: Processor, J: Delivered>(
     mut p: P,
-    mut rx: mpsc::Receiver<Job>,
+    mut rx: mpsc::Receiver<J>,
     shared: Arc<Shared>,
 ) {
     let max = shared.opts.batch_size.max(1);
-    let mut pending: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
+    let mut pending: std::collections::VecDeque<J> = std::collections::VecDeque::new();
     // The next message goes alone: it stopped a batch.
     let mut alone = false;
     loop {
@@ -65,7 +112,7 @@ pub(super) async fn worker<P: Processor>(
         let mut msgs = Vec::new();
         if max > 1 && !alone {
             while jobs.len() < max {
-                let Some(Ok(m)) = pending.front().map(parse) else {
+                let Some(Ok(m)) = pending.front().map(J::message) else {
                     break;
                 };
                 msgs.push(m);
@@ -118,9 +165,9 @@ pub(super) async fn worker<P: Processor>(
 /// again (one given up while retrying in place), and with the stale gate that earlier message
 /// would then be dropped as stale. All deliveries of one channel share its poison flag, so once
 /// the retried message saw the channel die, every later delivery of it is dropped here.
-fn drop_dead(pending: &mut std::collections::VecDeque<Job>, shared: &Shared) {
+fn drop_dead<J: Delivered>(pending: &mut std::collections::VecDeque<J>, shared: &Shared) {
     let before = pending.len();
-    pending.retain(|j| !j.acker.poisoned());
+    pending.retain(|j| !j.gone());
     let dropped = (before - pending.len()) as u64;
     if dropped > 0 {
         shared.in_flight.fetch_sub(dropped, Ordering::SeqCst);
@@ -146,8 +193,8 @@ fn panicked(panic: Box<dyn std::any::Any + Send>) -> ConsumerError {
     }
 }
 
-/// After the commit: the hook, the counters, the ack.
-async fn settle(job: &Job, msg: &Message, claim: &Claim<()>, shared: &Shared) {
+/// After the commit: the hook, the counters, the ack (or the offset).
+async fn settle<J: Delivered>(job: &J, msg: &Message, claim: &Claim<()>, shared: &Shared) {
     if let Some(hook) = &shared.on_commit {
         hook(msg, claim);
     }
@@ -159,13 +206,13 @@ async fn settle(job: &Job, msg: &Message, claim: &Claim<()>, shared: &Shared) {
     };
     counter.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(id = %msg.id, outcome = claim.kind(), redelivered = msg.redelivered, "committed");
-    ack(job, &msg.id.to_string(), stats).await;
+    job.settle(&msg.id.to_string(), stats).await;
 }
 
-async fn handle<P: Processor>(p: &mut P, job: Job, shared: &Shared) {
+async fn handle<P: Processor, J: Delivered>(p: &mut P, job: J, shared: &Shared) {
     let opts = &shared.opts;
     let stats = &shared.stats;
-    let msg = match parse(&job) {
+    let msg = match job.message() {
         Ok(m) => m,
         Err(e) => return poison(&job, "<no id>", &e, 1, shared).await,
     };
@@ -201,7 +248,7 @@ async fn handle<P: Processor>(p: &mut P, job: Job, shared: &Shared) {
         }
         // A delivery whose channel is gone will come again (to us after the reconnect, or to
         // another consumer): retrying this copy would only race that one.
-        if job.acker.poisoned() {
+        if job.gone() {
             tracing::info!(id = %msg.id, "channel closed while retrying; the broker redelivers the message");
             return;
         }

@@ -16,8 +16,7 @@ use crate::event::SourcePosition;
 use std::cmp::Ordering;
 use uuid::Uuid;
 
-/// The application property holding a message's publishing id.
-pub const PUBLISHING_ID_HEADER: &str = "x-outbox-publishing-id";
+pub use crate::stream::PUBLISHING_ID_HEADER;
 
 /// The last message of this relay's producer in a stream, as read back from it.
 #[derive(Debug, Clone, PartialEq, Eq)]

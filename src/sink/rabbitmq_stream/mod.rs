@@ -96,66 +96,20 @@ pub fn validate_stream(name: &str, partitions: u32) -> Result<(), crate::Error> 
     Ok(())
 }
 
-/// The stream client's TLS settings for `endpoint`, every file checked here: the client reads
-/// them itself on each connect and panics on a CA file it cannot read, a key that is not
-/// PKCS#8 or a certificate it cannot use, and it has no system roots to fall back on.
+/// The stream client's TLS settings for the sink's `--sink-ca`, `--sink-cert`, `--sink-key`.
 fn tls_configuration(
     endpoint: &StreamEndpoint,
     cfg: &StreamSinkConfig,
 ) -> Result<TlsConfiguration, crate::Error> {
     let m = &cfg.message;
     let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
-    let (ca, cert, key) = (path(&m.ca_file), path(&m.cert_file), path(&m.key_file));
-    if !endpoint.tls {
-        if ca.is_some() || cert.is_some() {
-            return Err(crate::Error::config(
-                format!("--sink-ca/--sink-cert are given but the sink {} is not TLS", endpoint.redacted),
-                "use rabbitmq-stream+tls://host:5551/… for TLS to the stream port, or drop the TLS files",
-            ));
-        }
-        let mut off = TlsConfiguration::default();
-        off.enable(false);
-        return Ok(off);
-    }
-    let Some(ca) = ca else {
-        return Err(crate::Error::config(
-            format!("the sink {} needs --sink-ca", endpoint.redacted),
-            "name the PEM file of the CA that signed the broker's certificate with --sink-ca (the stream client trusts only the CA it is given, no system roots)",
-        ));
-    };
-    if rustls::pki_types::ServerName::try_from(endpoint.host.as_str()).is_err() {
-        return Err(crate::Error::config(
-            format!(
-                "the sink's host {:?} is not a name TLS can verify",
-                endpoint.host
-            ),
-            "use the host name or IP address the broker's certificate names",
-        ));
-    }
-    // The same checks the relay's own TLS makes (readable, PEM, a key the secret-file rules
-    // allow, certificate and key usable together), plus the client's one restriction.
-    crate::tls::client_config(&crate::dsn::TlsSettings {
-        mode: crate::dsn::TlsMode::VerifyFull,
-        ca_file: Some(ca.clone()),
-        cert_file: cert.clone(),
-        key_file: key.clone(),
-    })?;
-    let mut b = TlsConfiguration::builder()
-        .enable(true)
-        .add_root_certificates(ca);
-    if let (Some(cert), Some(key)) = (cert, key) {
-        if !matches!(
-            crate::tls::load_key(&key)?,
-            rustls::pki_types::PrivateKeyDer::Pkcs8(_)
-        ) {
-            return Err(crate::Error::config(
-                format!("--sink-key {key} is not a PKCS#8 key (BEGIN PRIVATE KEY), the only kind the stream client reads"),
-                format!("convert it: openssl pkcs8 -topk8 -nocrypt -in {key} -out client.pk8.pem"),
-            ));
-        }
-        b = b.add_client_certificates_keys(cert, key);
-    }
-    Ok(b.build())
+    crate::stream::tls_configuration(
+        endpoint,
+        path(&m.ca_file),
+        path(&m.cert_file),
+        path(&m.key_file),
+        &crate::stream::SINK,
+    )
 }
 
 impl RabbitStreamSink {
@@ -182,19 +136,7 @@ impl RabbitStreamSink {
     }
 
     fn client_options(&self) -> ClientOptions {
-        let e = &self.endpoint;
-        ClientOptions::builder()
-            .host(&e.host)
-            .port(e.port)
-            .user(&e.user)
-            .password(&e.password)
-            .v_host(&e.vhost)
-            // Connect where the URL says and check that the node there leads the stream,
-            // instead of following the advertised host: the relay reaches the broker through
-            // that address (a load balancer, a proxy, a container's published port).
-            .load_balancer_mode(true)
-            .tls(self.tls.clone())
-            .build()
+        crate::stream::client_options(&self.endpoint, &self.tls)
     }
 
     fn connection_err(&self, what: &str, e: impl std::fmt::Display) -> SinkError {
@@ -330,17 +272,7 @@ impl RabbitStreamSink {
         let admin = rabbitmq_stream_client::Client::connect(self.client_options())
             .await
             .map_err(|e| self.connect_err(e))?;
-        let e = &self.endpoint;
-        let env = Environment::builder()
-            .host(&e.host)
-            .port(e.port)
-            .username(&e.user)
-            .password(&e.password)
-            .virtual_host(&e.vhost)
-            // As in `client_options`: connect where the URL says.
-            .load_balancer_mode(true)
-            .tls(self.tls.clone())
-            .build()
+        let env = crate::stream::environment(&self.endpoint, &self.tls)
             .await
             .map_err(|e| self.connect_err(e))?;
         let mut lanes = Vec::new();
