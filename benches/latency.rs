@@ -13,7 +13,8 @@
 //!   (the same `PRODUCERS` connections, the same schedule, one row of the outbox table's shape
 //!   per autocommit transaction) commits the row, then publishes the message itself
 //!   with a bare publisher of the broker's client (on AMQP persistent, `mandatory`, to a topic
-//!   exchange bound to the queue) and waits for its confirm (Kafka: the delivery report)
+//!   exchange bound to the queue) and waits for its confirm (Kafka: the delivery report; one
+//!   producer shared by the connections, as an application's workers share one)
 //!   before its next commit; no relay runs. Latency = arrival − the time the
 //!   COMMIT returned: the floor for any relay under the same database load.
 //! - relay, per source: the same producer commits only; an `outboxd run` child tails the log
@@ -334,12 +335,18 @@ async fn produce(
     let writers = PRODUCERS.min(n.max(1));
     // Every connection and channel is open before the schedule starts.
     let mut ready = Vec::with_capacity(writers);
+    let mut first: Option<support::brokers::Publisher> = None;
     for _ in 0..writers {
         let writer = producer.writer(db).await;
         let publisher = match publish {
+            // A Kafka producer is shared by the writers, as by an application's workers.
+            Some(_) if first.as_ref().and_then(|p| p.share()).is_some() => {
+                first.as_ref().and_then(|p| p.share())
+            }
             Some((broker, dest)) => {
                 let mut p = broker.publisher(dest).await;
                 p.warm().await;
+                first = first.or_else(|| p.share());
                 Some(p)
             }
             None => None,

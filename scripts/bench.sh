@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-BENCHES=${OUTBOXD_BENCHES:-"rabbitmq latency poll memory duplicates nats peer"}
+BENCHES=${OUTBOXD_BENCHES:-"rabbitmq brokers latency poll memory duplicates nats peer"}
 OUT=target/bench
 mkdir -p "$OUT"
 

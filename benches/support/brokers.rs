@@ -371,6 +371,19 @@ pub enum Publisher {
 }
 
 impl Publisher {
+    /// Another handle on the same client where an application shares one between its
+    /// workers: a Kafka producer (thread-safe, batching for all of them; one producer per
+    /// process is what rdkafka's users run). Other brokers: `None`, a connection each.
+    pub fn share(&self) -> Option<Publisher> {
+        match self {
+            Publisher::Kafka { producer, topic } => Some(Publisher::Kafka {
+                producer: producer.clone(),
+                topic: topic.clone(),
+            }),
+            _ => None,
+        }
+    }
+
     /// One message through, confirmed: the client's connection, metadata and producer id are
     /// in place before a schedule starts (a Kafka producer's first record waits about a
     /// second for them). The message lands in the destination under an id no run counts.
