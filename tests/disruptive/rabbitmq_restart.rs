@@ -281,6 +281,9 @@ async fn broker_stopped_and_started_mid_stream_loses_nothing() {
     .await;
     let expected = writer.await.unwrap();
     broker.start();
+    // Before the stop: a relay that had nothing unconfirmed when the broker went away stops
+    // at once on SIGTERM, without waiting for the broker (relay::RelayOptions::stop).
+    relay.wait_for_stderr(&["sink recovered"], T).await;
     let client = db.client().await;
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end).await;
@@ -479,6 +482,7 @@ async fn partitions_keep_every_aggregate_in_its_queue_across_a_broker_restart() 
     written
         .extend(write_interleaved(&mut c, 200, 25, 32, |_, _| "restart.partitioned".into()).await);
     broker.start();
+    relay.wait_for_stderr(&["sink recovered"], T).await;
     let end = wal_end(&c).await;
     wait_confirmed_past(&db, &slot, end).await;
     relay.signal("TERM");
@@ -568,6 +572,9 @@ async fn mariadb_broker_stopped_and_started_mid_stream_loses_nothing() {
     .await;
     let expected = writer.await.unwrap();
     broker.start();
+    // Before the stop: the writer can finish before the broker goes away, and a relay with
+    // nothing unconfirmed stops at once on SIGTERM without reconnecting (RelayOptions::stop).
+    relay.wait_for_stderr(&["sink recovered"], T).await;
     let head = db.head_past_writes().await;
     wait_stored_past(&db, &name, &head).await;
     relay.signal("TERM");

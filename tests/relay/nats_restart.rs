@@ -93,6 +93,7 @@ async fn a_restarted_server_loses_and_duplicates_nothing<D: SourceDb>() {
         s.len().await >= expected.len() as u64
     })
     .await;
+    relay.wait_for_stderr(&["sink recovered"], T).await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     assert!(relay.stderr().contains("sink recovered"));

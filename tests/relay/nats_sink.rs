@@ -440,6 +440,9 @@ async fn cut_and_stalled_connections_lose_and_duplicate_nothing<D: SourceDb>() {
     proxy.resume();
     let expected = writer.await.unwrap();
     wait_len(&s, expected.len() as u64, "every event").await;
+    // Before the stop: a relay with nothing unconfirmed stops at once on SIGTERM, without
+    // reconnecting (RelayOptions::stop).
+    relay.wait_for_stderr(&["sink recovered"], T).await;
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
     assert!(relay.stderr().contains("sink recovered"));
