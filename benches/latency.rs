@@ -338,18 +338,16 @@ async fn produce(
     let mut first: Option<support::brokers::Publisher> = None;
     for _ in 0..writers {
         let writer = producer.writer(db).await;
-        let publisher = match publish {
-            // A Kafka producer is shared by the writers, as by an application's workers.
-            Some(_) if first.as_ref().and_then(|p| p.share()).is_some() => {
-                first.as_ref().and_then(|p| p.share())
-            }
-            Some((broker, dest)) => {
+        // A Kafka producer is shared by the writers, as by an application's workers.
+        let publisher = match (publish, first.as_ref().and_then(|p| p.share())) {
+            (Some(_), Some(shared)) => Some(shared),
+            (Some((broker, dest)), None) => {
                 let mut p = broker.publisher(dest).await;
                 p.warm().await;
-                first = first.or_else(|| p.share());
+                first = p.share();
                 Some(p)
             }
-            None => None,
+            (None, _) => None,
         };
         ready.push((writer, publisher));
     }

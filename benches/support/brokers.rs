@@ -157,7 +157,7 @@ impl Broker {
 
     /// `outboxd run` arguments that publish into `name`.
     pub fn relay_args(self, name: &str) -> Vec<String> {
-        let a: Vec<String> = match self {
+        match self {
             Broker::Amqp => vec![
                 "--sink".into(),
                 super::AMQP.into(),
@@ -178,8 +178,7 @@ impl Broker {
                 "--stream".into(),
                 name.into(),
             ],
-        };
-        a
+        }
     }
 
     /// Reads `name` from its start until the returned reader is dropped, recording the first
@@ -352,6 +351,23 @@ fn headers(id: &str, key: &str, i: usize) -> [(&'static str, String); 5] {
     ]
 }
 
+/// Message `i` as a stream message with publishing id `pid`, carrying the relay's headers.
+fn stream_message(pid: u64, id: &str, key: &str, i: usize, body: Vec<u8>) -> StreamMessage {
+    let mut app = StreamMessage::builder()
+        .publising_id(pid)
+        .body(body)
+        .properties()
+        .message_id(id.to_string())
+        .content_type("application/json")
+        .subject(TOPIC.to_string())
+        .message_builder()
+        .application_properties();
+    for (k, v) in &headers(id, key, i)[1..] {
+        app = app.insert(*k, v.as_str());
+    }
+    app.message_builder().build()
+}
+
 // One value per publisher: its size does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum Publisher {
@@ -468,21 +484,8 @@ impl Publisher {
                 .boxed()
             }
             Publisher::Stream { producer, next_id } => {
-                let pid = *next_id;
+                let msg = stream_message(*next_id, id, key, i, body.to_vec());
                 *next_id += 1;
-                let mut app = StreamMessage::builder()
-                    .publising_id(pid)
-                    .body(body.to_vec())
-                    .properties()
-                    .message_id(id.to_string())
-                    .content_type("application/json")
-                    .subject(TOPIC.to_string())
-                    .message_builder()
-                    .application_properties();
-                for (k, v) in &h[1..] {
-                    app = app.insert(*k, v.as_str());
-                }
-                let msg = app.message_builder().build();
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 let tx = Mutex::new(Some(tx));
                 producer
@@ -600,19 +603,7 @@ pub async fn drain_stream_batched(
             .map(|j| {
                 let id = uuid::Uuid::now_v7().to_string();
                 let key = format!("agg-{}", j % 1000);
-                let mut app = StreamMessage::builder()
-                    .publising_id(j as u64 + 1)
-                    .body(body(j))
-                    .properties()
-                    .message_id(id.clone())
-                    .content_type("application/json")
-                    .subject(TOPIC.to_string())
-                    .message_builder()
-                    .application_properties();
-                for (k, v) in &headers(&id, &key, j)[1..] {
-                    app = app.insert(*k, v.as_str());
-                }
-                app.message_builder().build()
+                stream_message(j as u64 + 1, &id, &key, j, body(j))
             })
             .collect();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

@@ -29,14 +29,6 @@ struct Cluster {
     port: u16,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs `cmd args…` as the postgres system user (the server refuses root); panics with its
 /// output when it fails.
 fn as_postgres(cmd: &str, args: &[&str]) {
@@ -70,7 +62,7 @@ impl Cluster {
         let c = Cluster {
             bin: Cluster::bin_dir(major),
             data: format!("{dir}/primary"),
-            port: free_port(),
+            port: free_local_port(),
         };
         std::fs::create_dir_all(dir).unwrap();
         Command::new("chown")
@@ -224,7 +216,7 @@ async fn failover_under_a_producer(major: u32) {
     let standby = Cluster {
         bin: primary.bin.clone(),
         data: format!("{dir}/standby"),
-        port: free_port(),
+        port: free_local_port(),
     };
     let copied = Command::new("cp")
         .args(["-a", &primary.data, &standby.data])

@@ -297,11 +297,7 @@ async fn sigterm_while_the_broker_is_unreachable_stops_at_once() {
     let db = PgDb::create("sigunr").await;
     let name = unique("r");
     let dsn = db.dsn();
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let closed = free_local_port();
     let sink = format!("amqp://guest:guest@127.0.0.1:{closed}/%2f");
     let mut relay = Relay::start(&[
         "run",

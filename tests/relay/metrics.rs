@@ -42,14 +42,6 @@ fn metric(body: &str, name: &str) -> f64 {
         .unwrap_or(-1.0)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_health_follow_the_pipeline() {
     let db = PgDb::create("metrics").await;
@@ -62,7 +54,7 @@ async fn metrics_and_health_follow_the_pipeline() {
     .await
     .unwrap();
     let name = unique("r");
-    let port = free_port();
+    let port = free_local_port();
     let addr = format!("127.0.0.1:{port}");
     let dsn = db.dsn();
     let sink = common::amqp::url_via(proxy.port());
@@ -280,7 +272,7 @@ async fn a_source_reconnect_is_counted_and_readyz_follows_it<D: SourceDb>() {
     let db = D::create("metrics_src").await;
     let proxy = FaultProxy::start(D::server_addr()).await.unwrap();
     let name = unique("r");
-    let port = free_port();
+    let port = free_local_port();
     let addr = format!("127.0.0.1:{port}");
     let via = db.dsn_via(proxy.port());
     let relay = Relay::start(&[

@@ -26,14 +26,6 @@ fn serve(port: u16, store: &std::path::Path) -> Child {
         })
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_loses_and_duplicates_nothing_postgres() {
     a_restarted_server_loses_and_duplicates_nothing::<PgDb>().await
@@ -46,7 +38,7 @@ async fn a_restarted_server_loses_and_duplicates_nothing_mariadb() {
 
 async fn a_restarted_server_loses_and_duplicates_nothing<D: SourceDb>() {
     let store = tempfile::tempdir().unwrap();
-    let port = free_port();
+    let port = free_local_port();
     let mut server = serve(port, store.path());
     let db = D::create("natsr").await;
     let s = TestStream::on_port("nr", port).await;

@@ -352,11 +352,7 @@ async fn stream_cut_and_stalled_connection_loses_and_duplicates_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_port_closed_names_the_plugin_command() {
     let db = PgDb::create("snone").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_local_port();
     let name = unique("sn");
     let dsn = db.dsn();
     let sink = common::rmq_stream::url_via(port);
@@ -428,11 +424,7 @@ async fn check_reports_streams_their_retention_and_the_fixes() {
         )),
         "{text}"
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_local_port();
     let (ok, text) = check(common::rmq_stream::url_via(port), "auto");
     assert!(!ok);
     assert!(
