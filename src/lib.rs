@@ -96,6 +96,9 @@ pub mod diagnostics;
 pub mod fuzzing;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
+pub mod identity;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod pipeline;
 #[cfg(feature = "relay")]
 #[doc(hidden)]

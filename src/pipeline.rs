@@ -10,6 +10,7 @@ pub mod checkpoint;
 
 use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::Checkpoint;
+use crate::identity::{Origin, SourceIdentity};
 use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
 use crate::sink::options::{SinkContext, SinkOptions};
@@ -55,11 +56,53 @@ pub struct RunConfig {
     pub ha: bool,
     /// Every sink's settings (the sink itself is [`RunConfig::sink`]).
     pub sink_options: SinkOptions,
+    /// `--accept-new-source`: records a deduplicating sink finds of another source are taken
+    /// for an earlier life of this one instead of stopping the relay (`crate::identity`).
+    pub accept_new_source: bool,
 }
 
 // Defined by the startups that use them; `commands` and the tests name them through here.
 pub use crate::source::postgres::startup::recovery_since;
 pub use crate::source::startup::{replay_start, PositionLostPolicy};
+
+/// Who publishes: the relay's name, and the identity of the log it reads (unknown where the
+/// source has none).
+fn origin(cfg: &RunConfig, source: Option<SourceIdentity>) -> Origin {
+    Origin {
+        relay: cfg.name.clone(),
+        source: source.unwrap_or_default(),
+        accept_new_source: cfg.accept_new_source,
+    }
+}
+
+/// The identity of a Postgres source, read on `client`; a server that will not tell (an old
+/// version, a revoked function) leaves it unknown, which costs duplicates, never events.
+async fn pg_identity(client: &tokio_postgres::Client) -> Option<SourceIdentity> {
+    match admin::source_identity(client).await {
+        Ok(id) => Some(id),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the source's identity (pg_control_system): records a deduplicating sink reads back are matched without it");
+            None
+        }
+    }
+}
+
+/// The identity of a MySQL/MariaDB source (see [`pg_identity`]).
+async fn mysql_identity(dsn: &DbDsn, mariadb: bool) -> Option<SourceIdentity> {
+    let read = async {
+        let mut conn = crate::source::mysql::connect_sql(dsn).await?;
+        let id = crate::source::mysql::identity::source_identity(&mut conn, mariadb).await;
+        let _ = conn.disconnect().await;
+        id
+    };
+    match read.await {
+        Ok(id) => Some(id),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
+            None
+        }
+    }
+}
 
 /// The settings of `cfg` that decide how a log source starts.
 fn start_options(cfg: &RunConfig) -> StartOptions {
@@ -128,7 +171,8 @@ pub async fn run_postgres(
     // path what it wrote, the source confirms what that allows.
     let checkpoints = Checkpointer::new(start);
     let store = store.with_checkpointer(checkpoints.clone());
-    let sink = make_sink(&cfg)?;
+    let mut sink = make_sink(&cfg)?;
+    sink.set_origin(&origin(&cfg, pg_identity(&_session).await));
     let opts = DriveOptions::from(&cfg);
     drive(
         &opts,
@@ -194,10 +238,11 @@ pub async fn run_poll_postgres(
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
     let table = single_table(&cfg)?.clone();
-    {
+    let identity = {
         let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
         admin::require_table(&sql, &table).await?;
-    }
+        pg_identity(&sql).await
+    };
     let poll_cfg = crate::source::postgres::poll::PollConfig {
         dsn,
         name: cfg.name.clone(),
@@ -209,7 +254,7 @@ pub async fn run_poll_postgres(
             .notify
             .then(|| crate::source::postgres::poll::notify_channel(&table)),
     };
-    run_poll(&cfg, move |link| {
+    run_poll(&cfg, identity, move |link| {
         crate::source::postgres::poll::run_postgres(poll_cfg, link, shutdown)
     })
     .await
@@ -230,19 +275,20 @@ pub async fn run_poll_mysql(
         ));
     }
     let table = mysql_outbox_table(&dsn, single_table(&cfg)?, &cfg.columns, cfg.mysql.time_zone)?;
-    let lock_wait = {
+    let (lock_wait, identity) = {
         let mut sql = my::connect_sql(&dsn).await?;
         my::admin::require_table(&mut sql, &table).await?;
         let w = my_poll::lock_wait_timeout(&mut sql).await?;
+        let mariadb = my::admin::settings(&mut sql).await?.mariadb;
         let _ = sql.disconnect().await;
-        w
+        (w, mysql_identity(&dsn, mariadb).await)
     };
     let deadline = my_poll::deadline(cfg.relay.confirm_timeout, lock_wait);
     if deadline < cfg.relay.confirm_timeout {
         tracing::info!(?deadline, innodb_lock_wait_timeout = ?lock_wait, "a batch's transaction is bounded below the server's lock wait timeout");
     }
     let run = poll.loop_config(deadline);
-    run_poll(&cfg, move |link| async move {
+    run_poll(&cfg, identity, move |link| async move {
         let dbs = my_poll::open_sessions(&dsn, &table, &run).await?;
         // No NOTIFY on MySQL: a wake channel that never ticks.
         let (_never, wake) = watch::channel(0u64);
@@ -260,12 +306,17 @@ pub async fn run_poll_mysql(
 }
 
 /// The relay and a poll source together, with the configured sink.
-async fn run_poll<F, Fut>(cfg: &RunConfig, source: F) -> Result<Arc<RelayStats>, Error>
+async fn run_poll<F, Fut>(
+    cfg: &RunConfig,
+    identity: Option<SourceIdentity>,
+    source: F,
+) -> Result<Arc<RelayStats>, Error>
 where
     F: FnOnce(SourceLink) -> Fut,
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
     let mut sink = make_sink(cfg)?;
+    sink.set_origin(&origin(cfg, identity));
     if !sink.stores_position() {
         return Err(Error::config(
             "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
@@ -443,6 +494,7 @@ pub async fn run_file(
         .collect::<Result<Vec<_>, Error>>()?;
     let paths = file::binlog_files(&files)?;
     let mut sink = make_sink(&cfg)?;
+    sink.set_origin(&origin(&cfg, None));
     let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
     PipelineStarted.emit();
@@ -529,8 +581,10 @@ async fn run_mysql_on<St: state::StateStore + 'static>(
     // Nothing upstream to confirm on the binlog: the return path carries commit times only.
     let checkpoints = Checkpointer::new(0);
     let commits = checkpoints.clone();
+    let identity = mysql_identity(&dsn, mariadb).await;
     let source = move |link| my::run(source_cfg, link, start, first, checkpoints, shutdown);
-    let sink = make_sink(&cfg)?;
+    let mut sink = make_sink(&cfg)?;
+    sink.set_origin(&origin(&cfg, identity));
     let opts = DriveOptions::from(&cfg);
     drive(&opts, sink, store, lease, resumed, commits, source).await
 }

@@ -272,9 +272,15 @@ pub fn to_message(p: &BasicProperties, body: &[u8], publishing_id: u64) -> Messa
     if let Some(a) = p.app_id() {
         app = app.insert("app-id", a.as_str());
     }
-    app.insert(PUBLISHING_ID_HEADER, publishing_id)
-        .message_builder()
-        .build()
+    // A `long`, not the id's own `ulong`: RabbitMQ 3.10 cannot convert an unsigned long
+    // application property for AMQP 0-9-1 consumers of the stream (`x-stream-offset`), and
+    // closes their connection when it meets one.
+    app.insert(
+        PUBLISHING_ID_HEADER,
+        long(i64::try_from(publishing_id).unwrap_or(i64::MAX)),
+    )
+    .message_builder()
+    .build()
 }
 
 /// An integer as an application property. The stream client (0.4.4) sizes a `long` between
@@ -486,7 +492,7 @@ mod tests {
         );
         assert_eq!(get("x-aggregate-version"), Some(AMQPValue::LongInt(42)));
         assert_eq!(get("x-flag"), Some(AMQPValue::Boolean(true)));
-        assert_eq!(get(PUBLISHING_ID_HEADER), Some(AMQPValue::LongLongInt(9)));
+        assert_eq!(get(PUBLISHING_ID_HEADER), Some(AMQPValue::LongInt(9)));
         assert_eq!(to_simple(&AMQPValue::LongLongInt(7)), SimpleValue::Int(7));
         assert_eq!(
             to_simple(&AMQPValue::LongLongInt(-128)),

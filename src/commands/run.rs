@@ -67,6 +67,12 @@ pub struct RunArgs {
     /// standbys and take over when it expires.
     #[arg(long, env = "OUTBOXD_HA")]
     pub ha: bool,
+    /// Deduplicating sinks (Kafka, RabbitMQ stream): the relay's last record there came from
+    /// another database (restored or moved to another server on purpose); go on, recognising
+    /// what the broker holds only by each event's exact identity. Without it the relay stops
+    /// and says so. Needed once, for the first start after the move.
+    #[arg(long, env = "OUTBOXD_ACCEPT_NEW_SOURCE")]
+    pub accept_new_source: bool,
     /// Serve /metrics, /healthz and /readyz on HOST:PORT (default off).
     #[arg(long, env = "OUTBOXD_METRICS_ADDR")]
     pub metrics_addr: Option<String>,
@@ -351,6 +357,7 @@ pub(super) async fn run(
         },
         recovery_margin: args.recovery_margin,
         ha: args.ha,
+        accept_new_source: args.accept_new_source,
         mysql: pipeline::MySqlOptions {
             time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
             txn_buffer_bytes: args.mysql.txn_buffer.max(1),

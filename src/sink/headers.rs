@@ -6,6 +6,7 @@
 //! `outboxd_row_headers_dropped_total` and logged once per name.
 
 use crate::event::OutboxEvent;
+use crate::identity::{Origin, RELAY_HEADER, SOURCE_HEADER};
 use crate::telemetry::events::{InternalEvent, RowHeaderDropped};
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -55,14 +56,17 @@ pub fn is_reserved(name: &str) -> bool {
         || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
 }
 
-/// The relay's own headers of an event, in the order they are documented.
-pub fn relay_headers(event: &OutboxEvent) -> Vec<(&'static str, HeaderValue)> {
+/// The relay's own headers of an event, in the order they are documented. `origin` names the
+/// relay and the log the event was read from: with the position and the event id they are the
+/// event's identity (`crate::identity`).
+pub fn relay_headers(event: &OutboxEvent, origin: &Origin) -> Vec<(&'static str, HeaderValue)> {
     let s = HeaderValue::Str;
     let mut h = vec![
         ("x-aggregate-id", s(event.aggregate_id.clone())),
         ("x-outbox-created-at", s(event.created_at_rfc3339())),
         ("x-source-position", s(event.position.to_string())),
     ];
+    h.extend(origin_headers(origin).map(|(k, v)| (k, s(v))));
     if let Some(g) = &event.gtid {
         h.push(("x-source-gtid", s(g.clone())));
     }
@@ -130,15 +134,45 @@ pub fn dead_value(s: &str) -> String {
 
 /// The headers of an event's dead record (body-less: it says why the event could not be
 /// published and where it came from), as text.
-pub fn dead_headers(event: &OutboxEvent, reason: &str) -> Vec<(&'static str, String)> {
-    vec![
+pub fn dead_headers(
+    event: &OutboxEvent,
+    reason: &str,
+    origin: &Origin,
+) -> Vec<(&'static str, String)> {
+    let mut h = vec![
         ("x-dead-reason", dead_value(reason)),
         ("x-source-position", dead_value(&event.position.to_string())),
         ("x-original-topic", dead_value(&event.topic)),
         ("x-aggregate-id", dead_value(&event.aggregate_id)),
         ("x-outbox-created-at", event.created_at_rfc3339()),
         ("x-original-size", event.payload.len().to_string()),
+    ];
+    h.extend(identity_headers(event, origin));
+    h
+}
+
+/// What a dead record carries of the event's identity besides its position and id: the GTID
+/// where the transaction had one, the relay and the source.
+pub fn identity_headers<'a>(
+    event: &'a OutboxEvent,
+    origin: &'a Origin,
+) -> impl Iterator<Item = (&'static str, String)> + 'a {
+    event
+        .gtid
+        .iter()
+        .map(|g| ("x-source-gtid", dead_value(g)))
+        .chain(origin_headers(origin))
+}
+
+/// `x-outbox-relay` and `x-outbox-source`, each where known.
+fn origin_headers(origin: &Origin) -> impl Iterator<Item = (&'static str, String)> + '_ {
+    [
+        (RELAY_HEADER, &origin.relay),
+        (SOURCE_HEADER, &origin.source.id),
     ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .map(|(k, v)| (k, v.clone()))
 }
 
 #[cfg(test)]
@@ -184,16 +218,51 @@ mod tests {
     fn the_aggregate_type_is_sent_when_the_row_has_one() {
         let mut event = crate::sink::test_event();
         let names = |e: &OutboxEvent| -> Vec<&'static str> {
-            relay_headers(e).into_iter().map(|(k, _)| k).collect()
+            relay_headers(e, &Origin::default())
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
         };
         assert!(!names(&event).contains(&"x-aggregate-type"));
         event.extra = vec![("aggregate_type".into(), "order".into())];
-        let h = relay_headers(&event);
+        let h = relay_headers(&event, &Origin::default());
         assert!(
             h.contains(&("x-aggregate-type", HeaderValue::Str("order".into()))),
             "{h:?}"
         );
         assert!(is_reserved("x-aggregate-type"), "a row cannot forge it");
+    }
+
+    /// Every message names its relay and its source (the event's identity with its position
+    /// and id); a dead record too, with the GTID where the transaction had one.
+    #[test]
+    fn messages_and_dead_records_name_the_relay_and_the_source() {
+        let mut event = crate::sink::test_event();
+        event.gtid = Some("0-1-57".into());
+        let origin = Origin {
+            relay: "billing".into(),
+            source: crate::identity::SourceIdentity {
+                id: "mariadb:1".into(),
+                ..Default::default()
+            },
+            accept_new_source: false,
+        };
+        let h = relay_headers(&event, &origin);
+        assert!(h.contains(&(RELAY_HEADER, HeaderValue::Str("billing".into()))));
+        assert!(h.contains(&(SOURCE_HEADER, HeaderValue::Str("mariadb:1".into()))));
+        let d = dead_headers(&event, "bad", &origin);
+        for (k, v) in [
+            (RELAY_HEADER, "billing"),
+            (SOURCE_HEADER, "mariadb:1"),
+            ("x-source-gtid", "0-1-57"),
+        ] {
+            assert!(d.contains(&(k, v.to_string())), "{k} in {d:?}");
+        }
+        // Unknown (binlog files, tests): not sent rather than sent empty.
+        let none = relay_headers(&event, &Origin::default());
+        assert!(none
+            .iter()
+            .all(|(k, _)| *k != SOURCE_HEADER && *k != RELAY_HEADER));
     }
 
     #[test]

@@ -116,6 +116,14 @@ pub trait Sink: Send {
         let _ = fence;
     }
 
+    /// Who publishes and from which log (`crate::identity::Origin`): the sink writes both on
+    /// every message, and a sink that recognises what a broker already holds compares them.
+    /// Called before `connect`, once the source's identity is known; a sink that was never
+    /// told names only its relay.
+    fn set_origin(&mut self, origin: &crate::identity::Origin) {
+        let _ = origin;
+    }
+
     /// Whether the destination holds publishing back on purpose (RabbitMQ's resource alarms):
     /// confirmations are then late by design, so the relay's confirm timeout does not run out
     /// across a block — reconnecting would only republish into the same block.
@@ -230,6 +238,16 @@ impl Sink for AnySink {
             AnySink::Nats(s) => s.is_broken(),
             AnySink::Kafka(s) => s.is_broken(),
             AnySink::RabbitStream(s) => s.is_broken(),
+        }
+    }
+
+    fn set_origin(&mut self, origin: &crate::identity::Origin) {
+        match self {
+            AnySink::Stdout(s) => s.set_origin(origin),
+            AnySink::Rabbit(s) => s.set_origin(origin),
+            AnySink::Nats(s) => s.set_origin(origin),
+            AnySink::Kafka(s) => s.set_origin(origin),
+            AnySink::RabbitStream(s) => s.set_origin(origin),
         }
     }
 

@@ -56,12 +56,21 @@ pub enum SnapshotPlan {
 /// index into the plan), and every row of that table up to (`created_at`, `id`) in the
 /// snapshot's order, is durable in the sink. A restart reads only the rows after it, so a relay
 /// that keeps dying mid-snapshot still gets through the table. The values are the source's text
-/// forms (MySQL tags the id with its type).
+/// forms (MySQL tags the id with its type); `created_at` is `None` for a table without that
+/// column (Debezium's), which the snapshot reads in `id` order.
+///
+/// `seq` is how many snapshot rows came before the next one: the snapshot's events are numbered
+/// on from it after a restart, so a row keeps the position (and with it the identity,
+/// `crate::identity`) it had in the life that first published it, instead of a count that
+/// starts again at zero in every life.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotKey {
     pub table: usize,
-    pub created_at: String,
+    pub created_at: Option<String>,
     pub id: String,
+    /// Written by versions that numbered every life from zero: 0.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 impl SnapshotKey {
@@ -80,6 +89,11 @@ impl SnapshotKey {
             );
         }
         key
+    }
+
+    /// Where the snapshot's numbering goes on: after the last durable row, or from the start.
+    pub fn next_index(key: Option<&SnapshotKey>) -> u64 {
+        key.map_or(0, |k| k.seq)
     }
 
     /// The resume filter for the table at `index`: `Some(true)` to read after the key,
@@ -102,9 +116,38 @@ pub fn and_where(filter: &str, extra: &str) -> String {
     }
 }
 
+/// Refuses `--snapshot since=…` on a table without the `created_at` column it compares.
+pub fn require_created_at(mode: &SnapshotMode, table: &str, column: &str) -> Result<(), Error> {
+    match mode {
+        SnapshotMode::Since(_) => Err(Error::config(
+            format!("--snapshot since=… reads the rows created since a time, and {table} has no {column} column"),
+            "use --snapshot all (every row) or never, or name the column that holds the creation time with --column created_at=COLUMN",
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys stored by earlier versions (a `created_at` string, no `seq`) still read.
+    #[test]
+    fn keys_read_back_including_those_of_earlier_versions() {
+        let k = SnapshotKey {
+            table: 1,
+            created_at: None,
+            id: "x:0a".into(),
+            seq: 42,
+        };
+        assert_eq!(SnapshotKey::decode(&k.encode()), Some(k));
+        let old =
+            SnapshotKey::decode(r#"{"table":0,"created_at":"2026-01-01 00:00:00+00","id":"7"}"#)
+                .unwrap();
+        assert_eq!(old.created_at.as_deref(), Some("2026-01-01 00:00:00+00"));
+        assert_eq!(SnapshotKey::next_index(Some(&old)), 0);
+        assert_eq!(SnapshotKey::next_index(None), 0);
+    }
 
     #[test]
     fn modes_parse() {

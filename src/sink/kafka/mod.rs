@@ -24,6 +24,7 @@ pub use config::{KafkaConfig, KafkaOptions};
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact;
 use crate::event::{OutboxEvent, SourcePosition};
+use crate::identity::{EventKey, Origin};
 use crate::state::Fence;
 use futures::FutureExt;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -44,6 +45,12 @@ pub struct KafkaSink {
     /// Replayed events acknowledged without producing since the last connect (logged once).
     skipped: u64,
     fence: Option<Fence>,
+    /// The relay and the source (`crate::identity`): written on every record, compared with
+    /// what a partition's tail holds.
+    origin: Origin,
+    /// The newest position this process handed to the producer: a record of ours up to it is
+    /// this process's own, whatever the source's head was at the start.
+    published: Option<SourcePosition>,
 }
 
 /// One producer and what it learnt about the topics it writes.
@@ -54,9 +61,9 @@ struct Link {
     admin: declare::Admin,
     /// Partition counts of the event topics seen on this link (declared or checked).
     topics: HashMap<String, i32>,
-    /// Per partition written on this link: the positions of the relay's records that were
+    /// Per partition written on this link: the identities of the relay's records that were
     /// there when the link first wrote to it.
-    written: HashMap<(String, i32), HashSet<String>>,
+    written: HashMap<(String, i32), HashSet<EventKey>>,
 }
 
 impl Drop for Link {
@@ -102,6 +109,7 @@ impl KafkaSink {
     /// Validates the configuration; connects only in [`Sink::connect`].
     pub fn new(cfg: KafkaConfig) -> Result<KafkaSink, crate::Error> {
         cfg.validate()?;
+        let relay = cfg.name.clone();
         Ok(KafkaSink {
             redacted: redact(&cfg.url),
             cfg: Arc::new(cfg),
@@ -109,6 +117,11 @@ impl KafkaSink {
             refused: Arc::default(),
             skipped: 0,
             fence: None,
+            origin: Origin {
+                relay,
+                ..Origin::default()
+            },
+            published: None,
         })
     }
 
@@ -167,8 +180,9 @@ impl KafkaSink {
     async fn place(
         &mut self,
         out: &record::Outgoing,
-        position: &SourcePosition,
+        event: &OutboxEvent,
     ) -> Result<(i32, bool), SinkError> {
+        let position = &event.position;
         let link = self.link.as_mut().expect("connected");
         let partitions = match link.topics.get(&out.topic) {
             Some(n) => *n,
@@ -190,13 +204,32 @@ impl KafkaSink {
             let (cfg, t, p) = (self.cfg.clone(), out.topic.clone(), position.clone());
             let limit = self.cfg.options.scan_limit;
             let found = blocking(move || tail::written(&cfg, &t, partition, &p, limit)).await??;
-            tracing::debug!(topic = %out.topic, partition, before = %position, found = found.len(), "read back the partition's tail");
-            link.written.insert(key.clone(), found);
+            tracing::debug!(topic = %out.topic, partition, before = %position, found = found.keys.len(), "read back the partition's tail");
+            if let Some((offset, newest)) = &found.newest {
+                let place = format!("{}/{partition}", out.topic);
+                self.origin
+                    .check_tail(newest, self.published.as_ref())
+                    .map_err(|m| SinkError::Config {
+                        problem: format!(
+                            "the Kafka sink's last record in {place} (offset {offset}, event {}) {m}",
+                            newest.message_id
+                        ),
+                        fix: self.origin.mismatch_fix(&place),
+                    })?;
+            }
+            link.written.insert(key.clone(), found.keys);
         }
-        let there = link
-            .written
-            .get(&key)
-            .is_some_and(|w| w.contains(&position.to_string()));
+        // The id the record carries: the event's, or its dead record's.
+        let id = if out.dead.is_some() {
+            event.dead_record_id()
+        } else {
+            event.id
+        };
+        let gtid = event.gtid.as_deref();
+        let there = link.written.get(&key).is_some_and(|w| {
+            w.contains(&EventKey::of(&self.origin.source.id, position, gtid, id))
+                || w.contains(&EventKey::legacy(position, gtid, id))
+        });
         Ok((partition, there))
     }
 }
@@ -232,6 +265,10 @@ impl Sink for KafkaSink {
         self.fence = Some(fence);
     }
 
+    fn set_origin(&mut self, origin: &Origin) {
+        self.origin = origin.clone();
+    }
+
     fn is_broken(&self) -> bool {
         self.link.is_none()
     }
@@ -259,8 +296,15 @@ impl Sink for KafkaSink {
             .lock()
             .ok()
             .and_then(|r| r.get(&event.position.to_string()).cloned());
-        let mut out = record::render(&self.cfg, event, refused.as_deref());
-        let (mut partition, there) = self.place(&out, &event.position).await?;
+        let mut out = record::render(&self.cfg, event, refused.as_deref(), &self.origin);
+        let (mut partition, there) = self.place(&out, event).await?;
+        if self
+            .published
+            .as_ref()
+            .is_none_or(|p| event.position.compare(p) == Some(std::cmp::Ordering::Greater))
+        {
+            self.published = Some(event.position.clone());
+        }
         if there {
             // Written by an earlier life (or before a lost connection): producing it again
             // is the duplicate this check exists to avoid.
@@ -293,6 +337,7 @@ impl Sink for KafkaSink {
                         &self.cfg,
                         event,
                         Some("the record is larger than the producer's message.max.bytes"),
+                        &self.origin,
                     );
                     // The dead topic's first partition: dead records keep no order.
                     partition = 0;

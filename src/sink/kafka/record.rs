@@ -8,8 +8,8 @@
 //! record on the dead topic that says why.
 
 use super::config::{valid_topic, KafkaConfig};
-use super::tail::RELAY_HEADER;
 use crate::event::OutboxEvent;
+use crate::identity::{Origin, RELAY_HEADER};
 use crate::sink::headers;
 use bytes::Bytes;
 
@@ -68,7 +68,7 @@ pub fn topic(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<String, String> {
     Ok(t)
 }
 
-fn normal(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<Outgoing, String> {
+fn normal(cfg: &KafkaConfig, event: &OutboxEvent, origin: &Origin) -> Result<Outgoing, String> {
     if let Some(p) = &event.poison {
         return Err(p.clone());
     }
@@ -90,7 +90,7 @@ fn normal(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<Outgoing, String> {
         put(&mut h, &kafka_header_name(k), v.to_text());
     }
     put(&mut h, "content-type", body.content_type.clone());
-    for (k, v) in headers::relay_headers(event) {
+    for (k, v) in headers::relay_headers(event, origin) {
         put(&mut h, k, v.to_text());
     }
     put(&mut h, "id", event.id.hyphenated().to_string());
@@ -114,20 +114,29 @@ fn normal(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<Outgoing, String> {
 
 /// The event as it goes out: the record, or its dead record. `refused` is the broker's reason
 /// when it already refused this event's record as too large.
-pub fn render(cfg: &KafkaConfig, event: &OutboxEvent, refused: Option<&str>) -> Outgoing {
+pub fn render(
+    cfg: &KafkaConfig,
+    event: &OutboxEvent,
+    refused: Option<&str>,
+    origin: &Origin,
+) -> Outgoing {
     let rendered = match refused {
         Some(r) => Err(r.to_string()),
-        None => normal(cfg, event),
+        None => normal(cfg, event, origin),
     };
     match rendered {
         Ok(o) => o,
         Err(reason) => {
-            let mut h: Vec<(String, String)> = headers::dead_headers(event, &reason)
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
-            h.push(("id".into(), event.dead_record_id().hyphenated().to_string()));
-            h.push((RELAY_HEADER.into(), cfg.name.clone()));
+            let mut h: Vec<(String, String)> = Vec::new();
+            for (k, v) in headers::dead_headers(event, &reason, origin) {
+                put(&mut h, k, v);
+            }
+            put(
+                &mut h,
+                "id",
+                event.dead_record_id().hyphenated().to_string(),
+            );
+            put(&mut h, RELAY_HEADER, cfg.name.clone());
             Outgoing {
                 topic: cfg.options.dead_topic.clone(),
                 key: headers::dead_value(&event.aggregate_id),
@@ -179,7 +188,12 @@ mod tests {
         let mut e = crate::sink::test_event();
         e.headers =
             Some(serde_json::from_str(r#"{"id": "forged", "traceparent": "00-ab"}"#).unwrap());
-        let o = render(&cfg("outbox.event.{topic}", BodyFormat::Raw), &e, None);
+        let o = render(
+            &cfg("outbox.event.{topic}", BodyFormat::Raw),
+            &e,
+            None,
+            &Origin::default(),
+        );
         assert_eq!(o.dead, None);
         assert_eq!(o.topic, "outbox.event.invoice.issued");
         assert_eq!(o.key, "agg-1");
@@ -195,7 +209,12 @@ mod tests {
     #[test]
     fn cloudevents_binary_mode_uses_the_kafka_binding_names() {
         let e = crate::sink::test_event();
-        let o = render(&cfg("{topic}", BodyFormat::CloudeventsBinary), &e, None);
+        let o = render(
+            &cfg("{topic}", BodyFormat::CloudeventsBinary),
+            &e,
+            None,
+            &Origin::default(),
+        );
         assert_eq!(header(&o, "ce_id"), [e.id.hyphenated().to_string()]);
         assert_eq!(header(&o, "ce_type"), ["invoice.issued"]);
         assert_eq!(header(&o, "ce_specversion"), ["1.0"]);
@@ -208,7 +227,12 @@ mod tests {
     #[test]
     fn what_cannot_be_a_record_becomes_a_dead_record_with_the_reason() {
         let e = crate::sink::test_event();
-        let bad_topic = render(&cfg("bad topic {topic}", BodyFormat::Raw), &e, None);
+        let bad_topic = render(
+            &cfg("bad topic {topic}", BodyFormat::Raw),
+            &e,
+            None,
+            &Origin::default(),
+        );
         assert_eq!(bad_topic.topic, "outbox.dead");
         assert!(bad_topic
             .dead
@@ -216,11 +240,16 @@ mod tests {
             .unwrap()
             .contains("[A-Za-z0-9._-]"));
         assert!(bad_topic.value.is_empty());
-        let own = render(&cfg("outbox.dead", BodyFormat::Raw), &e, None);
+        let own = render(
+            &cfg("outbox.dead", BodyFormat::Raw),
+            &e,
+            None,
+            &Origin::default(),
+        );
         assert!(own.dead.as_deref().unwrap().contains("dead topic"));
         let mut small = cfg("{topic}", BodyFormat::Raw);
         small.options.max_message_bytes = 100;
-        let big = render(&small, &e, None);
+        let big = render(&small, &e, None, &Origin::default());
         assert!(big
             .dead
             .as_deref()
@@ -231,6 +260,7 @@ mod tests {
             &cfg("{topic}", BodyFormat::Raw),
             &e,
             Some("too large for the broker"),
+            &Origin::default(),
         );
         assert_eq!(
             header(&refused, "x-dead-reason"),

@@ -1,11 +1,13 @@
 //! What the relay already wrote to a partition: before a link first writes to a partition, the
 //! tail of that partition is read back to the first record of this relay older than the event
-//! about to go out, and the source positions of this relay's records found there (the
-//! `x-source-position` header of records whose `x-outbox-relay` header is the relay's name)
-//! are kept. A replayed event whose position is among them is in Kafka already: the sink
-//! acknowledges it without producing it again (docs/kafka.md). Membership, not a high-water
-//! mark: an event is skipped only when its own record was read back, so a gap (a record lost
-//! while later ones were written) is republished, never skipped.
+//! about to go out, and the identities of this relay's records found there (records whose
+//! `x-outbox-relay` header is the relay's name; their source, position, GTID and id, see
+//! `crate::identity`) are kept. A replayed event whose identity is among them is in Kafka
+//! already: the sink acknowledges it without producing it again (docs/kafka.md). Membership,
+//! not a high-water mark: an event is skipped only when its own record was read back, so a gap
+//! (a record lost while later ones were written) is republished, never skipped; and the
+//! identity holds the event's id, so another row at a reused position (a resumed snapshot, a
+//! restored database) is never taken for it.
 //!
 //! The sink picks every record's partition itself — Kafka's Java default partitioner
 //! (`sink::partition`: murmur2 of the key, as Debezium's producers place records) — so that it
@@ -13,6 +15,7 @@
 
 use super::config::KafkaConfig;
 use crate::event::SourcePosition;
+use crate::identity::{EventKey, ReadBack, RELAY_HEADER, SOURCE_HEADER};
 use crate::sink::SinkError;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
@@ -21,8 +24,6 @@ use rdkafka::{Offset, TopicPartitionList};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-/// The header naming the relay that wrote a record.
-pub const RELAY_HEADER: &str = "x-outbox-relay";
 /// Records read back per step (then four times as many, and so on).
 const FIRST_STEP: i64 = 256;
 
@@ -37,22 +38,39 @@ pub fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
     Ok(n)
 }
 
-/// The positions of this relay's records in the tail of `topic`/`partition`, read back from
-/// the end to the first of its records older than `before` (or the partition's start, or
-/// `limit` records). Blocking.
+/// This relay's records in the tail of a partition: their identities, and the newest of them.
+#[derive(Debug, Default)]
+pub struct Written {
+    pub keys: HashSet<EventKey>,
+    /// The relay's last record in the partition, with its offset.
+    pub newest: Option<(i64, ReadBack)>,
+}
+
+impl Written {
+    fn add(&mut self, offset: i64, r: ReadBack) {
+        self.keys.insert(EventKey::of_record(&r));
+        if self.newest.as_ref().is_none_or(|(o, _)| offset > *o) {
+            self.newest = Some((offset, r));
+        }
+    }
+}
+
+/// This relay's records in the tail of `topic`/`partition`, read back from the end to the
+/// first of its records older than `before` (or the partition's start, or `limit` records).
+/// Blocking.
 pub fn written(
     cfg: &KafkaConfig,
     topic: &str,
     partition: i32,
     before: &SourcePosition,
     limit: i64,
-) -> Result<HashSet<String>, SinkError> {
+) -> Result<Written, SinkError> {
     let (low, high) = reader(cfg)?
         .fetch_watermarks(topic, partition, cfg.op_timeout)
         .map_err(|e| {
             SinkError::Connection(format!("reading the end of {topic}/{partition}: {e}"))
         })?;
-    let mut found = HashSet::new();
+    let mut found = Written::default();
     let mut end = high;
     let mut step = FIRST_STEP;
     while end > low {
@@ -93,7 +111,7 @@ fn reader(cfg: &KafkaConfig) -> Result<BaseConsumer<super::logs::Quiet>, SinkErr
 
 /// Reads from `start` to the partition's end (the end of fetching, not the high watermark the
 /// broker reports for `end`: tansu reports the last batch's first offset plus one); adds this
-/// relay's positions to `found`; whether one of them is older than `before` (everything after
+/// relay's records to `found`; whether one of them is older than `before` (everything after
 /// it has then been read).
 fn scan(
     consumer: &BaseConsumer<super::logs::Quiet>,
@@ -102,7 +120,7 @@ fn scan(
     partition: i32,
     start: i64,
     before: &SourcePosition,
-    found: &mut HashSet<String>,
+    found: &mut Written,
 ) -> Result<bool, SinkError> {
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition_offset(topic, partition, Offset::Offset(start))
@@ -139,13 +157,22 @@ fn scan(
         if header(RELAY_HEADER).as_deref() != Some(cfg.name.as_str()) {
             continue;
         }
-        if let Some(p) = header("x-source-position") {
-            if let Some(pos) = SourcePosition::parse_stored(&p) {
-                if pos.compare(before) == Some(std::cmp::Ordering::Less) {
-                    older = true;
-                }
+        let (Some(position), Some(message_id)) = (header("x-source-position"), header("id")) else {
+            continue;
+        };
+        if let Some(pos) = SourcePosition::parse_stored(&position) {
+            if pos.compare(before) == Some(std::cmp::Ordering::Less) {
+                older = true;
             }
-            found.insert(p);
         }
+        found.add(
+            m.offset(),
+            ReadBack {
+                source: header(SOURCE_HEADER),
+                position,
+                gtid: header("x-source-gtid"),
+                message_id,
+            },
+        );
     }
 }

@@ -49,6 +49,8 @@ pub struct NatsSink {
     newest: Option<SourcePosition>,
     /// The lease's gate: the connection is reset the moment it closes (see `guard_socket`).
     fence: Option<crate::state::Fence>,
+    /// The relay and the source, written on every message (`crate::identity`).
+    origin: crate::identity::Origin,
 }
 
 /// One client and its JetStream context. Dropping it closes the connection.
@@ -76,6 +78,7 @@ impl NatsSink {
             refusals: Arc::default(),
             newest: None,
             fence: None,
+            origin: Default::default(),
         })
     }
 
@@ -285,6 +288,10 @@ impl Sink for NatsSink {
         self.fence = Some(fence);
     }
 
+    fn set_origin(&mut self, origin: &crate::identity::Origin) {
+        self.origin = origin.clone();
+    }
+
     fn is_broken(&self) -> bool {
         self.link.as_ref().is_none_or(|l| {
             *l.broken.borrow()
@@ -322,7 +329,7 @@ impl Sink for NatsSink {
         if *link.broken.borrow() {
             return Err(SinkError::Connection("the NATS connection was lost".into()));
         }
-        let out = publish::render(&self.cfg, &self.prefix, event, link.limit);
+        let out = publish::render(&self.cfg, &self.prefix, event, link.limit, &self.origin);
         if let Some(reason) = &out.dead {
             tracing::warn!(id = %event.dead_record_id(), position = %event.position, reason = %reason, subject = %out.subject, "poison event: publishing a dead record without the body");
         }

@@ -6,6 +6,7 @@
 
 use super::config::{self, NatsConfig};
 use crate::event::OutboxEvent;
+use crate::identity::Origin;
 use crate::sink::headers;
 use crate::sink::partition;
 use crate::sink::template::event_field;
@@ -53,7 +54,11 @@ fn header_bytes(h: &HeaderMap) -> usize {
 }
 
 /// The headers of a normal message, or why the event is poison.
-fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, String> {
+fn event_headers(
+    cfg: &NatsConfig,
+    event: &OutboxEvent,
+    origin: &Origin,
+) -> Result<HeaderMap, String> {
     let mut h = HeaderMap::new();
     // Row headers first: the relay's own (and Nats-*) are reserved, dropped by row_headers.
     for (k, v) in headers::row_headers(event) {
@@ -74,7 +79,7 @@ fn event_headers(cfg: &NatsConfig, event: &OutboxEvent) -> Result<HeaderMap, Str
         h.insert(name, text);
     }
     h.insert(MSG_ID, event.id.hyphenated().to_string());
-    for (k, v) in headers::relay_headers(event) {
+    for (k, v) in headers::relay_headers(event, origin) {
         // Every relay value is ours (ids, times, positions, versions); a line break in an
         // aggregate id or table name would still be refused, not passed to the client.
         let text = v.to_text();
@@ -126,7 +131,13 @@ impl std::fmt::Display for SizeLimit {
 }
 
 /// The event as it goes out: the message, or its dead record.
-pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLimit) -> Outgoing {
+pub fn render(
+    cfg: &NatsConfig,
+    prefix: &str,
+    event: &OutboxEvent,
+    limit: SizeLimit,
+    origin: &Origin,
+) -> Outgoing {
     let normal = (|| {
         if let Some(p) = &event.poison {
             return Err(p.clone());
@@ -145,7 +156,7 @@ pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLi
                 "its subject {subject} is the poison subject, where dead records go: rename the topic, or change --subject"
             ));
         }
-        let headers = event_headers(cfg, event)?;
+        let headers = event_headers(cfg, event, origin)?;
         let size = event.payload.len() + header_bytes(&headers);
         if limit.bytes > 0 && size > limit.bytes {
             return Err(format!(
@@ -166,7 +177,7 @@ pub fn render(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent, limit: SizeLi
             // A row without a usable id gets one from its position: dead records never share
             // the nil UUID, which the stream would store once and acknowledge as a duplicate.
             h.insert(MSG_ID, event.dead_record_id().hyphenated().to_string());
-            for (k, v) in headers::dead_headers(event, &reason) {
+            for (k, v) in headers::dead_headers(event, &reason, origin) {
                 h.insert(k, v);
             }
             Outgoing {
@@ -214,7 +225,13 @@ mod tests {
             serde_json::json!({"traceparent": "00-a-b-01", "Nats-Msg-Id": "forged", "n": 5})
                 .as_object()
                 .cloned();
-        let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(1 << 20, None));
+        let out = render(
+            &cfg(0),
+            "outbox",
+            &ev,
+            SizeLimit::of(1 << 20, None),
+            &Origin::default(),
+        );
         assert!(out.dead.is_none());
         assert_eq!(out.subject, "outbox.invoice.issued");
         assert_eq!(
@@ -232,7 +249,13 @@ mod tests {
     fn partitions_insert_their_token_after_the_prefix() {
         let ev = crate::sink::test_event();
         let k = partition::partition_of("agg-1", 4);
-        let out = render(&cfg(4), "outbox", &ev, SizeLimit::of(1 << 20, None));
+        let out = render(
+            &cfg(4),
+            "outbox",
+            &ev,
+            SizeLimit::of(1 << 20, None),
+            &Origin::default(),
+        );
         assert_eq!(out.subject, format!("outbox.p{k}.invoice.issued"));
         assert_eq!(get(&out.headers, "x-partition").unwrap(), k.to_string());
     }
@@ -272,7 +295,13 @@ mod tests {
         ] {
             let mut ev = crate::sink::test_event();
             mutate(&mut ev);
-            let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(1 << 20, None));
+            let out = render(
+                &cfg(0),
+                "outbox",
+                &ev,
+                SizeLimit::of(1 << 20, None),
+                &Origin::default(),
+            );
             let reason = out.dead.expect("dead");
             assert!(reason.contains(needle), "{reason}");
             assert_eq!(out.subject, "outbox.dead");
@@ -284,7 +313,13 @@ mod tests {
             assert!(get(&out.headers, "x-dead-reason").unwrap().contains(needle));
         }
         let ev = crate::sink::test_event();
-        let out = render(&cfg(0), "outbox", &ev, SizeLimit::of(100, None));
+        let out = render(
+            &cfg(0),
+            "outbox",
+            &ev,
+            SizeLimit::of(100, None),
+            &Origin::default(),
+        );
         assert!(out.dead.unwrap().contains("max_payload"));
     }
 

@@ -7,6 +7,7 @@ use super::config::RabbitConfig;
 use super::config::{APP_ID, DEAD_VALUE_MAX};
 use super::RabbitSink;
 use crate::event::OutboxEvent;
+use crate::identity::Origin;
 use crate::sink::format::Body;
 use crate::sink::headers::{self, HeaderValue};
 use bytes::Bytes;
@@ -24,7 +25,14 @@ impl RabbitSink {
         let broker_max = self
             .broker_max_message
             .load(std::sync::atomic::Ordering::Acquire);
-        render(&self.cfg, broker_max, event, header_limit, route)
+        render(
+            &self.cfg,
+            broker_max,
+            event,
+            header_limit,
+            route,
+            &self.origin,
+        )
     }
 }
 
@@ -34,6 +42,7 @@ fn headers(
     event: &OutboxEvent,
     body: &Body,
     limit: usize,
+    origin: &Origin,
 ) -> Result<FieldTable, String> {
     let mut t = FieldTable::default();
     // The row's headers never include a reserved name (see `sink::headers`): a row can
@@ -51,7 +60,7 @@ fn headers(
     for (k, v) in body.headers.iter().cloned() {
         t.insert(k.into(), amqp_value(v));
     }
-    for (k, v) in standard_headers(event) {
+    for (k, v) in standard_headers(event, origin) {
         t.insert(k.into(), v);
     }
     for (k, v) in cfg.partitioning.headers(&event.aggregate_id) {
@@ -75,6 +84,7 @@ pub(crate) fn render(
     event: &OutboxEvent,
     header_limit: usize,
     route: Result<(String, String), String>,
+    origin: &Origin,
 ) -> Outgoing {
     let reason = if let Some(p) = &event.poison {
         Some(p.clone())
@@ -112,7 +122,7 @@ pub(crate) fn render(
                         body.bytes.len(),
                     ));
                 }
-                let h = headers(cfg, event, &body, header_limit)?;
+                let h = headers(cfg, event, &body, header_limit, origin)?;
                 Ok((body, h))
             }),
         };
@@ -140,7 +150,10 @@ pub(crate) fn render(
                 ("x-original-topic", truncate(&event.topic)),
                 ("x-aggregate-id", truncate(&event.aggregate_id)),
                 ("x-outbox-created-at", event.created_at_rfc3339()),
-            ] {
+            ]
+            .into_iter()
+            .chain(headers::identity_headers(event, origin))
+            {
                 h.insert(k.into(), AMQPValue::LongString(v.into()));
             }
             h.insert(
@@ -211,8 +224,8 @@ pub(crate) struct Outgoing {
 }
 
 /// The relay's own headers in AMQP encoding.
-fn standard_headers(event: &OutboxEvent) -> Vec<(&'static str, AMQPValue)> {
-    headers::relay_headers(event)
+fn standard_headers(event: &OutboxEvent, origin: &Origin) -> Vec<(&'static str, AMQPValue)> {
+    headers::relay_headers(event, origin)
         .into_iter()
         .map(|(k, v)| (k, amqp_value(v)))
         .collect()

@@ -80,6 +80,8 @@ pub struct RabbitSink {
     /// The lease's gate: every connection is reset the moment it closes (see
     /// [`link::guard_socket`]).
     fence: Option<crate::state::Fence>,
+    /// The relay and the source, written on every message (`crate::identity`).
+    origin: crate::identity::Origin,
 }
 
 impl RabbitSink {
@@ -107,6 +109,7 @@ impl RabbitSink {
             known_exchanges: HashSet::new(),
             broker_max_message: Arc::default(),
             fence: None,
+            origin: Default::default(),
         })
     }
 }
@@ -126,6 +129,10 @@ impl Sink for RabbitSink {
 
     fn guard_wire(&mut self, fence: crate::state::Fence) {
         self.fence = Some(fence);
+    }
+
+    fn set_origin(&mut self, origin: &crate::identity::Origin) {
+        self.origin = origin.clone();
     }
 
     fn is_broken(&self) -> bool {

@@ -33,6 +33,7 @@ mod tests {
             &event,
             64 * 1024,
             Ok((String::new(), String::new())),
+            &crate::identity::Origin::default(),
         );
         let m = to_message(&out, 42);
         assert_eq!(m.publishing_id(), Some(&42));
@@ -45,7 +46,7 @@ mod tests {
         assert_eq!(props.subject.as_deref(), Some("invoice.issued"));
         let app = m.application_properties().unwrap();
         let get = |k: &str| app.get(k).cloned();
-        assert_eq!(get(PUBLISHING_ID_HEADER), Some(SimpleValue::Ulong(42)));
+        assert_eq!(get(PUBLISHING_ID_HEADER), Some(SimpleValue::Int(42)));
         assert_eq!(
             get("x-aggregate-id"),
             Some(SimpleValue::String("agg-1".into()))

@@ -6,10 +6,11 @@
 //! One producer per stream (`--partitions N`: the streams `<stream>-0` … `<stream>-<N-1>`,
 //! placed by the same murmur2 hash as the AMQP sink's partitions), named after the relay and
 //! the stream, opened only while the lease is held. The publishing ids are computed in `ids`:
-//! on every connect the sink asks the broker for the producer's last stored id and reads the
-//! message that carries it back from the stream, so the events up to that message are confirmed
-//! without being sent and the ones after it continue the sequence. The messages are rendered
-//! by the AMQP sink's `render` (the same properties and headers) and converted in `encode`.
+//! on every connect the sink asks the broker for the producer's last stored id, and before a
+//! stream's first publish it reads back this relay's messages (`read_back`), so the replayed
+//! events whose identity the stream holds are confirmed without being sent and every other
+//! event continues the sequence. The messages are rendered by the AMQP sink's `render` (the
+//! same properties and headers) and converted in `encode`.
 //!
 //! No sub-entry batching (it would make one publishing id cover several events). The client
 //! puts up to its batch size of messages into one frame without checking the frame size, so the
@@ -24,16 +25,18 @@ pub mod check;
 pub mod config;
 mod encode;
 pub mod ids;
+mod read_back;
 
 pub use config::{StreamEndpoint, StreamSinkConfig};
 
 use super::{Delivery, Sink, SinkError};
-use crate::event::OutboxEvent;
+use crate::event::{OutboxEvent, SourcePosition};
+use crate::identity::{EventKey, Origin};
 use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
-use ids::{Assign, PublishingIds, Tail, PUBLISHING_ID_HEADER};
+use futures::FutureExt;
+use ids::{Assign, PublishingIds};
 use rabbitmq_stream_client::error::{ClientError, ProducerCreateError};
-use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode, SimpleValue};
+use rabbitmq_stream_client::types::ResponseCode;
 use rabbitmq_stream_client::{ClientOptions, Dedup, Environment, Producer, TlsConfiguration};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -60,7 +63,15 @@ pub struct RabbitStreamSink {
     /// The stream client's TLS settings (disabled for `rabbitmq-stream://`).
     tls: TlsConfiguration,
     lanes: Vec<Lane>,
+    /// The connection the lanes' producers (and the read-backs) use.
+    env: Option<Environment>,
     fence: Option<crate::state::Fence>,
+    /// The relay and the source (`crate::identity`): written on every message, compared with
+    /// what the stream holds.
+    origin: Origin,
+    /// The newest position this process handed to a producer: a message of ours up to it is
+    /// this process's own, whatever the source's head was at the start.
+    published: Option<SourcePosition>,
     /// Events confirmed without being sent since the last connect (the stream held them).
     held: u64,
     /// Streams found or created so far: one `--declare auto` has to create again was deleted
@@ -124,12 +135,19 @@ impl RabbitStreamSink {
             .max_message_bytes
             .min(FRAME_MAX - MAX_HEADER_BYTES - FRAME_RESERVE);
         let tls = tls_configuration(&endpoint, &cfg)?;
+        let relay_name = cfg.relay_name.clone();
         Ok(RabbitStreamSink {
             cfg,
             endpoint,
             tls,
             lanes: Vec::new(),
+            env: None,
             fence: None,
+            origin: Origin {
+                relay: relay_name,
+                ..Origin::default()
+            },
+            published: None,
             held: 0,
             seen: Default::default(),
         })
@@ -228,47 +246,7 @@ impl RabbitStreamSink {
         ))
     }
 
-    /// The message that carries the producer's last stored id, read back from the stream.
-    async fn read_tail(&self, env: &Environment, stream: &str, last: u64) -> Option<Tail> {
-        let read = async {
-            let mut consumer = env
-                .consumer()
-                .offset(OffsetSpecification::Last)
-                .build(stream)
-                .await
-                .ok()?;
-            let mut found = None;
-            while let Some(Ok(d)) = consumer.next().await {
-                let m = d.message();
-                let app = m.application_properties();
-                let id = app.and_then(|a| a.get(PUBLISHING_ID_HEADER));
-                if id == Some(&SimpleValue::Ulong(last)) {
-                    let position = match app.and_then(|a| a.get("x-source-position")) {
-                        Some(SimpleValue::String(s)) => ids::parse_position(s),
-                        _ => None,
-                    };
-                    let message_id = m
-                        .properties()
-                        .and_then(|p| p.message_id.as_ref())
-                        .and_then(|id| <&String>::try_from(id).ok())
-                        .and_then(|s| uuid::Uuid::parse_str(s).ok());
-                    found = position.zip(message_id).map(|(position, message_id)| Tail {
-                        position,
-                        message_id,
-                    });
-                    break;
-                }
-            }
-            let _ = consumer.handle().close().await;
-            found
-        };
-        tokio::time::timeout(self.cfg.op_timeout, read)
-            .await
-            .ok()
-            .flatten()
-    }
-
-    async fn open(&mut self) -> Result<Vec<Lane>, SinkError> {
+    async fn open(&mut self) -> Result<(Environment, Vec<Lane>), SinkError> {
         let admin = rabbitmq_stream_client::Client::connect(self.client_options())
             .await
             .map_err(|e| self.connect_err(e))?;
@@ -311,38 +289,21 @@ impl RabbitStreamSink {
                 .query_publisher_sequence(&name, &stream)
                 .await
                 .map_err(|e| self.connection_err("querying the publisher sequence", e))?;
-            let tail = if last == 0 {
-                None
-            } else {
-                let tail = self.read_tail(&env, &stream, last).await;
-                if tail.is_none() {
-                    tracing::warn!(
-                        stream = %stream,
-                        producer = %name,
-                        last_publishing_id = last,
-                        "could not read back the stream's message with the producer's last publishing id \
-                         (truncated by retention, or written by another producer after it): the events \
-                         replayed from the stored position are published again under new ids, as duplicates"
-                    );
-                }
-                tail
-            };
             tracing::info!(
                 stream = %stream,
                 producer = %name,
                 last_publishing_id = last,
-                tail = ?tail.as_ref().map(|t| t.position.to_string()),
                 "opened the stream producer"
             );
             lanes.push(Lane {
                 stream,
                 producer,
-                ids: PublishingIds::new(last, tail),
+                ids: PublishingIds::new(last),
             });
         }
         let _ = admin.close().await;
         self.seen.extend(lanes.iter().map(|l| l.stream.clone()));
-        Ok(lanes)
+        Ok((env, lanes))
     }
 
     fn connect_err(&self, e: ClientError) -> SinkError {
@@ -362,6 +323,57 @@ impl RabbitStreamSink {
         for lane in self.lanes.drain(..) {
             let _ = tokio::time::timeout(Duration::from_secs(1), lane.producer.close()).await;
         }
+        self.env = None;
+    }
+
+    /// Lane `k`'s read-back, before its first decision after a connect: what the stream holds
+    /// of this relay's messages from its end back to the event about to go out.
+    async fn read_back(&mut self, k: usize, before: &SourcePosition) -> Result<(), SinkError> {
+        let lane = &self.lanes[k];
+        // Poll positions are numbered per process: nothing an earlier process wrote matches.
+        let found = match (&self.env, before) {
+            (_, SourcePosition::Poll { .. }) | (None, _) => Ok(read_back::Found::default()),
+            (Some(env), _) => {
+                read_back::read_back(
+                    env,
+                    &lane.stream,
+                    &self.origin.relay,
+                    before,
+                    self.cfg.op_timeout,
+                )
+                .await
+            }
+        };
+        let found = match found {
+            Ok(f) => f,
+            Err(e) => {
+                // What is not read back is published again: a duplicate, never a loss.
+                tracing::warn!(stream = %lane.stream, error = %e, "could not read back what the stream holds: the events replayed from the stored position are published again under new ids, as duplicates");
+                read_back::Found::default()
+            }
+        };
+        tracing::info!(
+            stream = %lane.stream,
+            read = found.read,
+            ours = found.keys.len(),
+            before = %before,
+            "read back the relay's messages in the stream"
+        );
+        if let Some((pid, newest)) = &found.newest {
+            self.origin
+                .check_tail(newest, self.published.as_ref())
+                .map_err(|m| {
+                    config_err(
+                        format!(
+                            "the stream {:?}'s last message from the relay {:?} (publishing id {pid}, event {}) {m}",
+                            lane.stream, self.origin.relay, newest.message_id
+                        ),
+                        self.origin.mismatch_fix(&format!("the stream {:?}", lane.stream)),
+                    )
+                })?;
+        }
+        self.lanes[k].ids.set_held(found.keys);
+        Ok(())
     }
 }
 
@@ -387,6 +399,10 @@ impl Sink for RabbitStreamSink {
         self.fence = Some(fence);
     }
 
+    fn set_origin(&mut self, origin: &Origin) {
+        self.origin = origin.clone();
+    }
+
     fn is_broken(&self) -> bool {
         self.lanes.is_empty() || self.lanes.iter().any(|l| l.producer.is_closed())
     }
@@ -406,7 +422,7 @@ impl Sink for RabbitStreamSink {
                 ));
             }
         }
-        let lanes = match tokio::time::timeout(self.cfg.op_timeout, self.open()).await {
+        let (env, lanes) = match tokio::time::timeout(self.cfg.op_timeout, self.open()).await {
             Ok(r) => r?,
             Err(_) => {
                 return Err(SinkError::Connection(format!(
@@ -423,6 +439,7 @@ impl Sink for RabbitStreamSink {
         }
         self.held = 0;
         self.lanes = lanes;
+        self.env = Some(env);
         Ok(())
     }
 
@@ -451,6 +468,7 @@ impl Sink for RabbitStreamSink {
             event,
             MAX_HEADER_BYTES,
             Ok((String::new(), String::new())),
+            &self.origin,
         );
         let message_id = match &out.dead {
             Some(reason) => {
@@ -464,33 +482,30 @@ impl Sink for RabbitStreamSink {
             }
             None => event.id,
         };
-        let lane = &mut self.lanes[k];
-        let before_tail = lane.ids.before_tail();
-        let assigned = lane.ids.assign(&event.position, message_id);
-        if before_tail && !lane.ids.before_tail() {
-            tracing::info!(
-                stream = %lane.stream,
-                held = self.held + u64::from(assigned == Ok(Assign::Held)),
-                "replayed events the stream already held: confirmed them without sending them again"
-            );
+        if self.lanes[k].ids.needs_read_back() {
+            self.read_back(k, &event.position).await?;
         }
-        let id = match assigned {
-            Ok(Assign::Held) => {
+        if self
+            .published
+            .as_ref()
+            .is_none_or(|p| event.position.compare(p) == Some(std::cmp::Ordering::Greater))
+        {
+            self.published = Some(event.position.clone());
+        }
+        let gtid = event.gtid.as_deref();
+        let key = EventKey::of(&self.origin.source.id, &event.position, gtid, message_id);
+        let legacy = EventKey::legacy(&event.position, gtid, message_id);
+        let poll = matches!(event.position, SourcePosition::Poll { .. });
+        let lane = &mut self.lanes[k];
+        let id = match lane.ids.assign((!poll).then_some([&key, &legacy])) {
+            Assign::Held => {
+                if self.held == 0 {
+                    tracing::info!(stream = %lane.stream, position = %event.position, "replayed events the stream already holds are confirmed without sending them again");
+                }
                 self.held += 1;
                 return Ok(Delivery::Pending(futures::future::ready(Ok(())).boxed()));
             }
-            Ok(Assign::Publish(id)) => id,
-            Err(m) => {
-                return Err(config_err(
-                    format!(
-                        "the stream {:?} does not line up with the source: its last message from this relay is {} at {}, \
-                         but the source has {} at {} (a restored or replaced database, a reset binlog, or another relay \
-                         named {:?} writing the stream)",
-                        lane.stream, m.tail.message_id, m.tail.position, m.message_id, m.position, self.cfg.relay_name
-                    ),
-                    "publish into a new stream (--stream), or start a new producer sequence with a new --name",
-                ))
-            }
+            Assign::Publish(id) => id,
         };
         let stream = lane.stream.clone();
         let (tx, rx) = oneshot::channel();
@@ -615,6 +630,7 @@ pub(crate) mod tests {
             &big,
             MAX_HEADER_BYTES,
             Ok((String::new(), String::new())),
+            &Origin::default(),
         );
         assert!(out.dead.unwrap().contains("--max-message-bytes"));
         assert!(out.body.is_empty());

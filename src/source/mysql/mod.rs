@@ -26,6 +26,7 @@ pub mod decode;
 pub mod diagnostics;
 pub mod file;
 pub mod gtid;
+pub mod identity;
 pub mod poll;
 pub mod rows;
 pub mod snapshot;

@@ -93,6 +93,9 @@ pub async fn plan(
     let cols = table_columns(conn, table).await?;
     let created = table.columns.get("created_at");
     let created_col = cols.iter().find(|c| c.name.eq_ignore_ascii_case(created));
+    if created_col.is_none() {
+        crate::source::snapshot::require_created_at(mode, &table.quoted(), created)?;
+    }
     let status = table.columns.get("status");
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
@@ -293,7 +296,8 @@ impl Snapshot {
     pub async fn publish(mut self, outlet: &Outlet) -> Result<u64, Error> {
         let plans = std::mem::take(&mut self.plans);
         let after = self.after.take();
-        let mut n: u64 = 0;
+        // Numbered on from the last durable row, as in the life that published it.
+        let mut n: u64 = SnapshotKey::next_index(after.as_ref());
         for (i, (table, plan)) in plans.iter().enumerate() {
             let Some(resume) = SnapshotKey::applies(after.as_ref(), i) else {
                 continue;
@@ -326,32 +330,43 @@ impl Snapshot {
         let infos = table_columns(&mut self.conn, table).await?;
         let mapping = table.map_columns(&infos)?;
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
-        let created = table.columns.get("created_at");
-        let id = table.columns.get("id");
+        let position_of = |name: &str| infos.iter().position(|c| c.name.eq_ignore_ascii_case(name));
+        // Debezium's table has no `created_at`: its rows are read in `id` order.
+        let created_column = position_of(table.columns.get("created_at"));
+        let created = created_column.map(|_| my_ident(table.columns.get("created_at")));
+        let id = my_ident(table.columns.get("id"));
         let mut params = Vec::new();
-        let filter =
-            match after.and_then(|k| Some((decode_value(&k.created_at)?, decode_value(&k.id)?))) {
-                Some((c, i)) => {
-                    params = vec![c, i];
-                    and_where(
-                        filter,
-                        &format!("({}, {}) > (?, ?)", my_ident(created), my_ident(id)),
-                    )
-                }
-                None => filter.clone(),
+        let resume = after.and_then(|k| {
+            let created_at = match &k.created_at {
+                Some(c) => Some(decode_value(c)?),
+                None => None,
             };
+            Some((created_at, decode_value(&k.id)?))
+        });
+        let filter = match (resume, &created) {
+            (Some((Some(c), i)), Some(created)) => {
+                params = vec![c, i];
+                and_where(filter, &format!("({created}, {id}) > (?, ?)"))
+            }
+            (Some((_, i)), None) => {
+                params = vec![i];
+                and_where(filter, &format!("{id} > ?"))
+            }
+            _ => filter.clone(),
+        };
+        let order = match &created {
+            Some(created) => format!("{created}, {id}"),
+            None => id.clone(),
+        };
         let sql = format!(
-            "SELECT {} FROM {} {filter} ORDER BY {}, {}",
+            "SELECT {} FROM {} {filter} ORDER BY {order}",
             select.join(", "),
             table.quoted(),
-            my_ident(created),
-            my_ident(id)
         );
-        let position_of = |name: &str| infos.iter().position(|c| c.name.eq_ignore_ascii_case(name));
-        let key_columns = position_of(created).zip(position_of(id));
+        let id_column = position_of(table.columns.get("id"));
         match after {
             Some(k) => {
-                tracing::info!(table = %table.quoted(), what = %what, after_created_at = %k.created_at, after_id = %k.id, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
+                tracing::info!(table = %table.quoted(), what = %what, after_created_at = k.created_at.as_deref().unwrap_or("-"), after_id = %k.id, next_index = k.seq, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
             }
             None => {
                 tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows")
@@ -363,13 +378,19 @@ impl Snapshot {
             let mut result = self.conn.exec_iter(sql, params).await?;
             while let Some(row) = result.next().await? {
                 let raw = row.unwrap();
-                let key = key_columns.and_then(|(c, i)| {
-                    Some(SnapshotKey {
+                // A row whose key column is NULL has no key to resume after (and sorts first).
+                let created_at = match created_column {
+                    Some(c) => raw.get(c).and_then(encode_value).map(Some),
+                    None => Some(None),
+                };
+                let key = created_at
+                    .zip(id_column.and_then(|i| raw.get(i).and_then(encode_value)))
+                    .map(|(created_at, id)| SnapshotKey {
                         table: index,
-                        created_at: encode_value(raw.get(c)?)?,
-                        id: encode_value(raw.get(i)?)?,
-                    })
-                });
+                        created_at,
+                        id,
+                        seq: n + 1,
+                    });
                 let values: Vec<BinlogValue<'static>> =
                     raw.into_iter().map(BinlogValue::Value).collect();
                 let mut event = mapping.event_from(

@@ -2,7 +2,8 @@
 //! and removed: the publication on the outbox table, the logical slot, and the checks that tell
 //! an operator the exact SQL to run when something is missing.
 
-use crate::event::parse_lsn;
+use crate::event::{parse_lsn, SourcePosition};
+use crate::identity::SourceIdentity;
 use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
 use crate::Error;
 use tokio_postgres::Client;
@@ -52,6 +53,27 @@ pub async fn flush_lsn(client: &Client) -> Result<u64, Error> {
         .await?
         .get(0);
     parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("WAL flush LSN {lsn:?}")))
+}
+
+/// The identity of the log `client` reads (`crate::identity`): the cluster's system
+/// identifier (a physical standby has the primary's; a dump restored into another cluster
+/// does not) with the database, and the WAL head now.
+pub async fn source_identity(client: &Client) -> Result<SourceIdentity, Error> {
+    let row = client
+        .query_one(
+            "SELECT (SELECT system_identifier FROM pg_control_system())::text, current_database()",
+            &[],
+        )
+        .await?;
+    let (system, database): (String, String) = (row.get(0), row.get(1));
+    Ok(SourceIdentity {
+        id: format!("postgres:{system}/{database}"),
+        head: Some(SourcePosition::Pg {
+            commit_lsn: flush_lsn(client).await?,
+            index: u32::MAX,
+        }),
+        gtids: None,
+    })
 }
 
 pub async fn wal_level(client: &Client) -> Result<String, Error> {

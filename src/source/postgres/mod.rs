@@ -312,7 +312,8 @@ async fn publish_snapshot(cfg: &PgSourceConfig, start: u64, outlet: &Outlet) -> 
         return Ok(());
     }
     let mut sql = connect_sql(&cfg.dsn, &format!("outboxd_{}_snapshot", cfg.name)).await?;
-    let mut sent = 0;
+    // Numbered on from the last durable row, as in the life that published it.
+    let mut sent = snapshot::SnapshotKey::next_index(cfg.snapshot_after.as_ref());
     for (i, (table, plan)) in cfg.snapshot.iter().enumerate() {
         let Some(resume) = snapshot::SnapshotKey::applies(cfg.snapshot_after.as_ref(), i) else {
             continue;

@@ -75,6 +75,17 @@ pub async fn plan(
 ) -> Result<SnapshotPlan, Error> {
     let rel = table_relation(client, table).await?;
     let created = pg_ident(columns.get("created_at"));
+    if !rel
+        .columns
+        .iter()
+        .any(|c| c.name == columns.get("created_at"))
+    {
+        crate::source::snapshot::require_created_at(
+            mode,
+            &table.pg_quoted(),
+            columns.get("created_at"),
+        )?;
+    }
     let status = columns.get("status");
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
@@ -162,22 +173,26 @@ pub async fn publish(
     let SnapshotPlan::Rows { filter, what } = plan else {
         return Ok(0);
     };
-    let created = pg_ident(columns.get("created_at"));
+    let (at, first_index) = at;
+    let rel = table_relation(client, table).await?;
+    let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
+    // Debezium's table has no `created_at`: its rows are read in `id` order.
+    let created_column = position_of(columns.get("created_at"));
+    let created = created_column.map(|_| pg_ident(columns.get("created_at")));
     let id = pg_ident(columns.get("id"));
     // Untyped literals in a row comparison take the columns' types.
-    let filter = match after {
-        Some(k) => and_where(
+    let filter = match (after, &created) {
+        (Some(k), Some(created)) => and_where(
             filter,
             &format!(
                 "({created}, {id}) > ({}, {})",
-                pg_literal(&k.created_at),
+                pg_literal(k.created_at.as_deref().unwrap_or_default()),
                 pg_literal(&k.id)
             ),
         ),
-        None => filter.clone(),
+        (Some(k), None) => and_where(filter, &format!("{id} > {}", pg_literal(&k.id))),
+        (None, _) => filter.clone(),
     };
-    let (at, first_index) = at;
-    let rel = table_relation(client, table).await?;
     let mut mapper = RowMapper::for_tables(tables.to_vec(), columns.clone());
     mapper.relation(rel.clone())?;
     let select: Vec<String> = rel
@@ -189,13 +204,16 @@ pub async fn publish(
     // key to store, so it must come before every key. Sorted last, it would follow the last
     // stored key, and a resume's `(created, id) > key` filter, NULL for it, would skip it for
     // good. (MySQL sorts NULLs first already.)
+    let order = match &created {
+        Some(created) => format!("{created} NULLS FIRST, {id} NULLS FIRST"),
+        None => format!("{id} NULLS FIRST"),
+    };
     let sql = format!(
-        "SELECT {} FROM {} {filter} ORDER BY {created} NULLS FIRST, {id} NULLS FIRST",
+        "SELECT {} FROM {} {filter} ORDER BY {order}",
         select.join(", "),
         table.pg_quoted(),
     );
-    let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
-    let key_columns = position_of(columns.get("created_at")).zip(position_of(columns.get("id")));
+    let id_column = position_of(columns.get("id"));
     let tx = client
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -207,7 +225,7 @@ pub async fn publish(
         .await?;
     match after {
         Some(k) => {
-            tracing::info!(table = %table.pg_quoted(), what = %what, after_created_at = %k.created_at, after_id = %k.id, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
+            tracing::info!(table = %table.pg_quoted(), what = %what, after_created_at = k.created_at.as_deref().unwrap_or("-"), after_id = %k.id, next_index = k.seq, "first start: publishing existing rows after the last durable one of an interrupted snapshot")
         }
         None => {
             tracing::info!(table = %table.pg_quoted(), what = %what, "first start: publishing existing rows")
@@ -223,13 +241,19 @@ pub async fn publish(
             event.committed_at = None;
             outlet.send_event(event).await?;
             n += 1;
-            let key = key_columns.and_then(|(c, i)| {
-                Some(SnapshotKey {
+            // A row whose key column is NULL has no key to resume after (and sorts first).
+            let created_at = match created_column {
+                Some(c) => row.get::<_, Option<String>>(c).map(Some),
+                None => Some(None),
+            };
+            let key = created_at
+                .zip(id_column.and_then(|i| row.get::<_, Option<String>>(i)))
+                .map(|(created_at, id)| SnapshotKey {
                     table: table_index,
-                    created_at: row.get::<_, Option<String>>(c)?,
-                    id: row.get::<_, Option<String>>(i)?,
-                })
-            });
+                    created_at,
+                    id,
+                    seq: first_index + n,
+                });
             if let Some(key) = key {
                 outlet
                     .send_checkpoint(Checkpoint::Snapshot {

@@ -1,0 +1,367 @@
+//! What identifies an event across the relay's lives, across relays and across servers, and
+//! the one rule every "already published" check follows (docs/guarantees.md, "An event's
+//! identity").
+//!
+//! A source position alone is not an identity: the same number can mean another row (a
+//! snapshot resumed by another process), another relay (two relays writing one stream or
+//! topic) or another server (a database restored elsewhere, a binlog reset, a failover to a
+//! server whose binlog is numbered differently). So a published message carries who wrote it
+//! (`x-outbox-relay`) and which log it was read from (`x-outbox-source`, a
+//! [`SourceIdentity`]), and a sink that recognises what a broker already holds compares an
+//! [`EventKey`]: the source, the position *and* the event's id together — or, for a binlog
+//! transaction with a GTID, the GTID instead of the server-local coordinates, because a GTID
+//! names the same transaction on every server of a replication topology. Two different events
+//! never share a key, so a comparison of keys can only miss (a duplicate), never skip an event
+//! that was not published.
+//!
+//! The newest record a relay finds of its own is also checked against the log it reads now
+//! ([`Origin::check_tail`]): a record from another source whose transaction this server does
+//! not hold, or one ahead of the server's head, means the broker holds events of a log this
+//! relay is not reading (a restored or replaced database, another relay under this name), and
+//! the relay stops with the fix instead of guessing.
+
+use crate::event::SourcePosition;
+use std::cmp::Ordering;
+use std::fmt;
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// The header naming the relay (`--name`) that wrote a message.
+pub const RELAY_HEADER: &str = "x-outbox-relay";
+/// The header naming the log a message was read from ([`SourceIdentity::id`]).
+pub const SOURCE_HEADER: &str = "x-outbox-source";
+
+/// Which GTIDs a MySQL/MariaDB server holds: a test over one GTID's text (`0-1-57`,
+/// `3e11fa47-71ca-11e1-9e33-c80aa9429562:23`). Supplied by the source, which knows its
+/// server's GTID format.
+pub type GtidHistory = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// The log a relay reads, as far as telling logs apart goes.
+#[derive(Clone, Default)]
+pub struct SourceIdentity {
+    /// `postgres:<system identifier>/<database>` (the cluster's identifier: a physical standby
+    /// shares it, a restore into another cluster does not), `mariadb:<server_id>`,
+    /// `mysql:<server_uuid>`; empty when the source has none (binlog files, tests).
+    pub id: String,
+    /// The log's head when the relay started: nothing this server wrote is after it, so a
+    /// record of this source beyond it (and beyond what this process published) was written
+    /// from a log this server no longer has (a restore to an earlier point, a binlog reset).
+    pub head: Option<SourcePosition>,
+    /// MySQL/MariaDB: the GTIDs this server holds when the relay started. A record of another
+    /// server whose GTID is among them is this server's history too (a promoted replica).
+    pub gtids: Option<GtidHistory>,
+}
+
+impl fmt::Debug for SourceIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceIdentity")
+            .field("id", &self.id)
+            .field("head", &self.head.as_ref().map(|h| h.to_string()))
+            .field("gtids", &self.gtids.is_some())
+            .finish()
+    }
+}
+
+/// Who publishes: the relay's name and the log it reads. Every message carries both.
+#[derive(Debug, Clone, Default)]
+pub struct Origin {
+    pub relay: String,
+    pub source: SourceIdentity,
+    /// `--accept-new-source`: records of another source are taken for an earlier life of this
+    /// one (a database restored elsewhere on purpose) instead of stopping the relay.
+    pub accept_new_source: bool,
+}
+
+/// One message as read back from a broker: what its headers say about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadBack {
+    /// `x-outbox-source`; `None` on records written before the header existed.
+    pub source: Option<String>,
+    /// `x-source-position`, as written.
+    pub position: String,
+    /// `x-source-gtid`, where the transaction had one.
+    pub gtid: Option<String>,
+    /// The message's id: the event id, or a dead record's id.
+    pub message_id: String,
+}
+
+/// The identity of one published message: equal for the same event in every life of the
+/// relay, different for every other event (see the module's documentation).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EventKey(String);
+
+/// The index of an event in its transaction: the last field of a rendered position.
+fn index_of(position: &str) -> &str {
+    position.rsplit(':').next().unwrap_or("")
+}
+
+impl EventKey {
+    fn build(source: &str, position: &str, gtid: Option<&str>, message_id: &str) -> EventKey {
+        let id = message_id.to_ascii_lowercase();
+        EventKey(match gtid.filter(|g| !g.is_empty()) {
+            Some(g) => format!("gtid {g} #{} {id}", index_of(position)),
+            None => format!("{source} {position} {id}"),
+        })
+    }
+
+    /// The key of an event about to be published from `source`: its position, its GTID where
+    /// the binlog gave one, and the id of the message it goes out as.
+    pub fn of(
+        source: &str,
+        position: &SourcePosition,
+        gtid: Option<&str>,
+        message_id: Uuid,
+    ) -> EventKey {
+        EventKey::build(
+            source,
+            &position.to_string(),
+            gtid,
+            &message_id.hyphenated().to_string(),
+        )
+    }
+
+    /// The keys a record read back may match: its own, and — for a record written before
+    /// messages named their source — the same position and id from any source (the event id
+    /// still makes it the same event).
+    pub fn of_record(r: &ReadBack) -> EventKey {
+        EventKey::build(
+            r.source.as_deref().unwrap_or(LEGACY_SOURCE),
+            &r.position,
+            r.gtid.as_deref(),
+            &r.message_id,
+        )
+    }
+
+    /// The key a record without `x-outbox-source` has for the event `self` would be.
+    pub fn legacy(position: &SourcePosition, gtid: Option<&str>, message_id: Uuid) -> EventKey {
+        EventKey::of(LEGACY_SOURCE, position, gtid, message_id)
+    }
+}
+
+/// The source of a record that names none.
+const LEGACY_SOURCE: &str = "-";
+
+/// Why a relay does not go on with what a broker holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TailMismatch {
+    /// The relay's newest record there was read from another log, which this server does not
+    /// hold.
+    OtherSource { record: String, ours: String },
+    /// The relay's newest record there is of this source but beyond the server's head.
+    AheadOfHead { record: String, head: String },
+}
+
+impl fmt::Display for TailMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TailMismatch::OtherSource { record, ours } => write!(
+                f,
+                "was read from the source {record}, but this relay reads {ours} and that server does not hold the record's transaction"
+            ),
+            TailMismatch::AheadOfHead { record, head } => write!(
+                f,
+                "is at {record}, beyond the source's head {head}: it was written from a log this server no longer has"
+            ),
+        }
+    }
+}
+
+impl Origin {
+    /// Whether the relay's newest record in a stream or topic (`tail`) belongs to the log it
+    /// reads now. `published` is the newest position this process handed to the sink: a
+    /// record up to it is this process's own.
+    pub fn check_tail(
+        &self,
+        tail: &ReadBack,
+        published: Option<&SourcePosition>,
+    ) -> Result<(), TailMismatch> {
+        let ours = &self.source.id;
+        let Some(source) = tail.source.as_deref() else {
+            // Written before records named their source: nothing to compare.
+            return Ok(());
+        };
+        if ours.is_empty() {
+            return Ok(());
+        }
+        if source != ours {
+            let held = match (&tail.gtid, &self.source.gtids) {
+                (Some(g), Some(history)) => history(g),
+                _ => false,
+            };
+            if held || self.accept_new_source {
+                return Ok(());
+            }
+            return Err(TailMismatch::OtherSource {
+                record: source.to_string(),
+                ours: ours.clone(),
+            });
+        }
+        let (Some(head), Some(position)) = (
+            &self.source.head,
+            SourcePosition::parse_stored(&tail.position),
+        ) else {
+            return Ok(());
+        };
+        let beyond = |p: &SourcePosition| position.compare(p) == Some(Ordering::Greater);
+        if beyond(head) && published.is_none_or(beyond) {
+            return Err(TailMismatch::AheadOfHead {
+                record: tail.position.clone(),
+                head: head.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The fix for a [`TailMismatch`] in `place` (a stream, a topic partition).
+    pub fn mismatch_fix(&self, place: &str) -> String {
+        format!(
+            "if this database replaces the one the record came from (restored, or moved to another server) and the events in {place} are to stay, \
+             start the relay once with --accept-new-source (events the broker holds are then recognised only by their exact identity: some may be published again); \
+             if another relay named {:?} writes {place}, give one of them another --name",
+            self.relay
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pg(lsn: u64, index: u32) -> SourcePosition {
+        SourcePosition::Pg {
+            commit_lsn: lsn,
+            index,
+        }
+    }
+
+    fn record(source: Option<&str>, position: &SourcePosition, id: Uuid) -> ReadBack {
+        ReadBack {
+            source: source.map(str::to_string),
+            position: position.to_string(),
+            gtid: None,
+            message_id: id.to_string(),
+        }
+    }
+
+    #[test]
+    fn the_same_event_has_the_same_key_and_no_other_event_shares_it() {
+        let id = Uuid::from_u128(7);
+        let k = EventKey::of("postgres:1/app", &pg(10, 0), None, id);
+        assert_eq!(
+            k,
+            EventKey::of_record(&record(Some("postgres:1/app"), &pg(10, 0), id))
+        );
+        // Another row at the same position (a renumbered snapshot, a restored server).
+        assert_ne!(
+            k,
+            EventKey::of("postgres:1/app", &pg(10, 0), None, Uuid::from_u128(8))
+        );
+        // The same id at another position or from another source.
+        assert_ne!(k, EventKey::of("postgres:1/app", &pg(10, 1), None, id));
+        assert_ne!(k, EventKey::of("postgres:2/app", &pg(10, 0), None, id));
+        // A record written before records named their source matches by position and id.
+        assert_eq!(
+            EventKey::legacy(&pg(10, 0), None, id),
+            EventKey::of_record(&record(None, &pg(10, 0), id))
+        );
+    }
+
+    #[test]
+    fn a_gtid_names_the_transaction_on_every_server() {
+        let id = Uuid::from_u128(1);
+        let on = |file: &str, end_pos| SourcePosition::Binlog {
+            file: file.into(),
+            end_pos,
+            index: 2,
+        };
+        let primary = EventKey::of("mariadb:1", &on("a.000009", 900), Some("0-1-57"), id);
+        let replica = EventKey::of("mariadb:2", &on("b.000001", 4711), Some("0-1-57"), id);
+        assert_eq!(primary, replica);
+        let other_index = SourcePosition::Binlog {
+            file: "a.000009".into(),
+            end_pos: 900,
+            index: 3,
+        };
+        assert_ne!(
+            primary,
+            EventKey::of("mariadb:1", &other_index, Some("0-1-57"), id)
+        );
+        // A reset binlog repeats GTIDs, not event ids.
+        assert_ne!(
+            primary,
+            EventKey::of(
+                "mariadb:1",
+                &on("a.000001", 900),
+                Some("0-1-57"),
+                Uuid::from_u128(2)
+            )
+        );
+    }
+
+    fn origin(id: &str, head: Option<SourcePosition>) -> Origin {
+        Origin {
+            relay: "r1".into(),
+            source: SourceIdentity {
+                id: id.into(),
+                head,
+                gtids: None,
+            },
+            accept_new_source: false,
+        }
+    }
+
+    #[test]
+    fn a_tail_of_another_source_or_beyond_the_head_is_refused() {
+        let o = origin("postgres:1/app", Some(pg(100, 0)));
+        let id = Uuid::from_u128(1);
+        assert_eq!(
+            o.check_tail(&record(Some("postgres:1/app"), &pg(90, 3), id), None),
+            Ok(())
+        );
+        assert!(matches!(
+            o.check_tail(&record(Some("postgres:2/app"), &pg(90, 3), id), None),
+            Err(TailMismatch::OtherSource { .. })
+        ));
+        assert!(matches!(
+            o.check_tail(&record(Some("postgres:1/app"), &pg(120, 0), id), None),
+            Err(TailMismatch::AheadOfHead { .. })
+        ));
+        // Beyond the start's head, but this process published that far.
+        assert_eq!(
+            o.check_tail(
+                &record(Some("postgres:1/app"), &pg(120, 0), id),
+                Some(&pg(130, 0))
+            ),
+            Ok(())
+        );
+        // Records that name no source are not compared.
+        assert_eq!(o.check_tail(&record(None, &pg(120, 0), id), None), Ok(()));
+        let accepting = Origin {
+            accept_new_source: true,
+            ..o.clone()
+        };
+        assert_eq!(
+            accepting.check_tail(&record(Some("postgres:2/app"), &pg(90, 3), id), None),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn a_record_of_a_former_primary_is_ours_when_this_server_holds_its_gtid() {
+        let mut o = origin("mariadb:2", None);
+        o.source.gtids = Some(Arc::new(|g: &str| g == "0-1-57"));
+        let mut r = record(
+            Some("mariadb:1"),
+            &SourcePosition::Binlog {
+                file: "a.000009".into(),
+                end_pos: 900,
+                index: 0,
+            },
+            Uuid::from_u128(1),
+        );
+        r.gtid = Some("0-1-57".into());
+        assert_eq!(o.check_tail(&r, None), Ok(()));
+        r.gtid = Some("0-1-58".into());
+        assert!(o.check_tail(&r, None).is_err());
+    }
+}
