@@ -152,19 +152,31 @@ impl SourcePosition {
 }
 
 /// The id of the dead record of a row that has no usable id of its own (NULL, or not a UUID,
-/// in the id column): a UUIDv8 from SHA-256 over the event's source position (and its table,
-/// with several `--table`). Distinct for every row of the log, so two such rows are two dead
-/// records and not one "duplicate" (the nil UUID they would otherwise share is one
-/// `Nats-Msg-Id`, one idempotency key); and the same on every replay of the position, so a
-/// republished dead record is still recognised as one. Poll positions are per process: in poll
-/// mode every row has a UUID id (it is how rows are marked), so only a literal nil id gets here.
-pub fn dead_record_id(position: &SourcePosition, table: Option<&str>) -> Uuid {
+/// in the id column): a UUIDv8 from SHA-256 over the event's source position, its table (with
+/// several `--table`) and what the row holds (`created_at`, aggregate id, topic, payload).
+/// Distinct for every row of the log, so two such rows are two dead records and not one
+/// "duplicate" (the nil UUID they would otherwise share is one `Nats-Msg-Id`, one idempotency
+/// key); the same on every replay of the row; and another row at a reused position (a database
+/// restored elsewhere, a binlog reset) gets another id, so a deduplicating sink never takes its
+/// dead record for the earlier one's. Poll positions are per process: in poll mode every row
+/// has a UUID id (it is how rows are marked), so only a literal nil id gets here.
+pub fn dead_record_id(event: &OutboxEvent) -> Uuid {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(b"outboxd dead record\n");
-    h.update(table.unwrap_or("").as_bytes());
+    h.update(event.table.as_deref().unwrap_or("").as_bytes());
     h.update(b"\n");
-    h.update(position.to_string().as_bytes());
+    h.update(event.position.to_string().as_bytes());
+    // Each part with its length: no two rows' parts run together into the same bytes.
+    for part in [
+        event.created_at_rfc3339().as_bytes(),
+        event.aggregate_id.as_bytes(),
+        event.topic.as_bytes(),
+        &event.payload[..],
+    ] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
     let digest = h.finalize();
     let mut bytes = [0u8; 16];
     bytes.copy_from_slice(&digest[..16]);
@@ -261,7 +273,7 @@ impl OutboxEvent {
     /// position.
     pub fn dead_record_id(&self) -> Uuid {
         if self.id.is_nil() {
-            dead_record_id(&self.position, self.table.as_deref())
+            dead_record_id(self)
         } else {
             self.id
         }
@@ -395,28 +407,54 @@ mod tests {
     }
 
     #[test]
-    fn dead_record_ids_are_distinct_per_position_and_stable() {
-        let at = |commit_lsn, index| SourcePosition::Pg { commit_lsn, index };
-        let a = dead_record_id(&at(0x16B3748, 0), None);
-        assert_eq!(
-            a,
-            dead_record_id(&at(0x16B3748, 0), None),
-            "a replay: same id"
-        );
+    fn dead_record_ids_are_distinct_per_row_and_stable() {
+        let row = |commit_lsn, index| {
+            let mut e = OutboxEvent {
+                id: Uuid::nil(),
+                aggregate_id: "7".into(),
+                topic: "t".into(),
+                payload: Bytes::from_static(b"{}"),
+                created_at: DateTime::from_timestamp(1_750_000_000, 0).unwrap(),
+                position: SourcePosition::Pg { commit_lsn, index },
+                headers: None,
+                version: None,
+                gtid: None,
+                committed_at: None,
+                poison: Some("no id".into()),
+                table: None,
+                extra: Vec::new(),
+                content_type: None,
+            };
+            e.position = SourcePosition::Pg { commit_lsn, index };
+            e
+        };
+        let a = row(0x16B3748, 0).dead_record_id();
+        assert_eq!(a, row(0x16B3748, 0).dead_record_id(), "a replay: same id");
         assert_eq!(a.get_version_num(), 8);
         assert!(!a.is_nil());
-        let others = [
-            dead_record_id(&at(0x16B3748, 1), None),
-            dead_record_id(&at(0x16B3749, 0), None),
-            dead_record_id(&at(0x16B3748, 0), Some("billing.outbox")),
-        ];
-        assert!(others.iter().all(|o| *o != a), "{a} {others:?}");
-        let binlog = SourcePosition::Binlog {
+        let mut in_table = row(0x16B3748, 0);
+        in_table.table = Some("billing.outbox".into());
+        // Another row at the same position (a restored server): another payload, another id.
+        let mut reused = row(0x16B3748, 0);
+        reused.payload = Bytes::from_static(b"{\"other\": 1}");
+        let mut binlog = row(0, 0);
+        binlog.position = SourcePosition::Binlog {
             file: "mariadb-bin.000001".into(),
             end_pos: 0x16B3748,
             index: 0,
         };
-        assert_ne!(dead_record_id(&binlog, None), a);
+        let others = [
+            row(0x16B3748, 1).dead_record_id(),
+            row(0x16B3749, 0).dead_record_id(),
+            in_table.dead_record_id(),
+            reused.dead_record_id(),
+            binlog.dead_record_id(),
+        ];
+        assert!(others.iter().all(|o| *o != a), "{a} {others:?}");
+        // A row with an id keeps it.
+        let mut with_id = row(1, 0);
+        with_id.id = Uuid::from_u128(5);
+        assert_eq!(with_id.dead_record_id(), Uuid::from_u128(5));
     }
 
     #[test]

@@ -22,6 +22,7 @@
 
 use crate::event::SourcePosition;
 use std::cmp::Ordering;
+use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use uuid::Uuid;
@@ -85,61 +86,74 @@ pub struct ReadBack {
     pub message_id: String,
 }
 
-/// The identity of one published message: equal for the same event in every life of the
-/// relay, different for every other event (see the module's documentation).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct EventKey(String);
-
-/// The index of an event in its transaction: the last field of a rendered position.
-fn index_of(position: &str) -> &str {
-    position.rsplit(':').next().unwrap_or("")
-}
+/// What identifies one published message: the id it carries — the row's event id (which the
+/// producer made unique, and which consumers already deduplicate by), or a dead record's id
+/// (derived from the row's position and content where the row has no usable id). The same
+/// event read twice — by a resumed snapshot, by a snapshot and the stream, from a promoted
+/// replica or a restored copy of the database — is recognised; another row at a reused
+/// position never is. Only a relay's own records are compared (`x-outbox-relay`): another
+/// relay's copy of an event is that relay's, not this one's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventKey(Uuid);
 
 impl EventKey {
-    fn build(source: &str, position: &str, gtid: Option<&str>, message_id: &str) -> EventKey {
-        let id = message_id.to_ascii_lowercase();
-        EventKey(match gtid.filter(|g| !g.is_empty()) {
-            Some(g) => format!("gtid {g} #{} {id}", index_of(position)),
-            None => format!("{source} {position} {id}"),
-        })
+    /// The key of a message about to be published with `message_id`.
+    pub fn of(message_id: Uuid) -> EventKey {
+        EventKey(message_id)
     }
 
-    /// The key of an event about to be published from `source`: its position, its GTID where
-    /// the binlog gave one, and the id of the message it goes out as.
-    pub fn of(
-        source: &str,
-        position: &SourcePosition,
-        gtid: Option<&str>,
-        message_id: Uuid,
-    ) -> EventKey {
-        EventKey::build(
-            source,
-            &position.to_string(),
-            gtid,
-            &message_id.hyphenated().to_string(),
-        )
-    }
-
-    /// The keys a record read back may match: its own, and — for a record written before
-    /// messages named their source — the same position and id from any source (the event id
-    /// still makes it the same event).
-    pub fn of_record(r: &ReadBack) -> EventKey {
-        EventKey::build(
-            r.source.as_deref().unwrap_or(LEGACY_SOURCE),
-            &r.position,
-            r.gtid.as_deref(),
-            &r.message_id,
-        )
-    }
-
-    /// The key a record without `x-outbox-source` has for the event `self` would be.
-    pub fn legacy(position: &SourcePosition, gtid: Option<&str>, message_id: Uuid) -> EventKey {
-        EventKey::of(LEGACY_SOURCE, position, gtid, message_id)
+    /// The key of a record read back; `None` when its id is no UUID (not written by outboxd).
+    pub fn of_record(r: &ReadBack) -> Option<EventKey> {
+        Uuid::parse_str(&r.message_id).ok().map(EventKey)
     }
 }
 
-/// The source of a record that names none.
-const LEGACY_SOURCE: &str = "-";
+/// How many of the keys a sink published itself it remembers: a row that a first start's
+/// snapshot published and the stream then carries again (it was committed after the stream's
+/// start position but before the snapshot read it) comes within this many events, unless the
+/// snapshot resumed after a long outage; past it the row is published twice, never lost.
+pub const RECENT: usize = 100_000;
+
+/// What a sink knows a broker holds of this relay's messages, on one connection: the keys read
+/// back when it connected, and the last [`RECENT`] keys it published since. Memory stays
+/// bounded: the read-back by the sink's scan limit, the rest by [`RECENT`].
+#[derive(Debug, Default)]
+pub struct Held {
+    read_back: HashSet<EventKey>,
+    recent: HashSet<EventKey>,
+    order: VecDeque<EventKey>,
+}
+
+impl Held {
+    pub fn new(read_back: HashSet<EventKey>) -> Held {
+        Held {
+            read_back,
+            ..Held::default()
+        }
+    }
+
+    pub fn contains(&self, key: &EventKey) -> bool {
+        self.read_back.contains(key) || self.recent.contains(key)
+    }
+
+    /// A message handed to the broker on this connection (if it fails, the connection is
+    /// replaced and with it this record).
+    pub fn published(&mut self, key: EventKey) {
+        if self.recent.insert(key) {
+            self.order.push_back(key);
+            if self.order.len() > RECENT {
+                if let Some(old) = self.order.pop_front() {
+                    self.recent.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Keys read back from the broker.
+    pub fn read_back_len(&self) -> usize {
+        self.read_back.len()
+    }
+}
 
 /// Why a relay does not go on with what a broker holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,58 +258,48 @@ mod tests {
     }
 
     #[test]
-    fn the_same_event_has_the_same_key_and_no_other_event_shares_it() {
+    fn a_record_is_recognised_by_the_id_it_carries() {
         let id = Uuid::from_u128(7);
-        let k = EventKey::of("postgres:1/app", &pg(10, 0), None, id);
-        assert_eq!(
-            k,
-            EventKey::of_record(&record(Some("postgres:1/app"), &pg(10, 0), id))
-        );
+        let k = EventKey::of(id);
+        // The same event from another source, position or reading (a promoted replica, a
+        // snapshot row that the stream carries too), written before records named a source.
+        for r in [
+            record(Some("postgres:1/app"), &pg(10, 0), id),
+            record(Some("postgres:2/app"), &pg(99, 4), id),
+            record(None, &pg(10, 0), id),
+        ] {
+            assert_eq!(EventKey::of_record(&r), Some(k));
+        }
         // Another row at the same position (a renumbered snapshot, a restored server).
         assert_ne!(
-            k,
-            EventKey::of("postgres:1/app", &pg(10, 0), None, Uuid::from_u128(8))
+            EventKey::of_record(&record(
+                Some("postgres:1/app"),
+                &pg(10, 0),
+                Uuid::from_u128(8)
+            )),
+            Some(k)
         );
-        // The same id at another position or from another source.
-        assert_ne!(k, EventKey::of("postgres:1/app", &pg(10, 1), None, id));
-        assert_ne!(k, EventKey::of("postgres:2/app", &pg(10, 0), None, id));
-        // A record written before records named their source matches by position and id.
-        assert_eq!(
-            EventKey::legacy(&pg(10, 0), None, id),
-            EventKey::of_record(&record(None, &pg(10, 0), id))
-        );
+        let mut foreign = record(None, &pg(10, 0), id);
+        foreign.message_id = "not-a-uuid".into();
+        assert_eq!(EventKey::of_record(&foreign), None);
     }
 
     #[test]
-    fn a_gtid_names_the_transaction_on_every_server() {
-        let id = Uuid::from_u128(1);
-        let on = |file: &str, end_pos| SourcePosition::Binlog {
-            file: file.into(),
-            end_pos,
-            index: 2,
-        };
-        let primary = EventKey::of("mariadb:1", &on("a.000009", 900), Some("0-1-57"), id);
-        let replica = EventKey::of("mariadb:2", &on("b.000001", 4711), Some("0-1-57"), id);
-        assert_eq!(primary, replica);
-        let other_index = SourcePosition::Binlog {
-            file: "a.000009".into(),
-            end_pos: 900,
-            index: 3,
-        };
-        assert_ne!(
-            primary,
-            EventKey::of("mariadb:1", &other_index, Some("0-1-57"), id)
+    fn a_sink_remembers_what_it_read_back_and_the_last_keys_it_published() {
+        let k = |n| EventKey::of(Uuid::from_u128(n));
+        let mut h = Held::new([k(1)].into_iter().collect());
+        assert!(h.contains(&k(1)) && !h.contains(&k(2)));
+        h.published(k(2));
+        assert!(h.contains(&k(2)));
+        for n in 10..(10 + RECENT as u128) {
+            h.published(k(n));
+        }
+        assert!(
+            !h.contains(&k(2)),
+            "the oldest published key is forgotten past RECENT"
         );
-        // A reset binlog repeats GTIDs, not event ids.
-        assert_ne!(
-            primary,
-            EventKey::of(
-                "mariadb:1",
-                &on("a.000001", 900),
-                Some("0-1-57"),
-                Uuid::from_u128(2)
-            )
-        );
+        assert!(h.contains(&k(1)), "what was read back stays");
+        assert_eq!(h.recent.len(), RECENT);
     }
 
     fn origin(id: &str, head: Option<SourcePosition>) -> Origin {

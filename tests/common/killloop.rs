@@ -251,6 +251,18 @@ pub fn my_producer(db: &super::MyDb, rate: u32, topic: &'static str) -> Producer
     })
 }
 
+/// Single-row transactions into the outbox of any source database, from as many writers as
+/// the other producers use, each pausing so that together they commit about `rate` per
+/// second (paced less exactly than [`pg_producer`]: for loops that need traffic, not a rate).
+pub fn source_producer<D: super::source_db::SourceDb>(
+    db: &D,
+    rate: u32,
+    topic: &'static str,
+) -> Producer {
+    let pause = Duration::from_secs_f64(SESSIONS as f64 / rate.max(1) as f64);
+    producer(|stop| db.write_until(stop, 1, pause, topic))
+}
+
 fn ids(relay: &Relay) -> Vec<Uuid> {
     parse_lines(&relay.lines())
         .iter()

@@ -275,8 +275,13 @@ impl Relay {
         Self::start_with_env(args, &[])
     }
 
+    /// `OUTBOXD_TEST_BIN` runs the relay tests against another build (an older one, to see a
+    /// test fail without the fix it covers), else this crate's binary.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Relay {
-        Self::start_bin(env!("CARGO_BIN_EXE_outboxd"), args, env)
+        match std::env::var("OUTBOXD_TEST_BIN") {
+            Ok(bin) => Self::start_bin(&bin, args, env),
+            Err(_) => Self::start_bin(env!("CARGO_BIN_EXE_outboxd"), args, env),
+        }
     }
 
     /// Another outboxd binary than this crate's (an older build, to compare).

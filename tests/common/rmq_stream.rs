@@ -117,8 +117,11 @@ impl TestStream {
                         id,
                         aggregate: text(get("x-aggregate-id")),
                         position: text(get("x-source-position")),
+                        // A long (int when small); earlier versions wrote a ulong.
                         publishing_id: match get("x-outbox-publishing-id") {
                             Some(SimpleValue::Ulong(n)) => *n,
+                            Some(SimpleValue::Long(n)) => *n as u64,
+                            Some(SimpleValue::Int(n)) => *n as u64,
                             _ => 0,
                         },
                         offset: d.offset(),

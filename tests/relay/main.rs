@@ -7,6 +7,7 @@ mod common;
 
 mod concurrent_start;
 mod conformance;
+mod exactness;
 mod fault_suite;
 mod faults;
 mod ha;

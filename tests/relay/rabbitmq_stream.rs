@@ -89,7 +89,7 @@ async fn crash_loop(dsn: String, name: String, producer: impl FnOnce() -> killlo
     // The fault was real: lives replayed from their stored position into what the stream held.
     assert!(
         out.stderr
-            .contains("replayed events the stream already held"),
+            .contains("replayed events the stream already holds"),
         "no life replayed events the stream already held; stderr tail:\n{}",
         tail(&out.stderr)
     );

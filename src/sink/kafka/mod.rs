@@ -24,13 +24,13 @@ pub use config::{KafkaConfig, KafkaOptions};
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact;
 use crate::event::{OutboxEvent, SourcePosition};
-use crate::identity::{EventKey, Origin};
+use crate::identity::{EventKey, Held, Origin};
 use crate::state::Fence;
 use futures::FutureExt;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -63,7 +63,7 @@ struct Link {
     topics: HashMap<String, i32>,
     /// Per partition written on this link: the identities of the relay's records that were
     /// there when the link first wrote to it.
-    written: HashMap<(String, i32), HashSet<EventKey>>,
+    written: HashMap<(String, i32), Held>,
 }
 
 impl Drop for Link {
@@ -217,7 +217,7 @@ impl KafkaSink {
                         fix: self.origin.mismatch_fix(&place),
                     })?;
             }
-            link.written.insert(key.clone(), found.keys);
+            link.written.insert(key.clone(), Held::new(found.keys));
         }
         // The id the record carries: the event's, or its dead record's.
         let id = if out.dead.is_some() {
@@ -225,11 +225,14 @@ impl KafkaSink {
         } else {
             event.id
         };
-        let gtid = event.gtid.as_deref();
-        let there = link.written.get(&key).is_some_and(|w| {
-            w.contains(&EventKey::of(&self.origin.source.id, position, gtid, id))
-                || w.contains(&EventKey::legacy(position, gtid, id))
-        });
+        let there = match link.written.get_mut(&key) {
+            Some(w) if w.contains(&EventKey::of(id)) => true,
+            Some(w) => {
+                w.published(EventKey::of(id));
+                false
+            }
+            None => false,
+        };
         Ok((partition, there))
     }
 }

@@ -48,7 +48,7 @@ pub struct Written {
 
 impl Written {
     fn add(&mut self, offset: i64, r: ReadBack) {
-        self.keys.insert(EventKey::of_record(&r));
+        self.keys.extend(EventKey::of_record(&r));
         if self.newest.as_ref().is_none_or(|(o, _)| offset > *o) {
             self.newest = Some((offset, r));
         }

@@ -15,7 +15,7 @@
 //! No state outside the stream is written, so the position store, the checkpoint and
 //! `offset set` stay as they are.
 
-use crate::identity::EventKey;
+use crate::identity::{EventKey, Held};
 use std::collections::HashSet;
 
 pub use crate::stream::PUBLISHING_ID_HEADER;
@@ -34,14 +34,19 @@ pub enum Assign {
 pub struct PublishingIds {
     /// The last id given out (or, before the first, the broker's last stored id).
     last: u64,
-    /// The identities of this relay's messages read back from the stream; `None` until read.
-    held: Option<HashSet<EventKey>>,
+    /// The identities of this relay's messages read back from the stream, and of those sent
+    /// since; `None` until read.
+    held: Option<Held>,
 }
 
 impl PublishingIds {
     /// `last`: the broker's last stored id for the producer (0: none).
     pub fn new(last: u64) -> PublishingIds {
-        PublishingIds { last, held: None }
+        PublishingIds {
+            last,
+            // A producer that stored nothing has nothing to read back.
+            held: (last == 0).then(Held::default),
+        }
     }
 
     /// The last id given out so far.
@@ -52,25 +57,22 @@ impl PublishingIds {
     /// Whether the stream still has to be read back before the next decision: the producer
     /// stored something, and nothing was read since the connect.
     pub fn needs_read_back(&self) -> bool {
-        self.last > 0 && self.held.is_none()
+        self.held.is_none()
     }
 
     /// What the read-back found.
-    pub fn set_held(&mut self, held: HashSet<EventKey>) {
-        self.held = Some(held);
+    pub fn set_held(&mut self, read_back: HashSet<EventKey>) {
+        self.held = Some(Held::new(read_back));
     }
 
-    /// The decision for the next event in the relay's order, given the keys its message may
-    /// have been stored under (`None`: an event whose identity means nothing across processes,
-    /// a poll-mode position).
-    pub fn assign(&mut self, keys: Option<[&EventKey; 2]>) -> Assign {
-        let held = match (&self.held, keys) {
-            (Some(h), Some(keys)) => keys.iter().any(|k| h.contains(*k)),
-            _ => false,
-        };
-        if held {
+    /// The decision for the next event in the relay's order, by the key of the message it
+    /// goes out as.
+    pub fn assign(&mut self, key: &EventKey) -> Assign {
+        let held = self.held.get_or_insert_with(Held::default);
+        if held.contains(key) {
             return Assign::Held;
         }
+        held.published(*key);
         self.last += 1;
         Assign::Publish(self.last)
     }
@@ -79,30 +81,10 @@ impl PublishingIds {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::SourcePosition;
     use uuid::Uuid;
 
-    fn key(lsn: u64, index: u32, id: u128) -> EventKey {
-        EventKey::of(
-            "postgres:1/app",
-            &SourcePosition::Pg {
-                commit_lsn: lsn,
-                index,
-            },
-            None,
-            Uuid::from_u128(id),
-        )
-    }
-
-    fn legacy() -> EventKey {
-        EventKey::legacy(
-            &SourcePosition::Pg {
-                commit_lsn: 0,
-                index: 0,
-            },
-            None,
-            Uuid::nil(),
-        )
+    fn key(id: u128) -> EventKey {
+        EventKey::of(Uuid::from_u128(id))
     }
 
     #[test]
@@ -110,49 +92,34 @@ mod tests {
         // First run: a fresh stream numbers from 1, nothing to read back.
         let mut first = PublishingIds::new(0);
         assert!(!first.needs_read_back());
-        assert_eq!(
-            first.assign(Some([&key(10, 0, 1), &legacy()])),
-            Assign::Publish(1)
-        );
-        assert_eq!(
-            first.assign(Some([&key(10, 1, 2), &legacy()])),
-            Assign::Publish(2)
-        );
+        assert_eq!(first.assign(&key(1)), Assign::Publish(1));
+        assert_eq!(first.assign(&key(2)), Assign::Publish(2));
         // The broker stored up to 2; the replay starts before the first event.
         let mut again = PublishingIds::new(2);
         assert!(again.needs_read_back());
-        again.set_held([key(10, 0, 1), key(10, 1, 2)].into_iter().collect());
+        again.set_held([key(1), key(2)].into_iter().collect());
         assert!(!again.needs_read_back());
-        assert_eq!(
-            again.assign(Some([&key(10, 0, 1), &legacy()])),
-            Assign::Held
-        );
-        assert_eq!(
-            again.assign(Some([&key(10, 1, 2), &legacy()])),
-            Assign::Held
-        );
-        assert_eq!(
-            again.assign(Some([&key(20, 0, 3), &legacy()])),
-            Assign::Publish(3)
-        );
+        assert_eq!(again.assign(&key(1)), Assign::Held);
+        assert_eq!(again.assign(&key(2)), Assign::Held);
+        assert_eq!(again.assign(&key(3)), Assign::Publish(3));
         assert_eq!(again.last(), 3);
     }
 
     #[test]
-    fn another_event_at_a_held_position_is_published() {
-        // A resumed snapshot or a restored database gives another row the same position.
+    fn an_event_the_stream_does_not_hold_is_published_whatever_came_before() {
         let mut ids = PublishingIds::new(5);
-        ids.set_held([key(10, 0, 1)].into_iter().collect());
-        assert_eq!(
-            ids.assign(Some([&key(10, 0, 9), &legacy()])),
-            Assign::Publish(6)
-        );
+        ids.set_held([key(1), key(3)].into_iter().collect());
+        assert_eq!(ids.assign(&key(2)), Assign::Publish(6));
+        assert_eq!(ids.assign(&key(3)), Assign::Held);
+        assert_eq!(ids.assign(&key(4)), Assign::Publish(7));
     }
 
+    /// A row the snapshot sent and the stream carries again, in one life.
     #[test]
-    fn events_without_an_identity_always_get_new_ids() {
-        let mut ids = PublishingIds::new(4);
-        ids.set_held([key(10, 0, 1)].into_iter().collect());
-        assert_eq!(ids.assign(None), Assign::Publish(5));
+    fn an_event_sent_on_this_connection_is_not_sent_again() {
+        let mut ids = PublishingIds::new(0);
+        assert_eq!(ids.assign(&key(1)), Assign::Publish(1));
+        assert_eq!(ids.assign(&key(1)), Assign::Held);
+        assert_eq!(ids.assign(&key(2)), Assign::Publish(2));
     }
 }

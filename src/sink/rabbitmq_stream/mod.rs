@@ -492,12 +492,8 @@ impl Sink for RabbitStreamSink {
         {
             self.published = Some(event.position.clone());
         }
-        let gtid = event.gtid.as_deref();
-        let key = EventKey::of(&self.origin.source.id, &event.position, gtid, message_id);
-        let legacy = EventKey::legacy(&event.position, gtid, message_id);
-        let poll = matches!(event.position, SourcePosition::Poll { .. });
         let lane = &mut self.lanes[k];
-        let id = match lane.ids.assign((!poll).then_some([&key, &legacy])) {
+        let id = match lane.ids.assign(&EventKey::of(message_id)) {
             Assign::Held => {
                 if self.held == 0 {
                     tracing::info!(stream = %lane.stream, position = %event.position, "replayed events the stream already holds are confirmed without sending them again");

@@ -80,7 +80,7 @@ impl Found {
             gtid: text("x-source-gtid"),
             message_id,
         };
-        self.keys.insert(EventKey::of_record(&r));
+        self.keys.extend(EventKey::of_record(&r));
         let pid = app.get(PUBLISHING_ID_HEADER).and_then(publishing_id);
         if let Some(pid) = pid {
             if self.newest.as_ref().is_none_or(|(n, _)| pid > *n) {
