@@ -16,4 +16,4 @@ fi
 export COMPOSER_ALLOW_SUPERUSER=1 COMPOSER_NO_INTERACTION=1 COMPOSER_DISABLE_NETWORK=1
 (cd php/laravel && composer dump-autoload --dev --quiet)
 (cd examples/laravel && composer install --quiet)
-echo "php-install: php/laravel autoloader, examples/laravel vendor/ (outboxd/laravel $(cd examples/laravel && php artisan --version))"
+echo "php-install: php/laravel autoloader, examples/laravel vendor/ ($(cd examples/laravel && php artisan --version))"
