@@ -8,6 +8,7 @@
 #                           or --nocapture: OUTBOXD_TEST_ARGS='postgres --nocapture' scripts/test.sh
 #   OUTBOXD_CARGO_ARGS      extra arguments for cargo clippy/build/test (before `--`), e.g. --release
 #   OUTBOXD_SKIP_SERVICES=1 do not run scripts/services.sh (services are managed elsewhere)
+#   OUTBOXD_SKIP_PHP=1      skip the phpunit phase (the Laravel package's tests; PHP not installed)
 #   CI=true                 strict: a missing rustfmt or clippy fails the run instead of being
 #                           skipped, and the fuzz-check and bench-smoke phases run
 #   OUTBOXD_FUZZ_CHECK=1    run the fuzz-check phase outside CI too (type-checks fuzz/ on stable)
@@ -140,6 +141,18 @@ if [[ $CI_STRICT == 1 || ${OUTBOXD_FUZZ_CHECK:-0} == 1 ]]; then
     phase_begin fuzz-check
     CARGO_TARGET_DIR=$PWD/target cargo check "${LOCKED[@]}" --manifest-path fuzz/Cargo.toml \
         --no-default-features --bins
+    phase_end
+fi
+
+# The Laravel package's PHPUnit tests (against the shared MariaDB and RabbitMQ), after
+# Composer's autoloaders for it and its example application, which the Rust tests below drive.
+# OUTBOXD_SKIP_PHP=1 (PHP not installed) skips it; the Rust Laravel tests then fail saying so.
+if [[ ${OUTBOXD_SKIP_PHP:-0} == 1 ]]; then
+    echo "== phase phpunit skipped (OUTBOXD_SKIP_PHP=1)"
+else
+    phase_begin phpunit
+    scripts/php-install.sh
+    (cd php/laravel && phpunit --colors=never)
     phase_end
 fi
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# PHP for the Laravel example (examples/laravel/) and its tests (tests/kit/crypto_php.rs,
-# tests/mariadb/laravel.rs): Debian's php8.2-cli (sodium built in), php8.2-mysql (PDO for
-# MariaDB), php-amqplib and the two Laravel 8.83 components the example uses,
-# php-illuminate-database and php-illuminate-events (the php-laravel-framework metapackage
-# would add some 60 more packages the example never loads), all from apt: the example
-# autoloads them from /usr/share/php, no Packagist.
+# PHP for the Laravel package (php/laravel/), its example application (examples/laravel/) and
+# their tests (PHPUnit in scripts/test.sh, tests/kit/crypto_php.rs, tests/mariadb/laravel.rs):
+# Debian's php8.2-cli (sodium built in), php8.2-mysql (PDO for MariaDB), php-amqplib, Laravel
+# 8.83 (php-laravel-framework), phpunit 9.6 and composer 2.5, all from apt: Laravel and
+# php-amqplib load from /usr/share/php, no Packagist. Composer generates the autoloaders
+# (scripts/php-autoload.sh, run by the test harness).
 #
 # Idempotent and cheap when everything is there (one `php` run). Called by scripts/services.sh;
 # OUTBOXD_SKIP_PHP=1 skips it (the Laravel tests then fail and print this script's name).
 set -euo pipefail
 
-PHP_PACKAGES=(php8.2-cli php8.2-mysql php-amqplib php-illuminate-database php-illuminate-events)
+PHP_PACKAGES=(php8.2-cli php8.2-mysql php8.2-xml php8.2-mbstring php-amqplib php-laravel-framework phpunit composer)
 LOG=/tmp/outboxd-php-apt.log
 
 say() { printf '%-9s %s\n' "$1:" "$2"; }
@@ -25,12 +25,14 @@ php_ok() {
         php -r 'exit((function_exists("sodium_crypto_aead_xchacha20poly1305_ietf_encrypt")
             && extension_loaded("pdo_mysql")
             && is_file("/usr/share/php/PhpAmqpLib/autoload.php")
-            && is_file("/usr/share/php/Illuminate/Database/autoload.php")
-            && is_file("/usr/share/php/Illuminate/Events/autoload.php")) ? 0 : 1);' 2>/dev/null
+            && is_file("/usr/share/php/Illuminate/autoload.php")
+            && is_file("/usr/share/php/PHPUnit/Autoload.php")
+            && is_file("/usr/share/php/Composer/autoload.php")) ? 0 : 1);' 2>/dev/null &&
+        command -v phpunit >/dev/null 2>&1 && command -v composer >/dev/null 2>&1
 }
 
 if php_ok; then
-    say php "ok: $(php -r 'echo PHP_VERSION;') with sodium, pdo_mysql, php-amqplib, illuminate/database and events"
+    say php "ok: $(php -r 'echo PHP_VERSION;') with sodium, pdo_mysql, php-amqplib, Laravel $(php -r 'require "Illuminate/autoload.php"; echo Illuminate\Foundation\Application::VERSION;'), $(phpunit --version | grep -o "PHPUnit [0-9.]*"), composer $(composer --version 2>/dev/null | grep -o "[0-9]\+\.[0-9.]\+" | head -1)"
     exit 0
 fi
 
@@ -40,7 +42,7 @@ if DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${
     { apt-get update >>"$LOG" 2>&1 &&
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${PHP_PACKAGES[@]}" >>"$LOG" 2>&1; }; then
     php_ok || {
-        echo "php.sh: ERROR: installed ${PHP_PACKAGES[*]} but php still lacks sodium, pdo_mysql, php-amqplib or illuminate/database or events (see $LOG)" >&2
+        echo "php.sh: ERROR: installed ${PHP_PACKAGES[*]} but php still lacks sodium, pdo_mysql, php-amqplib, Laravel, phpunit or composer (see $LOG)" >&2
         exit 1
     }
     say php "CHANGED: installed ${PHP_PACKAGES[*]} in $((SECONDS - t0))s"

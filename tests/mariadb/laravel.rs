@@ -1,11 +1,14 @@
-//! The Laravel example (`examples/laravel/`) end to end, as its team would run it: the PHP
-//! producer issues invoices (`Outbox::write` inside `DB::transaction`, sensitive fields sealed
-//! by the PHP class) while outboxd relays the outbox rows from the MariaDB binlog (or, in poll
-//! mode, from the table) to RabbitMQ and the PHP consumer books each invoice in a ledger. The
-//! relay and the consumer are SIGKILLed mid-stream; poll mode is switched to CDC mid-stream. At
-//! the end each invoice is booked exactly once, with its fields decrypted, and no personal
-//! value is in clear in the outbox table, on the broker or in any process's output. Needs PHP
-//! (`scripts/services/php.sh`).
+//! The Laravel example application (`examples/laravel/`, on the `outboxd/laravel` package) end
+//! to end, as its team would run it: `php artisan invoices:issue` writes invoices
+//! (`Outbox::write` inside `DB::transaction`, sensitive fields sealed per the topic's schema)
+//! while outboxd relays the outbox rows from the MariaDB binlog (or, in poll mode, from the
+//! table) to RabbitMQ and `php artisan outbox:consume billing` books each invoice in a ledger.
+//! The consumer starts before the relay and waits for its exchange. The relay and the consumer
+//! are SIGKILLed mid-stream; poll mode is switched to CDC mid-stream. At the end each invoice is
+//! booked exactly once, with its fields decrypted, and no personal value is in clear in the
+//! application's tables, the outbox, on the broker or in any process's output; `php artisan
+//! outbox:prune` keeps the pending rows in poll mode. Needs PHP (`scripts/services/php.sh`,
+//! then `scripts/php-install.sh`).
 
 use crate::common;
 
@@ -13,15 +16,21 @@ use common::amqp::{self, Topology};
 use common::*;
 use lapin::options::BasicPublishOptions;
 use mysql_async::prelude::Queryable;
+use outboxd::crypto::{decrypt_payload, Keyring};
 use std::process::Command;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(120);
+const APP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/laravel");
 const ARTISAN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/laravel/artisan");
-const SCHEMA: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/examples/laravel/schema/invoice.issued.json"
-);
+
+/// The clear values `invoices:issue` gives invoice `k`: its customer's name and tax id.
+fn personal(k: u64) -> (String, String) {
+    (
+        format!("Customer Ğüneş {k}"),
+        format!("DE{:09}", k * 7919 % 1_000_000_000),
+    )
+}
 
 /// One run of the example: its own database (the example's tables), key ring, exchange and
 /// queue.
@@ -39,11 +48,22 @@ impl Laravel {
         let php = Command::new("php").arg("-v").output();
         assert!(
             php.is_ok_and(|o| o.status.success()),
-            "php is not installed: run `sudo scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-illuminate-database php-illuminate-events)"
+            "php is not installed: run `scripts/services/php.sh` (apt-get install -y php8.2-cli php8.2-mysql php-amqplib php-laravel-framework phpunit composer)"
+        );
+        assert!(
+            std::path::Path::new(APP).join("vendor/autoload.php").is_file(),
+            "examples/laravel has no vendor/: run `scripts/php-install.sh` (composer install, offline)"
         );
         let db = MyDb::create(prefix).await;
-        // The example brings its own outbox table (the contract's has other columns).
-        my_exec(&mut db.conn().await, "DROP TABLE outbox").await;
+        // The package's migration creates the outbox table (its own layout), and the consumer's.
+        let mut c = db.conn().await;
+        for table in [
+            "outbox",
+            "processed_messages",
+            "consumer_aggregate_versions",
+        ] {
+            my_exec(&mut c, &format!("DROP TABLE IF EXISTS {table}")).await;
+        }
         let dir = tempfile::tempdir().unwrap();
         let keys = dir.path().join("keys.json").to_str().unwrap().to_string();
         let g = Command::new(env!("CARGO_BIN_EXE_outboxd"))
@@ -61,27 +81,39 @@ impl Laravel {
             _dir: dir,
             keys,
         };
-        let m = lv.run(&["migrate"]);
+        let m = lv.run(&["migrate", "--force"]);
         assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
         let (q, dead) = (lv.queue.clone(), format!("{}.dead", lv.queue));
         lv.topo.adopt(&[q, dead], &[]);
         lv
     }
 
-    fn env(&self) -> [(&str, &str); 3] {
+    /// The application's settings, as its `.env` would hold them (the environment wins over
+    /// `.env`); logs to stderr, where they are checked for clear values too.
+    fn env(&self) -> [(&str, &str); 7] {
         [
             ("DB_DATABASE", &self.db.name),
-            ("OUTBOX_KEYS", &self.keys),
-            ("OUTBOX_SCHEMA", SCHEMA),
+            ("OUTBOX_KEYRING", &self.keys),
+            ("OUTBOX_EXCHANGE", &self.topo.exchange),
+            ("BILLING_QUEUE", &self.queue),
+            ("LOG_CHANNEL", "stderr"),
+            ("OUTBOXD_BINARY", env!("CARGO_BIN_EXE_outboxd")),
+            ("OUTBOXD_MODE", "cdc"),
         ]
     }
 
     /// `php artisan <args>` to completion.
     fn run(&self, args: &[&str]) -> std::process::Output {
+        self.run_with(args, &[])
+    }
+
+    /// `php artisan <args>` to completion, with `env` over the application's settings.
+    fn run_with(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
         Command::new("php")
             .arg(ARTISAN)
             .args(args)
             .envs(self.env())
+            .envs(env.iter().copied())
             .output()
             .unwrap()
     }
@@ -106,9 +138,6 @@ impl Laravel {
                 mode,
                 "--exchange",
                 &self.topo.exchange,
-                // The example's outbox table names its topic column `event_type`.
-                "--column",
-                "topic=event_type",
                 "--log-level",
                 "info,lapin=warn",
             ],
@@ -117,22 +146,21 @@ impl Laravel {
     }
 
     /// Once the relay declared the exchange: an audit queue that keeps a copy of every message
-    /// as the broker carried it, then the consumer, ready once its queue is bound.
-    async fn start_consumer(&mut self) -> Relay {
+    /// as the broker carried it.
+    async fn audit(&mut self) {
         self.topo.wait_declared(T).await;
         self.audit = self.topo.bind_queue("audit", "#").await;
-        self.consumer().await
     }
 
+    /// `php artisan outbox:consume billing`, without waiting.
+    fn consumer_spawn(&self) -> Relay {
+        self.spawn(&["outbox:consume", "billing"])
+    }
+
+    /// A consumer, ready once its queue is bound.
     async fn consumer(&self) -> Relay {
-        let c = self.spawn(&[
-            "consume",
-            "--queue",
-            &self.queue,
-            "--exchange",
-            &self.topo.exchange,
-        ]);
-        c.wait_for_stderr(&["consuming"], T).await;
+        let c = self.consumer_spawn();
+        consuming(&c).await;
         c
     }
 
@@ -145,6 +173,29 @@ impl Laravel {
 
     async fn booked(&self) -> u64 {
         self.count("SELECT COUNT(*) FROM ledger").await
+    }
+
+    /// `(row uuid, sealed value)` of `column` in `table`, opened with the key ring (the
+    /// `Sealed` cast binds each value to its row's uuid and to `/<table>/<column>`).
+    async fn opened(&self, table: &str, column: &str, order: &str) -> Vec<String> {
+        let rows: Vec<(String, String)> = self
+            .db
+            .conn()
+            .await
+            .query(format!(
+                "SELECT uuid, {column} FROM {table} ORDER BY {order}"
+            ))
+            .await
+            .unwrap();
+        let keyring = Keyring::load(std::path::Path::new(&self.keys)).unwrap();
+        rows.into_iter()
+            .map(|(uuid, sealed)| {
+                assert!(sealed.starts_with("enc:v1:"), "{table}.{column} in clear");
+                let doc = serde_json::json!({ table: { column: sealed } });
+                let open = decrypt_payload(&keyring, uuid.parse().unwrap(), &doc).unwrap();
+                open[table][column].as_str().unwrap().to_string()
+            })
+            .collect()
     }
 
     /// Waits until `n` ledger lines exist and checks that some of the `total` invoices are still
@@ -170,19 +221,12 @@ impl Laravel {
         lines
     }
 
-    /// Drains what is left in the queue with a consumer that stops once it is empty.
+    /// Drains what is left in the queue with a consumer that stops once it is empty; returns
+    /// its output.
     async fn drain(&self) -> String {
-        let mut c = self.spawn(&[
-            "consume",
-            "--queue",
-            &self.queue,
-            "--exchange",
-            &self.topo.exchange,
-            "--until-empty",
-            "yes",
-        ]);
-        assert_eq!(c.wait_exit(T).await, 0, "{}", c.stderr());
-        c.stderr()
+        let mut c = self.spawn(&["outbox:consume", "billing", "--stop-when-empty"]);
+        assert_eq!(c.wait_exit(T).await, 0, "{}", output(&c));
+        output(&c)
     }
 
     /// Every issued invoice booked exactly once, with the decrypted name, under its event id.
@@ -200,22 +244,27 @@ impl Laravel {
             self.count(
                 "SELECT COUNT(*) FROM ledger l JOIN invoices i ON i.id = l.invoice_id
                  JOIN outbox o ON o.id = l.event_id AND o.aggregate_id = i.id
-                 WHERE l.customer_name = i.customer_name AND l.total_cents = i.total_cents"
+                 WHERE l.total_cents = i.total_cents"
             )
             .await,
             n,
-            "ledger lines with the decrypted name under the invoice's own event"
+            "ledger lines under the invoice's own event"
         );
-        let event_ids: Vec<String> = issued
+        // The name the consumer booked is the one the invoice was issued with: both sealed at
+        // rest, each under its own row.
+        let booked = self.opened("ledger", "customer_name", "invoice_id").await;
+        let invoiced = self.opened("invoices", "customer_name", "id").await;
+        assert_eq!(booked, invoiced, "the decrypted names booked");
+        let event_ids: Vec<&str> = issued
             .iter()
-            .map(|l| l.split(' ').nth(1).unwrap().replace('-', ""))
+            .map(|l| l.split(' ').nth(1).unwrap())
             .collect();
         let in_ledger = self
             .count(&format!(
-                "SELECT COUNT(*) FROM ledger WHERE HEX(event_id) IN ({})",
+                "SELECT COUNT(*) FROM ledger WHERE event_id IN ({})",
                 event_ids
                     .iter()
-                    .map(|e| format!("'{}'", e.to_uppercase()))
+                    .map(|e| format!("'{e}'"))
                     .collect::<Vec<_>>()
                     .join(",")
             ))
@@ -227,17 +276,32 @@ impl Laravel {
         );
     }
 
-    /// No customer name or tax id in clear: not in the outbox table, not in any message the
-    /// broker carried (the audit queue), not in any process's output.
-    async fn assert_never_in_clear(&self, outputs: &[String]) -> Vec<lapin::message::Delivery> {
+    /// No customer name or tax id in clear: not in the application's own tables (invoices,
+    /// ledger), not in the outbox table, not in any message the broker carried (the audit
+    /// queue), not in any process's output.
+    async fn assert_never_in_clear(
+        &self,
+        issued: &[String],
+        outputs: &[String],
+    ) -> Vec<lapin::message::Delivery> {
         let mut c = self.db.conn().await;
-        let clear: Vec<(String, String)> = c
-            .query("SELECT customer_name, tax_id FROM invoices")
-            .await
-            .unwrap();
+        let clear: Vec<(String, String)> = issued
+            .iter()
+            .map(|l| personal(l[4..12].parse().unwrap()))
+            .collect();
         assert!(!clear.is_empty());
         let payloads: Vec<String> = c.query("SELECT payload FROM outbox").await.unwrap();
         assert_eq!(payloads.len(), clear.len());
+        let mut tables: Vec<String> = c
+            .query("SELECT CONCAT_WS(' ', uuid, number, customer_name, tax_id, tax_id_index) FROM invoices")
+            .await
+            .unwrap();
+        let ledger: Vec<String> = c
+            .query("SELECT CONCAT_WS(' ', uuid, customer_name) FROM ledger")
+            .await
+            .unwrap();
+        tables.extend(ledger);
+        assert!(tables.len() >= 2 * clear.len());
         let messages = self.topo.take_all(&self.audit).await;
         assert!(messages.len() >= clear.len(), "{} messages", messages.len());
         let bodies: Vec<String> = messages
@@ -246,6 +310,7 @@ impl Laravel {
             .collect();
         for (name, tax) in &clear {
             for (what, texts) in [
+                ("application table row", &tables),
                 ("outbox payload", &payloads),
                 ("message", &bodies),
                 ("output", &outputs.to_vec()),
@@ -271,14 +336,43 @@ impl Laravel {
     }
 }
 
+/// What an artisan command printed: its stdout lines (the console), then its stderr (the log).
+fn output(c: &Relay) -> String {
+    format!("{}\n{}", c.lines().join("\n"), c.stderr())
+}
+
+/// Waits until `outbox:consume` says it is consuming (its queue declared and bound).
+async fn consuming(c: &Relay) {
+    wait_for("outbox:consume consuming", T, || async {
+        output(c).contains("Consuming ")
+    })
+    .await;
+}
+
+fn assert_ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once() {
     let mut lv = Laravel::new("lv_cdc").await;
+    // The consumer first, as the README starts it: it waits for the relay's exchange.
+    let mut consumer = lv.consumer_spawn();
+    wait_for("the consumer waiting for the exchange", T, || async {
+        output(&consumer).contains("Waiting for the exchange")
+    })
+    .await;
     let name = unique("lv");
     let mut relay = lv.relay(&name, "cdc");
-    let mut consumer = lv.start_consumer().await;
+    lv.audit().await;
+    consuming(&consumer).await;
     let total = 60;
-    let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "60"]);
+    let mut producer = lv.spawn(&["invoices:issue", "--rate=20", "--count=60"]);
 
     // The relay, once it has stored a position (a relay killed before that starts over).
     lv.booked_mid_stream(10, total).await;
@@ -323,12 +417,12 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
     let outputs = [
         relay.stderr(),
-        consumer.stderr(),
-        consumer2.stderr(),
+        output(&consumer),
+        output(&consumer2),
         drained,
         producer.stderr(),
     ];
-    let messages = lv.assert_never_in_clear(&outputs).await;
+    let messages = lv.assert_never_in_clear(&issued, &outputs).await;
 
     // A redelivered message changes nothing (its claim is found); a message whose sealed
     // fields were copied to another event id goes to the dead-letter queue with the reason.
@@ -402,32 +496,22 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
     }
     lv.drain().await;
     assert_eq!(lv.booked().await, total + 1);
-    let gated = "SELECT COUNT(*) FROM ledger WHERE customer_name";
-    assert_eq!(lv.count(&format!("{gated} = 'stale version'")).await, 0);
-    assert_eq!(lv.count(&format!("{gated} = 'newer version'")).await, 1);
+    let names = lv.opened("ledger", "customer_name", "id").await;
+    assert!(!names.iter().any(|n| n == "stale version"), "{names:?}");
+    assert_eq!(names.iter().filter(|n| *n == "newer version").count(), 1);
     let claims = lv.count("SELECT COUNT(*) FROM processed_messages").await;
     assert_eq!(claims, total + 2, "the stale message is claimed too");
 
-    // Pruning is outboxd's: the consumer's claims and the relayed outbox rows (a window of 0s
-    // here; in production longer than any redelivery can come late).
+    // `php artisan outbox:prune` (outboxd prune): the consumer's claims and the relayed outbox
+    // rows (a window of 0s here; in production longer than any redelivery can come late).
     for table in ["processed_messages", "outbox"] {
         let before = lv.count(&format!("SELECT COUNT(*) FROM {table}")).await;
         assert!(before >= total, "{table}: {before} rows before pruning");
-        let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
-            .args(["prune", "--source", &lv.db.dsn(), "--table", table])
-            .args(["--older-than", "0s", "--force"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_eq!(
-            lv.count(&format!("SELECT COUNT(*) FROM {table}")).await,
-            0,
-            "{table}"
-        );
+    }
+    assert_ok(&lv.run(&["outbox:prune", "--older-than=0s", "--force"]));
+    for table in ["processed_messages", "outbox"] {
+        let after = lv.count(&format!("SELECT COUNT(*) FROM {table}")).await;
+        assert_eq!(after, 0, "{table}");
     }
 }
 
@@ -435,9 +519,10 @@ async fn laravel_relay_and_consumer_sigkilled_mid_stream_book_each_invoice_once(
 async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
     let mut lv = Laravel::new("lv_poll").await;
     let mut poll = lv.relay(&unique("lvp"), "poll");
-    let mut consumer = lv.start_consumer().await;
+    lv.audit().await;
+    let mut consumer = lv.consumer().await;
     let total = 40;
-    let mut producer = lv.spawn(&["issue-invoices", "--rate", "20", "--count", "30"]);
+    let mut producer = lv.spawn(&["invoices:issue", "--rate=20", "--count=30"]);
 
     // The switch: the poll relay stops (SIGTERM: its batch in flight is marked or released),
     // a CDC relay starts; its first start publishes the rows still pending, then streams. The
@@ -448,15 +533,7 @@ async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
     let name = unique("lvc");
     let mut cdc = lv.relay(&name, "cdc");
     let mut issued = lv.issued(&mut producer, 30).await;
-    let mut producer2 = lv.spawn(&[
-        "issue-invoices",
-        "--rate",
-        "50",
-        "--count",
-        "10",
-        "--first",
-        "31",
-    ]);
+    let mut producer2 = lv.spawn(&["invoices:issue", "--rate=50", "--count=10", "--first=31"]);
     issued.extend(lv.issued(&mut producer2, 10).await);
 
     let head = lv.db.head_past_writes().await;
@@ -485,13 +562,39 @@ async fn laravel_poll_mode_then_a_switch_to_cdc_books_each_invoice_once() {
     );
     cdc.signal("TERM");
     assert_eq!(cdc.wait_exit(T).await, 0, "{}", cdc.stderr());
-    lv.assert_never_in_clear(&[
-        poll.stderr(),
-        cdc.stderr(),
-        consumer.stderr(),
-        drained,
-        producer.stderr(),
-        producer2.stderr(),
-    ])
+    lv.assert_never_in_clear(
+        &issued,
+        &[
+            poll.stderr(),
+            cdc.stderr(),
+            output(&consumer),
+            drained,
+            producer.stderr(),
+            producer2.stderr(),
+        ],
+    )
     .await;
+
+    // outbox:prune in poll mode (OUTBOXD_MODE=poll, as the application's .env says when it
+    // relays by polling) deletes only the rows poll mode published: the rows after the switch
+    // are still pending and stay.
+    assert_ok(&lv.run_with(
+        &[
+            "outbox:prune",
+            "--older-than=0s",
+            "--force",
+            "--table=outbox",
+        ],
+        &[("OUTBOXD_MODE", "poll")],
+    ));
+    assert_eq!(
+        lv.count("SELECT COUNT(*) FROM outbox WHERE status = 'published'")
+            .await,
+        0
+    );
+    assert_eq!(
+        lv.count("SELECT COUNT(*) FROM outbox").await,
+        total - published,
+        "the pending rows kept"
+    );
 }

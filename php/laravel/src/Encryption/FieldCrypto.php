@@ -1,25 +1,22 @@
 <?php
-// Field-level encryption in outboxd's `enc:v1` format (docs/encryption.md), with PHP's sodium:
-// the fields a schema marks `x-gdpr-sensitive` are sealed before the outbox INSERT, so personal
-// data never reaches the table, the binlog, the broker or a log in clear. Values sealed here open
-// with `outboxd decrypt` and the Rust kit, and theirs open here: same key ring file, same HKDF
-// derivation, same associated data (format version, key id, event id, JSON Pointer), same bytes.
-// Also the blind index (`outboxd keys blind-index`). Per-aggregate data keys (`d-…`, a keystore)
-// are not handled here: such a value fails with a clear error.
 
 declare(strict_types=1);
 
-namespace App;
+namespace Outboxd\Laravel\Encryption;
 
-final class CryptoError extends \RuntimeException
-{
-    /** @param string $kind one of the Rust kit's CryptoError names (WrongEvent, MovedField, …) */
-    public function __construct(public readonly string $kind, string $message)
-    {
-        parent::__construct($message);
-    }
-}
-
+/**
+ * Field-level encryption in outboxd's `enc:v1` format (docs/encryption.md) with PHP's sodium.
+ *
+ * The fields a topic's schema marks `x-gdpr-sensitive` are sealed before the outbox INSERT, so
+ * personal data never reaches the table, the binlog, the broker or a log in clear. Values sealed
+ * here open with `outboxd decrypt` and the Rust kit, and theirs open here: same key ring file,
+ * same HKDF derivation, same associated data (format version, key id, event id, JSON Pointer),
+ * same bytes. Also the blind index (`outboxd keys blind-index`). Per-aggregate data keys (`d-…`,
+ * a keystore) are not handled here: such a value fails with a clear error.
+ *
+ * Sealing fails closed: a payload field the schema does not declare, or a marked field the
+ * payload's shape keeps out of reach, is refused rather than written in clear.
+ */
 final class FieldCrypto
 {
     private const MARKER = 'x-gdpr-sensitive';
@@ -45,6 +42,8 @@ final class FieldCrypto
         private readonly array $blind,
         private array $marked = [],
         private array $normalize = [],
+        private ?array $shape = null,
+        private string $schemaName = 'the schema',
     ) {
     }
 
@@ -53,30 +52,26 @@ final class FieldCrypto
      * that group or others may read or that another user owns, and checks every key's canary,
      * so a key mangled in a copy fails here rather than after it has sealed data.
      */
-    public static function load(string $keyringPath, ?string $schemaPath = null): self
+    public static function load(string $keyringPath): self
     {
         $st = @stat($keyringPath);
         if ($st === false) {
-            throw new CryptoError('Keyring', "keyring $keyringPath: cannot read it\n  fix: point OUTBOX_KEYS at the file `outboxd keys generate` wrote");
+            throw new CryptoException('Keyring', "keyring $keyringPath: cannot read it\n  fix: php artisan outbox:keys generate, or point OUTBOX_KEYRING (config outbox.encryption.keyring) at the file `outboxd keys generate` wrote");
         }
         if (($st['mode'] & 0o077) !== 0 && !($st['uid'] === 0 && ($st['mode'] & 0o037) === 0)) {
-            throw new CryptoError('Keyring', sprintf("keyring %s: mode %o lets group or others read it\n  fix: chmod 600 %s", $keyringPath, $st['mode'] & 0o777, $keyringPath));
+            throw new CryptoException('Keyring', sprintf("keyring %s: mode %o lets group or others read it\n  fix: chmod 600 %s", $keyringPath, $st['mode'] & 0o777, $keyringPath));
         }
         if (function_exists('posix_geteuid') && $st['uid'] !== posix_geteuid() && $st['uid'] !== 0) {
-            throw new CryptoError('Keyring', "keyring $keyringPath: owned by another user\n  fix: chown \$(id -u) $keyringPath");
+            throw new CryptoException('Keyring', "keyring $keyringPath: owned by another user\n  fix: chown \$(id -u) $keyringPath");
         }
-        $ring = self::fromJson((string) file_get_contents($keyringPath));
-        if ($schemaPath !== null) {
-            $ring->useSchema(json_decode((string) file_get_contents($schemaPath), true, 512, JSON_THROW_ON_ERROR));
-        }
-        return $ring;
+        return self::fromJson((string) file_get_contents($keyringPath));
     }
 
     public static function fromJson(string $json): self
     {
         $k = json_decode($json, true, 512, JSON_THROW_ON_ERROR);
         if (($k['outboxd_keyring'] ?? null) !== 1 || !is_string($k['current'] ?? null)) {
-            throw new CryptoError('Keyring', "keyring: not an outboxd key ring (version 1)\n  fix: create one with outboxd keys generate --keys PATH");
+            throw new CryptoException('Keyring', "keyring: not an outboxd key ring (version 1)\n  fix: create one with outboxd keys generate --keys PATH");
         }
         $keys = [];
         $retired = [];
@@ -88,11 +83,11 @@ final class FieldCrypto
             }
             $keys[$e['id']] = self::b64d($e['key'], 'keyring');
             if (strlen($keys[$e['id']]) !== 32) {
-                throw new CryptoError('Keyring', "keyring: key {$e['id']} is not 32 bytes\n  fix: restore the keyring from its backup");
+                throw new CryptoException('Keyring', "keyring: key {$e['id']} is not 32 bytes\n  fix: restore the keyring from its backup");
             }
         }
         if (!isset($keys[$k['current']])) {
-            throw new CryptoError('Keyring', "keyring: the current key {$k['current']} has no material\n  fix: outboxd keys rotate --keys PATH");
+            throw new CryptoException('Keyring', "keyring: the current key {$k['current']} has no material\n  fix: outboxd keys rotate --keys PATH");
         }
         $blind = [];
         foreach ($k['blind_index']['keys'] ?? [] as $e) {
@@ -103,15 +98,15 @@ final class FieldCrypto
             if (isset($e['key'], $e['canary'])) {
                 try {
                     $ring->openValue($e['canary'], str_repeat("\0", 16), '/outboxd/canary');
-                } catch (CryptoError) {
-                    throw new CryptoError('Canary', "keyring: key {$e['id']} fails its canary check\n  fix: restore the keyring from the backup taken when the key was made");
+                } catch (CryptoException) {
+                    throw new CryptoException('Canary', "keyring: key {$e['id']} fails its canary check\n  fix: restore the keyring from the backup taken when the key was made");
                 }
             }
         }
         foreach ($k['blind_index']['keys'] ?? [] as $e) {
             $check = bin2hex(substr(self::blindMac($blind[$e['id']]['key'], $e['id'], '/outboxd/canary', 'outboxd keyring canary'), 0, 8));
             if (isset($e['check']) && !hash_equals($e['check'], $check)) {
-                throw new CryptoError('Canary', "keyring: key {$e['id']} fails its canary check\n  fix: restore the keyring from the backup taken when the key was made");
+                throw new CryptoException('Canary', "keyring: key {$e['id']} fails its canary check\n  fix: restore the keyring from the backup taken when the key was made");
             }
         }
         return $ring;
@@ -122,26 +117,32 @@ final class FieldCrypto
      * under a keyword this walk does not follow is refused, not ignored: ignoring it would leave
      * personal data in clear.
      */
-    public function useSchema(array $schema): void
+    public function useSchema(array $schema, string $name = 'the schema'): void
     {
         $this->marked = [];
         $this->normalize = [];
+        $this->schemaName = $name;
         $props = $schema['properties'] ?? null;
         $jsonSchema = is_array($props) && !array_key_exists(self::MARKER, $props)
             && array_filter($props, 'is_array') === $props;
         if ($jsonSchema) {
             $this->compile($schema, []);
+            $this->shape = self::shapeOf($schema);
         } else {
-            foreach ($schema as $name => $field) {
-                if (!is_array($field)) {
-                    throw new CryptoError('Schema', "schema: field \"$name\" is not an object\n  fix: write \"$name\": {\"x-gdpr-sensitive\": true}");
+            $fields = [];
+            foreach ($schema as $field => $node) {
+                if (!is_array($node)) {
+                    throw new CryptoException('Schema', "$name: field \"$field\" is not an object\n  fix: write \"$field\": {\"x-gdpr-sensitive\": true}");
                 }
-                $this->compile($field, [(string) $name]);
+                $this->compile($node, [(string) $field]);
+                $fields[(string) $field] = self::shapeOf($node);
             }
+            $this->shape = ['sensitive' => false, 'fields' => $fields, 'items' => null,
+                'marks' => array_sum(array_column($fields, 'marks'))];
         }
         $reached = count($this->marked);
         if (self::countMarkers($schema) !== $reached) {
-            throw new CryptoError('Schema', "schema: an x-gdpr-sensitive marker sits under a keyword this walk does not follow (\$ref, allOf, anyOf, oneOf, patternProperties, additionalProperties, …)\n  fix: inline the field under \"properties\" or \"items\"");
+            throw new CryptoException('Schema', "$this->schemaName: an x-gdpr-sensitive marker sits under a keyword this walk does not follow (\$ref, allOf, anyOf, oneOf, patternProperties, additionalProperties, …)\n  fix: inline the field under \"properties\" or \"items\"");
         }
     }
 
@@ -149,7 +150,7 @@ final class FieldCrypto
     {
         if (($node[self::MARKER] ?? false) === true) {
             if ($path === []) {
-                throw new CryptoError('Schema', "schema: the whole payload is marked sensitive\n  fix: mark the personal fields, not the root");
+                throw new CryptoException('Schema', "$this->schemaName: the whole payload is marked sensitive\n  fix: mark the personal fields, not the root");
             }
             $this->marked[] = $path;
             $steps = $node['x-blind-index']['normalize'] ?? null;
@@ -180,54 +181,132 @@ final class FieldCrypto
         return $n;
     }
 
-    /** Seals the marked fields of `$payload` (decoded as arrays) for event `$eventId`. */
+    /**
+     * The shape the seal walks: per node whether it is sensitive, its declared object fields
+     * (`properties`, or the flat form's names), its array elements (`items`) and how many
+     * sensitive fields sit at or under it.
+     *
+     * @return array{sensitive:bool,fields:?array<string,array>,items:?array,marks:int}
+     */
+    private static function shapeOf(array $node): array
+    {
+        $sensitive = ($node[self::MARKER] ?? false) === true;
+        $fields = null;
+        if (isset($node['properties']) && is_array($node['properties'])) {
+            $fields = [];
+            foreach ($node['properties'] as $name => $child) {
+                $fields[(string) $name] = self::shapeOf(is_array($child) ? $child : []);
+            }
+        }
+        $items = isset($node['items']) && is_array($node['items']) && !array_is_list($node['items'])
+            ? self::shapeOf($node['items']) : null;
+        $marks = ($sensitive ? 1 : 0) + array_sum(array_column($fields ?? [], 'marks')) + ($items['marks'] ?? 0);
+
+        return ['sensitive' => $sensitive, 'fields' => $fields, 'items' => $items, 'marks' => $marks];
+    }
+
+    /** The key new values are sealed with. */
+    public function currentKeyId(): string
+    {
+        return $this->current;
+    }
+
+    /** Whether a schema was given (sealing without one is refused). */
+    public function hasSchema(): bool
+    {
+        return $this->shape !== null;
+    }
+
+    /** A copy of this key ring with `$schema` as its schema (one per topic). */
+    public function withSchema(array $schema, string $name): self
+    {
+        $ring = clone $this;
+        $ring->useSchema($schema, $name);
+
+        return $ring;
+    }
+
+    /**
+     * Seals the marked fields of `$payload` (decoded as arrays) for event `$eventId`. Refuses a
+     * field the schema does not declare (it may hold personal data nobody marked) and a marked
+     * field the payload's shape hides (an object where the schema has none): neither is written
+     * in clear.
+     */
     public function sealPayload(string $eventId, array $payload): array
     {
         $event = self::uuidBytes($eventId);
         if ($event === str_repeat("\0", 16)) {
-            throw new CryptoError('NilEventId', 'refusing to encrypt for the nil event id, which is reserved');
+            throw new CryptoException('NilEventId', 'refusing to encrypt for the nil event id, which is reserved');
         }
-        self::refuseAmbiguous($payload, '', $this->marked);
-        foreach ($this->marked as $path) {
-            $payload = $this->sealAt($payload, $path, '', $event);
+        if ($this->shape === null) {
+            throw new CryptoException('Schema', "no schema to seal with\n  fix: give the topic a schema marking its x-gdpr-sensitive fields");
         }
-        return $payload;
+
+        return $this->sealNode($payload, $this->shape, '', $event);
     }
 
-    private function sealAt(mixed $node, array $path, string $at, string $event): mixed
+    private function sealNode(mixed $node, array $shape, string $at, string $event): mixed
     {
-        if ($path === []) {
-            if (is_string($node) && self::looksEncrypted($node)) {
-                throw new CryptoError('AlreadyEncrypted', "$at: already encrypted; decrypt first");
+        if ($shape['sensitive']) {
+            if ($at === '') {
+                throw new CryptoException('Schema', "{$this->schemaName}: the whole payload is marked sensitive\n  fix: mark the personal fields, not the root");
             }
+            if (is_string($node) && self::looksEncrypted($node)) {
+                throw new CryptoException('AlreadyEncrypted', "$at: already encrypted; decrypt first");
+            }
+
             return $this->sealValue($node, $this->current, $event, $at);
         }
-        $seg = array_shift($path);
-        if (!is_array($node)) {
-            return $node;
-        }
-        if ($seg === '*') {
-            if (!array_is_list($node)) {
+        $where = $at === '' ? 'the payload' : $at;
+        if ($shape['fields'] !== null) {
+            if ($node === null || $node === []) {
                 return $node;
             }
-            foreach ($node as $i => $v) {
-                $node[$i] = $this->sealAt($v, $path, "$at/$i", $event);
+            if (!is_array($node) || array_is_list($node)) {
+                if ($shape['marks'] > 0) {
+                    throw new CryptoException('CannotSeal', "$where: {$this->schemaName} describes an object with sensitive fields here, the payload has " . get_debug_type($node) . "\n  fix: send the object the schema describes, or change the schema");
+                }
+                self::refuseAmbiguous($node, $at);
+
+                return $node;
             }
-        } elseif (array_key_exists($seg, $node) && !array_is_list($node)) {
-            $node[$seg] = $this->sealAt($node[$seg], $path, $at . '/' . self::escape($seg), $event);
+            foreach ($node as $k => $v) {
+                $k = (string) $k;
+                if (!isset($shape['fields'][$k])) {
+                    throw new CryptoException('UndeclaredField', "$at/" . self::escape($k) . ": not in {$this->schemaName}, so it cannot be known not to hold personal data\n  fix: declare it there, \"$k\": {\"x-gdpr-sensitive\": true} or false");
+                }
+                $node[$k] = $this->sealNode($v, $shape['fields'][$k], $at . '/' . self::escape($k), $event);
+            }
+
+            return $node;
         }
+        if ($shape['items'] !== null && $shape['marks'] > 0) {
+            if ($node === null || $node === []) {
+                return $node;
+            }
+            if (!is_array($node) || !array_is_list($node)) {
+                throw new CryptoException('CannotSeal', "$where: {$this->schemaName} describes an array with sensitive fields here, the payload has " . get_debug_type($node) . "\n  fix: send the array the schema describes, or change the schema");
+            }
+            foreach ($node as $i => $v) {
+                $node[$i] = $this->sealNode($v, $shape['items'], "$at/$i", $event);
+            }
+
+            return $node;
+        }
+        self::refuseAmbiguous($node, $at);
+
         return $node;
     }
 
     /** A clear string readers would take for ciphertext is refused (outside marked fields). */
-    private static function refuseAmbiguous(mixed $v, string $at, array $marked): void
+    private static function refuseAmbiguous(mixed $v, string $at): void
     {
         if (is_string($v) && self::looksEncrypted($v)) {
-            throw new CryptoError('AmbiguousClearValue', "$at: a clear value starts with \"enc:\" and would be read as ciphertext; change the value or mark the field sensitive");
+            throw new CryptoException('AmbiguousClearValue', "$at: a clear value starts with \"enc:\" and would be read as ciphertext; change the value or mark the field sensitive");
         }
         if (is_array($v)) {
             foreach ($v as $k => $child) {
-                self::refuseAmbiguous($child, $at . '/' . self::escape((string) $k), $marked);
+                self::refuseAmbiguous($child, $at . '/' . self::escape((string) $k));
             }
         }
     }
@@ -257,7 +336,7 @@ final class FieldCrypto
      */
     public function sealValue(mixed $value, string $keyId, string $event, string $pointer, ?string $nonce = null): string
     {
-        $material = $this->keys[$keyId] ?? throw new CryptoError('UnknownKeyId', "$pointer: no key $keyId");
+        $material = $this->keys[$keyId] ?? throw new CryptoException('UnknownKeyId', "$pointer: no key $keyId");
         $plain = json_encode($value, self::JSON_FLAGS);
         $nonce ??= random_bytes(self::NONCE_LEN);
         $key = self::fieldKey($material, $keyId, $pointer);
@@ -271,19 +350,19 @@ final class FieldCrypto
     public function openValue(string $value, string $event, string $pointer): mixed
     {
         if (!preg_match('/^enc:v([^:]*):/', $value, $m)) {
-            throw new CryptoError('Malformed', "$pointer: malformed encrypted value: no version");
+            throw new CryptoException('Malformed', "$pointer: malformed encrypted value: no version");
         }
         if ($m[1] !== '1') {
-            throw new CryptoError('UnsupportedVersion', "$pointer: encrypted value has format version \"v{$m[1]}\"; this reads v1 only");
+            throw new CryptoException('UnsupportedVersion', "$pointer: encrypted value has format version \"v{$m[1]}\"; this reads v1 only");
         }
         if (!preg_match('/^enc:v1:([A-Za-z0-9_-]{1,32}):(.*)$/s', $value, $m)) {
-            throw new CryptoError('Malformed', "$pointer: malformed encrypted value: the key id is not [A-Za-z0-9_-]{1,32}");
+            throw new CryptoException('Malformed', "$pointer: malformed encrypted value: the key id is not [A-Za-z0-9_-]{1,32}");
         }
         [, $keyId, $b64] = $m;
         if (str_starts_with($keyId, 'd-')) {
-            throw new CryptoError('NeedKeystore', "$pointer: sealed with the per-aggregate data key $keyId; open it with outboxd decrypt --keystore DSN");
+            throw new CryptoException('NeedKeystore', "$pointer: sealed with the per-aggregate data key $keyId; open it with outboxd decrypt --keystore DSN");
         }
-        $material = $this->keys[$keyId] ?? throw new CryptoError(
+        $material = $this->keys[$keyId] ?? throw new CryptoException(
             isset($this->retired[$keyId]) ? 'KeyMissing' : 'UnknownKeyId',
             isset($this->retired[$keyId])
                 ? "$pointer: key \"$keyId\" was retired and its material removed; restore the keyring from a backup"
@@ -292,15 +371,15 @@ final class FieldCrypto
         $b = self::b64d($b64, $pointer);
         $fixed = self::NONCE_LEN + self::CHECK_LEN;
         if (strlen($b) < $fixed + 1 + self::TAG_LEN) {
-            throw new CryptoError('Truncated', "$pointer: encrypted value is truncated");
+            throw new CryptoException('Truncated', "$pointer: encrypted value is truncated");
         }
         [$len, $n] = self::readVarint($b, $fixed, $pointer);
         $total = $fixed + $n + $len + self::TAG_LEN;
         if (strlen($b) < $total) {
-            throw new CryptoError('Truncated', "$pointer: encrypted value is truncated: " . strlen($b) . " bytes where $total were written");
+            throw new CryptoException('Truncated', "$pointer: encrypted value is truncated: " . strlen($b) . " bytes where $total were written");
         }
         if (strlen($b) > $total) {
-            throw new CryptoError('Malformed', "$pointer: malformed encrypted value: " . (strlen($b) - $total) . ' bytes after the tag');
+            throw new CryptoException('Malformed', "$pointer: malformed encrypted value: " . (strlen($b) - $total) . ' bytes after the tag');
         }
         $key = self::fieldKey($material, $keyId, $pointer);
         $plain = sodium_crypto_aead_xchacha20poly1305_ietf_decrypt(
@@ -315,20 +394,20 @@ final class FieldCrypto
         if ($plain === false) {
             // The tag failed: the clear check bytes say which binding did not match.
             if (substr($have, 0, 2) !== substr($want, 0, 2)) {
-                throw new CryptoError('WrongEvent', "$pointer: this value was encrypted for another event");
+                throw new CryptoException('WrongEvent', "$pointer: this value was encrypted for another event");
             }
             if (substr($have, 2) !== substr($want, 2)) {
-                throw new CryptoError('MovedField', "$pointer: this value was encrypted for another field");
+                throw new CryptoException('MovedField', "$pointer: this value was encrypted for another field");
             }
-            throw new CryptoError('Tampered', "$pointer: authentication failed: the encrypted value (key \"$keyId\") was altered");
+            throw new CryptoException('Tampered', "$pointer: authentication failed: the encrypted value (key \"$keyId\") was altered");
         }
         if (!hash_equals($want, $have)) {
-            throw new CryptoError('Tampered', "$pointer: authentication failed: the check bytes were altered");
+            throw new CryptoException('Tampered', "$pointer: authentication failed: the check bytes were altered");
         }
         try {
             return json_decode($plain, true, 512, JSON_THROW_ON_ERROR);
         } catch (\JsonException) {
-            throw new CryptoError('Malformed', "$pointer: the decrypted value is not JSON");
+            throw new CryptoException('Malformed', "$pointer: the decrypted value is not JSON");
         }
     }
 
@@ -349,10 +428,10 @@ final class FieldCrypto
                 'alnum' => mb_strtoupper(preg_replace('/[^\p{L}\p{N}]/u', '', $value), 'UTF-8'),
                 'collapse-space' => implode(' ', preg_split('/\s+/u', $value, -1, PREG_SPLIT_NO_EMPTY)),
                 'none' => $value,
-                default => throw new CryptoError('Schema', "unknown normalisation \"$step\"\n  fix: use trim, lowercase, digits, alnum or collapse-space"),
+                default => throw new CryptoException('Schema', "unknown normalisation \"$step\"\n  fix: use trim, lowercase, digits, alnum or collapse-space"),
             };
         }
-        $k = $this->blind[$this->blindCurrent] ?? throw new CryptoError('Keyring', 'keyring: no blind-index key');
+        $k = $this->blind[$this->blindCurrent] ?? throw new CryptoException('Keyring', 'keyring: no blind-index key');
         $mac = self::blindMac($k['key'], $this->blindCurrent, $pointer, $value);
         return [$this->blindCurrent, bin2hex(substr($mac, 0, max(1, min(32, $k['length']))))];
     }
@@ -367,7 +446,7 @@ final class FieldCrypto
     {
         $hex = str_replace('-', '', $id);
         if (!preg_match('/^[0-9a-fA-F]{32}$/', $hex)) {
-            throw new CryptoError('Malformed', "event id \"$id\" is not a UUID");
+            throw new CryptoException('Malformed', "event id \"$id\" is not a UUID");
         }
         return hex2bin($hex);
     }
@@ -428,12 +507,12 @@ final class FieldCrypto
                     break;
                 }
                 if ($n > self::MAX_BODY) {
-                    throw new CryptoError('Malformed', "$pointer: malformed encrypted value: length field out of range");
+                    throw new CryptoException('Malformed', "$pointer: malformed encrypted value: length field out of range");
                 }
                 return [$n, $i + 1];
             }
         }
-        throw new CryptoError('Malformed', "$pointer: malformed encrypted value: bad length field");
+        throw new CryptoException('Malformed', "$pointer: malformed encrypted value: bad length field");
     }
 
     /** Strict unpadded URL-safe base64 (RFC 4648 §5): other characters or trailing bits refused. */
@@ -442,7 +521,7 @@ final class FieldCrypto
         $bytes = preg_match('/^[A-Za-z0-9_-]*$/', $s) && strlen($s) % 4 !== 1
             ? base64_decode(strtr($s, '-_', '+/'), true) : false;
         if ($bytes === false || rtrim(strtr(base64_encode($bytes), '+/', '-_'), '=') !== $s) {
-            throw new CryptoError('Malformed', "$where: malformed encrypted value: not unpadded URL-safe base64 (RFC 4648 §5)");
+            throw new CryptoException('Malformed', "$where: malformed encrypted value: not unpadded URL-safe base64 (RFC 4648 §5)");
         }
         return $bytes;
     }
@@ -450,7 +529,7 @@ final class FieldCrypto
     private static function validateKeyId(string $id): void
     {
         if (!preg_match('/^[A-Za-z0-9_-]{1,32}$/', $id)) {
-            throw new CryptoError('Keyring', "keyring: key id \"$id\" is not [A-Za-z0-9_-]{1,32}");
+            throw new CryptoException('Keyring', "keyring: key id \"$id\" is not [A-Za-z0-9_-]{1,32}");
         }
     }
 

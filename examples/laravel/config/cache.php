@@ -1,0 +1,21 @@
+<?php
+
+return [
+
+    'default' => env('CACHE_DRIVER', 'file'),
+
+    'stores' => [
+        'array' => [
+            'driver' => 'array',
+            'serialize' => false,
+        ],
+
+        'file' => [
+            'driver' => 'file',
+            'path' => storage_path('framework/cache/data'),
+        ],
+    ],
+
+    'prefix' => 'billing_cache',
+
+];

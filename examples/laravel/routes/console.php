@@ -1,0 +1,3 @@
+<?php
+
+// The application's commands are in app/Console/Commands; outboxd/laravel adds outbox:*.
