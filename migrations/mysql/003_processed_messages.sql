@@ -15,12 +15,14 @@ CREATE TABLE IF NOT EXISTS processed_messages (
 ) ENGINE = InnoDB;
 
 -- The optional stale gate: the last applied x-aggregate-version per consumer and aggregate,
--- an aggregate being its type (x-aggregate-type, '' when not sent) and its id.
+-- an aggregate being the outbox table its events come from (x-outbox-table, '' when the relay
+-- reads one table), its type (x-aggregate-type, '' when not sent) and its id.
 CREATE TABLE IF NOT EXISTS consumer_aggregate_versions (
     consumer        VARBINARY(100)  NOT NULL,
+    outbox_table    VARBINARY(255)  NOT NULL DEFAULT '',
     aggregate_type  VARBINARY(255)  NOT NULL DEFAULT '',
     aggregate_id    VARBINARY(1024) NOT NULL,
     version         BIGINT          NOT NULL,
     updated_at      DATETIME(6)     NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
-    PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+    PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)
 ) ENGINE = InnoDB;

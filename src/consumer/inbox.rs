@@ -26,19 +26,29 @@ pub trait InboxBackend: Send {
         id: Uuid,
     ) -> impl Future<Output = Result<bool, ConsumerError>> + Send;
 
-    /// Records `version` as the last applied one of `(consumer, aggregate_type, aggregate_id)`
-    /// in `table` when it is newer than the stored one (`None`); otherwise returns the stored
-    /// version (`Some(stored)`) and changes nothing. The key compares exactly (byte for byte:
-    /// `ORD-a` is not `ord-A`). The statement must lock the aggregate's row, so that concurrent
+    /// Records `version` as the last applied one of `(consumer, aggregate)` in `table` when
+    /// it is newer than the stored one (`None`); otherwise returns the stored version
+    /// (`Some(stored)`) and changes nothing. The key compares exactly (byte for byte: `ORD-a`
+    /// is not `ord-A`). The statement must lock the aggregate's row, so that concurrent
     /// messages of one aggregate are decided one after the other.
     fn advance_version(
         &mut self,
         table: &TableName,
         consumer: &str,
-        aggregate_type: &str,
-        aggregate_id: &str,
+        aggregate: Aggregate<'_>,
         version: i64,
     ) -> impl Future<Output = Result<Option<i64>, ConsumerError>> + Send;
+}
+
+/// One aggregate, as the stale gate keys it: the outbox table its events come from
+/// (`x-outbox-table`, `""` when the relay reads one table), its type (`x-aggregate-type`, `""`
+/// when not sent) and its id. Order 42 and invoice 42 are two aggregates, and so are aggregate
+/// 7 of one outbox table and aggregate 7 of another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Aggregate<'a> {
+    pub table: &'a str,
+    pub kind: &'a str,
+    pub id: &'a str,
 }
 
 impl Inbox {
@@ -58,29 +68,20 @@ impl Inbox {
         tx.insert_claim(&self.processed, &self.consumer, id).await
     }
 
-    /// The stale gate: records `version` as the last applied one of the aggregate
-    /// `(aggregate_type, aggregate_id)` when it is newer than what is stored, and returns
-    /// `None` (apply); returns `Some(stored)` when the stored version is the same or newer
-    /// (drop). The type is `""` for messages without `x-aggregate-type`. With the gate off it
-    /// is always `None`.
+    /// The stale gate: records `version` as the last applied one of `aggregate` when it is
+    /// newer than what is stored, and returns `None` (apply); returns `Some(stored)` when the
+    /// stored version is the same or newer (drop). With the gate off it is always `None`.
     pub async fn gate<B: InboxBackend>(
         &self,
         tx: &mut B,
-        aggregate_type: &str,
-        aggregate_id: &str,
+        aggregate: Aggregate<'_>,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let Some(versions) = &self.versions else {
             return Ok(None);
         };
-        tx.advance_version(
-            versions,
-            &self.consumer,
-            aggregate_type,
-            aggregate_id,
-            version,
-        )
-        .await
+        tx.advance_version(versions, &self.consumer, aggregate, version)
+            .await
     }
 
     /// Claim first, then the stale gate (when on and the message has an aggregate and a
@@ -118,8 +119,12 @@ impl Inbox {
         if let (true, Some(agg), Some(version)) =
             (self.stale_gate(), msg.aggregate_id.as_deref(), msg.version)
         {
-            let ty = msg.aggregate_type.as_deref().unwrap_or("");
-            if let Some(applied) = self.gate(tx, ty, agg, version).await? {
+            let aggregate = Aggregate {
+                table: msg.table.as_deref().unwrap_or(""),
+                kind: msg.aggregate_type.as_deref().unwrap_or(""),
+                id: agg,
+            };
+            if let Some(applied) = self.gate(tx, aggregate, version).await? {
                 return Ok(Claim::Stale { version, applied });
             }
         }

@@ -18,6 +18,9 @@ pub struct Message {
     pub aggregate_type: Option<String>,
     /// `x-aggregate-id`, when present.
     pub aggregate_id: Option<String>,
+    /// `x-outbox-table`, when the relay reads several outbox tables: with the type and the
+    /// id, what the stale gate keys on (aggregate 7 of one table is not aggregate 7 of another).
+    pub table: Option<String>,
     /// `x-aggregate-version`, when present: what the stale gate compares.
     pub version: Option<i64>,
     /// `x-partition`, when the relay partitions.
@@ -40,6 +43,7 @@ impl Message {
             topic: topic.to_string(),
             aggregate_type: None,
             aggregate_id: None,
+            table: None,
             version: None,
             partition: None,
             redelivered: false,
@@ -53,6 +57,12 @@ impl Message {
     pub fn with_aggregate(mut self, aggregate_id: &str, version: Option<i64>) -> Message {
         self.aggregate_id = Some(aggregate_id.to_string());
         self.version = version;
+        self
+    }
+
+    /// Sets the outbox table the event came from (`x-outbox-table`).
+    pub fn with_table(mut self, table: &str) -> Message {
+        self.table = Some(table.to_string());
         self
     }
 
@@ -87,6 +97,7 @@ impl Message {
         let headers = properties.headers().clone().unwrap_or_default();
         let aggregate_type = header_string(&headers, "x-aggregate-type");
         let aggregate_id = header_string(&headers, "x-aggregate-id");
+        let table = header_string(&headers, "x-outbox-table");
         let version = match headers.inner().get("x-aggregate-version") {
             None | Some(AMQPValue::Void) => None,
             Some(v) => Some(header_int(v).ok_or_else(|| {
@@ -108,6 +119,7 @@ impl Message {
             topic,
             aggregate_type,
             aggregate_id,
+            table,
             version,
             partition,
             redelivered,

@@ -55,7 +55,7 @@ pub mod prune;
 pub mod runner;
 pub mod setup;
 
-pub use inbox::InboxBackend;
+pub use inbox::{Aggregate, InboxBackend};
 pub use key::IdempotencyKey;
 pub use message::Message;
 #[cfg(feature = "mysql")]

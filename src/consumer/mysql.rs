@@ -10,7 +10,7 @@
 //! `x-aggregate-type` longer than its gate column is the message's data (it goes to
 //! `--on-poison`, like error 1406 would); anything else stops the consumer with the fix.
 
-use super::inbox::InboxBackend;
+use super::inbox::{Aggregate, InboxBackend};
 use super::processor::Database;
 use super::ConsumerError;
 use crate::dsn::DbDsn;
@@ -131,7 +131,7 @@ fn untrusted(what: &str, code: u32, text: &str) -> ConsumerError {
 async fn gate_overflow(
     tx: &mut Transaction<'_>,
     table: &TableName,
-    values: [(&str, &str, &str); 3],
+    values: [(&str, &str, &str); 4],
 ) -> Result<Option<ConsumerError>, ConsumerError> {
     let cols: Vec<(String, String, Option<u64>)> = tx
         .exec(
@@ -201,15 +201,19 @@ impl InboxBackend for Transaction<'_> {
         &mut self,
         table: &TableName,
         consumer: &str,
-        aggregate_type: &str,
-        aggregate_id: &str,
+        aggregate: Aggregate<'_>,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let t = quoted(table);
+        let Aggregate {
+            table: outbox_table,
+            kind: aggregate_type,
+            id: aggregate_id,
+        } = aggregate;
         match insert_ignore(
             self,
-            &format!("INSERT IGNORE INTO {t} (consumer, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?)"),
-            (consumer, aggregate_type, aggregate_id, version).into(),
+            &format!("INSERT IGNORE INTO {t} (consumer, outbox_table, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?, ?)"),
+            (consumer, outbox_table, aggregate_type, aggregate_id, version).into(),
             &t,
         )
         .await?
@@ -219,6 +223,7 @@ impl InboxBackend for Transaction<'_> {
             Ignored::Warned(code, text) => {
                 let values = [
                     ("consumer", "the consumer name", consumer),
+                    ("outbox_table", "x-outbox-table", outbox_table),
                     ("aggregate_type", "x-aggregate-type", aggregate_type),
                     ("aggregate_id", "x-aggregate-id", aggregate_id),
                 ];
@@ -231,8 +236,8 @@ impl InboxBackend for Transaction<'_> {
             }
         }
         self.exec_drop(
-            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ? AND version < ?"),
-            (version, consumer, aggregate_type, aggregate_id, version),
+            format!("UPDATE {t} SET version = ?, updated_at = NOW(6) WHERE consumer = ? AND outbox_table = ? AND aggregate_type = ? AND aggregate_id = ? AND version < ?"),
+            (version, consumer, outbox_table, aggregate_type, aggregate_id, version),
         )
         .await?;
         if self.affected_rows() == 1 {
@@ -240,8 +245,8 @@ impl InboxBackend for Transaction<'_> {
         }
         let stored: Option<i64> = self
             .exec_first(
-                format!("SELECT version FROM {t} WHERE consumer = ? AND aggregate_type = ? AND aggregate_id = ?"),
-                (consumer, aggregate_type, aggregate_id),
+                format!("SELECT version FROM {t} WHERE consumer = ? AND outbox_table = ? AND aggregate_type = ? AND aggregate_id = ?"),
+                (consumer, outbox_table, aggregate_type, aggregate_id),
             )
             .await?;
         Ok(Some(stored.unwrap_or(version)))
@@ -325,7 +330,7 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "message_id    BINARY(16)",
             "(processed_at)",
-            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
+            "PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)",
             "consumer      VARBINARY(100)",
         ] {
             assert!(ddl.contains(needle), "{needle}");

@@ -5,7 +5,7 @@
 //! Statements go out with `query_typed`/`execute_typed` (parameter types given): one round trip
 //! each, no prepared-statement cache to keep per connection.
 
-use super::inbox::InboxBackend;
+use super::inbox::{Aggregate, InboxBackend};
 use super::processor::Database;
 use super::ConsumerError;
 use crate::dsn::DbDsn;
@@ -59,16 +59,21 @@ impl InboxBackend for Transaction<'_> {
         &mut self,
         table: &TableName,
         consumer: &str,
-        aggregate_type: &str,
-        aggregate_id: &str,
+        aggregate: Aggregate<'_>,
         version: i64,
     ) -> Result<Option<i64>, ConsumerError> {
         let t = table.pg_quoted();
+        let Aggregate {
+            table: outbox_table,
+            kind: aggregate_type,
+            id: aggregate_id,
+        } = aggregate;
         let advanced = self
             .execute_typed(
                 &format!(
-                    "INSERT INTO {t} AS v (consumer, aggregate_type, aggregate_id, version) VALUES ($1, $2, $3, $4)
-                     ON CONFLICT (consumer, aggregate_type, aggregate_id)
+                    "INSERT INTO {t} AS v (consumer, outbox_table, aggregate_type, aggregate_id, version)
+                     VALUES ($1, $5, $2, $3, $4)
+                     ON CONFLICT (consumer, outbox_table, aggregate_type, aggregate_id)
                      DO UPDATE SET version = EXCLUDED.version, updated_at = now()
                      WHERE v.version < EXCLUDED.version"
                 ),
@@ -77,6 +82,7 @@ impl InboxBackend for Transaction<'_> {
                     (&aggregate_type, Type::TEXT),
                     (&aggregate_id, Type::TEXT),
                     (&version, Type::INT8),
+                    (&outbox_table, Type::TEXT),
                 ],
             )
             .await?;
@@ -85,11 +91,12 @@ impl InboxBackend for Transaction<'_> {
         }
         let row = self
             .query_typed_one(
-                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3"),
+                &format!("SELECT version FROM {t} WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND outbox_table = $4"),
                 &[
                     (&consumer, Type::TEXT),
                     (&aggregate_type, Type::TEXT),
                     (&aggregate_id, Type::TEXT),
+                    (&outbox_table, Type::TEXT),
                 ],
             )
             .await?;
@@ -145,7 +152,7 @@ mod tests {
             "PRIMARY KEY (consumer, message_id)",
             "(processed_at)",
             "consumer_aggregate_versions",
-            "PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
+            "PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)",
         ] {
             assert!(ddl.contains(needle), "{needle}");
         }

@@ -1,15 +1,17 @@
 //! The kit's setup of the inbox tables (`processed_messages`, `consumer_aggregate_versions`):
 //! the migration files' `CREATE TABLE IF NOT EXISTS`, then an in-place migration of tables an
 //! earlier release created, checked against the catalog first so that running it again
-//! changes nothing. What the migration brings: the stale gate keys on the aggregate's type as
-//! well as its id (order 42 and invoice 42 are different aggregates), and on MySQL/MariaDB
+//! changes nothing. What the migration brings: the stale gate keys on the aggregate's outbox
+//! table and type as well as its id (order 42 and invoice 42 are different aggregates, and so
+//! are aggregate 7 of one outbox table and aggregate 7 of another), and on MySQL/MariaDB
 //! consumer names and ids become `VARBINARY`, compared byte for byte (a `VARCHAR`'s default
 //! collation merges `Billing` with `billing`, `ORD-a` with `ord-A`, `café` with `cafe `).
 //! Postgres compares text exactly already (a deterministic collation), so there only the key
 //! changes.
 //!
 //! Rows are kept: a version stored before the migration becomes the version of the aggregate
-//! of type `''`, which is what messages without `x-aggregate-type` are gated on.
+//! of table `''` and type `''`, which is what messages without `x-outbox-table` and
+//! `x-aggregate-type` are gated on.
 
 use super::ConsumerError;
 #[cfg(feature = "mysql")]
@@ -27,16 +29,26 @@ const MY_DDL: &str = include_str!("../../migrations/mysql/003_processed_messages
 /// setup that finds nothing to do), and a concurrent setup waiting on it then finds the work
 /// done.
 pub async fn postgres(client: &mut tokio_postgres::Client) -> Result<Vec<String>, ConsumerError> {
-    const TYPED: &str = "SELECT 1 FROM pg_attribute
-          WHERE attrelid = 'consumer_aggregate_versions'::regclass
-            AND attname = 'aggregate_type' AND NOT attisdropped";
+    // The key's columns an earlier release did not have, oldest first.
+    const KEY_COLUMNS: [&str; 2] = ["aggregate_type", "outbox_table"];
+    const MISSING: &str = "SELECT c FROM unnest($1::text[]) AS c
+          WHERE NOT EXISTS (SELECT 1 FROM pg_attribute
+                             WHERE attrelid = 'consumer_aggregate_versions'::regclass
+                               AND attname = c AND NOT attisdropped)";
+    let wanted: Vec<&str> = KEY_COLUMNS.to_vec();
     let tx = client.transaction().await?;
     tx.batch_execute(PG_DDL).await?;
     let mut done = Vec::new();
-    if tx.query_opt(TYPED, &[]).await?.is_none() {
+    if !tx.query(MISSING, &[&wanted]).await?.is_empty() {
         tx.batch_execute("LOCK TABLE consumer_aggregate_versions IN ACCESS EXCLUSIVE MODE")
             .await?;
-        if tx.query_opt(TYPED, &[]).await?.is_none() {
+        let missing: Vec<String> = tx
+            .query(MISSING, &[&wanted])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if !missing.is_empty() {
             let pk: Option<String> = tx
                 .query_opt(
                     "SELECT conname::text FROM pg_constraint
@@ -48,16 +60,19 @@ pub async fn postgres(client: &mut tokio_postgres::Client) -> Result<Vec<String>
             let drop_pk = pk
                 .map(|n| format!("DROP CONSTRAINT {}, ", crate::names::pg_ident(&n)))
                 .unwrap_or_default();
+            let add: String = missing
+                .iter()
+                .map(|c| format!("ADD COLUMN {c} text COLLATE \"C\" NOT NULL DEFAULT '', "))
+                .collect();
             tx.batch_execute(&format!(
                 "ALTER TABLE consumer_aggregate_versions
-                     ADD COLUMN aggregate_type text COLLATE \"C\" NOT NULL DEFAULT '',
-                     {drop_pk}ADD PRIMARY KEY (consumer, aggregate_type, aggregate_id)"
+                     {add}{drop_pk}ADD PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)"
             ))
             .await?;
-            done.push(
-                "consumer_aggregate_versions: added aggregate_type, keyed on (consumer, aggregate_type, aggregate_id)"
-                    .to_string(),
-            );
+            done.push(format!(
+                "consumer_aggregate_versions: added {}, keyed on (consumer, outbox_table, aggregate_type, aggregate_id)",
+                missing.join(", ")
+            ));
         }
     }
     tx.commit().await?;
@@ -124,11 +139,26 @@ async fn my_steps(conn: &mut mysql_async::Conn) -> Result<Vec<(String, String)>,
     if ty(v, "aggregate_id").as_deref() != Some("varbinary") {
         alter.push("MODIFY aggregate_id VARBINARY(1024) NOT NULL");
     }
-    if ty(v, "aggregate_type").is_none() {
-        alter.extend([
+    // The key's columns an earlier release did not have, each after `consumer` in this order.
+    let added: Vec<&str> = [
+        (
+            "aggregate_type",
             "ADD COLUMN aggregate_type VARBINARY(255) NOT NULL DEFAULT '' AFTER consumer",
+        ),
+        (
+            "outbox_table",
+            "ADD COLUMN outbox_table VARBINARY(255) NOT NULL DEFAULT '' AFTER consumer",
+        ),
+    ]
+    .into_iter()
+    .filter(|(c, _)| ty(v, c).is_none())
+    .map(|(_, sql)| sql)
+    .collect();
+    if !added.is_empty() {
+        alter.extend(added);
+        alter.extend([
             "DROP PRIMARY KEY",
-            "ADD PRIMARY KEY (consumer, aggregate_type, aggregate_id)",
+            "ADD PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)",
         ]);
     }
     if !alter.is_empty() {

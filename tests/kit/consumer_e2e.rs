@@ -107,20 +107,27 @@ async fn assert_exactly_once_pg(c: &tokio_postgres::Client, events: &[Written]) 
 }
 
 pub(crate) fn start_relay(db: &PgDb, name: &str, exchange: &str) -> Proc {
+    start_relay_with(db, name, exchange, &[])
+}
+
+/// [`start_relay`] with more arguments.
+pub(crate) fn start_relay_with(db: &PgDb, name: &str, exchange: &str, extra: &[&str]) -> Proc {
     let dsn = db.dsn();
+    let mut args = vec![
+        "run",
+        "--source",
+        &dsn,
+        "--name",
+        name,
+        "--exchange",
+        exchange,
+        "--log-level",
+        "info,lapin=warn",
+    ];
+    args.extend_from_slice(extra);
     Proc::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_outboxd")),
-        &[
-            "run",
-            "--source",
-            &dsn,
-            "--name",
-            name,
-            "--exchange",
-            exchange,
-            "--log-level",
-            "info,lapin=warn",
-        ],
+        &args,
         &[("OUTBOXD_SINK", &amqp::url())],
     )
 }

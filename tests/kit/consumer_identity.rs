@@ -6,7 +6,7 @@
 //! migrates in place, idempotently.
 
 use crate::common;
-use crate::consumer_e2e::start_relay;
+use crate::consumer_e2e::{start_relay, start_relay_with};
 use crate::consumer_support;
 
 use common::amqp::Topology;
@@ -124,6 +124,224 @@ async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
     assert_eq!(stale, 0);
 }
 
+/// Through the relay reading two outbox tables: aggregate 42 of `outbox` at versions 9 and 10,
+/// then aggregate 42 of `outbox2` at versions 1 and 2. The events carry `x-outbox-table`: four
+/// effects, none stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_gate_tells_outbox_tables_apart_through_the_relay() {
+    let db = PgDb::create("identt").await;
+    setup_projection(&db.dsn()).await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE outbox2 (LIKE outbox INCLUDING ALL)")
+        .await
+        .unwrap();
+    let mut topo = Topology::new("xt").await;
+    let name = unique("r");
+    let slot = format!("outboxd_{name}");
+    let _relay = start_relay_with(
+        &db,
+        &name,
+        &topo.exchange,
+        &["--table", "outbox", "--table", "outbox2"],
+    );
+    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    topo.wait_declared(T).await;
+    let queue = topo.bind_queue("invoices", "invoice.#").await;
+    for (table, v, invoice) in [
+        ("outbox", 9i64, 1i64),
+        ("outbox", 10, 2),
+        ("outbox2", 1, 3),
+        ("outbox2", 2, 4),
+    ] {
+        let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO {table} (id, aggregate_id, topic, payload, version)
+                     VALUES ($1, '42', 'invoice.issued', $2::text::json, $3)"
+                ),
+                &[&Uuid::now_v7(), &body, &v],
+            )
+            .await
+            .unwrap();
+    }
+    let conn = amqp::connect().await;
+    wait_for("the four events published", T, || {
+        let (conn, queue) = (&conn, &queue);
+        async move { ready(conn, queue).await == 4 }
+    })
+    .await;
+    let stopped = drain(
+        &conn,
+        &queue,
+        || {
+            start_consumer(
+                &db.dsn(),
+                &queue,
+                "tables",
+                &["--stale-gate", "--until-empty"],
+            )
+        },
+        T,
+    )
+    .await;
+    let applied: Vec<i64> = client
+        .query(
+            "SELECT invoice_id FROM invoice_ledger ORDER BY invoice_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        applied,
+        vec![1, 2, 3, 4],
+        "aggregate 42 of outbox2 is not stale after aggregate 42 of outbox at v10; consumer stderr:\n{}",
+        stopped[0].stderr()
+    );
+}
+
+/// The inbox tables as the previous release created them: the stale gate keyed on
+/// (consumer, aggregate_type, aggregate_id), without the outbox table.
+const PREVIOUS_PG_DDL: &str = "
+CREATE TABLE processed_messages (
+    consumer      varchar(100) COLLATE \"C\" NOT NULL,
+    message_id    uuid         NOT NULL,
+    processed_at  timestamptz  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, message_id)
+);
+CREATE TABLE consumer_aggregate_versions (
+    consumer        varchar(100) COLLATE \"C\" NOT NULL,
+    aggregate_type  text COLLATE \"C\"         NOT NULL DEFAULT '',
+    aggregate_id    text COLLATE \"C\"         NOT NULL,
+    version         bigint                   NOT NULL,
+    updated_at      timestamptz              NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+);";
+
+const PREVIOUS_MY_DDL: &str = "
+CREATE TABLE processed_messages (
+    consumer      VARBINARY(100) NOT NULL,
+    message_id    BINARY(16)   NOT NULL,
+    processed_at  DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, message_id)
+) ENGINE = InnoDB;
+CREATE TABLE consumer_aggregate_versions (
+    consumer        VARBINARY(100)  NOT NULL,
+    aggregate_type  VARBINARY(255)  NOT NULL DEFAULT '',
+    aggregate_id    VARBINARY(1024) NOT NULL,
+    version         BIGINT          NOT NULL,
+    updated_at      DATETIME(6)     NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+) ENGINE = InnoDB;";
+
+/// The primary key's columns of the stale gate's table on Postgres, in order.
+async fn pg_gate_key(c: &tokio_postgres::Client) -> Vec<String> {
+    c.query(
+        "SELECT a.attname::text FROM pg_index i
+           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+          WHERE i.indrelid = 'consumer_aggregate_versions'::regclass AND i.indisprimary
+          ORDER BY array_position(i.indkey::int2[], a.attnum)",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// The previous release's tables, with a stored version: setup adds the outbox table to the
+/// key (the version kept under table `''`), and a version of the same aggregate id in another
+/// outbox table is then another aggregate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn setup_adds_the_outbox_table_to_the_gates_key_in_place() {
+    use mysql_async::prelude::Queryable;
+    let pg = PgDb::create("migtab").await;
+    let mut c = pg.client().await;
+    c.batch_execute(PREVIOUS_PG_DDL).await.unwrap();
+    c.batch_execute("INSERT INTO consumer_aggregate_versions (consumer, aggregate_type, aggregate_id, version) VALUES ('billing', 'order', '42', 5)")
+        .await
+        .unwrap();
+    let done = outboxd::consumer::setup::postgres(&mut c).await.unwrap();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert!(outboxd::consumer::setup::postgres(&mut c)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        pg_gate_key(&c).await,
+        ["consumer", "outbox_table", "aggregate_type", "aggregate_id"]
+    );
+    let kept: i64 = c
+        .query_one("SELECT count(*) FROM consumer_aggregate_versions WHERE outbox_table = '' AND aggregate_type = 'order' AND version = 5", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 1, "the stored version is kept, under table ''");
+    let inbox = Inbox::new("billing")
+        .unwrap()
+        .with_stale_gate(None)
+        .unwrap();
+    for (table, version, want_applied) in [("", 5, false), ("billing.outbox2", 1, true)] {
+        let mut tx = c.transaction().await.unwrap();
+        let msg = Message::new(Uuid::now_v7(), "t", "{}")
+            .with_aggregate("42", Some(version))
+            .with_aggregate_type("order");
+        let msg = if table.is_empty() {
+            msg
+        } else {
+            msg.with_table(table)
+        };
+        let claim = inbox
+            .run(&mut tx, &msg, |_| async { Ok(()) })
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(
+            matches!(claim, Claim::Applied(())),
+            want_applied,
+            "table {table:?}: {claim:?}"
+        );
+    }
+
+    let my = MariaDb::create("migtab").await;
+    let mut m = my.conn().await;
+    m.query_drop("DROP TABLE processed_messages, consumer_aggregate_versions")
+        .await
+        .unwrap();
+    m.query_drop(PREVIOUS_MY_DDL).await.unwrap();
+    m.query_drop("INSERT INTO consumer_aggregate_versions (consumer, aggregate_type, aggregate_id, version) VALUES ('billing', 'order', '42', 5)")
+        .await
+        .unwrap();
+    let done = outboxd::consumer::setup::mysql(&mut m).await.unwrap();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert!(outboxd::consumer::setup::mysql(&mut m)
+        .await
+        .unwrap()
+        .is_empty());
+    let key: Vec<String> = m
+        .query(format!(
+            "SELECT COLUMN_NAME FROM information_schema.STATISTICS
+              WHERE TABLE_SCHEMA = '{}' AND TABLE_NAME = 'consumer_aggregate_versions' AND INDEX_NAME = 'PRIMARY'
+              ORDER BY SEQ_IN_INDEX",
+            my.name
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        key,
+        ["consumer", "outbox_table", "aggregate_type", "aggregate_id"]
+    );
+    assert_eq!(
+        my.count("SELECT COUNT(*) FROM consumer_aggregate_versions WHERE outbox_table = '' AND version = 5").await,
+        1
+    );
+}
+
 /// Messages that must all be applied, each with why: the same id under consumer names that
 /// differ only in case, and per aggregate a newer version then an older one under an id that
 /// differs only in case, accents or trailing spaces (different aggregates, not stale).
@@ -220,7 +438,7 @@ async fn setup_migrates_old_mariadb_inbox_tables_in_place() {
         .query(format!(
             "SELECT CONCAT(TABLE_NAME, '.', COLUMN_NAME), DATA_TYPE FROM information_schema.COLUMNS
               WHERE TABLE_SCHEMA = '{}' AND TABLE_NAME IN ('processed_messages', 'consumer_aggregate_versions')
-                AND COLUMN_NAME IN ('consumer', 'aggregate_type', 'aggregate_id')
+                AND COLUMN_NAME IN ('consumer', 'outbox_table', 'aggregate_type', 'aggregate_id')
               ORDER BY 1",
             db.name
         ))
@@ -239,6 +457,10 @@ async fn setup_migrates_old_mariadb_inbox_tables_in_place() {
             ),
             (
                 "consumer_aggregate_versions.consumer".into(),
+                "varbinary".into()
+            ),
+            (
+                "consumer_aggregate_versions.outbox_table".into(),
                 "varbinary".into()
             ),
             ("processed_messages.consumer".into(), "varbinary".into()),
@@ -273,20 +495,10 @@ async fn setup_migrates_old_postgres_inbox_tables_in_place() {
         Vec::<String>::new(),
         "a migrated database has nothing left to migrate"
     );
-    let key: Vec<String> = c
-        .query(
-            "SELECT a.attname::text FROM pg_index i
-               JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-              WHERE i.indrelid = 'consumer_aggregate_versions'::regclass AND i.indisprimary
-              ORDER BY array_position(i.indkey::int2[], a.attnum)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(key, ["consumer", "aggregate_type", "aggregate_id"]);
+    assert_eq!(
+        pg_gate_key(&c).await,
+        ["consumer", "outbox_table", "aggregate_type", "aggregate_id"]
+    );
     let kept: i64 = c
         .query_one(
             "SELECT count(*) FROM consumer_aggregate_versions WHERE consumer = 'billing' AND aggregate_id = '42' AND version = 5",

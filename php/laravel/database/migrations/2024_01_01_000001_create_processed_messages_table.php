@@ -14,7 +14,9 @@ use Illuminate\Support\Facades\Schema;
  * every Laravel version: hence the DDL.
  *
  * consumer_aggregate_versions: the stale gate, the last applied x-aggregate-version per
- * consumer and aggregate.
+ * consumer and aggregate (its outbox table, type and id). A table created by an earlier
+ * release of outboxd's kit is brought to this key by `outboxd consumer setup` (or the kit's
+ * setup), which migrates it in place.
  */
 return new class extends Migration
 {
@@ -41,11 +43,12 @@ return new class extends Migration
         $db->statement(<<<'SQL'
             CREATE TABLE IF NOT EXISTS consumer_aggregate_versions (
                 consumer        VARBINARY(100)  NOT NULL,
+                outbox_table    VARBINARY(255)  NOT NULL DEFAULT '',
                 aggregate_type  VARBINARY(255)  NOT NULL DEFAULT '',
                 aggregate_id    VARBINARY(1024) NOT NULL,
                 version         BIGINT          NOT NULL,
                 updated_at      DATETIME(6)     NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
-                PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+                PRIMARY KEY (consumer, outbox_table, aggregate_type, aggregate_id)
             ) ENGINE = InnoDB
             SQL);
     }

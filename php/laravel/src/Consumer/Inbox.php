@@ -71,8 +71,10 @@ class Inbox
 
     /**
      * Records the message's version as the aggregate's last applied one when it is newer, and
-     * says whether it was. The upsert locks the aggregate's row, so two messages of one
-     * aggregate are decided one after the other. A message without a version passes.
+     * says whether it was. An aggregate is its outbox table (when the relay reads several), its
+     * type and its id: aggregate 7 of one table is not aggregate 7 of another. The upsert locks
+     * the aggregate's row, so two messages of one aggregate are decided one after the other. A
+     * message without a version passes.
      */
     private function newer(OutboxMessage $message): bool
     {
@@ -80,9 +82,9 @@ class Inbox
             return true;
         }
         $affected = $this->db->affectingStatement(
-            'INSERT INTO consumer_aggregate_versions (consumer, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?)
+            'INSERT INTO consumer_aggregate_versions (consumer, outbox_table, aggregate_type, aggregate_id, version) VALUES (?, ?, ?, ?, ?)
              ON DUPLICATE KEY UPDATE updated_at = IF(VALUES(version) > version, CURRENT_TIMESTAMP(6), updated_at), version = GREATEST(version, VALUES(version))',
-            [$this->consumer, $message->aggregateType() ?? '', $message->aggregateId(), $message->version()]
+            [$this->consumer, $message->table() ?? '', $message->aggregateType() ?? '', $message->aggregateId(), $message->version()]
         );
 
         // 1: the aggregate's first version; 2: a newer one replaced the last; 0: not newer.

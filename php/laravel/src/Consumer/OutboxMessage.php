@@ -27,6 +27,12 @@ final class OutboxMessage
         return isset($this->headers['x-aggregate-type']) ? (string) $this->headers['x-aggregate-type'] : null;
     }
 
+    /** The outbox table the event came from, when the relay reads several (x-outbox-table). */
+    public function table(): ?string
+    {
+        return isset($this->headers['x-outbox-table']) ? (string) $this->headers['x-outbox-table'] : null;
+    }
+
     public function aggregateId(): ?string
     {
         return isset($this->headers['x-aggregate-id']) ? (string) $this->headers['x-aggregate-id'] : null;

@@ -86,12 +86,15 @@ class ConsumeCommandTest extends TestCase
     }
 
     /** Publishes as outboxd does; returns the message id. */
-    private function publish(array $payload, ?int $version = null, ?string $id = null, string $topic = 'invoice.issued'): string
+    private function publish(array $payload, ?int $version = null, ?string $id = null, string $topic = 'invoice.issued', ?string $table = null): string
     {
         $id ??= Uuid::v7();
         $headers = ['x-aggregate-type' => 'invoice', 'x-aggregate-id' => (string) ($payload['invoice_id'] ?? 1)];
         if ($version !== null) {
             $headers['x-aggregate-version'] = $version;
+        }
+        if ($table !== null) {
+            $headers['x-outbox-table'] = $table;
         }
         $this->channel->basic_publish(new AMQPMessage(json_encode($payload), [
             'message_id' => $id,
@@ -160,6 +163,20 @@ class ConsumeCommandTest extends TestCase
         $this->assertSame([$v2, $v3], array_column(self::$handled, 0));
         $this->assertSame(3, DB::table('processed_messages')->count(), 'the stale message is claimed too');
         $this->assertSame(3, (int) DB::table('consumer_aggregate_versions')->where('aggregate_id', '5')->value('version'));
+    }
+
+    public function test_the_version_gate_tells_outbox_tables_apart(): void
+    {
+        $this->declareQueue();
+        $a9 = $this->publish(['invoice_id' => 7, 'total_cents' => 9], version: 9, table: 'outbox');
+        $b1 = $this->publish(['invoice_id' => 7, 'total_cents' => 1], version: 1, table: 'billing_outbox');
+        $b2 = $this->publish(['invoice_id' => 7, 'total_cents' => 2], version: 2, table: 'billing_outbox');
+
+        [$status, $out] = $this->consume(['--stop-when-empty' => true]);
+
+        $this->assertSame(0, $status, $out);
+        $this->assertSame([$a9, $b1, $b2], array_column(self::$handled, 0), 'aggregate 7 of billing_outbox is not stale after aggregate 7 of outbox');
+        $this->assertSame(2, DB::table('consumer_aggregate_versions')->where('aggregate_id', '7')->count());
     }
 
     public function test_sealed_fields_reach_the_handler_opened(): void
