@@ -4,10 +4,12 @@
 //! both (a duplicate), never in neither (a gap). The same path replays rows after a deliberate
 //! `offset set --replay-since`.
 
+use super::admin::estimate_rows;
 use super::pgoutput::{Column, Relation};
 use super::rows::RowMapper;
 use crate::event::Checkpoint;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::progress::Progress;
 use crate::source::Outlet;
 use crate::Error;
 // The snapshot types both databases share live in `source::snapshot`; named here too, where
@@ -196,6 +198,10 @@ pub async fn publish(
     );
     let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
     let key_columns = position_of(columns.get("created_at")).zip(position_of(columns.get("id")));
+    let mut progress = Progress::table(
+        table.pg_quoted(),
+        estimate_rows(client, table, &filter).await,
+    );
     let tx = client
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -223,6 +229,7 @@ pub async fn publish(
             event.committed_at = None;
             outlet.send_event(event).await?;
             n += 1;
+            progress.add(1);
             let key = key_columns.and_then(|(c, i)| {
                 Some(SnapshotKey {
                     table: table_index,
@@ -241,6 +248,7 @@ pub async fn publish(
         }
     }
     tx.commit().await?;
+    progress.finish();
     tracing::info!(rows = n, "first start: existing rows handed to the sink");
     Ok(n)
 }
