@@ -584,11 +584,9 @@ mod bar {
         };
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
         let template = match (estimate, unit) {
-            (Some(_), Unit::Bytes) => {
-                "{msg} [{bar:30}] {bytes}/~{total_bytes} {bytes_per_sec} ~{eta} left"
-            }
-            (Some(_), _) => "{msg} [{bar:30}] {human_pos}/~{human_len} {per_sec} ~{eta} left",
-            (None, _) => "{msg} {spinner} {human_pos} {per_sec}",
+            (Some(_), Unit::Bytes) => "{msg} [{bar:30}] {bytes}/~{total_bytes} ~{eta} left",
+            (Some(_), _) => "{msg} [{bar:30}] {human_pos}/~{human_len} ~{eta} left",
+            (None, _) => "{msg} {spinner} {human_pos} {elapsed}",
         };
         if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
             bar.set_style(style.progress_chars("=> "));
