@@ -95,6 +95,56 @@ pub struct Gauges {
     pub eta_seconds: Gauge,
 }
 
+/// The table the running (or last) snapshot or replay reads, for [`summary`].
+static TABLE: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// What a running relay phase has got to, as one JSON object (`None`: no phase runs): the
+/// phase, its table, rows done and the estimate, bytes behind while catching up, the time left
+/// and when this was said. The lease keeper stores it with the relay's state, where
+/// `outboxd status` reads it.
+pub fn summary() -> Option<String> {
+    let g = gauges();
+    let phase = Phase::ALL
+        .into_iter()
+        .find(|p| g.phase.get_or_create(&label(*p)).get() == 1)?;
+    let eta = g.eta_seconds.get();
+    let mut v = serde_json::json!({
+        "phase": phase.label(),
+        "eta_s": (eta >= 0).then_some(eta),
+    });
+    if phase == Phase::CatchUp {
+        v["bytes_behind"] = g.bytes_behind.get().into();
+    } else {
+        v["table"] = TABLE.lock().map(|t| t.clone()).unwrap_or_default().into();
+        v["rows_done"] = g.rows_done.get().into();
+        v["rows_estimated"] = g.rows_estimated.get().into();
+    }
+    Some(v.to_string())
+}
+
+/// A [`summary`] as `status` says it: `snapshot of public.outbox: 120000 of ~400000 rows
+/// (30%), about 21 s left`, `catch-up: 73400320 bytes behind, about 15 s left`.
+pub fn describe(summary: &serde_json::Value) -> String {
+    let phase = summary["phase"].as_str().unwrap_or("?");
+    let left = match summary["eta_s"].as_i64() {
+        Some(s) => format!("about {s} s left"),
+        None => "time left unknown".to_string(),
+    };
+    if let Some(b) = summary["bytes_behind"].as_i64() {
+        return format!("{phase}: {b} bytes behind the server, {left}");
+    }
+    let done = summary["rows_done"].as_i64().unwrap_or(0);
+    let total = summary["rows_estimated"].as_i64().unwrap_or(0);
+    let percent = match u64::try_from(total) {
+        Ok(t) if t > 0 => Percent(done.max(0) as u64, Some(t)).to_string() + "%",
+        _ => "?%".to_string(),
+    };
+    format!(
+        "{phase} of {}: {done} of ~{total} rows ({percent}), {left}",
+        summary["table"].as_str().unwrap_or("?")
+    )
+}
+
 /// The process's progress gauges.
 pub fn gauges() -> &'static Gauges {
     static G: OnceLock<Gauges> = OnceLock::new();
@@ -183,6 +233,9 @@ impl Progress {
         g.rows_estimated.set(gauge_value(estimate.unwrap_or(0)));
         g.eta_seconds.set(-1);
         let subject = table.to_string();
+        if let Ok(mut t) = TABLE.lock() {
+            t.clone_from(&subject);
+        }
         tracing::info!(
             target: "outboxd::progress",
             phase = phase.label(),
@@ -680,6 +733,7 @@ mod tests {
     async fn the_gauges_follow_the_phases() {
         let g = gauges();
         let phase = |p: Phase| g.phase.get_or_create(&label(p)).get();
+        assert_eq!(summary(), None, "no phase runs");
         let mut p = Progress::relay(Phase::Snapshot, "public.outbox", Some(400));
         assert_eq!((phase(Phase::Snapshot), phase(Phase::Replay)), (1, 0));
         assert_eq!(g.rows_estimated.get(), 400);
@@ -689,6 +743,16 @@ mod tests {
         assert_eq!(p.lines(), 1);
         // 100 rows in 11 s: 300 left at 9.09 rows/s.
         assert_eq!(g.eta_seconds.get(), 33);
+        let s: serde_json::Value = serde_json::from_str(&summary().unwrap()).unwrap();
+        assert_eq!(
+            s,
+            serde_json::json!({"phase": "snapshot", "table": "public.outbox", "rows_done": 100,
+                               "rows_estimated": 400, "eta_s": 33})
+        );
+        assert_eq!(
+            describe(&s),
+            "snapshot of public.outbox: 100 of ~400 rows (25%), about 33 s left"
+        );
         p.add(200);
         p.finish();
         assert_eq!(phase(Phase::Snapshot), 0);
@@ -715,10 +779,20 @@ mod tests {
         // 40 MiB closed in 10 s: 60 MiB left at 4 MiB/s.
         c.behind(60 << 20);
         assert_eq!(g.eta_seconds.get(), 15);
+        let s: serde_json::Value = serde_json::from_str(&summary().unwrap()).unwrap();
+        assert_eq!(
+            s,
+            serde_json::json!({"phase": "catch-up", "bytes_behind": 60 << 20, "eta_s": 15})
+        );
+        assert_eq!(
+            describe(&s),
+            "catch-up: 62914560 bytes behind the server, about 15 s left"
+        );
         advance(secs(1)).await;
         c.behind(CAUGHT_UP_BYTES);
         assert!(!c.running());
         assert_eq!(phase(Phase::CatchUp), 0);
         assert_eq!(g.eta_seconds.get(), -1);
+        assert_eq!(summary(), None);
     }
 }
