@@ -119,6 +119,18 @@ impl Telemetry {
             started: AtomicBool::new(false),
             registry: Registry::default(),
         };
+        // Every documented cause is a series from the start, at 0: a family with no series
+        // would not show on /metrics at all, and a rate needs the value before the first one.
+        for cause in ["source", "sink"] {
+            let _ = t.reconnects.get_or_create(&Cause {
+                cause: cause.into(),
+            });
+        }
+        for cause in ["rejected", "timeout", "connection"] {
+            let _ = t.sink_retries.get_or_create(&Cause {
+                cause: cause.into(),
+            });
+        }
         t.register_counts(&mut registry);
         t.register_latency(&mut registry);
         t.register_health(&mut registry);
