@@ -256,13 +256,11 @@ async fn the_metrics_table_is_what_a_relay_serves() {
         "--metrics-addr",
         &addr,
     ]);
-    let mut body = String::new();
     wait_for("the relay's /metrics", Duration::from_secs(60), || {
-        let port = port;
         async move { scrape_metrics(port).await.contains("# TYPE") }
     })
     .await;
-    body.push_str(&scrape_metrics(port).await);
+    let body = scrape_metrics(port).await;
     // OpenMetrics declares a counter without its `_total`, which each sample carries.
     let mut served: Vec<(String, String)> = body
         .lines()
