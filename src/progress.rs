@@ -239,7 +239,7 @@ impl Progress {
         tracing::info!(
             target: "outboxd::progress",
             phase = phase.label(),
-            table = %subject,
+            subject = %subject,
             estimated_total = %Estimate(estimate),
             "{} started", phase.label()
         );

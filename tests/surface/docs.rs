@@ -256,9 +256,11 @@ async fn the_metrics_table_is_what_a_relay_serves() {
         "--metrics-addr",
         &addr,
     ]);
-    wait_for("the relay's /metrics", Duration::from_secs(60), || {
-        async move { scrape_metrics(port).await.contains("# TYPE") }
-    })
+    wait_for(
+        "the relay's /metrics",
+        Duration::from_secs(60),
+        || async move { scrape_metrics(port).await.contains("# TYPE") },
+    )
     .await;
     let body = scrape_metrics(port).await;
     // OpenMetrics declares a counter without its `_total`, which each sample carries.
@@ -275,6 +277,54 @@ async fn the_metrics_table_is_what_a_relay_serves() {
         })
         .collect();
     served.sort();
+
+    // docs/operations.md's samples are the binary's: the same series, the same status lines.
+    let ops = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let block_after = |marker: &str| -> Vec<String> {
+        let after = ops.split(marker).nth(1).expect(marker);
+        let body = after.split("```text\n").nth(1).unwrap();
+        body.split("\n```")
+            .next()
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let series = |lines: Vec<String>| -> Vec<String> {
+        let mut v: Vec<String> = lines
+            .iter()
+            .filter(|l| l.starts_with("outboxd_") && !l.contains("_bucket"))
+            .map(|l| l.split(' ').next().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    let live: Vec<String> = body.lines().map(str::to_string).collect();
+    assert_eq!(
+        series(block_after("`/metrics` (`--metrics-addr`) of that relay")),
+        series(live),
+        "docs/operations.md's /metrics sample against /metrics"
+    );
+    let labels = |lines: Vec<String>| -> Vec<String> {
+        lines
+            .iter()
+            .map(|l| l.get(..17).unwrap_or(l).trim().to_string())
+            .collect()
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["status", "--source", &dsn, "--name", &name])
+        .output()
+        .expect("run outboxd status");
+    let status: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        labels(block_after("`outboxd status` while a relay runs")),
+        labels(status),
+        "docs/operations.md's status sample against outboxd status"
+    );
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(Duration::from_secs(60)).await, 0);
     assert!(served.len() >= 20, "{body}");
