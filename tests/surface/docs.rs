@@ -333,3 +333,37 @@ async fn the_metrics_table_is_what_a_relay_serves() {
         "docs/configuration.md's metrics table against /metrics"
     );
 }
+
+/// Every `x-source-position` example in docs/ is what the relay sends: the zero-padded form
+/// (`00000000/016B3748:0000000003`), never a short one.
+#[test]
+fn source_position_examples_are_the_padded_form() {
+    let mut wrong = Vec::new();
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|x| x != "md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines().filter(|l| l.contains("x-source-position")) {
+            for token in line.split(|c: char| c.is_whitespace() || "`(),=".contains(c)) {
+                let Some((lsn, index)) = token.rsplit_once(':') else {
+                    continue;
+                };
+                let (Some(lsn), Ok(index)) = (outboxd::event::parse_lsn(lsn), index.parse::<u32>())
+                else {
+                    continue;
+                };
+                let sent = outboxd::SourcePosition::Pg {
+                    commit_lsn: lsn,
+                    index,
+                }
+                .to_string();
+                if token != sent {
+                    wrong.push(format!("{}: {token} (sent as {sent})", path.display()));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
