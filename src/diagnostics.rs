@@ -55,6 +55,29 @@ pub fn line(
 
 /// The `lease` line of `outboxd status`, the same for every source: who holds the lease
 /// (`-` for no one) and whether it is live.
+/// `status`'s progress line (after the lease line): what the lease holder's running snapshot,
+/// replay or catch-up last stored (see `crate::progress::summary`), or `-` when none runs.
+/// Without a live lease the report is a stopped relay's last word.
+pub fn write_progress(
+    f: &mut std::fmt::Formatter<'_>,
+    progress: Option<&serde_json::Value>,
+    live: bool,
+) -> std::fmt::Result {
+    match progress {
+        None => write!(f, "\nprogress         -"),
+        Some(p) => write!(
+            f,
+            "\nprogress         {}{}",
+            crate::progress::describe(p),
+            if live {
+                ""
+            } else {
+                " (last reported by a relay that stopped)"
+            }
+        ),
+    }
+}
+
 pub fn write_lease(
     f: &mut std::fmt::Formatter<'_>,
     holder: Option<&str>,

@@ -80,6 +80,8 @@ pub mod dsn;
 #[doc(hidden)]
 pub mod names;
 #[doc(hidden)]
+pub mod progress;
+#[doc(hidden)]
 pub mod secret_file;
 #[cfg(feature = "rabbitmq-stream")]
 #[doc(hidden)]

@@ -7,8 +7,8 @@
 // modules they use at this crate's root, so those paths read the same as they did inside the
 // library.
 use outboxd::{
-    consumer, crypto, db, diagnostics, dsn, event, outbox, pipeline, relay, secret_file, sink,
-    source, state, telemetry, tls, Error,
+    consumer, crypto, db, diagnostics, dsn, event, outbox, pipeline, progress, relay, secret_file,
+    sink, source, state, telemetry, tls, Error,
 };
 
 mod commands;
@@ -55,6 +55,10 @@ fn try_main() -> anyhow::Result<()> {
     };
     let cli = Cli::from_arg_matches(&matches)?;
     outboxd::telemetry::init_logging(&cli.log_level, cli.log_format == LogFormat::Json);
+    // A one-shot command draws a bar only where someone watches: a terminal, text logs.
+    let bars =
+        std::io::IsTerminal::is_terminal(&std::io::stderr()) && cli.log_format == LogFormat::Text;
+    outboxd::progress::configure(cli.progress_interval, bars);
     let shutdown_timeout = match &cli.command {
         commands::Command::Run(a) => a.shutdown_timeout,
         _ => std::time::Duration::from_secs(30),

@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     topic         VARCHAR(120) NOT NULL,
     payload       JSON         NOT NULL,
     status        ENUM('pending','published') NOT NULL DEFAULT 'pending',
-    created_at    DATETIME(6)  NOT NULL,
+    created_at    DATETIME(6)  NOT NULL DEFAULT CURRENT_TIMESTAMP(6), -- the session's zone: see --source-time-zone
     published_at  DATETIME(6)  NULL,
     PRIMARY KEY (id),
     KEY idx_dispatch (status, created_at),       -- poll mode scans this index

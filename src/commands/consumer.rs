@@ -7,10 +7,11 @@ use crate::consumer::prune::{self, PruneOptions, PruneReport};
 use crate::dsn::SourceDsn;
 use crate::outbox::Mode;
 use crate::outbox::{ColumnMap, TableName};
+use crate::progress::{Progress, Unit};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone, Args)]
@@ -51,7 +52,8 @@ pub struct PruneArgs {
     pub consumer: Option<String>,
 }
 
-/// `outboxd prune`: progress at most once a second, then the summary (rows, rows/s).
+/// `outboxd prune`: its progress (a bar on a terminal, else lines), then the summary (rows,
+/// rows/s).
 pub async fn prune(
     args: PruneArgs,
     m: &ArgMatches,
@@ -87,18 +89,11 @@ pub async fn prune(
         mode: args.mode,
         consumer: args.consumer.clone(),
     };
-    let mut printed: Option<Instant> = None;
-    let mut progress = move |r: &PruneReport| {
-        if printed.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
-            println!(
-                "progress: {} rows deleted from {} in {}, {:.0} rows/s",
-                r.rows,
-                r.table,
-                prune::batches_text(r.batches),
-                r.rows_per_sec()
-            );
-            printed = Some(Instant::now());
-        }
+    let mut tracker: Option<Progress> = None;
+    let mut progress = |r: &PruneReport| {
+        tracker
+            .get_or_insert_with(|| Progress::command("prune", &r.table, Unit::Rows, r.estimated))
+            .set(r.rows);
     };
     let report = match SourceDsn::parse(&dsn)? {
         SourceDsn::Postgres(d) => prune::prune_postgres(&d, &opts, &mut progress, &shutdown).await,
@@ -110,6 +105,9 @@ pub async fn prune(
             ))
         }
     }?;
+    if let Some(t) = tracker.filter(|_| !report.interrupted) {
+        t.finish();
+    }
     println!("{report}");
     if args.dry_run {
         if let Err(e) = prune::check_window(report.kind, args.older_than, args.force) {

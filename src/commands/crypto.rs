@@ -7,6 +7,7 @@ use crate::crypto::keyring::KeyringFile;
 use crate::crypto::shred::{self, Keystore};
 use crate::crypto::{blind, reencrypt, schema::Schema, Encryptor, Keyring};
 use crate::outbox::{ColumnMap, TableName};
+use crate::progress::{Progress, Unit};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, Subcommand};
@@ -867,17 +868,31 @@ pub async fn reencrypt(
         limit: None,
         include_pending: a.include_pending,
     };
+    let filter = match a.after {
+        Some(after) => format!(
+            "WHERE {} > '{after}'",
+            crate::outbox::pg_ident(columns.get("id"))
+        ),
+        None => String::new(),
+    };
+    let estimate = crate::source::postgres::admin::estimate_rows(&client, &table, &filter).await;
+    let mut progress = Progress::command("reencrypt", table.pg_quoted(), Unit::Rows, estimate);
     let p = reencrypt::run(&mut client, &table, &columns, &enc, &opts, &shutdown, |p| {
-        eprintln!(
-            "outboxd: batch {}: {} rows scanned, {} rewritten, {} failed; resume with --after {}",
-            p.batches,
-            p.scanned,
-            p.rewritten,
-            p.failed,
+        progress.set(p.scanned);
+        // Every batch's resume point, for a run killed without a chance to say it.
+        tracing::debug!(
+            batch = p.batches,
+            scanned = p.scanned,
+            rewritten = p.rewritten,
+            failed = p.failed,
+            "reencrypt: resume with --after {}",
             p.last_id.map(|u| u.to_string()).unwrap_or_default()
         );
     })
     .await?;
+    if !p.interrupted {
+        progress.finish();
+    }
     let after = reencrypt::count_by_key(&client, &table, &columns).await?;
     print_counts(enc.keyring(), &table, &after);
     println!(

@@ -103,6 +103,10 @@ pub struct Cli {
     /// flags and the environment override it; secrets only by reference (`*_file`, env).
     #[arg(long, global = true, env = "OUTBOXD_CONFIG", value_name = "PATH")]
     pub config: Option<std::path::PathBuf>,
+    /// How often long work (a snapshot, a replay, catching up, reencrypt, prune, a consumer's
+    /// --until-empty) logs its progress, besides a line at each tenth of its estimated total.
+    #[arg(long, global = true, env = "OUTBOXD_PROGRESS_INTERVAL", value_parser = parse_duration, default_value = "10s")]
+    pub progress_interval: Duration,
     #[command(subcommand)]
     pub command: Command,
 }

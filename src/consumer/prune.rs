@@ -79,6 +79,9 @@ pub struct PruneReport {
     pub dry_run: bool,
     /// Stopped by SIGINT/SIGTERM between batches.
     pub interrupted: bool,
+    /// The planner's estimate of the rows to delete, read before the first batch (`None`:
+    /// it could not say); for progress, never a promise.
+    pub estimated: Option<u64>,
 }
 
 impl PruneReport {
@@ -287,6 +290,8 @@ trait Backend {
     ) -> Result<String, ConsumerError>;
     /// How many rows `filter` selects.
     async fn count(&mut self, filter: &Filter) -> Result<u64, ConsumerError>;
+    /// The planner's estimate of that count (`EXPLAIN`, no scan); `None` when it cannot say.
+    async fn estimate(&mut self, filter: &Filter) -> Option<u64>;
     /// Takes the table's prune lock; refused, naming the holder, while another prune has it.
     async fn lock(&mut self) -> Result<(), ConsumerError>;
     /// The statement deleting one batch of `batch` rows, after the index checks the database
@@ -336,6 +341,7 @@ async fn prune<B: Backend>(
         elapsed: Duration::ZERO,
         dry_run: opts.dry_run,
         interrupted: false,
+        estimated: None,
     };
     let start = Instant::now();
     if opts.dry_run {
@@ -345,6 +351,7 @@ async fn prune<B: Backend>(
         return Ok(report);
     }
     db.lock().await?;
+    report.estimated = db.estimate(&filter).await;
     let result = async {
         let sql = db.batch_statement(&filter, opts.batch).await?;
         loop {
@@ -498,6 +505,18 @@ impl Backend for PgPrune {
         );
         let n: i64 = self.client.query_typed(&sql, &self.params()).await?[0].get(0);
         Ok(n as u64)
+    }
+
+    async fn estimate(&mut self, filter: &Filter) -> Option<u64> {
+        let sql = format!(
+            "EXPLAIN (FORMAT JSON) SELECT 1 FROM {} WHERE {}",
+            self.shown,
+            self.condition(filter)
+        );
+        let rows = self.client.query_typed(&sql, &self.params()).await.ok()?;
+        let plan: serde_json::Value = rows.first()?.try_get(0).ok()?;
+        let n = plan.get(0)?.get("Plan")?.get("Plan Rows")?.as_f64()?;
+        Some(n.max(0.0) as u64)
     }
 
     async fn lock(&mut self) -> Result<(), ConsumerError> {
@@ -700,6 +719,18 @@ impl Backend for MyPrune {
         Ok(n.unwrap_or(0))
     }
 
+    async fn estimate(&mut self, filter: &Filter) -> Option<u64> {
+        use mysql_async::prelude::Queryable;
+        let sql = format!(
+            "EXPLAIN SELECT 1 FROM {} WHERE {}",
+            self.shown,
+            Self::condition(filter)
+        );
+        let params = self.params.clone();
+        let rows: Vec<mysql_async::Row> = self.conn().exec(sql, params).await.ok()?;
+        rows.first()?.get_opt::<Option<u64>, _>("rows")?.ok()?
+    }
+
     async fn lock(&mut self) -> Result<(), ConsumerError> {
         use mysql_async::prelude::Queryable;
         let key = self.key.clone();
@@ -830,6 +861,7 @@ mod tests {
             elapsed: Duration::from_secs(2),
             dry_run: false,
             interrupted: false,
+            estimated: None,
         };
         let s = r.to_string();
         assert!(s.starts_with("done: deleted 20000 rows"), "{s}");

@@ -90,6 +90,14 @@ impl<S: StateStore> StateStore for ForwardOnly<S> {
         self.inner.mark_initialized(lease).await
     }
 
+    async fn report_progress(
+        &mut self,
+        lease: &Lease,
+        progress: Option<&str>,
+    ) -> Result<(), Error> {
+        self.inner.report_progress(lease, progress).await
+    }
+
     async fn record_stream_start(
         &mut self,
         lease: &Lease,

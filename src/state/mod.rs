@@ -411,6 +411,16 @@ pub trait StateStore: Send {
         marker: &Checkpoint,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send;
 
+    /// Stores what the running phase has got to (`crate::progress::summary`; `None`: none
+    /// runs), for `outboxd status`. Stores no status command reads need not.
+    fn report_progress(
+        &mut self,
+        _lease: &Lease,
+        _progress: Option<&str>,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        async { Ok(()) }
+    }
+
     /// Records that the first start's snapshot (or a requested replay) is durable.
     fn mark_initialized(
         &mut self,
@@ -469,6 +479,8 @@ pub async fn keep_lease<S: StateStore>(
     let mut acks_open = true;
     // When a position was last written: the next one waits until STORE_INTERVAL has passed.
     let mut stored_at: Option<tokio::time::Instant> = None;
+    // The progress last stored for `status`.
+    let mut reported: Option<String> = None;
     loop {
         let wake = tokio::select! {
             _ = tick.tick() => Wake::Tick,
@@ -542,6 +554,20 @@ pub async fn keep_lease<S: StateStore>(
                     // The write renewed the lease: the next renewal is a period from now.
                     tick.reset();
                     written = pos;
+                }
+                // What a running phase has got to, for `status`: written when it changed, at
+                // most once a renewal, and cleared when the relay stops. A failed write is
+                // tried again at the next renewal.
+                let now = if stopping {
+                    None
+                } else {
+                    crate::progress::summary()
+                };
+                if now != reported {
+                    match store.report_progress(&lease, now.as_deref()).await {
+                        Ok(()) => reported = now,
+                        Err(e) => tracing::debug!(error = %e, "could not store the progress"),
+                    }
                 }
                 let past_first_start = written
                     .as_ref()

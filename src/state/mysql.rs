@@ -50,9 +50,10 @@ pub struct StateRow {
 
 /// Columns added after the first release: (name, definition). Added to older state tables by
 /// [`ensure_table`] (MySQL 8 has no `ADD COLUMN IF NOT EXISTS`, so it looks first).
-const ADDED_COLUMNS: [(&str, &str); 2] = [
+const ADDED_COLUMNS: [(&str, &str); 3] = [
     ("position_commit_at", "DATETIME(6) NULL"),
     ("snapshot_key", "TEXT NULL"),
+    ("progress", "TEXT NULL"),
 ];
 
 pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
@@ -291,6 +292,31 @@ pub async fn store_start(
 }
 
 /// Marks the first start as done: its snapshot (if any) is durable and a position is stored.
+/// Stores what the running phase has got to (see `crate::progress::summary`).
+pub async fn report_progress(
+    conn: &mut Conn,
+    lease: &Lease,
+    progress: Option<&str>,
+) -> Result<(), Error> {
+    conn.exec_drop(
+        "UPDATE outboxd_state SET progress = ? WHERE name = ? AND epoch = ? AND lease_holder = ?",
+        (progress, &lease.name, lease.epoch, &lease.holder),
+    )
+    .await?;
+    Ok(())
+}
+
+/// What the lease holder of relay `name` last said of its running phase; `None` when nothing
+/// runs, or before the column exists.
+pub async fn load_progress(conn: &mut Conn, name: &str) -> Option<String> {
+    conn.exec_first::<Option<String>, _, _>(
+        "SELECT progress FROM outboxd_state WHERE name = ?",
+        (name,),
+    )
+    .await
+    .ok()??
+}
+
 pub async fn mark_initialized(conn: &mut Conn, lease: &Lease) -> Result<(), Error> {
     conn.exec_drop(
         "UPDATE outboxd_state SET initialized_at = COALESCE(initialized_at, UTC_TIMESTAMP(6)),
@@ -591,6 +617,21 @@ impl StateStore for MyStateStore {
         tokio::time::timeout(STATEMENT_TIMEOUT, async {
             let mut conn = self.take_conn().await?;
             let r = mark_initialized(&mut conn, lease).await;
+            self.put_back(conn, &r);
+            r
+        })
+        .await
+        .unwrap_or_else(|_| Err(no_answer()))
+    }
+
+    async fn report_progress(
+        &mut self,
+        lease: &Lease,
+        progress: Option<&str>,
+    ) -> Result<(), Error> {
+        tokio::time::timeout(STATEMENT_TIMEOUT, async {
+            let mut conn = self.take_conn().await?;
+            let r = report_progress(&mut conn, lease, progress).await;
             self.put_back(conn, &r);
             r
         })

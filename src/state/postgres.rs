@@ -158,6 +158,21 @@ impl StateStore for PgStateStore {
         mark_initialized(self.client().await?, lease).await
     }
 
+    async fn report_progress(
+        &mut self,
+        lease: &Lease,
+        progress: Option<&str>,
+    ) -> Result<(), Error> {
+        self.client()
+            .await?
+            .execute(
+                "UPDATE outboxd_state SET progress = $3 WHERE name = $1 AND epoch = $2",
+                &[&lease.name, &lease.epoch, &progress],
+            )
+            .await?;
+        Ok(())
+    }
+
     async fn record_stream_start(
         &mut self,
         lease: &Lease,
@@ -226,6 +241,7 @@ pub const DDL: &str = "CREATE TABLE IF NOT EXISTS outboxd_state (
     position_commit_at timestamptz,
     slot_created_lsn  pg_lsn,
     snapshot_key      text,
+    progress          text,
     initialized_at    timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
@@ -294,7 +310,8 @@ const ADDED_COLUMNS: &str =
     "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
      ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS position_commit_at timestamptz;
      ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS slot_created_lsn pg_lsn;
-     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text";
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text;
+     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS progress text";
 
 pub async fn table_exists(client: &Client) -> Result<bool, Error> {
     let row = client
@@ -335,6 +352,19 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
         snapshot_key: r.get(14),
         slot_created_lsn: r.get::<_, Option<String>>(15).and_then(|s| parse_lsn(&s)),
     }))
+}
+
+/// What the lease holder of relay `name` last said of its running phase (see
+/// `crate::progress::summary`); `None` when nothing runs, or before the column exists.
+pub async fn load_progress(client: &Client, name: &str) -> Option<String> {
+    client
+        .query_opt(
+            "SELECT progress FROM outboxd_state WHERE name = $1",
+            &[&name],
+        )
+        .await
+        .ok()??
+        .get(0)
 }
 
 /// Whether the slot was replaced behind this relay's back (dropped and created again under

@@ -21,11 +21,24 @@ pub fn init_logging(level: &str, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let secrets = tracing_subscriber::filter::filter_fn(loggable);
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(|| Stderr);
     let registry = tracing_subscriber::registry().with(filter);
     if json {
         registry.with(fmt.json().with_filter(secrets)).init();
     } else {
         registry.with(fmt.with_filter(secrets)).init();
+    }
+}
+
+/// stderr, with a one-shot command's progress bar hidden while a line is written.
+struct Stderr;
+
+impl std::io::Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        crate::progress::while_hidden(|| std::io::stderr().write(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
     }
 }

@@ -119,9 +119,22 @@ impl Telemetry {
             started: AtomicBool::new(false),
             registry: Registry::default(),
         };
+        // Every documented cause is a series from the start, at 0: a family with no series
+        // would not show on /metrics at all, and a rate needs the value before the first one.
+        for cause in ["source", "sink"] {
+            let _ = t.reconnects.get_or_create(&Cause {
+                cause: cause.into(),
+            });
+        }
+        for cause in ["rejected", "timeout", "connection"] {
+            let _ = t.sink_retries.get_or_create(&Cause {
+                cause: cause.into(),
+            });
+        }
         t.register_counts(&mut registry);
         t.register_latency(&mut registry);
         t.register_health(&mut registry);
+        register_progress(&mut registry);
         Telemetry { registry, ..t }
     }
 
@@ -312,6 +325,36 @@ impl Telemetry {
         }
         None
     }
+}
+
+/// How far a long phase has got (`crate::progress` keeps these gauges in step with its lines).
+fn register_progress(registry: &mut Registry) {
+    let g = crate::progress::gauges();
+    registry.register(
+        "progress_phase",
+        "1 while the phase runs (snapshot, replay, catch-up)",
+        g.phase.clone(),
+    );
+    registry.register(
+        "progress_rows_done",
+        "Rows the running (or last) snapshot or replay of a table has handed to the sink",
+        g.rows_done.clone(),
+    );
+    registry.register(
+        "progress_rows_estimated",
+        "Estimated rows of that table's snapshot or replay (the planner's estimate, raised to the rows done; the exact count once finished)",
+        g.rows_estimated.clone(),
+    );
+    registry.register(
+        "progress_bytes_behind",
+        "WAL bytes between the position read and the server's end, while catching up",
+        g.bytes_behind.clone(),
+    );
+    registry.register(
+        "progress_eta_seconds",
+        "Estimated seconds left of the running phase at its rate so far (-1: unknown or none running)",
+        g.eta_seconds.clone(),
+    );
 }
 
 /// The process's instruments.

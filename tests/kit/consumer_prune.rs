@@ -470,3 +470,84 @@ async fn mariadb_outbox_prune_cdc_all_old_rows_poll_only_published() {
     assert!(summary(&p).contains("deleted 2000 rows"), "{}", summary(&p));
     assert_eq!(db.count("SELECT COUNT(*) FROM outbox").await, 1000);
 }
+
+/// Without a terminal (CI, systemd, Kubernetes) a prune says how far it is in plain log lines,
+/// never a bar's escapes: counts that only grow, and a last line with every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_without_a_terminal_logs_progress_lines_not_a_bar() {
+    let db = PgDb::create("prune_progress").await;
+    let c = db.client().await;
+    c.batch_execute(PG_DDL).await.unwrap();
+    c.batch_execute(
+        "INSERT INTO processed_messages (consumer, message_id, processed_at)
+           SELECT 'a', gen_random_uuid(), now() - interval '8 days'
+             FROM generate_series(1, 20000) g;
+         ANALYZE processed_messages;",
+    )
+    .await
+    .unwrap();
+    let dsn = db.dsn();
+    let p = prune(
+        &dsn,
+        &[
+            "--table",
+            "processed_messages",
+            "--batch",
+            "1000",
+            "--pause",
+            "5ms",
+            "--progress-interval",
+            "20ms",
+        ],
+    )
+    .await;
+    assert_eq!(code(&p), 0, "{}", p.stderr());
+    let raw = p.stderr();
+    // A bar redraws in place (carriage returns, "erase line", a hidden cursor) and fills with
+    // "=>"; the log's own colours are the only escapes allowed.
+    for bar in ["\r", "\x1b[2K", "\x1b[?25l", "=>"] {
+        assert!(
+            !raw.contains(bar),
+            "a bar drawn without a terminal ({bar:?}):\n{raw}"
+        );
+    }
+    let stderr = strip_colours(&raw);
+    let counts: Vec<u64> = stderr
+        .lines()
+        .filter(|l| l.contains("prune progress"))
+        .map(|l| {
+            l.split_once(" done=")
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no done= in {l}"))
+        })
+        .collect();
+    assert!(counts.len() >= 2, "progress lines while pruning:\n{stderr}");
+    assert!(counts.windows(2).all(|w| w[0] < w[1]), "{counts:?}");
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("prune finished: 20000 rows")),
+        "{stderr}"
+    );
+    // The planner's estimate, read after ANALYZE, is the table's rows.
+    assert!(stderr.contains("estimated_total=~20000"), "{stderr}");
+}
+
+/// Text without the log's colour escapes (`ESC [ … m`).
+fn strip_colours(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

@@ -100,3 +100,70 @@ async fn an_interrupted_snapshot_loses_no_row_whose_created_at_is_null() {
         &expected[expected.len() - 3..]
     );
 }
+
+/// `outboxd status` shows a running snapshot's progress as the relay last stored it (rows done
+/// of the estimate, the time left), and nothing once the snapshot is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_a_running_snapshots_progress() {
+    const ROWS: i64 = 150_000;
+    let db = PgDb::create("snapstatus").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload)
+               SELECT gen_random_uuid(), 'agg-' || (g % 100), 'snap.status', '{{}}'
+                 FROM generate_series(1, {ROWS}) g;
+             ANALYZE outbox;"
+        ))
+        .await
+        .unwrap();
+    let name = unique("r");
+    let dsn = db.dsn();
+    let mut relay = Relay::start(&run(&dsn, &name));
+    let status = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+            .args(["status", "--source", &dsn, "--name", &name])
+            .output()
+            .expect("run outboxd status");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let mut seen = String::new();
+    wait_for("status to show the snapshot's progress", T, || {
+        let s = status();
+        let line = s
+            .lines()
+            .find(|l| l.starts_with("progress         snapshot of"))
+            .map(str::to_string);
+        let found = line.is_some();
+        if let Some(l) = line {
+            seen = l;
+        }
+        async move { found }
+    })
+    .await;
+    // `progress         snapshot of "public"."outbox": 61234 of ~150000 rows (40%), about 5 s left`
+    let (done, total) = seen
+        .split_once(": ")
+        .and_then(|(_, r)| r.split_once(" of ~"))
+        .and_then(|(d, r)| {
+            Some((
+                d.parse::<i64>().ok()?,
+                r.split(' ').next()?.parse::<i64>().ok()?,
+            ))
+        })
+        .unwrap_or_else(|| panic!("unreadable progress line {seen:?}"));
+    assert!(done <= total && total >= ROWS / 2, "{seen}");
+    assert!(seen.contains("left") && seen.contains('%'), "{seen}");
+    wait_for("every row printed", T, || {
+        let n = relay.line_count();
+        async move { n as i64 >= ROWS }
+    })
+    .await;
+    wait_for("status to show no running phase", T, || {
+        let done = status().lines().any(|l| l == "progress         -");
+        async move { done }
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0);
+}

@@ -18,6 +18,7 @@ mod message_format;
 mod metrics;
 mod nats_restart;
 mod nats_sink;
+mod progress;
 mod proxy_selftest;
 mod rabbitmq_stream;
 mod refusals;

@@ -173,3 +173,51 @@ fn nothing_refers_to_files_outside_the_repository() {
         "these lines point at documents outside the repository; make them stand alone: {offenders:#?}"
     );
 }
+
+/// The repository's root holds what a Rust project ships there and nothing else: a stray
+/// file (a relay's log, a scratch script) fails here until it is removed or given its place.
+#[test]
+fn the_root_holds_only_what_belongs_there() {
+    const ROOT_ENTRIES: &[&str] = &[
+        ".ci",
+        ".dockerignore",
+        ".gitignore",
+        "CHANGELOG.md",
+        "Cargo.lock",
+        "Cargo.toml",
+        "Dockerfile",
+        "LICENSE-APACHE",
+        "LICENSE-MIT",
+        "README.md",
+        "benches",
+        "build.rs",
+        "docker",
+        "docker-compose.yml",
+        "docs",
+        "examples",
+        "fuzz",
+        "migrations",
+        "scripts",
+        "src",
+        "tests",
+    ];
+    let out = Command::new("git")
+        .args(["-C", ROOT, "ls-files"])
+        .output()
+        .expect("git runs");
+    assert!(out.status.success(), "git ls-files failed in {ROOT}");
+    let mut entries: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|p| p.split('/').next().unwrap().to_string())
+        .collect();
+    entries.sort();
+    entries.dedup();
+    let stray: Vec<&String> = entries
+        .iter()
+        .filter(|e| !ROOT_ENTRIES.contains(&e.as_str()))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "files at the repository root that do not belong there: {stray:?} (remove them, or move them where they belong)"
+    );
+}

@@ -7,6 +7,7 @@ use super::options::{OnPoison, RunnerOptions};
 use super::worker::ACK_TIMEOUT;
 use super::{Job, Shared};
 use crate::consumer::ConsumerError;
+use crate::progress::{Progress, Unit};
 use futures::StreamExt;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -257,6 +258,13 @@ pub(super) async fn dispatch(
     // `until_empty` found the queue drained and cancelled the consumer: what the stream still
     // yields was sent before, and its end is the broker's `cancel-ok`.
     let mut draining = false;
+    // `until_empty`: how far the drain is, settled messages of an estimate (settled, in hand
+    // and ready at the last look).
+    let settled_before = shared.stats.settled();
+    let mut drain = session
+        .probe
+        .as_ref()
+        .map(|_| Progress::command("drain", &shared.opts.queue, Unit::Messages, None));
     loop {
         let next = tokio::select! {
             d = async {
@@ -274,7 +282,17 @@ pub(super) async fn dispatch(
                 }
             } => d,
             _ = probe.tick(), if session.probe.is_some() && !draining => {
-                if queue_drained(session, shared).await? {
+                // Nothing in hand before and after the look, and nothing ready: checked in that
+                // order, so a delivery that arrives in between is not missed.
+                let idle_before = shared.in_flight.load(Ordering::SeqCst) == 0;
+                let ready = queue_ready(session, shared).await?;
+                if let Some(p) = &mut drain {
+                    let done = shared.stats.settled().saturating_sub(settled_before);
+                    let in_hand = shared.in_flight.load(Ordering::SeqCst);
+                    p.set_estimate(Some(done + in_hand + u64::from(ready)));
+                    p.set(done);
+                }
+                if idle_before && ready == 0 && shared.in_flight.load(Ordering::SeqCst) == 0 {
                     tracing::info!(queue = %shared.opts.queue, "the queue has nothing ready and nothing is in hand: cancelling the consumer, then finishing what the broker already sent (--until-empty)");
                     cancel_consumer(session).await?;
                     draining = true;
@@ -297,7 +315,14 @@ pub(super) async fn dispatch(
         let d = match next {
             Some(Ok(d)) => d,
             Some(Err(e)) => return Err(e.into()),
-            None if draining => return finish_drained(shared).await,
+            None if draining => {
+                let r = finish_drained(shared).await;
+                if let Some(mut p) = drain.take().filter(|_| r.is_ok()) {
+                    p.set(shared.stats.settled().saturating_sub(settled_before));
+                    p.finish();
+                }
+                return r;
+            }
             None => {
                 return Err(ConsumerError::Broker {
                     message: "the broker ended the consumer (queue deleted?)".into(),
@@ -383,15 +408,11 @@ async fn finish_drained(shared: &Shared) -> Result<(), ConsumerError> {
     }
 }
 
-/// Whether nothing is in hand and the queue has nothing ready (checked in that order, so a
-/// delivery that arrives in between is not missed).
-async fn queue_drained(session: &Session, shared: &Shared) -> Result<bool, ConsumerError> {
+/// How many messages the queue has ready (a passive declaration on the probe channel).
+async fn queue_ready(session: &Session, shared: &Shared) -> Result<u32, ConsumerError> {
     let Some(ch) = &session.probe else {
-        return Ok(false);
+        return Ok(u32::MAX);
     };
-    if shared.in_flight.load(Ordering::SeqCst) != 0 {
-        return Ok(false);
-    }
     let q = ch
         .queue_declare(
             shared.opts.queue.clone().into(),
@@ -402,7 +423,7 @@ async fn queue_drained(session: &Session, shared: &Shared) -> Result<bool, Consu
             FieldTable::default(),
         )
         .await?;
-    Ok(q.message_count() == 0 && shared.in_flight.load(Ordering::SeqCst) == 0)
+    Ok(q.message_count())
 }
 
 /// The worker for a delivery: by aggregate (per-aggregate order), else by message id.

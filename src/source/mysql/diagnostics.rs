@@ -392,6 +392,9 @@ pub struct MyStatus {
     /// A prepared XA transaction the stored position is held before (it starts there), and
     /// when the server prepared it.
     pub xa_prepare: Option<XaHold>,
+    /// What the lease holder's running snapshot or replay has got to, as it last stored it
+    /// (`crate::progress::summary`).
+    pub progress: Option<serde_json::Value>,
 }
 
 /// A prepared XA transaction that holds a relay's stored position back.
@@ -477,6 +480,9 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
             }
         }
     }
+    let progress = crate::state::mysql::load_progress(&mut conn, name)
+        .await
+        .and_then(|p| serde_json::from_str(&p).ok());
     let _ = conn.disconnect().await;
     Ok(MyStatus {
         name: name.to_string(),
@@ -497,6 +503,7 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
         lease_live: row.as_ref().is_some_and(|r| r.lease_live),
         epoch: row.as_ref().map(|r| r.epoch),
         xa_prepare,
+        progress,
     })
 }
 
@@ -534,6 +541,7 @@ impl std::fmt::Display for MyStatus {
             }
         )?;
         crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
+        crate::diagnostics::write_progress(f, self.progress.as_ref(), self.lease_live)?;
         if let Some(x) = &self.xa_prepare {
             write!(
                 f,

@@ -14,6 +14,7 @@ use super::rows::{ColumnInfo, OutboxTable, RowContext};
 use super::{admin, gtid::GtidState, Resume};
 use crate::event::Checkpoint;
 use crate::outbox::my_ident;
+use crate::progress::Progress;
 use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::Outlet;
 use crate::Error;
@@ -372,6 +373,10 @@ impl Snapshot {
                 tracing::info!(table = %table.quoted(), what = %what, "first start: publishing existing rows")
             }
         }
+        let mut progress = Progress::table(
+            table.quoted(),
+            admin::estimate_rows(&mut self.conn, table, &filter, params.clone()).await,
+        );
         {
             // A prepared statement: values in the binary protocol (integers as integers,
             // dates as dates, bytes as bytes), read from the server one row at a time.
@@ -408,6 +413,7 @@ impl Snapshot {
                 }
                 outlet.send_event(event).await?;
                 n += 1;
+                progress.add(1);
                 if let Some(key) = key {
                     outlet
                         .send_checkpoint(Checkpoint::Snapshot {
@@ -418,6 +424,7 @@ impl Snapshot {
                 }
             }
         }
+        progress.finish();
         Ok(n)
     }
 }

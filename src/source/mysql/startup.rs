@@ -91,6 +91,10 @@ pub async fn start_plan<St: StateStore>(
             resume_from = None;
         }
     }
+    crate::progress::table_phase(match recovery {
+        Some(_) => crate::progress::Phase::Replay,
+        None => crate::progress::Phase::Snapshot,
+    });
     let (start, first, store_first) = match (resume_from, recovery) {
         (Some(resume), _) => {
             let start = resumable(&mut at.sql, &opts.name, mariadb, resume, checked).await?;

@@ -351,6 +351,19 @@ pub async fn rows_created_since(
         .get::<_, i64>(0))
 }
 
+/// The planner's estimate of the rows `SELECT … FROM table {filter}` reads (`pg_class.reltuples`
+/// and the column statistics, no scan): a snapshot's or replay's total, said as an estimate.
+/// `None` when the planner cannot say: an estimate never stops a snapshot.
+pub async fn estimate_rows(client: &Client, table: &TableName, filter: &str) -> Option<u64> {
+    let sql = format!(
+        "EXPLAIN (FORMAT JSON) SELECT 1 FROM {} {filter}",
+        table.pg_quoted()
+    );
+    let plan: serde_json::Value = client.query_one(&sql, &[]).await.ok()?.try_get(0).ok()?;
+    let rows = plan.get(0)?.get("Plan")?.get("Plan Rows")?.as_f64()?;
+    Some(rows.max(0.0) as u64)
+}
+
 pub async fn drop_publication(client: &Client, publication: &str) -> Result<(), Error> {
     client
         .batch_execute(&format!(

@@ -511,6 +511,9 @@ pub struct Status {
     pub inactive_since: Option<String>,
     pub failover: Option<bool>,
     pub synced: Option<bool>,
+    /// What the lease holder's running snapshot, replay or catch-up has got to, as it last
+    /// stored it (`crate::progress::summary`).
+    pub progress: Option<serde_json::Value>,
 }
 
 /// The server's WAL head (`pg_current_wal_lsn()`), as `status` shows it.
@@ -565,6 +568,9 @@ pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Stat
         inactive_since: details.as_ref().and_then(|d| d.inactive_since.clone()),
         failover: details.as_ref().map(|d| d.failover),
         synced: details.as_ref().map(|d| d.synced),
+        progress: state::postgres::load_progress(&client, name)
+            .await
+            .and_then(|p| serde_json::from_str(&p).ok()),
     })
 }
 
@@ -613,6 +619,7 @@ impl std::fmt::Display for Status {
                 .unwrap_or("-".into())
         )?;
         crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
+        crate::diagnostics::write_progress(f, self.progress.as_ref(), self.lease_live)?;
         if let Some(s) = &self.replay_requested_since {
             write!(f, "\nreplay requested since {s}")?;
         }

@@ -223,6 +223,7 @@ pub async fn run(
     // The highest position ever confirmed to the server by this process.
     let mut reported: u64 = upstream.borrow_and_update().confirm;
     let mut backoff = Backoff::standard();
+    let mut catch_up = crate::progress::CatchUp::new("WAL");
     'connect: loop {
         reported = reported.max(upstream.borrow_and_update().confirm);
         let Some(mut client) = open(&cfg, acked, reported, &mut backoff, &shutdown).await? else {
@@ -290,7 +291,7 @@ pub async fn run(
                         }
                     };
                     backoff.reset();
-                    let Some(input) = input_of(ev, acked)? else { continue };
+                    let Some(input) = input_of(ev, acked, &mut catch_up)? else { continue };
                     if let Some(out) = asm.feed(input, acked)? {
                         deliver(out, &outlet, &checkpoints).await?;
                     }
@@ -381,8 +382,13 @@ async fn open(
 }
 
 /// The assembler's input for one message of the stream (`None`: nothing for it); a keepalive
-/// also reports how far behind the acknowledged position the server's WAL is.
-fn input_of(ev: ReplicationEvent, acked: u64) -> Result<Option<Input>, Error> {
+/// also reports how far behind the acknowledged position the server's WAL is. Both tell
+/// `catch_up` how far behind the server's end the stream is.
+fn input_of(
+    ev: ReplicationEvent,
+    acked: u64,
+    catch_up: &mut crate::progress::CatchUp,
+) -> Result<Option<Input>, Error> {
     Ok(Some(match ev {
         ReplicationEvent::Begin {
             final_lsn,
@@ -392,7 +398,13 @@ fn input_of(ev: ReplicationEvent, acked: u64) -> Result<Option<Input>, Error> {
             final_lsn: final_lsn.as_u64(),
             commit_time_micros,
         },
-        ReplicationEvent::XLogData { data, .. } => {
+        ReplicationEvent::XLogData {
+            data,
+            wal_start,
+            wal_end,
+            ..
+        } => {
+            catch_up.behind(wal_end.as_u64().saturating_sub(wal_start.as_u64()));
             Input::Message(pgoutput::decode(data).map_err(|e| Error::Decode(e.to_string()))?)
         }
         ReplicationEvent::Commit { end_lsn, .. } => Input::Commit {
@@ -404,6 +416,7 @@ fn input_of(ev: ReplicationEvent, acked: u64) -> Result<Option<Input>, Error> {
                 bytes: wal_end.saturating_sub(acked),
             }
             .emit();
+            catch_up.behind(wal_end.saturating_sub(acked));
             Input::KeepAlive { wal_end }
         }
         ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => return Ok(None),

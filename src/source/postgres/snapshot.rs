@@ -4,10 +4,12 @@
 //! both (a duplicate), never in neither (a gap). The same path replays rows after a deliberate
 //! `offset set --replay-since`.
 
+use super::admin::estimate_rows;
 use super::pgoutput::{Column, Relation};
 use super::rows::RowMapper;
 use crate::event::Checkpoint;
 use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::progress::Progress;
 use crate::source::Outlet;
 use crate::Error;
 // The snapshot types both databases share live in `source::snapshot`; named here too, where
@@ -214,6 +216,10 @@ pub async fn publish(
         table.pg_quoted(),
     );
     let id_column = position_of(columns.get("id"));
+    let mut progress = Progress::table(
+        table.pg_quoted(),
+        estimate_rows(client, table, &filter).await,
+    );
     let tx = client
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -241,6 +247,7 @@ pub async fn publish(
             event.committed_at = None;
             outlet.send_event(event).await?;
             n += 1;
+            progress.add(1);
             // A row whose key column is NULL has no key to resume after (and sorts first).
             let created_at = match created_column {
                 Some(c) => row.get::<_, Option<String>>(c).map(Some),
@@ -265,6 +272,7 @@ pub async fn publish(
         }
     }
     tx.commit().await?;
+    progress.finish();
     tracing::info!(rows = n, "first start: existing rows handed to the sink");
     Ok(n)
 }

@@ -168,6 +168,10 @@ pub async fn start_plan<St: StateStore>(
     // run that publishes one has no floor but its own marks (the keeper's ForwardOnly).
     let snapshot_pending = (lease.first_start || lease.replay_since.is_some())
         && plan.iter().any(|(_, p)| *p != SnapshotPlan::Nothing);
+    crate::progress::table_phase(match lease.replay_since {
+        Some(_) => crate::progress::Phase::Replay,
+        None => crate::progress::Phase::Snapshot,
+    });
     Ok(Some(StartPlan {
         store,
         lease,

@@ -50,6 +50,20 @@ fn text(row: &Row, i: usize) -> String {
     }
 }
 
+/// The optimizer's estimate of the rows `SELECT … FROM table {filter}` reads (`EXPLAIN`: the
+/// table's statistics, no scan): a snapshot's or replay's total, said as an estimate. `None`
+/// when the server cannot say: an estimate never stops a snapshot.
+pub async fn estimate_rows(
+    conn: &mut Conn,
+    table: &OutboxTable,
+    filter: &str,
+    params: Vec<mysql_async::Value>,
+) -> Option<u64> {
+    let sql = format!("EXPLAIN SELECT 1 FROM {} {filter}", table.quoted());
+    let rows: Vec<Row> = conn.exec(sql, params).await.ok()?;
+    rows.first()?.get_opt::<Option<u64>, _>("rows")?.ok()?
+}
+
 pub async fn settings(conn: &mut Conn) -> Result<BinlogSettings, Error> {
     let row: Row = conn
         .query_first(
