@@ -50,6 +50,12 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         )),
     };
     let client = pg::connect_sql(&dsn, "outboxd_setup").await?;
+    // Refused before anything is created, the outbox table included: a half-done setup is
+    // worse than none.
+    let server = version::ServerVersion::of(&client).await?;
+    if args.failover_slot && !server.has_failover_slots() {
+        return Err(version::failover_refused(server));
+    }
     for table in &r.tables {
         if args.create_table {
             let created = admin::create_outbox_table(&client, table).await?;
@@ -96,11 +102,6 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         return Ok(());
     }
     admin::require_logical(&client).await?;
-    // Refused before anything is created: a half-done setup is worse than none.
-    let server = version::ServerVersion::of(&client).await?;
-    if args.failover_slot && !server.has_failover_slots() {
-        return Err(version::failover_refused(server));
-    }
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
     let list = r

@@ -97,6 +97,28 @@ async fn setup_failover_slot(major: u32) {
             "{err}"
         );
         assert_eq!(failover, None, "a refused setup created the slot");
+        // Nor does it create the outbox table it was asked to create.
+        let (code, _, err) = outboxd(&[
+            "setup",
+            "--failover-slot",
+            "--create-table",
+            "--table",
+            "fresh_outbox",
+            "--source",
+            &dsn,
+            "--name",
+            &name,
+        ])
+        .await;
+        assert_ne!(code, 0, "{err}");
+        let created: Option<String> = db
+            .client()
+            .await
+            .query_one("SELECT to_regclass('public.fresh_outbox')::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(created, None, "a refused setup created the outbox table");
         return;
     }
     assert_eq!(code, 0, "{err}");

@@ -669,3 +669,174 @@ async fn stream_over_tls_with_a_client_certificate_and_bad_tls_settings_refused(
     );
     s.delete(0).await;
 }
+
+/// A stream the relay wrote is read by an AMQP 0-9-1 client (lapin, as php-amqplib and pika
+/// users read streams: `x-stream-offset`, a prefetch, manual acks): every event arrives with
+/// its id, its headers — the publishing id, the version, a row header that is an object — and
+/// its body, and the broker keeps the connection open. RabbitMQ 3.10 cannot convert an AMQP 1.0
+/// `ulong` application property for such a consumer and closes its connection (541).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_0_9_1_clients_read_the_stream() {
+    use futures::StreamExt;
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let db = PgDb::create("s091").await;
+    let s = TestStream::new("s091");
+    let name = unique("s91");
+    let args = s.run_args(&db.dsn(), &name, &["--snapshot", "never"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    PgDb::wait_streaming(&db, &name).await;
+    let mut ids = Vec::new();
+    let client = db.client().await;
+    for v in 1..=5i64 {
+        let id = uuid::Uuid::now_v7();
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_id, topic, payload, headers, version)
+                 VALUES ($1, 'a-1', 'orders.placed', '{\"n\": 1}', '{\"tenant\": {\"id\": 7}}', $2)",
+                &[&id, &v],
+            )
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    assert!(s.holds_at_least(ids.len(), T).await, "{}", relay.stderr());
+    let conn = amqp::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-stream-offset".into(),
+        AMQPValue::LongString("first".into()),
+    );
+    let mut consumer = ch
+        .basic_consume(
+            s.name.as_str().into(),
+            "reader".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while got.len() < ids.len() {
+        let d = match tokio::time::timeout(Duration::from_secs(20), consumer.next()).await {
+            Ok(Some(Ok(d))) => d,
+            other => panic!(
+                "the AMQP 0-9-1 reader got {} of {} messages, then {other:?} (connected: {})",
+                got.len(),
+                ids.len(),
+                conn.status().connected()
+            ),
+        };
+        assert!(
+            amqp::header(&d, "x-outbox-publishing-id").is_some(),
+            "{:?}",
+            d.properties
+        );
+        assert!(
+            amqp::header(&d, "x-aggregate-version").is_some(),
+            "{:?}",
+            d.properties
+        );
+        assert_eq!(
+            amqp::header_str(&d, "tenant").as_deref(),
+            Some(r#"{"id":7}"#)
+        );
+        assert_eq!(d.data, br#"{"n": 1}"#);
+        got.push(amqp::message_id(&d));
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert_eq!(got, ids);
+    assert!(conn.status().connected(), "the broker kept the connection");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0);
+    s.delete(0).await;
+}
+
+/// An event whose frame would be larger than the broker takes once its headers are AMQP 1.0
+/// application properties — a nested row header travels as JSON text, and 25,000 control
+/// characters cost 6 bytes each there against 1 in AMQP 0-9-1 — with a body under the limit:
+/// it goes into the stream as a dead record with the reason, and the next event follows. The
+/// frame was measured on the AMQP 0-9-1 headers, so the broker closed the connection on every
+/// retry and nothing after the event was published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_too_large_as_sent_is_a_dead_record_and_the_stream_goes_on() {
+    use futures::StreamExt;
+    use rabbitmq_stream_client::types::{OffsetSpecification, SimpleValue};
+    let db = PgDb::create("sframe").await;
+    let s = TestStream::new("sframe");
+    let name = unique("sfr");
+    let args = s.run_args(&db.dsn(), &name, &["--snapshot", "never"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = Relay::start(&args);
+    PgDb::wait_streaming(&db, &name).await;
+    let client = db.client().await;
+    let headers = serde_json::json!({ "nested": ["\u{1}".repeat(25_000)] }).to_string();
+    let body = serde_json::json!({ "blob": "x".repeat(900 * 1024) }).to_string();
+    let (big, next) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload, headers)
+             VALUES ($1, 'a-1', 'orders.placed', $2::text::json, $3::text::json)",
+            &[&big, &body, &headers],
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_id, topic, payload) VALUES ($1, 'a-1', 'orders.placed', '{}')",
+            &[&next],
+        )
+        .await
+        .unwrap();
+    assert!(
+        s.holds_at_least(2, Duration::from_secs(60)).await,
+        "the stream does not hold both events; stderr:\n{}",
+        relay.stderr()
+    );
+    let env = rmq_stream::env().await;
+    let mut consumer = env
+        .consumer()
+        .offset(OffsetSpecification::First)
+        .build(&s.name)
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let d = tokio::time::timeout(T, consumer.next())
+            .await
+            .expect("a message")
+            .expect("open")
+            .expect("a delivery");
+        let m = d.message();
+        let app = m.application_properties().unwrap();
+        let reason = match app.get("x-dead-reason") {
+            Some(SimpleValue::String(r)) => Some(r.clone()),
+            _ => None,
+        };
+        let id = m
+            .properties()
+            .and_then(|p| p.message_id.as_ref())
+            .and_then(|id| <&String>::try_from(id).ok())
+            .cloned()
+            .unwrap();
+        seen.push((id, reason, m.data().map_or(0, |b| b.len())));
+    }
+    let _ = consumer.handle().close().await;
+    assert_eq!(seen[0].0, big.to_string());
+    let reason = seen[0]
+        .1
+        .as_deref()
+        .expect("the big event is a dead record");
+    assert!(reason.contains("stream frame"), "{reason}");
+    assert_eq!(seen[0].2, 0, "a dead record carries no body");
+    assert_eq!(
+        (seen[1].0.as_str(), seen[1].1.as_deref()),
+        (next.to_string().as_str(), None)
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    s.delete(0).await;
+}

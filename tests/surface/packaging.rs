@@ -197,6 +197,8 @@ fn the_root_holds_only_what_belongs_there() {
         "examples",
         "fuzz",
         "migrations",
+        // The Laravel package (outboxd/laravel), installed from this repository.
+        "php",
         "scripts",
         "src",
         "tests",

@@ -48,6 +48,9 @@ pub const FRAME_MAX: usize = 1024 * 1024;
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Room in a frame for the message's properties and the frame's own fields.
 const FRAME_RESERVE: usize = 4096;
+/// A publish frame's own bytes around one message: its size, key, version, publisher id and
+/// message count, and the message's publishing id and length.
+const PUBLISH_FRAME_OVERHEAD: usize = 4 + 2 + 2 + 1 + 4 + 8 + 4;
 
 /// One stream and its producer.
 struct Lane {
@@ -326,6 +329,38 @@ impl RabbitStreamSink {
         self.env = None;
     }
 
+    /// The stream message of `out` with publishing id `id`, measured as the client will send
+    /// it: headers become AMQP 1.0 application properties (a nested one its JSON text, which
+    /// can be several times its AMQP 0-9-1 size), so only the encoded message tells whether the
+    /// frame fits. One that does not goes as the event's dead record (a frame over the broker's
+    /// `frame_max` closes the connection, on every retry).
+    fn frame_message(
+        &self,
+        out: &crate::sink::rabbitmq::Outgoing,
+        event: &OutboxEvent,
+        id: u64,
+    ) -> rabbitmq_stream_client::types::Message {
+        use rabbitmq_stream_protocol::codec::Encoder;
+        let message = encode::to_message(out, id);
+        let size = message.encoded_size() as usize + PUBLISH_FRAME_OVERHEAD;
+        if size <= FRAME_MAX || out.dead.is_some() {
+            return message;
+        }
+        let reason = format!(
+            "the message is {size} bytes as sent in a stream frame (its headers as AMQP 1.0 application properties, nested ones as JSON text), more than the frame of {FRAME_MAX} bytes the broker takes"
+        );
+        tracing::warn!(id = %event.dead_record_id(), position = %event.position, reason = %reason, "poison event: publishing a dead-letter record without the body into the stream");
+        let dead = crate::sink::rabbitmq::render(
+            &self.cfg.message,
+            0,
+            event,
+            MAX_HEADER_BYTES,
+            Err(reason),
+            &self.origin,
+        );
+        encode::to_message(&dead, id)
+    }
+
     /// Lane `k`'s read-back, before its first decision after a connect: what the stream holds
     /// of this relay's messages from its end back to the event about to go out.
     async fn read_back(&mut self, k: usize, before: &SourcePosition) -> Result<(), SinkError> {
@@ -513,30 +548,30 @@ impl Sink for RabbitStreamSink {
         // accumulator's channel, so the client's batch timer can take it out first and the
         // count wraps below zero — an overflow panic in a debug build (the broker-restart test
         // met it), a message left for the next 100 ms timer tick in a release build.
-        let send = lane
-            .producer
-            .batch_send(vec![encode::to_message(&out, id)], move |r| {
-                let stream = &confirm_stream;
-                {
-                    // A confirmation, or the broker's error code for the message as a retryable
-                    // refusal: the relay reconnects and republishes (with backoff), which
-                    // recomputes the ids, so a refused message is never skipped.
-                    let outcome = match r {
-                        Ok(status) if status.confirmed() => Ok(()),
-                        Ok(status) => Err(SinkError::Rejected(format!(
-                            "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
-                            status.status()
-                        ))),
-                        Err(e) => Err(SinkError::Connection(format!(
-                            "publishing id {id} into the stream {stream:?}: {e}"
-                        ))),
-                    };
-                    if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                        let _ = tx.send(outcome);
-                    }
-                    futures::future::ready(())
+        let message = self.frame_message(&out, event, id);
+        let lane = &mut self.lanes[k];
+        let send = lane.producer.batch_send(vec![message], move |r| {
+            let stream = &confirm_stream;
+            {
+                // A confirmation, or the broker's error code for the message as a retryable
+                // refusal: the relay reconnects and republishes (with backoff), which
+                // recomputes the ids, so a refused message is never skipped.
+                let outcome = match r {
+                    Ok(status) if status.confirmed() => Ok(()),
+                    Ok(status) => Err(SinkError::Rejected(format!(
+                        "the broker refused publishing id {id} on the stream {stream:?}: {:?}",
+                        status.status()
+                    ))),
+                    Err(e) => Err(SinkError::Connection(format!(
+                        "publishing id {id} into the stream {stream:?}: {e}"
+                    ))),
+                };
+                if let Some(tx) = tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    let _ = tx.send(outcome);
                 }
-            });
+                futures::future::ready(())
+            }
+        });
         // Bounded like every other broker operation: the client's write to a connection the
         // broker dropped (a stopped node) can wait without end, and the relay would wait with
         // it instead of reconnecting.
