@@ -450,3 +450,73 @@ async fn broker_connections_cut_twice_mid_stream_change_nothing() {
     wait_stored("proj", &s.name, offset_of(&s.name, n).await).await;
     s.delete(0).await;
 }
+
+/// The stream deleted and created again under a running consumer (what a relay's `--declare
+/// auto` does when its stream disappears): the new stream numbers its messages from 0 again.
+/// The consumer notices — the offset it read last holds another message, or none — says so,
+/// and reads the new stream from its first message: every event of it applied once, none of
+/// its offsets skipped as "already read", and the offset it stores afterwards is the new
+/// stream's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_created_again_under_the_consumer_is_read_from_its_start() {
+    let (s, db) = fixture("stream_again").await;
+    let old = events(60, 5, 1);
+    publish_once(&s.name, &old).await;
+    let mut p = stream_consumer(&db, &s.name, "proj", &["--offset-every", "10"]);
+    let deadline = Instant::now() + T;
+    while db.count("SELECT COUNT(*) FROM invoice_ledger").await < old.len() as i64 {
+        assert!(Instant::now() < deadline && p.running(), "{}", p.stderr());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.delete(0).await;
+    create(&s.name).await;
+    let new = events(30, 5, 1000);
+    let n = publish_once(&s.name, &new).await;
+    let want = (old.len() + new.len()) as i64;
+    let deadline = Instant::now() + T;
+    while db.count("SELECT COUNT(*) FROM invoice_ledger").await < want {
+        assert!(
+            Instant::now() < deadline && p.running(),
+            "the consumer applied {} of the new stream's {} events; stderr:\n{}",
+            db.count("SELECT COUNT(*) FROM invoice_ledger").await - old.len() as i64,
+            new.len(),
+            p.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    p.signal("TERM");
+    assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+    assert!(
+        p.stderr().contains("deleted and created again"),
+        "the consumer said nothing; stderr:\n{}",
+        p.stderr()
+    );
+    let all: Vec<Ev> = old.iter().chain(&new).cloned().collect();
+    assert_once_in_order(&db, &all).await;
+    wait_stored("proj", &s.name, offset_of(&s.name, n).await).await;
+    s.delete(0).await;
+}
+
+/// The offset stored for the consumer is beyond the stream's last message — a stream created
+/// again under the name, with the offset an earlier reader stored on it: read from there, the
+/// consumer would wait for that offset and pass over every message before it. It says so and
+/// reads the stream from its first message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_offset_beyond_the_streams_end_is_reported_and_the_stream_read_whole() {
+    let (s, db) = fixture("stream_beyond").await;
+    let evs = events(30, 3, 1);
+    publish_once(&s.name, &evs).await;
+    let c = client().await;
+    c.store_offset("proj", &s.name, 500).await.unwrap();
+    let _ = c.close().await;
+    wait_stored("proj", &s.name, 500).await;
+    let p = drain(&db, &s.name, &[]).await;
+    assert!(
+        p.stderr().contains("beyond the stream's last message"),
+        "{}",
+        p.stderr()
+    );
+    assert_eq!(stat(&p, "applied"), 30, "{}", p.stderr());
+    assert_once_in_order(&db, &evs).await;
+    s.delete(0).await;
+}

@@ -149,6 +149,13 @@ struct Progress {
 }
 
 impl Progress {
+    /// Forgets what was settled and stored: the stream was created again, and the offsets of
+    /// the old one mean nothing in it (storing one would skip the new stream's messages).
+    fn reset(&self) {
+        self.processed.store(0, Ordering::SeqCst);
+        self.stored.store(0, Ordering::SeqCst);
+    }
+
     /// Stores the offset of the last settled message when it moved and `force` is set, or
     /// `every` messages were settled, or `interval` passed since the last store.
     async fn store(&self, force: bool) {
@@ -400,16 +407,59 @@ async fn lane<P: Processor>(
     let (tx, rx) = mpsc::channel(usize::from(shared.opts.prefetch.max(1)));
     let w = tokio::spawn(worker(p, rx, shared.clone()));
     let mut backoff = Backoff::new(shared.opts.retry_min, shared.opts.retry_max);
-    // The offset after the last message handed to the worker (or the resume point).
+    // The offset after the last message handed to the worker (or the resume point), and that
+    // message's offset and id.
     let mut next: Option<u64> = None;
+    let mut last: Option<(u64, String)> = None;
     while !shared.stop.is_cancelled() {
+        if let Some(taken) = &last {
+            let check = async {
+                let env = crate::stream::environment(&target.endpoint, &target.tls)
+                    .await
+                    .map_err(|e| target.connect_err(e))?;
+                same_stream(&env, &progress.stream, taken).await
+            };
+            match bounded("checking the stream", check).await {
+                // Gone: the reader's open says so.
+                Ok(Holds::Same | Holds::NoStream) => {}
+                Ok(Holds::Other) => {
+                    tracing::error!(
+                        stream = %progress.stream,
+                        offset = taken.0,
+                        "the stream was deleted and created again while the consumer read it: offset {} no longer holds \
+                         the message it read there. Its offsets mean nothing in the new stream: reading the new stream \
+                         from its first message (the inbox recognises a message it already applied)",
+                        taken.0
+                    );
+                    settle(&shared).await;
+                    progress.reset();
+                    next = Some(0);
+                    last = None;
+                }
+                Err(e) => {
+                    shared.open_failed(e, &progress.stream);
+                    if !shared.pause(&mut backoff).await {
+                        break;
+                    }
+                    continue;
+                }
+            }
+        }
         let opening = open(&target, &shared.opts, &progress, &mut next);
         match bounded("opening the stream", opening).await {
             Ok((env, consumer)) => {
                 backoff.reset();
                 tracing::info!(stream = %progress.stream, consumer = %progress.name, from = ?next, "reading the stream");
                 let handle = consumer.handle();
-                let r = read(&env, consumer, &tx, &shared, &progress, &mut next).await;
+                let r = read(
+                    &env,
+                    consumer,
+                    &tx,
+                    &shared,
+                    &progress,
+                    (&mut next, &mut last),
+                )
+                .await;
                 let _ = tokio::time::timeout(ACK_TIMEOUT, handle.close()).await;
                 match r {
                     Ok(End::Drained) => break,
@@ -484,12 +534,29 @@ async fn open(
     let spec = match *next {
         Some(n) => OffsetSpecification::Offset(n),
         None => match client.query_offset(opts.name.clone(), stream).await {
-            Ok(stored) => {
-                progress.stored.fetch_max(stored + 1, Ordering::SeqCst);
-                *next = Some(stored + 1);
-                tracing::info!(stream = %stream, consumer = %opts.name, stored, "resuming after the stored offset");
-                OffsetSpecification::Offset(stored + 1)
-            }
+            Ok(stored) => match last_offset(&env, stream).await? {
+                // No message at or before the stored offset: the offsets belong to an earlier
+                // stream of this name, and read from there this one would be passed over.
+                Some(end) if stored > end => {
+                    tracing::error!(
+                        stream = %stream,
+                        consumer = %opts.name,
+                        stored,
+                        last = end,
+                        "the offset stored for this consumer is beyond the stream's last message: the stream was \
+                         created again under its name. Reading it from its first message (the inbox recognises a \
+                         message it already applied)"
+                    );
+                    *next = Some(0);
+                    OffsetSpecification::First
+                }
+                _ => {
+                    progress.stored.fetch_max(stored + 1, Ordering::SeqCst);
+                    *next = Some(stored + 1);
+                    tracing::info!(stream = %stream, consumer = %opts.name, stored, "resuming after the stored offset");
+                    OffsetSpecification::Offset(stored + 1)
+                }
+            },
             Err(ClientError::RequestError(ResponseCode::OffsetNotFound)) => {
                 tracing::info!(stream = %stream, consumer = %opts.name, start = ?opts.stream.start, "no stored offset: starting at --stream-start");
                 match opts.stream.start {
@@ -554,25 +621,38 @@ async fn open(
 const TICK: Duration = Duration::from_millis(100);
 /// With `until_empty`: how long nothing must arrive before the reader looks at the tail.
 const QUIET: Duration = Duration::from_millis(300);
+/// How long nothing must arrive before the reader checks that its stream is still the one it
+/// read: the stream client does not end a subscription whose stream was deleted, so a reader
+/// would otherwise wait on it for ever, and read nothing of a stream created again under the
+/// name.
+const IDLE_CHECK: Duration = Duration::from_secs(5);
 
 /// Hands the stream's messages to the worker in offset order until the connection fails
-/// (`Err`), the runner stops, or (`until_empty`) the reader is past the stream's end.
+/// (`Err`), the runner stops, or (`until_empty`) the reader is past the stream's end. `next`
+/// and `last`: the offset after the last message handed over, and that message's offset and
+/// id (what a reconnect checks the stream still holds).
 async fn read(
     env: &Environment,
     mut consumer: Consumer,
     tx: &mpsc::Sender<StreamJob>,
     shared: &Shared,
     progress: &Arc<Progress>,
-    next: &mut Option<u64>,
+    (next, last): (&mut Option<u64>, &mut Option<(u64, String)>),
 ) -> Result<End, ConsumerError> {
+    let mut first = true;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_seen = Instant::now();
+    let mut checked = Instant::now();
     loop {
         let d = tokio::select! {
             d = consumer.next() => d,
             _ = tick.tick() => {
                 progress.store(false).await;
+                if last_seen.elapsed() >= IDLE_CHECK && checked.elapsed() >= IDLE_CHECK {
+                    checked = Instant::now();
+                    still_there(env, progress, last.as_ref()).await?;
+                }
                 if shared.opts.until_empty
                     && last_seen.elapsed() >= QUIET
                     && shared.in_flight.load(Ordering::SeqCst) == 0
@@ -609,7 +689,27 @@ async fn read(
         if next.is_some_and(|n| offset < n) {
             continue;
         }
+        if std::mem::take(&mut first) {
+            if let Some(n) = next.filter(|n| offset > *n) {
+                // The broker starts at its first retained chunk when the offset asked for is
+                // gone: the messages between were removed before this consumer read them.
+                tracing::error!(
+                    stream = %progress.stream,
+                    from = n,
+                    to = offset - 1,
+                    "offsets {n} to {} of the stream were removed (retention) before the consumer read them: \
+                     their messages were never applied. Raise the stream's retention (max-age, max-length-bytes), \
+                     or keep the consumer closer to the stream's end",
+                    offset - 1
+                );
+            }
+        }
         let (properties, body) = crate::stream::from_message(d.message());
+        let message_id = properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str().to_string())
+            .unwrap_or_default();
         let job = StreamJob {
             offset,
             properties,
@@ -629,6 +729,7 @@ async fn read(
                     return Ok(End::Stopped);
                 }
                 *next = Some(offset + 1);
+                *last = Some((offset, message_id));
             }
             _ = shared.stop.cancelled() => {
                 shared.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -638,14 +739,124 @@ async fn read(
     }
 }
 
-/// Whether the reader's position `next` is past the last message the stream holds: a
-/// subscription at the last chunk, read to its end (the client hands over a chunk's messages
-/// together). An empty stream (nothing arrives within a second) has no messages to be past.
-async fn past_tail(
+/// An idle reader's check that its subscription still reads the stream: the message it read
+/// last is still at its offset (else the stream was deleted and created again), or — before
+/// it read any — the stream still exists. An `Err` ends the session: the reader reconnects,
+/// and its open reports a stream that is gone.
+async fn still_there(
+    env: &Environment,
+    progress: &Progress,
+    last: Option<&(u64, String)>,
+) -> Result<(), ConsumerError> {
+    let stream = &progress.stream;
+    let gone = || ConsumerError::Broker {
+        message: format!(
+            "the stream {stream:?} was deleted (or deleted and created again) under the reader"
+        ),
+        retryable: true,
+    };
+    match last {
+        Some(taken) => match same_stream(env, stream, taken).await? {
+            Holds::Same => Ok(()),
+            Holds::Other | Holds::NoStream => Err(gone()),
+        },
+        None => {
+            let client = progress
+                .client
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let Some(client) = client else { return Ok(()) };
+            let meta =
+                client
+                    .metadata(vec![stream.clone()])
+                    .await
+                    .map_err(|e| ConsumerError::Broker {
+                        message: format!("reading the metadata of {stream:?}: {e}"),
+                        retryable: true,
+                    })?;
+            match meta.get(stream).map(|m| &m.response_code) {
+                Some(ResponseCode::Ok) => Ok(()),
+                _ => Err(gone()),
+            }
+        }
+    }
+}
+
+/// Waits until the worker has settled everything it was given (the runner stopping ends the
+/// wait too): what it settles after the stream was created again must not be stored on the
+/// new stream.
+async fn settle(shared: &Shared) {
+    while shared.in_flight.load(Ordering::SeqCst) > 0 && !shared.stop.is_cancelled() {
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+/// What a stream holds at the offset a reader read last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holds {
+    /// The message the reader read there, or — removed by retention — a later one.
+    Same,
+    /// Another message, or none yet: the stream was created again under the name.
+    Other,
+    /// The stream does not exist.
+    NoStream,
+}
+
+/// Whether the stream still holds, at `taken.0`, the message with id `taken.1` the reader
+/// handed over there: a stream deleted and created again under the same name (what a relay's
+/// `--declare auto` does) numbers its messages from 0 again, so the reader's offset there
+/// holds another message, or none yet. A message removed by retention is no sign of that: the
+/// first one the broker still has, after it, answers.
+async fn same_stream(
     env: &Environment,
     stream: &str,
-    next: Option<u64>,
-) -> Result<bool, ConsumerError> {
+    taken: &(u64, String),
+) -> Result<Holds, ConsumerError> {
+    let broker = |e: String| ConsumerError::Broker {
+        message: format!("checking the stream {stream:?} before reading on: {e}"),
+        retryable: true,
+    };
+    let mut probe = match env
+        .consumer()
+        .offset(OffsetSpecification::Offset(taken.0))
+        .build(stream)
+        .await
+    {
+        Ok(p) => p,
+        Err(ConsumerCreateError::StreamDoesNotExist { .. }) => return Ok(Holds::NoStream),
+        Err(e) => return Err(broker(e.to_string())),
+    };
+    let same = loop {
+        // Nothing at or after the offset: the stream ends before it, which the stream the
+        // reader read never can.
+        match tokio::time::timeout(Duration::from_secs(2), probe.next()).await {
+            Err(_) => break Holds::Other,
+            Ok(None) => return Err(broker("the subscription closed".into())),
+            Ok(Some(Err(e))) => return Err(broker(e.to_string())),
+            Ok(Some(Ok(d))) if d.offset() < taken.0 => continue,
+            Ok(Some(Ok(d))) if d.offset() > taken.0 => break Holds::Same,
+            Ok(Some(Ok(d))) => {
+                let (properties, _) = crate::stream::from_message(d.message());
+                let id = properties
+                    .message_id()
+                    .as_ref()
+                    .map(|m| m.as_str().to_string());
+                break if id.as_ref() == Some(&taken.1) {
+                    Holds::Same
+                } else {
+                    Holds::Other
+                };
+            }
+        }
+    };
+    let _ = tokio::time::timeout(ACK_TIMEOUT, probe.handle().close()).await;
+    Ok(same)
+}
+
+/// The offset of the stream's last message (`None`: the stream is empty): a subscription at the
+/// last chunk, read to its end (the client hands over a chunk's messages together).
+async fn last_offset(env: &Environment, stream: &str) -> Result<Option<u64>, ConsumerError> {
     let broker = |e: String| ConsumerError::Broker {
         message: format!("looking for the end of {stream:?}: {e}"),
         retryable: true,
@@ -664,7 +875,18 @@ async fn past_tail(
         wait = Duration::from_millis(50);
     }
     let _ = tokio::time::timeout(ACK_TIMEOUT, probe.handle().close()).await;
-    Ok(match (last, next) {
+    Ok(last)
+}
+
+/// Whether the reader's position `next` is past the last message the stream holds: a
+/// subscription at the last chunk, read to its end (the client hands over a chunk's messages
+/// together). An empty stream (nothing arrives within a second) has no messages to be past.
+async fn past_tail(
+    env: &Environment,
+    stream: &str,
+    next: Option<u64>,
+) -> Result<bool, ConsumerError> {
+    Ok(match (last_offset(env, stream).await?, next) {
         (None, _) => true,
         (Some(_), None) => false,
         (Some(tail), Some(n)) => tail < n,
