@@ -10,3 +10,4 @@ mod docs;
 mod fuzz_corpus;
 mod packaging;
 mod quickstart;
+mod secrets;
