@@ -23,3 +23,4 @@ mod crypto_mysql;
 mod crypto_pg;
 mod crypto_php;
 mod outbox_prune_locks;
+mod privilege;
