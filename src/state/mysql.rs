@@ -205,6 +205,11 @@ pub async fn missing_state_privileges(conn: &mut Conn) -> Result<Vec<&'static st
 /// An error of a statement on `outboxd_state`: a missing privilege becomes the `GRANT` that
 /// fixes it (probed, so it names exactly what is missing).
 pub async fn state_refused(conn: &mut Conn, e: Error) -> Error {
+    // The client's classifier makes every privilege refusal a configuration error; anything
+    // else (a lease held by another relay, which a standby meets every second) is as it is.
+    if !matches!(e, Error::Config { .. }) {
+        return e;
+    }
     let Ok(missing) = missing_state_privileges(conn).await else {
         return e;
     };
