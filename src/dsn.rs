@@ -398,15 +398,27 @@ fn is_token_scheme(scheme: &str) -> bool {
 }
 
 /// Whether a parameter (a URL query key, a libpq keyword) holds a secret: a password
-/// (`password`, `sslpassword`, `passwd`, `pwd`, `passphrase`), a password file (`passfile`),
-/// a token, a secret, a credential or key material given inline (`jwt`, `nkey`, `seed`,
-/// `api_key`). Compared without case, `-` read as `_`.
+/// (`password`, `sslpassword`, `passwd`, `pass`, `pwd`, `passphrase`), a password file
+/// (`passfile`), a token, a secret, a credential or key material given inline (`jwt`, `nkey`,
+/// `seed`, `api_key`). Compared without case, `-` read as `_`. Names that merely mention
+/// authentication (`auth_mechanism`) are not secrets.
 pub fn is_secret_key(key: &str) -> bool {
     let k = key.to_ascii_lowercase().replace('-', "_");
-    ["pass", "pwd", "secret", "token", "credential", "auth"]
-        .iter()
-        .any(|w| k.contains(w))
-        || matches!(k.as_str(), "jwt" | "nkey" | "seed" | "apikey" | "api_key")
+    [
+        "password",
+        "passwd",
+        "passphrase",
+        "passfile",
+        "secret",
+        "token",
+        "credential",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
+        || matches!(
+            k.as_str(),
+            "pass" | "pwd" | "jwt" | "nkey" | "seed" | "apikey" | "api_key" | "private_key"
+        )
 }
 
 /// `text` with the value of every secret `key=value` pair replaced. A key counts where a
@@ -656,6 +668,8 @@ mod tests {
             "nats://nats:4222",
             "host=db user=app dbname=app sslmode=require",
             "kafka://k1:9092,k2:9092?sasl=PLAIN",
+            "amqps://relay@mq/%2f?auth_mechanism=external&cacertfile=/ca.pem",
+            "postgres://db/app?options=-c%20statement_timeout%3D0&target_session_attrs=read-write",
             "postgres://u:@db/app",
             "stdout",
         ] {
