@@ -1,5 +1,6 @@
-//! Connection strings: parsing the source and sink DSNs (docs/configuration.md), and rendering them
-//! with the password redacted, so no log line, error or `--help` ever shows a secret.
+//! Connection strings: parsing the source and sink DSNs (docs/configuration.md), and the one
+//! redaction of every secret a connection string can carry ([`redact`]), so no log line, error,
+//! `Debug` or `--help` ever shows one.
 
 use crate::Error;
 use std::fmt;
@@ -99,7 +100,7 @@ impl SourceDsn {
             "file" => {
                 let path = url.to_file_path().map_err(|_| {
                     Error::config(
-                        format!("{s} is not a local file path"),
+                        format!("{} is not a local file path", redact(s)),
                         "use file:///absolute/path/to/binlog.000001",
                     )
                 })?;
@@ -110,7 +111,7 @@ impl SourceDsn {
                         "to" => to = Some(v.into_owned()),
                         other => {
                             return Err(Error::config(
-                                format!("unknown option {other:?} in the file source {s}"),
+                                format!("unknown option {other:?} in the file source {}", redact(s)),
                                 "a file source takes from= and to= (binlog file names in the directory), e.g. file:///var/lib/mysql/?from=mysql-bin.000040",
                             ))
                         }
@@ -220,7 +221,7 @@ impl fmt::Debug for SinkDsn {
         match self {
             SinkDsn::Stdout => f.write_str("Stdout"),
             SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
-            SinkDsn::Nats(u) => write!(f, "Nats({})", redact_token(u)),
+            SinkDsn::Nats(u) => write!(f, "Nats({})", redact(u)),
             SinkDsn::Kafka(u) => write!(f, "Kafka({})", redact(u)),
             SinkDsn::RabbitStream(u) => write!(f, "RabbitStream({})", redact(u)),
         }
@@ -322,37 +323,192 @@ impl fmt::Debug for DsnArg {
     }
 }
 
-/// The DSN with its password replaced by `***` (best effort on unparsable input: everything
-/// between `:` and `@` of the authority goes).
+/// What a redacted secret shows instead.
+const HIDDEN: &str = "***";
+
+/// The one redaction of a connection string, used wherever one is shown (errors, logs,
+/// `Debug`, `outboxd config`, `check`): every secret form it can carry becomes `***`, and the
+/// rest stays as written, so the message still says which server and user it is about.
+///
+/// - URL user-info: `postgres://app:PASSWORD@host/db` → `postgres://app:***@host/db`;
+/// - a token URL: `nats://TOKEN@host:4222` (a NATS URL reads a user without a password as a
+///   token) → `nats://***@host:4222`;
+/// - secret parameters, in a URL's query (`?password=…&sslpassword=…`) or as libpq
+///   keyword/value pairs (`host=db user=app password='p w' dbname=app`, quoted or not): every
+///   key that names a password, a password file, a token, a secret or a credential (see
+///   [`is_secret_key`]).
+///
+/// It works on text, not on a parsed URL, so a string no parser accepts is redacted the same
+/// way (a parse error is where a mistyped DSN is shown); where it cannot tell, it hides more:
+/// the user-info ends at the last `@`.
 pub fn redact(s: &str) -> String {
-    if let Ok(mut url) = Url::parse(s) {
-        if url.password().is_some() {
-            let _ = url.set_password(Some("***"));
+    let t = s.trim_start();
+    let lead = &s[..s.len() - t.len()];
+    match url_scheme(t) {
+        Some(scheme) => {
+            let rest = &t[scheme.len() + 3..];
+            let mut out = format!("{lead}{scheme}://");
+            let after_auth = match rest.rfind('@') {
+                Some(at) => {
+                    let auth = &rest[..at];
+                    match auth.split_once(':') {
+                        Some((user, pw)) if !pw.is_empty() => {
+                            out.push_str(user);
+                            out.push(':');
+                            out.push_str(HIDDEN);
+                        }
+                        None if is_token_scheme(scheme) && !auth.is_empty() => out.push_str(HIDDEN),
+                        // No password, or an `@` further on (in the query): what comes before
+                        // it may still hold secret parameters.
+                        _ => out.push_str(&redact_pairs(auth, true)),
+                    }
+                    out.push('@');
+                    &rest[at + 1..]
+                }
+                None => rest,
+            };
+            out.push_str(&redact_pairs(after_auth, true));
+            out
         }
-        return url.to_string();
-    }
-    match (s.find("://"), s.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let auth = &s[scheme_end + 3..at];
-            match auth.find(':') {
-                Some(colon) => format!("{}:***{}", &s[..scheme_end + 3 + colon], &s[at..]),
-                None => s.to_string(),
-            }
-        }
-        _ => s.to_string(),
+        None => format!("{lead}{}", redact_pairs(t, false)),
     }
 }
 
-/// [`redact`], and also a user without a password, which a NATS URL reads as a token
-/// (`nats://TOKEN@host:4222`).
-pub fn redact_token(s: &str) -> String {
-    match Url::parse(s) {
-        Ok(mut url) if url.password().is_none() && !url.username().is_empty() => {
-            let _ = url.set_username("***");
-            url.to_string()
+/// Whether `s` carries a secret [`redact`] would hide (a password in a URL, a token, a secret
+/// parameter): what the warnings about secrets on the command line and the config file's
+/// refusal of inline secrets ask.
+pub fn has_secret(s: &str) -> bool {
+    redact(s) != s
+}
+
+/// The scheme of a URL-shaped string (`scheme://…`), if it starts with one.
+fn url_scheme(s: &str) -> Option<&str> {
+    let end = s.find("://")?;
+    let scheme = &s[..end];
+    let mut chars = scheme.chars();
+    let first = chars.next()?;
+    (first.is_ascii_alphabetic()
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+    .then_some(scheme)
+}
+
+/// Schemes whose user without a password is a token: NATS (`nats://`, `tls://`).
+fn is_token_scheme(scheme: &str) -> bool {
+    matches!(scheme.to_ascii_lowercase().as_str(), "nats" | "tls")
+}
+
+/// Whether a parameter (a URL query key, a libpq keyword) holds a secret: a password
+/// (`password`, `sslpassword`, `passwd`, `pass`, `pwd`, `passphrase`), a password file
+/// (`passfile`), a token, a secret, a credential or key material given inline (`jwt`, `nkey`,
+/// `seed`, `api_key`). Compared without case, `-` read as `_`. Names that merely mention
+/// authentication (`auth_mechanism`) are not secrets.
+pub fn is_secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase().replace('-', "_");
+    [
+        "password",
+        "passwd",
+        "passphrase",
+        "passfile",
+        "secret",
+        "token",
+        "credential",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
+        || matches!(
+            k.as_str(),
+            "pass" | "pwd" | "jwt" | "nkey" | "seed" | "apikey" | "api_key" | "private_key"
+        )
+}
+
+/// `text` with the value of every secret `key=value` pair replaced. A key counts where a
+/// pair can start: at the beginning, after white space, or (in a URL, `url`) after `?`, `&`
+/// or `;`. A value is quoted (`'…'` with backslash escapes, as libpq writes it; `"…"`) or
+/// runs to the next white space (in a URL also to `&` or `#`).
+fn redact_pairs(text: &str, url: bool) -> String {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    // Copied verbatim up to here.
+    let mut copied = 0;
+    while i < b.len() {
+        let boundary = i == 0
+            || b[i - 1].is_ascii_whitespace()
+            || matches!(b[i - 1], b'?' | b'&' | b';' | b'\'' | b'"' | b'(' | b',');
+        if !boundary || !is_key_byte(b[i]) {
+            i += 1;
+            continue;
         }
-        _ => redact(s),
+        let key_start = i;
+        let mut j = i;
+        while j < b.len() && is_key_byte(b[j]) {
+            j += 1;
+        }
+        let key = &text[key_start..j];
+        let mut k = j;
+        while k < b.len() && b[k].is_ascii_whitespace() && !url {
+            k += 1;
+        }
+        if k >= b.len() || b[k] != b'=' {
+            i = j.max(i + 1);
+            continue;
+        }
+        k += 1;
+        while k < b.len() && b[k].is_ascii_whitespace() && !url {
+            k += 1;
+        }
+        if !is_secret_key(key) {
+            i = k;
+            continue;
+        }
+        let mut end = value_end(b, k, url);
+        // An escape may have stepped into a multi-byte character: end after it.
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        if end > k {
+            out.push_str(&text[copied..k]);
+            out.push_str(HIDDEN);
+            copied = end;
+        }
+        i = end.max(k);
     }
+    out.push_str(&text[copied..]);
+    out
+}
+
+fn is_key_byte(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, b'_' | b'-' | b'.')
+}
+
+/// Where a value starting at `start` ends (see [`redact_pairs`]); an unclosed quote runs to
+/// the end.
+fn value_end(b: &[u8], start: usize, url: bool) -> usize {
+    let mut i = start;
+    if i < b.len() && (b[i] == b'\'' || b[i] == b'"') {
+        let quote = b[i];
+        i += 1;
+        while i < b.len() {
+            if b[i] == b'\\' {
+                i += 2;
+                continue;
+            }
+            if b[i] == quote {
+                return i + 1;
+            }
+            i += 1;
+        }
+        return b.len();
+    }
+    while i < b.len() {
+        let c = b[i];
+        if c.is_ascii_whitespace() || (url && matches!(c, b'&' | b'#')) {
+            break;
+        }
+        // libpq: a backslash escapes the next character (a space inside the value).
+        i += if c == b'\\' && !url { 2 } else { 1 };
+    }
+    i.min(b.len())
 }
 
 /// Puts a password into a DSN that has none (passwords from `--source-file`/environment).
@@ -423,6 +579,113 @@ mod tests {
         assert!(!redact(s).contains("cret"));
         assert!(redact(s).contains("app:***@"));
         assert!(!redact("postgres://u:pw@@bad url").contains("pw"));
+    }
+
+    /// Each secret form, as written and as a parse error would show it: the secret is gone,
+    /// what says which server and user is left.
+    #[test]
+    fn every_secret_form_is_redacted() {
+        const S: &str = "Sup3rS3cret";
+        for (dsn, kept) in [
+            (
+                "postgres://app:Sup3rS3cret@db:5432/app",
+                "postgres://app:***@db:5432/app",
+            ),
+            (
+                "postgres://app:Sup3rS3cret@@bad url",
+                "postgres://app:***@bad url",
+            ),
+            (
+                "mysql://app:Sup%40r:S3cret@db/app",
+                "mysql://app:***@db/app",
+            ),
+            (
+                "amqps://relay:Sup3rS3cret@mq/%2f",
+                "amqps://relay:***@mq/%2f",
+            ),
+            (
+                "kafka://u:Sup3rS3cret@k1:9092,k2:9092",
+                "kafka://u:***@k1:9092,k2:9092",
+            ),
+            ("nats://Sup3rS3cret@nats:4222", "nats://***@nats:4222"),
+            ("tls://Sup3rS3cret@nats:4222", "tls://***@nats:4222"),
+            ("nats://u:Sup3rS3cret@nats:4222", "nats://u:***@nats:4222"),
+            (
+                "postgres://app@db/app?password=Sup3rS3cret",
+                "postgres://app@db/app?password=***",
+            ),
+            (
+                "postgres://app@db/app?sslmode=require&sslpassword=Sup3rS3cret&application_name=x",
+                "postgres://app@db/app?sslmode=require&sslpassword=***&application_name=x",
+            ),
+            (
+                "postgres://db/app?passfile=/home/Sup3rS3cret",
+                "postgres://db/app?passfile=***",
+            ),
+            (
+                "postgres://db/app?PassWord=Sup3rS3cret@x",
+                "postgres://db/app?PassWord=***@x",
+            ),
+            (
+                "file:///var/lib/mysql/?password=Sup3rS3cret",
+                "file:///var/lib/mysql/?password=***",
+            ),
+            (
+                "host=db port=5432 user=app password=Sup3rS3cret dbname=app",
+                "host=db port=5432 user=app password=*** dbname=app",
+            ),
+            (
+                "host=db password = 'Sup3r S3cret \\' x' dbname=app",
+                "host=db password = *** dbname=app",
+            ),
+            (
+                "host=db password=Sup3r\\ S3cret dbname=app",
+                "host=db password=*** dbname=app",
+            ),
+            ("host=db password='Sup3rS3cret", "host=db password=***"),
+            (
+                "user=app sslpassword=Sup3rS3cret",
+                "user=app sslpassword=***",
+            ),
+            (
+                "Server=db;Password=Sup3rS3cret;Database=app",
+                "Server=db;Password=***",
+            ),
+            ("token=Sup3rS3cret", "token=***"),
+            ("password=\\é", "password=***"),
+        ] {
+            let shown = redact(dsn);
+            assert!(
+                !shown.contains(S) && !shown.contains("S3cret"),
+                "{dsn} → {shown}"
+            );
+            assert_eq!(shown, kept, "{dsn}");
+            assert!(has_secret(dsn), "{dsn}");
+        }
+        for plain in [
+            "postgres://app@db:5432/app?sslmode=verify-full&sslrootcert=/ca.pem",
+            "amqp://relay@mq/%2f",
+            "nats://nats:4222",
+            "host=db user=app dbname=app sslmode=require",
+            "kafka://k1:9092,k2:9092?sasl=PLAIN",
+            "amqps://relay@mq/%2f?auth_mechanism=external&cacertfile=/ca.pem",
+            "postgres://db/app?options=-c%20statement_timeout%3D0&target_session_attrs=read-write",
+            "postgres://u:@db/app",
+            "stdout",
+        ] {
+            assert_eq!(redact(plain), plain);
+            assert!(!has_secret(plain), "{plain}");
+        }
+        let err = SourceDsn::parse("host=db user=app password=Sup3rS3cret dbname=app")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains(S) && err.contains("password=***"), "{err}");
+        let err = SourceDsn::parse("file:///var/lib/mysql/?password=Sup3rS3cret")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains(S), "{err}");
+        let sink = SinkDsn::parse("nats://Sup3rS3cret@nats:4222").unwrap();
+        assert!(!format!("{sink:?}").contains(S));
     }
 
     #[test]

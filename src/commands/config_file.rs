@@ -77,19 +77,10 @@ fn refuse(path: &Path, problem: impl std::fmt::Display, fix: impl Into<String>) 
     Error::config(format!("config file {}: {problem}", path.display()), fix)
 }
 
-/// Whether a value holds a password inline: a URL's password, or a `password=` pair.
+/// Whether a value holds a secret inline: a URL's password or token, or a secret parameter
+/// (`password=`, …), as [`crate::dsn::redact`] knows them.
 fn has_inline_password(v: &str) -> bool {
-    if let Ok(u) = url::Url::parse(v.trim()) {
-        if u.password().is_some_and(|p| !p.is_empty()) {
-            return true;
-        }
-        if u.query_pairs()
-            .any(|(k, _)| k.eq_ignore_ascii_case("password"))
-        {
-            return true;
-        }
-    }
-    v.to_ascii_lowercase().contains("password=")
+    crate::dsn::has_secret(v)
 }
 
 /// Reads the config file (if any) and sets, for each key that applies to the command `argv`
@@ -582,12 +573,16 @@ pub fn render_effective(cmd: &Command, m: &clap::ArgMatches) -> String {
             }
             continue;
         }
-        let secret = arg.is_hide_env_values_set()
-            || SECRET_WORDS
-                .iter()
-                .any(|w| key.contains(w) && !key.ends_with("_file"));
+        // A secret named by its key is hidden whole; a DSN (its environment variable's value
+        // hidden from `--help`) shows all but its secrets.
+        let secret = SECRET_WORDS
+            .iter()
+            .any(|w| key.contains(w) && !key.ends_with("_file"));
+        let dsn = arg.is_hide_env_values_set();
         let show = |v: &str| -> String {
             let v = if secret {
+                "***".to_string()
+            } else if dsn {
                 crate::dsn::redact(v)
             } else {
                 v.to_string()

@@ -81,6 +81,10 @@ pub struct ForgetArgs {
     /// Confirm: the aggregate's encrypted fields become unreadable for good.
     #[arg(long, env = "OUTBOXD_YES")]
     pub yes: bool,
+    /// Then rewrite the key table (VACUUM FULL outboxd_data_keys, as its owner), so that the
+    /// forgotten key's old row version leaves its pages; locks the key table while it runs.
+    #[arg(long, env = "OUTBOXD_VACUUM")]
+    pub vacuum: bool,
 }
 
 /// The keyring: a file, or (when not given) the JSON in OUTBOXD_KEYRING.
@@ -626,9 +630,22 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
         Some(id) => {
             println!("forgot data key {id} of aggregate {:?}", a.aggregate);
             eprintln!(
-                "outboxd: every encrypted value of the aggregate in {} was under its data key; erasure is complete only once the WAL/binlogs, replicas and backups that still hold the wrapped key have rolled off \
-                 (and after VACUUM of outboxd_data_keys); values consumers stored in clear are out of reach",
-                table
+                "outboxd: every encrypted value of the aggregate in {table} was under its data key"
+            );
+            // The UPDATE leaves the old row version, wrapped key and all, in the table's
+            // pages: rewritten now, or the exact statement for later (docs/encryption.md).
+            if a.vacuum {
+                ks.rewrite(VACUUM_LOCK_WAIT).await?;
+                println!("rewrote outboxd_data_keys (VACUUM FULL): the wrapped key is gone from its pages");
+            } else {
+                eprintln!(
+                    "outboxd: the wrapped key stays in outboxd_data_keys' pages (the old row version) until the table is rewritten: \
+                     VACUUM FULL outboxd_data_keys;  (as its owner, or `keys forget --vacuum`; a plain VACUUM can leave its bytes in a page's free space)"
+                );
+            }
+            eprintln!(
+                "outboxd: erasure is complete only once the rest have rolled off: the WAL holding the key (recycled after checkpoints, unless a replication slot, \
+                 wal_keep_size or WAL archiving keeps it), replicas' WAL likewise, and backups of the keystore until they expire; values consumers stored in clear are out of reach (docs/encryption.md)"
             );
             Ok(())
         }
@@ -638,6 +655,10 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
         ))),
     }
 }
+
+/// How long `keys forget --vacuum` waits for the key table's lock: a rewrite queued behind a
+/// long transaction would hold up every producer queued behind it.
+const VACUUM_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The aggregate's rows of the outbox table `keys forget` verifies, Postgres or MySQL (the
 /// flag says which).

@@ -363,11 +363,7 @@ pub(crate) fn resolve_dsn(
         }
     } else if from_argv {
         if let Some(d) = &dsn {
-            if url::Url::parse(d)
-                .ok()
-                .and_then(|u| u.password().map(|_| ()))
-                .is_some()
-            {
+            if dsn::has_secret(d) {
                 tracing::warn!(
                     "the --{flag} DSN on the command line carries a password, which other users can read in the process list; \
                      use OUTBOXD_{} or --{flag}-file instead",

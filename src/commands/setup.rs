@@ -102,6 +102,22 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
         return Ok(());
     }
     admin::require_logical(&client).await?;
+    // What another role must do first is found before anything is created, all of it.
+    let blocked = blockers(&client, &r).await?;
+    if !blocked.is_empty() {
+        for l in &blocked {
+            println!("{l}");
+        }
+        return Err(Error::config(
+            format!(
+                "setup cannot finish as this role: {} step{} above need{} the table's owner or a DBA; nothing was created",
+                blocked.len(),
+                if blocked.len() == 1 { "" } else { "s" },
+                if blocked.len() == 1 { "s" } else { "" },
+            ),
+            "run each fix above as the role it names (docs/operations.md, \"Grants\"), then `outboxd setup` again",
+        ));
+    }
     crate::state::postgres::ensure_table(&client).await?;
     println!("ok   state table outboxd_state");
     let list = r
@@ -163,6 +179,76 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
     Ok(())
 }
 
+/// The steps of a Postgres `setup` the session's role may not take, each as a failed check
+/// line naming who can and what to run: creating (or completing) `outboxd_state`, creating
+/// the publication or adding tables to it (only a table's owner can), creating the slot (the
+/// REPLICATION attribute).
+async fn blockers(
+    client: &tokio_postgres::Client,
+    r: &Resolved,
+) -> Result<Vec<crate::diagnostics::CheckLine>, Error> {
+    use crate::diagnostics::{line, Level};
+    use crate::outbox::pg_ident;
+    use crate::state::postgres::{gap, Gap};
+    let mut out = Vec::new();
+    let row = client
+        .query_one(
+            "SELECT current_user::text, coalesce(current_schema()::text, ''),
+                    coalesce(has_schema_privilege(current_schema(), 'CREATE'), false),
+                    (SELECT pg_get_userbyid(relowner)::text FROM pg_class
+                      WHERE oid = to_regclass('outboxd_state') AND NOT pg_has_role(relowner, 'USAGE'))",
+            &[],
+        )
+        .await?;
+    let (user, schema, may_create, foreign_owner): (String, String, bool, Option<String>) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    match gap(client).await? {
+        Some(Gap::Table) if !may_create => out.push(line(
+            Level::Fail,
+            "state table",
+            format!("outboxd_state does not exist, and role {user} may not create tables in schema {schema:?}"),
+            Some(format!(
+                "GRANT CREATE ON SCHEMA {} TO {};  (as the schema's owner or a superuser)",
+                pg_ident(&schema),
+                pg_ident(&user)
+            )),
+        )),
+        Some(gap @ Gap::Columns(_)) => {
+            if let Some(owner) = foreign_owner {
+                let Error::Config { problem, fix } = crate::state::postgres::gap_refused(
+                    &gap,
+                    &user,
+                    &format!("it belongs to role {owner}"),
+                ) else {
+                    unreachable!("a configuration error")
+                };
+                out.push(line(Level::Fail, "state table", problem, Some(fix)));
+            }
+        }
+        _ => {}
+    }
+    if let Some((refusal, statement)) =
+        admin::publication_blocker(client, &r.publication, &r.tables).await?
+    {
+        let Error::Config { problem, fix } = refusal.into_error(&statement) else {
+            unreachable!("a configuration error")
+        };
+        out.push(line(Level::Fail, "publication", problem, Some(fix)));
+    }
+    if admin::slot(client, &r.slot).await?.is_none() {
+        let grant = pg::diagnostics::replication_grant(client).await?;
+        if let (Level::Fail, detail, fix) = grant.judge() {
+            out.push(line(
+                Level::Fail,
+                "replication slot",
+                format!("{} cannot be created: {detail}", r.slot),
+                fix,
+            ));
+        }
+    }
+    Ok(out)
+}
+
 pub(super) async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), Error> {
     let r = resolve_source(&args.source, m)?;
     let dsn = match r.source.clone() {
@@ -197,6 +283,19 @@ pub(super) async fn teardown(args: TeardownArgs, m: &ArgMatches) -> Result<(), E
                 ));
             }
         }
+    }
+    // Only the publication's owner can drop it: refused before anything is dropped.
+    if let Some(owner) = admin::publication_foreign_owner(&client, &r.publication).await? {
+        return Err(Error::config(
+            format!(
+                "publication {} belongs to role {owner}, and only its owner can drop it",
+                r.publication
+            ),
+            format!(
+                "as role {owner} (or a superuser): DROP PUBLICATION {};  then `outboxd teardown` again",
+                crate::outbox::pg_ident(&r.publication)
+            ),
+        ));
     }
     let dropped = admin::drop_slot(&client, &r.slot).await?;
     println!(

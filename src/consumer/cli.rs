@@ -122,7 +122,7 @@ impl ConsumeArgs {
             ("--broker", &self.broker, "OUTBOXD_BROKER"),
             ("--db", &self.db, "OUTBOXD_DB"),
         ] {
-            let has_password = url::Url::parse(url).is_ok_and(|u| u.password().is_some());
+            let has_password = crate::dsn::has_secret(url);
             if has_password && std::env::var_os(env).is_none() {
                 tracing::warn!("the {flag} URL on the command line carries a password, which other users can read in the process list; use {env} instead");
             }

@@ -205,6 +205,46 @@ impl Keystore {
         Ok(row.map(|r| r.get(0)))
     }
 
+    /// Rewrites the key table (`VACUUM FULL`), so that the old row versions of forgotten keys,
+    /// which hold their wrapped keys until then, leave its pages: a plain `VACUUM` frees a dead
+    /// row's space but can leave its bytes in the page's free space. Holds an exclusive lock on
+    /// the table while it runs (producers that make or read data keys wait), and waits for that
+    /// lock at most `lock_wait`. Needs the table's owner.
+    pub async fn rewrite(&self, lock_wait: std::time::Duration) -> Result<(), Error> {
+        // VACUUM runs outside any transaction: one statement per call.
+        self.client
+            .batch_execute(&format!(
+                "SET lock_timeout = {}",
+                lock_wait.as_millis().max(1)
+            ))
+            .await?;
+        let r = self
+            .client
+            .batch_execute("VACUUM FULL outboxd_data_keys")
+            .await;
+        let _ = self.client.batch_execute("RESET lock_timeout").await;
+        let fix = "VACUUM FULL outboxd_data_keys;  (as the table's owner, at a quiet moment: it locks the key table while it runs)";
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => match e.code() {
+                Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => Err(Error::config(
+                    format!(
+                        "the key was forgotten, but its old row version stays in outboxd_data_keys' pages: this role may not rewrite the table ({})",
+                        crate::db::postgres::describe_pg_error(&e)
+                    ),
+                    fix,
+                )),
+                Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => Err(Error::config(
+                    format!(
+                        "the key was forgotten, but its old row version stays in outboxd_data_keys' pages: the table was busy for {lock_wait:?}, so it was not rewritten"
+                    ),
+                    fix,
+                )),
+                _ => Err(e.into()),
+            },
+        }
+    }
+
     /// Re-wraps every live data key still wrapped by an older keyring key under the current
     /// one (part of `reencrypt`, so that old keyring keys can be retired). Returns how many.
     pub async fn rewrap(&self, keyring: &Keyring) -> Result<u64, Error> {

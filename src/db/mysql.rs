@@ -30,7 +30,7 @@ pub fn classify(e: mysql_async::Error) -> Error {
                 // Access denied / a privilege missing.
                 1044 | 1045 | 1142 | 1227 | 1370 => Error::config(
                     format!("MySQL refused: {text}"),
-                    "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '<user>'@'<host>'; (MariaDB 10.5+: also GRANT BINLOG MONITOR, and SELECT, INSERT, UPDATE, DELETE, CREATE on the database for outboxd_state)",
+                    "grant the user what its role needs (docs/operations.md, \"Grants\"); the relay's user: GRANT REPLICATION SLAVE, BINLOG MONITOR ON *.* (MySQL: REPLICATION CLIENT instead of BINLOG MONITOR), SELECT on the outbox table, SELECT, INSERT, UPDATE on outboxd_state; `outboxd check` names each one missing",
                 ),
                 // ER_SLAVE_SAME_ID (MariaDB): the server ended this binlog stream because
                 // another client registered with the same server id. A relay's server id comes

@@ -24,6 +24,16 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// What an existing `outboxd_state` lacks for this version, or that it is missing: made good
+/// by `outboxd setup` (or a start whose role may), never guessed around.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gap {
+    /// No `outboxd_state` (or, on MySQL, none the session's user can see).
+    Table,
+    /// Columns added after the table was made (by an older outboxd).
+    Columns(Vec<&'static str>),
+}
+
 /// How long a lease lasts without renewal; a relay renews it about every second.
 pub const LEASE_TTL: Duration = Duration::from_secs(5);
 /// A relay whose last successful renewal is older than this publishes nothing (see [`Fence`]):

@@ -57,26 +57,181 @@ const ADDED_COLUMNS: [(&str, &str); 3] = [
 ];
 
 pub async fn ensure_table(conn: &mut Conn) -> Result<(), Error> {
-    conn.query_drop(DDL).await?;
-    let have: Vec<String> = conn
-        .query(
-            "SELECT COLUMN_NAME FROM information_schema.COLUMNS
-              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outboxd_state'",
-        )
-        .await?;
+    // Looked at first, so that a complete table needs no DDL: the relay's own user then needs
+    // no CREATE or ALTER (CREATE TABLE IF NOT EXISTS wants CREATE even when the table exists).
+    let mut have = state_columns(conn).await?;
+    if have.is_empty() {
+        if let Err(e) = conn.query_drop(DDL).await {
+            return Err(refused(conn, e, &super::Gap::Table).await);
+        }
+        have = state_columns(conn).await?;
+    }
+    let missing: Vec<&'static str> = ADDED_COLUMNS
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !have.iter().any(|c| c.eq_ignore_ascii_case(name)))
+        .collect();
     for (name, def) in ADDED_COLUMNS {
-        if !have.iter().any(|c| c.eq_ignore_ascii_case(name)) {
+        if missing.contains(&name) {
             match conn
                 .query_drop(format!("ALTER TABLE outboxd_state ADD COLUMN {name} {def}"))
                 .await
             {
                 // Added by a relay starting at the same moment (duplicate column name).
                 Err(e) if crate::db::mysql::server_code(&e) == Some(1060) => {}
-                r => r?,
+                Err(e) => {
+                    let gap = super::Gap::Columns(missing.clone());
+                    return Err(refused(conn, e, &gap).await);
+                }
+                Ok(()) => {}
             }
         }
     }
     Ok(())
+}
+
+/// What the state table lacks for this version, as the session's user sees it (a table it has
+/// no privilege on looks missing).
+pub async fn gap(conn: &mut Conn) -> Result<Option<super::Gap>, Error> {
+    let have = state_columns(conn).await?;
+    if have.is_empty() {
+        return Ok(Some(super::Gap::Table));
+    }
+    let missing: Vec<&'static str> = ADDED_COLUMNS
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !have.iter().any(|c| c.eq_ignore_ascii_case(name)))
+        .collect();
+    Ok((!missing.is_empty()).then_some(super::Gap::Columns(missing)))
+}
+
+/// The columns of `outboxd_state` the session's user can see (none: no such table, or no
+/// privilege on it).
+async fn state_columns(conn: &mut Conn) -> Result<Vec<String>, Error> {
+    Ok(conn
+        .query(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outboxd_state'",
+        )
+        .await?)
+}
+
+/// Whether a server error is a privilege refusal: table (1142), column (1143) or database
+/// (1044) access denied.
+fn denied(e: &mysql_async::Error) -> bool {
+    matches!(crate::db::mysql::server_code(e), Some(1142 | 1143 | 1044))
+}
+
+/// The session's account as a `GRANT` names it: `'relay'@'%'`.
+pub async fn current_account(conn: &mut Conn) -> Result<String, Error> {
+    let who: Option<String> = conn.query_first("SELECT CURRENT_USER()").await?;
+    let who = who.unwrap_or_default();
+    Ok(match who.rsplit_once('@') {
+        Some((user, host)) => format!("'{user}'@'{host}'"),
+        None => format!("'{who}'"),
+    })
+}
+
+/// A refused change of `outboxd_state` (creating it, adding columns) as the fix says it: the
+/// setup user makes it (docs/operations.md), the relay's user only reads and writes rows.
+async fn refused(conn: &mut Conn, e: mysql_async::Error, gap: &super::Gap) -> Error {
+    use super::Gap;
+    if !denied(&e) {
+        return e.into();
+    }
+    let Ok(account) = current_account(conn).await else {
+        return e.into();
+    };
+    let db: Option<Option<String>> = conn.query_first("SELECT DATABASE()").await.unwrap_or(None);
+    let table = format!(
+        "`{}`.outboxd_state",
+        db.flatten().unwrap_or_default().replace('`', "``")
+    );
+    let why = match &e {
+        mysql_async::Error::Server(s) => s.message.clone(),
+        other => other.to_string(),
+    };
+    match gap {
+        Gap::Table => Error::config(
+            format!("outboxd_state does not exist, or user {account} has no privilege on it, and the user may not create it ({why})"),
+            format!(
+                "run `outboxd setup` as the setup user (docs/operations.md, \"Grants\"), then GRANT SELECT, INSERT, UPDATE ON {table} TO {account};"
+            ),
+        ),
+        Gap::Columns(missing) => Error::config(
+            format!(
+                "outboxd_state lacks the columns {} that this version of outboxd uses, and user {account} may not add them ({why})",
+                missing.join(", ")
+            ),
+            format!(
+                "run `outboxd setup` as the setup user (docs/operations.md, \"Grants\"), or as a user with ALTER on it: {}",
+                ADDED_COLUMNS
+                    .iter()
+                    .filter(|(name, _)| missing.contains(name))
+                    .map(|(name, def)| format!("ALTER TABLE {table} ADD COLUMN {name} {def};"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        ),
+    }
+}
+
+/// Which of SELECT, INSERT and UPDATE on `outboxd_state` the session's user lacks, found by
+/// running each statement on no row inside a transaction that is rolled back (so roles and
+/// every grant level count, and nothing is written or logged).
+pub async fn missing_state_privileges(conn: &mut Conn) -> Result<Vec<&'static str>, Error> {
+    conn.query_drop("START TRANSACTION").await?;
+    let mut missing = Vec::new();
+    for (privilege, probe) in [
+        ("SELECT", "SELECT name FROM outboxd_state WHERE FALSE"),
+        (
+            "INSERT",
+            "INSERT INTO outboxd_state (name, source) SELECT 'x', 'x' FROM DUAL WHERE FALSE",
+        ),
+        ("UPDATE", "UPDATE outboxd_state SET epoch = 0 WHERE FALSE"),
+    ] {
+        match conn.query_drop(probe).await {
+            Ok(()) => {}
+            Err(e) if denied(&e) => missing.push(privilege),
+            Err(e) => {
+                let _ = conn.query_drop("ROLLBACK").await;
+                return Err(e.into());
+            }
+        }
+    }
+    conn.query_drop("ROLLBACK").await?;
+    Ok(missing)
+}
+
+/// An error of a statement on `outboxd_state`: a missing privilege becomes the `GRANT` that
+/// fixes it (probed, so it names exactly what is missing).
+pub async fn state_refused(conn: &mut Conn, e: Error) -> Error {
+    // The client's classifier makes every privilege refusal a configuration error; anything
+    // else (a lease held by another relay, which a standby meets every second) is as it is.
+    if !matches!(e, Error::Config { .. }) {
+        return e;
+    }
+    let Ok(missing) = missing_state_privileges(conn).await else {
+        return e;
+    };
+    if missing.is_empty() {
+        return e;
+    }
+    let Ok(account) = current_account(conn).await else {
+        return e;
+    };
+    let db: Option<Option<String>> = conn.query_first("SELECT DATABASE()").await.unwrap_or(None);
+    Error::config(
+        format!(
+            "user {account} lacks {} on outboxd_state",
+            missing.join(", ")
+        ),
+        format!(
+            "GRANT {} ON `{}`.outboxd_state TO {account};",
+            missing.join(", "),
+            db.flatten().unwrap_or_default().replace('`', "``")
+        ),
+    )
 }
 
 /// Creates the state row of `name` when missing, in a statement of its own: inside the
@@ -161,7 +316,10 @@ pub async fn load(conn: &mut Conn, name: &str) -> Result<Option<StateRow>, Error
     if !table_exists(conn).await? {
         return Ok(None);
     }
-    let r: Option<Raw> = conn.exec_first(SELECT_ROW, (name,)).await?;
+    let r: Option<Raw> = match conn.exec_first(SELECT_ROW, (name,)).await {
+        Ok(r) => r,
+        Err(e) => return Err(state_refused(conn, e.into()).await),
+    };
     Ok(r.map(to_row))
 }
 
@@ -174,6 +332,17 @@ pub async fn acquire(
     holder: &str,
 ) -> Result<(Lease, Option<Checkpoint>), Error> {
     ensure_table(conn).await?;
+    match acquire_row(conn, name, holder).await {
+        Err(e) => Err(state_refused(conn, e).await),
+        ok => ok,
+    }
+}
+
+async fn acquire_row(
+    conn: &mut Conn,
+    name: &str,
+    holder: &str,
+) -> Result<(Lease, Option<Checkpoint>), Error> {
     insert_row(conn, name).await?;
     let mut tx = conn.start_transaction(TxOpts::default()).await?;
     let row: Raw = tx

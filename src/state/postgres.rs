@@ -1,6 +1,7 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
+pub use super::Gap;
 use super::{Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
@@ -292,26 +293,158 @@ impl StateRow {
     }
 }
 
-/// Creates the state table (and columns added after the first release) when missing. One
+/// What the state table lacks, read from the catalog (which every role may read): `None` when
+/// it is complete, so that a start needs no DDL and a role that does not own the table runs.
+pub async fn gap(client: &Client) -> Result<Option<Gap>, Error> {
+    let row = client
+        .query_opt(
+            "SELECT ARRAY(SELECT attname::text FROM pg_attribute
+                           WHERE attrelid = c.oid AND attnum > 0 AND NOT attisdropped)
+               FROM (SELECT to_regclass('outboxd_state') AS oid) c WHERE c.oid IS NOT NULL",
+            &[],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(Some(Gap::Table));
+    };
+    let have: Vec<String> = row.get(0);
+    let missing: Vec<&'static str> = ADDED_COLUMNS
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| !have.iter().any(|h| h == name))
+        .collect();
+    Ok((!missing.is_empty()).then_some(Gap::Columns(missing)))
+}
+
+/// Creates the state table, or adds the columns added after the first release, when the
+/// catalog says something is missing ([`gap`]); changes nothing otherwise. The DDL runs in one
 /// implicit transaction holding the setup lock: relays starting together on a fresh database
-/// would otherwise collide inside `CREATE TABLE IF NOT EXISTS`.
+/// would otherwise collide inside `CREATE TABLE IF NOT EXISTS`. A role that may not make the
+/// change (the relay's own role, which owns nothing) is refused with what to run instead.
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
-    client
+    let Some(missing) = gap(client).await? else {
+        return Ok(());
+    };
+    let added = ADDED_COLUMNS
+        .iter()
+        .map(|(name, ty)| format!("ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS {name} {ty}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let r = client
         .batch_execute(&format!(
-            "SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock({lock}); {DDL}; {ADDED_COLUMNS}",
+            "SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock({lock}); {DDL}; {added}",
             lock = crate::db::postgres::SETUP_LOCK,
         ))
-        .await?;
-    Ok(())
+        .await;
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            // Another session (`outboxd setup`) may have made the change meanwhile.
+            if gap(client).await?.is_none() {
+                return Ok(());
+            }
+            let user = current_user(client).await?;
+            Err(gap_refused(
+                &missing,
+                &user,
+                &crate::db::postgres::describe_pg_error(&e),
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The session's role.
+pub async fn current_user(client: &Client) -> Result<String, Error> {
+    Ok(client
+        .query_one("SELECT current_user::text", &[])
+        .await?
+        .get(0))
+}
+
+/// The refusal of a state table that `user` may not create or complete, with the fix.
+pub fn gap_refused(gap: &Gap, user: &str, why: &str) -> Error {
+    let role = crate::names::pg_ident(user);
+    match gap {
+        Gap::Table => Error::config(
+            format!("outboxd_state does not exist in this database, and role {user} may not create it ({why})"),
+            format!(
+                "run `outboxd setup` as the setup role (docs/operations.md, \"Grants\"), then GRANT SELECT, INSERT, UPDATE ON outboxd_state TO {role};"
+            ),
+        ),
+        Gap::Columns(missing) => Error::config(
+            format!(
+                "outboxd_state lacks the columns {} that this version of outboxd uses, and role {user} may not add them: only its owner can ({why})",
+                missing.join(", ")
+            ),
+            format!(
+                "run `outboxd setup` as the setup role (docs/operations.md, \"Grants\"), or as the table's owner: {}",
+                ADDED_COLUMNS
+                    .iter()
+                    .filter(|(name, _)| missing.contains(name))
+                    .map(|(name, ty)| format!("ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS {name} {ty};"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        ),
+    }
+}
+
+/// The privileges a relay's role needs on `outboxd_state`: reading its row, inserting it on
+/// the first start, and updating the lease and position.
+pub const STATE_PRIVILEGES: [&str; 3] = ["SELECT", "INSERT", "UPDATE"];
+
+/// An error of a statement on `outboxd_state`: a missing privilege becomes the `GRANT` that
+/// fixes it (checked against the catalog, so it names exactly what is missing).
+pub async fn state_refused(client: &Client, e: Error) -> Error {
+    if e.sqlstate() != Some("42501") {
+        return e;
+    }
+    let Ok(missing) = missing_state_privileges(client).await else {
+        return e;
+    };
+    let Ok(user) = current_user(client).await else {
+        return e;
+    };
+    if missing.is_empty() {
+        return e;
+    }
+    Error::config(
+        format!(
+            "role {user} lacks {} on outboxd_state ({e})",
+            missing.join(", ")
+        ),
+        format!(
+            "GRANT {} ON outboxd_state TO {};",
+            missing.join(", "),
+            crate::names::pg_ident(&user)
+        ),
+    )
+}
+
+/// Which of [`STATE_PRIVILEGES`] the session's role lacks on an existing `outboxd_state`.
+pub async fn missing_state_privileges(client: &Client) -> Result<Vec<&'static str>, Error> {
+    let mut missing = Vec::new();
+    for p in STATE_PRIVILEGES {
+        let has: bool = client
+            .query_one("SELECT has_table_privilege('outboxd_state', $1)", &[&p])
+            .await?
+            .get(0);
+        if !has {
+            missing.push(p);
+        }
+    }
+    Ok(missing)
 }
 
 /// Columns added after the first release, for state tables created before them.
-const ADDED_COLUMNS: &str =
-    "ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS replay_since timestamptz;
-     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS position_commit_at timestamptz;
-     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS slot_created_lsn pg_lsn;
-     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS snapshot_key text;
-     ALTER TABLE outboxd_state ADD COLUMN IF NOT EXISTS progress text";
+const ADDED_COLUMNS: [(&str, &str); 5] = [
+    ("replay_since", "timestamptz"),
+    ("position_commit_at", "timestamptz"),
+    ("slot_created_lsn", "pg_lsn"),
+    ("snapshot_key", "text"),
+    ("progress", "text"),
+];
 
 pub async fn table_exists(client: &Client) -> Result<bool, Error> {
     let row = client
@@ -324,7 +457,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
     if !table_exists(client).await? {
         return Ok(None);
     }
-    let row = client
+    let row = match client
         .query_opt(
             "SELECT name, slot, publication, epoch, lease_holder,
                     coalesce(lease_expires_at > now(), false), position_lsn::text,
@@ -333,7 +466,11 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
                FROM outboxd_state WHERE name = $1",
             &[&name],
         )
-        .await?;
+        .await
+    {
+        Ok(row) => row,
+        Err(e) => return Err(state_refused(client, e.into()).await),
+    };
     Ok(row.map(|r| StateRow {
         name: r.get(0),
         slot: r.get(1),
@@ -456,6 +593,19 @@ pub async fn acquire(
     holder: &str,
 ) -> Result<Lease, Error> {
     ensure_table(client).await?;
+    match acquire_row(client, name, slot, publication, holder).await {
+        Err(e) => Err(state_refused(client, e).await),
+        ok => ok,
+    }
+}
+
+async fn acquire_row(
+    client: &mut Client,
+    name: &str,
+    slot: &str,
+    publication: &str,
+    holder: &str,
+) -> Result<Lease, Error> {
     let tx = client.transaction().await?;
     tx.execute(
         "INSERT INTO outboxd_state (name, source, slot, publication) VALUES ($1, 'postgres', $2, $3)

@@ -2,8 +2,9 @@
 //! retire`) serialise on a lock and never undo each other nor another program's change, a
 //! symlinked keyring keeps its target, owner and mode; `reencrypt --keystore` seals under the
 //! aggregate's data key so that `keys forget` erases everything, and `keys forget` refuses while
-//! anything of the aggregate would still open; destructive confirmations never come from the
-//! config file, and a config file's sections scope keys to one command.
+//! anything of the aggregate would still open, and with `--vacuum` leaves no copy of the wrapped
+//! key in the key table's pages; destructive confirmations never come from the config file,
+//! and a config file's sections scope keys to one command.
 
 use crate::common::*;
 use crate::crypto_cli::outboxd;
@@ -766,4 +767,147 @@ async fn keys_forget_verifies_a_mysql_outbox_too() {
     let enc = Encryptor::new(keyring, Schema::default()).with_keystore(ks);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(enc.decrypt_event(kept, &v).await.unwrap().erased.len(), 2);
+}
+
+// ---- keys forget: what the UPDATE leaves behind, and the rewrite that removes it ----
+
+/// Whether any 16-character piece of a wrapped key's ciphertext is in a page of the key table
+/// (its heap, and its TOAST table if it has one), read raw with pageinspect: what a copy of the
+/// data files would give away, not what SQL shows.
+async fn in_pages(client: &tokio_postgres::Client, wrapped: &str) -> bool {
+    let sealed = wrapped.rsplit(':').next().unwrap();
+    assert!(sealed.len() >= 32, "{wrapped}");
+    let pieces: Vec<Vec<u8>> = sealed
+        .as_bytes()
+        .chunks_exact(16)
+        .map(<[u8]>::to_vec)
+        .collect();
+    let rels: Vec<String> = client
+        .query(
+            "SELECT 'outboxd_data_keys' UNION ALL
+             SELECT reltoastrelid::regclass::text FROM pg_class
+              WHERE oid = 'outboxd_data_keys'::regclass AND reltoastrelid <> 0",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for rel in rels {
+        let found: bool = client
+            .query_one(
+                "SELECT coalesce(bool_or(position(p IN get_raw_page($1::text, b::int)) > 0), false)
+                   FROM generate_series(0, pg_relation_size($1::text::regclass)
+                                           / current_setting('block_size')::int8 - 1) b,
+                        unnest($2::bytea[]) p",
+                &[&rel, &pieces],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if found {
+            return true;
+        }
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_forget_vacuum_removes_the_wrapped_key_from_the_tables_pages() {
+    let db = PgDb::create("shred_pages").await;
+    let admin = db.client().await;
+    admin
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        .await
+        .unwrap_or_else(|e| {
+            panic!("pageinspect (PostgreSQL's contrib modules) is needed to read raw pages: {e}. Install postgresql-contrib (`sudo scripts/services.sh`)")
+        });
+    let keyring = Keyring::generate(8).unwrap();
+    let dsn = db.dsn();
+    let ks = crypto::shred::Keystore::connect(&dsn).await.unwrap();
+    let producer = outboxd::Outbox::new("outbox")
+        .unwrap()
+        .with_encryption(Encryptor::new(keyring.clone(), shred_schema()).with_keystore(ks));
+    // One event per aggregate, so each gets its data key, one after the other.
+    let mut client = db.client().await;
+    for i in 0..10 {
+        let mut tx = client.transaction().await.unwrap();
+        producer
+            .write(&mut tx, "t", &format!("cust-{i}"), &shred_payload(i))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let wrapped = |agg: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .query_one(
+                    "SELECT wrapped FROM outboxd_data_keys WHERE aggregate_id = $1",
+                    &[&agg],
+                )
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    let (middle, last, kept) = (
+        wrapped("cust-3").await,
+        wrapped("cust-9").await,
+        wrapped("cust-5").await,
+    );
+    let forget = |agg: &str, vacuum: bool| {
+        let mut args = vec![
+            "keys",
+            "forget",
+            "--aggregate",
+            agg,
+            "--keystore",
+            &dsn,
+            "--source",
+            &dsn,
+            "--yes",
+        ];
+        if vacuum {
+            args.push("--vacuum");
+        }
+        outboxd(&args, "", &[])
+    };
+
+    // The UPDATE alone: the key reads as forgotten, but its old row version is still in the
+    // pages, and the command says what removes it.
+    let o = forget("cust-3", false);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("VACUUM FULL outboxd_data_keys;") && o.stderr.contains("backups"),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        in_pages(&admin, &middle).await,
+        "the forgotten key's old row version should still be in the pages"
+    );
+
+    // The documented step, here through --vacuum: gone from every page; a live key is still
+    // found (the search works).
+    let o = forget("cust-9", true);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(
+        o.stdout.contains("rewrote outboxd_data_keys"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        !in_pages(&admin, &middle).await,
+        "cust-3's wrapped key is still in the pages"
+    );
+    assert!(
+        !in_pages(&admin, &last).await,
+        "cust-9's wrapped key is still in the pages"
+    );
+    assert!(
+        in_pages(&admin, &kept).await,
+        "a live key must be found in the pages"
+    );
 }

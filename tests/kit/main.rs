@@ -1,6 +1,7 @@
 //! The consumer and producer kits against real services: the inbox (`processed_messages`) on
-//! Postgres and MariaDB, the AMQP and stream consumer runners end to end, pruning, and per-field encryption
-//! (library, command line and the documented cross-language format).
+//! Postgres and MariaDB, the AMQP and stream consumer runners end to end, pruning, per-field encryption
+//! (library, command line and the documented cross-language format), and the documented
+//! least-privilege roles running the relay's commands and the consumer.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -23,3 +24,4 @@ mod crypto_mysql;
 mod crypto_pg;
 mod crypto_php;
 mod outbox_prune_locks;
+mod privilege;

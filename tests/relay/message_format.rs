@@ -200,7 +200,7 @@ fn check(
 const GROUP_N: u32 = 3;
 
 /// A row's headers: kept ones, and reserved ones the relay must drop.
-const ROW_HEADERS: &str = r#"{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tenant_id": 7, "CC": ["other.topic"], "x-source-position": "forged", "X-Death": "x", "x-partition": "9", "Nats-Msg-Id": "n", "cloudevents:id": "c"}"#;
+const ROW_HEADERS: &str = r#"{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tenant_id": 7, "CC": ["other.topic"], "x-source-position": "forged", "X-Death": "x", "x-partition": "9", "Nats-Msg-Id": "n", "cloudevents:id": "c", "x-outboxd-exchange": "forged"}"#;
 const KEPT: &[&str] = &["traceparent", "tenant_id"];
 
 #[test]

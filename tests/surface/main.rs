@@ -1,5 +1,6 @@
 //! The user-facing surface that needs little or no service: the docs against `--help`,
-//! packaging, the fuzz corpus replay, the config file, the quickstart and docker-compose.
+//! packaging, the fuzz corpus replay, the config file, the quickstart, docker-compose, and no
+//! secret in any command's output.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,3 +12,4 @@ mod fuzz_corpus;
 mod packaging;
 mod quickstart;
 mod tour;
+mod secrets;

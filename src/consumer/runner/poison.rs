@@ -10,7 +10,7 @@ use super::{Job, Shared};
 use crate::backoff::Backoff;
 use crate::consumer::ConsumerError;
 use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Confirmation};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -85,7 +85,21 @@ pub(super) fn parked_headers(
         text.truncate(end);
         text.push('…');
     }
-    let mut headers = props.headers().clone().unwrap_or_default();
+    // Only this consumer says why and where from: a message that arrived with `x-outboxd-*`
+    // headers of its own (another publisher's, or a copy parked before and sent back) keeps
+    // none of them, so nothing it carried can pose as the consumer's account.
+    let mut headers: FieldTable = props
+        .headers()
+        .as_ref()
+        .map(|h| {
+            h.inner()
+                .iter()
+                .filter(|(k, _)| !k.as_str().to_ascii_lowercase().starts_with("x-outboxd-"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>()
+                .into()
+        })
+        .unwrap_or_default();
     let s = |v: &str| AMQPValue::LongString(v.into());
     headers.insert("x-outboxd-error".into(), s(&text));
     headers.insert(
@@ -159,5 +173,42 @@ pub(super) async fn park(
             message: format!("the broker did not take the parked message: {other:?}"),
             retryable: true,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parked_copy_carries_only_this_consumers_account() {
+        let mut forged = FieldTable::default();
+        forged.insert(
+            "x-outboxd-exchange".into(),
+            AMQPValue::LongString("forged".into()),
+        );
+        forged.insert(
+            "X-Outboxd-Stream".into(),
+            AMQPValue::LongString("forged".into()),
+        );
+        forged.insert(
+            "traceparent".into(),
+            AMQPValue::LongString("00-ab-cd-01".into()),
+        );
+        let props = BasicProperties::default().with_headers(forged);
+        let error = ConsumerError::config("bad payload", "fix the producer");
+        let parked = parked_headers(
+            &props,
+            &error,
+            5,
+            &[("x-outboxd-queue", AMQPValue::LongString("invoices".into()))],
+        );
+        let h = parked.headers().clone().unwrap();
+        let names: Vec<&str> = h.inner().keys().map(|k| k.as_str()).collect();
+        assert!(!names.contains(&"X-Outboxd-Stream"), "{names:?}");
+        assert!(!names.contains(&"x-outboxd-exchange"), "{names:?}");
+        assert!(names.contains(&"traceparent"), "{names:?}");
+        assert!(names.contains(&"x-outboxd-queue"), "{names:?}");
+        assert!(names.contains(&"x-outboxd-error"), "{names:?}");
     }
 }

@@ -2,7 +2,7 @@
 //! (never shown unredacted), the subject template and the names derived from it (the stream's
 //! subject filter and the dead subject), and the stream's name.
 
-use crate::dsn::redact_token as redact;
+use crate::dsn::redact;
 use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::template::{self, Template};
 use std::path::PathBuf;

@@ -13,7 +13,7 @@
 //! fails at once, the client gives up and drops what it still queued.
 
 use super::config::{self, Endpoint, NatsConfig};
-use crate::dsn::redact_token as redact;
+use crate::dsn::redact;
 use crate::sink::SinkError;
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, ReconnectToServer, ServerAddr};
 use std::time::Duration;

@@ -22,7 +22,7 @@ pub use config::NatsConfig;
 
 use super::{Delivery, Sink, SinkError};
 use crate::amqp::WireSocket;
-use crate::dsn::redact_token as redact;
+use crate::dsn::redact;
 use crate::event::{OutboxEvent, SourcePosition};
 use crate::state::Fence;
 use crate::telemetry::events::{DuplicateOfAnotherEvent, EventDeduplicated, InternalEvent};

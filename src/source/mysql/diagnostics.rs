@@ -196,14 +196,15 @@ async fn check_table(
 ) -> Result<bool, Error> {
     let infos = snapshot::table_columns(conn, table).await?;
     if infos.is_empty() {
+        let account = crate::state::mysql::current_account(conn).await?;
         out.push(line(
             Level::Fail,
             "outbox table",
-            format!("{} does not exist", table.quoted()),
-            Some(format!(
-                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
-                table.database
-            )),
+            format!(
+                "{} does not exist, or user {account} has no privilege on it",
+                table.quoted()
+            ),
+            Some(admin::not_visible_fix(table).replace("the relay's user", &account)),
         ));
         return Ok(false);
     }
@@ -289,22 +290,33 @@ async fn check_server(
             "REPLICATION CLIENT"
         });
     }
+    let account = crate::state::mysql::current_account(conn).await?;
     out.push(if missing.is_empty() {
-        line(Level::Ok, "grants", "replication and binlog status allowed", None)
+        line(
+            Level::Ok,
+            "grants",
+            "replication and binlog status allowed",
+            None,
+        )
     } else {
         line(
             Level::Fail,
             "grants",
-            format!("missing {}", missing.join(", ")),
+            format!("user {account} lacks {}", missing.join(", ")),
             Some(format!(
-                "GRANT {} ON *.* TO CURRENT_USER;  (run as an administrator, naming the relay's user)",
+                "GRANT {} ON *.* TO {account};  (as an administrator)",
                 missing.join(", ")
             )),
         )
     });
 
     // The table and its columns, mapped exactly as the stream maps them.
-    check_table(conn, table, out).await?;
+    if check_table(conn, table, out).await? {
+        check_select(conn, table, &account, out).await?;
+    }
+    if !check_state_table(conn, &account, out).await? {
+        return check_xa(conn, out).await;
+    }
 
     // The relay's state and whether its position can still be read.
     match crate::state::mysql::load(conn, name).await? {
@@ -343,8 +355,94 @@ async fn check_server(
         },
     }
 
-    // Prepared XA transactions: one with outbox rows left open holds a relay's stored
-    // position before its prepare, and a first start after its prepare is refused.
+    check_xa(conn, out).await
+}
+
+/// Whether the user may read the outbox table's rows (the snapshot of a first start, a
+/// replay): the catalog shows a table on any privilege, a column-level one included.
+async fn check_select(
+    conn: &mut Conn,
+    table: &OutboxTable,
+    account: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<(), Error> {
+    match conn
+        .query_drop(format!("SELECT 1 FROM {} WHERE FALSE", table.quoted()))
+        .await
+    {
+        Ok(()) => {}
+        Err(e) if matches!(super::server_code(&e), Some(1142 | 1143 | 1044)) => out.push(line(
+            Level::Fail,
+            "table privilege",
+            format!("user {account} cannot SELECT {}", table.quoted()),
+            Some(format!("GRANT SELECT ON {} TO {account};", table.quoted())),
+        )),
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
+/// `outboxd_state`: there and complete, and the user may read and write it (each missing
+/// privilege with its `GRANT`). Returns whether the state row can be read.
+async fn check_state_table(
+    conn: &mut Conn,
+    account: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<bool, Error> {
+    let db: Option<Option<String>> = conn.query_first("SELECT DATABASE()").await?;
+    let table = format!(
+        "`{}`.outboxd_state",
+        db.flatten().unwrap_or_default().replace('`', "``")
+    );
+    let gap = crate::state::mysql::gap(conn).await?;
+    if let Some(crate::state::Gap::Columns(missing)) = &gap {
+        out.push(line(
+            Level::Warn,
+            "state table",
+            format!(
+                "outboxd_state lacks the columns {} of this version (the next start adds them if user {account} has ALTER on it)",
+                missing.join(", ")
+            ),
+            Some("outboxd setup  (as the setup user, docs/operations.md \"Grants\")".into()),
+        ));
+    }
+    if gap == Some(crate::state::Gap::Table) {
+        out.push(line(
+            Level::Warn,
+            "state table",
+            format!("outboxd_state does not exist, or user {account} has no privilege on it (`outboxd setup` creates it; so does the first run of a user with CREATE on it)"),
+            Some(format!("outboxd setup  (as the setup user, docs/operations.md \"Grants\"); then GRANT SELECT, INSERT, UPDATE ON {table} TO {account};")),
+        ));
+        return Ok(false);
+    }
+    let missing = crate::state::mysql::missing_state_privileges(conn).await?;
+    out.push(if missing.is_empty() {
+        line(
+            Level::Ok,
+            "state table",
+            format!("user {account} may read and write outboxd_state"),
+            None,
+        )
+    } else {
+        line(
+            Level::Fail,
+            "state table",
+            format!(
+                "user {account} lacks {} on outboxd_state",
+                missing.join(", ")
+            ),
+            Some(format!(
+                "GRANT {} ON {table} TO {account};",
+                missing.join(", ")
+            )),
+        )
+    });
+    Ok(!missing.contains(&"SELECT"))
+}
+
+/// Prepared XA transactions: one with outbox rows left open holds a relay's stored position
+/// before its prepare, and a first start after its prepare is refused.
+async fn check_xa(conn: &mut Conn, out: &mut Vec<CheckLine>) -> Result<(), Error> {
     match admin::xa::recover(conn).await {
         Ok(open) if open.is_empty() => {
             out.push(line(Level::Ok, "prepared XA", "none open", None))

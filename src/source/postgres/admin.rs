@@ -202,12 +202,11 @@ async fn ensure_publication_locked(
         )
         .await?;
     let Some(row) = row else {
-        client
-            .batch_execute(&format!(
-                "CREATE PUBLICATION {} FOR TABLE {list} WITH (publish = 'insert', publish_via_partition_root = true)",
-                pg_ident(publication),
-            ))
-            .await?;
+        let create = create_publication_sql(publication, tables);
+        if let Some(refusal) = publication_refusal(client, publication, tables, false).await? {
+            return Err(refusal.into_error(&create));
+        }
+        client.batch_execute(&create).await?;
         tracing::info!(publication, tables = %list, "created publication");
         return Ok(PublicationChange::Created);
     };
@@ -256,14 +255,230 @@ async fn ensure_publication_locked(
         .map(TableName::pg_quoted)
         .collect::<Vec<_>>()
         .join(", ");
-    client
-        .batch_execute(&format!(
-            "ALTER PUBLICATION {} ADD TABLE {added}",
-            pg_ident(publication)
-        ))
-        .await?;
+    let alter = format!(
+        "ALTER PUBLICATION {} ADD TABLE {added}",
+        pg_ident(publication)
+    );
+    if let Some(refusal) = publication_refusal(client, publication, &missing, true).await? {
+        return Err(refusal.into_error(&alter));
+    }
+    client.batch_execute(&alter).await?;
     tracing::warn!(publication, tables = %added, "added tables to the publication: their inserts are published from now on, rows committed before are not");
     Ok(PublicationChange::Added(missing))
+}
+
+/// `CREATE PUBLICATION` as outboxd creates it: inserts only, partitions under their root's name.
+pub fn create_publication_sql(publication: &str, tables: &[TableName]) -> String {
+    format!(
+        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true)",
+        pg_ident(publication),
+        tables
+            .iter()
+            .map(TableName::pg_quoted)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// Why the session's role cannot create the publication (or, `exists`, add `tables` to it),
+/// and who can: only a table's owner may add it to a publication, only the publication's owner
+/// may alter it, and creating one takes `CREATE` on the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicationRefusal {
+    pub publication: String,
+    pub user: String,
+    pub database: String,
+    /// Tables the role does not own, with their owners.
+    pub not_owned: Vec<(String, String)>,
+    /// The publication's owner, when it exists and the role is not (a member of) it.
+    pub publication_owner: Option<String>,
+    /// Creating: the role lacks `CREATE` on the database.
+    pub no_create: bool,
+    /// Whether it is created (else tables are added to it).
+    pub creating: bool,
+}
+
+impl PublicationRefusal {
+    /// The roles that can run the statement (the owners, else a superuser).
+    pub fn who(&self) -> String {
+        let mut owners: Vec<&str> = self.not_owned.iter().map(|(_, o)| o.as_str()).collect();
+        owners.extend(self.publication_owner.as_deref());
+        owners.sort_unstable();
+        owners.dedup();
+        // Creating one also takes CREATE on the database, whoever runs it.
+        let create = match self.creating {
+            true => format!(", with CREATE on database {}", self.database),
+            false => String::new(),
+        };
+        match owners.as_slice() {
+            [] => format!("a role with CREATE on database {}", self.database),
+            [one] => format!("role {one} (the owner{create}) or a superuser"),
+            many => format!(
+                "a superuser (or a member of each of {}{create})",
+                many.join(", ")
+            ),
+        }
+    }
+
+    /// What is missing, in words.
+    pub fn problem(&self) -> String {
+        let mut why = Vec::new();
+        for (table, owner) in &self.not_owned {
+            why.push(format!("{table} belongs to role {owner}, and only a table's owner can add it to a publication"));
+        }
+        if let Some(owner) = &self.publication_owner {
+            why.push(format!(
+                "the publication belongs to role {owner}, and only its owner can alter it"
+            ));
+        }
+        if self.no_create {
+            why.push(format!(
+                "the role lacks CREATE on database {}",
+                self.database
+            ));
+        }
+        format!(
+            "role {} cannot {} publication {}: {}",
+            self.user,
+            if self.creating {
+                "create the"
+            } else {
+                "add tables to the"
+            },
+            self.publication,
+            why.join("; ")
+        )
+    }
+
+    /// The refusal, with the statement for whoever can run it.
+    pub fn into_error(self, statement: &str) -> Error {
+        let fix = if self.not_owned.is_empty() && self.publication_owner.is_none() {
+            format!(
+                "GRANT CREATE ON DATABASE {} TO {};  (as the database's owner or a superuser), then run this command again",
+                pg_ident(&self.database),
+                pg_ident(&self.user)
+            )
+        } else {
+            format!(
+                "as {}: {statement};  then run this command again (docs/operations.md, \"Grants\")",
+                self.who()
+            )
+        };
+        Error::config(self.problem(), fix)
+    }
+}
+
+/// The refusal the server would give to creating the publication on `tables` (or, `exists`,
+/// adding them to it), found in the catalog before anything runs; `None` when the role may.
+pub async fn publication_refusal(
+    client: &Client,
+    publication: &str,
+    tables: &[TableName],
+    exists: bool,
+) -> Result<Option<PublicationRefusal>, Error> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, current_database()::text,
+                    has_database_privilege(current_database(), 'CREATE'),
+                    (SELECT pg_get_userbyid(pubowner)::text FROM pg_publication
+                      WHERE pubname = $1 AND NOT pg_has_role(pubowner, 'USAGE'))",
+            &[&publication],
+        )
+        .await?;
+    let mut refusal = PublicationRefusal {
+        publication: publication.to_string(),
+        user: row.get(0),
+        database: row.get(1),
+        not_owned: Vec::new(),
+        publication_owner: if exists { row.get(3) } else { None },
+        no_create: !exists && !row.get::<_, bool>(2),
+        creating: !exists,
+    };
+    for t in tables {
+        let owner: Option<String> = client
+            .query_opt(
+                "SELECT pg_get_userbyid(relowner)::text FROM pg_class
+                  WHERE oid = to_regclass($1) AND NOT pg_has_role(relowner, 'USAGE')",
+                &[&t.pg_quoted()],
+            )
+            .await?
+            .map(|r| r.get(0));
+        if let Some(owner) = owner {
+            refusal.not_owned.push((t.pg_quoted(), owner));
+        }
+    }
+    let refused =
+        refusal.no_create || !refusal.not_owned.is_empty() || refusal.publication_owner.is_some();
+    Ok(refused.then_some(refusal))
+}
+
+/// What the publication still needs on `tables` (created, or tables added) when the session's
+/// role cannot do it: the refusal and the statement for whoever can. `None` when nothing is
+/// needed or the role may do it. (A publication that publishes no inserts is refused by
+/// [`ensure_publication`] with its own fix.)
+pub async fn publication_blocker(
+    client: &Client,
+    publication: &str,
+    tables: &[TableName],
+) -> Result<Option<(PublicationRefusal, String)>, Error> {
+    let exists = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?
+        .is_some();
+    if !exists {
+        let create = create_publication_sql(publication, tables);
+        return Ok(publication_refusal(client, publication, tables, false)
+            .await?
+            .map(|r| (r, create)));
+    }
+    let mut missing = Vec::new();
+    for t in tables {
+        let covers: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+                &[&publication, &t.pg_schema(), &t.name],
+            )
+            .await?
+            .get(0);
+        if !covers {
+            missing.push(t.clone());
+        }
+    }
+    if missing.is_empty() {
+        return Ok(None);
+    }
+    let alter = format!(
+        "ALTER PUBLICATION {} ADD TABLE {}",
+        pg_ident(publication),
+        missing
+            .iter()
+            .map(TableName::pg_quoted)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(publication_refusal(client, publication, &missing, true)
+        .await?
+        .map(|r| (r, alter)))
+}
+
+/// The owner of the publication when it exists and the session's role is not (a member of)
+/// it: only the owner can drop it.
+pub async fn publication_foreign_owner(
+    client: &Client,
+    publication: &str,
+) -> Result<Option<String>, Error> {
+    Ok(client
+        .query_opt(
+            "SELECT pg_get_userbyid(pubowner)::text FROM pg_publication
+              WHERE pubname = $1 AND NOT pg_has_role(pubowner, 'USAGE')",
+            &[&publication],
+        )
+        .await?
+        .map(|r| r.get(0)))
 }
 
 /// Whether the table is a partitioned (parent) table.

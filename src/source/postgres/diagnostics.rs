@@ -176,8 +176,9 @@ async fn check_server(
         check_table(client, t, table, &user, out).await?;
         out.push(check_publication(client, t.publication, table).await?);
     }
+    let state_readable = check_state_table(client, &user, out).await?;
     let details = version::slot_details(client, server, t.slot).await?;
-    out.push(check_slot(client, t, details.as_ref()).await?);
+    out.push(check_slot(client, t, details.as_ref(), state_readable).await?);
     let settings = version::settings(client, server).await?;
     out.extend(version::settings_lines(
         server,
@@ -292,6 +293,14 @@ async fn check_replication_grant(
     client: &Client,
     out: &mut Vec<CheckLine>,
 ) -> Result<String, Error> {
+    let grant = replication_grant(client).await?;
+    let (level, detail, fix) = grant.judge();
+    out.push(line(level, "replication privilege", detail, fix));
+    Ok(grant.user)
+}
+
+/// What the session's role holds that lets it replicate.
+pub async fn replication_grant(client: &Client) -> Result<ReplicationGrant, Error> {
     // Managed services grant logical replication without the REPLICATION attribute (Amazon
     // RDS / Aurora: membership of rds_replication) or through their admin role: membership
     // is transitive (`pg_has_role … MEMBER`), so the RDS master user (rds_superuser) counts.
@@ -305,15 +314,12 @@ async fn check_replication_grant(
             &[&MANAGED_ROLES.iter().map(|(r, _)| *r).collect::<Vec<_>>()],
         )
         .await?;
-    let grant = ReplicationGrant {
+    Ok(ReplicationGrant {
         user: role.get(0),
         superuser: role.get(1),
         replication: role.get(2),
         memberships: role.get(3),
-    };
-    let (level, detail, fix) = grant.judge();
-    out.push(line(level, "replication privilege", detail, fix));
-    Ok(grant.user)
+    })
 }
 
 /// One outbox table: it exists, maps onto the column map, and the role may read it.
@@ -376,6 +382,90 @@ async fn check_table(
     Ok(())
 }
 
+/// `outboxd_state`: complete, and the role may read and write it (each missing privilege with
+/// its `GRANT`); where it is missing or old, whether this role's first run can make it so or
+/// `outboxd setup` must. Returns whether the role may read it.
+async fn check_state_table(
+    client: &Client,
+    user: &str,
+    out: &mut Vec<CheckLine>,
+) -> Result<bool, Error> {
+    use state::postgres::{gap, Gap};
+    let row = client
+        .query_one(
+            "SELECT coalesce(has_schema_privilege(current_schema(), 'CREATE'), false),
+                    coalesce((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class
+                               WHERE oid = to_regclass('outboxd_state')), false)",
+            &[],
+        )
+        .await?;
+    let (may_create, owner): (bool, bool) = (row.get(0), row.get(1));
+    let setup = "outboxd setup  (as the setup role, docs/operations.md \"Grants\")".to_string();
+    match gap(client).await? {
+        Some(Gap::Table) => {
+            out.push(if may_create {
+                line(
+                    Level::Ok,
+                    "state table",
+                    "outboxd_state does not exist yet (`outboxd setup` or the first `outboxd run` creates it)",
+                    None,
+                )
+            } else {
+                line(
+                    Level::Fail,
+                    "state table",
+                    format!("outboxd_state does not exist, and role {user} may not create it"),
+                    Some(format!(
+                        "{setup}; then GRANT SELECT, INSERT, UPDATE ON outboxd_state TO {};",
+                        pg_ident(user)
+                    )),
+                )
+            });
+            return Ok(false);
+        }
+        Some(Gap::Columns(missing)) if !owner => out.push(line(
+            Level::Fail,
+            "state table",
+            format!(
+                "outboxd_state lacks the columns {} of this version, and role {user} is not its owner",
+                missing.join(", ")
+            ),
+            Some(setup),
+        )),
+        Some(Gap::Columns(missing)) => out.push(line(
+            Level::Ok,
+            "state table",
+            format!(
+                "outboxd_state lacks the columns {} of this version: the next start adds them",
+                missing.join(", ")
+            ),
+            None,
+        )),
+        None => {}
+    }
+    let missing = state::postgres::missing_state_privileges(client).await?;
+    if missing.is_empty() {
+        out.push(line(
+            Level::Ok,
+            "state table",
+            format!("role {user} may read and write outboxd_state"),
+            None,
+        ));
+    } else {
+        out.push(line(
+            Level::Fail,
+            "state table",
+            format!("role {user} lacks {} on outboxd_state", missing.join(", ")),
+            Some(format!(
+                "GRANT {} ON outboxd_state TO {};",
+                missing.join(", "),
+                pg_ident(user)
+            )),
+        ));
+    }
+    Ok(!missing.contains(&"SELECT"))
+}
+
 /// The publication exists, publishes inserts of `table`, and (partitioned) under its root's name.
 async fn check_publication(
     client: &Client,
@@ -395,11 +485,23 @@ async fn check_publication(
         )
         .await?
         .get(0);
-    let create_pub = format!(
-        "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
-        pg_ident(publication),
-        table.pg_quoted()
-    );
+    // Only the table's owner can add it to a publication: the fix says who, when it is not
+    // this role.
+    let blocker = admin::publication_blocker(client, publication, std::slice::from_ref(table))
+        .await?
+        .map(
+            |(refusal, statement)| match refusal.into_error(&statement) {
+                Error::Config { problem, fix } => format!("{fix}  ({problem})"),
+                other => other.to_string(),
+            },
+        );
+    let create_pub = blocker.clone().unwrap_or_else(|| {
+        format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true);  -- or `outboxd setup`",
+            pg_ident(publication),
+            table.pg_quoted()
+        )
+    });
     let partitioned = admin::is_partitioned(client, table).await?;
     Ok(match pub_row {
         Some(r) if partitioned && !r.get::<_, bool>(1) => line(
@@ -414,7 +516,7 @@ async fn check_publication(
             Level::Fail,
             "publication",
             format!("{} does not publish inserts of {}", publication, table.pg_quoted()),
-            Some(format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(publication), table.pg_quoted())),
+            Some(blocker.unwrap_or_else(|| format!("ALTER PUBLICATION {0} ADD TABLE {1}; ALTER PUBLICATION {0} SET (publish = 'insert');  -- or `outboxd setup`", pg_ident(publication), table.pg_quoted()))),
         ),
     })
 }
@@ -425,8 +527,13 @@ async fn check_slot(
     client: &Client,
     t: &PgTarget<'_>,
     details: Option<&version::SlotDetails>,
+    state_readable: bool,
 ) -> Result<CheckLine, Error> {
-    let state_row = state::postgres::load(client, t.name).await?;
+    // A state row the role may not read was reported with its grant already.
+    let state_row = match state_readable {
+        true => state::postgres::load(client, t.name).await?,
+        false => None,
+    };
     let reason = details
         .and_then(|d| d.invalidation_reason.as_deref())
         .map(|r| format!(", invalidation_reason {r}"))

@@ -199,11 +199,11 @@ pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), E
         .await?;
     if cols.is_empty() {
         return Err(Error::config(
-            format!("the outbox table {} does not exist", table.quoted()),
             format!(
-                "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table",
-                table.database
+                "the outbox table {} does not exist, or this user has no privilege on it",
+                table.quoted()
             ),
+            not_visible_fix(table),
         ));
     }
     for logical in crate::outbox::REQUIRED {
@@ -222,6 +222,16 @@ pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), E
         }
     }
     Ok(())
+}
+
+/// The fix for an outbox table the catalog does not show: MySQL hides a table from a user
+/// without any privilege on it, so "missing" may mean "not granted".
+pub fn not_visible_fix(table: &OutboxTable) -> String {
+    format!(
+        "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table; if it exists: GRANT SELECT ON {} TO the relay's user",
+        table.database,
+        table.quoted()
+    )
 }
 
 /// Creates the reference outbox table (migrations/mysql/001_outbox.sql) under the table's name
