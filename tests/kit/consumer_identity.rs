@@ -6,7 +6,7 @@
 //! migrates in place, idempotently.
 
 use crate::common;
-use crate::consumer_e2e::{start_relay, start_relay_with};
+use crate::consumer_e2e::start_relay_with;
 use crate::consumer_support;
 
 use common::amqp::Topology;
@@ -52,56 +52,48 @@ CREATE TABLE consumer_aggregate_versions (
     PRIMARY KEY (consumer, aggregate_id)
 );";
 
-/// Through the relay: order 42 version 5, then invoice 42 version 1, from an outbox table with
-/// an `aggregate_type` column. Two aggregates: the stale gate applies both.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
-    let db = PgDb::create("ident").await;
+/// The relay (with `relay_args`) publishes what `write` inserts — `n` events — and a
+/// `--stale-gate` consumer drains them: the invoice ids it applied, and the consumer.
+async fn through_the_relay<W, Fut>(
+    db: &PgDb,
+    relay_args: &[&str],
+    n: usize,
+    write: W,
+) -> (Vec<i64>, Proc)
+where
+    W: FnOnce(tokio_postgres::Client) -> Fut,
+    Fut: std::future::Future<Output = tokio_postgres::Client>,
+{
     setup_projection(&db.dsn()).await;
-    let client = db.client().await;
-    client
-        .batch_execute("ALTER TABLE outbox ADD COLUMN aggregate_type text")
-        .await
-        .unwrap();
     let mut topo = Topology::new("xi").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let _relay = start_relay(&db, &name, &topo.exchange);
+    let _relay = start_relay_with(db, &name, &topo.exchange, relay_args);
     wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
     topo.wait_declared(T).await;
     let queue = topo.bind_queue("invoices", "invoice.#").await;
-    for (ty, v, invoice) in [("order", 5i64, 1i64), ("invoice", 1, 2)] {
-        let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
-        client
-            .execute(
-                "INSERT INTO outbox (id, aggregate_id, aggregate_type, topic, payload, version)
-                 VALUES ($1, '42', $2, 'invoice.issued', $3::text::json, $4)",
-                &[&Uuid::now_v7(), &ty, &body, &v],
-            )
-            .await
-            .unwrap();
-    }
+    let client = write(db.client().await).await;
     let conn = amqp::connect().await;
-    wait_for("both events published", T, || {
+    wait_for("every event published", T, || {
         let (conn, queue) = (&conn, &queue);
-        async move { ready(conn, queue).await == 2 }
+        async move { ready(conn, queue).await == n as u32 }
     })
     .await;
-    let stopped = drain(
+    let mut stopped = drain(
         &conn,
         &queue,
         || {
             start_consumer(
                 &db.dsn(),
                 &queue,
-                "typed",
+                "gated",
                 &["--stale-gate", "--until-empty"],
             )
         },
         T,
     )
     .await;
-    let applied: Vec<i64> = client
+    let applied = client
         .query(
             "SELECT invoice_id FROM invoice_ledger ORDER BY invoice_id",
             &[],
@@ -111,17 +103,41 @@ async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
         .iter()
         .map(|r| r.get(0))
         .collect();
+    (applied, stopped.remove(0))
+}
+
+/// Through the relay: order 42 version 5, then invoice 42 version 1, from an outbox table with
+/// an `aggregate_type` column. Two aggregates: the stale gate applies both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
+    let db = PgDb::create("ident").await;
+    db.client()
+        .await
+        .batch_execute("ALTER TABLE outbox ADD COLUMN aggregate_type text")
+        .await
+        .unwrap();
+    let (applied, consumer) = through_the_relay(&db, &[], 2, |client| async move {
+        for (ty, v, invoice) in [("order", 5i64, 1i64), ("invoice", 1, 2)] {
+            let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
+            client
+                .execute(
+                    "INSERT INTO outbox (id, aggregate_id, aggregate_type, topic, payload, version)
+                     VALUES ($1, '42', $2, 'invoice.issued', $3::text::json, $4)",
+                    &[&Uuid::now_v7(), &ty, &body, &v],
+                )
+                .await
+                .unwrap();
+        }
+        client
+    })
+    .await;
     assert_eq!(
         applied,
         vec![1, 2],
         "invoice 42 v1 is not stale after order 42 v5; consumer stderr:\n{}",
-        stopped[0].stderr()
+        consumer.stderr()
     );
-    let stale: i64 = stopped
-        .iter()
-        .map(|p| p.stats()["stale"].as_i64().unwrap_or(0))
-        .sum();
-    assert_eq!(stale, 0);
+    assert_eq!(consumer.stats()["stale"].as_i64().unwrap_or(0), 0);
 }
 
 /// Through the relay reading two outbox tables: aggregate 42 of `outbox` at versions 9 and 10,
@@ -130,77 +146,39 @@ async fn stale_gate_tells_aggregate_types_apart_through_the_relay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stale_gate_tells_outbox_tables_apart_through_the_relay() {
     let db = PgDb::create("identt").await;
-    setup_projection(&db.dsn()).await;
-    let client = db.client().await;
-    client
+    db.client()
+        .await
         .batch_execute("CREATE TABLE outbox2 (LIKE outbox INCLUDING ALL)")
         .await
         .unwrap();
-    let mut topo = Topology::new("xt").await;
-    let name = unique("r");
-    let slot = format!("outboxd_{name}");
-    let _relay = start_relay_with(
-        &db,
-        &name,
-        &topo.exchange,
-        &["--table", "outbox", "--table", "outbox2"],
-    );
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
-    topo.wait_declared(T).await;
-    let queue = topo.bind_queue("invoices", "invoice.#").await;
-    for (table, v, invoice) in [
-        ("outbox", 9i64, 1i64),
-        ("outbox", 10, 2),
-        ("outbox2", 1, 3),
-        ("outbox2", 2, 4),
-    ] {
-        let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
+    let tables = ["--table", "outbox", "--table", "outbox2"];
+    let (applied, consumer) = through_the_relay(&db, &tables, 4, |client| async move {
+        for (table, v, invoice) in [
+            ("outbox", 9i64, 1i64),
+            ("outbox", 10, 2),
+            ("outbox2", 1, 3),
+            ("outbox2", 2, 4),
+        ] {
+            let body = String::from_utf8(invoice_body(invoice, "cust-42", 100)).unwrap();
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO {table} (id, aggregate_id, topic, payload, version)
+                         VALUES ($1, '42', 'invoice.issued', $2::text::json, $3)"
+                    ),
+                    &[&Uuid::now_v7(), &body, &v],
+                )
+                .await
+                .unwrap();
+        }
         client
-            .execute(
-                &format!(
-                    "INSERT INTO {table} (id, aggregate_id, topic, payload, version)
-                     VALUES ($1, '42', 'invoice.issued', $2::text::json, $3)"
-                ),
-                &[&Uuid::now_v7(), &body, &v],
-            )
-            .await
-            .unwrap();
-    }
-    let conn = amqp::connect().await;
-    wait_for("the four events published", T, || {
-        let (conn, queue) = (&conn, &queue);
-        async move { ready(conn, queue).await == 4 }
     })
     .await;
-    let stopped = drain(
-        &conn,
-        &queue,
-        || {
-            start_consumer(
-                &db.dsn(),
-                &queue,
-                "tables",
-                &["--stale-gate", "--until-empty"],
-            )
-        },
-        T,
-    )
-    .await;
-    let applied: Vec<i64> = client
-        .query(
-            "SELECT invoice_id FROM invoice_ledger ORDER BY invoice_id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
     assert_eq!(
         applied,
         vec![1, 2, 3, 4],
         "aggregate 42 of outbox2 is not stale after aggregate 42 of outbox at v10; consumer stderr:\n{}",
-        stopped[0].stderr()
+        consumer.stderr()
     );
 }
 
