@@ -251,6 +251,14 @@ pub struct KafkaArgs {
     /// Kafka sink: how long the producer waits to fill a batch (librdkafka's linger.ms).
     #[arg(long, env = "OUTBOXD_KAFKA_LINGER", value_parser = parse_duration, default_value = "5ms")]
     pub kafka_linger: Duration,
+    /// Kafka sink: an event whose payload is NULL or blank becomes a tombstone (a record with
+    /// the key and no value, for compacted topics) instead of a dead record.
+    #[arg(long, env = "OUTBOXD_KAFKA_TOMBSTONES")]
+    pub kafka_tombstones: bool,
+    /// Kafka sink: the record's partition is this integer column's value (a NULL value leaves
+    /// it to the key) instead of the key's murmur2.
+    #[arg(long, env = "OUTBOXD_KAFKA_PARTITION_COLUMN", value_name = "COLUMN")]
+    pub kafka_partition_column: Option<String>,
 }
 
 impl KafkaArgs {
@@ -262,6 +270,11 @@ impl KafkaArgs {
             replication: self.kafka_replication,
             max_message_bytes: self.kafka_max_message_bytes,
             linger: self.kafka_linger,
+            tombstones: self.kafka_tombstones,
+            partition_column: self
+                .kafka_partition_column
+                .as_deref()
+                .map(|c| c.trim().to_string()),
         }
     }
 }

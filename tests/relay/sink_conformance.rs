@@ -63,6 +63,7 @@ fn events(tag: &str, n: u32) -> Vec<OutboxEvent> {
             table: None,
             extra: Vec::new(),
             content_type: None,
+            empty_payload: false,
         })
         .collect()
 }
