@@ -247,6 +247,7 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics:
         key_file: args.sink.sink_key.clone(),
         connection_name: "outboxd check".into(),
         partitions,
+        headers: Vec::new(),
     };
     if let Err(e) = cfg.validate() {
         return vec![fail(e.to_string())];

@@ -133,6 +133,23 @@ pub fn parse_envelope_fields(specs: &[String]) -> Result<Vec<EnvelopeField>, cra
     Ok(out)
 }
 
+/// The `--header` columns of `event` (see [`MessageOptions::column_headers`]), for a sink
+/// that takes no other message option (NATS).
+pub fn column_headers<'a>(
+    headers: &'a [ColumnHeader],
+    event: &'a OutboxEvent,
+) -> impl Iterator<Item = (&'a str, HeaderValue)> + 'a {
+    headers.iter().filter_map(move |h| {
+        let value = match event.extra_column(&h.column) {
+            Some(v) if !crate::names::EVENT_FIELDS.contains(&h.column.as_str()) => {
+                HeaderValue::of_column(v)
+            }
+            _ => HeaderValue::Str(lookup(event, &h.column)?.into_owned()),
+        };
+        Some((h.name.as_str(), value))
+    })
+}
+
 /// Where a message goes and what it is made of, for every sink.
 #[derive(Debug, Clone)]
 pub struct MessageOptions {
@@ -199,15 +216,7 @@ impl MessageOptions {
         &'a self,
         event: &'a OutboxEvent,
     ) -> impl Iterator<Item = (&'a str, HeaderValue)> + 'a {
-        self.headers.iter().filter_map(move |h| {
-            let value = match event.extra_column(&h.column) {
-                Some(v) if !crate::names::EVENT_FIELDS.contains(&h.column.as_str()) => {
-                    HeaderValue::of_column(v)
-                }
-                _ => HeaderValue::Str(lookup(event, &h.column)?.into_owned()),
-            };
-            Some((h.name.as_str(), value))
-        })
+        column_headers(&self.headers, event)
     }
 
     /// The body, its content type and the format's own headers (CloudEvents binary mode).

@@ -327,6 +327,7 @@ async fn sink_conformance_nats() {
         key_file: None,
         connection_name: "outboxd sink conformance".into(),
         partitions: 0,
+        headers: Vec::new(),
     })
     .expect("NATS sink");
     sink_suite(Nats { sink, stream }).await;
