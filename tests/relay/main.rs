@@ -7,6 +7,7 @@ mod common;
 
 mod concurrent_start;
 mod conformance;
+mod debezium;
 mod fault_suite;
 mod faults;
 mod ha;
