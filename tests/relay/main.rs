@@ -8,6 +8,7 @@ mod common;
 mod concurrent_start;
 mod conformance;
 mod debezium;
+mod debezium_takeover;
 mod fault_suite;
 mod faults;
 mod ha;
