@@ -1461,3 +1461,65 @@ async fn should_produce_tombstone_event_for_null_payload<D: Dbz>(via: Via) {
     }
     c.stop().await;
 }
+
+/// Runs a scenario that needs no sink on both databases: `name::{postgres,mariadb}`.
+macro_rules! on_both {
+    ($($scenario:ident),*) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$scenario::<crate::common::PgDb>().await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mariadb() {
+                super::$scenario::<crate::common::MyDb>().await
+            }
+        }
+    )*};
+}
+
+on_both!(check_names_a_column_the_flags_need_and_the_table_lacks);
+
+/// `outboxd check` maps the table with the columns `run` would read with the same flags: a
+/// `--header` or `--envelope-field` column the table lacks fails the "outbox table" line with
+/// the `ALTER TABLE` that adds it; without them the line is ok.
+async fn check_names_a_column_the_flags_need_and_the_table_lacks<D: Dbz>() {
+    let db = D::create("dbzcheck").await;
+    db.exec(&D::reference_table(D::JSON, "")).await;
+    let dsn = db.dsn();
+    let check = |extra: &'static [&'static str]| {
+        let mut args = vec![
+            "check".to_string(),
+            "--source".into(),
+            dsn.clone(),
+            "--column".into(),
+            "debezium".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        async move {
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut p = Relay::start(&a);
+            p.wait_exit(T).await;
+            let out = p.lines();
+            // The table's line and its fix.
+            let at = out
+                .iter()
+                .position(|l| l.contains("outbox table:"))
+                .unwrap_or_else(|| panic!("an outbox table line: {out:#?}"));
+            out[at..(at + 2).min(out.len())].join("\n")
+        }
+    };
+    let ok = check(&[]).await;
+    assert!(ok.starts_with("ok"), "{ok}");
+    for flags in [
+        &["--header", "nope=x-nope"][..],
+        &["--envelope-field", "nope=alias"][..],
+    ] {
+        let line = check(flags).await;
+        assert!(
+            line.starts_with("FAIL") && line.contains("\"nope\"") && line.contains("ALTER TABLE"),
+            "{flags:?}: {line}"
+        );
+    }
+}
