@@ -60,6 +60,8 @@ trait Dbz: SourceDb {
     fn json(s: &str) -> String;
     /// A literal for a bytes column holding `s`.
     fn bytes(s: &str) -> String;
+    /// Whether relay `name` streams from this database now.
+    async fn streaming_now(&self, name: &str) -> bool;
 }
 
 fn quote(s: &str) -> String {
@@ -93,6 +95,9 @@ impl Dbz for common::PgDb {
     fn bytes(s: &str) -> String {
         format!("convert_to({}, 'UTF8')", quote(s))
     }
+    async fn streaming_now(&self, name: &str) -> bool {
+        self.slot_active(format!("outboxd_{name}")).await
+    }
 }
 
 impl Dbz for common::MyDb {
@@ -121,6 +126,9 @@ impl Dbz for common::MyDb {
     }
     fn bytes(s: &str) -> String {
         quote(s)
+    }
+    async fn streaming_now(&self, _name: &str) -> bool {
+        self.streaming().await
     }
 }
 
@@ -321,8 +329,11 @@ impl<D: Dbz> Case<D> {
     async fn start(&mut self, extra: &[&str]) {
         let dsn = self.db.dsn();
         let sink = self.sink();
-        let relay = Relay::start_with_env(&self.args(&dsn, extra), &[("OUTBOXD_SINK", &sink)]);
-        self.db.wait_streaming(&self.name).await;
+        let mut relay = Relay::start_with_env(&self.args(&dsn, extra), &[("OUTBOXD_SINK", &sink)]);
+        let (db, name) = (&self.db, &self.name);
+        relay
+            .wait_running("the relay to stream", T, || db.streaming_now(name))
+            .await;
         if let Some(t) = self.topo.as_mut() {
             t.wait_declared(T).await;
             self.queue = Some(t.bind_queue("all", "#").await);
@@ -398,8 +409,9 @@ impl<D: Dbz> Case<D> {
                     }
                     assert!(
                         std::time::Instant::now() < deadline,
-                        "{} of {n} records in {topics:?} after {T:?}",
-                        out.len()
+                        "{} of {n} records in {topics:?} after {T:?}; the relay's stderr:\n{}",
+                        out.len(),
+                        self.relay.as_ref().map(Relay::stderr).unwrap_or_default()
                     );
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
