@@ -204,6 +204,44 @@ pub fn parse_lsn(s: &str) -> Option<u64> {
     Some((hi << 32) | lo)
 }
 
+/// An extra column's value (see [`OutboxEvent::extra`]): its text as the database renders it
+/// (what templates use: `t` for a Postgres boolean) and the type a message header keeps
+/// (docs/message-format.md, "Header values from columns").
+#[derive(Debug, Clone, PartialEq)]
+pub struct ColumnValue {
+    pub text: String,
+    pub typed: Typed,
+}
+
+/// The type of a column value, where a header can carry it: booleans, integers and floating
+/// point numbers; everything else (numeric, dates and times, UUIDs, JSON, text) is text.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Typed {
+    Text,
+    Bool(bool),
+    Int(i64),
+    /// A double (Postgres `float8`, MySQL `DOUBLE`).
+    Float(f64),
+    /// A single-precision float (Postgres `real`, MySQL `FLOAT`).
+    Float32(f32),
+}
+
+impl ColumnValue {
+    /// A text value.
+    pub fn text(text: impl Into<String>) -> ColumnValue {
+        ColumnValue {
+            text: text.into(),
+            typed: Typed::Text,
+        }
+    }
+}
+
+impl From<&str> for ColumnValue {
+    fn from(s: &str) -> Self {
+        ColumnValue::text(s)
+    }
+}
+
 /// One outbox row, decoded. `payload` holds the JSON text exactly as the server rendered it:
 /// it becomes the message body byte for byte.
 #[derive(Debug, Clone)]
@@ -229,11 +267,15 @@ pub struct OutboxEvent {
     /// (`x-outbox-table`); one table's messages stay as docs/message-format.md has them.
     pub table: Option<std::sync::Arc<str>>,
     /// Values of the extra columns templates and `--header` name (empty unless configured;
-    /// a NULL value is absent), as text.
-    pub extra: Vec<(std::sync::Arc<str>, String)>,
+    /// a NULL value is absent): their text, and their type where a header keeps it.
+    pub extra: Vec<(std::sync::Arc<str>, ColumnValue)>,
     /// The payload's content type when it is not JSON (`--payload-content-type`, or the row's
     /// content type column); `None` is `application/json`.
     pub content_type: Option<std::sync::Arc<str>>,
+    /// The payload is NULL or blank and nothing else is wrong with the row: a dead record like
+    /// any poison on every sink, but a tombstone on Kafka with `--kafka-tombstones` (Debezium's
+    /// `route.tombstone.on.empty.payload`).
+    pub empty_payload: bool,
 }
 
 impl OutboxEvent {
@@ -245,7 +287,7 @@ impl OutboxEvent {
             + self
                 .extra
                 .iter()
-                .map(|(k, v)| k.len() + v.len() + 32)
+                .map(|(k, v)| k.len() + v.text.len() + 32)
                 .sum::<usize>()
             + 128
     }
@@ -255,7 +297,12 @@ impl OutboxEvent {
         self.extra
             .iter()
             .find(|(k, _)| &**k == key)
-            .map(|(_, v)| v.as_str())
+            .map(|(_, v)| v.text.as_str())
+    }
+
+    /// An extra column's value with its type (see [`OutboxEvent::extra`]).
+    pub fn extra_column(&self, key: &str) -> Option<&ColumnValue> {
+        self.extra.iter().find(|(k, _)| &**k == key).map(|(_, v)| v)
     }
 
     /// Whether the payload is JSON (the default) rather than bytes of another content type.
@@ -424,6 +471,7 @@ mod tests {
                 table: None,
                 extra: Vec::new(),
                 content_type: None,
+                empty_payload: false,
             };
             e.position = SourcePosition::Pg { commit_lsn, index };
             e

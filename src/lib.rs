@@ -92,6 +92,9 @@ pub mod tls;
 // The relay.
 #[cfg(feature = "relay")]
 #[doc(hidden)]
+pub mod debezium;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
 pub mod diagnostics;
 #[cfg(all(feature = "relay", feature = "test-util"))]
 #[doc(hidden)]

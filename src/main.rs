@@ -7,8 +7,8 @@
 // modules they use at this crate's root, so those paths read the same as they did inside the
 // library.
 use outboxd::{
-    consumer, crypto, db, diagnostics, dsn, event, outbox, pipeline, progress, relay, secret_file,
-    sink, source, state, telemetry, tls, Error,
+    consumer, crypto, db, debezium, diagnostics, dsn, event, outbox, pipeline, progress, relay,
+    secret_file, sink, source, state, telemetry, tls, Error,
 };
 
 mod commands;

@@ -306,6 +306,7 @@ pub fn to_simple(v: &AMQPValue) -> SimpleValue {
         AMQPValue::LongLongInt(i) => long(*i),
         AMQPValue::LongInt(i) => long(i64::from(*i)),
         AMQPValue::Double(d) => SimpleValue::Double((*d).into()),
+        AMQPValue::Float(f) => SimpleValue::Float((*f).into()),
         AMQPValue::LongString(s) => {
             SimpleValue::String(String::from_utf8_lossy(s.as_bytes()).into_owned())
         }

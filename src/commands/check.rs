@@ -31,10 +31,20 @@ pub struct CheckArgs {
     pub stream_management_url: Option<crate::dsn::DsnArg>,
     #[command(flatten)]
     pub kafka: KafkaArgs,
-    /// Kafka sink: the topic template (as `run --routing-key`; default `{topic}`, with
-    /// --column debezium `outbox.event.{aggregate_type}`).
+    /// The routing key (Kafka: topic) template, as `run --routing-key` (default `{topic}`, with
+    /// --column debezium `outbox.event.{aggregate_type}`): the columns it names must exist.
     #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
     pub routing_key: Option<String>,
+    /// As `run --header COLUMN=NAME`: the columns named must exist in the outbox table.
+    #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
+    pub headers: Vec<String>,
+    /// As `run --envelope-field COLUMN[=ALIAS]`: the columns named must exist.
+    #[arg(
+        long = "envelope-field",
+        env = "OUTBOXD_ENVELOPE_FIELD",
+        value_delimiter = ','
+    )]
+    pub envelope_fields: Vec<String>,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -50,7 +60,23 @@ pub struct CheckArgs {
 }
 
 pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
-    let r = resolve_source(&args.source, m)?;
+    let mut r = resolve_source(&args.source, m)?;
+    // The table is checked against every column `run` would read with these flags.
+    let kafka_sink = sink_url(&args, m, "sink")
+        .ok()
+        .flatten()
+        .is_some_and(|u| matches!(SinkDsn::parse(&u), Ok(SinkDsn::Kafka(_))));
+    r.columns = super::run::columns_named(
+        &r.columns,
+        args.routing_key.as_deref(),
+        &args.sink.exchange,
+        &args.headers,
+        &args.envelope_fields,
+        args.kafka
+            .kafka_partition_column
+            .as_deref()
+            .filter(|_| kafka_sink),
+    )?;
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let mut lines = Vec::new();
         for table in pipeline::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
@@ -221,6 +247,7 @@ async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics:
         key_file: args.sink.sink_key.clone(),
         connection_name: "outboxd check".into(),
         partitions,
+        headers: Vec::new(),
     };
     if let Err(e) = cfg.validate() {
         return vec![fail(e.to_string())];

@@ -153,6 +153,18 @@ pub enum Command {
     /// Print the effective configuration of `run` (flags, environment, --config file and
     /// defaults, each value's origin), secrets redacted; takes the same flags as `run`.
     Config(RunArgs),
+    /// Print the outboxd config file equivalent to a Debezium connector's configuration (Kafka
+    /// Connect JSON or Debezium Server application.properties), naming each option it cannot
+    /// carry over and why.
+    FromDebezium(FromDebeziumArgs),
+}
+
+/// `outboxd from-debezium`.
+#[derive(Debug, Clone, Args)]
+pub struct FromDebeziumArgs {
+    /// The connector's configuration file (`-` for standard input).
+    #[arg(value_name = "PATH")]
+    pub path: std::path::PathBuf,
 }
 
 /// Where the source is. The DSN may carry a password; prefer `--source-file` or the
@@ -255,6 +267,14 @@ pub struct KafkaArgs {
     /// Kafka sink: how long the producer waits to fill a batch (librdkafka's linger.ms).
     #[arg(long, env = "OUTBOXD_KAFKA_LINGER", value_parser = parse_duration, default_value = "5ms")]
     pub kafka_linger: Duration,
+    /// Kafka sink: an event whose payload is NULL or blank becomes a tombstone (a record with
+    /// the key and no value, for compacted topics) instead of a dead record.
+    #[arg(long, env = "OUTBOXD_KAFKA_TOMBSTONES")]
+    pub kafka_tombstones: bool,
+    /// Kafka sink: the record's partition is this integer column's value (a NULL value leaves
+    /// it to the key) instead of the key's murmur2.
+    #[arg(long, env = "OUTBOXD_KAFKA_PARTITION_COLUMN", value_name = "COLUMN")]
+    pub kafka_partition_column: Option<String>,
 }
 
 impl KafkaArgs {
@@ -266,6 +286,11 @@ impl KafkaArgs {
             replication: self.kafka_replication,
             max_message_bytes: self.kafka_max_message_bytes,
             linger: self.kafka_linger,
+            tombstones: self.kafka_tombstones,
+            partition_column: self
+                .kafka_partition_column
+                .as_deref()
+                .map(|c| c.trim().to_string()),
         }
     }
 }
@@ -463,6 +488,7 @@ pub async fn execute(
         Command::Decrypt(args) => crate::commands::crypto::decrypt(args, sub).await,
         Command::Reencrypt(args) => crate::commands::crypto::reencrypt(args, sub, shutdown).await,
         Command::Prune(args) => crate::commands::consumer::prune(args, sub, shutdown).await,
+        Command::FromDebezium(args) => from_debezium(&args),
         Command::Config(_) => {
             use clap::CommandFactory;
             let root = Cli::command();
@@ -476,6 +502,41 @@ pub async fn execute(
             Ok(())
         }
     }
+}
+
+/// `outboxd from-debezium PATH`: the translated file on stdout.
+fn from_debezium(args: &FromDebeziumArgs) -> Result<(), Error> {
+    let text = if args.path.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| {
+            Error::config(
+                format!("reading standard input: {e}"),
+                "pipe the connector's configuration in, or give its path",
+            )
+        })?;
+        s
+    } else {
+        std::fs::read_to_string(&args.path).map_err(|e| {
+            Error::config(
+                format!("cannot read {}: {e}", args.path.display()),
+                "give the path of the connector's JSON (Kafka Connect) or application.properties (Debezium Server)",
+            )
+        })?
+    };
+    let t = crate::debezium::config::translate(&text)?;
+    print!("{}", t.toml);
+    if !t.not_carried.is_empty() {
+        eprintln!(
+            "{} option{} not carried over: listed, with why, at the end of the file",
+            t.not_carried.len(),
+            if t.not_carried.len() == 1 {
+                " is"
+            } else {
+                "s are"
+            }
+        );
+    }
+    Ok(())
 }
 
 fn postgres_only(source: SourceDsn, command: &str) -> Result<crate::dsn::DbDsn, Error> {

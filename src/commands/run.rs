@@ -127,6 +127,15 @@ pub struct RabbitArgs {
     /// separate), e.g. traceparent=traceparent. A NULL value sets no header.
     #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
     pub headers: Vec<String>,
+    /// Place a column beside the payload in the body, as Debezium's `col:envelope:alias`:
+    /// COLUMN or COLUMN=ALIAS (repeat it, or comma separate). The body becomes
+    /// {"payload": <payload>, "<alias>": <value>, …}; needs --format raw.
+    #[arg(
+        long = "envelope-field",
+        env = "OUTBOXD_ENVELOPE_FIELD",
+        value_delimiter = ','
+    )]
+    pub envelope_fields: Vec<String>,
     /// Message body: raw (the payload), envelope (JSON with id, aggregate, topic, payload,
     /// created_at, position), cloudevents (structured, application/cloudevents+json) or
     /// cloudevents-binary (the payload, with cloudEvents:* headers).
@@ -231,12 +240,20 @@ pub fn message_options(
             name: "id".into(),
         });
     }
+    let envelope_fields = format::parse_envelope_fields(&args.envelope_fields)?;
+    if !envelope_fields.is_empty() && args.format != format::BodyFormat::Raw {
+        return Err(Error::config(
+            format!("--envelope-field places columns beside the payload of --format raw; --format {:?} has a body of its own", args.format),
+            "drop --format (raw is the default), or drop --envelope-field and use --header for the columns",
+        ));
+    }
     let message = MessageOptions {
         routing_key,
         exchange: (!exchange.is_constant()).then_some(exchange),
         headers,
         format: args.format,
         ce_source: template("--cloudevents-source", &args.cloudevents_source)?,
+        envelope_fields,
     };
     for name in message.columns() {
         columns.require_extra(name, true);
@@ -254,6 +271,55 @@ pub fn message_options(
     }
     columns.set_payload_content_type(args.payload_content_type.as_deref().map(str::trim));
     Ok((message, columns))
+}
+
+/// The column map `check` maps the table with: the one `run` would read with the same
+/// `--routing-key`, `--exchange`, `--header`, `--envelope-field` and (with a Kafka sink)
+/// `--kafka-partition-column`, so a column they name that the table lacks fails the check.
+pub fn columns_named(
+    columns: &ColumnMap,
+    routing_key: Option<&str>,
+    exchange: &str,
+    headers: &[String],
+    envelope_fields: &[String],
+    kafka_partition_column: Option<&str>,
+) -> Result<ColumnMap, Error> {
+    use crate::sink::format::{self, MessageOptions};
+    use crate::sink::template::Template;
+    let exchange = Template::parse(exchange)
+        .map_err(|e| Error::config(format!("--exchange: {e}"), TEMPLATE_FIX))?;
+    let message = MessageOptions {
+        routing_key: routing_template(routing_key, columns)?,
+        exchange: (!exchange.is_constant()).then_some(exchange),
+        headers: format::parse_column_headers(headers)?,
+        envelope_fields: format::parse_envelope_fields(envelope_fields)?,
+        ..MessageOptions::default()
+    };
+    let mut columns = columns.clone();
+    for name in message.columns() {
+        columns.require_extra(name, true);
+    }
+    if let Some(c) = kafka_partition_column {
+        columns.require_extra(&plain_column("--kafka-partition-column", c)?, true);
+    }
+    columns.require_extra("aggregate_type", false);
+    Ok(columns)
+}
+
+/// A column name as a flag gives it: letters, digits, `_` and `$`.
+fn plain_column(flag: &str, name: &str) -> Result<String, Error> {
+    let name = name.trim();
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_alphanumeric() || c == '_' || c == '$')
+    {
+        return Err(Error::config(
+            format!("{flag} {name:?} is not a column name"),
+            format!("name the column without quotes or spaces, e.g. {flag} partition"),
+        ));
+    }
+    Ok(name.to_string())
 }
 
 fn sink_url(sink: &SinkDsn) -> String {
@@ -293,7 +359,10 @@ pub(super) async fn run(
             "use --window 5000 (the default)",
         ));
     }
-    let (message, columns) = message_options(&args.rabbit, r.columns.clone())?;
+    let (message, mut columns) = message_options(&args.rabbit, r.columns.clone())?;
+    if let (SinkDsn::Kafka(_), Some(c)) = (&sink, &args.kafka.kafka_partition_column) {
+        columns.require_extra(&plain_column("--kafka-partition-column", c)?, true);
+    }
     let exchange = if message.exchange.is_some() {
         if args.rabbit.partitions.validate()?.partitions > 0 {
             return Err(Error::config(

@@ -85,6 +85,71 @@ pub fn parse_column_headers(specs: &[String]) -> Result<Vec<ColumnHeader>, crate
     Ok(out)
 }
 
+/// `--envelope-field COLUMN[=ALIAS]`: a column placed beside the payload in the body, as
+/// Debezium's Outbox Event Router places `col:envelope:alias` additional fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvelopeField {
+    /// A field every event has, a logical column or the table's column (as `--header`'s).
+    pub column: String,
+    /// The field's name in the body (the column's name when not given).
+    pub alias: String,
+}
+
+/// Parses the `--envelope-field` values.
+pub fn parse_envelope_fields(specs: &[String]) -> Result<Vec<EnvelopeField>, crate::Error> {
+    let mut out: Vec<EnvelopeField> = Vec::new();
+    for spec in specs.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let (column, alias) = match spec.split_once('=') {
+            Some((c, a)) => (c.trim(), a.trim()),
+            None => (spec, spec),
+        };
+        if column.is_empty()
+            || !column
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
+        {
+            return Err(crate::Error::config(
+                format!("--envelope-field {spec:?}: {column:?} is not a column name"),
+                "write COLUMN or COLUMN=ALIAS, e.g. --envelope-field type=eventType",
+            ));
+        }
+        if alias.is_empty() || alias.chars().any(|c| c.is_control()) {
+            return Err(crate::Error::config(
+                format!("--envelope-field {spec:?}: {alias:?} is not a field name"),
+                "write COLUMN or COLUMN=ALIAS, e.g. --envelope-field type=eventType",
+            ));
+        }
+        if alias == "payload" || out.iter().any(|f| f.alias == alias) {
+            return Err(crate::Error::config(
+                format!("--envelope-field {spec:?}: the body already has a field {alias:?}"),
+                "give each field its own alias (\"payload\" holds the payload), e.g. --envelope-field payload=body_copy",
+            ));
+        }
+        out.push(EnvelopeField {
+            column: column.to_string(),
+            alias: alias.to_string(),
+        });
+    }
+    Ok(out)
+}
+
+/// The `--header` columns of `event` (see [`MessageOptions::column_headers`]), for a sink
+/// that takes no other message option (NATS).
+pub fn column_headers<'a>(
+    headers: &'a [ColumnHeader],
+    event: &'a OutboxEvent,
+) -> impl Iterator<Item = (&'a str, HeaderValue)> + 'a {
+    headers.iter().filter_map(move |h| {
+        let value = match event.extra_column(&h.column) {
+            Some(v) if !crate::names::EVENT_FIELDS.contains(&h.column.as_str()) => {
+                HeaderValue::of_column(v)
+            }
+            _ => HeaderValue::Str(lookup(event, &h.column)?.into_owned()),
+        };
+        Some((h.name.as_str(), value))
+    })
+}
+
 /// Where a message goes and what it is made of, for every sink.
 #[derive(Debug, Clone)]
 pub struct MessageOptions {
@@ -97,6 +162,8 @@ pub struct MessageOptions {
     pub format: BodyFormat,
     /// `--cloudevents-source`: the CloudEvents `source` attribute.
     pub ce_source: Template,
+    /// `--envelope-field`: with `--format raw`, the body becomes `{"payload": …, <alias>: …}`.
+    pub envelope_fields: Vec<EnvelopeField>,
 }
 
 impl Default for MessageOptions {
@@ -107,6 +174,7 @@ impl Default for MessageOptions {
             headers: Vec::new(),
             format: BodyFormat::Raw,
             ce_source: Template::parse("/outboxd").expect("valid"),
+            envelope_fields: Vec::new(),
         }
     }
 }
@@ -118,6 +186,7 @@ impl MessageOptions {
             .vars()
             .chain(self.exchange.iter().flat_map(|t| t.vars()))
             .chain(self.headers.iter().map(|h| h.column.as_str()))
+            .chain(self.envelope_fields.iter().map(|f| f.column.as_str()))
             .chain(
                 (matches!(
                     self.format,
@@ -141,14 +210,13 @@ impl MessageOptions {
         Ok(rk)
     }
 
-    /// Headers copied from columns (a NULL column sets none).
+    /// Headers copied from columns (a NULL column sets none), typed as the column is: a
+    /// boolean, integer or float column keeps its type, anything else is its text.
     pub fn column_headers<'a>(
         &'a self,
         event: &'a OutboxEvent,
-    ) -> impl Iterator<Item = (&'a str, String)> + 'a {
-        self.headers.iter().filter_map(move |h| {
-            lookup(event, &h.column).map(|v| (h.name.as_str(), v.into_owned()))
-        })
+    ) -> impl Iterator<Item = (&'a str, HeaderValue)> + 'a {
+        column_headers(&self.headers, event)
     }
 
     /// The body, its content type and the format's own headers (CloudEvents binary mode).
@@ -159,6 +227,11 @@ impl MessageOptions {
             .unwrap_or("application/json")
             .to_string();
         match self.format {
+            BodyFormat::Raw if !self.envelope_fields.is_empty() => Ok(Body {
+                bytes: self.debezium_envelope(event)?,
+                content_type: "application/json".into(),
+                headers: Vec::new(),
+            }),
             BodyFormat::Raw => Ok(Body {
                 bytes: event.payload.clone(),
                 content_type: payload_ct,
@@ -227,6 +300,64 @@ impl MessageOptions {
                 })
             }
         }
+    }
+}
+
+impl MessageOptions {
+    /// The body Debezium's Outbox Event Router writes with `col:envelope:alias` fields (as
+    /// Kafka Connect's JsonConverter writes it without schemas, the payload expanded as with
+    /// `table.expand.json.payload`): `{"payload": <payload>, "<alias>": <value>, …}` in
+    /// `--envelope-field` order. A JSON payload is inline, other UTF-8 text a string, other bytes
+    /// base64 (as the converter writes bytes); a value keeps its column's type (boolean, number,
+    /// else its text), NULL is `null`.
+    fn debezium_envelope(&self, event: &OutboxEvent) -> Result<Bytes, String> {
+        let mut out = String::with_capacity(event.payload.len() + 64);
+        out.push_str("{\"payload\":");
+        match payload_json(event) {
+            (Some(PayloadValue::Json(raw)), _) => out.push_str(raw.get()),
+            (Some(PayloadValue::Text(t)), _) => out.push_str(&json_text(&t)?),
+            (None, Some(b64)) => out.push_str(&json_text(&b64)?),
+            (None, None) => out.push_str("null"),
+        }
+        for f in &self.envelope_fields {
+            out.push(',');
+            out.push_str(&json_text(&f.alias)?);
+            out.push(':');
+            out.push_str(&json_text(&field_json(event, &f.column))?);
+        }
+        out.push('}');
+        Ok(Bytes::from(out))
+    }
+}
+
+fn json_text(v: &impl Serialize) -> Result<String, String> {
+    serde_json::to_string(v).map_err(|e| format!("the body cannot be written as JSON: {e}"))
+}
+
+/// A column's value as a JSON value of its type (see [`MessageOptions::debezium_envelope`]):
+/// a float that JSON cannot hold (NaN, infinity) is its text, as for a header.
+fn field_json(event: &OutboxEvent, column: &str) -> serde_json::Value {
+    use crate::event::Typed;
+    use serde_json::Value as J;
+    if crate::names::EVENT_FIELDS.contains(&column) {
+        return lookup(event, column).map_or(J::Null, |v| J::String(v.into_owned()));
+    }
+    let Some(v) = event.extra_column(column) else {
+        return J::Null;
+    };
+    let number = |text: &str| -> J {
+        serde_json::from_str::<serde_json::Number>(text)
+            .map(J::Number)
+            .unwrap_or_else(|_| J::String(text.to_string()))
+    };
+    match v.typed {
+        Typed::Bool(b) => J::Bool(b),
+        Typed::Int(i) => J::from(i),
+        // Their shortest decimal text, so a `real` 0.1 stays 0.1 (not 0.10000000149…).
+        Typed::Float(f) if f.is_finite() => number(&format!("{f}")),
+        Typed::Float32(f) if f.is_finite() => number(&format!("{f}")),
+        Typed::Float(_) | Typed::Float32(_) => J::String(v.text.clone()),
+        Typed::Text => J::String(v.text.clone()),
     }
 }
 
@@ -325,6 +456,55 @@ mod tests {
         MessageOptions {
             format,
             ..Default::default()
+        }
+    }
+
+    /// `--envelope-field`: Debezium's `col:envelope:alias` body, as JsonConverter writes it
+    /// without schemas and with the payload expanded: the payload under "payload", each field
+    /// under its alias in flag order, typed as its column.
+    #[test]
+    fn envelope_fields_wrap_the_payload_as_debeziums_router_does() {
+        use crate::event::{ColumnValue, Typed};
+        let mut o = opts(BodyFormat::Raw);
+        o.envelope_fields = parse_envelope_fields(&crate::sink::specs(
+            "type=eventType,paid,qty,note,gone,id=eventId",
+        ))
+        .unwrap();
+        let mut ev = crate::sink::test_event();
+        ev.extra = vec![
+            ("type".into(), "Order".into()),
+            (
+                "paid".into(),
+                ColumnValue {
+                    text: "f".into(),
+                    typed: Typed::Bool(false),
+                },
+            ),
+            (
+                "qty".into(),
+                ColumnValue {
+                    text: "0.1".into(),
+                    typed: Typed::Float32(0.1),
+                },
+            ),
+            ("note".into(), "7".into()),
+        ];
+        let b = o.body(&ev).unwrap();
+        assert_eq!(b.content_type, "application/json");
+        assert_eq!(
+            std::str::from_utf8(&b.bytes).unwrap(),
+            r#"{"payload":{"a": 1},"eventType":"Order","paid":false,"qty":0.1,"note":"7","gone":null,"eventId":"0190a5c4-7e2b-7000-8000-00000000abcd"}"#
+        );
+        // Bytes that are not UTF-8: base64, as the converter writes a bytes field.
+        ev.payload = Bytes::from_static(b"\xff\x00");
+        ev.content_type = Some("application/octet-stream".into());
+        let v: serde_json::Value = serde_json::from_slice(&o.body(&ev).unwrap().bytes).unwrap();
+        assert_eq!(v["payload"], "/wA=");
+        for bad in ["a b", "x=payload", "a=x,b=x", "=x"] {
+            assert!(
+                parse_envelope_fields(&crate::sink::specs(bad)).is_err(),
+                "{bad}"
+            );
         }
     }
 

@@ -11,21 +11,72 @@ use crate::telemetry::events::{InternalEvent, RowHeaderDropped};
 use std::collections::HashSet;
 use std::sync::Mutex;
 
-/// A header value before a sink encodes it (AMQP field value, NATS header text).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A header value before a sink encodes it: an AMQP field value of its type (RabbitMQ, and
+/// AMQP 1.0 on a stream), or header bytes (Kafka, NATS) as Kafka Connect's default header
+/// converter (`SimpleHeaderConverter`) writes the value Debezium's Outbox Event Router puts in a
+/// header: the string itself, `true`/`false`, an integer in decimal, a float as Java's
+/// `Double.toString`/`Float.toString` (docs/message-format.md, "Header values from columns").
+#[derive(Debug, Clone, PartialEq)]
 pub enum HeaderValue {
     Str(String),
     Int(i64),
+    Bool(bool),
+    Float(f64),
+    Float32(f32),
 }
 
 impl HeaderValue {
-    /// The value as header text (NATS headers are text only).
+    /// The value as header text (Kafka and NATS headers are bytes).
     pub fn to_text(&self) -> String {
         match self {
             HeaderValue::Str(s) => s.clone(),
             HeaderValue::Int(i) => i.to_string(),
+            HeaderValue::Bool(b) => b.to_string(),
+            HeaderValue::Float(f) => java_float_text(*f, format!("{f}"), format!("{f:e}")),
+            HeaderValue::Float32(f) => {
+                java_float_text(f64::from(*f), format!("{f}"), format!("{f:e}"))
+            }
         }
     }
+
+    /// A column's value as its header keeps it.
+    pub fn of_column(v: &crate::event::ColumnValue) -> HeaderValue {
+        use crate::event::Typed;
+        match v.typed {
+            Typed::Text => HeaderValue::Str(v.text.clone()),
+            Typed::Bool(b) => HeaderValue::Bool(b),
+            Typed::Int(i) => HeaderValue::Int(i),
+            Typed::Float(f) => HeaderValue::Float(f),
+            Typed::Float32(f) => HeaderValue::Float32(f),
+        }
+    }
+}
+
+/// Java's `Double.toString` (and `Float.toString`) of `value`, from Rust's shortest renderings
+/// of the same number (`plain` as `{}`, `sci` as `{:e}`; the digits are the same, shortest
+/// ones): plain with at least one fractional digit from 10⁻³ up to 10⁷, else `d.dddE±n`.
+fn java_float_text(value: f64, plain: String, sci: String) -> String {
+    if value.is_nan() {
+        return "NaN".into();
+    }
+    if value.is_infinite() {
+        return if value > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let abs = value.abs();
+    if abs == 0.0 || (1e-3..1e7).contains(&abs) {
+        return if plain.contains('.') {
+            plain
+        } else {
+            format!("{plain}.0")
+        };
+    }
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+    let mantissa = if mantissa.contains('.') {
+        mantissa.to_string()
+    } else {
+        format!("{mantissa}.0")
+    };
+    format!("{mantissa}E{exp}")
 }
 
 /// Name prefixes the relay owns (compared without case): its own headers, dead-letter records,
@@ -181,6 +232,36 @@ fn origin_headers(origin: &Origin) -> impl Iterator<Item = (&'static str, String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kafka and NATS header bytes of typed column values: what Kafka Connect's
+    /// SimpleHeaderConverter writes for the same Java values (`Boolean.toString`,
+    /// `Long.toString`, `Double.toString`, `Float.toString`).
+    #[test]
+    fn typed_values_are_written_as_kafka_connect_writes_them() {
+        let cases: &[(HeaderValue, &str)] = &[
+            (HeaderValue::Bool(true), "true"),
+            (HeaderValue::Bool(false), "false"),
+            (HeaderValue::Int(-42), "-42"),
+            (HeaderValue::Str("t".into()), "t"),
+            (HeaderValue::Float(1.0), "1.0"),
+            (HeaderValue::Float(1.5), "1.5"),
+            (HeaderValue::Float(0.001), "0.001"),
+            (HeaderValue::Float(0.0001), "1.0E-4"),
+            (HeaderValue::Float(1234567.0), "1234567.0"),
+            (HeaderValue::Float(12345678.0), "1.2345678E7"),
+            (HeaderValue::Float(-2.5e-10), "-2.5E-10"),
+            (HeaderValue::Float(1e21), "1.0E21"),
+            (HeaderValue::Float(0.0), "0.0"),
+            (HeaderValue::Float(-0.0), "-0.0"),
+            (HeaderValue::Float(f64::NAN), "NaN"),
+            (HeaderValue::Float(f64::NEG_INFINITY), "-Infinity"),
+            (HeaderValue::Float32(0.1), "0.1"),
+            (HeaderValue::Float32(3.4e38), "3.4E38"),
+        ];
+        for (v, want) in cases {
+            assert_eq!(v.to_text(), *want, "{v:?}");
+        }
+    }
 
     #[test]
     fn reserved_names_are_recognised_without_case() {

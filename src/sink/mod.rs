@@ -262,6 +262,12 @@ impl Sink for AnySink {
     }
 }
 
+/// A comma-separated flag value as clap hands it over (`--header a=b,c=d`): one item each.
+#[cfg(test)]
+pub(crate) fn specs(s: &str) -> Vec<String> {
+    s.split(',').map(String::from).collect()
+}
+
 /// One event as the sinks' unit tests use it.
 #[cfg(test)]
 pub(crate) fn test_event() -> OutboxEvent {
@@ -284,5 +290,6 @@ pub(crate) fn test_event() -> OutboxEvent {
         table: None,
         extra: Vec::new(),
         content_type: None,
+        empty_payload: false,
     }
 }

@@ -186,6 +186,7 @@ impl SinkOptions {
                     key_file: self.tls.key_file.clone(),
                     connection_name: format!("outboxd {}", ctx.name),
                     partitions: p.partitions,
+                    headers: self.message.headers.clone(),
                 })?))
             }
         })

@@ -200,7 +200,7 @@ pub trait RowValues {
     /// `None` when the table has no version column or the value is NULL.
     fn version(&self, poison: &mut Poison) -> Option<i64>;
     /// The extra columns' values (templates, `--header`), NULL ones absent.
-    fn extra(&self) -> Vec<(Arc<str>, String)>;
+    fn extra(&self) -> Vec<(Arc<str>, crate::event::ColumnValue)>;
 }
 
 /// Where and when a row was read, as its source knows it.
@@ -253,6 +253,14 @@ pub fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
     };
     let headers = row.headers().and_then(|h| headers_object(h, &mut poison));
     let version = row.version(&mut poison);
+    // Debezium's `route.tombstone.on.empty.payload` test: NULL, or nothing but whitespace.
+    let empty_payload = payload.trim_ascii().is_empty()
+        && poison.reasons().iter().all(|r| {
+            matches!(
+                r,
+                PoisonReason::Null(Column::Payload) | PoisonReason::NotJson(Column::Payload)
+            )
+        });
     OutboxEvent {
         id,
         aggregate_id,
@@ -264,6 +272,7 @@ pub fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
         version,
         gtid: meta.gtid,
         committed_at: meta.committed_at,
+        empty_payload,
         poison: poison.into_reason(),
         table: meta.table,
         extra: row.extra(),
@@ -372,7 +381,7 @@ mod tests {
         fn version(&self, _: &mut Poison) -> Option<i64> {
             None
         }
-        fn extra(&self) -> Vec<(Arc<str>, String)> {
+        fn extra(&self) -> Vec<(Arc<str>, crate::event::ColumnValue)> {
             Vec::new()
         }
     }
@@ -507,6 +516,47 @@ mod tests {
             meta(None),
         );
         assert_eq!(e.content_type, None);
+    }
+
+    /// A NULL or blank payload on an otherwise good row is marked empty (a Kafka tombstone
+    /// with `--kafka-tombstones`); a row with another problem, or a payload that is merely not
+    /// JSON, is not.
+    #[test]
+    fn an_empty_payload_is_marked_for_tombstones() {
+        let null = event(
+            &Row {
+                payload: None,
+                ..good()
+            },
+            meta(None),
+        );
+        assert!(null.empty_payload && null.poison.is_some());
+        let blank = event(
+            &Row {
+                payload: Some(Json::Text(Bytes::from_static(b"  "))),
+                ..good()
+            },
+            meta(None),
+        );
+        assert!(blank.empty_payload);
+        let garbage = event(
+            &Row {
+                payload: Some(Json::Text(Bytes::from_static(b"{nope"))),
+                ..good()
+            },
+            meta(None),
+        );
+        assert!(!garbage.empty_payload);
+        let no_id = event(
+            &Row {
+                id: None,
+                payload: None,
+                ..good()
+            },
+            meta(None),
+        );
+        assert!(!no_id.empty_payload);
+        assert!(!event(&good(), meta(None)).empty_payload);
     }
 
     #[test]

@@ -129,6 +129,10 @@ pub struct Record {
     pub key: Option<String>,
     pub value: Vec<u8>,
     pub headers: Vec<(String, String)>,
+    /// The record's timestamp (milliseconds since the epoch), as the producer set it.
+    pub timestamp: Option<i64>,
+    /// A tombstone: the record has no value at all (not an empty one).
+    pub tombstone: bool,
 }
 
 impl Record {
@@ -217,6 +221,8 @@ pub fn read_all_on(port: u16, topic: &str, committed: bool) -> Vec<Record> {
                     key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
                     value: m.payload().unwrap_or_default().to_vec(),
                     headers,
+                    timestamp: m.timestamp().to_millis(),
+                    tombstone: m.payload().is_none(),
                 });
             }
         }

@@ -7,6 +7,8 @@ mod common;
 
 mod concurrent_start;
 mod conformance;
+mod debezium;
+mod debezium_takeover;
 mod exactness;
 mod fault_suite;
 mod faults;

@@ -63,6 +63,7 @@ fn events(tag: &str, n: u32) -> Vec<OutboxEvent> {
             table: None,
             extra: Vec::new(),
             content_type: None,
+            empty_payload: false,
         })
         .collect()
 }
@@ -326,6 +327,7 @@ async fn sink_conformance_nats() {
         key_file: None,
         connection_name: "outboxd sink conformance".into(),
         partitions: 0,
+        headers: Vec::new(),
     })
     .expect("NATS sink");
     sink_suite(Nats { sink, stream }).await;

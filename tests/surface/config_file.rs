@@ -109,3 +109,74 @@ async fn a_relay_configured_by_the_file_publishes() {
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
 }
+
+/// `outboxd from-debezium` on a Kafka Connect connector and on Debezium Server's properties:
+/// the file it prints is one outboxd reads (`outboxd config --config` takes every key, refuses
+/// none), carries the router's options over, keeps passwords out and names what it leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_debezium_prints_a_file_outboxd_reads() {
+    let connect = file(
+        r#"{"name": "orders-outbox", "config": {
+          "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+          "database.hostname": "db", "database.port": "5432", "database.user": "dbz",
+          "database.password": "hunter2-db", "database.dbname": "orders",
+          "table.include.list": "public.outbox", "topic.prefix": "orders",
+          "transforms": "outbox",
+          "transforms.outbox.type": "io.debezium.transforms.outbox.EventRouter",
+          "transforms.outbox.table.fields.additional.placement": "type:header:eventType,type:envelope:eventType",
+          "transforms.outbox.route.tombstone.on.empty.payload": "true",
+          "transforms.outbox.table.field.event.timestamp": "created"}}"#,
+    );
+    let server = file(
+        "debezium.sink.type=kafka\n\
+         debezium.sink.kafka.producer.bootstrap.servers=k1:9092,k2:9092\n\
+         debezium.sink.kafka.producer.sasl.jaas.config=hunter2-jaas\n\
+         debezium.source.connector.class=io.debezium.connector.mysql.MySqlConnector\n\
+         debezium.source.database.hostname=db\n\
+         debezium.source.database.user=dbz\n\
+         debezium.source.database.password=hunter2-my\n\
+         debezium.source.table.include.list=shop.outbox\n\
+         debezium.source.offset.storage.file.filename=data/offsets.dat\n\
+         debezium.transforms=outbox\n\
+         debezium.transforms.outbox.type=io.debezium.transforms.outbox.EventRouter\n",
+    );
+    for (input, wants) in [
+        (
+            &connect,
+            &[
+                "slot = \"debezium\"",
+                "header = [\"type=eventType\"]",
+                "kafka_tombstones = true",
+                "#   topic.prefix:",
+            ][..],
+        ),
+        (
+            &server,
+            &[
+                "sink = \"kafka://k1:9092,k2:9092\"",
+                "data/offsets.dat",
+                "#   debezium.sink.kafka.producer.sasl.jaas.config:",
+            ][..],
+        ),
+    ] {
+        let mut p = Relay::start(&["from-debezium", input.path().to_str().unwrap()]);
+        assert_eq!(p.wait_exit(T).await, 0, "{}", p.stderr());
+        let toml = p.lines().join("\n") + "\n";
+        assert!(!toml.contains("hunter2"), "no password: {toml}");
+        for w in wants {
+            assert!(toml.contains(w), "{w:?} in:\n{toml}");
+        }
+        assert!(p.stderr().contains("not carried over"), "{}", p.stderr());
+        let out = file(&toml);
+        let mut c = Relay::start(&["config", "--config", out.path().to_str().unwrap()]);
+        assert_eq!(c.wait_exit(T).await, 0, "{toml}\n{}", c.stderr());
+        let lines = c.lines();
+        assert_eq!(
+            effective(&lines, "snapshot"),
+            Some(("\"never\"".into(), "file".into())),
+            "{lines:#?}"
+        );
+    }
+    let mut bad = Relay::start(&["from-debezium", "/nonexistent/connector.json"]);
+    assert_eq!(bad.wait_exit(T).await, 2, "{}", bad.stderr());
+}

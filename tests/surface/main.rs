@@ -11,5 +11,5 @@ mod docs;
 mod fuzz_corpus;
 mod packaging;
 mod quickstart;
-mod tour;
 mod secrets;
+mod tour;

@@ -39,6 +39,13 @@ pub struct KafkaOptions {
     pub replication: i32,
     pub max_message_bytes: usize,
     pub linger: Duration,
+    /// `--kafka-tombstones`: an event whose payload is NULL or blank becomes a tombstone (a
+    /// record without a value) instead of a dead record (Debezium's
+    /// `route.tombstone.on.empty.payload`).
+    pub tombstones: bool,
+    /// `--kafka-partition-column`: the record's partition is this column's value (Debezium's
+    /// `col:partition` placement) instead of the key's.
+    pub partition_column: Option<String>,
 }
 
 impl Default for KafkaOptions {
@@ -50,6 +57,8 @@ impl Default for KafkaOptions {
             replication: 1,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             linger: DEFAULT_LINGER,
+            tombstones: false,
+            partition_column: None,
         }
     }
 }

@@ -194,7 +194,13 @@ impl KafkaSink {
                 n
             }
         };
-        let partition = crate::sink::partition::partition_of(&out.key, partitions as u32) as i32;
+        let partition = record::partition(out, partitions).map_err(|reason| {
+            // Published again as a dead record, as a record the broker refused is.
+            if let Ok(mut r) = self.refused.lock() {
+                r.insert(position.to_string(), reason.clone());
+            }
+            SinkError::Rejected(reason)
+        })?;
         // Poll positions are numbered per process: nothing an earlier process wrote matches.
         if matches!(position, SourcePosition::Poll { .. }) {
             return Ok((partition, false));
@@ -322,11 +328,14 @@ impl Sink for KafkaSink {
         }
         let link = self.link.as_mut().expect("connected");
         let delivery = loop {
-            let rec = FutureRecord::to(&out.topic)
-                .partition(partition)
-                .key(out.key.as_bytes())
-                .payload(&out.value[..])
-                .headers(headers_of(&out.headers));
+            let rec = FutureRecord {
+                topic: &out.topic,
+                partition: Some(partition),
+                key: Some(out.key.as_bytes()),
+                payload: (!out.tombstone).then_some(&out.value[..]),
+                timestamp: Some(out.timestamp_ms),
+                headers: Some(headers_of(&out.headers)),
+            };
             match link.producer.send_result(rec) {
                 Ok(d) => break d,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {

@@ -22,7 +22,15 @@ pub struct Outgoing {
     pub topic: String,
     pub key: String,
     pub value: Bytes,
+    /// A tombstone: the record has no value at all (not an empty one).
+    pub tombstone: bool,
     pub headers: Vec<(String, String)>,
+    /// The record's timestamp (milliseconds since the epoch): the event's `created_at`, or its
+    /// transaction's commit time when the table has none, as Debezium's Outbox Event Router
+    /// takes it from `table.field.event.timestamp`.
+    pub timestamp_ms: i64,
+    /// The partition the row names (`--kafka-partition-column`); `None`: the key's.
+    pub partition: Option<i32>,
     /// The reason, when this is a dead record instead of the event.
     pub dead: Option<String>,
 }
@@ -68,12 +76,59 @@ pub fn topic(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<String, String> {
     Ok(t)
 }
 
+/// The partition `event` names in `--kafka-partition-column`: `None` without one, or when the
+/// row's value is NULL (the key places it then, as Debezium's router leaves the partition to
+/// the producer); an error for a value that is no partition number.
+fn named_partition(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<Option<i32>, String> {
+    let Some(column) = &cfg.options.partition_column else {
+        return Ok(None);
+    };
+    let Some(v) = event.extra_column(column) else {
+        return Ok(None);
+    };
+    match v.typed {
+        crate::event::Typed::Int(n) => i32::try_from(n)
+            .ok()
+            .filter(|p| *p >= 0)
+            .map(Some)
+            .ok_or_else(|| {
+                format!("--kafka-partition-column {column}: {n} is not a partition number")
+            }),
+        _ => Err(format!(
+            "--kafka-partition-column {column}: {:?} is not an integer column's value",
+            headers::dead_value(&v.text)
+        )),
+    }
+}
+
+/// The partition of `out` in a topic of `partitions`: the one its row names, or Kafka's default
+/// partitioner over the key. A named partition the topic does not have is the reason the event
+/// cannot be a record.
+pub fn partition(out: &Outgoing, partitions: i32) -> Result<i32, String> {
+    match out.partition {
+        None => Ok(crate::sink::partition::partition_of(&out.key, partitions as u32) as i32),
+        Some(p) if p < partitions => Ok(p),
+        Some(p) => Err(format!(
+            "its partition column names partition {p}, but topic {} has {partitions} partitions",
+            out.topic
+        )),
+    }
+}
+
 fn normal(cfg: &KafkaConfig, event: &OutboxEvent, origin: &Origin) -> Result<Outgoing, String> {
+    let tombstone = cfg.options.tombstones && event.empty_payload;
     if let Some(p) = &event.poison {
-        return Err(p.clone());
+        if !tombstone {
+            return Err(p.clone());
+        }
     }
     let topic = topic(cfg, event)?;
-    let body = cfg.message.body(event)?;
+    let partition = named_partition(cfg, event)?;
+    let body = if tombstone {
+        None
+    } else {
+        Some(cfg.message.body(event)?)
+    };
     let mut h: Vec<(String, String)> = Vec::new();
     // The row's headers never include a reserved name (see `sink::headers`).
     for (k, v) in headers::row_headers(event) {
@@ -84,12 +139,14 @@ fn normal(cfg: &KafkaConfig, event: &OutboxEvent, origin: &Origin) -> Result<Out
         put(&mut h, k, text);
     }
     for (k, v) in cfg.message.column_headers(event) {
-        put(&mut h, k, v);
+        put(&mut h, k, v.to_text());
     }
-    for (k, v) in &body.headers {
-        put(&mut h, &kafka_header_name(k), v.to_text());
+    if let Some(body) = &body {
+        for (k, v) in &body.headers {
+            put(&mut h, &kafka_header_name(k), v.to_text());
+        }
+        put(&mut h, "content-type", body.content_type.clone());
     }
-    put(&mut h, "content-type", body.content_type.clone());
     for (k, v) in headers::relay_headers(event, origin) {
         put(&mut h, k, v.to_text());
     }
@@ -98,8 +155,11 @@ fn normal(cfg: &KafkaConfig, event: &OutboxEvent, origin: &Origin) -> Result<Out
     let out = Outgoing {
         topic,
         key: event.aggregate_id.clone(),
-        value: body.bytes,
+        value: body.map(|b| b.bytes).unwrap_or_default(),
+        tombstone,
         headers: h,
+        timestamp_ms: event.created_at.timestamp_millis(),
+        partition,
         dead: None,
     };
     let limit = cfg.options.max_message_bytes;
@@ -141,7 +201,11 @@ pub fn render(
                 topic: cfg.options.dead_topic.clone(),
                 key: headers::dead_value(&event.aggregate_id),
                 value: Bytes::new(),
+                tombstone: false,
                 headers: h,
+                timestamp_ms: event.created_at.timestamp_millis(),
+                // The dead topic's partitions keep no order: the key places dead records.
+                partition: None,
                 dead: Some(reason),
             }
         }
@@ -151,6 +215,11 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The record of `e` as a relay that names no source renders it.
+    fn render(cfg: &KafkaConfig, e: &OutboxEvent, refused: Option<&str>) -> Outgoing {
+        super::render(cfg, e, refused, &Origin::default())
+    }
     use crate::sink::format::{BodyFormat, MessageOptions};
     use crate::sink::kafka::config::KafkaOptions;
     use crate::sink::rabbitmq::DeclareMode;
@@ -188,12 +257,7 @@ mod tests {
         let mut e = crate::sink::test_event();
         e.headers =
             Some(serde_json::from_str(r#"{"id": "forged", "traceparent": "00-ab"}"#).unwrap());
-        let o = render(
-            &cfg("outbox.event.{topic}", BodyFormat::Raw),
-            &e,
-            None,
-            &Origin::default(),
-        );
+        let o = render(&cfg("outbox.event.{topic}", BodyFormat::Raw), &e, None);
         assert_eq!(o.dead, None);
         assert_eq!(o.topic, "outbox.event.invoice.issued");
         assert_eq!(o.key, "agg-1");
@@ -206,15 +270,142 @@ mod tests {
         assert_eq!(header(&o, "x-outbox-relay"), ["r1"]);
     }
 
+    /// The record's timestamp is the event's time (`created_at`, or the commit time without
+    /// one), as Debezium's router sets it from `table.field.event.timestamp`; not the produce
+    /// time.
+    #[test]
+    fn the_record_timestamp_is_the_events_time() {
+        let e = crate::sink::test_event();
+        let o = render(&cfg("{topic}", BodyFormat::Raw), &e, None);
+        assert_eq!(o.timestamp_ms, 1_750_000_000_123);
+        let mut poison = e.clone();
+        poison.poison = Some("payload is NULL".into());
+        let dead = render(&cfg("{topic}", BodyFormat::Raw), &poison, None);
+        assert_eq!(
+            (dead.dead.is_some(), dead.timestamp_ms),
+            (true, 1_750_000_000_123)
+        );
+    }
+
+    /// `--kafka-tombstones`: a NULL or blank payload is a record without a value, with its key
+    /// and headers (Debezium's `route.tombstone.on.empty.payload`); without the flag, a dead
+    /// record as before. Other poison stays dead either way.
+    #[test]
+    fn an_empty_payload_is_a_tombstone_only_when_asked() {
+        let mut e = crate::sink::test_event();
+        e.payload = Bytes::new();
+        e.empty_payload = true;
+        e.poison = Some("payload is NULL".into());
+        let off = render(&cfg("{topic}", BodyFormat::Raw), &e, None);
+        assert_eq!(off.dead.as_deref(), Some("payload is NULL"));
+        let mut on = cfg("{topic}", BodyFormat::Raw);
+        on.options.tombstones = true;
+        let t = render(&on, &e, None);
+        assert_eq!(t.dead, None);
+        assert!(t.tombstone);
+        assert_eq!(
+            (t.topic.as_str(), t.key.as_str()),
+            ("invoice.issued", "agg-1")
+        );
+        assert_eq!(header(&t, "id"), [e.id.hyphenated().to_string()]);
+        assert!(header(&t, "content-type").is_empty());
+        let mut bad = e.clone();
+        bad.empty_payload = false;
+        bad.poison = Some("id is NULL; payload is NULL".into());
+        let d = render(&on, &bad, None);
+        assert!(d.dead.is_some() && !d.tombstone);
+        let normal = render(&on, &crate::sink::test_event(), None);
+        assert!(!normal.tombstone && normal.dead.is_none());
+    }
+
+    /// `--kafka-partition-column`: the row's integer names the partition (Debezium's
+    /// `col:partition`); NULL leaves it to the key; a value the topic has no partition for, or
+    /// one that is no integer, makes a dead record.
+    #[test]
+    fn the_partition_column_names_the_partition() {
+        use crate::event::{ColumnValue, Typed};
+        let mut c = cfg("{topic}", BodyFormat::Raw);
+        c.options.partition_column = Some("shard".into());
+        let mut e = crate::sink::test_event();
+        let keyed = render(&c, &e, None);
+        assert_eq!(keyed.partition, None);
+        assert_eq!(
+            partition(&keyed, 4).unwrap(),
+            crate::sink::partition::partition_of("agg-1", 4) as i32
+        );
+        e.extra = vec![(
+            "shard".into(),
+            ColumnValue {
+                text: "2".into(),
+                typed: Typed::Int(2),
+            },
+        )];
+        let named = render(&c, &e, None);
+        assert_eq!(named.partition, Some(2));
+        assert_eq!(partition(&named, 4), Ok(2));
+        let err = partition(&named, 2).unwrap_err();
+        assert!(
+            err.contains("partition 2") && err.contains("has 2 partitions"),
+            "{err}"
+        );
+        e.extra = vec![("shard".into(), "two".into())];
+        assert!(render(&c, &e, None)
+            .dead
+            .unwrap()
+            .contains("not an integer"));
+        e.extra = vec![(
+            "shard".into(),
+            ColumnValue {
+                text: "-1".into(),
+                typed: Typed::Int(-1),
+            },
+        )];
+        assert!(render(&c, &e, None).dead.unwrap().contains("-1"));
+    }
+
+    /// Typed `--header` columns as Kafka Connect's SimpleHeaderConverter writes them.
+    #[test]
+    fn typed_column_headers_are_written_as_kafka_connect_writes_them() {
+        use crate::event::{ColumnValue, Typed};
+        let mut c = cfg("{topic}", BodyFormat::Raw);
+        c.message.headers = crate::sink::format::parse_column_headers(&crate::sink::specs(
+            "paid=paid,qty=qty,rate=rate",
+        ))
+        .unwrap();
+        let mut e = crate::sink::test_event();
+        e.extra = vec![
+            (
+                "paid".into(),
+                ColumnValue {
+                    text: "t".into(),
+                    typed: Typed::Bool(true),
+                },
+            ),
+            (
+                "qty".into(),
+                ColumnValue {
+                    text: "3".into(),
+                    typed: Typed::Int(3),
+                },
+            ),
+            (
+                "rate".into(),
+                ColumnValue {
+                    text: "1e-05".into(),
+                    typed: Typed::Float(1e-5),
+                },
+            ),
+        ];
+        let o = render(&c, &e, None);
+        assert_eq!(header(&o, "paid"), ["true"]);
+        assert_eq!(header(&o, "qty"), ["3"]);
+        assert_eq!(header(&o, "rate"), ["1.0E-5"]);
+    }
+
     #[test]
     fn cloudevents_binary_mode_uses_the_kafka_binding_names() {
         let e = crate::sink::test_event();
-        let o = render(
-            &cfg("{topic}", BodyFormat::CloudeventsBinary),
-            &e,
-            None,
-            &Origin::default(),
-        );
+        let o = render(&cfg("{topic}", BodyFormat::CloudeventsBinary), &e, None);
         assert_eq!(header(&o, "ce_id"), [e.id.hyphenated().to_string()]);
         assert_eq!(header(&o, "ce_type"), ["invoice.issued"]);
         assert_eq!(header(&o, "ce_specversion"), ["1.0"]);
@@ -227,12 +418,7 @@ mod tests {
     #[test]
     fn what_cannot_be_a_record_becomes_a_dead_record_with_the_reason() {
         let e = crate::sink::test_event();
-        let bad_topic = render(
-            &cfg("bad topic {topic}", BodyFormat::Raw),
-            &e,
-            None,
-            &Origin::default(),
-        );
+        let bad_topic = render(&cfg("bad topic {topic}", BodyFormat::Raw), &e, None);
         assert_eq!(bad_topic.topic, "outbox.dead");
         assert!(bad_topic
             .dead
@@ -240,16 +426,11 @@ mod tests {
             .unwrap()
             .contains("[A-Za-z0-9._-]"));
         assert!(bad_topic.value.is_empty());
-        let own = render(
-            &cfg("outbox.dead", BodyFormat::Raw),
-            &e,
-            None,
-            &Origin::default(),
-        );
+        let own = render(&cfg("outbox.dead", BodyFormat::Raw), &e, None);
         assert!(own.dead.as_deref().unwrap().contains("dead topic"));
         let mut small = cfg("{topic}", BodyFormat::Raw);
         small.options.max_message_bytes = 100;
-        let big = render(&small, &e, None, &Origin::default());
+        let big = render(&small, &e, None);
         assert!(big
             .dead
             .as_deref()
@@ -260,7 +441,6 @@ mod tests {
             &cfg("{topic}", BodyFormat::Raw),
             &e,
             Some("too large for the broker"),
-            &Origin::default(),
         );
         assert_eq!(
             header(&refused, "x-dead-reason"),

@@ -39,6 +39,8 @@ pub struct NatsConfig {
     pub connection_name: String,
     /// `--partitions N`: subjects `<prefix>.p<k>.<rest>`; 0 = off.
     pub partitions: u32,
+    /// `--header COLUMN=NAME`: columns copied into headers, as text (see `sink::headers`).
+    pub headers: Vec<crate::sink::format::ColumnHeader>,
 }
 
 impl std::fmt::Debug for NatsConfig {

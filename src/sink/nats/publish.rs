@@ -78,6 +78,16 @@ fn event_headers(
         }
         h.insert(name, text);
     }
+    // `--header` columns (names checked at start: none is reserved) win over the row's.
+    for (k, v) in crate::sink::format::column_headers(&cfg.headers, event) {
+        let text = v.to_text();
+        if text.contains(['\r', '\n']) {
+            return Err(format!(
+                "the value of header {k:?} contains a line break, which NATS headers cannot carry"
+            ));
+        }
+        h.insert(k, text);
+    }
     h.insert(MSG_ID, event.id.hyphenated().to_string());
     for (k, v) in headers::relay_headers(event, origin) {
         // Every relay value is ours (ids, times, positions, versions); a line break in an
@@ -211,11 +221,43 @@ mod tests {
             key_file: None,
             connection_name: "test".into(),
             partitions,
+            headers: Vec::new(),
         }
     }
 
     fn get(h: &HeaderMap, k: &str) -> Option<String> {
         h.get(k).map(|v| v.as_str().to_string())
+    }
+
+    /// `--header` columns on NATS: text, typed values as Kafka Connect writes them (a boolean
+    /// column is `true`, not Postgres' `t`).
+    #[test]
+    fn column_headers_are_text_of_their_type() {
+        use crate::event::{ColumnValue, Typed};
+        let mut c = cfg(0);
+        c.headers =
+            crate::sink::format::parse_column_headers(&crate::sink::specs("paid=x-paid,id=id"))
+                .unwrap();
+        let mut ev = crate::sink::test_event();
+        ev.extra = vec![(
+            "paid".into(),
+            ColumnValue {
+                text: "t".into(),
+                typed: Typed::Bool(true),
+            },
+        )];
+        let out = render(
+            &c,
+            "outbox",
+            &ev,
+            SizeLimit::of(1 << 20, None),
+            &Origin::default(),
+        );
+        assert_eq!(get(&out.headers, "x-paid").as_deref(), Some("true"));
+        assert_eq!(
+            get(&out.headers, "id").as_deref(),
+            Some("0190a5c4-7e2b-7000-8000-00000000abcd")
+        );
     }
 
     #[test]

@@ -55,7 +55,7 @@ fn headers(
     // `--header COLUMN=NAME` (names checked at start: none is reserved) wins over the
     // row's headers object.
     for (k, v) in cfg.message.column_headers(event) {
-        t.insert(k.into(), AMQPValue::LongString(v.into()));
+        t.insert(k.into(), amqp_value(v));
     }
     for (k, v) in body.headers.iter().cloned() {
         t.insert(k.into(), amqp_value(v));
@@ -235,6 +235,9 @@ fn amqp_value(v: HeaderValue) -> AMQPValue {
     match v {
         HeaderValue::Str(s) => AMQPValue::LongString(s.into()),
         HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
+        HeaderValue::Bool(b) => AMQPValue::Boolean(b),
+        HeaderValue::Float(f) => AMQPValue::Double(f),
+        HeaderValue::Float32(f) => AMQPValue::Float(f),
     }
 }
 

@@ -120,6 +120,43 @@ fn message_properties_and_headers() {
     assert!(!h.contains_key("x-source-gtid"));
 }
 
+/// `--header` columns keep their type as AMQP field values (Debezium's router puts a boolean
+/// column in a header as a boolean): booleans, integers, floats; the rest is a long string.
+#[test]
+fn column_headers_keep_their_type() {
+    use crate::event::{ColumnValue, Typed};
+    use crate::sink::format::parse_column_headers;
+    let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);
+    s.cfg.message.headers = parse_column_headers(&crate::sink::specs(
+        "paid=x-paid,qty=x-qty,rate=x-rate,w=x-w,note=x-note,id=id",
+    ))
+    .unwrap();
+    let mut ev = event();
+    let typed = |text: &str, typed| ColumnValue {
+        text: text.into(),
+        typed,
+    };
+    ev.extra = vec![
+        ("paid".into(), typed("t", Typed::Bool(true))),
+        ("qty".into(), typed("-3", Typed::Int(-3))),
+        ("rate".into(), typed("0.25", Typed::Float(0.25))),
+        ("w".into(), typed("1.5", Typed::Float32(1.5))),
+        ("note".into(), "12".into()),
+    ];
+    let out = s.render_static(&ev, MAX_HEADER_BYTES);
+    let h = out.props.headers().as_ref().unwrap().inner();
+    let get = |k: &str| h.get(k).cloned().unwrap();
+    assert_eq!(get("x-paid"), AMQPValue::Boolean(true));
+    assert_eq!(get("x-qty"), AMQPValue::LongLongInt(-3));
+    assert_eq!(get("x-rate"), AMQPValue::Double(0.25));
+    assert_eq!(get("x-w"), AMQPValue::Float(1.5));
+    assert_eq!(get("x-note"), AMQPValue::LongString("12".into()));
+    assert_eq!(
+        get("id"),
+        AMQPValue::LongString("0190a5c4-7e2b-7000-8000-00000000abcd".into())
+    );
+}
+
 #[test]
 fn partition_headers_with_partitions_on() {
     let mut s = sink(DEFAULT_MAX_MESSAGE_BYTES);

@@ -31,6 +31,7 @@ pub mod poll;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
+pub mod takeover;
 pub mod xa_pin;
 
 use crate::backoff::Backoff;

@@ -110,6 +110,22 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
     Ok(())
 }
 
+/// Fails with the fix when a table cannot be mapped as the stream will map it: a column the
+/// contract needs missing (`--column aggregate_id=nope`), one of a type it cannot hold, or a
+/// column a template, `--header` or `--envelope-field` names missing. Checked at start, before
+/// the lease and the slot, rather than at the first row.
+pub async fn require_columns(
+    client: &Client,
+    tables: &[TableName],
+    columns: &ColumnMap,
+) -> Result<(), Error> {
+    for t in tables {
+        let rel = super::snapshot::table_relation(client, t).await?;
+        super::rows::RowMapper::for_tables(tables.to_vec(), columns.clone()).relation(rel)?;
+    }
+    Ok(())
+}
+
 pub use crate::db::postgres::SETUP_LOCK;
 
 /// Runs `body` holding [`SETUP_LOCK`] (a session lock: DDL and checks between them see each

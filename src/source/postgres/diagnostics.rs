@@ -780,12 +780,19 @@ pub async fn advance_slot(dsn: &DbDsn, name: &str, slot: &str, lsn: &str) -> Res
         )
         .await?;
     let end: String = row.get(0);
-    client
-        .execute(
-            "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2, updated_at = now() WHERE name = $1",
-            &[&name, &end],
-        )
-        .await?;
+    // A slot taken over from another consumer (Debezium's) has no state row yet.
+    let has_state: bool = client
+        .query_one("SELECT to_regclass('outboxd_state') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    if has_state {
+        client
+            .execute(
+                "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2, updated_at = now() WHERE name = $1",
+                &[&name, &end],
+            )
+            .await?;
+    }
     Ok(end)
 }
 

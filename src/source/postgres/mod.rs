@@ -18,6 +18,7 @@ pub mod poll;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
+pub mod takeover;
 pub mod tls_bridge;
 pub mod version;
 

@@ -4,7 +4,7 @@
 //! that lost or changed a mapped column stops the relay with the fix.
 
 use super::pgoutput::{Relation, Value};
-use crate::event::{OutboxEvent, SourcePosition};
+use crate::event::{ColumnValue, OutboxEvent, SourcePosition, Typed};
 use crate::outbox::{ColumnMap, TableName};
 use crate::source::contract::{self, Column, Json, Poison, PoisonReason, RowMeta, RowValues};
 use crate::Error;
@@ -23,6 +23,9 @@ const JSONB_OID: u32 = 3802;
 const TIMESTAMPTZ_OID: u32 = 1184;
 const TIMESTAMP_OID: u32 = 1114;
 const BYTEA_OID: u32 = 17;
+const BOOL_OID: u32 = 16;
+const FLOAT4_OID: u32 = 700;
+const FLOAT8_OID: u32 = 701;
 
 /// Microseconds between 1970-01-01 and 2000-01-01 (Postgres' epoch).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -39,6 +42,9 @@ enum Kind {
     Bytea,
 }
 
+/// A column's index in the tuple and its type oid.
+type TypedColumn = (usize, u32);
+
 #[derive(Debug, Clone)]
 struct Mapping {
     id: (usize, Kind),
@@ -51,9 +57,9 @@ struct Mapping {
     version: Option<(usize, Kind)>,
     /// `--column content_type=<column>`: the row's payload content type.
     content_type: Option<(usize, Kind)>,
-    /// Extra columns templates and `--header` name: key and tuple index (`None`: an optional
-    /// one the table lacks).
-    extra: Vec<(std::sync::Arc<str>, Option<usize>)>,
+    /// Extra columns templates and `--header` name: key, and tuple index and type oid (`None`:
+    /// an optional one the table lacks).
+    extra: Vec<(std::sync::Arc<str>, Option<TypedColumn>)>,
     /// `--payload-content-type` or a content type column: text/binary payloads are bytes.
     opaque: bool,
     /// `x-outbox-table` of this relation's events (several tables only).
@@ -145,14 +151,18 @@ impl RowMapper {
         use Kind::*;
         let mut extra = Vec::with_capacity(self.columns.extra().len());
         for e in self.columns.extra() {
-            let index = rel.columns.iter().position(|c| c.name == e.column);
+            let index = rel
+                .columns
+                .iter()
+                .position(|c| c.name == e.column)
+                .map(|i| (i, rel.columns[i].type_oid));
             if index.is_none() && e.required {
                 return Err(Error::config(
                     format!(
-                        "the outbox table {table} has no column {:?}, which a template or --header names ({{{}}})",
+                        "the outbox table {table} has no column {:?}, which a template, --header or --envelope-field names ({{{}}})",
                         e.column, e.key
                     ),
-                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} text) or fix the --routing-key/--exchange/--header that names it", e.column),
+                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} text) or fix the --routing-key/--exchange/--header/--envelope-field that names it", e.column),
                 ));
             }
             extra.push((e.key.clone(), index));
@@ -351,18 +361,37 @@ impl RowValues for PgRow<'_> {
         v
     }
 
-    fn extra(&self) -> Vec<(Arc<str>, String)> {
+    fn extra(&self) -> Vec<(Arc<str>, ColumnValue)> {
         self.mapping
             .extra
             .iter()
-            .filter_map(|(key, index)| match index.and_then(|i| self.tuple.get(i)) {
-                Some(Value::Text(b)) => {
-                    Some((key.clone(), String::from_utf8_lossy(b).into_owned()))
+            .filter_map(|(key, col)| {
+                let (i, oid) = (*col)?;
+                match self.tuple.get(i) {
+                    Some(Value::Text(b)) => Some((key.clone(), typed_text(b, oid))),
+                    _ => None,
                 }
-                _ => None,
             })
             .collect()
     }
+}
+
+/// An extra column's text and, for a boolean, integer or floating point column, its typed
+/// value (Postgres' text forms: `t`/`f`, decimal, `1.5`, `Infinity`, `NaN`).
+fn typed_text(b: &[u8], oid: u32) -> ColumnValue {
+    let text = String::from_utf8_lossy(b).into_owned();
+    let typed = match oid {
+        BOOL_OID => match text.as_str() {
+            "t" => Typed::Bool(true),
+            "f" => Typed::Bool(false),
+            _ => Typed::Text,
+        },
+        o if INT_OIDS.contains(&o) => text.parse().map(Typed::Int).unwrap_or(Typed::Text),
+        FLOAT8_OID => text.parse().map(Typed::Float).unwrap_or(Typed::Text),
+        FLOAT4_OID => text.parse().map(Typed::Float32).unwrap_or(Typed::Text),
+        _ => Typed::Text,
+    };
+    ColumnValue { text, typed }
 }
 
 /// A bytea value in Postgres' text form (`\x` and hex digits) as its bytes.
@@ -492,6 +521,28 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(null.poison.as_deref(), Some("payload is NULL"));
+    }
+
+    /// Extra columns keep the type a header can carry: booleans from `t`/`f`, integers, floats
+    /// (`Infinity` too); the text stays Postgres' (templates use it); other types are text.
+    #[test]
+    fn extra_columns_are_typed_by_their_oid() {
+        assert_eq!(typed_text(b"t", BOOL_OID).typed, Typed::Bool(true));
+        assert_eq!(typed_text(b"f", BOOL_OID).typed, Typed::Bool(false));
+        assert_eq!(typed_text(b"t", BOOL_OID).text, "t");
+        assert_eq!(typed_text(b"-7", 23).typed, Typed::Int(-7));
+        assert_eq!(
+            typed_text(b"9223372036854775807", 20).typed,
+            Typed::Int(i64::MAX)
+        );
+        assert_eq!(typed_text(b"1.5", FLOAT8_OID).typed, Typed::Float(1.5));
+        assert_eq!(typed_text(b"0.1", FLOAT4_OID).typed, Typed::Float32(0.1));
+        assert_eq!(
+            typed_text(b"Infinity", FLOAT8_OID).typed,
+            Typed::Float(f64::INFINITY)
+        );
+        assert_eq!(typed_text(b"12.50", 1700).typed, Typed::Text, "numeric");
+        assert_eq!(typed_text(b"x", 25).typed, Typed::Text);
     }
 
     #[test]

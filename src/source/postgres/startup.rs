@@ -72,6 +72,7 @@ pub async fn start_plan<St: StateStore>(
     for t in tables {
         admin::require_table(&sql, t).await?;
     }
+    admin::require_columns(&sql, tables, columns).await?;
     let Some((mut store, mut lease, _)) = startup::take_lease(store, opts, shutdown).await? else {
         return Ok(None);
     };

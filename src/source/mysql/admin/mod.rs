@@ -221,6 +221,10 @@ pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), E
             ));
         }
     }
+    // Mapped as the stream maps a table map: types, and the columns a template, `--header` or
+    // `--envelope-field` names, checked at start rather than at the first row.
+    let infos = crate::source::mysql::snapshot::table_columns(conn, table).await?;
+    table.map_columns(&infos)?;
     Ok(())
 }
 

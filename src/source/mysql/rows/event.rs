@@ -274,14 +274,35 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
         v.map_err(|r| poison.push(r)).ok()
     }
 
-    fn extra(&self) -> Vec<(std::sync::Arc<str>, String)> {
+    fn extra(&self) -> Vec<(std::sync::Arc<str>, crate::event::ColumnValue)> {
         self.mapping
             .extra
             .iter()
             .filter_map(|(key, index)| {
-                value_text(index.and_then(&self.value)?).map(|v| (key.clone(), v))
+                let v = index.and_then(&self.value)?;
+                let text = value_text(v)?;
+                Some((
+                    key.clone(),
+                    crate::event::ColumnValue {
+                        text,
+                        typed: value_type(v),
+                    },
+                ))
             })
             .collect()
+    }
+}
+
+/// The type an extra column's value keeps in a header: integers (TINYINT … BIGINT, so also
+/// `BOOLEAN`, which is `TINYINT(1)`: 0 or 1), `FLOAT` and `DOUBLE`; anything else is text.
+fn value_type(v: &BinlogValue<'_>) -> crate::event::Typed {
+    use crate::event::Typed;
+    match v {
+        BinlogValue::Value(Value::Int(i)) => Typed::Int(*i),
+        BinlogValue::Value(Value::UInt(u)) => i64::try_from(*u).map_or(Typed::Text, Typed::Int),
+        BinlogValue::Value(Value::Float(f)) => Typed::Float32(*f),
+        BinlogValue::Value(Value::Double(f)) => Typed::Float(*f),
+        _ => Typed::Text,
     }
 }
 

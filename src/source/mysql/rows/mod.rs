@@ -236,10 +236,10 @@ impl OutboxTable {
             if index.is_none() && e.required {
                 return Err(Error::config(
                     format!(
-                        "the outbox table {table} has no column {:?}, which a template or --header names ({{{}}})",
+                        "the outbox table {table} has no column {:?}, which a template, --header or --envelope-field names ({{{}}})",
                         e.column, e.key
                     ),
-                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} VARCHAR(255) NULL) or fix the --routing-key/--exchange/--header that names it", e.column),
+                    format!("add the column (ALTER TABLE {table} ADD COLUMN {} VARCHAR(255) NULL) or fix the --routing-key/--exchange/--header/--envelope-field that names it", e.column),
                 ));
             }
             extra.push((e.key.clone(), index));
