@@ -900,8 +900,9 @@ pub async fn reencrypt(
     let mut progress = Progress::command("reencrypt", table.pg_quoted(), Unit::Rows, estimate);
     let p = reencrypt::run(&mut client, &table, &columns, &enc, &opts, &shutdown, |p| {
         progress.set(p.scanned);
-        // Every batch's resume point, for a run killed without a chance to say it.
-        tracing::debug!(
+        // Every batch's resume point, for a run killed without a chance to say it (a batch is
+        // `--batch` rows: a line per batch, not per row).
+        tracing::info!(
             batch = p.batches,
             scanned = p.scanned,
             rewritten = p.rewritten,
