@@ -373,7 +373,7 @@ impl RabbitStreamSink {
                     env,
                     &lane.stream,
                     &self.origin.relay,
-                    before,
+                    (before, lane.ids.last()),
                     self.cfg.op_timeout,
                 )
                 .await

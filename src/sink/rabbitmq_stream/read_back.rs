@@ -5,11 +5,15 @@
 //!
 //! A stream is read forward only, from an offset. The end is found as the consumer kit finds
 //! it: a subscription at the last chunk hands over that chunk's messages together, so a short
-//! quiet after them is the end. Earlier ranges are then read backwards in growing steps, each
-//! from its first offset up to the start of the range read before it (the broker starts a
-//! subscription at the chunk holding the offset; what comes before it is skipped), until a
-//! message of this relay older than the event to publish was seen, the stream's first retained
-//! message was reached, or [`SCAN_LIMIT`] messages were read.
+//! quiet after them is the end — or, sooner, this relay's message with the producer's last
+//! stored publishing id, after which the stream holds nothing of this relay (what other
+//! relays keep writing does not hold the read up). Earlier ranges are then read backwards in
+//! growing steps, each from its first offset up to the start of the range read before it (the
+//! broker starts a subscription at the chunk holding the offset; what comes before it is
+//! skipped), until a message of this relay older than the event to publish was seen, offset 0
+//! was reached, or [`SCAN_LIMIT`] messages were read. The client's consumer asks for one chunk
+//! at a time: the broker sends chunks out of order when it may send several, and the ranges
+//! need them in order.
 //!
 //! A message is this relay's when its `x-outbox-relay` names it: another relay writing the same
 //! stream (its own producer, its own ids) is never taken for this one.
@@ -101,19 +105,23 @@ pub fn publishing_id(v: &SimpleValue) -> Option<u64> {
     }
 }
 
-/// Reads back `relay`'s messages in `stream` (see the module's documentation). `timeout`
-/// bounds each subscription's read.
+/// Reads back `relay`'s messages in `stream` (see the module's documentation); `last` is the
+/// producer's last stored publishing id. `timeout` bounds each subscription's read.
 pub async fn read_back(
     env: &Environment,
     stream: &str,
     relay: &str,
-    before: &SourcePosition,
+    (before, last): (&SourcePosition, u64),
     timeout: Duration,
 ) -> Result<Found, String> {
     let mut found = Found::default();
+    let scan = Scan {
+        relay,
+        before,
+        last,
+    };
     // The last chunk, to the end.
-    let Some(mut lowest) = read(env, stream, None, relay, before, timeout, &mut found).await?
-    else {
+    let Some(mut lowest) = read(env, stream, None, &scan, timeout, &mut found).await? else {
         return Ok(found);
     };
     let mut step = FIRST_STEP;
@@ -122,25 +130,32 @@ pub async fn read_back(
             tracing::warn!(stream, limit = SCAN_LIMIT, "read back that many messages of the stream without reaching what the relay replays: an event written before them is published again");
             break;
         }
+        // Not every offset is a message (the broker's tracking entries take offsets too), so a
+        // range whose first message comes after its first offset says nothing of what is
+        // before it: ranges go back to offset 0 (a stream truncated by retention answers a
+        // range before its first message with nothing, at once).
         let from = lowest.saturating_sub(step);
-        match read(
+        read(
             env,
             stream,
             Some((from, lowest)),
-            relay,
-            before,
+            &scan,
             timeout,
             &mut found,
         )
-        .await?
-        {
-            // Retention removed what comes before: nothing older is left to read.
-            Some(first) if first > from => break,
-            _ => lowest = from,
-        }
+        .await?;
+        lowest = from;
         step = step.saturating_mul(4);
     }
     Ok(found)
+}
+
+/// What a read-back looks for: this relay's messages, back to one older than `before`; the
+/// producer's last stored publishing id is `last`.
+struct Scan<'a> {
+    relay: &'a str,
+    before: &'a SourcePosition,
+    last: u64,
 }
 
 /// One subscription: with `range = Some((from, to))` the messages from `from` up to (not
@@ -150,8 +165,7 @@ async fn read(
     env: &Environment,
     stream: &str,
     range: Option<(u64, u64)>,
-    relay: &str,
-    before: &SourcePosition,
+    scan: &Scan<'_>,
     timeout: Duration,
     found: &mut Found,
 ) -> Result<Option<u64>, String> {
@@ -203,7 +217,12 @@ async fn read(
                 "reading {stream:?} back took longer than {timeout:?}"
             ));
         }
-        found.add(d.message(), relay, before);
+        found.add(d.message(), scan.relay, scan.before);
+        // This relay's last message: nothing of its own comes after it.
+        let newest = found.newest.as_ref().map(|(pid, _)| *pid);
+        if range.is_none() && newest.is_some_and(|pid| pid >= scan.last) {
+            break Ok(first);
+        }
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), consumer.handle().close()).await;
     outcome
