@@ -635,8 +635,23 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
             // The UPDATE leaves the old row version, wrapped key and all, in the table's
             // pages: rewritten now, or the exact statement for later (docs/encryption.md).
             if a.vacuum {
+                // A snapshot older than the forgetting keeps the old row version alive through
+                // a rewrite: wait for those to end first, and say so when they do not.
+                let holders = ks
+                    .wait_forgotten_removable(&a.aggregate, VACUUM_HORIZON_WAIT)
+                    .await?;
                 ks.rewrite(VACUUM_LOCK_WAIT).await?;
-                println!("rewrote outboxd_data_keys (VACUUM FULL): the wrapped key is gone from its pages");
+                if holders.is_empty() {
+                    println!("rewrote outboxd_data_keys (VACUUM FULL): the wrapped key is gone from its pages");
+                } else {
+                    return Err(Error::config(
+                        format!(
+                            "rewrote outboxd_data_keys, but the forgotten key's old row version stays in its pages: {} can still read it",
+                            holders.join(", ")
+                        ),
+                        "once those end, run VACUUM FULL outboxd_data_keys; as the table's owner",
+                    ));
+                }
             } else {
                 eprintln!(
                     "outboxd: the wrapped key stays in outboxd_data_keys' pages (the old row version) until the table is rewritten: \
@@ -655,6 +670,10 @@ async fn forget(a: ForgetArgs, m: &ArgMatches) -> Result<(), Error> {
         ))),
     }
 }
+
+/// How long `keys forget --vacuum` waits for the transactions that could still read the old
+/// row version to end before it rewrites the table.
+const VACUUM_HORIZON_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How long `keys forget --vacuum` waits for the key table's lock: a rewrite queued behind a
 /// long transaction would hold up every producer queued behind it.

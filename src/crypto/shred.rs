@@ -205,6 +205,55 @@ impl Keystore {
         Ok(row.map(|r| r.get(0)))
     }
 
+    /// Waits (at most `patience`) until no transaction or replication slot of the server can
+    /// still see the row version `aggregate_id`'s key had before it was forgotten: only then
+    /// can a rewrite drop it (a `VACUUM FULL` keeps a dead row that some snapshot may still
+    /// read). Returns what still holds it when the wait ran out (empty: nothing).
+    pub async fn wait_forgotten_removable(
+        &self,
+        aggregate_id: &str,
+        patience: std::time::Duration,
+    ) -> Result<Vec<String>, Error> {
+        // The forgetting UPDATE's transaction id: the new row version's xmin.
+        let Some(row) = self
+            .client
+            .query_opt(
+                "SELECT xmin::text FROM outboxd_data_keys WHERE aggregate_id = $1",
+                &[&aggregate_id],
+            )
+            .await?
+        else {
+            return Ok(Vec::new());
+        };
+        let xid: String = row.get(0);
+        // A snapshot whose xmin is at or before that transaction may still see the old version.
+        const HOLDERS: &str = "
+            SELECT 'backend ' || pid || coalesce(' (' || nullif(application_name, '') || ')', '')
+              FROM pg_stat_activity
+             WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+               AND age(backend_xmin) >= age($1::text::xid)
+            UNION ALL
+            SELECT 'replication slot ' || slot_name FROM pg_replication_slots
+             WHERE xmin IS NOT NULL AND age(xmin) >= age($1::text::xid)
+            UNION ALL
+            SELECT 'prepared transaction ' || gid FROM pg_prepared_xacts
+             WHERE age(transaction) >= age($1::text::xid)";
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let holders: Vec<String> = self
+                .client
+                .query(HOLDERS, &[&xid])
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            if holders.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(holders);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
     /// Rewrites the key table (`VACUUM FULL`), so that the old row versions of forgotten keys,
     /// which hold their wrapped keys until then, leave its pages: a plain `VACUUM` frees a dead
     /// row's space but can leave its bytes in the page's free space. Holds an exclusive lock on

@@ -1168,6 +1168,8 @@ async fn row_headers_cannot_forge_the_relays_headers_or_routing() {
         "x-source-gtid": "0-1-999",
         "x-outbox-created-at": "1970-01-01T00:00:00Z",
         "x-outbox-table": "public.forged",
+        "x-outbox-relay": "forged-relay",
+        "x-outbox-source": "postgres:1/forged",
         "x-partition": 3,
         "x-partition-8": 7,
         "X-Partition": 2,
@@ -1296,6 +1298,8 @@ async fn row_headers_cannot_forge_the_relays_headers_or_routing() {
             "traceparent",
             "x-aggregate-id",
             "x-outbox-created-at",
+            "x-outbox-relay",
+            "x-outbox-source",
             "x-source-position",
         ];
         if version.is_some() {
@@ -1324,6 +1328,14 @@ async fn row_headers_cannot_forge_the_relays_headers_or_routing() {
         );
         let created = header_str(m, "x-outbox-created-at").unwrap();
         assert!(!created.starts_with("1970"), "{created}");
+        assert_ne!(
+            header_str(m, "x-outbox-relay").as_deref(),
+            Some("forged-relay")
+        );
+        assert!(
+            header_str(m, "x-outbox-source").is_some_and(|s| s.ends_with(&format!("/{}", db.name))),
+            "the relay's source, not the row's"
+        );
         assert_eq!(
             header_str(m, "traceparent").as_deref(),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
