@@ -13,6 +13,10 @@ pub struct StatusArgs {
     /// Print one JSON object (for scripts).
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
+    /// Postgres 17+: also show a physical standby's copy of the relay's slot (postgres://…
+    /// DSN) and whether a failover to it keeps the slot.
+    #[arg(long, env = "OUTBOXD_STANDBY", hide_env_values = true)]
+    pub standby: Option<crate::dsn::DsnArg>,
 }
 
 pub(super) async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error> {
@@ -27,7 +31,17 @@ pub(super) async fn status(args: StatusArgs, m: &ArgMatches) -> Result<(), Error
         return Ok(());
     }
     let dsn = postgres_only(r.source, "status")?;
-    let st = crate::source::postgres::diagnostics::status_postgres(&dsn, &r.name, &r.slot).await?;
+    let standby = match &args.standby {
+        Some(s) => Some(postgres_only(SourceDsn::parse(s)?, "status --standby")?),
+        None => None,
+    };
+    let st = crate::source::postgres::diagnostics::status_postgres(
+        &dsn,
+        &r.name,
+        &r.slot,
+        standby.as_ref(),
+    )
+    .await?;
     if args.json {
         println!("{}", serde_json::to_string(&st).unwrap_or_default());
     } else {
