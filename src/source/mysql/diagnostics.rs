@@ -319,18 +319,54 @@ async fn check_server(
                 let resume = super::Resume::from_checkpoint(cp).expect("a binlog checkpoint");
                 let mariadb = s.mariadb;
                 let server = admin::server_log(conn, &resume, mariadb).await?;
-                match admin::position_problem(name, &resume, mariadb, false, &server) {
-                    None => out.push(line(
+                let server_gtid = match &server.gtid_binlog_state {
+                    Some(list) => {
+                        crate::source::mysql::gtid::GtidState::from_list(list).to_string()
+                    }
+                    None => {
+                        admin::head_status(conn, Some(s.flavour))
+                            .await?
+                            .gtid_executed
+                    }
+                };
+                let gtids = format!(
+                    "stored GTID state {}, the server's {}",
+                    match resume.checkpoint() {
+                        Checkpoint::Binlog {
+                            gtid_state: Some(g),
+                            ..
+                        } => g,
+                        _ => "-".into(),
+                    },
+                    if server_gtid.is_empty() {
+                        "-".to_string()
+                    } else {
+                        server_gtid
+                    }
+                );
+                match admin::position_verdict(name, &resume, mariadb, false, &server) {
+                    admin::Verdict::Streams => out.push(line(
                         Level::Ok,
                         "stored position",
-                        format!("{file}:{pos}"),
+                        format!("{file}:{pos} ({gtids})"),
                         None,
                     )),
-                    Some(lost) => {
+                    admin::Verdict::ByGtid(why) => out.push(line(
+                        Level::Ok,
+                        "stored position",
+                        format!("{file}:{pos} is not this server's binlog position, but it resumes by GTID ({gtids}): {why}"),
+                        None,
+                    )),
+                    admin::Verdict::Lost(lost) => {
                         let Error::PositionLost { problem, fix } = lost.into_error(name) else {
                             unreachable!("a lost position")
                         };
-                        out.push(line(Level::Fail, "stored position", problem, Some(fix)));
+                        out.push(line(
+                            Level::Fail,
+                            "stored position",
+                            format!("{problem} ({gtids})"),
+                            Some(fix),
+                        ));
                     }
                 }
             }

@@ -201,7 +201,17 @@ async fn open_stream(
 ) -> Result<mysql_async::BinlogStream, Error> {
     let mut conn = connect_sql(&cfg.dsn).await?;
     if verify {
-        admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await?;
+        if let admin::Verdict::ByGtid(why) =
+            admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await?
+        {
+            // Another server behind the same address (a failover under a running relay). Its
+            // coordinates may sort before the stored ones, which the forward-only store would
+            // refuse: a new start stores the GTID state at this server's coordinates first.
+            return Err(Error::Other(format!(
+                "the server at {}:{} is another one now (a failover or switchover): {why}. Start the relay again: its start resumes by GTID at this server's coordinates (nothing is lost)",
+                cfg.dsn.host, cfg.dsn.port
+            )));
+        }
     }
     let setup = async {
         // MariaDB: send GTID events (not BEGIN/dummy queries).

@@ -71,6 +71,24 @@ pub struct ServerLog {
     pub gtid_binlog_state: Option<Vec<Gtid>>,
     /// What is at the position in its file.
     pub at: AtPosition,
+    /// MariaDB: the GTID state at the start of the server's oldest binlog file (what it can
+    /// still send begins there); `None` on MySQL or where it could not be read.
+    pub first_state: Option<GtidState>,
+    /// The server's own `@@server_id`.
+    pub server_id: Option<u32>,
+}
+
+/// What a start (or a reconnect) may do with a stored position on this server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Stream from it as stored.
+    Streams,
+    /// Its coordinates are not this server's (another server after a failover or switchover,
+    /// or a binlog laid out otherwise), but the server's binlog holds its GTID state and what
+    /// follows: resume by GTID, at this server's coordinates of that state. Says why.
+    ByGtid(String),
+    /// Lost, with the fix that applies.
+    Lost(Lost),
 }
 
 /// Why a position cannot be streamed from: the problem and which fix applies.
@@ -126,6 +144,63 @@ fn file_range(files: &[BinlogFile]) -> String {
 ///   server's history is older than the relay's: `RESET MASTER`, or a failover to a server that
 ///   had not received everything).
 pub fn position_problem(
+    name: &str,
+    from: &crate::source::mysql::Resume,
+    mariadb: bool,
+    strict: bool,
+    server: &ServerLog,
+) -> Option<Lost> {
+    match position_verdict(name, from, mariadb, strict, server) {
+        Verdict::Lost(lost) => Some(lost),
+        Verdict::Streams | Verdict::ByGtid(_) => None,
+    }
+}
+
+/// [`position_problem`], and where the coordinates are not this server's, whether the server
+/// still holds the stored GTID state so that a GTID resume is exact:
+///
+/// - MariaDB: every GTID of the stored state (`domain-server-seq`) is in the server's binlog
+///   history — `@@gtid_binlog_state` lists that domain and server id at that sequence number or
+///   later (a promoted replica with `log_slave_updates` has the old primary's GTIDs there) —
+///   and its oldest binlog file starts at or before the stored state (nothing after it was
+///   purged). A state ahead of the server, a GTID the server never logged (a replica without
+///   `log_slave_updates`, another history) or a purged one is lost, never a silent skip.
+/// - Without a stored GTID state (MySQL, or a position set by hand) nothing but the
+///   coordinates can say where to resume: lost as before.
+pub fn position_verdict(
+    name: &str,
+    from: &crate::source::mysql::Resume,
+    mariadb: bool,
+    strict: bool,
+    server: &ServerLog,
+) -> Verdict {
+    let Some(lost) = coordinates_problem(name, from, mariadb, strict, server) else {
+        return Verdict::Streams;
+    };
+    if lost.purged || !from.by_gtid(mariadb) || !mariadb {
+        return Verdict::Lost(lost);
+    }
+    let Some(stored) = from.gtid.as_ref() else {
+        return Verdict::Lost(lost);
+    };
+    match super::relocate::holds(
+        stored,
+        server.gtid_binlog_state.as_deref().unwrap_or(&[]),
+        server.first_state.as_ref(),
+        server.server_id,
+    ) {
+        super::relocate::Holding::Held => Verdict::ByGtid(format!(
+            "{}; the server's binlog holds the stored GTID state {stored}, so the relay resumes there by GTID",
+            lost.problem
+        )),
+        super::relocate::Holding::Missing { problem, purged } => Verdict::Lost(Lost {
+            problem: format!("{}; and {problem}", lost.problem),
+            purged,
+        }),
+    }
+}
+
+fn coordinates_problem(
     name: &str,
     from: &crate::source::mysql::Resume,
     mariadb: bool,
@@ -295,30 +370,38 @@ pub async fn server_log(
             Err(e) => return Err(e.into()),
         }
     };
+    let first_state = match files.first() {
+        Some(f) if mariadb => gtid_at_opt(conn, &f.name, 4).await?,
+        _ => None,
+    };
+    let server_id: Option<u64> = conn.query_first("SELECT @@server_id").await?;
     Ok(ServerLog {
         files,
         head: (head.file, head.pos),
         gtid_binlog_state,
         at,
+        first_state,
+        server_id: server_id.and_then(|i| u32::try_from(i).ok()),
     })
 }
 
 /// Fails with a lost position (and its fix) when the binlog cannot be streamed from `from`
-/// (see [`position_problem`]).
+/// (see [`position_verdict`]); otherwise says whether it streams as stored or by GTID at this
+/// server's own coordinates.
 pub async fn require_position(
     conn: &mut Conn,
     name: &str,
     from: &crate::source::mysql::Resume,
     mariadb: bool,
     strict: bool,
-) -> Result<(), Error> {
+) -> Result<Verdict, Error> {
     let server = server_log(conn, from, mariadb).await?;
-    match position_problem(name, from, mariadb, strict, &server) {
-        Some(lost) => {
+    match position_verdict(name, from, mariadb, strict, &server) {
+        Verdict::Lost(lost) => {
             tracing::debug!(?server, "the server's binlog, against the position");
             Err(lost.into_error(name))
         }
-        None => Ok(()),
+        v => Ok(v),
     }
 }
 
@@ -357,6 +440,8 @@ mod tests {
             files,
             gtid_binlog_state: Some(gtids(state)),
             at,
+            first_state: None,
+            server_id: Some(1),
         }
     }
 
@@ -629,6 +714,8 @@ mod tests {
             head: ("mariadb-bin.000001".into(), 4),
             gtid_binlog_state: None,
             at: AtPosition::Unread,
+            first_state: None,
+            server_id: Some(1),
         };
         assert!(
             position_problem("r", &at("mariadb-bin.000001", 4, None), true, false, &srv).is_some()
