@@ -14,7 +14,8 @@
 #   mariadb-private.sh stop DIR     SIGKILL the server and its watchdog, remove DIR
 #
 # Run as root (the tests do). Environment: OUTBOXD_MARIADB_TEMPLATE, where the template data
-# directory lives (default /var/lib/outboxd/mariadb-template; made once, about 3 s).
+# directory lives (default /var/lib/outboxd/mariadb-template; made once, about 3 s);
+# OUTBOXD_MARIADB_EXTRA, option lines appended to the server's (e.g. log_slave_updates=OFF).
 set -euo pipefail
 
 MARIADBD=/usr/sbin/mariadbd
@@ -87,6 +88,7 @@ sync_binlog=0
 performance_schema=OFF
 max_connections=200
 expire_logs_days=7
+${OUTBOXD_MARIADB_EXTRA:-}
 EOF
     chown -R mysql:mysql "$dir"
     chmod 0755 "$dir"

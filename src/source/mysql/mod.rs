@@ -27,6 +27,7 @@ pub mod diagnostics;
 pub mod file;
 pub mod gtid;
 pub mod poll;
+pub mod replicas;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
@@ -80,6 +81,9 @@ pub struct MySqlSourceConfig {
     pub xa_prepare_limit: Duration,
     /// `--xa-prepare-expired`: stop, or move the position past it.
     pub xa_prepare_expired: xa_pin::XaExpired,
+    /// `--sync-replica`: replicas that must have applied a transaction before its events are
+    /// published (see [`replicas`]).
+    pub sync_replicas: Vec<DbDsn>,
 }
 
 /// The server id a relay of this name registers with: stable per name (a reconnect replaces
@@ -294,6 +298,37 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, .. } = link;
+    if cfg.sync_replicas.is_empty() {
+        return stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+    }
+    let start_gtid = match start.checkpoint() {
+        Checkpoint::Binlog { gtid_state, .. } => gtid_state,
+        _ => None,
+    };
+    let (outlet, gate) = replicas::gate(
+        &cfg.sync_replicas,
+        cfg.mariadb,
+        start_gtid,
+        outlet,
+        shutdown.clone(),
+    );
+    let streamed = stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+    // The gate's own failure (a replica refusing, no GTIDs) is why the source's sends failed.
+    match gate.await {
+        Ok(Err(e)) => Err(e),
+        Err(e) => Err(Error::Other(format!("the --sync-replica gate failed: {e}"))),
+        Ok(Ok(())) => streamed,
+    }
+}
+
+async fn stream(
+    cfg: MySqlSourceConfig,
+    outlet: Outlet,
+    start: Resume,
+    first: FirstStart,
+    checkpoints: Checkpointer,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     match first {
         FirstStart::No => {}
         FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,

@@ -1,0 +1,398 @@
+//! A MariaDB primary failover under a running relay, on private servers: a primary and a GTID
+//! replica (`log_slave_updates`), each a `mariadbd` of the Debian package with its own data
+//! directory and port on 127.0.0.1, started by `scripts/services/mariadb-private.sh` (never the
+//! shared server on 3306; a start costs about half a second, so every test has its own pair and
+//! no test depends on another's topology). A producer writes 1–5 rows per transaction, the
+//! primary is SIGKILLed, the replica promoted and the relay started against it. Asserted: every
+//! event on the promoted replica published, none that it lacks (with `--sync-replica`), and the
+//! path the relay took; the figures (events, duplicates) are printed with `--nocapture`.
+
+use crate::common;
+use common::*;
+use mysql_async::prelude::Queryable;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(90);
+
+fn script(args: &[&str], extra: &str) {
+    let out = Command::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/services/mariadb-private.sh"
+    ))
+    .args(args)
+    .env("OUTBOXD_MARIADB_EXTRA", extra)
+    .output()
+    .expect("run scripts/services/mariadb-private.sh");
+    assert!(
+        out.status.success(),
+        "scripts/services/mariadb-private.sh {args:?} failed (it needs root and the mariadb-server package): {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A private MariaDB server; stopped and its directory removed when dropped (and by the
+/// script's watchdog when the test binary dies).
+struct Maria {
+    dir: String,
+    port: u16,
+}
+
+impl Maria {
+    fn start(base: &str, id: u32, extra: &str) -> Maria {
+        let m = Maria {
+            dir: format!("{base}/s{id}"),
+            port: free_local_port(),
+        };
+        script(
+            &[
+                "start",
+                &m.dir,
+                &m.port.to_string(),
+                &id.to_string(),
+                &std::process::id().to_string(),
+            ],
+            extra,
+        );
+        m
+    }
+
+    fn kill(&self) {
+        script(&["kill", &self.dir], "");
+    }
+
+    fn dsn(&self, db: &str) -> String {
+        format!("mariadb://root@127.0.0.1:{}/{db}", self.port)
+    }
+
+    async fn conn(&self, db: Option<&str>) -> mysql_async::Conn {
+        let opts = mysql_async::OptsBuilder::default()
+            .ip_or_hostname("127.0.0.1")
+            .tcp_port(self.port)
+            .user(Some("root"))
+            .db_name(db)
+            .prefer_socket(false);
+        mysql_async::Conn::new(opts)
+            .await
+            .unwrap_or_else(|e| panic!("private MariaDB on {}: {e}", self.port))
+    }
+
+    async fn exec(&self, sql: &str) {
+        my_exec(&mut self.conn(None).await, sql).await
+    }
+
+    async fn value(&self, sql: &str) -> Option<String> {
+        my_value(&mut self.conn(None).await, sql).await
+    }
+
+    async fn ids(&self, db: &str) -> std::collections::HashSet<uuid::Uuid> {
+        let rows: Vec<Vec<u8>> = self
+            .conn(Some(db))
+            .await
+            .query("SELECT id FROM outbox")
+            .await
+            .unwrap();
+        rows.iter()
+            .map(|b| uuid::Uuid::from_slice(b).unwrap())
+            .collect()
+    }
+
+    /// Replicates from `primary` by GTID and waits until both threads run.
+    async fn replicate(&self, primary: &Maria) {
+        self.exec(&format!(
+            "CHANGE MASTER TO MASTER_HOST='127.0.0.1', MASTER_PORT={}, MASTER_USER='root', MASTER_USE_GTID=slave_pos, MASTER_CONNECT_RETRY=1; START SLAVE",
+            primary.port
+        ))
+        .await;
+        wait_for("the replica's threads running", T, || async {
+            let row: Option<mysql_async::Row> = self
+                .conn(None)
+                .await
+                .query_first("SHOW SLAVE STATUS")
+                .await
+                .unwrap();
+            row.is_some_and(|r| {
+                r.get::<String, _>("Slave_IO_Running").as_deref() == Some("Yes")
+                    && r.get::<String, _>("Slave_SQL_Running").as_deref() == Some("Yes")
+            })
+        })
+        .await;
+    }
+
+    /// Waits until this replica has applied everything `primary` has logged.
+    async fn caught_up(&self, primary: &Maria) {
+        let pos = primary
+            .value("SELECT @@gtid_binlog_pos")
+            .await
+            .unwrap_or_default();
+        let r = self
+            .value(&format!("SELECT MASTER_GTID_WAIT('{pos}', 60)"))
+            .await;
+        assert_eq!(r.as_deref(), Some("0"), "the replica did not reach {pos}");
+    }
+
+    /// Promotes this replica after its primary died: applies what it received, stops
+    /// replicating and takes writes.
+    async fn promote(&self) {
+        wait_for("the replica applied everything it received", T, || async {
+            let row: Option<mysql_async::Row> = self
+                .conn(None)
+                .await
+                .query_first("SHOW SLAVE STATUS")
+                .await
+                .unwrap();
+            let io: String = row.and_then(|r| r.get("Gtid_IO_Pos")).unwrap_or_default();
+            let applied = self
+                .value("SELECT @@gtid_slave_pos")
+                .await
+                .unwrap_or_default();
+            io == applied
+        })
+        .await;
+        self.exec("STOP SLAVE; RESET SLAVE ALL; SET GLOBAL read_only = OFF")
+            .await;
+    }
+}
+
+impl Drop for Maria {
+    fn drop(&mut self) {
+        let _ = Command::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/services/mariadb-private.sh"
+        ))
+        .args(["stop", &self.dir])
+        .output();
+    }
+}
+
+/// A primary and its replica, a database with the outbox table on both.
+struct Pair {
+    primary: Maria,
+    replica: Maria,
+    db: String,
+    _base: TempDir,
+}
+
+struct TempDir(String);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Pair {
+    async fn new(replica_extra: &str) -> Pair {
+        let base = format!("/tmp/outboxd-myfailover-{}", unique("t"));
+        let primary = Maria::start(&base, 1, "");
+        let replica = Maria::start(&base, 2, replica_extra);
+        replica.replicate(&primary).await;
+        let db = unique("fo");
+        primary.exec(&format!("CREATE DATABASE `{db}`")).await;
+        my_exec(&mut primary.conn(Some(&db)).await, MY_OUTBOX_DDL).await;
+        replica.caught_up(&primary).await;
+        Pair {
+            primary,
+            replica,
+            db,
+            _base: TempDir(base),
+        }
+    }
+}
+
+/// Transactions of 1–5 rows on `conn` until `stop` or the first error; the ids of the
+/// transactions whose COMMIT returned.
+fn producer(
+    mut conn: mysql_async::Conn,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<uuid::Uuid>> {
+    tokio::spawn(async move {
+        let outbox = outboxd::Outbox::new("outbox").unwrap();
+        let mut ids = Vec::new();
+        let mut t = 0usize;
+        'txn: while !stop.load(Ordering::SeqCst) {
+            let Ok(mut tx) = conn.start_transaction(Default::default()).await else {
+                break;
+            };
+            let mut these = Vec::new();
+            for i in 0..(1 + t % 5) {
+                let Ok(id) = outbox
+                    .write(
+                        &mut tx,
+                        "failover",
+                        &format!("{}", (t + i) % 31),
+                        &serde_json::json!({ "t": t, "i": i }),
+                    )
+                    .await
+                else {
+                    break 'txn;
+                };
+                these.push(id);
+            }
+            if tx.commit().await.is_err() {
+                break;
+            }
+            ids.extend(these);
+            t += 1;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ids
+    })
+}
+
+fn run_relay(dsn: &str, name: &str, extra: &[&str]) -> Relay {
+    let mut args = vec!["run", "--source", dsn, "--name", name, "--commit-offsets"];
+    args.extend_from_slice(extra);
+    Relay::start(&args)
+}
+
+/// What one failover scenario does before the primary dies.
+#[derive(Clone, Copy)]
+struct Scenario {
+    /// The relay waits for the replica (`--sync-replica`).
+    sync: bool,
+    /// The relay is SIGKILLed just before the primary.
+    kill_relay_first: bool,
+    /// The replica stops receiving 1.5 s before the primary dies (it lags).
+    lag: bool,
+}
+
+/// The figures of one failover.
+struct Outcome {
+    /// Events the promoted replica has (and must all be published).
+    on_replica: usize,
+    published: Vec<uuid::Uuid>,
+    /// Published events the promoted replica does not have.
+    phantom: usize,
+    committed: usize,
+}
+
+async fn failover(s: Scenario) -> Outcome {
+    let pair = Pair::new("").await;
+    let (primary, replica, db) = (&pair.primary, &pair.replica, &pair.db);
+    let name = unique("r");
+    let replica_dsn = replica.dsn(db);
+    let sync_args: Vec<&str> = if s.sync {
+        vec!["--sync-replica", &replica_dsn]
+    } else {
+        vec![]
+    };
+    let mut first = run_relay(&primary.dsn(db), &name, &sync_args);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = producer(primary.conn(Some(db)).await, stop.clone());
+    wait_lines("300 events published before the failover", &first, 300, T).await;
+    if s.lag {
+        replica.exec("STOP SLAVE IO_THREAD").await;
+        let lagged_at = primary.value("SELECT @@gtid_binlog_pos").await.unwrap();
+        wait_for("the primary 1.5 s ahead of its replica", T, || async {
+            primary.value("SELECT @@gtid_binlog_pos").await.unwrap() != lagged_at
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(1500)).await; // the length of the lag itself
+    }
+    let t0 = Instant::now();
+    if s.kill_relay_first {
+        first.sigkill();
+    }
+    primary.kill();
+    stop.store(true, Ordering::SeqCst);
+    let committed = writer.await.unwrap();
+    if s.lag {
+        // The fault: the primary had committed transactions the replica never received.
+        let on_replica = replica.ids(db).await;
+        assert!(
+            committed.iter().any(|i| !on_replica.contains(i)),
+            "the replica lacks no committed event: no lag was injected"
+        );
+        replica.exec("START SLAVE IO_THREAD").await;
+    }
+    replica.promote().await;
+    if !s.kill_relay_first {
+        first.sigkill(); // it retries the dead primary; its operator points it elsewhere
+    }
+    let before = printed_ids(&first);
+    let on_replica = replica.ids(db).await;
+
+    let second = run_relay(&replica_dsn, &name, &[]);
+    let later = my_write_events(&mut replica.conn(Some(db)).await, 20, 5, "after.failover").await;
+    let expected: Vec<uuid::Uuid> = on_replica.iter().copied().chain(later.clone()).collect();
+    wait_all_printed(&[&first, &second], &expected, T).await;
+    let after = printed_ids(&second);
+    let published: Vec<uuid::Uuid> = before.iter().chain(&after).copied().collect();
+    assert_none_lost(&expected, &published);
+    let survivors = replica.ids(db).await;
+    let phantom = published.iter().filter(|i| !survivors.contains(i)).count();
+    eprintln!(
+        "mariadb failover (sync {}, relay killed first {}, lag {}): {} committed, {} on the promoted replica, {} published before and {} after, {} duplicates, {} published that the new primary lacks, {:.1}s\n{}",
+        s.sync,
+        s.kill_relay_first,
+        s.lag,
+        committed.len(),
+        on_replica.len(),
+        before.len(),
+        after.len(),
+        dups(&published),
+        phantom,
+        t0.elapsed().as_secs_f64(),
+        second.stderr_plain().lines().filter(|l| l.contains("resuming")).collect::<Vec<_>>().join("\n")
+    );
+    Outcome {
+        on_replica: on_replica.len(),
+        published,
+        phantom,
+        committed: committed.len(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_to_a_promoted_replica_publishes_everything_it_has_and_nothing_else() {
+    let o = failover(Scenario {
+        sync: true,
+        kill_relay_first: false,
+        lag: false,
+    })
+    .await;
+    assert!(o.on_replica >= 300 && o.committed >= o.on_replica);
+    assert_eq!(o.phantom, 0, "published events the promoted replica lacks");
+    assert!(!o.published.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_with_the_relay_killed_just_before() {
+    let o = failover(Scenario {
+        sync: true,
+        kill_relay_first: true,
+        lag: false,
+    })
+    .await;
+    assert_eq!(o.phantom, 0, "published events the promoted replica lacks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_replica_with_sync_replica_publishes_nothing_it_lacks() {
+    let o = failover(Scenario {
+        sync: true,
+        kill_relay_first: false,
+        lag: true,
+    })
+    .await;
+    assert_eq!(o.phantom, 0, "published events the promoted replica lacks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_replica_without_sync_replica_loses_published_events() {
+    // What --sync-replica prevents: the relay publishes what the replica never receives.
+    let o = failover(Scenario {
+        sync: false,
+        kill_relay_first: false,
+        lag: true,
+    })
+    .await;
+    assert!(
+        o.phantom > 0,
+        "without --sync-replica the relay published only what the lagging replica had"
+    );
+}
