@@ -355,7 +355,8 @@ async fn failover_to_a_promoted_replica_publishes_everything_it_has_and_nothing_
         lag: false,
     })
     .await;
-    assert!(o.on_replica >= 300 && o.committed >= o.on_replica);
+    // A transaction whose COMMIT the killed primary never answered may be on the replica.
+    assert!(o.on_replica >= 300 && o.committed >= 300);
     assert_eq!(o.phantom, 0, "published events the promoted replica lacks");
     assert!(!o.published.is_empty());
 }
@@ -395,4 +396,178 @@ async fn a_lagging_replica_without_sync_replica_loses_published_events() {
         o.phantom > 0,
         "without --sync-replica the relay published only what the lagging replica had"
     );
+}
+
+/// A planned switchover to a replica whose binlog file numbers are lower than the primary's
+/// (the primary rotated its binlog, the replica did not): the stored position's file is not on
+/// the new primary, but it holds the stored GTID state, so the relay resumes there by GTID,
+/// stores its position in the new primary's coordinates and publishes nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switchover_to_lower_binlog_file_numbers_resumes_by_gtid() {
+    let pair = Pair::new("").await;
+    let (primary, replica, db) = (&pair.primary, &pair.replica, &pair.db);
+    for _ in 0..4 {
+        primary.exec("FLUSH LOCAL BINARY LOGS").await;
+    }
+    let name = unique("r");
+    let mut first = run_relay(&primary.dsn(db), &name, &[]);
+    let before_ids = my_write_events(&mut primary.conn(Some(db)).await, 60, 3, "before").await;
+    wait_all_printed(&[&first], &before_ids, T).await;
+    replica.caught_up(primary).await;
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(T).await, 0, "{}", first.stderr());
+    let stored: Option<(String, u64, Option<String>)> = replica
+        .conn(Some(db))
+        .await
+        .exec_first(
+            "SELECT binlog_file, binlog_pos, gtid_state FROM outboxd_state WHERE name = ?",
+            (&name,),
+        )
+        .await
+        .unwrap();
+    let (stored_file, _, stored_gtid) = stored.expect("the state row replicated");
+    assert_eq!(
+        stored_file, "mariadb-bin.000005",
+        "the primary's rotated binlog"
+    );
+    let replica_files: Vec<(String, u64)> = replica
+        .conn(None)
+        .await
+        .query("SHOW BINARY LOGS")
+        .await
+        .unwrap();
+    assert!(
+        replica_files
+            .iter()
+            .all(|(f, _)| f.as_str() < "mariadb-bin.000005"),
+        "the replica's binlog numbers are lower: {replica_files:?}"
+    );
+    // The switchover: the old primary stops taking writes, the replica takes over.
+    primary.exec("SET GLOBAL read_only = ON").await;
+    replica.promote().await;
+
+    let mut check = Relay::start(&["check", "--source", &replica.dsn(db), "--name", &name]);
+    check.wait_exit(T).await;
+    let out = check.lines().join("\n");
+    assert!(
+        out.contains("ok   stored position") && out.contains("resumes by GTID"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("stored GTID state {}", stored_gtid.unwrap())),
+        "{out}"
+    );
+
+    let second = run_relay(&replica.dsn(db), &name, &[]);
+    second
+        .wait_for_stderr(
+            &["resuming by GTID on another binlog", "mariadb-bin.000001:"],
+            T,
+        )
+        .await;
+    let later = my_write_events(&mut replica.conn(Some(db)).await, 30, 3, "after").await;
+    wait_all_printed(&[&second], &later, T).await;
+    let after = printed_ids(&second);
+    let republished = after.iter().filter(|i| before_ids.contains(i)).count();
+    eprintln!(
+        "mariadb switchover to lower binlog numbers: {} events before, {} after, {} published again\n{}",
+        before_ids.len(),
+        later.len(),
+        republished,
+        second.stderr_plain().lines().filter(|l| l.contains("GTID")).collect::<Vec<_>>().join("\n")
+    );
+    assert_eq!(
+        republished, 0,
+        "a GTID resume at the stored state repeats nothing"
+    );
+    wait_for(
+        "the position stored in the new primary's coordinates",
+        T,
+        || async {
+            let row: Option<(String, u64)> = replica
+                .conn(Some(db))
+                .await
+                .exec_first(
+                    "SELECT binlog_file, binlog_pos FROM outboxd_state WHERE name = ?",
+                    (&name,),
+                )
+                .await
+                .unwrap();
+            let head: Option<mysql_async::Row> = replica
+                .conn(None)
+                .await
+                .query_first("SHOW MASTER STATUS")
+                .await
+                .unwrap();
+            let head_file: String = head.unwrap().get(0).unwrap();
+            row.is_some_and(|(f, _)| f == head_file)
+        },
+    )
+    .await;
+}
+
+/// A replica promoted without `log_slave_updates` has none of the old primary's transactions in
+/// its binlog: a GTID resume there would skip or repeat an unknown stretch, so the relay stops
+/// with exit 3 and the fix, never reading from somewhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_promoted_without_log_slave_updates_is_refused_with_the_fix() {
+    let pair = Pair::new("log_slave_updates=OFF").await;
+    let (primary, replica, db) = (&pair.primary, &pair.replica, &pair.db);
+    let name = unique("r");
+    let mut first = run_relay(&primary.dsn(db), &name, &[]);
+    let ids = my_write_events(&mut primary.conn(Some(db)).await, 20, 3, "before").await;
+    wait_all_printed(&[&first], &ids, T).await;
+    replica.caught_up(primary).await;
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(T).await, 0, "{}", first.stderr());
+    primary.exec("SET GLOBAL read_only = ON").await;
+    replica.promote().await;
+    let mut second = run_relay(&replica.dsn(db), &name, &[]);
+    assert_eq!(second.wait_exit(T).await, 3, "{}", second.stderr());
+    let err = second.stderr_plain();
+    assert!(
+        err.contains("log_slave_updates")
+            && err.contains("offset set")
+            && err.contains("--on-position-lost poll"),
+        "{err}"
+    );
+    assert_eq!(second.line_count(), 0, "nothing published");
+}
+
+/// Without `--sync-replica` a lagging replica lacks published events. With the position in an
+/// offset file (outside the replicated database) the relay sees that its stored GTID state is
+/// ahead of the promoted replica and stops with exit 3 instead of resuming; with the position
+/// in the replicated `outboxd_state` table the row rolled back with the data, so the state it
+/// finds is one the new primary holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_state_ahead_of_the_promoted_replica_is_refused() {
+    let pair = Pair::new("").await;
+    let (primary, replica, db) = (&pair.primary, &pair.replica, &pair.db);
+    let dir = format!("/tmp/outboxd-offsets-{}", unique("o"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _dir = TempDir(dir.clone());
+    let file = format!("{dir}/offsets.json");
+    let name = unique("r");
+    let mut first = run_relay(&primary.dsn(db), &name, &["--offset-file", &file]);
+    let ids = my_write_events(&mut primary.conn(Some(db)).await, 20, 3, "before").await;
+    wait_all_printed(&[&first], &ids, T).await;
+    replica.caught_up(primary).await;
+    replica.exec("STOP SLAVE IO_THREAD").await;
+    let lost = my_write_events(&mut primary.conn(Some(db)).await, 20, 3, "lost").await;
+    wait_all_printed(&[&first], &lost, T).await;
+    first.signal("TERM");
+    assert_eq!(first.wait_exit(T).await, 0, "{}", first.stderr());
+    primary.kill();
+    replica.exec("START SLAVE IO_THREAD").await;
+    replica.promote().await;
+    let on_replica = replica.ids(db).await;
+    assert!(
+        lost.iter().all(|i| !on_replica.contains(i)),
+        "the fault: the promoted replica lacks the events published after it stopped receiving"
+    );
+    let mut second = run_relay(&replica.dsn(db), &name, &["--offset-file", &file]);
+    assert_eq!(second.wait_exit(T).await, 3, "{}", second.stderr());
+    let err = second.stderr_plain();
+    assert!(err.contains("history is older than the relay's"), "{err}");
+    assert_eq!(second.line_count(), 0, "nothing published");
 }

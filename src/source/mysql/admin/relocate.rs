@@ -62,7 +62,8 @@ pub fn holds(
         match (same_server, newest) {
             (_, None) => {
                 return missing(format!(
-                    "the server's binlog has no transaction of domain {} (the relay read GTID {g} there): its history is older than the relay's",
+                    "the server's binlog has no transaction of domain {} (the relay read GTID {g} there): its history is older than the relay's \
+                     (a replica promoted without log_slave_updates has none of its old primary's transactions in its binlog)",
                     g.domain
                 ))
             }
