@@ -284,6 +284,49 @@ async fn failover(s: Scenario) -> Outcome {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = producer(primary.conn(Some(db)).await, stop.clone());
     wait_lines("300 events published before the failover", &first, 300, T).await;
+    if s.sync && !s.lag && !s.kill_relay_first {
+        // `check` says whether the relay waits for the replica, and what the replica applied.
+        let check = |with: bool| {
+            let primary_dsn = primary.dsn(db);
+            let replica_dsn = replica_dsn.clone();
+            let name = name.clone();
+            async move {
+                let mut args = vec!["check", "--source", &primary_dsn, "--name", &name];
+                if with {
+                    args.extend(["--sync-replica", &replica_dsn]);
+                }
+                let mut c = Relay::start(&args);
+                c.wait_exit(T).await;
+                c.lines().join("\n")
+            }
+        };
+        let out = check(true).await;
+        assert!(
+            out.contains("ok   sync replica: 127.0.0.1:")
+                && out.contains("replicates by GTID with log_slave_updates"),
+            "{out}"
+        );
+        let out = check(false).await;
+        assert!(
+            out.contains("warn sync replicas: none named") && out.contains("1 replica(s)"),
+            "{out}"
+        );
+        let mut status = Relay::start(&[
+            "status",
+            "--source",
+            &primary.dsn(db),
+            "--name",
+            &name,
+            "--sync-replica",
+            &replica_dsn,
+        ]);
+        assert_eq!(status.wait_exit(T).await, 0, "{}", status.stderr());
+        let out = status.lines().join("\n");
+        assert!(
+            out.contains("sync replica     127.0.0.1:") && out.contains("applied 0-1-"),
+            "{out}"
+        );
+    }
     if s.lag {
         replica.exec("STOP SLAVE IO_THREAD").await;
         let lagged_at = primary.value("SELECT @@gtid_binlog_pos").await.unwrap();

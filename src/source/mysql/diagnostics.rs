@@ -409,6 +409,38 @@ async fn check_server(
     Ok(())
 }
 
+/// `check`'s lines for `--sync-replica` (see [`super::replicas::replica_lines`]): the
+/// primary's GTID position and registered replicas, and each named replica's state.
+pub async fn sync_replica_lines(dsn: &DbDsn, replicas: &[DbDsn]) -> Vec<CheckLine> {
+    let read = async {
+        let mut conn = connect_sql(dsn).await?;
+        let s = admin::settings(&mut conn).await?;
+        let primary_gtid = if s.mariadb {
+            let g: Option<Option<String>> = conn.query_first("SELECT @@gtid_binlog_pos").await?;
+            g.flatten().unwrap_or_default()
+        } else {
+            admin::head_status(&mut conn, Some(s.flavour))
+                .await?
+                .gtid_executed
+        };
+        let connected = super::replicas::registered_replicas(&mut conn).await;
+        let _ = conn.disconnect().await;
+        let mut states = Vec::new();
+        for r in replicas {
+            states.push(super::replicas::replica_state(r, s.mariadb).await);
+        }
+        Ok::<_, Error>(super::replicas::replica_lines(
+            &states,
+            connected,
+            &primary_gtid,
+        ))
+    };
+    match read.await {
+        Ok(lines) => lines,
+        Err(e) => vec![line(Level::Fail, "sync replicas", e.to_string(), None)],
+    }
+}
+
 /// What `status` shows for a MySQL source.
 #[derive(Debug, Clone, Serialize)]
 pub struct MyStatus {
@@ -428,6 +460,11 @@ pub struct MyStatus {
     /// A prepared XA transaction the stored position is held before (it starts there), and
     /// when the server prepared it.
     pub xa_prepare: Option<XaHold>,
+    /// How the next start resumes on this server from the stored position: as stored, by
+    /// GTID at this server's coordinates (another server's position), or lost (why).
+    pub resume: Option<String>,
+    /// `status --sync-replica`: each named replica's GTID state.
+    pub replicas: Vec<super::replicas::ReplicaState>,
 }
 
 /// A prepared XA transaction that holds a relay's stored position back.
@@ -438,7 +475,7 @@ pub struct XaHold {
     pub age_seconds: Option<i64>,
 }
 
-pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
+pub async fn status_mysql(dsn: &DbDsn, name: &str, replicas: &[DbDsn]) -> Result<MyStatus, Error> {
     let mut conn = connect_sql(dsn).await?;
     let s = admin::settings(&mut conn).await?;
     let (head_file, head_pos) = admin::head(&mut conn).await?;
@@ -513,8 +550,25 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
             }
         }
     }
+    let resume = match stored.as_ref().and_then(super::Resume::from_checkpoint) {
+        Some(r) if row.as_ref().is_some_and(|r| r.initialized) => {
+            let server = admin::server_log(&mut conn, &r, s.mariadb).await?;
+            Some(match admin::position_verdict(name, &r, s.mariadb, false, &server) {
+                admin::Verdict::Streams => "from the stored position".to_string(),
+                admin::Verdict::ByGtid(_) => "by GTID: the stored position is not this server's, but its binlog holds the stored GTID state (the next start stores it at this server's coordinates)".to_string(),
+                admin::Verdict::Lost(l) => format!("LOST: {}", l.problem),
+            })
+        }
+        _ => None,
+    };
     let _ = conn.disconnect().await;
+    let mut replica_states = Vec::new();
+    for r in replicas {
+        replica_states.push(super::replicas::replica_state(r, s.mariadb).await);
+    }
     Ok(MyStatus {
+        resume,
+        replicas: replica_states,
         name: name.to_string(),
         stored_position: stored.as_ref().map(|c| match c {
             Checkpoint::Binlog { file, pos, .. } => format!("{file}:{pos}"),
@@ -569,6 +623,21 @@ impl std::fmt::Display for MyStatus {
                 "not connected"
             }
         )?;
+        if let Some(r) = &self.resume {
+            writeln!(f, "resumes          {r}")?;
+        }
+        for r in &self.replicas {
+            writeln!(
+                f,
+                "sync replica     {} applied {}{}",
+                r.at,
+                o(&r.applied),
+                r.problem
+                    .as_ref()
+                    .map(|p| format!(" ({p})"))
+                    .unwrap_or_default()
+            )?;
+        }
         crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
         if let Some(x) = &self.xa_prepare {
             write!(

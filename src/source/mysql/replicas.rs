@@ -215,6 +215,173 @@ async fn wait_all(
     Ok(true)
 }
 
+/// What `check` and `status` say of one replica named with `--sync-replica`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ReplicaState {
+    /// `host:port`.
+    pub at: String,
+    /// What it has applied: MariaDB `@@gtid_slave_pos`, MySQL `@@gtid_executed`.
+    pub applied: Option<String>,
+    /// Whether it replicates by GTID (MariaDB `Using_Gtid` not `No`, MySQL `Auto_Position`).
+    pub by_gtid: Option<bool>,
+    /// `log_slave_updates`: after a promotion its binlog holds what it replicated, which a
+    /// GTID resume needs.
+    pub logs_updates: Option<bool>,
+    /// Why it could not be read, or is no replica.
+    pub problem: Option<String>,
+}
+
+/// Reads one replica's state; a problem is reported in it, not returned.
+pub async fn replica_state(dsn: &DbDsn, mariadb: bool) -> ReplicaState {
+    let at = format!("{}:{}", dsn.host, dsn.port);
+    let read = async {
+        let mut c = super::connect_sql(dsn).await?;
+        let applied: Option<Option<String>> = c
+            .query_first(if mariadb {
+                "SELECT @@gtid_slave_pos"
+            } else {
+                "SELECT @@gtid_executed"
+            })
+            .await?;
+        let logs: Option<i64> = c.query_first("SELECT @@log_slave_updates").await?;
+        let status: Option<mysql_async::Row> = match c.query_first("SHOW SLAVE STATUS").await {
+            Ok(r) => r,
+            Err(e) if super::server_code(&e) == Some(1064) => {
+                c.query_first("SHOW REPLICA STATUS").await?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let _ = c.disconnect().await;
+        let by_gtid = status.as_ref().map(|r| {
+            let col = |n: &str| r.get_opt::<String, _>(n).and_then(|v| v.ok());
+            match col("Using_Gtid") {
+                Some(u) => !u.eq_ignore_ascii_case("no"),
+                None => col("Auto_Position").as_deref() == Some("1"),
+            }
+        });
+        Ok::<_, Error>((
+            applied.flatten(),
+            logs.map(|l| l != 0),
+            status.is_some(),
+            by_gtid,
+        ))
+    };
+    match read.await {
+        Ok((applied, logs_updates, replicating, by_gtid)) => ReplicaState {
+            at,
+            applied,
+            by_gtid,
+            logs_updates,
+            problem: (!replicating)
+                .then(|| "is not replicating (SHOW SLAVE STATUS is empty)".to_string()),
+        },
+        Err(e) => ReplicaState {
+            at,
+            problem: Some(e.to_string()),
+            ..Default::default()
+        },
+    }
+}
+
+/// The `sync replica` check lines: with none named, whether the primary has replicas a
+/// failover could promote (`connected`, from `SHOW SLAVE HOSTS`; `None` when unknown); each
+/// named one reachable, replicating by GTID with `log_slave_updates`, and how far it applied
+/// against the primary's `primary_gtid`.
+pub fn replica_lines(
+    named: &[ReplicaState],
+    connected: Option<usize>,
+    primary_gtid: &str,
+) -> Vec<crate::diagnostics::CheckLine> {
+    use crate::diagnostics::{line, Level};
+    const FIX: &str = "run the relay with --sync-replica DSN for each replica a failover may promote (docs/operations.md, MariaDB/MySQL failover)";
+    if named.is_empty() {
+        return vec![match connected {
+            Some(n) if n > 0 => line(
+                Level::Warn,
+                "sync replicas",
+                format!("none named (--sync-replica), and {n} replica(s) replicate from this server: the relay publishes a transaction as soon as this server commits it, so a failover to a replica that had not received it rolls back events consumers already have"),
+                Some(FIX.into()),
+            ),
+            _ => line(
+                Level::Ok,
+                "sync replicas",
+                "none named (--sync-replica); no replica registered with this server",
+                None,
+            ),
+        }];
+    }
+    named
+        .iter()
+        .map(|r| match r {
+            ReplicaState {
+                problem: Some(p), ..
+            } => line(
+                Level::Fail,
+                "sync replica",
+                format!("{}: {p}: the relay would wait for it and publish nothing", r.at),
+                Some("make it reachable for the relay's user, replicating from this server, or remove it from --sync-replica".into()),
+            ),
+            ReplicaState {
+                by_gtid: Some(false),
+                ..
+            } => line(
+                Level::Fail,
+                "sync replica",
+                format!("{} replicates by file and position: after its promotion the relay cannot find its position by GTID", r.at),
+                Some("MariaDB: CHANGE MASTER TO MASTER_USE_GTID = slave_pos; MySQL: CHANGE REPLICATION SOURCE TO SOURCE_AUTO_POSITION = 1 (on the replica, replication stopped)".into()),
+            ),
+            ReplicaState {
+                logs_updates: Some(false),
+                ..
+            } => line(
+                Level::Fail,
+                "sync replica",
+                format!("{} runs without log_slave_updates: promoted, its binlog lacks what it replicated, and the relay refuses to resume there", r.at),
+                Some("log_slave_updates=ON in the replica's option file, then restart it".into()),
+            ),
+            _ => line(
+                Level::Ok,
+                "sync replica",
+                format!(
+                    "{} replicates by GTID with log_slave_updates, applied {} (this server at {}); the relay publishes only what it applied",
+                    r.at,
+                    r.applied.as_deref().filter(|a| !a.is_empty()).unwrap_or("-"),
+                    if primary_gtid.is_empty() { "-" } else { primary_gtid }
+                ),
+                None,
+            ),
+        })
+        .collect()
+}
+
+/// How many replicas registered with the server (`SHOW SLAVE HOSTS`, MySQL 8.4 `SHOW
+/// REPLICAS`), outboxd relays not counted (they register with server ids from 2^30, see
+/// [`super::server_id_for`]); `None` when it cannot be read.
+pub async fn registered_replicas(conn: &mut mysql_async::Conn) -> Option<usize> {
+    let rows = match conn.query::<mysql_async::Row, _>("SHOW SLAVE HOSTS").await {
+        Ok(rows) => rows,
+        Err(e) if super::server_code(&e) == Some(1064) => conn
+            .query::<mysql_async::Row, _>("SHOW REPLICAS")
+            .await
+            .ok()?,
+        Err(_) => return None,
+    };
+    Some(
+        rows.iter()
+            .filter(|r| {
+                super::admin::text_of(r, 0)
+                    .parse::<u64>()
+                    .is_ok_and(|id| !is_relay_server_id(id))
+            })
+            .count(),
+    )
+}
+
+/// Whether a registered replica's server id is one an outboxd relay uses.
+pub fn is_relay_server_id(id: u64) -> bool {
+    id & 0x4000_0000 != 0 && id <= u32::MAX as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,5 +408,42 @@ mod tests {
         assert_eq!(required(&snap, &start), Some(start.clone()));
         assert!(wait_statement(true).contains("MASTER_GTID_WAIT"));
         assert!(wait_statement(false).contains("WAIT_FOR_EXECUTED_GTID_SET"));
+    }
+
+    #[test]
+    fn check_says_whether_replicas_are_named_and_usable() {
+        use crate::diagnostics::Level;
+        assert!(is_relay_server_id(super::super::server_id_for("x") as u64));
+        assert!(!is_relay_server_id(2));
+        assert_eq!(replica_lines(&[], Some(2), "0-1-9")[0].level, Level::Warn);
+        assert_eq!(replica_lines(&[], Some(0), "0-1-9")[0].level, Level::Ok);
+        let good = ReplicaState {
+            at: "r:3306".into(),
+            applied: Some("0-1-9".into()),
+            by_gtid: Some(true),
+            logs_updates: Some(true),
+            problem: None,
+        };
+        let l = &replica_lines(std::slice::from_ref(&good), None, "0-1-9")[0];
+        assert_eq!(l.level, Level::Ok);
+        assert!(l.detail.contains("applied 0-1-9"), "{}", l.detail);
+        for bad in [
+            ReplicaState {
+                logs_updates: Some(false),
+                ..good.clone()
+            },
+            ReplicaState {
+                by_gtid: Some(false),
+                ..good.clone()
+            },
+            ReplicaState {
+                problem: Some("refused".into()),
+                ..good.clone()
+            },
+        ] {
+            let l = &replica_lines(&[bad], None, "0-1-9")[0];
+            assert_eq!(l.level, Level::Fail);
+            assert!(l.fix.is_some());
+        }
     }
 }

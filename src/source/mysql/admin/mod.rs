@@ -42,6 +42,11 @@ pub struct BinlogSettings {
     pub expire_seconds: u64,
 }
 
+/// Column `i` of a row as text (empty for NULL).
+pub fn text_of(row: &Row, i: usize) -> String {
+    text(row, i)
+}
+
 fn text(row: &Row, i: usize) -> String {
     match row.as_ref(i) {
         Some(mysql_async::Value::Bytes(b)) => String::from_utf8_lossy(b).into_owned(),
