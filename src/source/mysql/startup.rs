@@ -348,8 +348,12 @@ async fn resumable(
         }
     }
     if let Some(why) = relocate {
-        let state = resume.gtid.clone().expect("a GTID resume has a state");
-        let Some((file, pos)) = admin::relocate::locate_mariadb(sql, &state).await? else {
+        let found = match (&resume.gtid, &resume.mysql_gtids) {
+            (Some(state), _) if mariadb => admin::relocate::locate_mariadb(sql, state).await?,
+            (_, Some(set)) if !mariadb => admin::relocate::locate_mysql(sql, set).await?,
+            _ => None,
+        };
+        let Some((file, pos)) = found else {
             return Err(Error::PositionLost {
                 problem: format!(
                     "{why}, but no binlog position of the server has exactly that state (its domains interleave otherwise)"

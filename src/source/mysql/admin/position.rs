@@ -4,7 +4,7 @@
 //! or a binlog replaced under it).
 
 use super::{binlog_logs, gtid_at_opt, head_status, BinlogFile, Flavour};
-use crate::source::mysql::gtid::{Gtid, GtidState};
+use crate::source::mysql::gtid::{Gtid, GtidState, MysqlGtidSet};
 use crate::Error;
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -76,6 +76,9 @@ pub struct ServerLog {
     pub first_state: Option<GtidState>,
     /// The server's own `@@server_id`.
     pub server_id: Option<u32>,
+    /// MySQL with GTIDs: `@@gtid_executed` and `@@gtid_purged`; `None` on MariaDB or where
+    /// they cannot be read.
+    pub mysql_sets: Option<(MysqlGtidSet, MysqlGtidSet)>,
 }
 
 /// What a start (or a reconnect) may do with a stored position on this server.
@@ -177,18 +180,32 @@ pub fn position_verdict(
     let Some(lost) = coordinates_problem(name, from, mariadb, strict, server) else {
         return Verdict::Streams;
     };
-    if lost.purged || !from.by_gtid(mariadb) || !mariadb {
+    if lost.purged || !from.by_gtid(mariadb) {
         return Verdict::Lost(lost);
     }
-    let Some(stored) = from.gtid.as_ref() else {
-        return Verdict::Lost(lost);
+    let (holding, stored) = if mariadb {
+        let Some(stored) = from.gtid.as_ref() else {
+            return Verdict::Lost(lost);
+        };
+        let h = super::relocate::holds(
+            stored,
+            server.gtid_binlog_state.as_deref().unwrap_or(&[]),
+            server.first_state.as_ref(),
+            server.server_id,
+        );
+        (h, stored.to_string())
+    } else {
+        let (Some(stored), Some((executed, purged))) =
+            (from.mysql_gtids.as_ref(), &server.mysql_sets)
+        else {
+            return Verdict::Lost(lost);
+        };
+        (
+            super::relocate::holds_mysql(stored, executed, purged),
+            stored.to_string(),
+        )
     };
-    match super::relocate::holds(
-        stored,
-        server.gtid_binlog_state.as_deref().unwrap_or(&[]),
-        server.first_state.as_ref(),
-        server.server_id,
-    ) {
+    match holding {
         super::relocate::Holding::Held => Verdict::ByGtid(format!(
             "{}; the server's binlog holds the stored GTID state {stored}, so the relay resumes there by GTID",
             lost.problem
@@ -375,6 +392,21 @@ pub async fn server_log(
         _ => None,
     };
     let server_id: Option<u64> = conn.query_first("SELECT @@server_id").await?;
+    let mysql_sets = if mariadb {
+        None
+    } else {
+        let sets: Option<(Option<String>, Option<String>)> = conn
+            .query_first("SELECT @@gtid_executed, @@gtid_purged")
+            .await
+            .ok()
+            .flatten();
+        sets.and_then(|(e, p)| {
+            Some((
+                MysqlGtidSet::parse(&e.unwrap_or_default())?,
+                MysqlGtidSet::parse(&p.unwrap_or_default())?,
+            ))
+        })
+    };
     Ok(ServerLog {
         files,
         head: (head.file, head.pos),
@@ -382,6 +414,7 @@ pub async fn server_log(
         at,
         first_state,
         server_id: server_id.and_then(|i| u32::try_from(i).ok()),
+        mysql_sets,
     })
 }
 
@@ -442,6 +475,7 @@ mod tests {
             at,
             first_state: None,
             server_id: Some(1),
+            mysql_sets: None,
         }
     }
 
@@ -708,6 +742,71 @@ mod tests {
     }
 
     #[test]
+    fn another_servers_position_resumes_by_gtid_when_the_server_holds_the_state() {
+        // MariaDB: a promoted replica (server 2) whose binlog numbers are lower, holding the
+        // old primary's GTIDs (log_slave_updates).
+        let mut srv = server(
+            &[("mariadb-bin.000001", 90_000)],
+            "0-1-500,0-2-520",
+            AtPosition::Unread,
+        );
+        srv.server_id = Some(2);
+        let p = at("mariadb-bin.000005", 1234, Some("0-1-480"));
+        for strict in [false, true] {
+            let Verdict::ByGtid(why) = position_verdict("r", &p, true, strict, &srv) else {
+                panic!("{:?}", position_verdict("r", &p, true, strict, &srv))
+            };
+            assert!(why.contains("holds the stored GTID state 0-1-480"), "{why}");
+        }
+        // The same file name holding other offsets.
+        let mut same = server(
+            &[("mariadb-bin.000001", 90_000)],
+            "0-1-500,0-2-520",
+            maria_state("0-1-33"),
+        );
+        same.server_id = Some(2);
+        let p = at("mariadb-bin.000001", 5000, Some("0-1-480"));
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &same),
+            Verdict::ByGtid(_)
+        ));
+        // Ahead of it: lost, never a resume.
+        let p = at("mariadb-bin.000005", 1234, Some("0-1-530"));
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &srv),
+            Verdict::Lost(_)
+        ));
+        // By position only (no stored GTID state): nothing says where to resume.
+        let p = at("mariadb-bin.000005", 1234, None);
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &srv),
+            Verdict::Lost(_)
+        ));
+
+        // MySQL 8: the stored executed set within @@gtid_executed, nothing needed purged.
+        let u = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let set = |s: &str| MysqlGtidSet::parse(s).unwrap();
+        let mut my = server(&[("binlog.000002", 9000)], "", AtPosition::Unread);
+        my.gtid_binlog_state = None;
+        my.mysql_sets = Some((set(&format!("{u}:1-100")), set(&format!("{u}:1-10"))));
+        let p = at("binlog.000007", 4000, Some(&format!("{u}:1-90")));
+        assert!(matches!(
+            position_verdict("r", &p, false, false, &my),
+            Verdict::ByGtid(_)
+        ));
+        let ahead = at("binlog.000007", 4000, Some(&format!("{u}:1-101")));
+        let Verdict::Lost(l) = position_verdict("r", &ahead, false, false, &my) else {
+            panic!()
+        };
+        assert!(l.problem.contains(&format!("{u}:101")), "{}", l.problem);
+        let purged = at("binlog.000007", 4000, Some(&format!("{u}:1-5")));
+        let Verdict::Lost(l) = position_verdict("r", &purged, false, false, &my) else {
+            panic!()
+        };
+        assert!(l.purged, "{}", l.problem);
+    }
+
+    #[test]
     fn no_binlog_files_at_all_is_lost() {
         let srv = ServerLog {
             files: Vec::new(),
@@ -716,6 +815,7 @@ mod tests {
             at: AtPosition::Unread,
             first_state: None,
             server_id: Some(1),
+            mysql_sets: None,
         };
         assert!(
             position_problem("r", &at("mariadb-bin.000001", 4, None), true, false, &srv).is_some()

@@ -282,6 +282,157 @@ fn gtid_of_info(info: &str, _server: u32) -> Option<Gtid> {
         .and_then(Gtid::parse)
 }
 
+/// MySQL: where the server's binlog holds the executed set `stored` — the newest file whose
+/// `Previous_gtids` is within it, read with `SHOW BINLOG EVENTS` (MySQL prints a GTID event as
+/// `SET @@SESSION.GTID_NEXT= 'uuid[:tag]:n'` and `Previous_gtids` as the set). `None` when no
+/// boundary has exactly that set. Not run against a MySQL server here (none is reachable);
+/// the same walk is proven on MySQL binlog files by [`file_starts`].
+pub async fn locate_mysql(
+    conn: &mut Conn,
+    stored: &MysqlGtidSet,
+) -> Result<Option<(String, u64)>, Error> {
+    let files = super::binlog_logs(conn).await?;
+    for f in files.iter().rev() {
+        let q = f.name.replace('\\', "\\\\").replace('\'', "''");
+        let mut starts = Vec::new();
+        let mut previous = None;
+        let mut end = 4;
+        let mut from = 4u64;
+        loop {
+            let rows: Vec<Row> = conn
+                .query(format!(
+                    "SHOW BINLOG EVENTS IN '{q}' FROM {from} LIMIT 5000"
+                ))
+                .await?;
+            let Some(last) = rows.last() else { break };
+            for r in &rows {
+                let pos: u64 = text(r, 1).parse().unwrap_or(0);
+                end = text(r, 4).parse().unwrap_or(end);
+                match text(r, 2).as_str() {
+                    "Previous_gtids" => previous = MysqlGtidSet::parse(&text(r, 5)),
+                    "Gtid" | "Gtid_tagged" => {
+                        if let Some((u, t, n)) = mysql_gtid_of_info(&text(r, 5)) {
+                            starts.push(Start::MySql(pos, u, t, n));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            // Only the newest file whose start is within the stored set can hold it.
+            if previous.as_ref().is_some_and(|p| !within(p, stored)) {
+                break;
+            }
+            let next: u64 = text(last, 4).parse().unwrap_or(0);
+            if rows.len() < 5000 || next <= from {
+                break;
+            }
+            from = next;
+        }
+        let Some(start) = previous.filter(|p| within(p, stored)) else {
+            continue;
+        };
+        let found = locate_in_file(
+            Tracked::MySql(start),
+            &starts,
+            end,
+            &Tracked::MySql(stored.clone()),
+        );
+        return Ok(found.map(|p| (f.name.clone(), p)));
+    }
+    Ok(None)
+}
+
+/// Whether every transaction of `a` is in `b`.
+fn within(a: &MysqlGtidSet, b: &MysqlGtidSet) -> bool {
+    first_not_in(a, b).is_none()
+}
+
+/// The GTID of a MySQL `Gtid` event as `SHOW BINLOG EVENTS` prints it:
+/// `SET @@SESSION.GTID_NEXT= '3e11fa47-…:7'` (8.4 tagged: `'3e11fa47-…:blue:7'`).
+pub fn mysql_gtid_of_info(info: &str) -> Option<([u8; 16], String, u64)> {
+    let quoted = info.split('\'').nth(1)?;
+    let mut parts = quoted.split(':');
+    let uuid = uuid::Uuid::parse_str(parts.next()?.trim())
+        .ok()?
+        .into_bytes();
+    let rest: Vec<&str> = parts.collect();
+    let (tag, n) = match rest.as_slice() {
+        [n] => (String::new(), n.parse().ok()?),
+        [t, n] => (t.to_ascii_lowercase(), n.parse().ok()?),
+        _ => return None,
+    };
+    Some((uuid, tag, n))
+}
+
+/// The start state and transaction starts of one binlog file's events (the file source's
+/// framing): MariaDB's GTID_LIST and GTID events, or MySQL's Previous_gtids and GTID events.
+/// What [`locate_in_file`] walks; the binlog fixtures prove it on real MySQL and MariaDB bytes.
+pub fn file_starts(
+    events: &[crate::source::mysql::file::FileEvent],
+) -> Result<(Option<Tracked>, Vec<Start>, u64), Error> {
+    use crate::source::mysql::gtid::{parse_gtid_event, parse_gtid_list};
+    use mysql_async::binlog::events::{GtidEvent, PreviousGtidsEvent};
+    let mut start = None;
+    let mut starts = Vec::new();
+    let mut end = 4;
+    for fe in events {
+        let h = fe.event.header();
+        end = fe.offset + u64::from(h.event_size());
+        match h.event_type_raw() {
+            // MariaDB GTID_LIST: the state at the file's start.
+            163 if start.is_none() => {
+                let list = parse_gtid_list(fe.event.data())
+                    .ok_or_else(|| Error::Decode("a short GTID_LIST event".into()))?;
+                start = Some(Tracked::MariaDb(GtidState::from_list(&list)));
+            }
+            162 => {
+                let g = parse_gtid_event(fe.event.data(), h.server_id())
+                    .ok_or_else(|| Error::Decode("a short GTID event".into()))?;
+                starts.push(Start::MariaDb(fe.offset, g.gtid));
+            }
+            // MySQL Previous_gtids: the executed set at the file's start.
+            35 => {
+                if !crate::source::mysql::gtid::previous_gtids_fit(fe.event.data()) {
+                    return Err(Error::Decode("a corrupt Previous_gtids event".into()));
+                }
+                let p: PreviousGtidsEvent<'_> = fe
+                    .event
+                    .read_event()
+                    .map_err(|e| Error::Decode(format!("Previous_gtids: {e}")))?;
+                let mut set = MysqlGtidSet::default();
+                for sid in p.sids() {
+                    let tag = sid.tag().map(|t| t.to_string()).unwrap_or_default();
+                    for iv in sid.intervals() {
+                        set.add_interval(
+                            sid.uuid(),
+                            &tag.to_ascii_lowercase(),
+                            iv.start(),
+                            iv.end(),
+                        );
+                    }
+                }
+                start = Some(Tracked::MySql(set));
+            }
+            // MySQL GTID (33) and 8.4 tagged GTID (42) events.
+            33 | 42 => {
+                let g: GtidEvent = fe
+                    .event
+                    .read_event()
+                    .map_err(|e| Error::Decode(format!("GTID event: {e}")))?;
+                let tag = g.tag().map(|t| t.to_string()).unwrap_or_default();
+                starts.push(Start::MySql(
+                    fe.offset,
+                    g.sid(),
+                    tag.to_ascii_lowercase(),
+                    g.gno(),
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok((start, starts, end))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -376,6 +527,72 @@ mod tests {
             panic!()
         };
         assert!(purged && problem.contains(&format!("{u}:41")), "{problem}");
+    }
+
+    /// Every boundary of a real binlog file is found again from the state there: MySQL 8.0
+    /// GTIDs, 8.4 tagged GTIDs and a MariaDB binlog, from the fixtures.
+    #[test]
+    fn every_state_of_the_binlog_fixtures_is_located_at_its_boundary() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/mysql-binlogs");
+        for (file, mysql) in [
+            ("binlog_transaction_with_GTID.000001", true),
+            ("binlog_transaction_with_GTID_TAG.000001", true),
+            ("mariadb-bin.000001", false),
+        ] {
+            let bytes = std::fs::read(format!("{dir}/{file}")).unwrap();
+            let events = crate::source::mysql::file::events_from_bytes(file, &bytes).unwrap();
+            let boundaries: Vec<u64> = events.iter().map(|e| e.offset).collect();
+            let (start, starts, end) = file_starts(&events).unwrap();
+            let start = start.unwrap_or_else(|| panic!("{file}: no start state"));
+            assert!(matches!(start, Tracked::MySql(_)) == mysql, "{file}");
+            assert!(!starts.is_empty(), "{file}: no GTIDs");
+            // The state before transaction k is found at transaction k's GTID event.
+            let mut state = start.clone();
+            for s in &starts {
+                let at = match s {
+                    Start::MariaDb(p, _) | Start::MySql(p, ..) => *p,
+                };
+                assert!(
+                    boundaries.contains(&at),
+                    "{file}: {at} is no event boundary"
+                );
+                let found = locate_in_file(start.clone(), &starts, end, &state);
+                // A GTID repeated in a file (none here) would find the first occurrence.
+                assert_eq!(found, Some(at), "{file}: the state {state:?}");
+                state.apply(s);
+            }
+            assert_eq!(
+                locate_in_file(start.clone(), &starts, end, &state),
+                Some(end)
+            );
+            // A state the file never passes through (a GTID the server does not have).
+            let mut ahead = state.clone();
+            match (&mut ahead, starts.last().unwrap()) {
+                (Tracked::MySql(set), Start::MySql(_, u, t, n)) => set.add(*u, t, n + 5),
+                (Tracked::MariaDb(st), Start::MariaDb(_, g)) => st.apply(Gtid {
+                    seq: g.seq + 5,
+                    ..*g
+                }),
+                _ => unreachable!(),
+            }
+            assert_eq!(locate_in_file(start, &starts, end, &ahead), None, "{file}");
+            eprintln!("{file}: {} transactions located", starts.len());
+        }
+    }
+
+    #[test]
+    fn mysql_show_binlog_events_gtids_parse() {
+        let u = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let (uuid, tag, n) =
+            mysql_gtid_of_info(&format!("SET @@SESSION.GTID_NEXT= '{u}:7'")).unwrap();
+        assert_eq!(
+            (uuid::Uuid::from_bytes(uuid).to_string(), tag.as_str(), n),
+            (u.to_string(), "", 7)
+        );
+        let (_, tag, n) =
+            mysql_gtid_of_info(&format!("SET @@SESSION.GTID_NEXT= '{u}:Blue:9'")).unwrap();
+        assert_eq!((tag.as_str(), n), ("blue", 9));
+        assert!(mysql_gtid_of_info("SET @@SESSION.GTID_NEXT= 'ANONYMOUS'").is_none());
     }
 
     #[test]
