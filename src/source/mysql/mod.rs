@@ -40,7 +40,7 @@ pub use crate::db::mysql::{classify, connect_sql, connect_state, server_code};
 use crate::dsn::DbDsn;
 use crate::event::Checkpoint;
 use crate::pipeline::checkpoint::Checkpointer;
-use crate::source::assemble::deliver;
+use crate::source::assemble::{self as assemble_out, deliver};
 use crate::source::{Outlet, SourceLink};
 use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceKind, SourceReconnecting};
 use crate::Error;
@@ -201,20 +201,47 @@ pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, 
 async fn open_stream(
     cfg: &MySqlSourceConfig,
     from: &Resume,
-    verify: bool,
+    verify: Option<Option<&Resume>>,
 ) -> Result<mysql_async::BinlogStream, Error> {
     let mut conn = connect_sql(&cfg.dsn).await?;
-    if verify {
-        if let admin::Verdict::ByGtid(why) =
-            admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await?
-        {
-            // Another server behind the same address (a failover under a running relay). Its
-            // coordinates may sort before the stored ones, which the forward-only store would
-            // refuse: a new start stores the GTID state at this server's coordinates first.
-            return Err(Error::Other(format!(
-                "the server at {}:{} is another one now (a failover or switchover): {why}. Start the relay again: its start resumes by GTID at this server's coordinates (nothing is lost)",
+    if let Some(sent) = verify {
+        // Another server behind the same address (a failover under a running relay). Its
+        // coordinates may sort before the stored ones, which the forward-only store would
+        // refuse: a new start stores the GTID state at this server's coordinates first.
+        let another = |why: String| {
+            Error::Other(format!(
+                "the server at {}:{} is another one now (a failover or switchover): {why}. Start the relay again: its start resumes by GTID at this server's coordinates where the server holds the stored GTID state, and refuses otherwise",
                 cfg.dsn.host, cfg.dsn.port
-            )));
+            ))
+        };
+        match admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await {
+            Ok(admin::Verdict::Streams) => {}
+            Ok(admin::Verdict::ByGtid(why)) => return Err(another(why)),
+            Ok(admin::Verdict::Lost(l)) => return Err(l.into_error(&cfg.name)),
+            Err(lost @ Error::PositionLost { .. }) => {
+                // What was read after the last checkpoint sent are transactions without outbox
+                // events (the relay's own state writes among them): a server that lacks only
+                // those lacks nothing the relay published.
+                if let Some(sent) = sent.filter(|s| *s != from) {
+                    if let Ok(v) =
+                        admin::require_position(&mut conn, &cfg.name, sent, cfg.mariadb, false)
+                            .await
+                    {
+                        let why = match v {
+                            admin::Verdict::ByGtid(why) => why,
+                            _ => format!(
+                                "its binlog holds the last position the relay sent ({}:{})",
+                                sent.file, sent.pos
+                            ),
+                        };
+                        return Err(another(format!(
+                            "{why}; it lacks only transactions without outbox events read after it"
+                        )));
+                    }
+                }
+                return Err(lost);
+            }
+            Err(e) => return Err(e),
         }
     }
     let setup = async {
@@ -337,6 +364,9 @@ async fn stream(
             outlet.send_checkpoint(start.checkpoint()).await?;
         }
     }
+    // The last checkpoint sent: a transaction boundary whose transactions all went to the relay
+    // (at first the start, which a first start sent above and a resume had stored).
+    let mut sent: Option<Resume> = Some(start.clone());
     let mut asm = Assembler::new(cfg.tables.clone(), start, &cfg, Instant::now());
     let mut backoff = Backoff::standard();
     // What holds the stored position back (prepared XA transactions), looked at every second.
@@ -348,7 +378,9 @@ async fn stream(
     let mut verify = false;
     'connect: loop {
         let check = std::mem::replace(&mut verify, true);
-        let Some(mut stream) = open(&cfg, asm.resume(), check, &mut backoff, &shutdown).await?
+        let checked_against = check.then_some(sent.as_ref());
+        let Some(mut stream) =
+            open(&cfg, asm.resume(), checked_against, &mut backoff, &shutdown).await?
         else {
             break 'connect;
         };
@@ -368,14 +400,14 @@ async fn stream(
                 _ = xa_tick.tick() => {
                     let out = asm.xa_check(cfg.xa_prepare_limit, cfg.xa_prepare_expired, Instant::now())?;
                     if let Some(o) = out {
-                        deliver(o, &outlet, &checkpoints).await?;
+                        send(o, &mut sent, &outlet, &checkpoints).await?;
                     }
                     continue;
                 }
                 // A checkpoint held back by the rate limit goes out once the stream pauses.
                 _ = tokio::time::sleep_until(flush_at.unwrap_or(read_by)), if flush_at.is_some() => {
                     if let Some(o) = asm.flush(Instant::now()) {
-                        deliver(o, &outlet, &checkpoints).await?;
+                        send(o, &mut sent, &outlet, &checkpoints).await?;
                     }
                     continue;
                 }
@@ -397,14 +429,16 @@ async fn stream(
                 },
             };
             backoff.reset();
-            if handle(&ev, &mut asm, &mut copies, &outlet, &checkpoints).await? == Next::Reread {
+            if handle(&ev, &mut asm, &mut copies, &mut sent, &outlet, &checkpoints).await?
+                == Next::Reread
+            {
                 verify = false;
                 continue 'connect;
             }
         }
     }
     if let Some(o) = asm.finish(Instant::now()) {
-        deliver(o, &outlet, &checkpoints).await?;
+        send(o, &mut sent, &outlet, &checkpoints).await?;
     }
     let at = asm.resume();
     tracing::info!(file = %at.file, pos = at.pos, "stopped at a transaction boundary");
@@ -418,7 +452,7 @@ async fn stream(
 async fn open(
     cfg: &MySqlSourceConfig,
     from: &Resume,
-    verify: bool,
+    verify: Option<Option<&Resume>>,
     backoff: &mut Backoff,
     shutdown: &CancellationToken,
 ) -> Result<Option<mysql_async::BinlogStream>, Error> {
@@ -515,6 +549,26 @@ fn read(
     Ok(retry.map_or(Read::Reconnect, Read::Retry))
 }
 
+/// Hands one output on and notes the last checkpoint sent (what a reconnect to another server
+/// is checked against besides the last boundary read, see [`open_stream`]).
+async fn send(
+    o: assemble_out::Output,
+    sent: &mut Option<Resume>,
+    outlet: &Outlet,
+    checkpoints: &Checkpointer,
+) -> Result<(), Error> {
+    match &o {
+        assemble_out::Output::Checkpoint(cp)
+        | assemble_out::Output::Committed { checkpoint: cp, .. } => {
+            if let Some(r) = Resume::from_checkpoint(cp) {
+                *sent = Some(r);
+            }
+        }
+        assemble_out::Output::Event(_) => {}
+    }
+    deliver(o, outlet, checkpoints).await
+}
+
 /// Decodes one event of the stream and hands on what the assembler makes of it. A compressed
 /// transaction is fed one inner event at a time, so that the transaction buffer applies to its
 /// rows as to any other's (and memory holds one event of it); the copies of those events the
@@ -523,6 +577,7 @@ async fn handle(
     ev: &Event,
     asm: &mut Assembler,
     copies: &mut std::collections::VecDeque<(u8, u32)>,
+    sent: &mut Option<Resume>,
     outlet: &Outlet,
     checkpoints: &Checkpointer,
 ) -> Result<Next, Error> {
@@ -558,7 +613,7 @@ async fn handle(
         for step in steps {
             let next = asm.step(step, Instant::now(), &mut out)?;
             for o in out.drain(..) {
-                deliver(o, outlet, checkpoints).await?;
+                send(o, sent, outlet, checkpoints).await?;
             }
             if next == Next::Reread {
                 return Ok(next);

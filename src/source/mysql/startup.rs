@@ -113,14 +113,7 @@ pub async fn start_plan<St: StateStore>(
                 // the other binlog's (they may sort before them): the same GTID state is
                 // stored at this server's coordinates before anything is published.
                 store.replace_position(&lease, &start.checkpoint()).await?;
-                tracing::warn!(
-                    stored = %stored_at,
-                    position = %start.checkpoint(),
-                    reason = %why,
-                    "resuming by GTID on another binlog: the stored GTID state is at {}:{} on this server; its position is stored in this server's coordinates from now on",
-                    start.file,
-                    start.pos
-                );
+                log_relocated(&stored_at, &start, &why);
             }
             (start, FirstStart::No, None)
         }
@@ -241,7 +234,15 @@ impl At<'_> {
         let mut plans = super::snapshot::plan_tables(sql, self.src.tables, &opts.snapshot).await?;
         let auto = opts.snapshot == SnapshotMode::Auto;
         let restarted = match restarted_at.as_ref().and_then(Resume::from_checkpoint) {
-            Some(r) => Some(resumable(sql, &opts.name, mariadb, r, false, None).await?.0),
+            Some(r) => {
+                let stored_at = r.checkpoint();
+                let (at, moved) = resumable(sql, &opts.name, mariadb, r, false, None).await?;
+                // Stored below (store_start) before anything is published.
+                if let Some(why) = moved {
+                    log_relocated(&stored_at, &at, &why);
+                }
+                Some(at)
+            }
             None => None,
         };
         // Read before the empty tables are looked at again: a row committed after the first
@@ -323,6 +324,19 @@ impl At<'_> {
             false,
         ))
     }
+}
+
+/// Names the server's own coordinates of the stored GTID state after a GTID resume on another
+/// binlog.
+fn log_relocated(stored: &Checkpoint, start: &Resume, why: &str) {
+    tracing::warn!(
+        stored = %stored,
+        position = %start.checkpoint(),
+        reason = %why,
+        "resuming by GTID on another binlog: the stored GTID state is at {}:{} on this server; its position is stored in this server's coordinates from now on",
+        start.file,
+        start.pos
+    );
 }
 
 /// A stored position checked for resuming (unless `checked` already): against the server's
