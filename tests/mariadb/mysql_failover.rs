@@ -678,10 +678,23 @@ async fn sync_replica_holds_what_the_replica_lacks_and_its_latency_cost() {
         })
     };
     let mut conn = primary.conn(Some(db)).await;
+    let outbox = outboxd::Outbox::new("outbox").unwrap();
     let mut committed = Vec::new();
-    for _ in 0..200 {
-        let id = my_write_events(&mut conn, 1, 1, "latency").await[0];
-        committed.push((id, Instant::now()));
+    for n in 0..200 {
+        let mut tx = conn.start_transaction(Default::default()).await.unwrap();
+        let id = outbox
+            .write(
+                &mut tx,
+                "latency",
+                &n.to_string(),
+                &serde_json::json!({ "n": n }),
+            )
+            .await
+            .unwrap();
+        // From the COMMIT request: the relay can read the transaction once it is committed.
+        let at = Instant::now();
+        tx.commit().await.unwrap();
+        committed.push((id, at));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ids: Vec<uuid::Uuid> = committed.iter().map(|(i, _)| *i).collect();
@@ -707,6 +720,32 @@ async fn sync_replica_holds_what_the_replica_lacks_and_its_latency_cost() {
     let (s50, s99) = percentiles(true);
     eprintln!(
         "commit -> stdout, 200 one-row transactions: without --sync-replica p50 {p50:.1} ms, p99 {p99:.1} ms; with it p50 {s50:.1} ms, p99 {s99:.1} ms (one replica on the same host)"
+    );
+    drop(seen);
+
+    // Throughput: a burst of 5,000 events in transactions of 50, until each relay printed it.
+    let t0 = Instant::now();
+    let burst = my_write_events(&mut conn, 100, 50, "burst").await;
+    let written = t0.elapsed();
+    let mut done = [None, None];
+    while done.iter().any(Option::is_none) {
+        for (i, r) in [&plain, &synced].into_iter().enumerate() {
+            if done[i].is_none() {
+                let got: std::collections::HashSet<uuid::Uuid> =
+                    printed_ids(r).into_iter().collect();
+                if burst.iter().all(|id| got.contains(id)) {
+                    done[i] = Some(t0.elapsed());
+                }
+            }
+        }
+        assert!(t0.elapsed() < T, "the burst was not relayed in time");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "5,000 events in 100 transactions written in {:.2} s: published by {:.2} s without --sync-replica, {:.2} s with it",
+        written.as_secs_f64(),
+        done[0].unwrap().as_secs_f64(),
+        done[1].unwrap().as_secs_f64()
     );
 }
 
