@@ -702,26 +702,27 @@ async fn sync_replica_holds_what_the_replica_lacks_and_its_latency_cost() {
     wait_all_printed(&[&synced], &ids, T).await;
     stop.store(true, Ordering::SeqCst);
     watcher.await.unwrap();
-    let seen = seen.lock().unwrap();
-    let percentiles = |sync: bool| {
-        let mut ms: Vec<f64> = committed
-            .iter()
-            .map(|(id, at)| {
-                seen[&(sync, *id)]
-                    .saturating_duration_since(*at)
-                    .as_secs_f64()
-                    * 1000.0
-            })
-            .collect();
-        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        (ms[ms.len() / 2], ms[ms.len() * 99 / 100])
-    };
-    let (p50, p99) = percentiles(false);
-    let (s50, s99) = percentiles(true);
-    eprintln!(
-        "commit -> stdout, 200 one-row transactions: without --sync-replica p50 {p50:.1} ms, p99 {p99:.1} ms; with it p50 {s50:.1} ms, p99 {s99:.1} ms (one replica on the same host)"
-    );
-    drop(seen);
+    {
+        let seen = seen.lock().unwrap();
+        let percentiles = |sync: bool| {
+            let mut ms: Vec<f64> = committed
+                .iter()
+                .map(|(id, at)| {
+                    seen[&(sync, *id)]
+                        .saturating_duration_since(*at)
+                        .as_secs_f64()
+                        * 1000.0
+                })
+                .collect();
+            ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            (ms[ms.len() / 2], ms[ms.len() * 99 / 100])
+        };
+        let (p50, p99) = percentiles(false);
+        let (s50, s99) = percentiles(true);
+        eprintln!(
+            "commit -> stdout, 200 one-row transactions: without --sync-replica p50 {p50:.1} ms, p99 {p99:.1} ms; with it p50 {s50:.1} ms, p99 {s99:.1} ms (one replica on the same host)"
+        );
+    }
 
     // Throughput: a burst of 5,000 events in transactions of 50, until each relay printed it.
     let t0 = Instant::now();
