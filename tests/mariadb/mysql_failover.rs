@@ -848,3 +848,32 @@ async fn a_running_relay_whose_address_moves_to_the_new_primary_stops_and_resume
     );
     assert!(again <= before.len());
 }
+
+/// A transaction larger than `--txn-buffer` is streamed before its commit is known, and larger
+/// than `--max-inflight-bytes` it cannot be held whole: `--sync-replica` lets its events go on
+/// once the replica applied its GTID, instead of waiting for a checkpoint that the byte budget
+/// keeps from coming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_replica_relays_a_transaction_larger_than_the_byte_budget() {
+    let pair = Pair::new("").await;
+    let (primary, replica, db) = (&pair.primary, &pair.replica, &pair.db);
+    let replica_dsn = replica.dsn(db);
+    let relay = run_relay(
+        &primary.dsn(db),
+        &unique("big"),
+        &[
+            "--sync-replica",
+            &replica_dsn,
+            "--txn-buffer",
+            "2000",
+            "--max-inflight-bytes",
+            "4000",
+        ],
+    );
+    relay.wait_for_stderr(&["streaming the binlog"], T).await;
+    let big = my_write_events(&mut primary.conn(Some(db)).await, 1, 500, "big").await;
+    let small = my_write_events(&mut primary.conn(Some(db)).await, 5, 2, "after").await;
+    let all: Vec<uuid::Uuid> = big.iter().chain(&small).copied().collect();
+    wait_all_printed(&[&relay], &all, T).await;
+    assert_eq!(dups(&printed_ids(&relay)), 0);
+}

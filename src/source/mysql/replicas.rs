@@ -113,12 +113,68 @@ pub fn gate(
 }
 
 /// The GTID state a message needs on the replicas before it may go on: a binlog checkpoint's
-/// own; a snapshot mark the stream start's.
+/// own (it covers every transaction before it); a snapshot mark the stream start's. Events
+/// need their transaction's GTID (`None` here: see [`target`]).
 fn required(msg: &SourceMsg, start_gtid: &Option<String>) -> Option<Option<String>> {
     match msg {
         SourceMsg::Event(..) => None,
         SourceMsg::Checkpoint(Checkpoint::Binlog { gtid_state, .. }) => Some(gtid_state.clone()),
         SourceMsg::Checkpoint(_) => Some(start_gtid.clone()),
+    }
+}
+
+/// What the replicas must have applied before everything held up to an index may go on: the
+/// last checkpoint's state, plus the GTIDs of the events after it (a transaction larger than
+/// `--txn-buffer` is streamed before its checkpoint: its events go on once its GTID is
+/// applied, so the gate never waits for a checkpoint that the byte budget keeps from coming).
+/// `floor` is the state of the last checkpoint released. `None` when nothing held needs one.
+fn target(
+    held: &VecDeque<SourceMsg>,
+    floor: &Option<String>,
+    start_gtid: &Option<String>,
+    mariadb: bool,
+) -> Result<Option<(usize, String)>, Error> {
+    let no_gtid = || {
+        Error::config(
+            "--sync-replica needs GTIDs, but a position the relay read carries none",
+            "turn GTIDs on (MySQL: gtid_mode=ON, enforce_gtid_consistency=ON; MariaDB writes them always), or run without --sync-replica",
+        )
+    };
+    let mut acc = floor.clone().unwrap_or_default();
+    let mut last = None;
+    for (i, m) in held.iter().enumerate() {
+        match (m, required(m, start_gtid)) {
+            (_, Some(state)) => {
+                acc = state.filter(|s| !s.is_empty()).ok_or_else(no_gtid)?;
+                last = Some(i);
+            }
+            (SourceMsg::Event(e, _), None) => {
+                let Some(g) = e.gtid.as_deref().filter(|g| !g.is_empty()) else {
+                    continue;
+                };
+                acc = merge(&acc, g, mariadb).ok_or_else(|| {
+                    Error::Decode(format!("--sync-replica: cannot add GTID {g:?} to {acc:?}"))
+                })?;
+                last = Some(i);
+            }
+            (SourceMsg::Checkpoint(_), None) => {}
+        }
+    }
+    Ok(last.map(|i| (i, acc)))
+}
+
+/// `state` with one more transaction's GTID: MariaDB `domain-server-seq` moves its domain,
+/// MySQL `uuid[:tag]:n` joins the set.
+fn merge(state: &str, gtid: &str, mariadb: bool) -> Option<String> {
+    use crate::source::mysql::gtid::{Gtid, GtidState, MysqlGtidSet};
+    if mariadb {
+        let mut s = GtidState::parse(state)?;
+        s.apply(Gtid::parse(gtid)?);
+        Some(s.to_string())
+    } else {
+        let mut s = MysqlGtidSet::parse(state)?;
+        s.union(&MysqlGtidSet::parse(gtid)?);
+        Some(s.to_string())
     }
 }
 
@@ -131,34 +187,20 @@ async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let mut held: VecDeque<SourceMsg> = VecDeque::new();
+    let mut floor = start_gtid.clone();
     loop {
         let Some(first) = rx.recv().await else { break };
         held.push_back(first);
         while let Ok(m) = rx.try_recv() {
             held.push_back(m);
         }
-        // Everything up to the last checkpoint held goes on once the replicas have its state
-        // (every event before it belongs to a transaction at or before it).
-        let Some(last) = held
-            .iter()
-            .rposition(|m| required(m, &start_gtid).is_some())
-        else {
+        let Some((last, gtid)) = target(&held, &floor, &start_gtid, mariadb)? else {
             continue;
         };
-        let need = required(&held[last], &start_gtid).flatten();
-        match need {
-            Some(gtid) if !gtid.is_empty() => {
-                if !wait_all(&mut replicas, mariadb, &gtid, &shutdown).await? {
-                    return Ok(());
-                }
-            }
-            _ => {
-                return Err(Error::config(
-                    "--sync-replica needs GTIDs, but a position the relay read carries none",
-                    "turn GTIDs on (MySQL: gtid_mode=ON, enforce_gtid_consistency=ON; MariaDB writes them always), or run without --sync-replica",
-                ))
-            }
+        if !wait_all(&mut replicas, mariadb, &gtid, &shutdown).await? {
+            return Ok(());
         }
+        floor = Some(gtid);
         for m in held.drain(..=last) {
             outlet
                 .events
@@ -167,8 +209,8 @@ async fn run(
                 .map_err(|_| Error::Other("relay stopped".into()))?;
         }
     }
-    // The source stopped: what is held past the last checkpoint is read again by the next
-    // start (the stored position is before it).
+    // The source stopped: what is held past the last release is read again by the next start
+    // (the stored position is before it).
     Ok(())
 }
 
@@ -408,6 +450,53 @@ mod tests {
         assert_eq!(required(&snap, &start), Some(start.clone()));
         assert!(wait_statement(true).contains("MASTER_GTID_WAIT"));
         assert!(wait_statement(false).contains("WAIT_FOR_EXECUTED_GTID_SET"));
+    }
+
+    #[test]
+    fn events_of_a_streamed_transaction_go_on_once_their_gtid_is_applied() {
+        let ev = |g: Option<&str>| {
+            let mut e = crate::sink::test_event();
+            e.gtid = g.map(str::to_string);
+            SourceMsg::Event(Box::new(e), crate::source::BudgetPermit(None))
+        };
+        let cp = |g: &str| {
+            SourceMsg::Checkpoint(Checkpoint::Binlog {
+                file: "f.000001".into(),
+                pos: 9,
+                gtid_state: Some(g.into()),
+            })
+        };
+        let floor = Some("0-1-5,1-1-2".to_string());
+        // Events of a transaction streamed before its checkpoint: their GTID on the floor.
+        let held: VecDeque<_> = [ev(Some("0-1-6")), ev(Some("0-1-6"))].into();
+        assert_eq!(
+            target(&held, &floor, &None, true).unwrap(),
+            Some((1, "0-1-6,1-1-2".into()))
+        );
+        // A checkpoint covers what came before it; events after it add their GTIDs.
+        let held: VecDeque<_> = [ev(Some("0-1-6")), cp("0-1-6,1-1-3"), ev(Some("1-1-4"))].into();
+        assert_eq!(
+            target(&held, &floor, &None, true).unwrap(),
+            Some((2, "0-1-6,1-1-4".into()))
+        );
+        // MySQL sets join.
+        let u = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let held: VecDeque<_> = [ev(Some(&format!("{u}:8")))].into();
+        assert_eq!(
+            target(&held, &Some(format!("{u}:1-7")), &None, false).unwrap(),
+            Some((0, format!("{u}:1-8")))
+        );
+        // No GTIDs at all: refused with the fix.
+        let held: VecDeque<_> = [SourceMsg::Checkpoint(Checkpoint::Binlog {
+            file: "f".into(),
+            pos: 4,
+            gtid_state: None,
+        })]
+        .into();
+        assert!(matches!(
+            target(&held, &None, &None, false),
+            Err(Error::Config { .. })
+        ));
     }
 
     #[test]
