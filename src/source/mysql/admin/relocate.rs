@@ -138,8 +138,8 @@ pub fn holds_mysql(
 fn first_not_in(a: &MysqlGtidSet, b: &MysqlGtidSet) -> Option<String> {
     for (uuid, tag, intervals) in a.entries() {
         for &(s, e) in intervals {
-            // Intervals are merged, so checking each run's ends and the gaps of `b` is enough;
-            // walking the numbers is bounded by the smaller of the two sets' extent.
+            // Jump over each interval of `b` that holds `n`: the walk is one step per
+            // interval, not per transaction.
             let mut n = s;
             while n < e {
                 if !b.contains(*uuid, tag, n) {
@@ -251,7 +251,7 @@ pub async fn locate_mariadb(
                 let pos: u64 = text(r, 1).parse().unwrap_or(0);
                 end = text(r, 4).parse().unwrap_or(end);
                 if text(r, 2) == "Gtid" {
-                    if let Some(g) = gtid_of_info(&text(r, 5), text(r, 3).parse().unwrap_or(0)) {
+                    if let Some(g) = gtid_of_info(&text(r, 5)) {
                         starts.push(Start::MariaDb(pos, g));
                     }
                 }
@@ -275,7 +275,7 @@ pub async fn locate_mariadb(
 
 /// The GTID of a MariaDB `Gtid` event as `SHOW BINLOG EVENTS` prints it: `BEGIN GTID 0-1-5`,
 /// `GTID 0-1-5` (DDL), either followed by ` cid=…` or XA details.
-fn gtid_of_info(info: &str, _server: u32) -> Option<Gtid> {
+fn gtid_of_info(info: &str) -> Option<Gtid> {
     info.split_whitespace()
         .skip_while(|w| *w != "GTID")
         .nth(1)
@@ -611,11 +611,8 @@ mod tests {
         assert_eq!(at("0-1-13"), Some(1900));
         assert_eq!(at("0-1-14"), None);
         assert_eq!(at("0-1-9"), None);
-        assert_eq!(
-            gtid_of_info("BEGIN GTID 0-1-12 cid=7", 1),
-            Some(g("0-1-12"))
-        );
-        assert_eq!(gtid_of_info("GTID 3-2-1", 2), Some(g("3-2-1")));
-        assert_eq!(gtid_of_info("COMMIT /* xid=4 */", 2), None);
+        assert_eq!(gtid_of_info("BEGIN GTID 0-1-12 cid=7"), Some(g("0-1-12")));
+        assert_eq!(gtid_of_info("GTID 3-2-1"), Some(g("3-2-1")));
+        assert_eq!(gtid_of_info("COMMIT /* xid=4 */"), None);
     }
 }
