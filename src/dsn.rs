@@ -88,6 +88,7 @@ pub struct FileDsn {
 
 impl SourceDsn {
     pub fn parse(s: &str) -> Result<SourceDsn, Error> {
+        refuse_several_hosts(s)?;
         let url = Url::parse(s.trim()).map_err(|e| {
             Error::config(
                 format!("cannot parse the source DSN {}: {e}", redact(s)),
@@ -132,6 +133,39 @@ impl SourceDsn {
             SourceDsn::File(_) => None,
         }
     }
+}
+
+/// A DSN naming several hosts (`mysql://a,b/db`, `postgres://a:5432,b:5432/db`, libpq's
+/// `target_session_attrs`) is refused with the reason, rather than taken for a host named
+/// `a,b`: the relay's sessions (the replication stream, the state and lease sessions, the
+/// snapshot) must all reach the same server, and the clients cannot pick it together —
+/// `mysql_async` and the replication client (`pgwire-replication`) take one host each, and
+/// `tokio-postgres`'s own host list would let the SQL sessions choose a server the stream does
+/// not use.
+fn refuse_several_hosts(s: &str) -> Result<(), Error> {
+    let lower = s.trim().to_ascii_lowercase();
+    let Some((scheme, rest)) = lower.split_once("://") else {
+        return Ok(());
+    };
+    if !matches!(scheme, "postgres" | "postgresql" | "mysql" | "mariadb") {
+        return Ok(());
+    }
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let attrs = lower.contains("target_session_attrs");
+    if hosts.contains(',') || attrs {
+        return Err(Error::config(
+            format!(
+                "the source DSN {} names several hosts{}: outboxd connects to one server",
+                redact(s),
+                if attrs { " (target_session_attrs)" } else { "" }
+            ),
+            "name the primary through one address that moves with it (a DNS name, a virtual IP or a proxy such as HAProxy or ProxySQL); \
+             after a failover the relay stops (it loses its lease within 3.5 s) and, restarted by its supervisor, connects to the new primary \
+             and resumes there (docs/operations.md, failover runbooks)",
+        ));
+    }
+    Ok(())
 }
 
 fn db_dsn(url: &Url, default_port: u16, tls_key: &str) -> Result<DbDsn, Error> {
@@ -723,6 +757,22 @@ mod tests {
             SourceDsn::File(_)
         ));
         assert!(SourceDsn::parse("redis://x").is_err());
+        for several in [
+            "mysql://u@a,b/db",
+            "mariadb://u:secret@a:3306,b:3306/db",
+            "postgres://u@a:5432,b:5432/db",
+            "postgres://a,b/db?target_session_attrs=read-write",
+            "postgres://a/db?target_session_attrs=read-write",
+        ] {
+            let Err(Error::Config { problem, fix }) = SourceDsn::parse(several) else {
+                panic!("{several} was not refused")
+            };
+            assert!(
+                problem.contains("several hosts") && !problem.contains("secret"),
+                "{problem}"
+            );
+            assert!(fix.contains("one address that moves with it"), "{fix}");
+        }
         assert!(SourceDsn::parse("postgres://x/db?sslmode=bogus").is_err());
         // verify-ca needs the CA (as in libpq): refused with the fix, naming the DSN's key.
         let err = SourceDsn::parse("postgres://x/db?sslmode=verify-ca")

@@ -391,6 +391,8 @@ pub struct MySqlOptions {
     pub xa_prepare_limit: Duration,
     /// `--xa-prepare-expired`: what happens after that.
     pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
+    /// `--sync-replica`: publish only what these replicas have applied.
+    pub sync_replicas: Vec<crate::dsn::DbDsn>,
 }
 
 impl Default for MySqlOptions {
@@ -403,6 +405,7 @@ impl Default for MySqlOptions {
             offset_file: None,
             xa_prepare_limit: crate::source::mysql::xa_pin::DEFAULT_LIMIT,
             xa_prepare_expired: Default::default(),
+            sync_replicas: Vec::new(),
         }
     }
 }
@@ -577,6 +580,7 @@ async fn run_mysql_on<St: state::StateStore + 'static>(
         mariadb,
         xa_prepare_limit: cfg.mysql.xa_prepare_limit,
         xa_prepare_expired: cfg.mysql.xa_prepare_expired,
+        sync_replicas: cfg.mysql.sync_replicas.clone(),
     };
     // Nothing upstream to confirm on the binlog: the return path carries commit times only.
     let checkpoints = Checkpointer::new(0);

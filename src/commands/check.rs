@@ -57,6 +57,17 @@ pub struct CheckArgs {
     /// synchronized_standby_slots, and the relay's slot synchronised there.
     #[arg(long, env = "OUTBOXD_STANDBY", hide_env_values = true)]
     pub standby: Option<crate::dsn::DsnArg>,
+    /// MySQL/MariaDB: a replica the relay runs with --sync-replica (DSN; repeat, or separate by
+    /// spaces in the environment): reachable, replicating by GTID with log_slave_updates, and
+    /// how far it applied. Without it, check says whether replicas exist that a failover could
+    /// promote.
+    #[arg(
+        long = "sync-replica",
+        env = "OUTBOXD_SYNC_REPLICA",
+        value_delimiter = ' ',
+        hide_env_values = true
+    )]
+    pub sync_replicas: Vec<crate::dsn::DsnArg>,
 }
 
 pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
@@ -98,8 +109,20 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
                     .filter(|l| !seen.contains(&l.to_string())),
             );
         }
+        if args.mode == Mode::Cdc {
+            let replicas = super::run::sync_replicas(&args.sync_replicas)?;
+            lines.extend(
+                crate::source::mysql::diagnostics::sync_replica_lines(dsn, &replicas).await,
+            );
+        }
         lines
     } else {
+        if !args.sync_replicas.is_empty() {
+            return Err(Error::config(
+                "--sync-replica is for MySQL/MariaDB sources",
+                "on Postgres give the physical standby with --standby",
+            ));
+        }
         let dsn = postgres_only(r.source, "check")?;
         let standby = match &args.standby {
             Some(s) => Some(postgres_only(SourceDsn::parse(s)?, "check --standby")?),

@@ -198,6 +198,30 @@ pub struct MySqlArgs {
     /// What happens to a prepared XA transaction older than --xa-prepare-limit.
     #[arg(long, env = "OUTBOXD_XA_PREPARE_EXPIRED", value_enum, default_value_t = crate::source::mysql::xa_pin::XaExpired::Stop)]
     pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
+    /// A replica (mysql://… or mariadb://… DSN; repeat, or separate by spaces in the
+    /// environment) that must have applied a transaction before its events are published, so
+    /// a failover to it never rolls back a published event.
+    #[arg(
+        long = "sync-replica",
+        env = "OUTBOXD_SYNC_REPLICA",
+        value_delimiter = ' ',
+        hide_env_values = true
+    )]
+    pub sync_replicas: Vec<crate::dsn::DsnArg>,
+}
+
+/// The `--sync-replica` DSNs, each a MySQL/MariaDB one.
+pub fn sync_replicas(args: &[crate::dsn::DsnArg]) -> Result<Vec<crate::dsn::DbDsn>, Error> {
+    args.iter()
+        .filter(|a| !a.trim().is_empty())
+        .map(|a| match SourceDsn::parse(a)? {
+            SourceDsn::Mysql(d) => Ok(d),
+            _ => Err(Error::config(
+                "--sync-replica takes a MySQL/MariaDB DSN",
+                "name each replica as mysql://user@host:3306/db (or mariadb://…)",
+            )),
+        })
+        .collect()
 }
 
 /// `--routing-key` parsed, or its default: `{topic}`, and with `--column debezium` the topic
@@ -434,9 +458,16 @@ pub(super) async fn run(
             offset_file: args.mysql.offset_file.clone(),
             xa_prepare_limit: args.mysql.xa_prepare_limit,
             xa_prepare_expired: args.mysql.xa_prepare_expired,
+            sync_replicas: sync_replicas(&args.mysql.sync_replicas)?,
             ..Default::default()
         },
     };
+    if matches!(r.source, SourceDsn::Postgres(_)) && !args.mysql.sync_replicas.is_empty() {
+        return Err(Error::config(
+            "--sync-replica is for MySQL/MariaDB sources",
+            "on Postgres set synchronized_standby_slots on the primary (docs/operations.md, failover per version), and remove --sync-replica",
+        ));
+    }
     if matches!(r.source, SourceDsn::Postgres(_)) && args.mysql.offset_file.is_some() {
         return Err(Error::config(
             "--offset-file is for MySQL/MariaDB sources: a Postgres relay's position is its replication slot's confirmed_flush_lsn, which the server keeps",

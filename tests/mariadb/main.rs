@@ -6,6 +6,7 @@
 mod common;
 
 mod laravel;
+mod mysql_failover;
 mod mysql_faults;
 mod mysql_file;
 mod mysql_offset_file;

@@ -270,6 +270,49 @@ async fn failover_under_a_producer(major: u32) {
     }
     let mut setup = Relay::start(&setup_args);
     assert_eq!(setup.wait_exit(T).await, 0, "{}", setup.stderr());
+    let standby_dsn = db.dsn_via(standby.port);
+    let check_standby = || async {
+        let mut check = Relay::start(&[
+            "check",
+            "--source",
+            &primary_dsn,
+            "--name",
+            &name,
+            "--standby",
+            &standby_dsn,
+        ]);
+        check.wait_exit(T).await;
+        check.lines().join("\n")
+    };
+    if failover_slots {
+        // Before the relay ever streamed, the standby's copy is synchronised but temporary: a
+        // promotion now would drop it. `check` must not call that ready.
+        wait_for("the slot's copy on the standby", T, || async {
+            !standby
+                .sql(&format!(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = '{slot}' AND synced"
+                ))
+                .await
+                .is_empty()
+        })
+        .await;
+        let temporary: bool = standby
+            .sql(&format!(
+                "SELECT temporary FROM pg_replication_slots WHERE slot_name = '{slot}'"
+            ))
+            .await[0]
+            .get(0);
+        let out = check_standby().await;
+        if temporary {
+            assert!(
+                out.contains("FAIL standby slot") && out.contains("temporary yes"),
+                "a temporary copy is not ready for a failover:\n{out}"
+            );
+            assert!(!out.contains("ok   standby slot"), "{out}");
+        } else {
+            eprintln!("the copy was persistent at once: the temporary state was not seen");
+        }
+    }
     let run = |dsn: &str| {
         Relay::start(&[
             "run",
@@ -293,31 +336,39 @@ async fn failover_under_a_producer(major: u32) {
     })
     .await;
     if failover_slots {
-        // The standby's copy of the slot, kept in sync by its slot sync worker.
-        wait_for("the slot synchronised to the standby", T, || async {
-            !standby
-                .sql(&format!(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = '{slot}' AND synced AND NOT temporary"
-                ))
-                .await
-                .is_empty()
-        })
+        // The runbook's step: wait until `check --standby` says the standby's copy is ready.
+        let ready = Instant::now();
+        wait_for(
+            "`check --standby` saying the standby slot is ready",
+            T,
+            || async { check_standby().await.contains("ok   standby slot") },
+        )
         .await;
+        eprintln!(
+            "pg{major}: the standby's copy became ready {:.1}s after 500 events were published",
+            ready.elapsed().as_secs_f64()
+        );
+        let mut status = Relay::start(&[
+            "status",
+            "--source",
+            &primary_dsn,
+            "--name",
+            &name,
+            "--standby",
+            &standby_dsn,
+        ]);
+        assert_eq!(status.wait_exit(T).await, 0, "{}", status.stderr());
+        let out = status.lines().join("\n");
+        assert!(
+            out.contains("standby slot")
+                && out.contains("temporary no")
+                && out.contains("ready for a failover"),
+            "{out}"
+        );
     }
 
     // `check --standby` verifies the settings of both servers before the failover.
-    let standby_dsn = db.dsn_via(standby.port);
-    let mut check = Relay::start(&[
-        "check",
-        "--source",
-        &primary_dsn,
-        "--name",
-        &name,
-        "--standby",
-        &standby_dsn,
-    ]);
-    check.wait_exit(T).await;
-    let out = check.lines().join("\n");
+    let out = check_standby().await;
     if failover_slots {
         for ok in [
             "ok   failover slot",

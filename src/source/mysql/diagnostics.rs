@@ -331,18 +331,54 @@ async fn check_server(
                 let resume = super::Resume::from_checkpoint(cp).expect("a binlog checkpoint");
                 let mariadb = s.mariadb;
                 let server = admin::server_log(conn, &resume, mariadb).await?;
-                match admin::position_problem(name, &resume, mariadb, false, &server) {
-                    None => out.push(line(
+                let server_gtid = match &server.gtid_binlog_state {
+                    Some(list) => {
+                        crate::source::mysql::gtid::GtidState::from_list(list).to_string()
+                    }
+                    None => {
+                        admin::head_status(conn, Some(s.flavour))
+                            .await?
+                            .gtid_executed
+                    }
+                };
+                let gtids = format!(
+                    "stored GTID state {}, the server's {}",
+                    match resume.checkpoint() {
+                        Checkpoint::Binlog {
+                            gtid_state: Some(g),
+                            ..
+                        } => g,
+                        _ => "-".into(),
+                    },
+                    if server_gtid.is_empty() {
+                        "-".to_string()
+                    } else {
+                        server_gtid
+                    }
+                );
+                match admin::position_verdict(name, &resume, mariadb, false, &server) {
+                    admin::Verdict::Streams => out.push(line(
                         Level::Ok,
                         "stored position",
-                        format!("{file}:{pos}"),
+                        format!("{file}:{pos} ({gtids})"),
                         None,
                     )),
-                    Some(lost) => {
+                    admin::Verdict::ByGtid(why) => out.push(line(
+                        Level::Ok,
+                        "stored position",
+                        format!("{file}:{pos} is not this server's binlog position, but it resumes by GTID ({gtids}): {why}"),
+                        None,
+                    )),
+                    admin::Verdict::Lost(lost) => {
                         let Error::PositionLost { problem, fix } = lost.into_error(name) else {
                             unreachable!("a lost position")
                         };
-                        out.push(line(Level::Fail, "stored position", problem, Some(fix)));
+                        out.push(line(
+                            Level::Fail,
+                            "stored position",
+                            format!("{problem} ({gtids})"),
+                            Some(fix),
+                        ));
                     }
                 }
             }
@@ -471,6 +507,38 @@ async fn check_xa(conn: &mut Conn, out: &mut Vec<CheckLine>) -> Result<(), Error
     Ok(())
 }
 
+/// `check`'s lines for `--sync-replica` (see [`super::replicas::replica_lines`]): the
+/// primary's GTID position and registered replicas, and each named replica's state.
+pub async fn sync_replica_lines(dsn: &DbDsn, replicas: &[DbDsn]) -> Vec<CheckLine> {
+    let read = async {
+        let mut conn = connect_sql(dsn).await?;
+        let s = admin::settings(&mut conn).await?;
+        let primary_gtid = if s.mariadb {
+            let g: Option<Option<String>> = conn.query_first("SELECT @@gtid_binlog_pos").await?;
+            g.flatten().unwrap_or_default()
+        } else {
+            admin::head_status(&mut conn, Some(s.flavour))
+                .await?
+                .gtid_executed
+        };
+        let connected = super::replicas::registered_replicas(&mut conn).await;
+        let _ = conn.disconnect().await;
+        let mut states = Vec::new();
+        for r in replicas {
+            states.push(super::replicas::replica_state(r, s.mariadb).await);
+        }
+        Ok::<_, Error>(super::replicas::replica_lines(
+            &states,
+            connected,
+            &primary_gtid,
+        ))
+    };
+    match read.await {
+        Ok(lines) => lines,
+        Err(e) => vec![line(Level::Fail, "sync replicas", e.to_string(), None)],
+    }
+}
+
 /// What `status` shows for a MySQL source.
 #[derive(Debug, Clone, Serialize)]
 pub struct MyStatus {
@@ -493,6 +561,11 @@ pub struct MyStatus {
     /// What the lease holder's running snapshot or replay has got to, as it last stored it
     /// (`crate::progress::summary`).
     pub progress: Option<serde_json::Value>,
+    /// How the next start resumes on this server from the stored position: as stored, by
+    /// GTID at this server's coordinates (another server's position), or lost (why).
+    pub resume: Option<String>,
+    /// `status --sync-replica`: each named replica's GTID state.
+    pub replicas: Vec<super::replicas::ReplicaState>,
 }
 
 /// A prepared XA transaction that holds a relay's stored position back.
@@ -503,7 +576,7 @@ pub struct XaHold {
     pub age_seconds: Option<i64>,
 }
 
-pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
+pub async fn status_mysql(dsn: &DbDsn, name: &str, replicas: &[DbDsn]) -> Result<MyStatus, Error> {
     let mut conn = connect_sql(dsn).await?;
     let s = admin::settings(&mut conn).await?;
     let (head_file, head_pos) = admin::head(&mut conn).await?;
@@ -581,8 +654,25 @@ pub async fn status_mysql(dsn: &DbDsn, name: &str) -> Result<MyStatus, Error> {
     let progress = crate::state::mysql::load_progress(&mut conn, name)
         .await
         .and_then(|p| serde_json::from_str(&p).ok());
+    let resume = match stored.as_ref().and_then(super::Resume::from_checkpoint) {
+        Some(r) if row.as_ref().is_some_and(|r| r.initialized) => {
+            let server = admin::server_log(&mut conn, &r, s.mariadb).await?;
+            Some(match admin::position_verdict(name, &r, s.mariadb, false, &server) {
+                admin::Verdict::Streams => "from the stored position".to_string(),
+                admin::Verdict::ByGtid(_) => "by GTID: the stored position is not this server's, but its binlog holds the stored GTID state (the next start stores it at this server's coordinates)".to_string(),
+                admin::Verdict::Lost(l) => format!("LOST: {}", l.problem),
+            })
+        }
+        _ => None,
+    };
     let _ = conn.disconnect().await;
+    let mut replica_states = Vec::new();
+    for r in replicas {
+        replica_states.push(super::replicas::replica_state(r, s.mariadb).await);
+    }
     Ok(MyStatus {
+        resume,
+        replicas: replica_states,
         name: name.to_string(),
         stored_position: stored.as_ref().map(|c| match c {
             Checkpoint::Binlog { file, pos, .. } => format!("{file}:{pos}"),
@@ -638,6 +728,21 @@ impl std::fmt::Display for MyStatus {
                 "not connected"
             }
         )?;
+        if let Some(r) = &self.resume {
+            writeln!(f, "resumes          {r}")?;
+        }
+        for r in &self.replicas {
+            writeln!(
+                f,
+                "sync replica     {} applied {}{}",
+                r.at,
+                o(&r.applied),
+                r.problem
+                    .as_ref()
+                    .map(|p| format!(" ({p})"))
+                    .unwrap_or_default()
+            )?;
+        }
         crate::diagnostics::write_lease(f, self.lease_holder.as_deref(), self.lease_live)?;
         crate::diagnostics::write_progress(f, self.progress.as_ref(), self.lease_live)?;
         if let Some(x) = &self.xa_prepare {

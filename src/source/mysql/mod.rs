@@ -28,6 +28,7 @@ pub mod file;
 pub mod gtid;
 pub mod identity;
 pub mod poll;
+pub mod replicas;
 pub mod rows;
 pub mod snapshot;
 pub mod startup;
@@ -41,7 +42,7 @@ pub use crate::db::mysql::{classify, connect_sql, connect_state, server_code};
 use crate::dsn::DbDsn;
 use crate::event::Checkpoint;
 use crate::pipeline::checkpoint::Checkpointer;
-use crate::source::assemble::deliver;
+use crate::source::assemble::{self as assemble_out, deliver};
 use crate::source::{Outlet, SourceLink};
 use crate::telemetry::events::{BinlogStreaming, InternalEvent, SourceKind, SourceReconnecting};
 use crate::Error;
@@ -82,6 +83,9 @@ pub struct MySqlSourceConfig {
     pub xa_prepare_limit: Duration,
     /// `--xa-prepare-expired`: stop, or move the position past it.
     pub xa_prepare_expired: xa_pin::XaExpired,
+    /// `--sync-replica`: replicas that must have applied a transaction before its events are
+    /// published (see [`replicas`]).
+    pub sync_replicas: Vec<DbDsn>,
 }
 
 /// The server id a relay of this name registers with: stable per name (a reconnect replaces
@@ -199,11 +203,48 @@ pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, 
 async fn open_stream(
     cfg: &MySqlSourceConfig,
     from: &Resume,
-    verify: bool,
+    verify: Option<Option<&Resume>>,
 ) -> Result<mysql_async::BinlogStream, Error> {
     let mut conn = connect_sql(&cfg.dsn).await?;
-    if verify {
-        admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await?;
+    if let Some(sent) = verify {
+        // Another server behind the same address (a failover under a running relay). Its
+        // coordinates may sort before the stored ones, which the forward-only store would
+        // refuse: a new start stores the GTID state at this server's coordinates first.
+        let another = |why: String| {
+            Error::Other(format!(
+                "the server at {}:{} is another one now (a failover or switchover): {why}. Start the relay again: its start resumes by GTID at this server's coordinates where the server holds the stored GTID state, and refuses otherwise",
+                cfg.dsn.host, cfg.dsn.port
+            ))
+        };
+        match admin::require_position(&mut conn, &cfg.name, from, cfg.mariadb, false).await {
+            Ok(admin::Verdict::Streams) => {}
+            Ok(admin::Verdict::ByGtid(why)) => return Err(another(why)),
+            Ok(admin::Verdict::Lost(l)) => return Err(l.into_error(&cfg.name)),
+            Err(lost @ Error::PositionLost { .. }) => {
+                // What was read after the last checkpoint sent are transactions without outbox
+                // events (the relay's own state writes among them): a server that lacks only
+                // those lacks nothing the relay published.
+                if let Some(sent) = sent.filter(|s| *s != from) {
+                    if let Ok(v) =
+                        admin::require_position(&mut conn, &cfg.name, sent, cfg.mariadb, false)
+                            .await
+                    {
+                        let why = match v {
+                            admin::Verdict::ByGtid(why) => why,
+                            _ => format!(
+                                "its binlog holds the last position the relay sent ({}:{})",
+                                sent.file, sent.pos
+                            ),
+                        };
+                        return Err(another(format!(
+                            "{why}; it lacks only transactions without outbox events read after it"
+                        )));
+                    }
+                }
+                return Err(lost);
+            }
+            Err(e) => return Err(e),
+        }
     }
     let setup = async {
         // MariaDB: send GTID events (not BEGIN/dummy queries).
@@ -286,6 +327,37 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let SourceLink { outlet, .. } = link;
+    if cfg.sync_replicas.is_empty() {
+        return stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+    }
+    let start_gtid = match start.checkpoint() {
+        Checkpoint::Binlog { gtid_state, .. } => gtid_state,
+        _ => None,
+    };
+    let (outlet, gate) = replicas::gate(
+        &cfg.sync_replicas,
+        cfg.mariadb,
+        start_gtid,
+        outlet,
+        shutdown.clone(),
+    );
+    let streamed = stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+    // The gate's own failure (a replica refusing, no GTIDs) is why the source's sends failed.
+    match gate.await {
+        Ok(Err(e)) => Err(e),
+        Err(e) => Err(Error::Other(format!("the --sync-replica gate failed: {e}"))),
+        Ok(Ok(())) => streamed,
+    }
+}
+
+async fn stream(
+    cfg: MySqlSourceConfig,
+    outlet: Outlet,
+    start: Resume,
+    first: FirstStart,
+    checkpoints: Checkpointer,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     match first {
         FirstStart::No => {}
         FirstStart::Empty => outlet.send_checkpoint(start.checkpoint()).await?,
@@ -294,6 +366,9 @@ pub async fn run(
             outlet.send_checkpoint(start.checkpoint()).await?;
         }
     }
+    // The last checkpoint sent: a transaction boundary whose transactions all went to the relay
+    // (at first the start, which a first start sent above and a resume had stored).
+    let mut sent: Option<Resume> = Some(start.clone());
     let mut asm = Assembler::new(cfg.tables.clone(), start, &cfg, Instant::now());
     let mut backoff = Backoff::standard();
     // What holds the stored position back (prepared XA transactions), looked at every second.
@@ -305,7 +380,9 @@ pub async fn run(
     let mut verify = false;
     'connect: loop {
         let check = std::mem::replace(&mut verify, true);
-        let Some(mut stream) = open(&cfg, asm.resume(), check, &mut backoff, &shutdown).await?
+        let checked_against = check.then_some(sent.as_ref());
+        let Some(mut stream) =
+            open(&cfg, asm.resume(), checked_against, &mut backoff, &shutdown).await?
         else {
             break 'connect;
         };
@@ -325,14 +402,14 @@ pub async fn run(
                 _ = xa_tick.tick() => {
                     let out = asm.xa_check(cfg.xa_prepare_limit, cfg.xa_prepare_expired, Instant::now())?;
                     if let Some(o) = out {
-                        deliver(o, &outlet, &checkpoints).await?;
+                        send(o, &mut sent, &outlet, &checkpoints).await?;
                     }
                     continue;
                 }
                 // A checkpoint held back by the rate limit goes out once the stream pauses.
                 _ = tokio::time::sleep_until(flush_at.unwrap_or(read_by)), if flush_at.is_some() => {
                     if let Some(o) = asm.flush(Instant::now()) {
-                        deliver(o, &outlet, &checkpoints).await?;
+                        send(o, &mut sent, &outlet, &checkpoints).await?;
                     }
                     continue;
                 }
@@ -354,14 +431,16 @@ pub async fn run(
                 },
             };
             backoff.reset();
-            if handle(&ev, &mut asm, &mut copies, &outlet, &checkpoints).await? == Next::Reread {
+            if handle(&ev, &mut asm, &mut copies, &mut sent, &outlet, &checkpoints).await?
+                == Next::Reread
+            {
                 verify = false;
                 continue 'connect;
             }
         }
     }
     if let Some(o) = asm.finish(Instant::now()) {
-        deliver(o, &outlet, &checkpoints).await?;
+        send(o, &mut sent, &outlet, &checkpoints).await?;
     }
     let at = asm.resume();
     tracing::info!(file = %at.file, pos = at.pos, "stopped at a transaction boundary");
@@ -375,7 +454,7 @@ pub async fn run(
 async fn open(
     cfg: &MySqlSourceConfig,
     from: &Resume,
-    verify: bool,
+    verify: Option<Option<&Resume>>,
     backoff: &mut Backoff,
     shutdown: &CancellationToken,
 ) -> Result<Option<mysql_async::BinlogStream>, Error> {
@@ -472,6 +551,26 @@ fn read(
     Ok(retry.map_or(Read::Reconnect, Read::Retry))
 }
 
+/// Hands one output on and notes the last checkpoint sent (what a reconnect to another server
+/// is checked against besides the last boundary read, see [`open_stream`]).
+async fn send(
+    o: assemble_out::Output,
+    sent: &mut Option<Resume>,
+    outlet: &Outlet,
+    checkpoints: &Checkpointer,
+) -> Result<(), Error> {
+    match &o {
+        assemble_out::Output::Checkpoint(cp)
+        | assemble_out::Output::Committed { checkpoint: cp, .. } => {
+            if let Some(r) = Resume::from_checkpoint(cp) {
+                *sent = Some(r);
+            }
+        }
+        assemble_out::Output::Event(_) => {}
+    }
+    deliver(o, outlet, checkpoints).await
+}
+
 /// Decodes one event of the stream and hands on what the assembler makes of it. A compressed
 /// transaction is fed one inner event at a time, so that the transaction buffer applies to its
 /// rows as to any other's (and memory holds one event of it); the copies of those events the
@@ -480,6 +579,7 @@ async fn handle(
     ev: &Event,
     asm: &mut Assembler,
     copies: &mut std::collections::VecDeque<(u8, u32)>,
+    sent: &mut Option<Resume>,
     outlet: &Outlet,
     checkpoints: &Checkpointer,
 ) -> Result<Next, Error> {
@@ -515,7 +615,7 @@ async fn handle(
         for step in steps {
             let next = asm.step(step, Instant::now(), &mut out)?;
             for o in out.drain(..) {
-                deliver(o, outlet, checkpoints).await?;
+                send(o, sent, outlet, checkpoints).await?;
             }
             if next == Next::Reread {
                 return Ok(next);

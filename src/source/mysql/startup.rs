@@ -78,12 +78,17 @@ pub async fn start_plan<St: StateStore>(
     let mut resume_from = stored.as_ref().and_then(Resume::from_checkpoint);
     // Whether the stored position was already checked against the server's binlog.
     let mut checked = false;
+    // Its coordinates are not this server's but the server holds its GTID state: why.
+    let mut relocate_to = None;
     let mut recovery = None;
     if let (Some(resume), PositionLostPolicy::Poll) = (&resume_from, opts.on_position_lost) {
         // With recovery on, a purged stored file counts as lost even where the GTID state
         // might still resume: a needless replay gives duplicates, a wrong guess a gap.
         let verdict = admin::require_position(&mut at.sql, &opts.name, resume, mariadb, true).await;
         checked = verdict.is_ok();
+        if let Ok(admin::Verdict::ByGtid(why)) = &verdict {
+            relocate_to = Some(why.clone());
+        }
         if let Err(Error::PositionLost { problem, .. }) = verdict {
             recovery = Some(at.recover(&mut store, &lease, resume, &problem).await?);
             // The old position stays stored until the replay's rows are confirmed: a crash
@@ -97,7 +102,23 @@ pub async fn start_plan<St: StateStore>(
     });
     let (start, first, store_first) = match (resume_from, recovery) {
         (Some(resume), _) => {
-            let start = resumable(&mut at.sql, &opts.name, mariadb, resume, checked).await?;
+            let stored_at = resume.checkpoint();
+            let (start, moved) = resumable(
+                &mut at.sql,
+                &opts.name,
+                mariadb,
+                resume,
+                checked,
+                relocate_to,
+            )
+            .await?;
+            if let Some(why) = moved {
+                // The forward-only rule would never let this server's coordinates replace
+                // the other binlog's (they may sort before them): the same GTID state is
+                // stored at this server's coordinates before anything is published.
+                store.replace_position(&lease, &start.checkpoint()).await?;
+                log_relocated(&stored_at, &start, &why);
+            }
             (start, FirstStart::No, None)
         }
         (None, Some(snap)) => (snap.at.clone(), FirstStart::Snapshot(snap), None),
@@ -217,7 +238,15 @@ impl At<'_> {
         let mut plans = super::snapshot::plan_tables(sql, self.src.tables, &opts.snapshot).await?;
         let auto = opts.snapshot == SnapshotMode::Auto;
         let restarted = match restarted_at.as_ref().and_then(Resume::from_checkpoint) {
-            Some(r) => Some(resumable(sql, &opts.name, mariadb, r, false).await?),
+            Some(r) => {
+                let stored_at = r.checkpoint();
+                let (at, moved) = resumable(sql, &opts.name, mariadb, r, false, None).await?;
+                // Stored below (store_start) before anything is published.
+                if let Some(why) = moved {
+                    log_relocated(&stored_at, &at, &why);
+                }
+                Some(at)
+            }
             None => None,
         };
         // Read before the empty tables are looked at again: a row committed after the first
@@ -301,24 +330,62 @@ impl At<'_> {
     }
 }
 
+/// Names the server's own coordinates of the stored GTID state after a GTID resume on another
+/// binlog.
+fn log_relocated(stored: &Checkpoint, start: &Resume, why: &str) {
+    tracing::warn!(
+        stored = %stored,
+        position = %start.checkpoint(),
+        reason = %why,
+        "resuming by GTID on another binlog: the stored GTID state is at {}:{} on this server; its position is stored in this server's coordinates from now on",
+        start.file,
+        start.pos
+    );
+}
+
 /// A stored position checked for resuming (unless `checked` already): against the server's
 /// binlog files, their sizes and (MariaDB) GTID state, so that a binlog that started again or
-/// another server is a lost position, never a silent skip (see [`admin::position_problem`]). A
+/// another server is a lost position, never a silent skip (see [`admin::position_verdict`]). A
 /// purged file is lost by file and position; by GTID the server itself says whether it still
-/// has what follows.
+/// has what follows. Where the coordinates are not this server's but it holds the stored GTID
+/// state (`relocate`, or found here), the start is that state at this server's coordinates,
+/// returned with the reason.
 async fn resumable(
     sql: &mut mysql_async::Conn,
     name: &str,
     mariadb: bool,
     mut resume: Resume,
     checked: bool,
-) -> Result<Resume, Error> {
+    mut relocate: Option<String>,
+) -> Result<(Resume, Option<String>), Error> {
     if !checked {
-        admin::require_position(sql, name, &resume, mariadb, false).await?;
+        if let admin::Verdict::ByGtid(why) =
+            admin::require_position(sql, name, &resume, mariadb, false).await?
+        {
+            relocate = Some(why);
+        }
+    }
+    if let Some(why) = relocate {
+        let found = match (&resume.gtid, &resume.mysql_gtids) {
+            (Some(state), _) if mariadb => admin::relocate::locate_mariadb(sql, state).await?,
+            (_, Some(set)) if !mariadb => admin::relocate::locate_mysql(sql, set).await?,
+            _ => None,
+        };
+        let Some((file, pos)) = found else {
+            return Err(Error::PositionLost {
+                problem: format!(
+                    "{why}, but no binlog position of the server has exactly that state (its domains interleave otherwise)"
+                ),
+                fix: admin::replaced_binlog_fix(name),
+            });
+        };
+        resume.file = file;
+        resume.pos = pos;
+        return Ok((resume, Some(why)));
     }
     if mariadb && !resume.by_gtid(mariadb) && resume.gtid.is_none() {
         // Track the GTID state from here on, complete in every domain.
         resume.gtid = Some(admin::gtid_at(sql, &resume.file, resume.pos).await?);
     }
-    Ok(resume)
+    Ok((resume, None))
 }

@@ -621,6 +621,51 @@ pub struct Status {
     /// What the lease holder's running snapshot, replay or catch-up has got to, as it last
     /// stored it (`crate::progress::summary`).
     pub progress: Option<serde_json::Value>,
+    /// `status --standby`: the standby's copy of the slot (17+), and whether a failover to
+    /// that standby keeps it; `None` without `--standby`.
+    pub standby: Option<StandbyStatus>,
+}
+
+/// The standby's side of `status --standby`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StandbyStatus {
+    /// `host:port` of the standby.
+    pub at: String,
+    /// Its copy of the relay's slot; `None` when it has none.
+    pub copy: Option<version::StandbyCopy>,
+    /// `synced AND NOT temporary AND invalidation_reason IS NULL`.
+    pub ready: bool,
+    /// What went wrong reading it (unreachable, no failover slots below 17).
+    pub problem: Option<String>,
+}
+
+/// Reads the standby's copy of `slot` for `status --standby`; a problem is shown, not fatal.
+async fn standby_status(standby: &DbDsn, slot: &str) -> StandbyStatus {
+    let at = format!("{}:{}", standby.host, standby.port);
+    let read = async {
+        let sb = pg::connect_sql(standby, "outboxd_status").await?;
+        let v = version::ServerVersion::of(&sb).await?;
+        if !v.has_failover_slots() {
+            return Err(Error::Other(format!(
+                "PostgreSQL {v} has no failover slots: a failover to it loses the slot"
+            )));
+        }
+        version::standby_copy(&sb, slot).await
+    };
+    match read.await {
+        Ok(copy) => StandbyStatus {
+            at,
+            ready: copy.as_ref().is_some_and(|c| c.ready()),
+            copy,
+            problem: None,
+        },
+        Err(e) => StandbyStatus {
+            at,
+            copy: None,
+            ready: false,
+            problem: Some(e.to_string()),
+        },
+    }
 }
 
 /// The server's WAL head (`pg_current_wal_lsn()`), as `status` shows it.
@@ -633,7 +678,12 @@ pub async fn wal_head(client: &tokio_postgres::Client) -> Result<u64, Error> {
         .ok_or_else(|| Error::Other(format!("the server's WAL head {head:?} is not an LSN")))
 }
 
-pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Status, Error> {
+pub async fn status_postgres(
+    dsn: &DbDsn,
+    name: &str,
+    slot: &str,
+    standby: Option<&DbDsn>,
+) -> Result<Status, Error> {
     let client = pg::connect_sql(dsn, "outboxd_status").await?;
     let head: String = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -678,6 +728,10 @@ pub async fn status_postgres(dsn: &DbDsn, name: &str, slot: &str) -> Result<Stat
         progress: state::postgres::load_progress(&client, name)
             .await
             .and_then(|p| serde_json::from_str(&p).ok()),
+        standby: match standby {
+            Some(sb) => Some(standby_status(sb, slot).await),
+            None => None,
+        },
     })
 }
 
@@ -708,6 +762,22 @@ impl std::fmt::Display for Status {
                 o(&self.inactive_since),
                 o(&self.invalidation_reason)
             )?;
+        }
+        if let Some(sb) = &self.standby {
+            let state = match (&sb.copy, &sb.problem) {
+                (_, Some(p)) => p.clone(),
+                (None, None) => "no copy of the slot (not synchronised)".into(),
+                (Some(c), None) => format!(
+                    "{}: {}",
+                    c.describe(),
+                    if sb.ready {
+                        "ready for a failover"
+                    } else {
+                        "NOT ready: a promotion now loses the slot"
+                    }
+                ),
+            };
+            writeln!(f, "standby slot     {} on {}: {state}", self.slot, sb.at)?;
         }
         writeln!(f, "server head      {}", self.server_head)?;
         writeln!(

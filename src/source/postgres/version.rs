@@ -356,22 +356,96 @@ async fn standby_checks(
             Some(format!("ALTER SYSTEM SET synchronized_standby_slots = {}; SELECT pg_reload_conf();  -- on the primary", pg_literal(&standby_slot))),
         )
     });
-    let synced = sb
+    let copy = standby_copy(sb, slot).await?;
+    out.push(standby_slot_line(slot, copy.as_ref()));
+    Ok(())
+}
+
+/// A standby's copy of the relay's failover slot (17+), as `pg_replication_slots` shows it
+/// there.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StandbyCopy {
+    /// Kept in sync by the standby's slot sync worker.
+    pub synced: bool,
+    /// Still temporary: the worker has not yet been able to make it persistent (the primary's
+    /// slot has not moved past the standby's catalog xmin). A promotion drops a temporary
+    /// copy.
+    pub temporary: bool,
+    /// Why the copy was invalidated; `None` while it is usable.
+    pub invalidation_reason: Option<String>,
+}
+
+impl StandbyCopy {
+    /// PostgreSQL's own readiness test for a failover: the copy survives a promotion and the
+    /// relay can stream from it.
+    pub fn ready(&self) -> bool {
+        self.synced && !self.temporary && self.invalidation_reason.is_none()
+    }
+
+    /// `synced yes, temporary no, invalidation_reason -`.
+    pub fn describe(&self) -> String {
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        format!(
+            "synced {}, temporary {}, invalidation_reason {}",
+            yes(self.synced),
+            yes(self.temporary),
+            self.invalidation_reason.as_deref().unwrap_or("-")
+        )
+    }
+}
+
+/// The standby's copy of `slot`; `None` when the standby has no slot of that name.
+pub async fn standby_copy(sb: &Client, slot: &str) -> Result<Option<StandbyCopy>, Error> {
+    let row = sb
         .query_opt(
-            "SELECT synced FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT synced, temporary, invalidation_reason FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
         .await?;
-    out.push(match synced {
-        Some(r) if r.get::<_, bool>(0) => line(Level::Ok, "standby slot", format!("{slot} synchronised to the standby"), None),
-        _ => line(
+    Ok(row.map(|r| StandbyCopy {
+        synced: r.get(0),
+        temporary: r.get(1),
+        invalidation_reason: r.get(2),
+    }))
+}
+
+/// The `standby slot` line: ready only by PostgreSQL's own test (`synced AND NOT temporary AND
+/// invalidation_reason IS NULL`). A copy that is synchronised but still temporary is dropped
+/// by a promotion: the relay would then find no slot on the new primary.
+pub fn standby_slot_line(slot: &str, copy: Option<&StandbyCopy>) -> CheckLine {
+    const WAIT: &str = "keep the relay streaming and run `outboxd check --standby` again until this line says ready (the standby's log says \"could not synchronize replication slot\" until then); do not promote the standby before";
+    match copy {
+        Some(c) if c.ready() => line(
+            Level::Ok,
+            "standby slot",
+            format!("{slot} ready for a failover on the standby ({})", c.describe()),
+            None,
+        ),
+        Some(c) if c.invalidation_reason.is_some() => line(
+            Level::Fail,
+            "standby slot",
+            format!("{slot} on the standby is invalidated ({}): a promotion leaves the relay without its slot", c.describe()),
+            Some("drop the copy on the standby (SELECT pg_drop_replication_slot(...)) so the slot sync worker creates it again, then wait until this line says ready".into()),
+        ),
+        Some(c) if c.synced && c.temporary => line(
+            Level::Fail,
+            "standby slot",
+            format!("{slot} is synchronised to the standby but not ready ({}): a promotion now drops the temporary copy", c.describe()),
+            Some(WAIT.into()),
+        ),
+        Some(c) => line(
+            Level::Fail,
+            "standby slot",
+            format!("{slot} on the standby is not a synchronised copy ({})", c.describe()),
+            Some("create the relay's slot as a failover slot on the primary (`outboxd setup --failover-slot` before the first run); a slot of that name made on the standby itself is not synchronised".into()),
+        ),
+        None => line(
             Level::Fail,
             "standby slot",
             format!("{slot} is not synchronised to the standby"),
             Some("create it as a failover slot (`outboxd setup --failover-slot` before the first run), then wait for the standby's slot sync worker".into()),
         ),
-    });
-    Ok(())
+    }
 }
 
 /// A setting as `pg_settings` shows it to this role (empty when it cannot see it).
@@ -468,6 +542,38 @@ mod tests {
             None
         )
         .is_empty());
+    }
+
+    #[test]
+    fn a_standby_copy_is_ready_only_when_synced_persistent_and_valid() {
+        let ready = StandbyCopy {
+            synced: true,
+            ..Default::default()
+        };
+        assert!(ready.ready());
+        assert_eq!(standby_slot_line("s", Some(&ready)).level, Level::Ok);
+        // Right after `setup --failover-slot`: synchronised, but still temporary.
+        let temporary = StandbyCopy {
+            synced: true,
+            temporary: true,
+            invalidation_reason: None,
+        };
+        assert!(!temporary.ready());
+        let l = standby_slot_line("s", Some(&temporary));
+        assert_eq!(l.level, Level::Fail);
+        assert!(l.detail.contains("temporary yes"), "{}", l.detail);
+        assert!(l.fix.unwrap().contains("until this line says ready"));
+        let invalid = StandbyCopy {
+            invalidation_reason: Some("rows_removed".into()),
+            ..ready.clone()
+        };
+        assert!(!invalid.ready());
+        assert!(standby_slot_line("s", Some(&invalid))
+            .detail
+            .contains("rows_removed"));
+        let local = StandbyCopy::default();
+        assert_eq!(standby_slot_line("s", Some(&local)).level, Level::Fail);
+        assert_eq!(standby_slot_line("s", None).level, Level::Fail);
     }
 
     #[test]

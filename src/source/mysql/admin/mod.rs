@@ -14,6 +14,7 @@ use mysql_async::{Conn, Row};
 
 mod head;
 mod position;
+pub mod relocate;
 pub mod xa;
 
 pub use head::{
@@ -21,8 +22,8 @@ pub use head::{
     Flavour, Head,
 };
 pub use position::{
-    lost_marker, lost_position_fix, position_problem, replaced_binlog_fix, require_position,
-    server_log, AtPosition, Lost, ServerLog,
+    lost_marker, lost_position_fix, position_problem, position_verdict, replaced_binlog_fix,
+    require_position, server_log, AtPosition, Lost, ServerLog, Verdict,
 };
 
 /// The server's binlog settings.
@@ -39,6 +40,11 @@ pub struct BinlogSettings {
     pub server_id: u64,
     /// Binlog retention in seconds (0 = kept forever).
     pub expire_seconds: u64,
+}
+
+/// Column `i` of a row as text (empty for NULL).
+pub fn text_of(row: &Row, i: usize) -> String {
+    text(row, i)
 }
 
 fn text(row: &Row, i: usize) -> String {

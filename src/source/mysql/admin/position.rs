@@ -4,7 +4,7 @@
 //! or a binlog replaced under it).
 
 use super::{binlog_logs, gtid_at_opt, head_status, BinlogFile, Flavour};
-use crate::source::mysql::gtid::{Gtid, GtidState};
+use crate::source::mysql::gtid::{Gtid, GtidState, MysqlGtidSet};
 use crate::Error;
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -71,6 +71,27 @@ pub struct ServerLog {
     pub gtid_binlog_state: Option<Vec<Gtid>>,
     /// What is at the position in its file.
     pub at: AtPosition,
+    /// MariaDB: the GTID state at the start of the server's oldest binlog file (what it can
+    /// still send begins there); `None` on MySQL or where it could not be read.
+    pub first_state: Option<GtidState>,
+    /// The server's own `@@server_id`.
+    pub server_id: Option<u32>,
+    /// MySQL with GTIDs: `@@gtid_executed` and `@@gtid_purged`; `None` on MariaDB or where
+    /// they cannot be read.
+    pub mysql_sets: Option<(MysqlGtidSet, MysqlGtidSet)>,
+}
+
+/// What a start (or a reconnect) may do with a stored position on this server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Stream from it as stored.
+    Streams,
+    /// Its coordinates are not this server's (another server after a failover or switchover,
+    /// or a binlog laid out otherwise), but the server's binlog holds its GTID state and what
+    /// follows: resume by GTID, at this server's coordinates of that state. Says why.
+    ByGtid(String),
+    /// Lost, with the fix that applies.
+    Lost(Lost),
 }
 
 /// Why a position cannot be streamed from: the problem and which fix applies.
@@ -126,6 +147,77 @@ fn file_range(files: &[BinlogFile]) -> String {
 ///   server's history is older than the relay's: `RESET MASTER`, or a failover to a server that
 ///   had not received everything).
 pub fn position_problem(
+    name: &str,
+    from: &crate::source::mysql::Resume,
+    mariadb: bool,
+    strict: bool,
+    server: &ServerLog,
+) -> Option<Lost> {
+    match position_verdict(name, from, mariadb, strict, server) {
+        Verdict::Lost(lost) => Some(lost),
+        Verdict::Streams | Verdict::ByGtid(_) => None,
+    }
+}
+
+/// [`position_problem`], and where the coordinates are not this server's, whether the server
+/// still holds the stored GTID state so that a GTID resume is exact:
+///
+/// - MariaDB: every GTID of the stored state (`domain-server-seq`) is in the server's binlog
+///   history — `@@gtid_binlog_state` lists that domain and server id at that sequence number or
+///   later (a promoted replica with `log_slave_updates` has the old primary's GTIDs there) —
+///   and its oldest binlog file starts at or before the stored state (nothing after it was
+///   purged). A state ahead of the server, a GTID the server never logged (a replica without
+///   `log_slave_updates`, another history) or a purged one is lost, never a silent skip.
+/// - Without a stored GTID state (MySQL, or a position set by hand) nothing but the
+///   coordinates can say where to resume: lost as before.
+pub fn position_verdict(
+    name: &str,
+    from: &crate::source::mysql::Resume,
+    mariadb: bool,
+    strict: bool,
+    server: &ServerLog,
+) -> Verdict {
+    let Some(lost) = coordinates_problem(name, from, mariadb, strict, server) else {
+        return Verdict::Streams;
+    };
+    if lost.purged || !from.by_gtid(mariadb) {
+        return Verdict::Lost(lost);
+    }
+    let (holding, stored) = if mariadb {
+        let Some(stored) = from.gtid.as_ref() else {
+            return Verdict::Lost(lost);
+        };
+        let h = super::relocate::holds(
+            stored,
+            server.gtid_binlog_state.as_deref().unwrap_or(&[]),
+            server.first_state.as_ref(),
+            server.server_id,
+        );
+        (h, stored.to_string())
+    } else {
+        let (Some(stored), Some((executed, purged))) =
+            (from.mysql_gtids.as_ref(), &server.mysql_sets)
+        else {
+            return Verdict::Lost(lost);
+        };
+        (
+            super::relocate::holds_mysql(stored, executed, purged),
+            stored.to_string(),
+        )
+    };
+    match holding {
+        super::relocate::Holding::Held => Verdict::ByGtid(format!(
+            "{}; the server's binlog holds the stored GTID state {stored}, so the relay resumes there by GTID",
+            lost.problem
+        )),
+        super::relocate::Holding::Missing { problem, purged } => Verdict::Lost(Lost {
+            problem: format!("{}; and {problem}", lost.problem),
+            purged,
+        }),
+    }
+}
+
+fn coordinates_problem(
     name: &str,
     from: &crate::source::mysql::Resume,
     mariadb: bool,
@@ -295,30 +387,54 @@ pub async fn server_log(
             Err(e) => return Err(e.into()),
         }
     };
+    let first_state = match files.first() {
+        Some(f) if mariadb => gtid_at_opt(conn, &f.name, 4).await?,
+        _ => None,
+    };
+    let server_id: Option<u64> = conn.query_first("SELECT @@server_id").await?;
+    let mysql_sets = if mariadb {
+        None
+    } else {
+        let sets: Option<(Option<String>, Option<String>)> = conn
+            .query_first("SELECT @@gtid_executed, @@gtid_purged")
+            .await
+            .ok()
+            .flatten();
+        sets.and_then(|(e, p)| {
+            Some((
+                MysqlGtidSet::parse(&e.unwrap_or_default())?,
+                MysqlGtidSet::parse(&p.unwrap_or_default())?,
+            ))
+        })
+    };
     Ok(ServerLog {
         files,
         head: (head.file, head.pos),
         gtid_binlog_state,
         at,
+        first_state,
+        server_id: server_id.and_then(|i| u32::try_from(i).ok()),
+        mysql_sets,
     })
 }
 
 /// Fails with a lost position (and its fix) when the binlog cannot be streamed from `from`
-/// (see [`position_problem`]).
+/// (see [`position_verdict`]); otherwise says whether it streams as stored or by GTID at this
+/// server's own coordinates.
 pub async fn require_position(
     conn: &mut Conn,
     name: &str,
     from: &crate::source::mysql::Resume,
     mariadb: bool,
     strict: bool,
-) -> Result<(), Error> {
+) -> Result<Verdict, Error> {
     let server = server_log(conn, from, mariadb).await?;
-    match position_problem(name, from, mariadb, strict, &server) {
-        Some(lost) => {
+    match position_verdict(name, from, mariadb, strict, &server) {
+        Verdict::Lost(lost) => {
             tracing::debug!(?server, "the server's binlog, against the position");
             Err(lost.into_error(name))
         }
-        None => Ok(()),
+        v => Ok(v),
     }
 }
 
@@ -357,6 +473,9 @@ mod tests {
             files,
             gtid_binlog_state: Some(gtids(state)),
             at,
+            first_state: None,
+            server_id: Some(1),
+            mysql_sets: None,
         }
     }
 
@@ -623,12 +742,80 @@ mod tests {
     }
 
     #[test]
+    fn another_servers_position_resumes_by_gtid_when_the_server_holds_the_state() {
+        // MariaDB: a promoted replica (server 2) whose binlog numbers are lower, holding the
+        // old primary's GTIDs (log_slave_updates).
+        let mut srv = server(
+            &[("mariadb-bin.000001", 90_000)],
+            "0-1-500,0-2-520",
+            AtPosition::Unread,
+        );
+        srv.server_id = Some(2);
+        let p = at("mariadb-bin.000005", 1234, Some("0-1-480"));
+        for strict in [false, true] {
+            let Verdict::ByGtid(why) = position_verdict("r", &p, true, strict, &srv) else {
+                panic!("{:?}", position_verdict("r", &p, true, strict, &srv))
+            };
+            assert!(why.contains("holds the stored GTID state 0-1-480"), "{why}");
+        }
+        // The same file name holding other offsets.
+        let mut same = server(
+            &[("mariadb-bin.000001", 90_000)],
+            "0-1-500,0-2-520",
+            maria_state("0-1-33"),
+        );
+        same.server_id = Some(2);
+        let p = at("mariadb-bin.000001", 5000, Some("0-1-480"));
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &same),
+            Verdict::ByGtid(_)
+        ));
+        // Ahead of it: lost, never a resume.
+        let p = at("mariadb-bin.000005", 1234, Some("0-1-530"));
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &srv),
+            Verdict::Lost(_)
+        ));
+        // By position only (no stored GTID state): nothing says where to resume.
+        let p = at("mariadb-bin.000005", 1234, None);
+        assert!(matches!(
+            position_verdict("r", &p, true, false, &srv),
+            Verdict::Lost(_)
+        ));
+
+        // MySQL 8: the stored executed set within @@gtid_executed, nothing needed purged.
+        let u = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let set = |s: &str| MysqlGtidSet::parse(s).unwrap();
+        let mut my = server(&[("binlog.000002", 9000)], "", AtPosition::Unread);
+        my.gtid_binlog_state = None;
+        my.mysql_sets = Some((set(&format!("{u}:1-100")), set(&format!("{u}:1-10"))));
+        let p = at("binlog.000007", 4000, Some(&format!("{u}:1-90")));
+        assert!(matches!(
+            position_verdict("r", &p, false, false, &my),
+            Verdict::ByGtid(_)
+        ));
+        let ahead = at("binlog.000007", 4000, Some(&format!("{u}:1-101")));
+        let Verdict::Lost(l) = position_verdict("r", &ahead, false, false, &my) else {
+            panic!()
+        };
+        assert!(l.problem.contains(&format!("{u}:101")), "{}", l.problem);
+        let purged = at("binlog.000007", 4000, Some(&format!("{u}:1-5")));
+        let Verdict::Lost(l) = position_verdict("r", &purged, false, false, &my) else {
+            panic!()
+        };
+        assert!(l.purged, "{}", l.problem);
+    }
+
+    #[test]
     fn no_binlog_files_at_all_is_lost() {
         let srv = ServerLog {
             files: Vec::new(),
             head: ("mariadb-bin.000001".into(), 4),
             gtid_binlog_state: None,
             at: AtPosition::Unread,
+            first_state: None,
+            server_id: Some(1),
+            mysql_sets: None,
         };
         assert!(
             position_problem("r", &at("mariadb-bin.000001", 4, None), true, false, &srv).is_some()

@@ -34,6 +34,7 @@ fn cfg(txn_buffer_bytes: usize) -> MySqlSourceConfig {
         mariadb: false,
         xa_prepare_limit: Duration::from_secs(3600),
         xa_prepare_expired: XaExpired::Stop,
+        sync_replicas: Vec::new(),
     }
 }
 
