@@ -87,15 +87,9 @@ async fn pg_identity(client: &tokio_postgres::Client) -> Option<SourceIdentity> 
     }
 }
 
-/// The identity of a MySQL/MariaDB source (see [`pg_identity`]).
-async fn mysql_identity(dsn: &DbDsn, mariadb: bool) -> Option<SourceIdentity> {
-    let read = async {
-        let mut conn = crate::source::mysql::connect_sql(dsn).await?;
-        let id = crate::source::mysql::identity::source_identity(&mut conn, mariadb).await;
-        let _ = conn.disconnect().await;
-        id
-    };
-    match read.await {
+/// The identity of a MySQL/MariaDB source, read on `conn` (see [`pg_identity`]).
+async fn mysql_identity(conn: &mut mysql_async::Conn, mariadb: bool) -> Option<SourceIdentity> {
+    match crate::source::mysql::identity::source_identity(conn, mariadb).await {
         Ok(id) => Some(id),
         Err(e) => {
             tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
@@ -280,8 +274,9 @@ pub async fn run_poll_mysql(
         my::admin::require_table(&mut sql, &table).await?;
         let w = my_poll::lock_wait_timeout(&mut sql).await?;
         let mariadb = my::admin::settings(&mut sql).await?.mariadb;
+        let identity = mysql_identity(&mut sql, mariadb).await;
         let _ = sql.disconnect().await;
-        (w, mysql_identity(&dsn, mariadb).await)
+        (w, identity)
     };
     let deadline = my_poll::deadline(cfg.relay.confirm_timeout, lock_wait);
     if deadline < cfg.relay.confirm_timeout {
@@ -565,6 +560,7 @@ async fn run_mysql_on<St: state::StateStore + 'static>(
                 mariadb,
                 start,
                 first,
+                identity,
             },
     } = plan;
 
@@ -585,7 +581,6 @@ async fn run_mysql_on<St: state::StateStore + 'static>(
     // Nothing upstream to confirm on the binlog: the return path carries commit times only.
     let checkpoints = Checkpointer::new(0);
     let commits = checkpoints.clone();
-    let identity = mysql_identity(&dsn, mariadb).await;
     let source = move |link| my::run(source_cfg, link, start, first, checkpoints, shutdown);
     let mut sink = make_sink(&cfg)?;
     sink.set_origin(&origin(&cfg, identity));

@@ -16,13 +16,16 @@ use std::sync::Arc;
 
 /// The identity of the server `conn` is connected to.
 pub async fn source_identity(conn: &mut Conn, mariadb: bool) -> Result<SourceIdentity, Error> {
-    let (file, pos) = admin::head(conn).await?;
-    let head = Some(SourcePosition::Binlog {
-        file,
-        end_pos: pos,
-        // Every event of the transaction that ends at the head is at or before it.
-        index: u32::MAX,
-    });
+    // No head without a binary log (poll mode needs none): the head check is then not made.
+    let head = admin::head(conn)
+        .await
+        .ok()
+        .map(|(file, pos)| SourcePosition::Binlog {
+            file,
+            end_pos: pos,
+            // Every event of the transaction that ends at the head is at or before it.
+            index: u32::MAX,
+        });
     if mariadb {
         let (server_id, binlog_state, current): (u64, String, String) = conn
             .query_first("SELECT @@server_id, @@gtid_binlog_state, @@gtid_current_pos")

@@ -39,6 +39,8 @@ pub struct MyStart {
     pub start: Resume,
     /// What the source publishes from the tables before streaming.
     pub first: FirstStart,
+    /// Which server the relay reads (`crate::identity`); `None` when it would not say.
+    pub identity: Option<crate::identity::SourceIdentity>,
 }
 
 /// How a MySQL/MariaDB relay streams (see [`startup::StartPlan`]).
@@ -139,6 +141,13 @@ pub async fn start_plan<St: StateStore>(
             lease.first_start = false;
         }
     }
+    let identity = match super::identity::source_identity(&mut at.sql, mariadb).await {
+        Ok(id) => Some(id),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
+            None
+        }
+    };
     tracing::info!(position = %start.checkpoint(), "resuming");
     let _ = at.sql.disconnect().await;
     // As for Postgres: a run that publishes a snapshot stores its marks first, which sort
@@ -152,6 +161,7 @@ pub async fn start_plan<St: StateStore>(
             mariadb,
             start,
             first,
+            identity,
         },
     }))
 }
