@@ -409,7 +409,7 @@ async fn mariadb_messages_carry_exactly_what_the_page_lists() {
     );
     assert_eq!(message_id(&dead[0]), poison);
     assert!(dead[0].data.is_empty(), "a dead record has no body");
-    check(&dead[0], true, &|_| false, &[], &[], "dead record");
+    check(&dead[0], true, &holds, &[], &[], "dead record");
 }
 
 // ---------------------------------------------------------------------------------------------
