@@ -129,6 +129,18 @@ if ensure_component clippy clippy; then
     phase_end
 fi
 
+# fuzz/ is its own workspace with its own lock file: a dependency added to the crate must be
+# added there too, or CI's fuzz-check fails on --locked. Resolving it (no compile, offline
+# against the registry cache the build below fills anyway) takes a second, so every run does.
+if [[ -f fuzz/Cargo.lock ]]; then
+    phase_begin fuzz-lock
+    if ! cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null; then
+        echo "test.sh: ERROR: fuzz/Cargo.lock is out of date with the crate's dependencies; fix: (cd fuzz && cargo update --workspace) and commit fuzz/Cargo.lock" >&2
+        exit 1
+    fi
+    phase_end
+fi
+
 phase_begin build
 cargo build "${LOCKED[@]}" --all-targets "${CARGO_ARGS[@]}"
 phase_end
