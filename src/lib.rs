@@ -40,7 +40,7 @@
 //!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
 //!   Each log source is a sans-IO transaction assembler (`source::postgres::assemble`,
 //!   `source::mysql::assemble`, sharing `source::assemble`) driven by an I/O run loop.
-//! - The return path: `pipeline::checkpoint::Checkpointer` — relay acknowledgement → state
+//! - The return path: `state::checkpoint::Checkpointer` — relay acknowledgement → state
 //!   store → slot confirm (Postgres: never past what the state row holds) → commit times.
 //! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
 //!   one function per source that decides where to start, through the relay's [`StateStore`],

@@ -6,8 +6,6 @@
 //! decision, made through the relay's `StateStore` and returned as a `StartPlan`; this module
 //! runs that plan.
 
-pub mod checkpoint;
-
 use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::Checkpoint;
 use crate::identity::{Origin, SourceIdentity};
@@ -20,9 +18,9 @@ use crate::source::snapshot::SnapshotMode;
 use crate::source::startup::StartOptions;
 use crate::source::{Budget, Outlet, SourceLink};
 use crate::state;
+use crate::state::checkpoint::Checkpointer;
 use crate::telemetry::events::{InternalEvent, PipelineStarted, SourceRunning};
 use crate::Error;
-use checkpoint::Checkpointer;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
