@@ -5,6 +5,7 @@
 
 pub mod assemble;
 pub mod contract;
+pub mod log;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;

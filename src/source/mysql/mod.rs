@@ -27,6 +27,7 @@ pub mod diagnostics;
 pub mod file;
 pub mod gtid;
 pub mod identity;
+pub mod log;
 pub mod poll;
 pub mod replicas;
 pub mod rows;

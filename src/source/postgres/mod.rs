@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod assemble;
 pub mod diagnostics;
+pub mod log;
 pub mod pgoutput;
 pub mod poll;
 pub mod rows;
