@@ -40,13 +40,15 @@
 //!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
 //!   Each log source is a sans-IO transaction assembler (`source::postgres::assemble`,
 //!   `source::mysql::assemble`, sharing `source::assemble`) driven by an I/O run loop.
-//! - The return path: `pipeline::checkpoint::Checkpointer` — relay acknowledgement → state
+//! - The return path: `state::checkpoint::Checkpointer` — relay acknowledgement → state
 //!   store → slot confirm (Postgres: never past what the state row holds) → commit times.
-//! - Startup, resume and recovery: `source::postgres::startup` and `source::mysql::startup`,
-//!   one function per source that decides where to start, through the relay's [`StateStore`],
-//!   and returns a `StartPlan` (one shape for both, in `source::startup`); [`pipeline`] runs
-//!   every plan through one `drive`, which is handed its sink and state store (in-process tests
-//!   run it on the memory doubles).
+//! - Every log source implements one interface, `source::log::LogSource` (a typed position,
+//!   one `start_plan` and one `run`); [`pipeline`] is one `run` generic over the source, the
+//!   sink and the state store. Startup, resume and recovery are each source's `start_plan`
+//!   (`source::postgres::startup`, `source::mysql::startup`), deciding where to start through
+//!   the relay's [`StateStore`] and returning a `StartPlan` (one shape for both, in
+//!   `source::startup`); `pipeline` runs every plan through one `drive`, which is handed its
+//!   sink and state store (in-process tests run it on the memory doubles).
 //! - The kits users call from their own services: [`outbox`] (the producer's write),
 //!   [`consumer`] (idempotent consumers), [`crypto`] (per-field encryption).
 //! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the

@@ -1,12 +1,14 @@
 //! `outboxd run`: wires one source, the relay and one sink together with the state store, and
 //! owns the order of a graceful stop — the source stops at a transaction boundary, the relay
 //! drains every confirmation, the final position reaches the server and the state table, and
-//! the lease is released. Where each log source starts (lease, resume or first start,
-//! lost-position recovery, a first start's position stored) is its own `startup` module's
-//! decision, made through the relay's `StateStore` and returned as a `StartPlan`; this module
-//! runs that plan.
-
-pub mod checkpoint;
+//! the lease is released. A log source is anything that implements
+//! [`LogSource`](crate::source::log::LogSource): [`run`] is one function generic over it (and
+//! over the sink and the state store), so the Postgres WAL and the MySQL/MariaDB binlog take the
+//! same path. Where each source starts (lease, resume or first start, lost-position recovery, a
+//! first start's position stored) is its own `start_plan`, made through the relay's
+//! `StateStore`; this module runs that plan, and creates the run's return path
+//! (`state::checkpoint`) from the position it starts at. Poll mode and binlog files, which take
+//! no lease and resume nothing, have runners of their own here.
 
 use crate::dsn::{DbDsn, SinkDsn};
 use crate::event::Checkpoint;
@@ -15,30 +17,31 @@ use crate::outbox::{ColumnMap, TableName};
 use crate::relay::{self, RelayOptions, RelayStats};
 use crate::sink::options::{SinkContext, SinkOptions};
 use crate::sink::{AnySink, Sink};
-use crate::source::postgres::{self as pg, admin, PgSourceConfig};
+use crate::source::log::{Begin, LogPosition, LogSource};
+use crate::source::mysql::log::{MyLog, MySqlOptions};
+use crate::source::postgres::log::{PgLog, PgOptions};
+use crate::source::postgres::{self as pg, admin};
 use crate::source::snapshot::SnapshotMode;
-use crate::source::startup::StartOptions;
+use crate::source::startup::{StartOptions, StartPlan};
 use crate::source::{Budget, Outlet, SourceLink};
-use crate::state;
+use crate::state::checkpoint::Checkpointer;
+use crate::state::{self, StateStore};
 use crate::telemetry::events::{InternalEvent, PipelineStarted, SourceRunning};
 use crate::Error;
-use checkpoint::Checkpointer;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-/// Everything `run` needs, already validated.
+/// Everything `run` needs, already validated: the settings every source shares. What only one
+/// source has (a slot, the binlog's buffers) is that source's own options
+/// ([`PgOptions`], [`MySqlOptions`]).
 #[derive(Debug, Clone)]
 pub struct RunConfig {
     pub name: String,
-    pub slot: String,
-    pub publication: String,
     /// The outbox tables (`--table`, repeatable; at least one), sharing one column map.
     pub tables: Vec<TableName>,
     pub columns: ColumnMap,
-    /// MySQL/MariaDB source settings (ignored by other sources).
-    pub mysql: MySqlOptions,
     pub sink: SinkDsn,
     pub commit_offsets: bool,
     pub max_inflight_bytes: usize,
@@ -67,34 +70,11 @@ pub use crate::source::startup::{replay_start, PositionLostPolicy};
 
 /// Who publishes: the relay's name, and the identity of the log it reads (unknown where the
 /// source has none).
-fn origin(cfg: &RunConfig, source: Option<SourceIdentity>) -> Origin {
+fn origin(cfg: &RunConfig, source: SourceIdentity) -> Origin {
     Origin {
         relay: cfg.name.clone(),
-        source: source.unwrap_or_default(),
+        source,
         accept_new_source: cfg.accept_new_source,
-    }
-}
-
-/// The identity of a Postgres source, read on `client`; a server that will not tell (an old
-/// version, a revoked function) leaves it unknown, which costs duplicates, never events.
-async fn pg_identity(client: &tokio_postgres::Client) -> Option<SourceIdentity> {
-    match admin::source_identity(client).await {
-        Ok(id) => Some(id),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not read the source's identity (pg_control_system): records a deduplicating sink reads back are matched without it");
-            None
-        }
-    }
-}
-
-/// The identity of a MySQL/MariaDB source, read on `conn` (see [`pg_identity`]).
-async fn mysql_identity(conn: &mut mysql_async::Conn, mariadb: bool) -> Option<SourceIdentity> {
-    match crate::source::mysql::identity::source_identity(conn, mariadb).await {
-        Ok(id) => Some(id),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
-            None
-        }
     }
 }
 
@@ -110,74 +90,112 @@ fn start_options(cfg: &RunConfig) -> StartOptions {
     }
 }
 
-/// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
-pub async fn run_postgres(
-    dsn: DbDsn,
-    cfg: RunConfig,
+/// Runs log source `source` with its state in `store` and the sink `sink` builds, until
+/// `shutdown` is cancelled (then stops gracefully) or an error. The sink is built once the
+/// start is decided (a standby waiting for the lease holds no broker connection).
+pub async fn run<S, K, St>(
+    source: S,
+    store: St,
+    sink: impl FnOnce() -> Result<K, Error>,
+    cfg: &RunConfig,
     shutdown: CancellationToken,
-) -> Result<Arc<RelayStats>, Error> {
-    let app = format!("outboxd_{}", cfg.name);
-    let src = pg::startup::Source {
-        dsn: &dsn,
-        app: &app,
-        slot: &cfg.slot,
-        publication: &cfg.publication,
-        tables: &cfg.tables,
-        columns: &cfg.columns,
-    };
-    let store = state::postgres::PgStateStore::new(dsn.clone(), app.clone())
-        .with_slot(&cfg.slot)
-        .with_publication(&cfg.publication);
-    let Some(plan) = pg::startup::start_plan(src, store, &start_options(&cfg), &shutdown).await?
+) -> Result<Arc<RelayStats>, Error>
+where
+    S: LogSource,
+    K: Sink,
+    St: StateStore + 'static,
+{
+    let Some(plan) = source
+        .start_plan(store, &start_options(cfg), &shutdown)
+        .await?
     else {
         // A standby asked to stop before it got the lease.
         return Ok(Arc::new(RelayStats::default()));
     };
-    let pg::startup::StartPlan {
-        store,
+    let StartPlan {
+        mut store,
         lease,
         resumed,
         source:
-            pg::startup::PgStart {
-                // Held until the relay stops (see PgStart::session).
-                session: _session,
+            Begin {
+                at,
                 start,
-                snapshot,
-                snapshot_after,
+                // Held until the relay stops (see LogSource::Held).
+                held: _held,
             },
     } = plan;
+    // The return path starts where the server already is: the source confirms upstream only
+    // what the store reports it holds past that.
+    let returns = Checkpointer::new(at.confirmed_upstream());
+    store.return_path(returns.clone());
+    let mut sink = sink()?;
+    sink.set_origin(&origin(cfg, at.source().clone()));
+    let opts = DriveOptions::from(cfg);
+    let back = returns.clone();
+    drive(&opts, sink, store, lease, resumed, returns, move |link| {
+        source.run(at, start, link, back, shutdown)
+    })
+    .await
+}
 
-    let source_cfg = PgSourceConfig {
-        dsn: dsn.clone(),
+/// Runs a Postgres relay until `shutdown` is cancelled (then stops gracefully) or an error.
+pub async fn run_postgres(
+    dsn: DbDsn,
+    options: PgOptions,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let source = PgLog {
+        dsn,
         name: cfg.name.clone(),
+        options,
         tables: cfg.tables.clone(),
         columns: cfg.columns.clone(),
-        slot: cfg.slot.clone(),
-        publication: cfg.publication.clone(),
-        // Durable positions reach the slot promptly (at most every STORE_INTERVAL while they
-        // move; the library sends nothing more while they do not).
-        status_interval: state::STORE_INTERVAL,
-        snapshot,
-        snapshot_after,
         max_wire_message_bytes: pg::wire_message_limit(cfg.sink_options.max_message_bytes),
     };
-    // The slot is confirmed only up to what the state row holds: the store tells the return
-    // path what it wrote, the source confirms what that allows.
-    let checkpoints = Checkpointer::new(start);
-    let store = store.with_checkpointer(checkpoints.clone());
-    let mut sink = make_sink(&cfg)?;
-    sink.set_origin(&origin(&cfg, pg_identity(&_session).await));
-    let opts = DriveOptions::from(&cfg);
-    drive(
-        &opts,
-        sink,
-        store,
-        lease,
-        resumed,
-        checkpoints.clone(),
-        move |link| pg::run(source_cfg, link, start, checkpoints, shutdown),
-    )
-    .await
+    let store = source.state_store();
+    run(source, store, || make_sink(&cfg), &cfg, shutdown).await
+}
+
+/// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
+pub async fn run_mysql(
+    dsn: DbDsn,
+    options: MySqlOptions,
+    cfg: RunConfig,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let tables = crate::source::mysql::log::outbox_tables(
+        &dsn,
+        &cfg.tables,
+        &cfg.columns,
+        options.time_zone,
+    )?;
+    let offset_file = options.offset_file.clone();
+    let source = MyLog {
+        dsn: dsn.clone(),
+        name: cfg.name.clone(),
+        tables,
+        options,
+    };
+    // The state lives in the offset file or in `outboxd_state`: past this choice, the start and
+    // the lease keeper see only a StateStore.
+    let sink = || make_sink(&cfg);
+    match offset_file {
+        Some(path) => {
+            run(
+                source,
+                state::file::FileStore::open(&path),
+                sink,
+                &cfg,
+                shutdown,
+            )
+            .await
+        }
+        None => {
+            let store = state::mysql::MyStateStore::new(dsn);
+            run(source, store, sink, &cfg, shutdown).await
+        }
+    }
 }
 
 /// Poll mode reads one table: several are refused with the fix rather than polled in turn
@@ -235,7 +253,7 @@ pub async fn run_poll_postgres(
     let identity = {
         let sql = pg::connect_sql(&dsn, &format!("outboxd_{}", cfg.name)).await?;
         admin::require_table(&sql, &table).await?;
-        pg_identity(&sql).await
+        admin::identity_or_unknown(&sql).await
     };
     let poll_cfg = crate::source::postgres::poll::PollConfig {
         dsn,
@@ -257,6 +275,7 @@ pub async fn run_poll_postgres(
 /// Runs poll mode on a MySQL/MariaDB table until `shutdown` (no lease either).
 pub async fn run_poll_mysql(
     dsn: DbDsn,
+    options: MySqlOptions,
     cfg: RunConfig,
     poll: crate::source::poll::PollOptions,
     shutdown: CancellationToken,
@@ -268,13 +287,13 @@ pub async fn run_poll_mysql(
             "drop --notify, and lower --poll-interval for lower latency",
         ));
     }
-    let table = mysql_outbox_table(&dsn, single_table(&cfg)?, &cfg.columns, cfg.mysql.time_zone)?;
+    let table = my::log::outbox_table(&dsn, single_table(&cfg)?, &cfg.columns, options.time_zone)?;
     let (lock_wait, identity) = {
         let mut sql = my::connect_sql(&dsn).await?;
         my::admin::require_table(&mut sql, &table).await?;
         let w = my_poll::lock_wait_timeout(&mut sql).await?;
         let mariadb = my::admin::settings(&mut sql).await?.mariadb;
-        let identity = mysql_identity(&mut sql, mariadb).await;
+        let identity = my::identity::identity_or_unknown(&mut sql, mariadb).await;
         let _ = sql.disconnect().await;
         (w, identity)
     };
@@ -311,7 +330,7 @@ where
     Fut: std::future::Future<Output = Result<(), Error>>,
 {
     let mut sink = make_sink(cfg)?;
-    sink.set_origin(&origin(cfg, identity));
+    sink.set_origin(&origin(cfg, identity.unwrap_or_default()));
     if !sink.stores_position() {
         return Err(Error::config(
             "poll mode marks rows published once the sink has them, which the stdout sink does only with --commit-offsets",
@@ -364,228 +383,31 @@ async fn relay_and_source<S: Sink>(
     tokio::try_join!(relay, source).map(|_| ())
 }
 
-// ---------------------------------------------------------------------------------------------
-// MySQL / MariaDB
-// ---------------------------------------------------------------------------------------------
-
-/// MySQL/MariaDB source settings from the command line.
-#[derive(Debug, Clone)]
-pub struct MySqlOptions {
-    /// The zone `DATETIME` values are written in (`--source-time-zone`).
-    pub time_zone: crate::source::mysql::rows::SourceTz,
-    /// Largest transaction held until its commit (`--txn-buffer`).
-    pub txn_buffer_bytes: usize,
-    /// Largest uncompressed size a compressed transaction may declare
-    /// (`--max-txn-payload-bytes`).
-    pub max_payload_bytes: u64,
-    /// Heartbeat period asked of the server; the read timeout is three of them plus 2 s.
-    pub heartbeat: Duration,
-    /// `--offset-file`: keep the position and the lease in this file instead of `outboxd_state`.
-    pub offset_file: Option<std::path::PathBuf>,
-    /// `--xa-prepare-limit`: how long a prepared XA transaction may hold the position back.
-    pub xa_prepare_limit: Duration,
-    /// `--xa-prepare-expired`: what happens after that.
-    pub xa_prepare_expired: crate::source::mysql::xa_pin::XaExpired,
-    /// `--sync-replica`: publish only what these replicas have applied.
-    pub sync_replicas: Vec<crate::dsn::DbDsn>,
-}
-
-impl Default for MySqlOptions {
-    fn default() -> Self {
-        MySqlOptions {
-            time_zone: Default::default(),
-            txn_buffer_bytes: 16 * 1024 * 1024,
-            max_payload_bytes: crate::source::mysql::decode::DEFAULT_PAYLOAD_LIMIT,
-            heartbeat: Duration::from_secs(1),
-            offset_file: None,
-            xa_prepare_limit: crate::source::mysql::xa_pin::DEFAULT_LIMIT,
-            xa_prepare_expired: Default::default(),
-            sync_replicas: Vec::new(),
-        }
-    }
-}
-
-/// The outbox tables of a MySQL source: every `--table` in the DSN's database.
-pub fn mysql_tables(
-    dsn: &DbDsn,
-    tables: &[TableName],
-    columns: &ColumnMap,
-    tz: crate::source::mysql::rows::SourceTz,
-) -> Result<Vec<crate::source::mysql::rows::OutboxTable>, Error> {
-    let several = tables.len() > 1;
-    tables
-        .iter()
-        .map(|t| {
-            let mut table = mysql_outbox_table(dsn, t, columns, tz)?;
-            table.label = several.then(|| std::sync::Arc::from(t.to_string()));
-            Ok(table)
-        })
-        .collect()
-}
-
-/// The outbox table of a MySQL source: `--table` in the DSN's database.
-pub fn mysql_outbox_table(
-    dsn: &DbDsn,
-    table: &TableName,
-    columns: &ColumnMap,
-    tz: crate::source::mysql::rows::SourceTz,
-) -> Result<crate::source::mysql::rows::OutboxTable, Error> {
-    if dsn.database.is_empty() {
-        return Err(Error::config(
-            "the MySQL DSN names no database: the relay reads the outbox table of the DSN's database and keeps its state there",
-            "add the database to the DSN, e.g. mysql://user@host:3306/app",
-        ));
-    }
-    if let Some(db) = &table.schema {
-        if *db != dsn.database {
-            return Err(Error::config(
-                format!(
-                    "--table {db}.{} is not in the DSN's database {:?}",
-                    table.name, dsn.database
-                ),
-                format!(
-                    "name the table's database in the DSN (mysql://…/{db}) and pass --table {}",
-                    table.name
-                ),
-            ));
-        }
-    }
-    Ok(crate::source::mysql::rows::OutboxTable {
-        database: dsn.database.clone(),
-        table: table.name.clone(),
-        columns: columns.clone(),
-        tz,
-        label: None,
-    })
-}
-
 /// Replays binlog files (`--source file://…`) through the relay into the sink, then ends. No
 /// lease, no stored position, no first start: the files are the whole input (docs/mysql.md).
 pub async fn run_file(
     files: crate::dsn::FileDsn,
+    options: MySqlOptions,
     cfg: RunConfig,
     shutdown: CancellationToken,
 ) -> Result<Arc<RelayStats>, Error> {
     use crate::source::mysql::file;
-    let several = cfg.tables.len() > 1;
-    let tables = cfg
-        .tables
-        .iter()
-        .map(|t| {
-            let Some(database) = t.schema.clone() else {
-                return Err(Error::config(
-                    format!(
-                        "--table {} names no database: binlog files hold every database's tables",
-                        t.name
-                    ),
-                    format!("name it with its database: --table app.{}", t.name),
-                ));
-            };
-            Ok(crate::source::mysql::rows::OutboxTable {
-                database,
-                table: t.name.clone(),
-                columns: cfg.columns.clone(),
-                tz: cfg.mysql.time_zone,
-                label: several.then(|| Arc::from(t.to_string())),
-            })
-        })
-        .collect::<Result<Vec<_>, Error>>()?;
+    let tables =
+        crate::source::mysql::log::file_tables(&cfg.tables, &cfg.columns, options.time_zone)?;
     let paths = file::binlog_files(&files)?;
     let mut sink = make_sink(&cfg)?;
-    sink.set_origin(&origin(&cfg, None));
+    sink.set_origin(&origin(&cfg, SourceIdentity::default()));
     let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
     PipelineStarted.emit();
     SourceRunning.emit();
     let limits = file::Limits {
-        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
-        max_payload_bytes: cfg.mysql.max_payload_bytes,
+        txn_buffer_bytes: options.txn_buffer_bytes,
+        max_payload_bytes: options.max_payload_bytes,
     };
     let source = file::run(paths, tables, limits, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
-}
-
-/// Runs a MySQL/MariaDB relay until `shutdown` is cancelled (then stops gracefully) or an error.
-pub async fn run_mysql(
-    dsn: DbDsn,
-    cfg: RunConfig,
-    shutdown: CancellationToken,
-) -> Result<Arc<RelayStats>, Error> {
-    let tables = mysql_tables(&dsn, &cfg.tables, &cfg.columns, cfg.mysql.time_zone)?;
-    // The state lives in the offset file or in `outboxd_state`: past this choice, the start and
-    // the lease keeper see only a StateStore.
-    match cfg.mysql.offset_file.clone() {
-        Some(path) => {
-            run_mysql_on(
-                dsn,
-                cfg,
-                tables,
-                state::file::FileStore::open(&path),
-                shutdown,
-            )
-            .await
-        }
-        None => {
-            let store = state::mysql::MyStateStore::new(dsn.clone());
-            run_mysql_on(dsn, cfg, tables, store, shutdown).await
-        }
-    }
-}
-
-/// [`run_mysql`] with its state in `store`.
-async fn run_mysql_on<St: state::StateStore + 'static>(
-    dsn: DbDsn,
-    cfg: RunConfig,
-    tables: Vec<crate::source::mysql::rows::OutboxTable>,
-    store: St,
-    shutdown: CancellationToken,
-) -> Result<Arc<RelayStats>, Error> {
-    use crate::source::mysql as my;
-    let src = my::startup::Source {
-        dsn: &dsn,
-        tables: &tables,
-    };
-    let Some(plan) = my::startup::start_plan(src, store, &start_options(&cfg), &shutdown).await?
-    else {
-        // A standby asked to stop before it got the lease.
-        return Ok(Arc::new(RelayStats::default()));
-    };
-    let my::startup::StartPlan {
-        store,
-        lease,
-        resumed,
-        source:
-            my::startup::MyStart {
-                mariadb,
-                start,
-                first,
-                identity,
-            },
-    } = plan;
-
-    let source_cfg = my::MySqlSourceConfig {
-        dsn: dsn.clone(),
-        name: cfg.name.clone(),
-        tables,
-        server_id: my::server_id_for(&cfg.name),
-        heartbeat: cfg.mysql.heartbeat,
-        read_timeout: cfg.mysql.heartbeat * 3 + Duration::from_secs(2),
-        txn_buffer_bytes: cfg.mysql.txn_buffer_bytes,
-        max_payload_bytes: cfg.mysql.max_payload_bytes,
-        mariadb,
-        xa_prepare_limit: cfg.mysql.xa_prepare_limit,
-        xa_prepare_expired: cfg.mysql.xa_prepare_expired,
-        sync_replicas: cfg.mysql.sync_replicas.clone(),
-    };
-    // Nothing upstream to confirm on the binlog: the return path carries commit times only.
-    let checkpoints = Checkpointer::new(0);
-    let commits = checkpoints.clone();
-    let source = move |link| my::run(source_cfg, link, start, first, checkpoints, shutdown);
-    let mut sink = make_sink(&cfg)?;
-    sink.set_origin(&origin(&cfg, identity));
-    let opts = DriveOptions::from(&cfg);
-    drive(&opts, sink, store, lease, resumed, commits, source).await
 }
 
 /// What [`drive`] takes of a run's settings.

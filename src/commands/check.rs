@@ -8,7 +8,6 @@ use super::{
 };
 use crate::dsn::{SinkDsn, SourceDsn};
 use crate::outbox::Mode;
-use crate::pipeline;
 use crate::sink::rabbitmq;
 use crate::Error;
 use clap::parser::ValueSource;
@@ -90,7 +89,12 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     )?;
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let mut lines = Vec::new();
-        for table in pipeline::mysql_tables(dsn, &r.tables, &r.columns, Default::default())? {
+        for table in crate::source::mysql::log::outbox_tables(
+            dsn,
+            &r.tables,
+            &r.columns,
+            Default::default(),
+        )? {
             let table_lines = crate::source::mysql::diagnostics::check_mysql(
                 dsn,
                 &r.name,

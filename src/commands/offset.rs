@@ -92,7 +92,7 @@ pub(super) async fn offset(cmd: OffsetCommand, m: &ArgMatches) -> Result<(), Err
                 use crate::debezium::offset::DebeziumOffset;
                 let at = match (&from_debezium, args.binlog_position.as_deref()) {
                     (Some(DebeziumOffset::Binlog { file, pos, event, row, .. }), _) => {
-                        let tables = crate::pipeline::mysql_tables(dsn, &r.tables, &r.columns, Default::default())?;
+                        let tables = crate::source::mysql::log::outbox_tables(dsn, &r.tables, &r.columns, Default::default())?;
                         let t = crate::source::mysql::takeover::resolve(
                             dsn,
                             &r.name,

@@ -399,6 +399,10 @@ pub(super) async fn run(
         args.rabbit.exchange.clone()
     };
     rabbitmq::validate_exchange(&exchange)?;
+    let postgres = crate::source::postgres::log::PgOptions {
+        slot: r.slot,
+        publication: r.publication,
+    };
     let cfg = RunConfig {
         sink_options: SinkOptions {
             declare: args.rabbit.declare,
@@ -420,8 +424,6 @@ pub(super) async fn run(
             kafka: args.kafka.options(),
         },
         name: r.name,
-        slot: r.slot,
-        publication: r.publication,
         tables: r.tables,
         columns,
         sink,
@@ -451,16 +453,16 @@ pub(super) async fn run(
         recovery_margin: args.recovery_margin,
         ha: args.ha,
         accept_new_source: args.accept_new_source,
-        mysql: pipeline::MySqlOptions {
-            time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
-            txn_buffer_bytes: args.mysql.txn_buffer.max(1),
-            max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
-            offset_file: args.mysql.offset_file.clone(),
-            xa_prepare_limit: args.mysql.xa_prepare_limit,
-            xa_prepare_expired: args.mysql.xa_prepare_expired,
-            sync_replicas: sync_replicas(&args.mysql.sync_replicas)?,
-            ..Default::default()
-        },
+    };
+    let mysql = crate::source::mysql::log::MySqlOptions {
+        time_zone: crate::source::mysql::rows::SourceTz::parse(&args.mysql.source_time_zone)?,
+        txn_buffer_bytes: args.mysql.txn_buffer.max(1),
+        max_payload_bytes: args.mysql.max_txn_payload_bytes as u64,
+        offset_file: args.mysql.offset_file.clone(),
+        xa_prepare_limit: args.mysql.xa_prepare_limit,
+        xa_prepare_expired: args.mysql.xa_prepare_expired,
+        sync_replicas: sync_replicas(&args.mysql.sync_replicas)?,
+        ..Default::default()
     };
     if matches!(r.source, SourceDsn::Postgres(_)) && !args.mysql.sync_replicas.is_empty() {
         return Err(Error::config(
@@ -486,23 +488,28 @@ pub(super) async fn run(
         notify: args.notify,
     };
     pipeline::check_sink(&cfg)?;
-    let stats = match (r.source, args.mode) {
-        (SourceDsn::Postgres(dsn), Mode::Cdc) => pipeline::run_postgres(dsn, cfg, shutdown).await?,
-        (SourceDsn::Postgres(dsn), Mode::Poll) => {
-            pipeline::run_poll_postgres(dsn, cfg, poll, shutdown).await?
-        }
-        (SourceDsn::Mysql(dsn), Mode::Cdc) => pipeline::run_mysql(dsn, cfg, shutdown).await?,
-        (SourceDsn::Mysql(dsn), Mode::Poll) => {
-            pipeline::run_poll_mysql(dsn, cfg, poll, shutdown).await?
-        }
-        (SourceDsn::File(files), Mode::Cdc) => pipeline::run_file(files, cfg, shutdown).await?,
-        (SourceDsn::File(_), Mode::Poll) => {
-            return Err(Error::config(
+    let stats =
+        match (r.source, args.mode) {
+            (SourceDsn::Postgres(dsn), Mode::Cdc) => {
+                pipeline::run_postgres(dsn, postgres, cfg, shutdown).await?
+            }
+            (SourceDsn::Postgres(dsn), Mode::Poll) => {
+                pipeline::run_poll_postgres(dsn, cfg, poll, shutdown).await?
+            }
+            (SourceDsn::Mysql(dsn), Mode::Cdc) => {
+                pipeline::run_mysql(dsn, mysql, cfg, shutdown).await?
+            }
+            (SourceDsn::Mysql(dsn), Mode::Poll) => {
+                pipeline::run_poll_mysql(dsn, mysql, cfg, poll, shutdown).await?
+            }
+            (SourceDsn::File(files), Mode::Cdc) => {
+                pipeline::run_file(files, mysql, cfg, shutdown).await?
+            }
+            (SourceDsn::File(_), Mode::Poll) => return Err(Error::config(
                 "poll mode queries a database table; a binlog-file source has none",
                 "drop --mode poll to replay the files, or poll the database: --source mysql://…",
-            ))
-        }
-    };
+            )),
+        };
     tracing::info!(
         published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
         confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),

@@ -5,7 +5,6 @@
 use super::{resolve_source, Resolved, SourceArgs};
 use crate::dsn::{self, SourceDsn};
 use crate::outbox::{Mode, TableName};
-use crate::pipeline;
 use crate::source::postgres::{self as pg, admin, version};
 use crate::Error;
 use clap::{ArgMatches, Args};
@@ -326,7 +325,8 @@ async fn setup_mysql(dsn: dsn::DbDsn, r: &Resolved, args: &SetupArgs) -> Result<
         ));
     }
     let mut conn = my::connect_sql(&dsn).await?;
-    let tables = pipeline::mysql_tables(&dsn, &r.tables, &r.columns, Default::default())?;
+    let tables =
+        crate::source::mysql::log::outbox_tables(&dsn, &r.tables, &r.columns, Default::default())?;
     if args.create_table {
         for table in &tables {
             let created = my_admin::create_outbox_table(&mut conn, table).await?;

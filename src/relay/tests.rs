@@ -353,7 +353,7 @@ async fn keep(
         ForwardOnly::new(store, resumed),
         lease,
         h.acks.clone(),
-        crate::pipeline::checkpoint::Checkpointer::new(0),
+        crate::state::checkpoint::Checkpointer::new(0),
         self_fence,
         fence.clone(),
         stop.clone(),

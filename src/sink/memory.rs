@@ -4,7 +4,8 @@
 //! broker returns or nacks them, or failing the next connects — so recovery can be driven
 //! without a broker. Confirmations are immediate, or held on request
 //! ([`MemoryHandle::hold_confirms`]) until the test confirms or fails each one, in any order: a
-//! broker whose confirms arrive late or out of order.
+//! broker whose confirms arrive late or out of order. A test waits for confirmations as they
+//! happen ([`MemoryHandle::wait_confirmed`]), never by polling.
 
 use super::{Delivery, Sink, SinkError};
 use crate::event::OutboxEvent;
@@ -35,9 +36,17 @@ struct Shared {
     held: Vec<Held>,
     /// The most confirmations outstanding at once.
     most_held: usize,
+    /// How many events are confirmed: told to the waiters of
+    /// [`MemoryHandle::wait_confirmed`] at each confirmation.
+    count: tokio::sync::watch::Sender<usize>,
 }
 
 impl Shared {
+    fn confirm(&mut self, event: OutboxEvent) {
+        self.confirmed.push(event);
+        self.count.send_replace(self.confirmed.len());
+    }
+
     /// Forgets confirmations nobody waits for any more (the relay dropped them on a reconnect).
     fn prune(&mut self) {
         self.held.retain(|h| !h.answer.is_closed());
@@ -51,7 +60,7 @@ impl Shared {
         };
         let h = self.held.remove(i);
         if verdict.is_ok() {
-            self.confirmed.push(h.event);
+            self.confirm(h.event);
         }
         h.answer.send(verdict).is_ok()
     }
@@ -138,6 +147,20 @@ impl MemoryHandle {
         lock(&self.shared).confirmed.iter().map(|e| e.id).collect()
     }
 
+    /// The confirmed events, in confirmation order (duplicates included).
+    pub fn confirmed(&self) -> Vec<OutboxEvent> {
+        lock(&self.shared).confirmed.clone()
+    }
+
+    /// Waits until at least `n` events are confirmed (woken by each confirmation), and returns
+    /// the confirmed events.
+    pub async fn wait_confirmed(&self, n: usize) -> Vec<OutboxEvent> {
+        let mut count = lock(&self.shared).count.subscribe();
+        // The sender lives in the handle's own shared state, so it is never dropped first.
+        let _ = count.wait_for(|c| *c >= n).await;
+        self.confirmed()
+    }
+
     pub fn connects(&self) -> u64 {
         lock(&self.shared).connects
     }
@@ -199,7 +222,7 @@ impl Sink for MemorySink {
                 )))
             }
             None => {
-                s.confirmed.push(event.clone());
+                s.confirm(event.clone());
                 Ok(())
             }
         };

@@ -7,8 +7,8 @@
 //! [`deliver`].
 
 use crate::event::{Checkpoint, OutboxEvent};
-use crate::pipeline::checkpoint::Checkpointer;
 use crate::source::Outlet;
+use crate::state::checkpoint::Checkpointer;
 use crate::Error;
 use chrono::{DateTime, Utc};
 

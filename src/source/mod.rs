@@ -1,10 +1,11 @@
 //! Sources read the database's log and turn outbox INSERTs into [`OutboxEvent`]s, interleaved
 //! with [`Checkpoint`]s after each transaction. They receive back, through a watch channel, the
 //! newest checkpoint whose events are all durable; the log sources leave storing it and telling
-//! the server to the run's return path (`pipeline::checkpoint`), poll mode marks its rows.
+//! the server to the run's return path (`state::checkpoint`), poll mode marks its rows.
 
 pub mod assemble;
 pub mod contract;
+pub mod log;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;

@@ -133,6 +133,10 @@ impl<S: StateStore> StateStore for ForwardOnly<S> {
     fn abandon(&mut self) {
         self.inner.abandon()
     }
+
+    fn return_path(&mut self, returns: super::checkpoint::Checkpointer) {
+        self.inner.return_path(returns)
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! all confirmed by the sink. The stored position moves only forward and is written only by
 //! the lease holder of the current epoch.
 
+pub mod checkpoint;
 pub mod file;
 pub mod forward;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
@@ -449,6 +450,14 @@ pub trait StateStore: Send {
     fn abandon(&mut self) {
         // A store without a session of its own (a file, memory) has nothing to drop.
     }
+
+    /// The run's return path (created by the run wiring once the start position is known): a
+    /// store whose writes decide what may go upstream reports each write to it (Postgres: what
+    /// the row holds after the write, and a server shutting down; see [`checkpoint`]). A store
+    /// of a log with nothing upstream to confirm ignores it.
+    fn return_path(&mut self, returns: checkpoint::Checkpointer) {
+        let _ = returns;
+    }
 }
 
 /// Why the lease keeper woke up.
@@ -472,7 +481,7 @@ pub async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,
-    checkpoints: crate::pipeline::checkpoint::Checkpointer,
+    checkpoints: checkpoint::Checkpointer,
     self_fence: bool,
     fence: Fence,
     stop: CancellationToken,

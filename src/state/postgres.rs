@@ -1,11 +1,11 @@
 //! `outboxd_state` in a Postgres source database: creation, the lease, and position writes that
 //! can never move backwards or come from a relay that lost its lease.
 
+use super::checkpoint::Checkpointer;
 pub use super::Gap;
 use super::{Lease, StateStore, Stored, LEASE_TTL};
 use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
-use crate::pipeline::checkpoint::Checkpointer;
 use crate::telemetry::events::{InternalEvent, SlotRetainedWal};
 use crate::Error;
 use tokio_postgres::Client;
@@ -153,6 +153,10 @@ impl StateStore for PgStateStore {
 
     fn abandon(&mut self) {
         self.client = None;
+    }
+
+    fn return_path(&mut self, returns: Checkpointer) {
+        self.checkpoints = Some(returns);
     }
 
     async fn mark_initialized(&mut self, lease: &Lease) -> Result<(), Error> {
@@ -507,7 +511,7 @@ pub async fn load_progress(client: &Client, name: &str) -> Option<String> {
 /// Whether the slot was replaced behind this relay's back (dropped and created again under
 /// the same name, or moved by hand): its confirmed position is past everything this relay
 /// name ever let it confirm. The relay confirms to the slot only positions already stored in
-/// the row (see `pipeline::checkpoint::slot_confirm`), so a legitimate slot is never ahead of
+/// the row (see `state::checkpoint::slot_confirm`), so a legitimate slot is never ahead of
 /// max(stored position, where the slot started); a slot created anew is, because it starts at
 /// the WAL's head, past every position stored before. `None` also when the row predates
 /// [`StateRow::slot_created_lsn`] (nothing to compare with yet).

@@ -1,6 +1,7 @@
 //! Shared test harness: real services (each test gets its own database, slot and names), the
 //! outboxd binary as a child process, and polling with deadlines instead of sleeps.
 #![allow(dead_code)]
+pub mod inproc;
 pub mod kafka;
 pub mod killloop;
 pub mod nats;

@@ -8,6 +8,7 @@ mod common;
 mod pg_config;
 mod pg_failover;
 mod pg_faults;
+mod pg_inprocess;
 mod pg_limits;
 mod pg_operator;
 mod pg_partitions;

@@ -430,7 +430,7 @@ async fn stored_is_reported_only_for_what_the_row_holds() {
     else {
         panic!("a Postgres DSN");
     };
-    let checkpoints = outboxd::pipeline::checkpoint::Checkpointer::new(0);
+    let checkpoints = outboxd::state::checkpoint::Checkpointer::new(0);
     let rx = checkpoints.upstream();
     let mut store = outboxd::state::postgres::PgStateStore::new(dsn, format!("outboxd_{name}"))
         .with_slot(&format!("outboxd_{name}"))

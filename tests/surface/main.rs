@@ -9,6 +9,7 @@ mod compose;
 mod config_file;
 mod docs;
 mod fuzz_corpus;
+mod layout;
 mod packaging;
 mod quickstart;
 mod secrets;

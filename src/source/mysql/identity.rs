@@ -14,6 +14,18 @@ use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
 use std::sync::Arc;
 
+/// The identity of the server `conn` is connected to, or unknown when it would not say (logged:
+/// that costs duplicates a deduplicating sink would have recognised, never events).
+pub async fn identity_or_unknown(conn: &mut Conn, mariadb: bool) -> Option<SourceIdentity> {
+    match source_identity(conn, mariadb).await {
+        Ok(id) => Some(id),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
+            None
+        }
+    }
+}
+
 /// The identity of the server `conn` is connected to.
 pub async fn source_identity(conn: &mut Conn, mariadb: bool) -> Result<SourceIdentity, Error> {
     // No head without a binary log (poll mode needs none): the head check is then not made.

@@ -141,13 +141,7 @@ pub async fn start_plan<St: StateStore>(
             lease.first_start = false;
         }
     }
-    let identity = match super::identity::source_identity(&mut at.sql, mariadb).await {
-        Ok(id) => Some(id),
-        Err(e) => {
-            tracing::warn!(error = %e, "could not read the source's identity: records a deduplicating sink reads back are matched without it");
-            None
-        }
-    };
+    let identity = super::identity::identity_or_unknown(&mut at.sql, mariadb).await;
     tracing::info!(position = %start.checkpoint(), "resuming");
     let _ = at.sql.disconnect().await;
     // As for Postgres: a run that publishes a snapshot stores its marks first, which sort

@@ -55,6 +55,18 @@ pub async fn flush_lsn(client: &Client) -> Result<u64, Error> {
     parse_lsn(&lsn).ok_or_else(|| Error::Decode(format!("WAL flush LSN {lsn:?}")))
 }
 
+/// The identity of the log `client` reads, or unknown when the server will not tell (an old
+/// version, a revoked function): that costs duplicates, never events.
+pub async fn identity_or_unknown(client: &Client) -> Option<SourceIdentity> {
+    match source_identity(client).await {
+        Ok(id) => Some(id),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the source's identity (pg_control_system): records a deduplicating sink reads back are matched without it");
+            None
+        }
+    }
+}
+
 /// The identity of the log `client` reads (`crate::identity`): the cluster's system
 /// identifier (a physical standby has the primary's; a dump restored into another cluster
 /// does not) with the database, and the WAL head now.

@@ -5,7 +5,7 @@
 //!
 //! Position rule: the slot is confirmed only up to the end LSN of a transaction whose every
 //! event the sink made durable (or, when idle, the `wal_end` of a keepalive that came after
-//! them), and only once the state row holds it (`pipeline::checkpoint::slot_confirm`). A
+//! them), and only once the state row holds it (`state::checkpoint::slot_confirm`). A
 //! reconnect resumes from the slot; the transaction assembler ([`assemble`]) skips what the
 //! server sends again, so a dropped connection adds neither gaps nor duplicates. `run` is the
 //! I/O around it: connect, read, deliver, confirm.
@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod assemble;
 pub mod diagnostics;
+pub mod log;
 pub mod pgoutput;
 pub mod poll;
 pub mod rows;
@@ -32,9 +33,9 @@ pub(crate) use crate::db::postgres::{sql_config, tls_connect_error};
 use crate::dsn::{DbDsn, TlsMode};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
-use crate::pipeline::checkpoint::{Checkpointer, Upstream};
 use crate::source::assemble::deliver;
 use crate::source::{Outlet, SourceLink};
+use crate::state::checkpoint::{Checkpointer, Upstream};
 use crate::telemetry::events::{
     InternalEvent, PgStreaming, SourceKind, SourceLag, SourceReconnecting,
 };
@@ -203,7 +204,7 @@ fn server_sqlstate(message: &str) -> Option<&str> {
 /// relay to confirm everything, and makes sure the final position reached the server.
 ///
 /// The slot is confirmed only as far as `checkpoints` allows (what the state row holds, see
-/// [`crate::pipeline::checkpoint::slot_confirm`]), so a slot found ahead of that was moved by
+/// [`crate::state::checkpoint::slot_confirm`]), so a slot found ahead of that was moved by
 /// something else (it was dropped and created again) and is reported as a lost position,
 /// never streamed from.
 pub async fn run(

@@ -3,10 +3,12 @@
 //! nothing upstream to tell), and the commit times of the stored transactions go into the
 //! store beside the position, for a recovery through the table.
 //!
-//! It lives in `pipeline` because it is the run's wiring, not any one part's: the relay only
+//! It lives in `state` because what it carries is what the store holds: the relay only
 //! acknowledges (it knows no store), the store only writes (it knows no slot), the source only
 //! reads the log and applies the confirm on the connection it owns (a reconnect replaces it).
-//! The [`Checkpointer`] is the one place those meet, and the Postgres rule — the slot is never
+//! The run wiring (`pipeline`) creates one per run and hands it to the source's `run` and to
+//! the store as a parameter (`StateStore::return_path`); neither names the wiring. The
+//! [`Checkpointer`] is the one place those meet, and the Postgres rule — the slot is never
 //! confirmed past what the state row holds — is the one function [`slot_confirm`].
 //!
 //! Who calls what, in order: the source notes each transaction it forwards
@@ -16,8 +18,8 @@
 //! ([`Checkpointer::written`]) or that the server is shutting down
 //! ([`Checkpointer::server_stopping`]); the Postgres source follows [`Checkpointer::upstream`].
 
+use super::DurableCommit;
 use crate::event::{binlog_file_seq, format_lsn, Checkpoint};
-use crate::state::DurableCommit;
 use chrono::{DateTime, Utc};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
