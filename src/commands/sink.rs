@@ -136,7 +136,7 @@ impl SinkArgs {
         }
         // The aggregate's type, when the table has the column: the `x-aggregate-type` header
         // (consumers key the stale gate on type and id) and the envelope's aggregate.type.
-        columns.require_extra("aggregate_type", false);
+        columns.require_extra(crate::outbox::Column::AggregateType.name(), false);
         if let Some(ct) = &self.payload_content_type {
             if ct.trim().is_empty() || ct.len() > 255 || ct.chars().any(|c| c.is_control()) {
                 return Err(Error::config(
