@@ -193,3 +193,101 @@ pub fn sink_columns(
     }
     Ok(columns)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Cli, Command};
+    use super::*;
+    use clap::Parser;
+
+    /// The sink flags of `run` and of `check`, parsed from the same words.
+    fn both(flags: &[&str]) -> (SinkArgs, SinkArgs) {
+        let parse = |cmd: &str| {
+            let argv: Vec<&str> = ["outboxd", cmd]
+                .into_iter()
+                .chain(flags.iter().copied())
+                .collect();
+            match Cli::try_parse_from(argv).expect("parses").command {
+                Command::Run(a) => a.sink_args,
+                Command::Check(a) => a.sink_args,
+                _ => unreachable!(),
+            }
+        };
+        (parse("run"), parse("check"))
+    }
+
+    /// What `check` probes is what `run` builds: the same flags give the same settings and the
+    /// same column map, and a setting `run` refuses is refused for `check` too.
+    #[test]
+    fn run_and_check_build_the_same_sink_settings() {
+        let columns = ColumnMap::parse(&["debezium".into()]).unwrap();
+        for flags in [
+            &[][..],
+            &[
+                "--exchange",
+                "{aggregate_type}.events",
+                "--base-exchange",
+                "events",
+            ],
+            &[
+                "--header",
+                "tenant=x-tenant",
+                "--format",
+                "envelope",
+                "--declare",
+                "passive",
+            ],
+            &[
+                "--partitions",
+                "4",
+                "--group-partitions",
+                "8",
+                "--stream",
+                "S",
+                "--subject",
+                "o.{topic}",
+            ],
+            &[
+                "--kafka-partition-column",
+                "shard",
+                "--kafka-dead-topic",
+                "dead",
+                "--stream-max-age",
+                "7d",
+            ],
+        ] {
+            let (run, check) = both(flags);
+            let (run_msg, run_cols) = run.message(columns.clone()).unwrap();
+            let (check_msg, check_cols) = check.message(columns.clone()).unwrap();
+            assert_eq!(run_cols, check_cols, "{flags:?}");
+            let run_opts = run.options(run_msg).unwrap();
+            let check_opts = check.options(check_msg).unwrap();
+            assert_eq!(
+                format!("{run_opts:?}"),
+                format!("{check_opts:?}"),
+                "{flags:?}"
+            );
+        }
+        // A templated exchange is published through --base-exchange, for `check` as for `run`.
+        let (_, check) = both(&["--exchange", "{aggregate_type}.events"]);
+        let (msg, _) = check.message(columns.clone()).unwrap();
+        assert_eq!(check.options(msg).unwrap().exchange, "outbox");
+        for bad in [
+            &["--partitions", "4", "--exchange", "{aggregate_type}.x"][..],
+            &["--subject", "{unclosed"],
+        ] {
+            let (run, check) = both(bad);
+            let run_err = run
+                .message(columns.clone())
+                .and_then(|(m, _)| run.options(m))
+                .unwrap_err()
+                .to_string();
+            let check_err = check
+                .message(columns.clone())
+                .and_then(|(m, _)| check.options(m))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(run_err, check_err, "{bad:?}");
+        }
+    }
+}
