@@ -107,13 +107,18 @@ if ensure_component clippy clippy; then
         "mysql|lapin|async-nats|pgwire-replication|hyper|clap|rdkafka|rabbitmq-stream-client|tokio-postgres"
         "postgres,rabbitmq|async-nats|pgwire-replication|hyper|clap|rdkafka|rabbitmq-stream-client|mysql_async"
         "mysql,rabbitmq|async-nats|pgwire-replication|hyper|clap|rdkafka|rabbitmq-stream-client|tokio-postgres"
+        # A relay without broker sinks (stdout only): each sink's client comes with its feature.
+        "relay|lapin|async-nats|rdkafka|rabbitmq-stream-client"
+        # The binary with NATS as its only broker sink besides RabbitMQ: no librdkafka.
+        "cli,nats|rdkafka|rabbitmq-stream-client"
     )
-    # Every kit's tree is checked; two are compiled and linted (Postgres alone; MySQL with the
-    # consumer kit), which between them take every cfg path a kit has: each feature set compiled
+    # Every kit's tree is checked; three are compiled and linted (Postgres alone; MySQL with the
+    # consumer kit; the relay without broker sinks, which takes every `cfg` a sink feature
+    # gates), which between them take every cfg path a kit has: each feature set compiled
     # cold costs a minute or more of the CI budget.
     for kit in "${kits[@]}"; do
         features=${kit%%|*} forbidden=${kit#*|}
-        if [[ $features == postgres || $features == mysql,rabbitmq ]]; then
+        if [[ $features == postgres || $features == mysql,rabbitmq || $features == relay ]]; then
             cargo clippy "${LOCKED[@]}" --lib --no-default-features --features "$features" -- -D warnings
         fi
         # A failing `cargo tree` stops the run here (set -e), before the grep could pass it.

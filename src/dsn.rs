@@ -1,6 +1,7 @@
-//! Connection strings: parsing the source and sink DSNs (docs/configuration.md), and the one
-//! redaction of every secret a connection string can carry ([`redact`]), so no log line, error,
-//! `Debug` or `--help` ever shows one.
+//! Connection strings: parsing the source DSNs (docs/configuration.md; a sink address is the
+//! sink registry's, `sink::SinkDsn`), and the one redaction of every secret a connection
+//! string can carry ([`redact`]), so no log line, error, `Debug` or `--help` ever shows one. A
+//! leaf: it names no sink module.
 
 use crate::Error;
 use std::fmt;
@@ -234,77 +235,6 @@ fn db_dsn(url: &Url, default_port: u16, tls_key: &str) -> Result<DbDsn, Error> {
         },
         tls,
     })
-}
-
-/// A sink address.
-#[derive(Clone, PartialEq, Eq)]
-pub enum SinkDsn {
-    Stdout,
-    /// `amqp://` or `amqps://`, kept whole for the client (it carries the vhost and options).
-    Amqp(String),
-    /// `nats://` or `tls://` (NATS JetStream), kept whole; credentials are split off at connect.
-    Nats(String),
-    /// `kafka://` or `kafkas://` (TLS), kept whole; brokers and credentials are split at connect.
-    Kafka(String),
-    /// `rabbitmq-stream://` (a RabbitMQ stream), kept whole; parsed by the stream sink.
-    RabbitStream(String),
-}
-
-impl fmt::Debug for SinkDsn {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SinkDsn::Stdout => f.write_str("Stdout"),
-            SinkDsn::Amqp(u) => write!(f, "Amqp({})", redact(u)),
-            SinkDsn::Nats(u) => write!(f, "Nats({})", redact(u)),
-            SinkDsn::Kafka(u) => write!(f, "Kafka({})", redact(u)),
-            SinkDsn::RabbitStream(u) => write!(f, "RabbitStream({})", redact(u)),
-        }
-    }
-}
-
-impl SinkDsn {
-    pub fn parse(s: &str) -> Result<SinkDsn, Error> {
-        let s = s.trim();
-        if s == "stdout" || s == "-" {
-            return Ok(SinkDsn::Stdout);
-        }
-        // Several brokers (`kafka://k1:9092,k2:9092`) are no URL: the Kafka sink parses them.
-        if s.starts_with("kafka://") || s.starts_with("kafkas://") {
-            return Ok(SinkDsn::Kafka(s.to_string()));
-        }
-        let url = Url::parse(s).map_err(|e| {
-            Error::config(
-                format!("cannot parse the sink {}: {e}", redact(s)),
-                "use stdout, amqp://user@host:5672/%2f, nats://host:4222, kafka://host:9092 or rabbitmq-stream://user@host:5552/%2f",
-            )
-        })?;
-        match url.scheme() {
-            "amqp" | "amqps" => Ok(SinkDsn::Amqp(s.to_string())),
-            "nats" | "tls" => Ok(SinkDsn::Nats(s.to_string())),
-            "rabbitmq-stream" | "rabbitmq-stream+tls" => Ok(SinkDsn::RabbitStream(s.to_string())),
-            other => Err(Error::config(
-                format!("unsupported sink scheme {other:?}"),
-                "use stdout, amqp://, amqps://, nats://, tls://, kafka://, kafkas://, rabbitmq-stream:// or rabbitmq-stream+tls://",
-            )),
-        }
-    }
-
-    pub fn password(&self) -> Option<String> {
-        match self {
-            SinkDsn::Stdout => None,
-            SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::RabbitStream(u) => Url::parse(u)
-                .ok()
-                .and_then(|u| u.password().map(str::to_string)),
-            // A Kafka URL may name several brokers, which `Url` cannot parse: the sink's own
-            // parser splits them (compiled with the relay; without it nothing connects).
-            #[cfg(feature = "relay")]
-            SinkDsn::Kafka(u) => crate::sink::kafka::config::endpoint(u)
-                .ok()
-                .and_then(|e| e.password),
-            #[cfg(not(feature = "relay"))]
-            SinkDsn::Kafka(_) => None,
-        }
-    }
 }
 
 /// A DSN as the command line or the environment gave it: used as the string it is, but its
@@ -718,8 +648,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!err.contains(S), "{err}");
-        let sink = SinkDsn::parse("nats://Sup3rS3cret@nats:4222").unwrap();
-        assert!(!format!("{sink:?}").contains(S));
     }
 
     #[test]
@@ -784,12 +712,6 @@ mod tests {
             .to_string();
         assert!(err.contains("fix: add ssl-ca="), "{err}");
         assert!(SourceDsn::parse("postgres://x/db?sslmode=verify-ca&sslrootcert=/ca.pem").is_ok());
-        assert_eq!(SinkDsn::parse("stdout").unwrap(), SinkDsn::Stdout);
-        assert_eq!(
-            SinkDsn::parse("kafka://k1:9092,k2:9092").unwrap(),
-            SinkDsn::Kafka("kafka://k1:9092,k2:9092".into())
-        );
-        assert!(SinkDsn::parse("redis://x").is_err());
         assert_eq!(
             with_password("kafka://app@k1:9092,k2:9092", "p@ss").unwrap(),
             "kafka://app:p%40ss@k1:9092,k2:9092"

@@ -26,9 +26,11 @@
 //! # Features
 //!
 //! `postgres` and `mysql` (the database clients for the kits), `rabbitmq` (the consumer
-//! runner), `nats`, `relay` (both sources, the relay, every sink and store, the metrics
-//! server; takes the four before it), `cli` (the binary and the consumer binaries' flags in
-//! `consumer::cli`), all on by default; `test-util` (the memory doubles) off. A service that
+//! runner, and with `relay` the RabbitMQ sink), `nats`, `kafka` and `rabbitmq-stream` (each
+//! one sink, with `relay`), `relay` (both sources, the relay, the stores, the sink registry and
+//! the stdout sink, the metrics server; takes the two databases and no broker), `cli` (the
+//! binary, the consumer binaries' flags in `consumer::cli` and each sink's flags; takes `relay`
+//! and `rabbitmq`), all on by default; `test-util` (the memory doubles) off. A service that
 //! only writes outbox rows builds with `default-features = false, features = ["postgres"]`.
 //!
 //! # Layout
@@ -37,7 +39,9 @@
 //!   [`event::OutboxEvent`]s and [`event::Checkpoint`]s, every row mapped through one
 //!   contract (`source::contract`); [`relay`] keeps the window of
 //!   unconfirmed events and acknowledges checkpoints in order; [`sink`] publishes (stdout,
-//!   RabbitMQ, NATS JetStream, Kafka); [`state`] stores the acknowledged position and keeps the lease.
+//!   RabbitMQ, NATS JetStream, Kafka, RabbitMQ streams: each sink a folder behind its feature,
+//!   known to the rest only through its descriptor in the sink registry); [`state`] stores the
+//!   acknowledged position and keeps the lease.
 //!   Each log source is a sans-IO transaction assembler (`source::postgres::assemble`,
 //!   `source::mysql::assemble`, sharing `source::assemble`) driven by an I/O run loop.
 //! - The return path: `state::checkpoint::Checkpointer` — relay acknowledgement → state
@@ -55,10 +59,11 @@
 //!   internal events in `telemetry::events`, which also log); `check`, `status` and `offset` of
 //!   each source in `source::postgres::diagnostics` and `source::mysql::diagnostics`.
 //! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
-//!   Postgres and MySQL clients), [`amqp`], [`dsn`], [`tls`], [`secret_file`], [`backoff`],
+//!   Postgres and MySQL clients), [`amqp`], `wire`, [`dsn`], [`tls`], [`secret_file`], [`backoff`],
 //!   [`diagnostics`] (the `check` line), [`error`].
 //! - The edge: the command layer (`src/commands/`, the only code that knows `clap` besides
-//!   the consumer binaries' flags in `consumer::cli`) is a module of the binary, `main.rs`,
+//!   the consumer binaries' flags in `consumer::cli` and each sink's own flags, `sink/*/flags`)
+//!   is a module of the binary, `main.rs`,
 //!   which maps its result to exit codes. The library never imports it.
 
 // The kits: what services link. Consumers read RabbitMQ deliveries, so their kit needs it.
@@ -90,6 +95,9 @@ pub mod secret_file;
 pub mod stream;
 #[doc(hidden)]
 pub mod tls;
+#[cfg(any(feature = "rabbitmq", feature = "relay"))]
+#[doc(hidden)]
+pub mod wire;
 
 // The relay.
 #[cfg(feature = "relay")]
@@ -127,8 +135,9 @@ pub mod telemetry;
 // trait's impls for this crate's types in this crate, so this one file of the command layer
 // (it stays with the others in `src/commands/`) is compiled into the library, under `cli`.
 #[cfg(feature = "cli")]
+#[doc(hidden)]
 #[path = "commands/values.rs"]
-mod values;
+pub mod values;
 
 pub use error::{should_retry, Error, ErrorKind, ExitStatus, Result, ServerCode};
 pub use event::{Checkpoint, OutboxEvent, SourcePosition};

@@ -10,19 +10,122 @@ use std::collections::BTreeMap;
 /// The fields every event has, by name, for templates and `--header` (`sink::template`).
 pub const EVENT_FIELDS: &[&str] = &["id", "topic", "aggregate_id", "table"];
 
+/// A logical column of the outbox contract (docs/message-format.md), as a type: the mapper,
+/// the queries, the checks and the kits name a column by its variant, so a misspelt one does
+/// not compile, and `--column` renames resolve it through [`ColumnMap::get`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Column {
+    Id,
+    AggregateId,
+    Topic,
+    Payload,
+    /// May be missing (Debezium's table has none): the commit time stands in for it.
+    CreatedAt,
+    Status,
+    PublishedAt,
+    Headers,
+    Version,
+    AggregateType,
+    ContentType,
+    /// Poll mode's tie-break for rows with one `created_at`: rises with insert order.
+    Seq,
+}
+
+impl Column {
+    /// Every logical column, the required ones first.
+    pub const ALL: [Column; 12] = [
+        Column::Id,
+        Column::AggregateId,
+        Column::Topic,
+        Column::Payload,
+        Column::CreatedAt,
+        Column::Status,
+        Column::PublishedAt,
+        Column::Headers,
+        Column::Version,
+        Column::AggregateType,
+        Column::ContentType,
+        Column::Seq,
+    ];
+
+    /// The contract's name (`aggregate_id`): the default column name, and the name `--column`
+    /// and templates use.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Column::Id => "id",
+            Column::AggregateId => "aggregate_id",
+            Column::Topic => "topic",
+            Column::Payload => "payload",
+            Column::CreatedAt => "created_at",
+            Column::Status => "status",
+            Column::PublishedAt => "published_at",
+            Column::Headers => "headers",
+            Column::Version => "version",
+            Column::AggregateType => "aggregate_type",
+            Column::ContentType => "content_type",
+            Column::Seq => "seq",
+        }
+    }
+
+    /// The column a contract name names.
+    pub fn from_name(name: &str) -> Option<Column> {
+        Column::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
+impl std::fmt::Display for Column {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What [`ColumnMap::get`] takes: a [`Column`], or a contract name as text (a name read at run
+/// time, a template's placeholder).
+pub trait LogicalColumn<'a> {
+    fn logical(self) -> &'a str;
+}
+
+impl<'a> LogicalColumn<'a> for Column {
+    fn logical(self) -> &'a str {
+        self.name()
+    }
+}
+
+impl<'a> LogicalColumn<'a> for &'a str {
+    fn logical(self) -> &'a str {
+        self
+    }
+}
+
+impl<'a, 'b: 'a> LogicalColumn<'a> for &'a &'b str {
+    fn logical(self) -> &'a str {
+        self
+    }
+}
+
+impl<'a> LogicalColumn<'a> for &'a String {
+    fn logical(self) -> &'a str {
+        self
+    }
+}
+
 /// Logical columns the relay knows, in the contract's names. `created_at` may be missing
 /// (Debezium's table has none): the commit time stands in for it.
-pub const REQUIRED: [&str; 4] = ["id", "aggregate_id", "topic", "payload"];
+pub const REQUIRED: [&str; 4] = [
+    Column::Id.name(),
+    Column::AggregateId.name(),
+    Column::Topic.name(),
+    Column::Payload.name(),
+];
 pub const OPTIONAL: [&str; 8] = [
-    "created_at",
-    "status",
-    "published_at",
-    "headers",
-    "version",
-    "aggregate_type",
-    "content_type",
-    // Poll mode's tie-break for rows with one `created_at`: rises with insert order.
-    "seq",
+    Column::CreatedAt.name(),
+    Column::Status.name(),
+    Column::PublishedAt.name(),
+    Column::Headers.name(),
+    Column::Version.name(),
+    Column::AggregateType.name(),
+    Column::ContentType.name(),
+    Column::Seq.name(),
 ];
 
 /// One more column a row's event must carry because a template or `--header` names it:
@@ -80,9 +183,9 @@ impl ColumnMap {
                 continue;
             }
             if spec == "debezium" {
-                map.set("aggregate_id", "aggregateid")?;
-                map.set("topic", "type")?;
-                map.set("aggregate_type", "aggregatetype")?;
+                map.set(Column::AggregateId.name(), "aggregateid")?;
+                map.set(Column::Topic.name(), "type")?;
+                map.set(Column::AggregateType.name(), "aggregatetype")?;
                 map.debezium = true;
                 continue;
             }
@@ -137,13 +240,13 @@ impl ColumnMap {
     }
 
     /// Whether a logical column was mapped explicitly.
-    pub fn is_explicit(&self, logical: &str) -> bool {
-        self.explicit.contains(logical)
+    pub fn is_explicit<'a>(&'a self, logical: impl LogicalColumn<'a>) -> bool {
+        self.explicit.contains(logical.logical())
     }
 
     /// Whether per-row content types are read (`--column content_type=<column>`).
     pub fn reads_content_type(&self) -> bool {
-        self.is_explicit("content_type")
+        self.is_explicit(Column::ContentType)
     }
 
     /// Adds a column the events must carry, by the name a template or `--header` uses: a
@@ -190,8 +293,9 @@ impl ColumnMap {
         self.payload_content_type.is_some() || self.reads_content_type()
     }
 
-    /// The table's name for a logical column.
-    pub fn get<'a>(&'a self, logical: &'a str) -> &'a str {
+    /// The table's name for a logical column (`Column::CreatedAt`, or its contract name).
+    pub fn get<'a>(&'a self, logical: impl LogicalColumn<'a>) -> &'a str {
+        let logical = logical.logical();
         self.names
             .get(logical)
             .map(String::as_str)
@@ -272,11 +376,20 @@ mod tests {
     #[test]
     fn column_renames_and_presets() {
         let m = ColumnMap::parse(&["id=event_id, aggregate_id=aggregateid".into()]).unwrap();
-        assert_eq!(m.get("id"), "event_id");
+        assert_eq!(m.get(Column::Id), "event_id");
         assert_eq!(m.get("aggregate_id"), "aggregateid");
-        assert_eq!(m.get("topic"), "topic");
+        assert_eq!(m.get(Column::Topic), "topic");
         let d = ColumnMap::parse(&["debezium".into()]).unwrap();
-        assert_eq!(d.get("topic"), "type");
+        assert_eq!(d.get(Column::Topic), "type");
+        assert!(d.is_explicit(Column::AggregateType));
+        for c in Column::ALL {
+            assert_eq!(Column::from_name(c.name()), Some(c));
+            assert!(
+                REQUIRED.contains(&c.name()) != OPTIONAL.contains(&c.name()),
+                "{c}"
+            );
+        }
+        assert_eq!(Column::from_name("created"), None);
         assert!(ColumnMap::parse(&["nope=x".into()]).is_err());
         assert!(ColumnMap::parse(&["id".into()]).is_err());
         assert!(ColumnMap::parse(&["id=a b".into()]).is_err());

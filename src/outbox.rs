@@ -17,7 +17,8 @@ use uuid::Uuid;
 // The names of the outbox table and its columns, shared with every other module, are in
 // `crate::names`; re-exported here, where users of the producer helper look for them.
 pub use crate::names::{
-    my_ident, pg_ident, pg_literal, ColumnMap, ExtraColumn, TableName, OPTIONAL, REQUIRED,
+    my_ident, pg_ident, pg_literal, Column, ColumnMap, ExtraColumn, LogicalColumn, TableName,
+    OPTIONAL, REQUIRED,
 };
 
 /// How the outbox is read (`--mode`): from the database's log, or by claiming rows from the

@@ -1,49 +1,35 @@
-//! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB), the RabbitMQ
-//! sink (`topology::check_rabbitmq`), a NATS sink, a RabbitMQ stream sink and a Kafka sink, one
-//! line per check.
+//! `outboxd check`: the preflight of the source (Postgres or MySQL/MariaDB) and of the sink
+//! `--sink` names (its descriptor's `check`, on the settings `run` would build), one line per
+//! check.
 
-use super::{
-    postgres_only, resolve_dsn, resolve_source, topology, KafkaArgs, NatsArgs, RabbitStreamArgs,
-    SourceArgs,
-};
-use crate::dsn::{SinkDsn, SourceDsn};
+use super::sink::{sink_columns, SinkArgs};
+use super::{postgres_only, resolve_dsn, resolve_source, SourceArgs};
+use crate::diagnostics::{CheckLine, Level};
+use crate::dsn::SourceDsn;
 use crate::outbox::Mode;
-use crate::sink::rabbitmq;
+use crate::sink::{SinkContext, SinkDsn, SinkOptions};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args};
-use std::time::Duration;
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
     #[command(flatten)]
     pub source: SourceArgs,
+    /// Also check this sink (as `run --sink`); without it (or with stdout) no sink is checked.
+    #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
+    pub sink: Option<crate::dsn::DsnArg>,
+    /// File holding the sink URL, or only its password.
+    #[arg(long, env = "OUTBOXD_SINK_FILE")]
+    pub sink_file: Option<PathBuf>,
     #[command(flatten)]
-    pub sink: topology::SinkCheckArgs,
-    #[command(flatten)]
-    pub nats: NatsArgs,
-    #[command(flatten)]
-    pub rabbit_stream: RabbitStreamArgs,
+    pub sink_args: SinkArgs,
+    #[cfg(feature = "rabbitmq-stream")]
     /// RabbitMQ stream sink: the management API the stream's retention is read from
     /// (http://user:password@host:15672; default: the sink's host, port 15672, its credentials).
     #[arg(long, env = "OUTBOXD_STREAM_MANAGEMENT_URL", hide_env_values = true)]
     pub stream_management_url: Option<crate::dsn::DsnArg>,
-    #[command(flatten)]
-    pub kafka: KafkaArgs,
-    /// The routing key (Kafka: topic) template, as `run --routing-key` (default `{topic}`, with
-    /// --column debezium `outbox.event.{aggregate_type}`): the columns it names must exist.
-    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
-    pub routing_key: Option<String>,
-    /// As `run --header COLUMN=NAME`: the columns named must exist in the outbox table.
-    #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
-    pub headers: Vec<String>,
-    /// As `run --envelope-field COLUMN[=ALIAS]`: the columns named must exist.
-    #[arg(
-        long = "envelope-field",
-        env = "OUTBOXD_ENVELOPE_FIELD",
-        value_delimiter = ','
-    )]
-    pub envelope_fields: Vec<String>,
     /// Print the checks as JSON lines.
     #[arg(long, env = "OUTBOXD_JSON")]
     pub json: bool,
@@ -71,22 +57,42 @@ pub struct CheckArgs {
 
 pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> {
     let mut r = resolve_source(&args.source, m)?;
-    // The table is checked against every column `run` would read with these flags.
-    let kafka_sink = sink_url(&args, m, "sink")
-        .ok()
-        .flatten()
-        .is_some_and(|u| matches!(SinkDsn::parse(&u), Ok(SinkDsn::Kafka(_))));
-    r.columns = super::run::columns_named(
-        &r.columns,
-        args.routing_key.as_deref(),
-        &args.sink.exchange,
-        &args.headers,
-        &args.envelope_fields,
-        args.kafka
-            .kafka_partition_column
-            .as_deref()
-            .filter(|_| kafka_sink),
-    )?;
+    // The sink's settings as `run` builds them: the table is checked against every column
+    // `run` would read with these flags, and the sink is probed as `run` would use it.
+    let (message, columns) = args.sink_args.message(r.columns.clone())?;
+    let mut sink_lines = Vec::new();
+    let sink = match sink_dsn(&args, m) {
+        Ok(sink) => sink,
+        Err(line) => {
+            sink_lines.push(line);
+            None
+        }
+    };
+    let sink = match (sink, args.sink_args.options(message)) {
+        (Some(dsn), Ok(options)) => {
+            r.columns = sink_columns(&dsn, &options, columns)?;
+            #[cfg(feature = "rabbitmq-stream")]
+            let options = {
+                let mut options = options;
+                options.sinks.rabbitmq_stream.management_url =
+                    args.stream_management_url.as_deref().map(str::to_string);
+                options
+            };
+            Some((dsn, options))
+        }
+        (Some(dsn), Err(e)) => {
+            r.columns = columns;
+            sink_lines.push(fail_line(
+                &format!("{} settings", dsn.descriptor().name),
+                e.to_string(),
+            ));
+            None
+        }
+        (None, _) => {
+            r.columns = columns;
+            None
+        }
+    };
     let lines = if let SourceDsn::Mysql(dsn) = &r.source {
         let mut lines = Vec::new();
         for table in crate::source::mysql::log::outbox_tables(
@@ -146,10 +152,10 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
         .await
     };
     let mut lines = lines;
-    lines.extend(topology::check_rabbitmq(&args.sink, m).await);
-    lines.extend(check_nats(&args, m).await);
-    lines.extend(check_rabbit_stream(&args, m).await);
-    lines.extend(check_kafka(&args, m, &r.columns).await);
+    lines.extend(sink_lines);
+    if let Some((dsn, options)) = &sink {
+        lines.extend(check_sink(dsn, options).await);
+    }
     for l in &lines {
         if args.json {
             println!("{}", serde_json::to_string(l).unwrap_or_default());
@@ -170,153 +176,36 @@ pub(super) async fn check(args: CheckArgs, m: &ArgMatches) -> Result<(), Error> 
     Ok(())
 }
 
-/// The sink URL of `check`, when there is one; an unreadable one is a failed line.
-fn sink_url(
-    args: &CheckArgs,
-    m: &ArgMatches,
-    check: &str,
-) -> Result<Option<String>, Vec<crate::diagnostics::CheckLine>> {
+/// The sink of `check`, when one is given (stdout has nothing to check); an unreadable or unknown one is a
+/// failed line.
+fn sink_dsn(args: &CheckArgs, m: &ArgMatches) -> Result<Option<SinkDsn>, CheckLine> {
     let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
-    resolve_dsn(
-        args.sink.sink.as_deref(),
-        args.sink.sink_file.as_deref(),
+    let url = resolve_dsn(
+        args.sink.as_deref(),
+        args.sink_file.as_deref(),
         from_argv,
         "sink",
     )
-    .map_err(|e| vec![fail_line(check, e.to_string())])
+    .map_err(|e| fail_line("sink", e.to_string()))?;
+    match url {
+        None => Ok(None),
+        Some(url) => SinkDsn::parse(&url)
+            .map(Some)
+            .map_err(|e| fail_line("sink", e.to_string())),
+    }
 }
 
-fn fail_line(check: &str, detail: String) -> crate::diagnostics::CheckLine {
-    crate::diagnostics::CheckLine {
-        level: crate::diagnostics::Level::Fail,
+/// The sink's checks: its descriptor's, on the settings `run` would build it with.
+async fn check_sink(dsn: &SinkDsn, options: &SinkOptions) -> Vec<CheckLine> {
+    let ctx = SinkContext::check();
+    (dsn.descriptor().check)(dsn, options, &ctx).await
+}
+
+fn fail_line(check: &str, detail: String) -> CheckLine {
+    CheckLine {
+        level: Level::Fail,
         check: check.into(),
         detail,
         fix: None,
     }
-}
-
-/// `check` with a `rabbitmq-stream://` sink: the stream port, each stream and its retention.
-async fn check_rabbit_stream(
-    args: &CheckArgs,
-    m: &ArgMatches,
-) -> Vec<crate::diagnostics::CheckLine> {
-    let url = match sink_url(args, m, "stream settings") {
-        Ok(Some(u)) => u,
-        Ok(None) => return Vec::new(),
-        Err(lines) => return lines,
-    };
-    let Ok(SinkDsn::RabbitStream(url)) = SinkDsn::parse(&url) else {
-        return Vec::new();
-    };
-    let partitioning = match args.sink.partitions.validate() {
-        Ok(p) => p,
-        Err(e) => return vec![fail_line("stream settings", e.to_string())],
-    };
-    let retention = args.rabbit_stream.options();
-    let cfg = crate::sink::rabbitmq_stream::StreamSinkConfig {
-        url: url.clone(),
-        stream: args.nats.stream.clone(),
-        declare: args.sink.declare,
-        max_bytes: retention.max_bytes,
-        max_age: retention.max_age,
-        op_timeout: Duration::from_secs(15),
-        relay_name: "check".into(),
-        message: rabbitmq::RabbitConfig {
-            url,
-            exchange: args.sink.exchange.clone(),
-            declare: args.sink.declare,
-            max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
-            op_timeout: Duration::from_secs(15),
-            ca_file: args.sink.sink_ca.clone(),
-            cert_file: args.sink.sink_cert.clone(),
-            key_file: args.sink.sink_key.clone(),
-            connection_name: "outboxd check".into(),
-            partitioning,
-            dead_queue_type: args.sink.dead_queue_type,
-            message: Default::default(),
-        },
-    };
-    match crate::sink::rabbitmq_stream::RabbitStreamSink::new(cfg) {
-        Ok(sink) => sink.check(args.stream_management_url.as_deref()).await,
-        Err(e) => vec![fail_line("stream settings", e.to_string())],
-    }
-}
-
-/// `check` with a `nats://`/`tls://` sink: the connection and the stream's settings.
-async fn check_nats(args: &CheckArgs, m: &ArgMatches) -> Vec<crate::diagnostics::CheckLine> {
-    let fail = |detail: String| fail_line("nats settings", detail);
-    let url = match sink_url(args, m, "nats settings") {
-        Ok(Some(u)) => u,
-        Ok(None) => return Vec::new(),
-        Err(lines) => return lines,
-    };
-    let Ok(SinkDsn::Nats(url)) = SinkDsn::parse(&url) else {
-        return Vec::new();
-    };
-    let opts = match args.nats.options() {
-        Ok(o) => o,
-        Err(e) => return vec![fail(e.to_string())],
-    };
-    let partitions = match args.sink.partitions.validate() {
-        Ok(p) => p.partitions,
-        Err(e) => return vec![fail(e.to_string())],
-    };
-    let cfg = crate::sink::nats::NatsConfig {
-        url,
-        subject: opts.subject,
-        stream: args.nats.stream.clone(),
-        declare: args.sink.declare,
-        max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
-        op_timeout: Duration::from_secs(15),
-        window: 1,
-        ca_file: args.sink.sink_ca.clone(),
-        cert_file: args.sink.sink_cert.clone(),
-        key_file: args.sink.sink_key.clone(),
-        connection_name: "outboxd check".into(),
-        partitions,
-        headers: Vec::new(),
-    };
-    if let Err(e) = cfg.validate() {
-        return vec![fail(e.to_string())];
-    }
-    crate::sink::nats::declare::check(&cfg).await
-}
-
-/// `check` with a `kafka://`/`kafkas://` sink: the brokers, idempotence and the topics.
-async fn check_kafka(
-    args: &CheckArgs,
-    m: &ArgMatches,
-    columns: &crate::outbox::ColumnMap,
-) -> Vec<crate::diagnostics::CheckLine> {
-    let fail = |detail: String| vec![fail_line("kafka settings", detail)];
-    let url = match sink_url(args, m, "kafka settings") {
-        Ok(Some(u)) => u,
-        Ok(None) => return Vec::new(),
-        Err(lines) => return lines,
-    };
-    let Ok(SinkDsn::Kafka(url)) = SinkDsn::parse(&url) else {
-        return Vec::new();
-    };
-    let routing_key = match super::run::routing_template(args.routing_key.as_deref(), columns) {
-        Ok(t) => t,
-        Err(e) => return fail(e.to_string()),
-    };
-    let cfg = crate::sink::kafka::KafkaConfig {
-        url,
-        name: "check".into(),
-        options: args.kafka.options(),
-        message: crate::sink::format::MessageOptions {
-            routing_key,
-            ..Default::default()
-        },
-        declare: args.sink.declare,
-        op_timeout: Duration::from_secs(15),
-        ca_file: args.sink.sink_ca.clone(),
-        cert_file: args.sink.sink_cert.clone(),
-        key_file: args.sink.sink_key.clone(),
-    };
-    if let Err(e) = cfg.validate() {
-        return fail(e.to_string());
-    }
-    crate::sink::kafka::check::check(&cfg).await
 }

@@ -911,7 +911,7 @@ pub async fn reencrypt(
     let filter = match a.after {
         Some(after) => format!(
             "WHERE {} > '{after}'",
-            crate::outbox::pg_ident(columns.get("id"))
+            crate::outbox::pg_ident(columns.get(crate::outbox::Column::Id))
         ),
         None => String::new(),
     };

@@ -2,11 +2,11 @@
 //! from the environment or a file and never echoed, and one function per command.
 //!
 //! This file holds the top-level `Cli`, its dispatch (`execute`), the option groups several
-//! commands share (`SourceArgs`, `NatsArgs`, `PartitionArgs`), how a source is resolved from
-//! them, and the value parsers and checks of common flags. Each command's own flags and
-//! function are in a file of their own: `run` (also the flags of `config`), `check`, `status`,
-//! `offset`, `setup` (`setup` and `teardown`), `health`, `topology`, `crypto` (`keys`,
-//! `encrypt`, `decrypt`, `reencrypt`) and `consumer` (`prune`).
+//! commands share (`SourceArgs`, `PartitionArgs`; the sink's, `SinkArgs`, in `sink`), how a
+//! source is resolved from them, and the value parsers and checks of common flags. Each
+//! command's own flags and function are in a file of their own: `run` (also the flags of
+//! `config`), `check`, `status`, `offset`, `setup` (`setup` and `teardown`), `health`,
+//! `topology`, `crypto` (`keys`, `encrypt`, `decrypt`, `reencrypt`) and `consumer` (`prune`).
 
 use crate::dsn::{self, SourceDsn};
 use crate::outbox::{ColumnMap, TableName};
@@ -24,6 +24,7 @@ mod health;
 mod offset;
 mod run;
 mod setup;
+pub mod sink;
 mod status;
 pub mod topology;
 
@@ -48,7 +49,7 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
-/// The `run` flags for partitions (flattened into the RabbitMQ sink's flags).
+/// The `run` and `check` flags for partitions (flattened into the sink's flags).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PartitionArgs {
     /// Partition queues <exchange>.p0 … p<N-1>: every event of one aggregate goes to one of
@@ -200,127 +201,11 @@ pub struct SourceArgs {
     pub columns: Vec<String>,
 }
 
-/// NATS JetStream sink settings (docs/nats.md).
-#[derive(Debug, Clone, Args)]
-pub struct NatsArgs {
-    /// NATS sink: subject template over the event ({topic}, {aggregate_id}, {id}, {table});
-    /// its first token is the prefix (<prefix>.dead for poison records, <prefix>.> in the stream).
-    #[arg(long, env = "OUTBOXD_SUBJECT", default_value = crate::sink::nats::config::DEFAULT_SUBJECT)]
-    pub subject: String,
-    /// NATS sink: the JetStream stream (declared with --declare auto, checked with passive);
-    /// RabbitMQ stream sink: the stream (with --partitions N: <stream>-0 … <stream>-<N-1>).
-    #[arg(long, env = "OUTBOXD_STREAM", default_value = crate::sink::nats::config::DEFAULT_STREAM)]
-    pub stream: String,
-}
-
-impl NatsArgs {
-    pub fn options(&self) -> Result<crate::sink::options::NatsOptions, Error> {
-        let subject = crate::sink::template::Template::parse(&self.subject).map_err(|e| {
-            Error::config(format!("--subject: {e}"), "e.g. --subject outbox.{topic}")
-        })?;
-        Ok(crate::sink::options::NatsOptions { subject })
-    }
-}
-
-/// RabbitMQ stream sink settings (docs/rabbitmq-stream.md); the stream's name is `--stream`.
-#[derive(Debug, Clone, Args)]
-pub struct RabbitStreamArgs {
-    /// RabbitMQ stream sink: retention in bytes of a stream --declare auto creates (e.g. 20GB).
-    #[arg(long, env = "OUTBOXD_STREAM_MAX_BYTES", value_parser = parse_bytes)]
-    pub stream_max_bytes: Option<usize>,
-    /// RabbitMQ stream sink: retention in time of a stream --declare auto creates (e.g. 7d).
-    #[arg(long, env = "OUTBOXD_STREAM_MAX_AGE", value_parser = parse_duration)]
-    pub stream_max_age: Option<Duration>,
-}
-
-impl RabbitStreamArgs {
-    pub fn options(&self) -> crate::sink::options::RabbitStreamOptions {
-        crate::sink::options::RabbitStreamOptions {
-            max_bytes: self.stream_max_bytes.map(|b| b as u64),
-            max_age: self.stream_max_age,
-        }
-    }
-}
-
 // The one duration parser, shared with consumer binaries (they cannot see this module).
 pub use outboxd::consumer::cli::parse_duration;
 
-/// Kafka sink settings (docs/kafka.md). The topic is the `--routing-key` template.
-#[derive(Debug, Clone, Args)]
-pub struct KafkaArgs {
-    /// Kafka sink: the topic dead records go to (body-less, with x-dead-reason).
-    #[arg(long, env = "OUTBOXD_KAFKA_DEAD_TOPIC", default_value = crate::sink::kafka::config::DEFAULT_DEAD_TOPIC)]
-    pub kafka_dead_topic: String,
-    /// Kafka sink: most records read back from the end of a partition, at start and after a
-    /// reconnect, to find the events the relay already wrote there.
-    #[arg(long, env = "OUTBOXD_KAFKA_SCAN_LIMIT", default_value_t = crate::sink::kafka::config::DEFAULT_SCAN_LIMIT)]
-    pub kafka_scan_limit: i64,
-    /// Kafka sink: partitions of a topic --declare auto creates.
-    #[arg(long, env = "OUTBOXD_KAFKA_PARTITIONS", default_value_t = 1)]
-    pub kafka_partitions: i32,
-    /// Kafka sink: replication factor of a topic --declare auto creates.
-    #[arg(long, env = "OUTBOXD_KAFKA_REPLICATION", default_value_t = 1)]
-    pub kafka_replication: i32,
-    /// Kafka sink: a record (key, value and headers) larger than this becomes a dead record.
-    #[arg(long, env = "OUTBOXD_KAFKA_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "1000000")]
-    pub kafka_max_message_bytes: usize,
-    /// Kafka sink: how long the producer waits to fill a batch (librdkafka's linger.ms).
-    #[arg(long, env = "OUTBOXD_KAFKA_LINGER", value_parser = parse_duration, default_value = "5ms")]
-    pub kafka_linger: Duration,
-    /// Kafka sink: an event whose payload is NULL or blank becomes a tombstone (a record with
-    /// the key and no value, for compacted topics) instead of a dead record.
-    #[arg(long, env = "OUTBOXD_KAFKA_TOMBSTONES")]
-    pub kafka_tombstones: bool,
-    /// Kafka sink: the record's partition is this integer column's value (a NULL value leaves
-    /// it to the key) instead of the key's murmur2.
-    #[arg(long, env = "OUTBOXD_KAFKA_PARTITION_COLUMN", value_name = "COLUMN")]
-    pub kafka_partition_column: Option<String>,
-}
-
-impl KafkaArgs {
-    pub fn options(&self) -> crate::sink::kafka::KafkaOptions {
-        crate::sink::kafka::KafkaOptions {
-            dead_topic: self.kafka_dead_topic.clone(),
-            scan_limit: self.kafka_scan_limit,
-            partitions: self.kafka_partitions,
-            replication: self.kafka_replication,
-            max_message_bytes: self.kafka_max_message_bytes,
-            linger: self.kafka_linger,
-            tombstones: self.kafka_tombstones,
-            partition_column: self
-                .kafka_partition_column
-                .as_deref()
-                .map(|c| c.trim().to_string()),
-        }
-    }
-}
-
-/// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
-pub fn parse_bytes(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: usize = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size like 16MiB or 4096"))?;
-    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1000,
-        "kib" => 1 << 10,
-        "m" | "mb" => 1_000_000,
-        "mib" => 1 << 20,
-        "g" | "gb" => 1_000_000_000,
-        "gib" => 1 << 30,
-        other => {
-            return Err(format!(
-                "{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)"
-            ))
-        }
-    };
-    n.checked_mul(mult)
-        .filter(|&b| b > 0)
-        .ok_or_else(|| format!("{s:?} is out of range"))
-}
+// The one size parser, shared with the sinks' own flags (compiled into the library).
+pub use outboxd::values::parse_bytes;
 
 /// Checks `--name` (docs/configuration.md).
 pub fn validate_name(name: &str) -> Result<(), Error> {

@@ -1,17 +1,14 @@
-//! `outboxd run` (and the flags `config` prints): the relay's flags — the sink, the window,
-//! recovery, poll mode, the RabbitMQ and MySQL settings — turned into a `RunConfig`, then the
-//! pipeline for the source and mode.
+//! `outboxd run` (and the flags `config` prints): the relay's flags — the sink (its settings
+//! through `commands::sink`, as `check` reads them), the window, recovery, poll mode, the MySQL
+//! settings — turned into a `RunConfig`, then the pipeline for the source and mode.
 
-use super::{
-    parse_bytes, parse_duration, resolve_dsn, resolve_source, KafkaArgs, NatsArgs, PartitionArgs,
-    RabbitStreamArgs, SourceArgs,
-};
-use crate::dsn::{SinkDsn, SourceDsn};
-use crate::outbox::{ColumnMap, Mode};
+use super::sink::{sink_columns, SinkArgs};
+use super::{parse_bytes, parse_duration, resolve_dsn, resolve_source, SourceArgs};
+use crate::dsn::SourceDsn;
+use crate::outbox::Mode;
 use crate::pipeline::{self, RunConfig};
 use crate::relay::RelayOptions;
-use crate::sink::options::{RabbitOptions, SinkOptions, TlsFiles};
-use crate::sink::rabbitmq::{self, DeclareMode};
+use crate::sink::SinkDsn;
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args};
@@ -96,80 +93,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOXD_SHUTDOWN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub shutdown_timeout: Duration,
     #[command(flatten)]
-    pub rabbit: RabbitArgs,
-    #[command(flatten)]
-    pub nats: NatsArgs,
-    #[command(flatten)]
-    pub kafka: KafkaArgs,
-    #[command(flatten)]
-    pub rabbit_stream: RabbitStreamArgs,
+    pub sink_args: SinkArgs,
     #[command(flatten)]
     pub mysql: MySqlArgs,
-}
-
-/// RabbitMQ sink settings (docs/message-format.md).
-#[derive(Debug, Clone, Args)]
-pub struct RabbitArgs {
-    /// Topic exchange events are published to (also names <exchange>.unrouted and <exchange>.dead);
-    /// a template over the row's columns (e.g. `{aggregate_type}.events`) routes each row to its
-    /// own exchange, declared under --declare auto (dead records then go to <base-exchange>.dead).
-    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
-    pub exchange: String,
-    /// With a templated --exchange: the exchange whose .dead queue takes records that cannot be
-    /// published (and whose topology the relay declares at start).
-    #[arg(long, env = "OUTBOXD_BASE_EXCHANGE", default_value = "outbox")]
-    pub base_exchange: String,
-    /// Routing key template over the row's columns (default `{topic}`; with --column debezium
-    /// `outbox.event.{aggregate_type}`), e.g. `{tenant_id}.{topic}`.
-    #[arg(long, env = "OUTBOXD_ROUTING_KEY")]
-    pub routing_key: Option<String>,
-    /// Copy a column's value into a message header: COLUMN=NAME (repeat it, or comma
-    /// separate), e.g. traceparent=traceparent. A NULL value sets no header.
-    #[arg(long = "header", env = "OUTBOXD_HEADER", value_delimiter = ',')]
-    pub headers: Vec<String>,
-    /// Place a column beside the payload in the body, as Debezium's `col:envelope:alias`:
-    /// COLUMN or COLUMN=ALIAS (repeat it, or comma separate). The body becomes
-    /// {"payload": <payload>, "<alias>": <value>, …}; needs --format raw.
-    #[arg(
-        long = "envelope-field",
-        env = "OUTBOXD_ENVELOPE_FIELD",
-        value_delimiter = ','
-    )]
-    pub envelope_fields: Vec<String>,
-    /// Message body: raw (the payload), envelope (JSON with id, aggregate, topic, payload,
-    /// created_at, position), cloudevents (structured, application/cloudevents+json) or
-    /// cloudevents-binary (the payload, with cloudEvents:* headers).
-    #[arg(long, env = "OUTBOXD_FORMAT", value_enum, default_value_t = crate::sink::format::BodyFormat::Raw)]
-    pub format: crate::sink::format::BodyFormat,
-    /// CloudEvents `source` attribute (a template, e.g. `/orders/{aggregate_type}`).
-    #[arg(long, env = "OUTBOXD_CLOUDEVENTS_SOURCE", default_value = "/outboxd")]
-    pub cloudevents_source: String,
-    /// Content type of payloads in text or binary columns (bytea, BLOB, TEXT): they are then
-    /// published as bytes instead of being checked as JSON (a `content_type` column mapped
-    /// with --column content_type=<column> overrides it per row).
-    #[arg(long, env = "OUTBOXD_PAYLOAD_CONTENT_TYPE")]
-    pub payload_content_type: Option<String>,
-    /// auto: declare the topology; passive: only check it exists; off: check nothing.
-    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
-    pub declare: DeclareMode,
-    /// Larger payloads go to <exchange>.dead as a record without the body (e.g. 16MiB, 512KiB, 4096).
-    #[arg(long, env = "OUTBOXD_MAX_MESSAGE_BYTES", value_parser = parse_bytes, default_value = "16MiB")]
-    pub max_message_bytes: usize,
-    /// PEM CA certificate for an amqps:// sink: replaces the public roots (pins a private CA).
-    #[arg(long, env = "OUTBOXD_SINK_CA")]
-    pub sink_ca: Option<std::path::PathBuf>,
-    /// PEM client certificate for an amqps:// sink (needs --sink-key).
-    #[arg(long, env = "OUTBOXD_SINK_CERT")]
-    pub sink_cert: Option<std::path::PathBuf>,
-    /// PEM private key of --sink-cert.
-    #[arg(long, env = "OUTBOXD_SINK_KEY")]
-    pub sink_key: Option<std::path::PathBuf>,
-    #[command(flatten)]
-    pub partitions: PartitionArgs,
-    /// Queue type of <exchange>.unrouted and <exchange>.dead as --declare auto declares them
-    /// (quorum: replicated across a cluster).
-    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = crate::sink::partition::QueueType::Classic)]
-    pub dead_queue_type: crate::sink::partition::QueueType,
 }
 
 /// MySQL/MariaDB source settings.
@@ -224,137 +150,6 @@ pub fn sync_replicas(args: &[crate::dsn::DsnArg]) -> Result<Vec<crate::dsn::DbDs
         .collect()
 }
 
-/// `--routing-key` parsed, or its default: `{topic}`, and with `--column debezium` the topic
-/// Debezium's Outbox Event Router uses, `outbox.event.{aggregate_type}`.
-pub fn routing_template(
-    text: Option<&str>,
-    columns: &ColumnMap,
-) -> Result<crate::sink::template::Template, Error> {
-    use crate::sink::template::Template;
-    match text {
-        Some(t) => Template::parse(t)
-            .map_err(|e| Error::config(format!("--routing-key: {e}"), TEMPLATE_FIX)),
-        None if columns.is_debezium() => {
-            Ok(Template::parse("outbox.event.{aggregate_type}").expect("valid"))
-        }
-        None => Ok(Template::parse("{topic}").expect("valid")),
-    }
-}
-
-const TEMPLATE_FIX: &str = "write placeholders as {column}, e.g. {topic} or {aggregate_type}.{topic} ({{ and }} for literal braces)";
-
-/// The message options of `run` (templates parsed, header names checked) and the column map
-/// extended by the columns they read.
-pub fn message_options(
-    args: &RabbitArgs,
-    mut columns: ColumnMap,
-) -> Result<(crate::sink::format::MessageOptions, ColumnMap), Error> {
-    use crate::sink::format::{self, MessageOptions};
-    use crate::sink::template::Template;
-    let template = |flag: &str, text: &str| {
-        Template::parse(text).map_err(|e| Error::config(format!("{flag}: {e}"), TEMPLATE_FIX))
-    };
-    let routing_key = routing_template(args.routing_key.as_deref(), &columns)?;
-    let exchange = template("--exchange", &args.exchange)?;
-    let mut headers = format::parse_column_headers(&args.headers)?;
-    // Debezium's event router puts the event id in the header `id`.
-    if columns.is_debezium() && !headers.iter().any(|h| h.name.eq_ignore_ascii_case("id")) {
-        headers.push(format::ColumnHeader {
-            column: "id".into(),
-            name: "id".into(),
-        });
-    }
-    let envelope_fields = format::parse_envelope_fields(&args.envelope_fields)?;
-    if !envelope_fields.is_empty() && args.format != format::BodyFormat::Raw {
-        return Err(Error::config(
-            format!("--envelope-field places columns beside the payload of --format raw; --format {:?} has a body of its own", args.format),
-            "drop --format (raw is the default), or drop --envelope-field and use --header for the columns",
-        ));
-    }
-    let message = MessageOptions {
-        routing_key,
-        exchange: (!exchange.is_constant()).then_some(exchange),
-        headers,
-        format: args.format,
-        ce_source: template("--cloudevents-source", &args.cloudevents_source)?,
-        envelope_fields,
-    };
-    for name in message.columns() {
-        columns.require_extra(name, true);
-    }
-    // The aggregate's type, when the table has the column: the `x-aggregate-type` header
-    // (consumers key the stale gate on type and id) and the envelope's aggregate.type.
-    columns.require_extra("aggregate_type", false);
-    if let Some(ct) = &args.payload_content_type {
-        if ct.trim().is_empty() || ct.len() > 255 || ct.chars().any(|c| c.is_control()) {
-            return Err(Error::config(
-                format!("--payload-content-type {ct:?} is not a content type"),
-                "write e.g. --payload-content-type text/plain or application/octet-stream",
-            ));
-        }
-    }
-    columns.set_payload_content_type(args.payload_content_type.as_deref().map(str::trim));
-    Ok((message, columns))
-}
-
-/// The column map `check` maps the table with: the one `run` would read with the same
-/// `--routing-key`, `--exchange`, `--header`, `--envelope-field` and (with a Kafka sink)
-/// `--kafka-partition-column`, so a column they name that the table lacks fails the check.
-pub fn columns_named(
-    columns: &ColumnMap,
-    routing_key: Option<&str>,
-    exchange: &str,
-    headers: &[String],
-    envelope_fields: &[String],
-    kafka_partition_column: Option<&str>,
-) -> Result<ColumnMap, Error> {
-    use crate::sink::format::{self, MessageOptions};
-    use crate::sink::template::Template;
-    let exchange = Template::parse(exchange)
-        .map_err(|e| Error::config(format!("--exchange: {e}"), TEMPLATE_FIX))?;
-    let message = MessageOptions {
-        routing_key: routing_template(routing_key, columns)?,
-        exchange: (!exchange.is_constant()).then_some(exchange),
-        headers: format::parse_column_headers(headers)?,
-        envelope_fields: format::parse_envelope_fields(envelope_fields)?,
-        ..MessageOptions::default()
-    };
-    let mut columns = columns.clone();
-    for name in message.columns() {
-        columns.require_extra(name, true);
-    }
-    if let Some(c) = kafka_partition_column {
-        columns.require_extra(&plain_column("--kafka-partition-column", c)?, true);
-    }
-    columns.require_extra("aggregate_type", false);
-    Ok(columns)
-}
-
-/// A column name as a flag gives it: letters, digits, `_` and `$`.
-fn plain_column(flag: &str, name: &str) -> Result<String, Error> {
-    let name = name.trim();
-    if name.is_empty()
-        || !name
-            .chars()
-            .all(|c| c.is_alphanumeric() || c == '_' || c == '$')
-    {
-        return Err(Error::config(
-            format!("{flag} {name:?} is not a column name"),
-            format!("name the column without quotes or spaces, e.g. {flag} partition"),
-        ));
-    }
-    Ok(name.to_string())
-}
-
-fn sink_url(sink: &SinkDsn) -> String {
-    match sink {
-        SinkDsn::Amqp(u) | SinkDsn::Nats(u) | SinkDsn::Kafka(u) | SinkDsn::RabbitStream(u) => {
-            u.clone()
-        }
-        SinkDsn::Stdout => String::new(),
-    }
-}
-
 pub(super) async fn run(
     args: RunArgs,
     m: &ArgMatches,
@@ -374,7 +169,7 @@ pub(super) async fn run(
     )?
     .unwrap_or_else(|| "stdout".into());
     let sink = SinkDsn::parse(&sink)?;
-    if let Some(w) = crate::tls::plaintext_amqp_warning(&sink_url(&sink)) {
+    if let Some(w) = crate::tls::plaintext_amqp_warning(sink.url()) {
         tracing::warn!("{w}");
     }
     if args.window == 0 {
@@ -383,46 +178,15 @@ pub(super) async fn run(
             "use --window 5000 (the default)",
         ));
     }
-    let (message, mut columns) = message_options(&args.rabbit, r.columns.clone())?;
-    if let (SinkDsn::Kafka(_), Some(c)) = (&sink, &args.kafka.kafka_partition_column) {
-        columns.require_extra(&plain_column("--kafka-partition-column", c)?, true);
-    }
-    let exchange = if message.exchange.is_some() {
-        if args.rabbit.partitions.validate()?.partitions > 0 {
-            return Err(Error::config(
-                "--partitions needs one exchange to feed its partition layout; --exchange is a template",
-                "use a constant --exchange with --partitions, or route by --routing-key instead",
-            ));
-        }
-        args.rabbit.base_exchange.clone()
-    } else {
-        args.rabbit.exchange.clone()
-    };
-    rabbitmq::validate_exchange(&exchange)?;
+    let (message, columns) = args.sink_args.message(r.columns.clone())?;
+    let sink_options = args.sink_args.options(message)?;
+    let columns = sink_columns(&sink, &sink_options, columns)?;
     let postgres = crate::source::postgres::log::PgOptions {
         slot: r.slot,
         publication: r.publication,
     };
     let cfg = RunConfig {
-        sink_options: SinkOptions {
-            declare: args.rabbit.declare,
-            max_message_bytes: args.rabbit.max_message_bytes,
-            tls: TlsFiles {
-                ca_file: args.rabbit.sink_ca.clone(),
-                cert_file: args.rabbit.sink_cert.clone(),
-                key_file: args.rabbit.sink_key.clone(),
-            },
-            partitioning: args.rabbit.partitions.validate()?,
-            message,
-            stream: args.nats.stream.clone(),
-            rabbit: RabbitOptions {
-                exchange,
-                dead_queue_type: args.rabbit.dead_queue_type,
-            },
-            nats: args.nats.options()?,
-            rabbit_stream: args.rabbit_stream.options(),
-            kafka: args.kafka.options(),
-        },
+        sink_options,
         name: r.name,
         tables: r.tables,
         columns,

@@ -83,14 +83,14 @@ pub(super) async fn setup(args: SetupArgs, m: &ArgMatches) -> Result<(), Error> 
             println!(
                 "ok   poll order on {}: column {} ({}), index on ({}, {}) ({})",
                 table.pg_quoted(),
-                r.columns.get("seq"),
+                r.columns.get(crate::outbox::Column::Seq),
                 if change.column_added {
                     "added"
                 } else {
                     "exists"
                 },
-                r.columns.get("created_at"),
-                r.columns.get("seq"),
+                r.columns.get(crate::outbox::Column::CreatedAt),
+                r.columns.get(crate::outbox::Column::Seq),
                 if change.index_created {
                     "created"
                 } else {

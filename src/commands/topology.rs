@@ -1,14 +1,12 @@
-//! `outboxd topology` (declare a consumer group's or the relay's own partition queues) and the
-//! RabbitMQ part of `outboxd check`: their flags, and turning them into the layouts and sink
-//! settings of `sink::topology` and `sink::rabbitmq`, which know nothing of the command line.
+//! `outboxd topology` (declare a consumer group's or the relay's own partition queues): its
+//! flags, and turning them into the layouts and sink settings of `sink::topology` and
+//! `sink::rabbitmq`, which know nothing of the command line. (The RabbitMQ part of
+//! `outboxd check` is the RabbitMQ sink's descriptor's.)
 
-use crate::dsn::SinkDsn;
 use crate::sink::partition::{self, PartitionRouting, QueueType, MAX_PARTITIONS};
-use crate::sink::rabbitmq::{self, DeclareMode, RabbitConfig, RabbitSink};
-use crate::sink::topology::{
-    check_line, consistent_hash_plugin, validate_name, validate_pattern, Layout, CONSISTENT_HASH,
-};
-use crate::sink::SinkError;
+use crate::sink::rabbitmq::{self, RabbitConfig, RabbitSink};
+use crate::sink::topology::{validate_name, validate_pattern, Layout, CONSISTENT_HASH};
+use crate::sink::{DeclareMode, SinkDsn, SinkKind};
 use crate::Error;
 use clap::parser::ValueSource;
 use clap::ArgMatches;
@@ -140,14 +138,15 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
             "pass --sink amqp://user@host:5672/vhost (or set OUTBOXD_SINK, or --sink-file)",
         )
     })?;
-    let SinkDsn::Amqp(url) = SinkDsn::parse(&url)? else {
+    let sink = SinkDsn::parse(&url)?;
+    if sink.kind() != SinkKind::Rabbit {
         return Err(Error::config(
             "topology declares RabbitMQ queues: the sink must be amqp:// or amqps://",
             "pass --sink amqp://user@host:5672/vhost",
         ));
-    };
+    }
     let sink = RabbitSink::new(RabbitConfig {
-        url,
+        url: sink.url().to_string(),
         exchange: args.exchange.clone(),
         declare: args.declare,
         max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
@@ -214,186 +213,6 @@ pub async fn run(args: TopologyArgs, m: &ArgMatches) -> Result<(), Error> {
         ),
     }
     Ok(())
-}
-
-/// The RabbitMQ part of `outboxd check` (flattened into its flags): the same sink flags as
-/// `run`. Without `--sink` (or with `stdout`) no sink is checked.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct SinkCheckArgs {
-    /// Also check this RabbitMQ sink: amqp://user@host:5672/vhost (amqps:// for TLS).
-    #[arg(long, env = "OUTBOXD_SINK", hide_env_values = true)]
-    pub sink: Option<crate::dsn::DsnArg>,
-    /// File holding the sink URL, or only its password.
-    #[arg(long, env = "OUTBOXD_SINK_FILE")]
-    pub sink_file: Option<PathBuf>,
-    /// The relay's topic exchange.
-    #[arg(long, env = "OUTBOXD_EXCHANGE", default_value = "outbox")]
-    pub exchange: String,
-    /// How the relay treats the topology: with auto, a missing exchange or queue is declared
-    /// by the relay (a warning here); with passive it must exist (a failure).
-    #[arg(long, env = "OUTBOXD_DECLARE", value_enum, default_value_t = DeclareMode::Auto)]
-    pub declare: DeclareMode,
-    /// PEM CA certificate trusted for an amqps:// sink.
-    #[arg(long, env = "OUTBOXD_SINK_CA")]
-    pub sink_ca: Option<PathBuf>,
-    /// PEM client certificate for an amqps:// sink (needs --sink-key).
-    #[arg(long, env = "OUTBOXD_SINK_CERT")]
-    pub sink_cert: Option<PathBuf>,
-    /// PEM private key of --sink-cert.
-    #[arg(long, env = "OUTBOXD_SINK_KEY")]
-    pub sink_key: Option<PathBuf>,
-    #[command(flatten)]
-    pub partitions: super::PartitionArgs,
-    /// The type `run --dead-queue-type` declares <exchange>.unrouted and <exchange>.dead with
-    /// (a passive check accepts either; this only shapes the expectation it reports).
-    #[arg(long, env = "OUTBOXD_DEAD_QUEUE_TYPE", value_enum, default_value_t = QueueType::Classic)]
-    pub dead_queue_type: QueueType,
-}
-
-/// The RabbitMQ checks of `outboxd check`: connect, the topology the relay uses (its partition
-/// queues included), and the consistent-hash plugin when `--partition-routing
-/// consistent-hash` asks for it. Never stops at the first failure.
-pub async fn check_rabbitmq(
-    args: &SinkCheckArgs,
-    m: &ArgMatches,
-) -> Vec<crate::diagnostics::CheckLine> {
-    use crate::diagnostics::Level;
-    let mut out = Vec::new();
-    let from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
-    let url = match super::resolve_dsn(
-        args.sink.as_deref(),
-        args.sink_file.as_deref(),
-        from_argv,
-        "sink",
-    ) {
-        Ok(Some(u)) => u,
-        Ok(None) => return out,
-        Err(e) => {
-            out.push(check_line(Level::Fail, "sink", e.to_string(), None));
-            return out;
-        }
-    };
-    let url = match SinkDsn::parse(&url) {
-        Ok(SinkDsn::Amqp(u)) => u,
-        Ok(SinkDsn::Stdout | SinkDsn::Nats(_) | SinkDsn::Kafka(_) | SinkDsn::RabbitStream(_)) => {
-            return out
-        }
-        Err(e) => {
-            out.push(check_line(Level::Fail, "sink", e.to_string(), None));
-            return out;
-        }
-    };
-    let partitioning = match args
-        .partitions
-        .validate()
-        .and_then(|p| rabbitmq::validate_exchange(&args.exchange).map(|_| p))
-    {
-        Ok(p) => p,
-        Err(e) => {
-            out.push(check_line(
-                Level::Fail,
-                "rabbitmq settings",
-                e.to_string(),
-                None,
-            ));
-            return out;
-        }
-    };
-    let cfg = RabbitConfig {
-        url,
-        exchange: args.exchange.clone(),
-        declare: DeclareMode::Passive,
-        max_message_bytes: rabbitmq::DEFAULT_MAX_MESSAGE_BYTES,
-        op_timeout: Duration::from_secs(15),
-        ca_file: args.sink_ca.clone(),
-        cert_file: args.sink_cert.clone(),
-        key_file: args.sink_key.clone(),
-        connection_name: "outboxd check".into(),
-        partitioning: partitioning.clone(),
-        dead_queue_type: args.dead_queue_type,
-        message: Default::default(),
-    };
-    let sink = match RabbitSink::new(cfg) {
-        Ok(s) => s,
-        Err(e) => {
-            out.push(check_line(
-                Level::Fail,
-                "rabbitmq settings",
-                e.to_string(),
-                None,
-            ));
-            return out;
-        }
-    };
-    let conn = match tokio::time::timeout(Duration::from_secs(15), sink.connection()).await {
-        Ok(Ok(c)) => {
-            out.push(check_line(Level::Ok, "rabbitmq connect", "connected", None));
-            c
-        }
-        Ok(Err(e)) => {
-            let (detail, fix) = split_fix(&e);
-            out.push(check_line(Level::Fail, "rabbitmq connect", detail, fix));
-            return out;
-        }
-        Err(_) => {
-            out.push(check_line(
-                Level::Fail,
-                "rabbitmq connect",
-                "no answer within 15s",
-                Some("check the host and port of --sink and that RabbitMQ runs".into()),
-            ));
-            return out;
-        }
-    };
-    if partitioning.routing == PartitionRouting::ConsistentHash {
-        out.push(consistent_hash_plugin(&conn).await);
-    }
-    let _ = conn.close(200, "OK".into()).await;
-    if args.declare != DeclareMode::Off {
-        let layouts: Vec<Layout> = Layout::relay(&args.exchange, &partitioning)
-            .into_iter()
-            .collect();
-        let what = match layouts.first() {
-            Some(l) => format!(
-                "exchange {x}, {x}.unrouted, {x}.dead, {} and queues {} … {}",
-                l.exchange(),
-                l.queue(0),
-                l.queue(l.partitions - 1),
-                x = args.exchange
-            ),
-            None => format!("exchange {x}, {x}.unrouted, {x}.dead", x = args.exchange),
-        };
-        match sink.declare_layouts(&layouts).await {
-            Ok(_) => out.push(check_line(
-                Level::Ok,
-                "rabbitmq topology",
-                format!("{what} exist"),
-                None,
-            )),
-            Err(e) => {
-                let (detail, fix) = split_fix(&e);
-                let level = match (&e, args.declare) {
-                    // The relay declares what is missing itself.
-                    (SinkError::Config { .. }, DeclareMode::Auto) => Level::Warn,
-                    _ => Level::Fail,
-                };
-                let detail = if level == Level::Warn {
-                    format!("{detail} (the relay declares it with --declare auto)")
-                } else {
-                    detail
-                };
-                out.push(check_line(level, "rabbitmq topology", detail, fix));
-            }
-        }
-    }
-    out
-}
-
-fn split_fix(e: &SinkError) -> (String, Option<String>) {
-    match e {
-        SinkError::Config { problem, fix } => (problem.clone(), Some(fix.clone())),
-        other => (other.to_string(), None),
-    }
 }
 
 #[cfg(test)]

@@ -1,14 +1,15 @@
 //! The command-line names of the library's option enums. The enums live with the code they
 //! steer (the sink, the partitioner, the pipeline, the consumer kit) and know nothing of
 //! clap; this file says how each variant is spelled after its flag and the one-line help
-//! `--help` prints for it, so the command line stays the only place clap is imported.
+//! `--help` prints for it, so the command line stays the only place clap is imported. Also the
+//! size parser of every byte-count flag (`parse_bytes`), which the sinks' own flags share.
 
 use crate::consumer::runner::{OnPoison, StreamStart};
 use crate::outbox::Mode;
 use crate::pipeline::PositionLostPolicy;
 use crate::sink::format::BodyFormat;
 use crate::sink::partition::{PartitionRouting, QueueType};
-use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::DeclareMode;
 use crate::source::mysql::xa_pin::XaExpired;
 use clap::builder::PossibleValue;
 
@@ -79,6 +80,33 @@ value_enum!(StreamStart {
     Last => "last": "The last chunk the stream holds",
     Next => "next": "Only messages published after the consumer subscribed",
 });
+
+/// `16MiB`, `512KiB`, `1GiB`, `10MB`, `4096` (bytes).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 16MiB or 4096"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, kB, MB, GB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("{s:?} is out of range"))
+}
 
 #[cfg(test)]
 mod tests {

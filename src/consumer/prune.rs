@@ -183,7 +183,7 @@ fn kind_of(cols: &[String], opts: &PruneOptions, shown: &str) -> Result<TableKin
     }
     let kind = if has("consumer") && has("message_id") && has("processed_at") {
         TableKind::Processed
-    } else if has(opts.columns.get("created_at")) {
+    } else if has(opts.columns.get(crate::names::Column::CreatedAt)) {
         TableKind::Outbox
     } else {
         return Err(ConsumerError::config(
@@ -197,7 +197,10 @@ fn kind_of(cols: &[String], opts: &PruneOptions, shown: &str) -> Result<TableKin
             "drop --consumer when pruning the outbox",
         ));
     }
-    if kind == TableKind::Outbox && opts.mode == Mode::Poll && !has(opts.columns.get("status")) {
+    if kind == TableKind::Outbox
+        && opts.mode == Mode::Poll
+        && !has(opts.columns.get(crate::names::Column::Status))
+    {
         return Err(ConsumerError::config(
             format!("--mode poll prunes only published rows, but {shown} has no status column"),
             "map it with --column status=…, or use --mode cdc (the relay never updates rows in CDC mode)",
@@ -210,7 +213,7 @@ fn kind_of(cols: &[String], opts: &PruneOptions, shown: &str) -> Result<TableKin
 fn time_column(kind: TableKind, opts: &PruneOptions) -> &str {
     match kind {
         TableKind::Processed => "processed_at",
-        TableKind::Outbox => opts.columns.get("created_at"),
+        TableKind::Outbox => opts.columns.get(crate::names::Column::CreatedAt),
     }
 }
 
@@ -255,7 +258,7 @@ impl Filter {
             time: time_column(kind, opts).to_string(),
             consumer: opts.consumer.is_some(),
             status: (kind == TableKind::Outbox && opts.mode == Mode::Poll)
-                .then(|| opts.columns.get("status").to_string()),
+                .then(|| opts.columns.get(crate::names::Column::Status).to_string()),
         }
     }
 

@@ -81,9 +81,9 @@ pub async fn run(
     mut report: impl FnMut(&Progress),
 ) -> Result<Progress, Error> {
     let t = table.pg_quoted();
-    let id = pg_ident(columns.get("id"));
-    let payload = pg_ident(columns.get("payload"));
-    let aggregate = pg_ident(columns.get("aggregate_id"));
+    let id = pg_ident(columns.get(crate::names::Column::Id));
+    let payload = pg_ident(columns.get(crate::names::Column::Payload));
+    let aggregate = pg_ident(columns.get(crate::names::Column::AggregateId));
     // Pending rows are left alone (module paragraph) when the table has a status column at all;
     // without one no poll relay can read it.
     let skip_pending = !opts.include_pending
@@ -91,7 +91,7 @@ pub async fn run(
             .query_opt(
                 "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 \
                  AND attnum > 0 AND NOT attisdropped",
-                &[&t, &columns.get("status")],
+                &[&t, &columns.get(crate::names::Column::Status)],
             )
             .await?
             .is_some();
@@ -99,7 +99,7 @@ pub async fn run(
         // NULL is no status a poll relay claims: such a row is rewritten.
         format!(
             "COALESCE({}::text = 'pending', false)",
-            pg_ident(columns.get("status"))
+            pg_ident(columns.get(crate::names::Column::Status))
         )
     } else {
         "false".to_string()
@@ -214,8 +214,8 @@ pub async fn count_by_key(
          LATERAL regexp_matches({payload}::text, '\"enc:v1:([A-Za-z0-9_-]{{1,32}}):', 'g') AS m \
          GROUP BY 1",
         t = table.pg_quoted(),
-        id = pg_ident(columns.get("id")),
-        payload = pg_ident(columns.get("payload")),
+        id = pg_ident(columns.get(crate::names::Column::Id)),
+        payload = pg_ident(columns.get(crate::names::Column::Payload)),
     );
     let rows = client.query(&sql, &[]).await?;
     Ok(rows

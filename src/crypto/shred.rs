@@ -373,9 +373,9 @@ pub async fn aggregate_rows_pg(
     let sql = format!(
         "SELECT {id}::text, {payload}::text FROM {t} WHERE {agg}::text = $1 ORDER BY {id}",
         t = table.pg_quoted(),
-        id = pg_ident(columns.get("id")),
-        payload = pg_ident(columns.get("payload")),
-        agg = pg_ident(columns.get("aggregate_id")),
+        id = pg_ident(columns.get(crate::names::Column::Id)),
+        payload = pg_ident(columns.get(crate::names::Column::Payload)),
+        agg = pg_ident(columns.get(crate::names::Column::AggregateId)),
     );
     Ok(client
         .query(&sql, &[&aggregate_id])
@@ -402,9 +402,9 @@ pub async fn aggregate_rows_mysql(
     };
     let sql = format!(
         "SELECT {id}, CAST({payload} AS CHAR CHARACTER SET utf8mb4) FROM {t} WHERE {agg} = ? ORDER BY {id}",
-        id = my_ident(columns.get("id")),
-        payload = my_ident(columns.get("payload")),
-        agg = my_ident(columns.get("aggregate_id")),
+        id = my_ident(columns.get(crate::names::Column::Id)),
+        payload = my_ident(columns.get(crate::names::Column::Payload)),
+        agg = my_ident(columns.get(crate::names::Column::AggregateId)),
     );
     let rows: Vec<(Vec<u8>, String)> = conn
         .exec(sql, (aggregate_id,))

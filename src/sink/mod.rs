@@ -3,20 +3,35 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
+pub mod declare;
 pub mod format;
 pub mod headers;
-pub mod kafka;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
 #[cfg(any(test, feature = "test-util"))]
 pub mod memory;
-pub mod nats;
 pub mod options;
 pub mod partition;
+pub mod registry;
+pub mod template;
+// RabbitMQ partition layouts: the AMQP sink's and `outboxd topology`'s.
+#[cfg(feature = "rabbitmq")]
+pub mod topology;
+
+// The sinks, each in its own folder behind its own feature (which gates its broker's client).
+// A new sink is a folder, a line here and one in the list below, and a feature.
+#[cfg(feature = "kafka")]
+pub mod kafka;
+#[cfg(feature = "nats")]
+pub mod nats;
+#[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "rabbitmq-stream")]
 pub mod rabbitmq_stream;
 pub mod stdout;
-pub mod template;
-pub mod topology;
+
+pub use declare::DeclareMode;
+pub use options::{SinkContext, SinkOptions};
+pub use registry::{Descriptor, SinkDsn};
 
 use crate::event::OutboxEvent;
 use futures::future::BoxFuture;
@@ -160,106 +175,17 @@ impl FlowControl {
     }
 }
 
-/// The sink chosen on the command line. Dispatching here keeps the relay generic and the
-/// pipeline free of one copy of its wiring per sink.
-pub enum AnySink {
-    Stdout(stdout::StdoutSink),
-    Rabbit(Box<rabbitmq::RabbitSink>),
-    Nats(Box<nats::NatsSink>),
-    Kafka(Box<kafka::KafkaSink>),
-    RabbitStream(Box<rabbitmq_stream::RabbitStreamSink>),
-}
-
-impl Sink for AnySink {
-    fn name(&self) -> &'static str {
-        match self {
-            AnySink::Stdout(s) => s.name(),
-            AnySink::Rabbit(s) => s.name(),
-            AnySink::Nats(s) => s.name(),
-            AnySink::Kafka(s) => s.name(),
-            AnySink::RabbitStream(s) => s.name(),
-        }
-    }
-
-    fn stores_position(&self) -> bool {
-        match self {
-            AnySink::Stdout(s) => s.stores_position(),
-            AnySink::Rabbit(s) => s.stores_position(),
-            AnySink::Nats(s) => s.stores_position(),
-            AnySink::Kafka(s) => s.stores_position(),
-            AnySink::RabbitStream(s) => s.stores_position(),
-        }
-    }
-
-    async fn connect(&mut self) -> Result<(), SinkError> {
-        match self {
-            AnySink::Stdout(s) => s.connect().await,
-            AnySink::Rabbit(s) => s.connect().await,
-            AnySink::Nats(s) => s.connect().await,
-            AnySink::Kafka(s) => s.connect().await,
-            AnySink::RabbitStream(s) => s.connect().await,
-        }
-    }
-
-    async fn publish(&mut self, event: &OutboxEvent) -> Result<Delivery, SinkError> {
-        match self {
-            AnySink::Stdout(s) => s.publish(event).await,
-            AnySink::Rabbit(s) => s.publish(event).await,
-            AnySink::Nats(s) => s.publish(event).await,
-            AnySink::Kafka(s) => s.publish(event).await,
-            AnySink::RabbitStream(s) => s.publish(event).await,
-        }
-    }
-
-    async fn flush(&mut self) -> Result<(), SinkError> {
-        match self {
-            AnySink::Stdout(s) => s.flush().await,
-            AnySink::Rabbit(s) => s.flush().await,
-            AnySink::Nats(s) => s.flush().await,
-            AnySink::Kafka(s) => s.flush().await,
-            AnySink::RabbitStream(s) => s.flush().await,
-        }
-    }
-
-    fn guard_wire(&mut self, fence: crate::state::Fence) {
-        match self {
-            AnySink::Stdout(s) => s.guard_wire(fence),
-            AnySink::Rabbit(s) => s.guard_wire(fence),
-            AnySink::Nats(s) => s.guard_wire(fence),
-            AnySink::Kafka(s) => s.guard_wire(fence),
-            AnySink::RabbitStream(s) => s.guard_wire(fence),
-        }
-    }
-
-    fn is_broken(&self) -> bool {
-        match self {
-            AnySink::Stdout(s) => s.is_broken(),
-            AnySink::Rabbit(s) => s.is_broken(),
-            AnySink::Nats(s) => s.is_broken(),
-            AnySink::Kafka(s) => s.is_broken(),
-            AnySink::RabbitStream(s) => s.is_broken(),
-        }
-    }
-
-    fn set_origin(&mut self, origin: &crate::identity::Origin) {
-        match self {
-            AnySink::Stdout(s) => s.set_origin(origin),
-            AnySink::Rabbit(s) => s.set_origin(origin),
-            AnySink::Nats(s) => s.set_origin(origin),
-            AnySink::Kafka(s) => s.set_origin(origin),
-            AnySink::RabbitStream(s) => s.set_origin(origin),
-        }
-    }
-
-    fn flow_control(&self) -> Option<Arc<FlowControl>> {
-        match self {
-            AnySink::Stdout(s) => s.flow_control(),
-            AnySink::Rabbit(s) => s.flow_control(),
-            AnySink::Nats(s) => s.flow_control(),
-            AnySink::Kafka(s) => s.flow_control(),
-            AnySink::RabbitStream(s) => s.flow_control(),
-        }
-    }
+// The registry: every sink of this build, in the order `--sink`'s help and errors list them.
+registry::sinks! {
+    Stdout => stdout::StdoutSink,
+    #[cfg(feature = "rabbitmq")]
+    Rabbit => rabbitmq::RabbitSink,
+    #[cfg(feature = "nats")]
+    Nats => nats::NatsSink,
+    #[cfg(feature = "kafka")]
+    Kafka => kafka::KafkaSink,
+    #[cfg(feature = "rabbitmq-stream")]
+    RabbitStream => rabbitmq_stream::RabbitStreamSink,
 }
 
 /// A comma-separated flag value as clap hands it over (`--header a=b,c=d`): one item each.

@@ -1,21 +1,18 @@
-//! The sink settings of `outboxd run`, grouped by who reads them: what every broker sink
-//! shares (`--declare`, `--max-message-bytes`, the TLS files, `--partitions`, the message's
-//! shape, `--stream`) beside what only one sink reads; and the one place that builds the sink
-//! `--sink` names from them, so the pipeline holds no per-sink wiring.
+//! The sink settings of `outboxd run` and `outboxd check`: what every broker sink shares
+//! (`--declare`, `--max-message-bytes`, the TLS files, `--partitions`, the message's shape,
+//! `--stream`, the exchange) beside each sink's own (`SinkOptions::sinks`, one field per sink
+//! of the registry); and the one place that builds the sink `--sink` names from them, through
+//! its descriptor, so neither the pipeline nor the commands hold per-sink wiring.
 
 use super::format::MessageOptions;
-use super::kafka::{KafkaConfig, KafkaOptions, KafkaSink};
-use super::nats::{NatsConfig, NatsSink};
-use super::partition::{Partitioning, QueueType};
-use super::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
-use super::rabbitmq_stream::{RabbitStreamSink, StreamSinkConfig};
-use super::stdout::StdoutSink;
-use super::template::Template;
-use super::AnySink;
-use crate::dsn::SinkDsn;
+use super::partition::Partitioning;
+use super::{AnySink, DeclareMode, PerSink, SinkDsn};
 use crate::Error;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// Default `--stream`: the NATS JetStream stream, or the RabbitMQ stream.
+pub const DEFAULT_STREAM: &str = "OUTBOX";
 
 /// Settings every broker sink reads, and each sink's own.
 #[derive(Debug, Clone)]
@@ -33,10 +30,11 @@ pub struct SinkOptions {
     /// `--stream`: the NATS JetStream stream, or the RabbitMQ stream (with `--partitions N`,
     /// `<stream>-0` … `<stream>-<N-1>`).
     pub stream: String,
-    pub rabbit: RabbitOptions,
-    pub nats: NatsOptions,
-    pub rabbit_stream: RabbitStreamOptions,
-    pub kafka: KafkaOptions,
+    /// The exchange the relay declares and dead-letters through: `--exchange`, or with a
+    /// templated one `--base-exchange` (AMQP, and the RabbitMQ stream sink's messages).
+    pub exchange: String,
+    /// Each sink's own settings.
+    pub sinks: PerSink,
 }
 
 impl Default for SinkOptions {
@@ -47,11 +45,9 @@ impl Default for SinkOptions {
             tls: TlsFiles::default(),
             partitioning: Partitioning::default(),
             message: MessageOptions::default(),
-            stream: super::nats::config::DEFAULT_STREAM.into(),
-            rabbit: RabbitOptions::default(),
-            nats: NatsOptions::default(),
-            rabbit_stream: RabbitStreamOptions::default(),
-            kafka: KafkaOptions::default(),
+            stream: DEFAULT_STREAM.into(),
+            exchange: String::new(),
+            sinks: PerSink::default(),
         }
     }
 }
@@ -65,40 +61,11 @@ pub struct TlsFiles {
     pub key_file: Option<PathBuf>,
 }
 
-/// What only the AMQP sink reads.
-#[derive(Debug, Clone, Default)]
-pub struct RabbitOptions {
-    pub exchange: String,
-    /// `--dead-queue-type`.
-    pub dead_queue_type: QueueType,
-}
-
-/// What only the NATS sink reads (its stream is [`SinkOptions::stream`]).
-#[derive(Debug, Clone)]
-pub struct NatsOptions {
-    pub subject: Template,
-}
-
-impl Default for NatsOptions {
-    fn default() -> Self {
-        NatsOptions {
-            subject: Template::parse(super::nats::config::DEFAULT_SUBJECT)
-                .expect("the default subject parses"),
-        }
-    }
-}
-
-/// Retention of a stream the RabbitMQ stream sink creates (`--declare auto`).
-#[derive(Debug, Clone, Default)]
-pub struct RabbitStreamOptions {
-    pub max_bytes: Option<u64>,
-    pub max_age: Option<Duration>,
-}
-
-/// What the relay, not the sink options, decides about a sink.
+/// What the relay (or `check`), not the sink options, decides about a sink.
 #[derive(Debug, Clone)]
 pub struct SinkContext<'a> {
-    /// The relay's `--name`: names the connection, the producer, the transactional identity.
+    /// The relay's `--name` (`check` for `outboxd check`): names the connection, the
+    /// producer, the transactional identity.
     pub name: &'a str,
     /// How long one broker operation may take (`--confirm-timeout`).
     pub op_timeout: Duration,
@@ -108,87 +75,29 @@ pub struct SinkContext<'a> {
     pub commit_offsets: bool,
 }
 
-impl SinkOptions {
-    /// The AMQP sink's settings; the stream sink renders its messages with the same ones.
-    fn rabbit_config(&self, url: &str, ctx: &SinkContext<'_>) -> RabbitConfig {
-        RabbitConfig {
-            url: url.to_string(),
-            exchange: self.rabbit.exchange.clone(),
-            declare: self.declare,
-            max_message_bytes: self.max_message_bytes,
-            op_timeout: ctx.op_timeout,
-            ca_file: self.tls.ca_file.clone(),
-            cert_file: self.tls.cert_file.clone(),
-            key_file: self.tls.key_file.clone(),
-            connection_name: format!("outboxd {}", ctx.name),
-            partitioning: self.partitioning.clone(),
-            dead_queue_type: self.rabbit.dead_queue_type,
-            message: self.message.clone(),
+impl SinkContext<'static> {
+    /// The context of `outboxd check`: its own connection name, a 15 s bound on each probe.
+    pub fn check() -> SinkContext<'static> {
+        SinkContext {
+            name: "check",
+            op_timeout: Duration::from_secs(15),
+            window: 1,
+            commit_offsets: false,
         }
     }
+}
 
+impl SinkOptions {
     /// Builds the sink `dsn` names. Nothing connects here: a bad setting is reported before
     /// the relay creates a replication slot or takes a lease.
     pub fn build(&self, dsn: &SinkDsn, ctx: &SinkContext<'_>) -> Result<AnySink, Error> {
-        let p = &self.partitioning;
-        Ok(match dsn {
-            SinkDsn::Stdout => {
-                if p.partitions > 0 || p.sends_headers() {
-                    tracing::warn!("--partitions and --group-partitions apply to a RabbitMQ sink: the stdout sink ignores them");
-                }
-                AnySink::Stdout(StdoutSink::new(ctx.commit_offsets))
-            }
-            SinkDsn::Amqp(url) => {
-                AnySink::Rabbit(Box::new(RabbitSink::new(self.rabbit_config(url, ctx))?))
-            }
-            SinkDsn::Kafka(url) => {
-                if p.partitions > 0 {
-                    tracing::warn!("--partitions applies to RabbitMQ and NATS: a Kafka topic has partitions of its own (--kafka-partitions), and the record key (the aggregate id) keeps each aggregate in one");
-                }
-                AnySink::Kafka(Box::new(KafkaSink::new(KafkaConfig {
-                    url: url.clone(),
-                    name: ctx.name.to_string(),
-                    options: self.kafka.clone(),
-                    message: self.message.clone(),
-                    declare: self.declare,
-                    op_timeout: ctx.op_timeout,
-                    ca_file: self.tls.ca_file.clone(),
-                    cert_file: self.tls.cert_file.clone(),
-                    key_file: self.tls.key_file.clone(),
-                })?))
-            }
-            SinkDsn::RabbitStream(url) => {
-                AnySink::RabbitStream(Box::new(RabbitStreamSink::new(StreamSinkConfig {
-                    url: url.clone(),
-                    stream: self.stream.clone(),
-                    declare: self.declare,
-                    max_bytes: self.rabbit_stream.max_bytes,
-                    max_age: self.rabbit_stream.max_age,
-                    op_timeout: ctx.op_timeout,
-                    relay_name: ctx.name.to_string(),
-                    message: self.rabbit_config(url, ctx),
-                })?))
-            }
-            SinkDsn::Nats(url) => {
-                if !p.header_counts.is_empty() && p.header_counts != [p.partitions] {
-                    tracing::warn!("--group-partitions applies to a RabbitMQ sink: the NATS sink ignores it (subjects carry the relay's own partition)");
-                }
-                AnySink::Nats(Box::new(NatsSink::new(NatsConfig {
-                    url: url.clone(),
-                    subject: self.nats.subject.clone(),
-                    stream: self.stream.clone(),
-                    declare: self.declare,
-                    max_message_bytes: self.max_message_bytes,
-                    op_timeout: ctx.op_timeout,
-                    window: ctx.window,
-                    ca_file: self.tls.ca_file.clone(),
-                    cert_file: self.tls.cert_file.clone(),
-                    key_file: self.tls.key_file.clone(),
-                    connection_name: format!("outboxd {}", ctx.name),
-                    partitions: p.partitions,
-                    headers: self.message.headers.clone(),
-                })?))
-            }
-        })
+        (dsn.descriptor().build)(dsn, self, ctx)
+    }
+
+    /// Logs, once before the relay starts, the settings given that the sink ignores.
+    pub fn warn_ignored(&self, dsn: &SinkDsn) {
+        if let Some(w) = (dsn.descriptor().ignored)(self) {
+            tracing::warn!("{w}");
+        }
     }
 }

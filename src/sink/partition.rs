@@ -19,6 +19,7 @@
 //! ignores every binding argument that starts with `x-`, so it would send every message to
 //! every partition queue.
 
+#[cfg(feature = "rabbitmq")]
 use lapin::types::{AMQPValue, ShortString};
 
 /// Most partitions a layout may have (queues per layout).
@@ -195,6 +196,7 @@ impl Partitioning {
     /// The partition headers of one event: `x-partition` for the relay's own N (headers
     /// routing), and `x-partition-<N>` for every count in [`Partitioning::header_counts`].
     /// The hash is computed once.
+    #[cfg(feature = "rabbitmq")]
     pub fn headers(&self, aggregate_id: &str) -> Vec<(ShortString, AMQPValue)> {
         if self.header_counts.is_empty() {
             return Vec::new();
@@ -265,6 +267,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "rabbitmq")]
     fn headers_for_own_and_group_counts() {
         let p = PartitionSpec {
             partitions: 4,

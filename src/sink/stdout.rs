@@ -120,3 +120,47 @@ impl<W: Write + Send> Sink for StdoutSink<W> {
         Ok(())
     }
 }
+
+/// The stdout sink in the registry: `--sink stdout` (or `-`), no flags of its own
+/// (`--commit-offsets` is the relay's, in [`super::SinkContext`]), nothing to check.
+pub const DESCRIPTOR: super::Descriptor = super::Descriptor {
+    kind: super::SinkKind::Stdout,
+    name: "stdout",
+    words: &["stdout", "-"],
+    schemes: &[],
+    example: "stdout",
+    is_url: false,
+    build: |_, _, ctx| {
+        Ok(super::AnySink::Stdout(Box::new(StdoutSink::new(
+            ctx.commit_offsets,
+        ))))
+    },
+    check: super::registry::no_check,
+    columns: super::registry::no_columns,
+    ignored: |o| {
+        let p = &o.partitioning;
+        (p.partitions > 0 || p.sends_headers()).then_some(
+            "--partitions and --group-partitions apply to a RabbitMQ sink: the stdout sink ignores them",
+        )
+    },
+    password: |_| None,
+};
+
+/// The stdout sink's own settings: none.
+#[derive(Debug, Clone, Default)]
+pub struct Options;
+
+/// The stdout sink's own flags: none.
+#[cfg(feature = "cli")]
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct StdoutFlags {}
+
+#[cfg(feature = "cli")]
+pub use StdoutFlags as Flags;
+
+#[cfg(feature = "cli")]
+impl StdoutFlags {
+    pub fn options(&self) -> Result<Options, crate::Error> {
+        Ok(Options)
+    }
+}

@@ -3,11 +3,11 @@
 //! the sink's confirmations as they happen (`MemoryHandle::wait_confirmed`), never by polling,
 //! and stops the run through its cancellation token, as a signal does in the binary.
 
-use outboxd::dsn::SinkDsn;
 use outboxd::names::{ColumnMap, TableName};
 use outboxd::pipeline::{PositionLostPolicy, RunConfig};
 use outboxd::relay::RelayOptions;
 use outboxd::sink::options::SinkOptions;
+use outboxd::sink::SinkDsn;
 use outboxd::source::snapshot::SnapshotMode;
 use std::future::Future;
 use std::time::Duration;
@@ -24,7 +24,7 @@ pub fn run_config(name: &str, stop: &CancellationToken) -> RunConfig {
         tables: vec![TableName::parse("outbox").unwrap()],
         columns: ColumnMap::default(),
         // Not built: the test hands the run its own sink.
-        sink: SinkDsn::Stdout,
+        sink: SinkDsn::stdout(),
         commit_offsets: false,
         max_inflight_bytes: 64 * 1024 * 1024,
         relay: RelayOptions {

@@ -15,9 +15,10 @@ use crate::common::*;
 use futures::FutureExt;
 use outboxd::event::SourcePosition;
 use outboxd::sink::nats::{NatsConfig, NatsSink};
-use outboxd::sink::rabbitmq::{DeclareMode, RabbitConfig, RabbitSink};
+use outboxd::sink::rabbitmq::{RabbitConfig, RabbitSink};
 use outboxd::sink::stdout::StdoutSink;
 use outboxd::sink::template::Template;
+use outboxd::sink::DeclareMode;
 use outboxd::{Delivery, MemoryHandle, MemorySink, OutboxEvent, Sink};
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -407,8 +408,8 @@ mod kafka_sink {
     use crate::common::{kafka, unique};
     use outboxd::sink::format::MessageOptions;
     use outboxd::sink::kafka::{KafkaConfig, KafkaOptions, KafkaSink};
-    use outboxd::sink::rabbitmq::DeclareMode;
     use outboxd::sink::template::Template;
+    use outboxd::sink::DeclareMode;
     use std::time::Duration;
     use uuid::Uuid;
 

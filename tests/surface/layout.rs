@@ -19,11 +19,6 @@ const KNOWN: &[(&str, &str, &str)] = &[
         "Error describes the database clients' errors",
     ),
     ("error", "sink", "Error::Sink wraps SinkError"),
-    (
-        "dsn",
-        "sink",
-        "the sink DSNs are parsed with the sinks' endpoint rules",
-    ),
 ];
 
 /// The library's re-exports at the crate root, by the module that defines them.
@@ -179,5 +174,15 @@ fn layout_top_level_modules_import_each_other_in_one_direction() {
     assert!(
         unknown.is_empty(),
         "top-level modules that import each other (move what both need to the lower one, or pass it as a parameter): {unknown:#?}"
+    );
+    // A pair that no longer imports each other leaves the list, so that it cannot come back
+    // unnoticed under an old excuse.
+    let stale: Vec<_> = KNOWN
+        .iter()
+        .filter(|(x, y, _)| !pairs.iter().any(|(a, b, ..)| a == x && b == y))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "listed as importing each other but no longer do (remove them from KNOWN): {stale:?}"
     );
 }

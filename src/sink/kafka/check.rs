@@ -8,7 +8,7 @@
 use super::config::KafkaConfig;
 use super::declare::create_fix;
 use crate::diagnostics::{line, CheckLine, Level};
-use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::DeclareMode;
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
@@ -179,7 +179,7 @@ fn topic_line(cfg: &KafkaConfig, meta: &Metadata, check: &str, topic: &str) -> C
                 check,
                 format!(
                     "does not exist, and --declare {} does not create it",
-                    declare_name(cfg.declare)
+                    cfg.declare.as_str()
                 ),
                 Some(create_fix(cfg, topic)),
             ),
@@ -230,19 +230,11 @@ fn templated_topics(cfg: &KafkaConfig, meta: &Metadata, template: &str) -> Check
         DeclareMode::Passive | DeclareMode::Off => line(
             Level::Warn,
             "kafka topics",
-            format!("{detail}; under --declare {} an event whose topic is missing holds the relay back until it is created", declare_name(cfg.declare)),
+            format!("{detail}; under --declare {} an event whose topic is missing holds the relay back until it is created", cfg.declare.as_str()),
             Some(format!(
                 "create each topic the template names before its first event: {}",
                 create_fix(cfg, "<topic>")
             )),
         ),
-    }
-}
-
-fn declare_name(d: DeclareMode) -> &'static str {
-    match d {
-        DeclareMode::Auto => "auto",
-        DeclareMode::Passive => "passive",
-        DeclareMode::Off => "off",
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::dsn::redact;
 use crate::sink::format::MessageOptions;
-use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use rdkafka::config::ClientConfig;
 use std::path::PathBuf;

@@ -5,7 +5,7 @@
 //! moving its position.
 
 use super::config::KafkaConfig;
-use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{BaseConsumer, Consumer};

@@ -15,11 +15,17 @@
 pub mod check;
 pub mod config;
 pub mod declare;
+#[cfg(feature = "cli")]
+mod flags;
 pub mod logs;
 pub mod record;
+pub mod registry;
 pub mod tail;
 
 pub use config::{KafkaConfig, KafkaOptions};
+#[cfg(feature = "cli")]
+pub use flags::KafkaFlags as Flags;
+pub use registry::{Options, DESCRIPTOR};
 
 use super::{Delivery, Sink, SinkError};
 use crate::dsn::redact;

@@ -222,8 +222,8 @@ mod tests {
     }
     use crate::sink::format::{BodyFormat, MessageOptions};
     use crate::sink::kafka::config::KafkaOptions;
-    use crate::sink::rabbitmq::DeclareMode;
     use crate::sink::template::Template;
+    use crate::sink::DeclareMode;
     use std::time::Duration;
 
     fn cfg(template: &str, format: BodyFormat) -> KafkaConfig {

@@ -3,15 +3,13 @@
 //! subject filter and the dead subject), and the stream's name.
 
 use crate::dsn::redact;
-use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::template::{self, Template};
+use crate::sink::DeclareMode;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default `--subject`.
 pub const DEFAULT_SUBJECT: &str = "outbox.{topic}";
-/// Default `--stream`.
-pub const DEFAULT_STREAM: &str = "OUTBOX";
 /// The duplicate window a declared stream gets, and the least `check` accepts: a relay that
 /// restarts within it republishes nothing the stream keeps twice.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);

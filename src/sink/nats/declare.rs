@@ -5,7 +5,7 @@
 
 use super::config::{self, NatsConfig, DUPLICATE_WINDOW};
 use crate::diagnostics::{CheckLine, Level};
-use crate::sink::rabbitmq::DeclareMode;
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use async_nats::jetstream::context::{Context, GetStreamErrorKind};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};

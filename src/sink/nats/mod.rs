@@ -16,16 +16,22 @@
 pub mod config;
 pub mod connect;
 pub mod declare;
+#[cfg(feature = "cli")]
+mod flags;
 pub mod publish;
+pub mod registry;
 
 pub use config::NatsConfig;
+#[cfg(feature = "cli")]
+pub use flags::NatsFlags as Flags;
+pub use registry::{Options, DESCRIPTOR};
 
 use super::{Delivery, Sink, SinkError};
-use crate::amqp::WireSocket;
 use crate::dsn::redact;
 use crate::event::{OutboxEvent, SourcePosition};
 use crate::state::Fence;
 use crate::telemetry::events::{DuplicateOfAnotherEvent, EventDeduplicated, InternalEvent};
+use crate::wire::WireSocket;
 use async_nats::jetstream::context::{Context, ContextBuilder, PublishErrorKind};
 use async_nats::{Client, Event};
 use futures::FutureExt;

@@ -203,8 +203,8 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::rabbitmq::DeclareMode;
     use crate::sink::template::Template;
+    use crate::sink::DeclareMode;
     use std::time::Duration;
 
     fn cfg(partitions: u32) -> NatsConfig {

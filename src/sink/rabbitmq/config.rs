@@ -1,11 +1,12 @@
 //! What the RabbitMQ sink is given: the limits it enforces, `--declare`, and the validated
-//! [`RabbitConfig`]. It lives apart so the command line, `outboxd topology` and the NATS sink
-//! (which reuses [`DeclareMode`]) can depend on the settings without the broker code, and so
-//! the redacting `Debug` (the URL holds the password) sits next to the fields it must cover.
+//! [`RabbitConfig`]. It lives apart so the command line and `outboxd topology` can depend on
+//! the settings without the broker code, and so the redacting `Debug` (the URL holds the
+//! password) sits next to the fields it must cover.
 
 use crate::dsn::redact;
 use crate::sink::format::MessageOptions;
 use crate::sink::partition::{Partitioning, QueueType};
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -20,18 +21,6 @@ pub(super) const FRAME_RESERVE: usize = 4096;
 /// Header values of dead-letter records are cut here, so a record always fits in a frame.
 pub(super) const DEAD_VALUE_MAX: usize = 1024;
 pub(super) const APP_ID: &str = "outboxd";
-
-/// How the sink treats the topology (`--declare`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DeclareMode {
-    /// Declare exchanges, queues and the binding (idempotent; needs configure permission).
-    #[default]
-    Auto,
-    /// Only check that they exist (for users without configure permission).
-    Passive,
-    /// Assume they exist; check nothing.
-    Off,
-}
 
 /// Everything the sink needs, already validated by the command line.
 #[derive(Clone)]

@@ -4,11 +4,12 @@
 //! differs from what outboxd expects and how to fix it, since retrying never helps, and the
 //! same mapping of broker errors to config or connection errors serves publishing too.
 
-use super::config::{config_err, validate_exchange, DeclareMode};
+use super::config::{config_err, validate_exchange};
 use super::RabbitSink;
 use crate::event::OutboxEvent;
 use crate::sink::partition::{PartitionRouting, QueueType};
 use crate::sink::topology::{self, Layout};
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use futures::future::BoxFuture;
 use futures::FutureExt;

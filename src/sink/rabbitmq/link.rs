@@ -4,11 +4,12 @@
 //! cannot fix) from a broker that is away, and waiting while the broker blocks the
 //! connection. A [`Link`] is never repaired: the relay drops it and opens a fresh one.
 
-use super::config::{config_err, DeclareMode, FRAME_RESERVE, MAX_HEADER_BYTES};
+use super::config::{config_err, FRAME_RESERVE, MAX_HEADER_BYTES};
 use super::confirms::{drive_confirms, watch_events, Tracker};
 use super::declare::io_or_protocol;
 use super::RabbitSink;
 use crate::amqp::{ConnectError, WireSocket};
+use crate::sink::DeclareMode;
 use crate::sink::SinkError;
 use crate::state::Fence;
 use lapin::options::ConfirmSelectOptions;

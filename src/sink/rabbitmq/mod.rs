@@ -31,7 +31,9 @@
 //! others: `config` (what the command line hands over, checked once), `link` (one connection
 //! and its publishing channel, TLS included), `declare` (the topology, and what a refused
 //! declaration means for the operator), `encode` (one event as an AMQP message or a dead
-//! record), `confirms` (settling confirmations against returns). This file holds only the
+//! record), `confirms` (settling confirmations against returns), `registry` (the sink's
+//! descriptor: its settings from the shared ones, and the checks of `outboxd check`) and
+//! `flags` (its own flag). This file holds only the
 //! sink itself: construction and the [`Sink`] methods the relay calls, which tie the parts
 //! together in order.
 
@@ -39,15 +41,22 @@ mod config;
 mod confirms;
 mod declare;
 mod encode;
+#[cfg(feature = "cli")]
+mod flags;
 mod link;
+pub mod registry;
 #[cfg(test)]
 mod tests;
 
-pub use config::{
-    validate_exchange, DeclareMode, RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES,
-};
+pub use config::{validate_exchange, RabbitConfig, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES};
+pub(crate) use encode::Outgoing;
 pub use encode::{json_to_amqp, table_size};
-pub(crate) use encode::{render, Outgoing};
+// The stream sink renders its messages as this one does.
+#[cfg(feature = "rabbitmq-stream")]
+pub(crate) use encode::render;
+#[cfg(feature = "cli")]
+pub use flags::RabbitFlags as Flags;
+pub use registry::{Options, DESCRIPTOR};
 
 use super::topology;
 use super::{Delivery, FlowControl, Sink, SinkError};

@@ -6,6 +6,7 @@
 use super::declare::describe_mismatch;
 use super::*;
 use crate::sink::partition::QueueType;
+use crate::sink::DeclareMode;
 use lapin::types::{AMQPValue, FieldTable};
 use std::time::Duration;
 

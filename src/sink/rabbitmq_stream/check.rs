@@ -7,8 +7,8 @@
 
 use super::{missing_stream, RabbitStreamSink};
 use crate::diagnostics::{CheckLine, Level};
-use crate::sink::rabbitmq::DeclareMode;
 use crate::sink::topology::check_line;
+use crate::sink::DeclareMode;
 use base64::Engine;
 use rabbitmq_stream_client::types::ResponseCode;
 use std::time::Duration;

@@ -4,7 +4,8 @@
 //! must cover, and so the URL rules can be unit-tested without a broker.
 
 use crate::dsn::redact;
-use crate::sink::rabbitmq::{DeclareMode, RabbitConfig};
+use crate::sink::rabbitmq::RabbitConfig;
+use crate::sink::DeclareMode;
 use std::time::Duration;
 
 pub use crate::stream::{StreamEndpoint, DEFAULT_PORT, DEFAULT_TLS_PORT};

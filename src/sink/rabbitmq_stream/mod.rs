@@ -24,10 +24,16 @@
 pub mod check;
 pub mod config;
 mod encode;
+#[cfg(feature = "cli")]
+mod flags;
 pub mod ids;
 mod read_back;
+pub mod registry;
 
 pub use config::{StreamEndpoint, StreamSinkConfig};
+#[cfg(feature = "cli")]
+pub use flags::RabbitStreamFlags as Flags;
+pub use registry::{Options, DESCRIPTOR};
 
 use super::{Delivery, Sink, SinkError};
 use crate::event::{OutboxEvent, SourcePosition};
@@ -174,7 +180,7 @@ impl RabbitStreamSink {
         admin: &rabbitmq_stream_client::Client,
         stream: &str,
     ) -> Result<bool, SinkError> {
-        use crate::sink::rabbitmq::DeclareMode;
+        use crate::sink::DeclareMode;
         match self.cfg.declare {
             DeclareMode::Off => Ok(false),
             DeclareMode::Auto => {
@@ -606,7 +612,8 @@ impl Sink for RabbitStreamSink {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::sink::rabbitmq::{DeclareMode, RabbitConfig};
+    use crate::sink::rabbitmq::RabbitConfig;
+    use crate::sink::DeclareMode;
 
     pub(crate) fn message_config() -> RabbitConfig {
         RabbitConfig {
