@@ -234,6 +234,8 @@ pub fn compare_row_images(
 ) -> Result<std::collections::BTreeMap<String, usize>, String> {
     use crate::source::mysql::rows::Layout;
     use mysql_common::binlog::events::{EventData, TableMapEvent};
+    use mysql_common::binlog::value::BinlogValue;
+    use mysql_common::value::Value;
     let mut maps: std::collections::HashMap<u64, (TableMapEvent<'static>, Layout)> =
         Default::default();
     let mut counts = std::collections::BTreeMap::new();
@@ -281,7 +283,17 @@ pub fn compare_row_images(
                     let present = bitmaps[k % bitmaps.len()];
                     for (j, i) in present.iter_ones().enumerate() {
                         let mine = o[i].as_ref().map(|c| format!("{:?}", c.to_binlog()));
-                        let old = t.as_ref(j).map(|v| format!("{v:?}"));
+                        // mysql_common 0.37 reads a negative MEDIUMINT without its sign
+                        // (-1 as 16777215): compared as the server means it.
+                        let old = t.as_ref(j).map(|v| match (v, &o[i]) {
+                            (
+                                BinlogValue::Value(Value::Int(t)),
+                                Some(crate::source::mysql::rows::Cell::Int(m)),
+                            ) if *m < 0 && *t == *m + 0x100_0000 => {
+                                format!("{:?}", BinlogValue::Value(Value::Int(*m)))
+                            }
+                            _ => format!("{v:?}"),
+                        });
                         if mine != old {
                             return Err(at(format!(
                                 "image {k}, column {}: {mine:?}, mysql_common {old:?}",

@@ -50,7 +50,7 @@ fn fixtures_read_column_by_column_like_mysql_common() {
         "MYSQL_TYPE_LONG",
         "MYSQL_TYPE_JSON",
         "MYSQL_TYPE_VARCHAR",
-        "MYSQL_TYPE_DATETIME2",
+        "MYSQL_TYPE_TIMESTAMP2",
     ] {
         assert!(
             total.keys().any(|k| k.contains(ty)),
@@ -134,7 +134,7 @@ INSERT INTO every_type VALUES (4,
     UNHEX('02'), UNHEX('0304'), 'mb', 'lb',
     '[1, \"two\", {\"3\": [4]}]', 'b', 'm256', 'y', 'm1,m33,m64',
     NULL, POINT(0, 0),
-    '0192f3a4-5b6c-7d8e-9f00-112233445566', '10.0.0.1');
+    '0192f3a4-5b6c-7d8e-9f00-112233445566', '::ffff:10.0.0.1');
 UPDATE every_type SET vc = 'updated', tm6 = '01:02:03.000004', js = '{\"x\": 1}', e300 = NULL WHERE pk = 4;
 DELETE FROM every_type WHERE pk = 2;";
 
