@@ -76,7 +76,7 @@ impl<'a> Cell<'a> {
             Cell::Date(y, mo, d, h, mi, s, us) => Value::Date(*y, *mo, *d, *h, *mi, *s, *us),
             Cell::Time(neg, d, h, mi, s, us) => Value::Time(*neg, *d, *h, *mi, *s, *us),
             Cell::Jsonb(raw) => {
-                return match parse_jsonb(*raw) {
+                return match parse_jsonb(raw) {
                     Ok(j) => BinlogValue::Jsonb(j),
                     Err(_) => BinlogValue::Value(Value::Bytes(raw.to_vec())),
                 }
