@@ -15,6 +15,7 @@ mod mysql_payload;
 mod mysql_poll;
 mod mysql_position_lost;
 mod mysql_rabbitmq;
+mod mysql_row_types;
 mod mysql_savepoint;
 mod mysql_stdout;
 mod mysql_tls;

@@ -525,7 +525,7 @@ impl Rng {
 
 /// Recomputes the CRC32 of every event whose framing still holds, so that mutations reach the
 /// event parsers instead of stopping at the checksum.
-fn fix_checksums(bytes: &mut [u8]) {
+pub(crate) fn fix_checksums(bytes: &mut [u8]) {
     let mut at = 4;
     let mut crc = false;
     while at + 19 <= bytes.len() {

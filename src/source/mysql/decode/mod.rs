@@ -41,7 +41,7 @@
 //! decodes (`row_events`).
 
 use super::gtid::{self, Gtid, GtidState, MysqlGtidSet};
-use super::rows::{Mapping, OutboxTable};
+use super::rows::{Layout, Mapping, OutboxTable};
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::Error;
 use chrono::{DateTime, TimeZone, Utc};
@@ -58,7 +58,7 @@ mod xa;
 
 pub use payload::{payload_too_large, unpack_payload, PayloadError, PayloadEvents};
 use row_events::decode_inserts;
-pub use row_events::in_guarded_rows;
+pub use row_events::{guarded, in_guarded_rows};
 pub use savepoint::row_index;
 use statement::first_word;
 pub use statement::insert_target;
@@ -141,10 +141,23 @@ pub enum Step {
 
 #[derive(Debug)]
 enum TableKind {
-    /// A table map of one outbox table (index into the decoder's tables).
-    Outbox(Box<(TableMapEvent<'static>, Mapping, usize)>),
+    /// A table map of one outbox table.
+    Outbox(Box<OutboxMap>),
     State,
     Other,
+}
+
+/// What the decoder keeps of an outbox table's table map.
+#[derive(Debug)]
+struct OutboxMap {
+    /// How its row images are laid out.
+    layout: Layout,
+    mapping: Mapping,
+    /// Index into the decoder's tables.
+    table: usize,
+    /// The table map's bytes: the server writes the same map again before every statement's
+    /// rows, and an identical one needs no new mapping.
+    raw: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -552,11 +565,23 @@ impl Decoder {
             .read_event()
             .map_err(|e| self.decode_err("table map event", start, e))?;
         let id = tme.table_id();
+        if let Some(TableKind::Outbox(known)) = self.tables.get(&id) {
+            if known.raw == ev.data() {
+                return Ok(());
+            }
+        }
         let kind = if let Some(i) = self.outbox.iter().position(|t| t.matches(&tme)) {
             super::rows::table_map_fits(&tme)
                 .map_err(|m| self.decode_err("table map event", start, m))?;
             let mapping = self.outbox[i].map(&tme)?;
-            TableKind::Outbox(Box::new((tme.into_owned(), mapping, i)))
+            let layout =
+                Layout::new(&tme).map_err(|m| self.decode_err("table map event", start, m))?;
+            TableKind::Outbox(Box::new(OutboxMap {
+                layout,
+                mapping,
+                table: i,
+                raw: ev.data().to_vec(),
+            }))
         } else if tme.database_name_raw() == self.outbox[0].database.as_bytes()
             && tme.table_name_raw() == STATE_TABLE.as_bytes()
         {
@@ -576,29 +601,53 @@ impl Decoder {
             // with XID: open the group here.
             steps.push(self.begin(start, None, true, header.timestamp()));
         }
-        let data = match ev.read_data() {
-            Ok(Some(mysql_common::binlog::events::EventData::RowsEvent(r))) => r,
-            Ok(_) => return Err(self.decode_err("rows event", start, "not a rows event")),
-            Err(e) => return Err(self.decode_err("rows event", start, e)),
-        };
-        let table_id = data.table_id();
+        // Rows of other tables are told apart by the table id alone, before anything else of
+        // the event is read.
+        let table_id = rows_table_id(ev)
+            .ok_or_else(|| self.decode_err("rows event", start, "too short for a table id"))?;
         let txn = self.txn.as_mut().expect("opened above");
         match self.tables.get(&table_id) {
             Some(TableKind::State) => txn.state_rows = true,
             Some(TableKind::Outbox(outbox)) => {
-                let (tme, mapping, i) = &**outbox;
+                let OutboxMap {
+                    layout,
+                    mapping,
+                    table: i,
+                    ..
+                } = &**outbox;
                 txn.other = true;
+                let data = match ev.read_data() {
+                    Ok(Some(mysql_common::binlog::events::EventData::RowsEvent(r))) => r,
+                    Ok(_) => {
+                        return Err(Error::Decode(format!(
+                            "rows event at {}:{start}: not a rows event",
+                            self.file
+                        )))
+                    }
+                    Err(e) => {
+                        return Err(Error::Decode(format!(
+                            "rows event at {}:{start}: {e}",
+                            self.file
+                        )))
+                    }
+                };
+                if data.table_id() != table_id {
+                    return Err(Error::Decode(format!(
+                        "rows event at {}:{start}: its table id reads as {table_id} and as {}",
+                        self.file,
+                        data.table_id()
+                    )));
+                }
                 if let RowsEventData::WriteRowsEventV1(_) | RowsEventData::WriteRowsEvent(_) = data
                 {
                     let events =
-                        decode_inserts(&self.outbox[*i], tme, mapping, &data, &self.file, txn)
+                        decode_inserts(&self.outbox[*i], layout, mapping, &data, &self.file, txn)
                             .map_err(|e| match e {
-                                Error::Decode(m) => Error::Decode(format!(
-                                    "rows event at {}:{start}: {m}",
-                                    self.file
-                                )),
-                                other => other,
-                            })?;
+                            Error::Decode(m) => {
+                                Error::Decode(format!("rows event at {}:{start}: {m}", self.file))
+                            }
+                            other => other,
+                        })?;
                     if txn.xa {
                         // Held until the prepare or one-phase commit, within the
                         // same bound as the relay's transaction buffer.
@@ -722,6 +771,20 @@ impl Decoder {
     fn decode_err(&self, what: &str, pos: u64, e: impl std::fmt::Display) -> Error {
         Error::Decode(format!("{what} at {}:{pos}: {e}", self.file))
     }
+}
+
+/// The table id a rows event starts with: 6 bytes, 4 from servers whose format description
+/// gives rows events a 6-byte post-header (before MySQL 5.1.x's final format).
+fn rows_table_id(ev: &Event) -> Option<u64> {
+    let narrow = ev
+        .header()
+        .event_type()
+        .map(|t| ev.fde().get_event_type_header_length(t) == 6)
+        .unwrap_or(false);
+    let b = ev.data().get(..if narrow { 4 } else { 6 })?;
+    let mut a = [0u8; 8];
+    a[..b.len()].copy_from_slice(b);
+    Some(u64::from_le_bytes(a))
 }
 
 /// Where an event sits in its file: `start..end`.

@@ -1,16 +1,18 @@
-//! Rows events of an outbox table → outbox events, with the guard that turns a panic in
-//! `mysql_common`'s row decoding into a decode error.
+//! Rows events of an outbox table → outbox events: each row's after image read column by
+//! column from the table map ([`crate::source::mysql::rows::Image`]), only the outbox columns
+//! decoded, straight into events. The panic guard is left for `mysql_common`'s binary JSON
+//! parser (MySQL 8 JSON columns), which trusts offsets inside the value.
 
 use super::Txn;
 use crate::event::OutboxEvent;
 use crate::source::mysql::gtid;
-use crate::source::mysql::rows::{Mapping, OutboxTable, RowContext};
+use crate::source::mysql::rows::{Cell, Layout, Mapping, OutboxTable, RowContext};
 use crate::Error;
-use mysql_common::binlog::events::{RowsEventData, TableMapEvent};
+use mysql_common::binlog::events::RowsEventData;
 
 pub(super) fn decode_inserts(
     table: &OutboxTable,
-    tme: &TableMapEvent<'static>,
+    layout: &Layout,
     mapping: &Mapping,
     data: &RowsEventData<'_>,
     file: &str,
@@ -20,70 +22,52 @@ pub(super) fn decode_inserts(
         .columns_after_image()
         .ok_or_else(|| Error::Decode("write rows event without an after image".into()))?;
     mapping.check_image(present, table)?;
+    let image = layout.image(present).map_err(Error::Decode)?;
+    let rows = data.rows_data();
+    let gtid = match (&txn.gtid, &txn.mysql_gtid) {
+        (Some(g), _) => Some(g.to_string()),
+        (None, Some((uuid, tag, gno))) => Some(gtid::mysql_gtid_text(*uuid, tag, *gno)),
+        (None, None) => None,
+    };
+    let mut cells: Vec<Option<Cell<'_>>> = vec![None; mapping.columns()];
     let mut out = Vec::new();
-    for row in guarded_rows(data, tme)? {
-        let (_, after) = row;
-        let Some(after) = after else {
-            return Err(Error::Decode("write rows event row without values".into()));
-        };
-        let event = mapping.event(
-            &after,
-            present,
+    let mut at = 0;
+    while at < rows.len() {
+        at += image
+            .read(&rows[at..], mapping.wanted(), &mut cells)
+            .map_err(|m| Error::Decode(format!("row {} of the event: {m}", out.len() + 1)))?;
+        out.push(mapping.event_cells(
+            |i| cells.get(i).and_then(Option::as_ref),
             RowContext {
                 file,
                 index: txn.index,
-                gtid: match (&txn.gtid, &txn.mysql_gtid) {
-                    (Some(g), _) => Some(g.to_string()),
-                    (None, Some((uuid, tag, gno))) => Some(gtid::mysql_gtid_text(*uuid, tag, *gno)),
-                    (None, None) => None,
-                },
+                gtid: gtid.clone(),
                 committed_at: txn.committed_at,
             },
             table.tz,
-        );
+        ));
         txn.index += 1;
-        out.push(event);
     }
     Ok(out)
 }
 
-type RowImages = (
-    Option<mysql_common::binlog::row::BinlogRow>,
-    Option<mysql_common::binlog::row::BinlogRow>,
-);
-
-/// Every row of a rows event, decoded by `mysql_common`. The table map was checked
-/// ([`crate::source::mysql::rows::table_map_fits`]) and the image holds the mapped columns,
-/// but its value decoders still index and subtract unchecked on corrupt bytes (a DECIMAL
-/// whose scale exceeds its precision, …; found by tests/mariadb/mysql_file.rs mutating binlog files).
-/// As the last resort — and only here — a panic inside it becomes a decode error instead of a
-/// crash.
-fn guarded_rows(
-    data: &RowsEventData<'_>,
-    tme: &TableMapEvent<'static>,
-) -> Result<Vec<RowImages>, Error> {
-    let decode = || -> Result<Vec<RowImages>, Error> {
-        data.rows(tme)
-            .map(|r| r.map_err(|e| Error::Decode(e.to_string())))
-            .collect()
-    };
-    GUARDED.with(|g| g.set(true));
-    let rows = std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode));
-    GUARDED.with(|g| g.set(false));
-    rows.unwrap_or_else(|_| {
-        Err(Error::Decode(
-            "the rows event cannot be decoded (corrupt row data: the decoder panicked)".into(),
-        ))
-    })
+/// Runs `f`; a panic inside it becomes an error. Only `mysql_common`'s binary JSON parser and
+/// renderer run under it (found panicking on corrupt values by mutating binlog files): as the
+/// last resort, and only there, a panic is a decode error instead of a crash.
+pub fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    let was = GUARDED.with(|g| g.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(was));
+    r.unwrap_or_else(|_| Err("corrupt binary JSON (its parser panicked)".into()))
 }
 
 thread_local! {
-    /// Set while [`guarded_rows`] decodes: a panic then is caught there. The fuzz targets'
-    /// panic hook reads it, so that only panics nothing catches count as findings.
+    /// Set while [`guarded`] runs: a panic then is caught there. The fuzz targets' panic hook
+    /// reads it, so that only panics nothing catches count as findings.
     static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Whether this thread is inside the guarded row decoding (see [`guarded_rows`]).
+/// Whether this thread is inside the guarded JSON decoding (see [`guarded`]).
 pub fn in_guarded_rows() -> bool {
     GUARDED.with(|g| g.get())
 }

@@ -1,15 +1,15 @@
-//! One row of an outbox table → an `OutboxEvent`: the mapped columns' values read and
-//! checked, a row that cannot be a message turned into a poison event with the reason.
+//! One row of an outbox table → an `OutboxEvent`: the mapped columns' values (as [`Cell`]s,
+//! read from a row image or converted from `mysql_common` values) checked, a row that cannot
+//! be a message turned into a poison event with the reason.
 
+use super::image::{render_jsonb, Cell};
 use super::{Col, Kind, Mapping, OutboxTable, SourceTz};
 use crate::event::{OutboxEvent, SourcePosition};
 use crate::source::contract::{self, Column, Json, Poison, PoisonReason, RowMeta, RowValues};
 use crate::Error;
 use bytes::Bytes;
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
-use mysql_common::binlog::row::BinlogRow;
 use mysql_common::binlog::value::BinlogValue;
-use mysql_common::value::Value;
 use uuid::Uuid;
 
 /// Where in the binlog a row was read: file, the transaction's index counter and commit data.
@@ -57,31 +57,25 @@ impl Mapping {
         Ok(())
     }
 
-    /// The event of one inserted row (its position's `end_pos` is filled in at commit).
-    pub fn event(
-        &self,
-        row: &BinlogRow,
-        present: &bitvec::slice::BitSlice<u8>,
-        ctx: RowContext<'_>,
-        tz: SourceTz,
-    ) -> OutboxEvent {
-        // A row holds values only for the columns in the image, in table order.
-        self.event_from(
-            |index| {
-                if index >= self.columns || index >= present.len() {
-                    return None;
-                }
-                row.as_ref(present[..index].count_ones())
-            },
-            ctx,
-            tz,
-        )
-    }
-
-    /// The event of one row whose value for table column `i` is `value(i)`.
+    /// The event of one row decoded by `mysql_common` (the snapshot and poll mode read rows
+    /// as such), whose value for table column `i` is `value(i)`.
     pub fn event_from<'v>(
         &self,
         value: impl Fn(usize) -> Option<&'v BinlogValue<'v>>,
+        ctx: RowContext<'_>,
+        tz: SourceTz,
+    ) -> OutboxEvent {
+        let cells: Vec<Option<Cell<'v>>> = (0..self.columns)
+            .map(|i| value(i).map(Cell::from_binlog))
+            .collect();
+        self.event_cells(|i| cells.get(i).and_then(Option::as_ref), ctx, tz)
+    }
+
+    /// The event of one row whose value for table column `i` is `value(i)` (`None`: not in
+    /// the row image).
+    pub fn event_cells<'r, 'v: 'r>(
+        &self,
+        value: impl Fn(usize) -> Option<&'r Cell<'v>>,
         ctx: RowContext<'_>,
         tz: SourceTz,
     ) -> OutboxEvent {
@@ -113,32 +107,32 @@ struct MyRow<'m, F> {
     tz: SourceTz,
 }
 
-impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> MyRow<'_, F> {
-    fn slot(&self, c: Col) -> Option<&'v BinlogValue<'v>> {
+impl<'r, 'v: 'r, F: Fn(usize) -> Option<&'r Cell<'v>>> MyRow<'_, F> {
+    fn slot(&self, c: Col) -> Option<&'r Cell<'v>> {
         (self.value)(c.index)
     }
 
     /// The value of an optional column; `None` when the table lacks it or it is NULL.
-    fn optional(&self, c: Option<Col>) -> Option<&'v BinlogValue<'v>> {
+    fn optional(&self, c: Option<Col>) -> Option<&'r Cell<'v>> {
         match c.map(|c| self.slot(c)) {
-            None | Some(None) | Some(Some(BinlogValue::Value(Value::NULL))) => None,
+            None | Some(None) | Some(Some(Cell::Null)) => None,
             Some(v) => v,
         }
     }
 }
 
-impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F> {
+impl<'r, 'v: 'r, F: Fn(usize) -> Option<&'r Cell<'v>>> RowValues for MyRow<'_, F> {
     fn id(&self, poison: &mut Poison) -> Option<Uuid> {
         let col = self.mapping.id;
         let b = match self.slot(col) {
-            Some(BinlogValue::Value(Value::Bytes(b))) => pad(b, col),
+            Some(Cell::Bytes(b)) => pad(b, col),
             other => {
                 poison.push(bad(Column::Id, other));
                 return None;
             }
         };
         let id = if col.binary {
-            <[u8; 16]>::try_from(b.as_slice())
+            <[u8; 16]>::try_from(&*b)
                 .map(Uuid::from_bytes)
                 .map_err(|_| PoisonReason::UuidLength(b.len()))
         } else {
@@ -153,18 +147,18 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
     fn aggregate_id(&self, poison: &mut Poison) -> String {
         let col = self.mapping.aggregate_id;
         match self.slot(col) {
-            Some(BinlogValue::Value(Value::Int(i))) => i.to_string(),
-            Some(BinlogValue::Value(Value::UInt(u))) => u.to_string(),
-            Some(BinlogValue::Value(Value::Bytes(b))) => {
+            Some(Cell::Int(i)) => i.to_string(),
+            Some(Cell::UInt(u)) => u.to_string(),
+            Some(Cell::Bytes(b)) => {
                 let b = pad(b, col);
                 if col.binary && b.len() == 16 {
-                    Uuid::from_bytes(b.as_slice().try_into().expect("16 bytes")).to_string()
+                    Uuid::from_bytes((&*b).try_into().expect("16 bytes")).to_string()
                 } else {
-                    match String::from_utf8(b) {
+                    match std::str::from_utf8(&b) {
                         Ok(s) if col.kind == Kind::Fixed && !col.binary => {
                             s.trim_end_matches(' ').to_string()
                         }
-                        Ok(s) => s,
+                        Ok(s) => s.to_string(),
                         Err(_) => {
                             poison.push(PoisonReason::NotUtf8(Column::AggregateId));
                             String::new()
@@ -181,7 +175,7 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
 
     fn topic(&self, poison: &mut Poison) -> String {
         match self.slot(self.mapping.topic) {
-            Some(BinlogValue::Value(Value::Bytes(b))) => match std::str::from_utf8(b) {
+            Some(Cell::Bytes(b)) => match std::str::from_utf8(b) {
                 Ok(s) if self.mapping.topic.kind == Kind::Fixed => {
                     s.trim_end_matches(' ').to_string()
                 }
@@ -209,7 +203,7 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
 
     fn row_content_type(&self) -> Option<Bytes> {
         match self.mapping.content_type.map(|c| self.slot(c)) {
-            Some(Some(BinlogValue::Value(Value::Bytes(b)))) => Some(Bytes::copy_from_slice(b)),
+            Some(Some(Cell::Bytes(b))) => Some(Bytes::copy_from_slice(b)),
             _ => None,
         }
     }
@@ -235,7 +229,7 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
             self.tz
         };
         let at = match self.slot(col) {
-            Some(BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us))) => {
+            Some(Cell::Date(y, mo, d, h, mi, s, us)) => {
                 let naive = NaiveDate::from_ymd_opt(*y as i32, *mo as u32, *d as u32)
                     .and_then(|date| date.and_hms_micro_opt(*h as u32, *mi as u32, *s as u32, *us));
                 match naive {
@@ -247,12 +241,24 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
                     ))),
                 }
             }
-            // TIMESTAMP(n): "seconds" or "seconds.micros" since the epoch.
-            Some(BinlogValue::Value(Value::Bytes(b))) => parse_epoch(b)
+            // TIMESTAMP(n) from the binlog: seconds and microseconds since the epoch (the
+            // same instant as its text, `seconds.micros`, reads as below).
+            Some(Cell::Epoch(secs, micros)) => (0..1_000_000)
+                .contains(micros)
+                .then(|| {
+                    Utc.timestamp_opt(i64::from(*secs), *micros as u32 * 1000)
+                        .single()
+                })
+                .flatten()
+                .ok_or_else(|| {
+                    PoisonReason::NotTimestamp(
+                        Cell::Epoch(*secs, *micros).epoch_text().unwrap_or_default(),
+                    )
+                }),
+            // TIMESTAMP(n) as text: "seconds" or "seconds.micros" since the epoch.
+            Some(Cell::Bytes(b)) => parse_epoch(b)
                 .ok_or_else(|| PoisonReason::NotTimestamp(String::from_utf8_lossy(b).into_owned())),
-            Some(BinlogValue::Value(Value::Int(secs))) => {
-                Ok(Utc.timestamp_opt(*secs, 0).single().unwrap_or_default())
-            }
+            Some(Cell::Int(secs)) => Ok(Utc.timestamp_opt(*secs, 0).single().unwrap_or_default()),
             other => Err(bad(Column::CreatedAt, other)),
         };
         Some(at.map_err(|r| poison.push(r)).ok())
@@ -265,10 +271,8 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
 
     fn version(&self, poison: &mut Poison) -> Option<i64> {
         let v = match self.optional(self.mapping.version)? {
-            BinlogValue::Value(Value::Int(i)) => Ok(*i),
-            BinlogValue::Value(Value::UInt(u)) => {
-                i64::try_from(*u).map_err(|_| PoisonReason::VersionOutOfRange(*u))
-            }
+            Cell::Int(i) => Ok(*i),
+            Cell::UInt(u) => i64::try_from(*u).map_err(|_| PoisonReason::VersionOutOfRange(*u)),
             _ => Err(PoisonReason::VersionNotInteger),
         };
         v.map_err(|r| poison.push(r)).ok()
@@ -295,61 +299,68 @@ impl<'v, F: Fn(usize) -> Option<&'v BinlogValue<'v>>> RowValues for MyRow<'_, F>
 
 /// The type an extra column's value keeps in a header: integers (TINYINT … BIGINT, so also
 /// `BOOLEAN`, which is `TINYINT(1)`: 0 or 1), `FLOAT` and `DOUBLE`; anything else is text.
-fn value_type(v: &BinlogValue<'_>) -> crate::event::Typed {
+fn value_type(v: &Cell<'_>) -> crate::event::Typed {
     use crate::event::Typed;
     match v {
-        BinlogValue::Value(Value::Int(i)) => Typed::Int(*i),
-        BinlogValue::Value(Value::UInt(u)) => i64::try_from(*u).map_or(Typed::Text, Typed::Int),
-        BinlogValue::Value(Value::Float(f)) => Typed::Float32(*f),
-        BinlogValue::Value(Value::Double(f)) => Typed::Float(*f),
+        Cell::Int(i) => Typed::Int(*i),
+        Cell::UInt(u) => i64::try_from(*u).map_or(Typed::Text, Typed::Int),
+        Cell::Float(f) => Typed::Float32(*f),
+        Cell::Double(f) => Typed::Float(*f),
         _ => Typed::Text,
     }
 }
 
 /// An extra column's value as text (`None` for NULL): numbers in decimal, dates in ISO form,
 /// text as is (bytes that are not UTF-8 lossily), MySQL 8 JSON rendered.
-fn value_text(v: &BinlogValue<'_>) -> Option<String> {
+fn value_text(v: &Cell<'_>) -> Option<String> {
     Some(match v {
-        BinlogValue::Value(Value::NULL) => return None,
-        BinlogValue::Value(Value::Bytes(b)) => String::from_utf8_lossy(b).into_owned(),
-        BinlogValue::Value(Value::Int(i)) => i.to_string(),
-        BinlogValue::Value(Value::UInt(u)) => u.to_string(),
-        BinlogValue::Value(Value::Float(f)) => f.to_string(),
-        BinlogValue::Value(Value::Double(f)) => f.to_string(),
-        BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us)) => {
+        Cell::Null => return None,
+        Cell::Bytes(b) => String::from_utf8_lossy(b).into_owned(),
+        Cell::Epoch(..) => v.epoch_text()?,
+        Cell::Int(i) => i.to_string(),
+        Cell::UInt(u) => u.to_string(),
+        Cell::Float(f) => f.to_string(),
+        Cell::Double(f) => f.to_string(),
+        Cell::Date(y, mo, d, h, mi, s, us) => {
             format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06}")
         }
-        BinlogValue::Value(Value::Time(neg, d, h, mi, s, us)) => format!(
+        Cell::Time(neg, d, h, mi, s, us) => format!(
             "{}{:02}:{mi:02}:{s:02}.{us:06}",
             if *neg { "-" } else { "" },
             *d * 24 + u32::from(*h)
         ),
-        BinlogValue::Jsonb(j) => serde_json::Value::try_from(j.clone()).ok()?.to_string(),
-        BinlogValue::JsonDiff(_) => return None,
+        Cell::Jsonb(raw) => render_jsonb(raw).ok()?,
+        Cell::Decoded(BinlogValue::Jsonb(j)) => {
+            serde_json::Value::try_from(j.clone()).ok()?.to_string()
+        }
+        Cell::Decoded(_) => return None,
     })
 }
 
 /// Pads a CHAR/BINARY value back to the column length: the binlog drops trailing 0x00 of
 /// BINARY values (and trailing spaces of CHAR ones).
-fn pad(b: &[u8], col: Col) -> Vec<u8> {
-    let mut v = b.to_vec();
-    if col.kind == Kind::Fixed && v.len() < col.len {
+fn pad<'b>(b: &'b [u8], col: Col) -> std::borrow::Cow<'b, [u8]> {
+    if col.kind == Kind::Fixed && b.len() < col.len {
+        let mut v = b.to_vec();
         v.resize(col.len, if col.binary { 0 } else { b' ' });
+        std::borrow::Cow::Owned(v)
+    } else {
+        std::borrow::Cow::Borrowed(b)
     }
-    v
 }
 
 /// Why a column the message needs has no usable value.
-fn bad(column: Column, v: Option<&BinlogValue<'_>>) -> PoisonReason {
+fn bad(column: Column, v: Option<&Cell<'_>>) -> PoisonReason {
     match v {
         None => PoisonReason::Missing(column),
-        Some(BinlogValue::Value(Value::NULL)) => PoisonReason::Null(column),
+        Some(Cell::Null) => PoisonReason::Null(column),
         Some(other) => PoisonReason::Unexpected(column, short_debug(other)),
     }
 }
 
-fn short_debug(v: &BinlogValue<'_>) -> String {
-    let mut s = format!("{v:?}");
+/// A value as `mysql_common` would print it, cut at 80 bytes.
+fn short_debug(v: &Cell<'_>) -> String {
+    let mut s = format!("{:?}", v.to_binlog());
     if s.len() > 80 {
         let mut cut = 80;
         while !s.is_char_boundary(cut) {
@@ -362,13 +373,19 @@ fn short_debug(v: &BinlogValue<'_>) -> String {
 }
 
 /// A JSON-bearing column's value: text byte for byte, MySQL 8 binary JSON rendered as text.
-fn json_value(v: Option<&BinlogValue<'_>>, column: Column) -> Result<Json, PoisonReason> {
+fn json_value(v: Option<&Cell<'_>>, column: Column) -> Result<Json, PoisonReason> {
     match v {
-        Some(BinlogValue::Value(Value::Bytes(b))) => Ok(Json::Text(Bytes::copy_from_slice(b))),
-        Some(BinlogValue::Jsonb(j)) => match serde_json::Value::try_from(j.clone()) {
-            Ok(value) => Ok(Json::Typed(Bytes::from(value.to_string()))),
-            Err(e) => Err(PoisonReason::JsonUnrenderable(e.to_string())),
+        Some(Cell::Bytes(b)) => Ok(Json::Text(Bytes::copy_from_slice(b))),
+        Some(Cell::Jsonb(raw)) => match render_jsonb(raw) {
+            Ok(text) => Ok(Json::Typed(Bytes::from(text))),
+            Err(e) => Err(PoisonReason::JsonUnrenderable(e)),
         },
+        Some(Cell::Decoded(BinlogValue::Jsonb(j))) => {
+            match serde_json::Value::try_from(j.clone()) {
+                Ok(value) => Ok(Json::Typed(Bytes::from(value.to_string()))),
+                Err(e) => Err(PoisonReason::JsonUnrenderable(e.to_string())),
+            }
+        }
         other => Err(bad(column, other)),
     }
 }
@@ -376,7 +393,7 @@ fn json_value(v: Option<&BinlogValue<'_>>, column: Column) -> Result<Json, Poiso
 /// JSON text of a payload value: text columns byte for byte (validated), MySQL 8 binary JSON
 /// rendered as text.
 pub fn json_text(v: Option<&BinlogValue<'_>>) -> Result<Bytes, PoisonReason> {
-    match json_value(v, Column::Payload)? {
+    match json_value(v.map(Cell::from_binlog).as_ref(), Column::Payload)? {
         Json::Text(b) if serde_json::from_slice::<serde::de::IgnoredAny>(&b).is_err() => {
             Err(PoisonReason::NotJson(Column::Payload))
         }

@@ -4,8 +4,9 @@
 //! A row that cannot be a message becomes a poison event with the reason; a table that lost or
 //! changed a mapped column, or a row image that lacks one, stops the relay with the fix.
 //!
-//! The table's columns and their mapping are here; the values of a row become an event in
-//! `event`, and DATETIME values are read in the zone of `tz`.
+//! The table's columns and their mapping are here; a rows event's row images are read column
+//! by column from the table map in `image`, the values of a row become an event in `event`,
+//! and DATETIME values are read in the zone of `tz`.
 
 use crate::outbox::ColumnMap;
 use crate::Error;
@@ -13,9 +14,11 @@ use mysql_common::binlog::events::{OptionalMetaExtractor, TableMapEvent};
 use mysql_common::constants::ColumnType;
 
 mod event;
+mod image;
 mod tz;
 
 pub use event::{json_text, RowContext};
+pub use image::{parse_jsonb, render_jsonb, Cell, Image, Layout};
 pub use tz::SourceTz;
 
 /// The `binary` collation id: BINARY, VARBINARY and BLOB columns carry it.
@@ -86,6 +89,21 @@ pub struct Mapping {
     payload_content_type: Option<std::sync::Arc<str>>,
     /// `x-outbox-table` of this table's events (several tables only).
     label: Option<std::sync::Arc<str>>,
+    /// Per table column: whether an event reads it (the others are only stepped over when a
+    /// row image is read).
+    wanted: Vec<bool>,
+}
+
+impl Mapping {
+    /// Columns of the table version this mapping was made for.
+    pub fn columns(&self) -> usize {
+        self.columns
+    }
+
+    /// Per table column: whether an event reads it.
+    pub fn wanted(&self) -> &[bool] {
+        &self.wanted
+    }
 }
 
 /// The outbox table the relay reads: `<database>.<table>` and its column names.
@@ -244,7 +262,20 @@ impl OutboxTable {
             }
             extra.push((e.key.clone(), index));
         }
+        let mut wanted = vec![false; infos.len()];
+        let cols = [Some(id), Some(aggregate_id), Some(topic), Some(payload)];
+        for c in cols
+            .into_iter()
+            .chain([created_at, headers, version, content_type])
+            .flatten()
+        {
+            wanted[c.index] = true;
+        }
+        for i in extra.iter().filter_map(|(_, i)| *i) {
+            wanted[i] = true;
+        }
         Ok(Mapping {
+            wanted,
             columns: infos.len(),
             id,
             aggregate_id,
