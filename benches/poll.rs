@@ -8,7 +8,11 @@
 //!   one poll relay, then (rows reset to pending) by three at once; time until no row is pending.
 //! - idle cost: the server CPU (utime + stime of the server process or thread serving the
 //!   poller's session, from /proc) over `OUTBOXD_BENCH_IDLE_SECONDS` (default 30) s of an
-//!   idle poller on an empty table at the default interval, and the relay process's own.
+//!   idle poller on an empty table at the default interval, and the relay process's own;
+//!   then idle CDC relays per source and sink, with their walsender or binlog dump thread
+//!   (benches/poll/idle.rs: `OUTBOXD_BENCH_IDLE_CASES`, and `OUTBOXD_BENCH_BASELINE` for
+//!   another binary measured beside this build). `OUTBOXD_BENCH_SOURCES=none` leaves the
+//!   poller out.
 //!
 //! `OUTBOXD_BENCH_PARTS` (default `latency,drain,idle`) picks the parts, `OUTBOXD_BENCH_SOURCES`
 //! (default `postgres,mariadb`) the databases, and `OUTBOXD_BENCH_POLL_ARGS` (whitespace
@@ -21,6 +25,9 @@
 #[allow(dead_code)]
 #[path = "latency.rs"]
 mod latency;
+
+#[path = "poll/idle.rs"]
+mod idle;
 
 use futures::StreamExt;
 use lapin::options::{
@@ -649,6 +656,7 @@ async fn main() {
             };
             println!("| {name} | {server:.0} | {relay:.0} |");
         }
+        idle::report(idle).await;
     }
     let three = |l: &str| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     println!(

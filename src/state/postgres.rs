@@ -8,13 +8,16 @@ use crate::dsn::DbDsn;
 use crate::event::{format_lsn, parse_lsn, Checkpoint};
 use crate::telemetry::events::{InternalEvent, SlotRetainedWal};
 use crate::Error;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Statement};
 
 /// The lease keeper's view of a Postgres state table: one session, reconnected on demand.
 pub struct PgStateStore {
     dsn: DbDsn,
     app: String,
     client: Option<Client>,
+    /// [`RENEW`] prepared on `client` (dropped with it): a renewal is then one round trip,
+    /// not a parse, an execute and a close.
+    renew_statement: Option<Statement>,
     /// The slot whose retained WAL is reported as a metric, every few renewals (and which
     /// [`StateStore::acquire`] records for the relay name).
     slot: Option<String>,
@@ -32,6 +35,7 @@ impl PgStateStore {
             dsn,
             app,
             client: None,
+            renew_statement: None,
             slot: None,
             publication: None,
             renewals: 0,
@@ -59,8 +63,24 @@ impl PgStateStore {
     async fn client(&mut self) -> Result<&mut Client, Error> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
             self.client = Some(crate::db::postgres::connect_sql(&self.dsn, &self.app).await?);
+            self.renew_statement = None;
         }
         Ok(self.client.as_mut().expect("connected above"))
+    }
+
+    /// The session and [`RENEW`] prepared on it.
+    async fn renew_statement(&mut self) -> Result<(&Client, Statement), Error> {
+        self.client().await?;
+        let client = self.client.as_ref().expect("connected above");
+        let statement = match &self.renew_statement {
+            Some(s) => s.clone(),
+            None => {
+                let s = client.prepare(RENEW).await?;
+                self.renew_statement = Some(s.clone());
+                s
+            }
+        };
+        Ok((client, statement))
     }
 
     async fn renew_once(
@@ -74,7 +94,10 @@ impl PgStateStore {
             Some(Checkpoint::Snapshot { key, .. }) => (None, Some(key.as_str())),
             _ => (None, None),
         };
-        let r = renew(self.client().await?, lease, lsn, commit).await;
+        let r = match self.renew_statement().await {
+            Ok((client, statement)) => renew(client, &statement, lease, lsn, commit).await,
+            Err(e) => Err(e),
+        };
         if let (Ok(held), Some(l), Some(cp)) = (&r, lsn, &self.checkpoints) {
             cp.written(l, *held);
         }
@@ -699,19 +722,9 @@ pub async fn store_snapshot_key(client: &Client, lease: &Lease, key: &str) -> Re
 
 use super::lost;
 
-/// Renews the lease and, when given, stores a newer position. A position older than the stored
-/// one is ignored by the statement itself, so the row can never move backwards. Returns the
-/// position the row holds afterwards.
-pub async fn renew(
-    client: &Client,
-    lease: &Lease,
-    position: Option<u64>,
-    commit: &DurableCommit,
-) -> Result<Option<u64>, Error> {
-    let pos_text = position.map(format_lsn);
-    let row = client
-        .query_opt(
-            "UPDATE outboxd_state
+/// The renewal ([`renew`]): prepared once per session, as it is the one statement an idle relay
+/// sends every second.
+pub const RENEW: &str = "UPDATE outboxd_state
                 SET lease_renewed_at = now(),
                     lease_expires_at = now() + make_interval(secs => $4),
                     position_lsn = CASE WHEN $3::text IS NOT NULL
@@ -724,7 +737,22 @@ pub async fn renew(
                     commit_gap_ms = greatest(commit_gap_ms, $7),
                     updated_at = now()
               WHERE name = $1 AND epoch = $2 AND lease_holder = $5
-          RETURNING position_lsn::text",
+          RETURNING position_lsn::text";
+
+/// Renews the lease and, when given, stores a newer position (`statement`: [`RENEW`] prepared on
+/// `client`). A position older than the stored one is ignored by the statement itself, so the
+/// row can never move backwards. Returns the position the row holds afterwards.
+pub async fn renew(
+    client: &Client,
+    statement: &Statement,
+    lease: &Lease,
+    position: Option<u64>,
+    commit: &DurableCommit,
+) -> Result<Option<u64>, Error> {
+    let pos_text = position.map(format_lsn);
+    let row = client
+        .query_opt(
+            statement,
             &[
                 &lease.name,
                 &lease.epoch,

@@ -236,7 +236,7 @@ async fn the_stored_position_follows_confirms_promptly_never_backwards_and_rests
         let now = db.stored_pos(&name).await;
         // Idle, the position follows what other databases write (a Postgres slot the
         // keepalives' WAL end, the binlog position other transactions' checkpoints, at most
-        // every 200 ms): forward only. The tests beside this one write all along.
+        // every 5 s): forward only. The tests beside this one write all along.
         assert!(now >= rested, "idle: {now:?} is behind {rested:?}");
     }
     relay.signal("TERM");

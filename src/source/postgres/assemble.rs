@@ -1,7 +1,8 @@
 //! The Postgres transaction assembler: fed the replication stream's messages (transaction
 //! begin and commit, decoded pgoutput messages, keepalives), it returns the outbox events to
 //! forward and the checkpoints after them, and skips what a reconnect repeats
-//! ([`Redelivery`], keyed by the commit LSN). No I/O: the run loop reads and delivers.
+//! ([`Redelivery`], keyed by the commit LSN). No I/O, and no clock of its own: the run loop
+//! reads, delivers, and stamps each keepalive with the time it came.
 
 use super::pgoutput;
 use super::rows::{pg_time, RowMapper};
@@ -9,6 +10,16 @@ use crate::event::Checkpoint;
 use crate::source::assemble::{Output, Redelivery, Replay};
 use crate::Error;
 use chrono::{DateTime, Utc};
+use std::time::{Duration, Instant};
+
+/// How often an idle keepalive becomes a checkpoint at most. Every stored position is a write
+/// to `outboxd_state` in the slot's own database, and its WAL brings the next keepalive with
+/// a newer end: a checkpoint per keepalive had an idle relay store a position every
+/// `STORE_INTERVAL` for ever (and its walsender decode and its database flush each of them).
+/// At this pace the slot stays within a few seconds of the head beside busy tables, and the
+/// store adds no write of its own: a stored position renews the lease, which is written every
+/// second anyway.
+pub const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
 
 /// One message of the replication stream, as the assembler takes it.
 #[derive(Debug)]
@@ -22,8 +33,8 @@ pub enum Input {
     Message(pgoutput::Message),
     /// The open transaction committed; the next one starts after `end_lsn`.
     Commit { end_lsn: u64 },
-    /// The server has sent everything before `wal_end`.
-    KeepAlive { wal_end: u64 },
+    /// The server has sent everything before `wal_end`; the keepalive came `at`.
+    KeepAlive { wal_end: u64, at: Instant },
 }
 
 struct Txn {
@@ -41,6 +52,9 @@ pub struct Assembler {
     redelivery: Redelivery<u64>,
     txn: Option<Txn>,
     last_idle_checkpoint: u64,
+    /// When the last idle checkpoint was made (kept across reconnects: the pace is the
+    /// store's, not the stream's).
+    last_idle_at: Option<Instant>,
 }
 
 impl Assembler {
@@ -50,6 +64,7 @@ impl Assembler {
             redelivery: Redelivery::default(),
             txn: None,
             last_idle_checkpoint: 0,
+            last_idle_at: None,
         }
     }
 
@@ -91,12 +106,21 @@ impl Assembler {
             // publish = 'insert' keeps these away; other messages are not ours.
             Input::Message(_) => Ok(None),
             Input::Commit { end_lsn } => Ok(self.commit(end_lsn)),
-            Input::KeepAlive { wal_end } => {
+            Input::KeepAlive { wal_end, at } => {
                 // Everything before a keepalive has been sent to us, so once the events before
                 // it are durable the slot may move here: an idle outbox beside busy tables
-                // keeps the slot near the head.
-                if self.txn.is_none() && wal_end > self.last_idle_checkpoint && wal_end > acked {
+                // keeps the slot near the head. At most one per IDLE_CHECKPOINT_INTERVAL: the
+                // keepalives that come sooner are dropped, a later one carries a newer end.
+                let due = self
+                    .last_idle_at
+                    .is_none_or(|t| at.saturating_duration_since(t) >= IDLE_CHECKPOINT_INTERVAL);
+                if self.txn.is_none()
+                    && due
+                    && wal_end > self.last_idle_checkpoint
+                    && wal_end > acked
+                {
                     self.last_idle_checkpoint = wal_end;
+                    self.last_idle_at = Some(at);
                     return Ok(Some(Output::Checkpoint(Checkpoint::Lsn(wal_end))));
                 }
                 Ok(None)

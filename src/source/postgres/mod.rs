@@ -102,6 +102,10 @@ async fn connect_replication(
         .map_err(|e| wire_error(e, &cfg.slot, &cfg.name))
 }
 
+/// How long the replication stream may be silent before the relay sends a status update
+/// anyway (see [`replication_config`]).
+pub const IDLE_WAKEUP: Duration = Duration::from_secs(10);
+
 /// Replication messages the library may hold decoded before the relay takes them: memory is
 /// bounded by `--max-inflight-bytes` plus this many rows.
 pub const REPLICATION_BUFFER_EVENTS: usize = 32;
@@ -129,7 +133,12 @@ fn replication_config(
     // Report exactly what is durable and stored until the relay says more.
     .with_ack_lsn(Lsn::from_u64(confirmed))
     .with_status_interval(cfg.status_interval)
-    .with_wakeup_interval(Duration::from_secs(1))
+    // A status update when the stream has been silent this long. Nothing needs it sooner: a
+    // newer position goes out within the status interval, a keepalive that asks for a reply
+    // is answered at once (the server asks at half its `wal_sender_timeout`), and an idle
+    // stream is not silent anyway (the lease's renewals write WAL every second, and the
+    // walsender reports each). At one second it only woke the relay and its walsender.
+    .with_wakeup_interval(IDLE_WAKEUP)
     // Few decoded messages wait in the library: our byte budget (`--max-inflight-bytes`)
     // starts after them, so with large rows its queue alone could hold many megabytes.
     .with_buffer_size(REPLICATION_BUFFER_EVENTS)
@@ -419,7 +428,10 @@ fn input_of(
             }
             .emit();
             catch_up.behind(wal_end.saturating_sub(acked));
-            Input::KeepAlive { wal_end }
+            Input::KeepAlive {
+                wal_end,
+                at: Instant::now(),
+            }
         }
         ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => return Ok(None),
     }))

@@ -176,19 +176,68 @@ fn an_insert_outside_a_transaction_is_an_error() {
 #[test]
 fn an_idle_keepalive_is_a_checkpoint_once_and_never_inside_a_transaction() {
     let mut a = assembler();
-    let keep = |w| Input::KeepAlive { wal_end: w };
+    let t0 = Instant::now();
+    // Each keepalive a full interval after the one before: the pace is not what is tested.
+    let at = |n: u32| t0 + IDLE_CHECKPOINT_INTERVAL * n;
+    let keep = |w, n| Input::KeepAlive {
+        wal_end: w,
+        at: at(n),
+    };
     assert_eq!(
-        a.feed(keep(50), 60).unwrap().map(|_| ()),
+        a.feed(keep(50, 0), 60).unwrap().map(|_| ()),
         None,
         "behind the acknowledgement"
     );
     assert_eq!(
-        feed(&mut a, vec![keep(500), keep(500), keep(600)]),
+        feed(&mut a, vec![keep(500, 1), keep(500, 2), keep(600, 3)]),
         ["i500", "i600"]
     );
     assert_eq!(
-        feed(&mut a, vec![begin(700), keep(800)]),
+        feed(&mut a, vec![begin(700), keep(800, 4)]),
         Vec::<String>::new()
     );
-    assert_eq!(feed(&mut a, vec![commit(710), keep(900)]), ["c710", "i900"]);
+    assert_eq!(
+        feed(&mut a, vec![commit(710), keep(900, 5)]),
+        ["c710", "i900"]
+    );
+}
+
+/// The relay's own store writes WAL, whose keepalive would be the next checkpoint, whose store
+/// writes WAL: idle checkpoints come at most once per interval, whatever the keepalives.
+#[test]
+fn idle_checkpoints_come_at_most_once_per_interval() {
+    let mut a = assembler();
+    let t0 = Instant::now();
+    let keep = |w, after: Duration| Input::KeepAlive {
+        wal_end: w,
+        at: t0 + after,
+    };
+    let ms = Duration::from_millis;
+    assert_eq!(feed(&mut a, vec![keep(100, ms(0))]), ["i100"]);
+    // A keepalive every 100 ms (what a store every 100 ms brought): none of them.
+    let soon: Vec<Input> = (1..50).map(|i| keep(100 + i, ms(100 * i))).collect();
+    assert_eq!(feed(&mut a, soon), Vec::<String>::new());
+    // The first one a whole interval after the last checkpoint, with the newest end.
+    assert_eq!(
+        feed(
+            &mut a,
+            vec![
+                keep(200, IDLE_CHECKPOINT_INTERVAL),
+                keep(300, IDLE_CHECKPOINT_INTERVAL + ms(1))
+            ]
+        ),
+        ["i200"]
+    );
+    // Event transactions keep their checkpoints in between.
+    assert_eq!(
+        feed(
+            &mut a,
+            vec![
+                begin(400),
+                commit(410),
+                keep(500, IDLE_CHECKPOINT_INTERVAL + ms(2))
+            ]
+        ),
+        ["c410"]
+    );
 }
