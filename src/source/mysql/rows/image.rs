@@ -777,7 +777,17 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(20_000))]
+        // Shrunk failing cases are kept with the other test fixtures, under tests/ (the
+        // repository root holds only what belongs there), and re-run first on every run.
+        #![proptest_config(ProptestConfig {
+            cases: 20_000,
+            failure_persistence: Some(Box::new(
+                proptest::test_runner::FileFailurePersistence::SourceParallel(
+                    "tests/proptest-regressions",
+                ),
+            )),
+            ..ProptestConfig::default()
+        })]
 
         /// For every column type: the same value, from the same bytes, as `mysql_common`'s
         /// decoder (the relay's before), or an error where it errs; never a panic.
