@@ -469,6 +469,11 @@ async fn republish<S: Sink>(
     opts: &RelayOptions,
     stats: &RelayStats,
 ) -> Result<usize, SinkError> {
+    // A relay whose lease gate is closed does not reach for the broker at all, not even to
+    // connect: it regains the lease first or its keeper stops it (a paused leader resumed
+    // after losing its lease opened a new connection through its 64 ms retry before the
+    // keeper's exit, writing the protocol header while another relay held the lease).
+    gate(opts).await;
     sink.connect().await?;
     let mut sent_count = 0;
     let front = w.queue.iter_mut().find_map(|e| match e {
