@@ -202,10 +202,5 @@ async fn check_sink(dsn: &SinkDsn, options: &SinkOptions) -> Vec<CheckLine> {
 }
 
 fn fail_line(check: &str, detail: String) -> CheckLine {
-    CheckLine {
-        level: Level::Fail,
-        check: check.into(),
-        detail,
-        fix: None,
-    }
+    crate::diagnostics::line(Level::Fail, check, detail, None)
 }

@@ -82,12 +82,12 @@ fn check<'a>(
     Box::pin(async move {
         let cfg = config(dsn.url(), o, ctx);
         if let Err(e) = cfg.validate() {
-            return vec![CheckLine {
-                level: Level::Fail,
-                check: "kafka settings".into(),
-                detail: e.to_string(),
-                fix: None,
-            }];
+            return vec![crate::diagnostics::line(
+                Level::Fail,
+                "kafka settings",
+                e.to_string(),
+                None,
+            )];
         }
         super::check::check(&cfg).await
     })

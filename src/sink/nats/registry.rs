@@ -77,12 +77,12 @@ fn check<'a>(
     Box::pin(async move {
         let cfg = config(dsn.url(), o, ctx);
         if let Err(e) = cfg.validate() {
-            return vec![CheckLine {
-                level: Level::Fail,
-                check: "nats settings".into(),
-                detail: e.to_string(),
-                fix: None,
-            }];
+            return vec![crate::diagnostics::line(
+                Level::Fail,
+                "nats settings",
+                e.to_string(),
+                None,
+            )];
         }
         super::declare::check(&cfg).await
     })

@@ -64,12 +64,12 @@ fn check<'a>(
                 sink.check(o.sinks.rabbitmq_stream.management_url.as_deref())
                     .await
             }
-            Err(e) => vec![CheckLine {
-                level: Level::Fail,
-                check: "stream settings".into(),
-                detail: e.to_string(),
-                fix: None,
-            }],
+            Err(e) => vec![crate::diagnostics::line(
+                Level::Fail,
+                "stream settings",
+                e.to_string(),
+                None,
+            )],
         }
     })
 }
