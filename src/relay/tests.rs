@@ -585,3 +585,45 @@ async fn shutdown_with_an_unconfirmed_event_keeps_trying_to_deliver_it() {
         .expect("the relay ended once its input closed");
     assert!(r.unwrap().is_ok());
 }
+
+/// A graceful stop while the server's commits queue for longer than a renewal may take (a
+/// MariaDB writing a large transaction's binlog): the final position is still stored, so the
+/// next start does not publish again what this run confirmed.
+#[tokio::test(start_paused = true)]
+async fn a_graceful_stop_stores_the_final_position_on_a_server_slower_than_a_renewal() {
+    use crate::state::{memory::MemoryStore, RENEW_TIMEOUT};
+    let (opts, fence) = fenced();
+    let mut h = start(opts);
+    let (store, sh) = MemoryStore::new();
+    let k = keep(store, &sh, &h, fence, false).await;
+    let first = event(0);
+    h.send(&first).await;
+    h.wait_acked(lsn(&first)).await;
+    wait_until("the first position stored", || {
+        sh.position() == Some(Checkpoint::Lsn(lsn(&first)))
+    })
+    .await;
+    let slow = RENEW_TIMEOUT * 2;
+    sh.slow_renewals(slow);
+    let second = event(1);
+    h.send(&second).await;
+    h.wait_acked(lsn(&second)).await;
+    k.stop.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(60), k.task)
+        .await
+        .expect("the keeper ended")
+        .unwrap();
+    assert!(ended.is_ok(), "{ended:?}");
+    assert!(
+        sh.renewals().0 >= 2,
+        "the renewals were slowed: {:?}",
+        sh.renewals()
+    );
+    assert_eq!(
+        sh.position(),
+        Some(Checkpoint::Lsn(lsn(&second))),
+        "the final position is stored although each write took {slow:?}"
+    );
+    assert_eq!(sh.releases(), 1, "and the lease released");
+    h.relay.abort();
+}

@@ -13,6 +13,7 @@ use super::{lost, DurableCommit, Lease, StateStore, Stored, LEASE_TTL};
 use crate::event::Checkpoint;
 use crate::Error;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::time::Instant;
 
 #[derive(Debug, Default)]
@@ -35,6 +36,8 @@ struct Record {
     /// included).
     history: Vec<Checkpoint>,
     fail_renewals: bool,
+    /// How long each renewal waits before it is applied (a server whose commits queue).
+    slow_renewals: Duration,
     renewals: u64,
     failed_renewals: u64,
     releases: u64,
@@ -78,6 +81,13 @@ impl MemoryStoreHandle {
     /// Every renewal fails (a retryable error) until called with `false`.
     pub fn fail_renewals(&self, fail: bool) {
         lock(&self.shared).fail_renewals = fail;
+    }
+
+    /// Every renewal takes `delay` before it is applied (zero: at once), as on a server whose
+    /// commits wait behind a large transaction's binlog write. A renewal given up before then
+    /// applies nothing.
+    pub fn slow_renewals(&self, delay: Duration) {
+        lock(&self.shared).slow_renewals = delay;
     }
 
     /// Every position it was asked to store, in order, older ones it kept out included: a
@@ -199,6 +209,10 @@ impl StateStore for MemoryStore {
         position: Option<&Checkpoint>,
         commit: &DurableCommit,
     ) -> Result<(), Error> {
+        let delay = lock(&self.shared).slow_renewals;
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let mut r = lock(&self.shared);
         r.renewals += 1;
         if r.fail_renewals {

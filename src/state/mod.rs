@@ -43,6 +43,12 @@ pub const LEASE_TTL: Duration = Duration::from_secs(5);
 pub const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
 /// One renewal may take this long; a stalled connection must not stall the lease keeper.
 pub const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
+/// The final position's write at a graceful stop may take this long. The relay has stopped
+/// publishing by then, so no fence waits on it, and a server whose commits queue behind a
+/// large transaction (seconds on a busy MariaDB) must not cost the next start a replay of
+/// everything since the last stored position. The binary's `--shutdown-timeout` bounds the
+/// whole stop.
+pub const FINAL_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const RENEW_INTERVAL: Duration = Duration::from_secs(1);
 /// A newer durable position is stored this soon after the sink confirmed it, and the store is
 /// written at most this often: a relay killed at any moment resumes at most this much traffic
@@ -543,10 +549,13 @@ pub async fn keep_lease<S: StateStore>(
         // A renewal stuck on a stalled connection must not stall the clock that fences; the
         // store then drops the session it used (it may have been inside a transaction).
         let sent = Instant::now();
+        let limit = if stopping {
+            FINAL_WRITE_TIMEOUT
+        } else {
+            RENEW_TIMEOUT
+        };
         let attempt =
-            match tokio::time::timeout(RENEW_TIMEOUT, store.renew(&lease, pos.as_ref(), &commit))
-                .await
-            {
+            match tokio::time::timeout(limit, store.renew(&lease, pos.as_ref(), &commit)).await {
                 Ok(r) => r,
                 Err(_) => {
                     store.abandon();
