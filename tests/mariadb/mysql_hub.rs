@@ -42,7 +42,15 @@ struct Tenant {
 }
 
 impl Tenant {
-    fn start(hub: &MysqlHub, db: &MyDb, name: &str, max_inflight_bytes: Option<usize>) -> Tenant {
+    /// `max_inflight_bytes`: the relay's bound; `hold`: its sink holds every confirmation
+    /// until [`Tenant::release`].
+    fn start(
+        hub: &MysqlHub,
+        db: &MyDb,
+        name: &str,
+        max_inflight_bytes: Option<usize>,
+        hold: bool,
+    ) -> Tenant {
         let dsn = dsn_of(db);
         let options = MySqlOptions::default();
         let tables = outbox_tables(
@@ -60,6 +68,9 @@ impl Tenant {
             options,
         });
         let (sink, handle) = MemorySink::new();
+        if hold {
+            handle.hold_confirms();
+        }
         let stop = CancellationToken::new();
         let mut cfg = run_config(name, &stop);
         if let Some(b) = max_inflight_bytes {
@@ -90,6 +101,23 @@ impl Tenant {
                 )
             });
         ids(&got)
+    }
+
+    /// Confirms what the sink holds until `n` events are confirmed (at most [`DEADLINE`]).
+    async fn release(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while self.handle.confirmed().len() < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "tenant {}: {} of {n} confirmed after its sink answered again",
+                self.name,
+                self.handle.confirmed().len(),
+            );
+            for id in self.handle.held() {
+                self.handle.confirm(id);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Stops the run and checks that it stopped cleanly; its sink's handle.
@@ -158,7 +186,7 @@ async fn tenants_share_one_dump_thread_get_exactly_their_own_events_and_resume_a
     let tenants: Vec<Tenant> = dbs
         .iter()
         .zip(&names)
-        .map(|(db, n)| Tenant::start(&h, db, n, None))
+        .map(|(db, n)| Tenant::start(&h, db, n, None, false))
         .collect();
     until("the three tenants read from the hub's stream", || async {
         h.stats().attached.load(Ordering::Relaxed) == 3
@@ -202,7 +230,7 @@ async fn tenants_share_one_dump_thread_get_exactly_their_own_events_and_resume_a
     let tenants: Vec<Tenant> = dbs
         .iter()
         .zip(&names)
-        .map(|(db, n)| Tenant::start(&h, db, n, None))
+        .map(|(db, n)| Tenant::start(&h, db, n, None, false))
         .collect();
     for (t, w) in tenants.iter().zip(&later) {
         assert_eq!(
@@ -246,7 +274,7 @@ async fn a_tenant_added_behind_the_others_catches_up_on_its_own_stream_then_join
     let h = hub(&hub_db, 8 * 1024 * 1024).await;
 
     // D's first start stores its position; it stops.
-    let td = Tenant::start(&h, &d, &nd, None);
+    let td = Tenant::start(&h, &d, &nd, None, false);
     until("D reads from the hub's stream", || async {
         h.stats().attached.load(Ordering::Relaxed) == 1
     })
@@ -254,15 +282,33 @@ async fn a_tenant_added_behind_the_others_catches_up_on_its_own_stream_then_join
     td.stop().await;
 
     // A runs on the hub while D's database gets events D has not read.
-    let ta = Tenant::start(&h, &a, &na, None);
-    let first = produce(&[&a, &d], 10, "hub.while").await;
+    let ta = Tenant::start(&h, &a, &na, None, false);
+    let first = produce(&[&a, &d], 20, "hub.while").await;
     assert_eq!(ta.confirmed(first[0].len()).await, first[0]);
 
-    // D comes back behind the hub: its own stream from its stored position, then the hub's.
+    // D comes back behind the hub: its own stream from its stored position. Its sink holds
+    // its confirmations, so it is still behind when the hub answers its join; the hub moves on
+    // (A's writes) before D reads on.
     let joins = h.stats().joins.load(Ordering::Relaxed);
-    let td = Tenant::start(&h, &d, &nd, None);
+    let td = Tenant::start(&h, &d, &nd, Some(4 * 1024), true);
+    until("D's relay holds events it cannot get confirmed", || async {
+        !td.handle.held().is_empty()
+    })
+    .await;
+    until("the hub answered D's join", || async {
+        h.stats().joins.load(Ordering::Relaxed) > joins
+    })
+    .await;
+    let mid = produce(&[&a], 5, "hub.mid").await.remove(0);
+    let want_a: Vec<_> = first[0].iter().chain(&mid).copied().collect();
+    assert_eq!(ta.confirmed(want_a.len()).await, want_a);
+    assert!(
+        td.handle.confirmed().len() < first[1].len(),
+        "D was still behind"
+    );
+    td.release(first[1].len()).await;
     assert_eq!(
-        td.confirmed(first[1].len()).await,
+        ids(&td.handle.confirmed()),
         first[1],
         "D publishes what was written while it was stopped"
     );
@@ -272,9 +318,10 @@ async fn a_tenant_added_behind_the_others_catches_up_on_its_own_stream_then_join
     })
     .await;
     let second = produce(&[&a, &d], 5, "hub.joined").await;
-    let want_a: Vec<_> = first[0].iter().chain(&second[0]).copied().collect();
+    let want_a: Vec<_> = want_a.iter().chain(&second[0]).copied().collect();
     let want_d: Vec<_> = first[1].iter().chain(&second[1]).copied().collect();
     assert_eq!(ta.confirmed(want_a.len()).await, want_a);
+    td.release(want_d.len()).await;
     assert_eq!(td.confirmed(want_d.len()).await, want_d);
     until("one dump thread once D joined", || async {
         dumps(&[&a, &d, &hub_db]).await == 1
@@ -300,8 +347,8 @@ async fn a_stalled_tenant_is_detached_and_the_others_go_on() {
     let (na, ns) = (unique("busy"), unique("stalled"));
     // A small queue bound, and the stalled tenant's relay holds few bytes in flight.
     let h = hub(&hub_db, 32 * 1024).await;
-    let ta = Tenant::start(&h, &a, &na, None);
-    let ts = Tenant::start(&h, &s, &ns, Some(4 * 1024));
+    let ta = Tenant::start(&h, &a, &na, None, false);
+    let ts = Tenant::start(&h, &s, &ns, Some(4 * 1024), false);
     until("both tenants read from the hub's stream", || async {
         h.stats().attached.load(Ordering::Relaxed) == 2
     })
@@ -330,19 +377,7 @@ async fn a_stalled_tenant_is_detached_and_the_others_go_on() {
     );
 
     // S's sink confirms again: S publishes all of its events, once, in order.
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while ts.handle.confirmed().len() < stalled.len() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "S confirmed {} of {} after its sink answered again",
-            ts.handle.confirmed().len(),
-            stalled.len()
-        );
-        for id in ts.handle.held() {
-            ts.handle.confirm(id);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    ts.release(stalled.len()).await;
     assert_eq!(ids(&ts.handle.confirmed()), stalled);
     assert_eq!(ids(&ta.stop().await.confirmed()), busy);
     for id in ts.handle.held() {
