@@ -389,3 +389,54 @@ async fn a_stalled_tenant_is_detached_and_the_others_go_on() {
         "S: nothing twice"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_shared_stream_sends_its_tenants_to_their_own_until_it_is_back() {
+    let hub_db = MyDb::create("hubsrv").await;
+    let dbs = [MyDb::create("hub_k1").await, MyDb::create("hub_k2").await];
+    let names = [unique("kill1"), unique("kill2")];
+    let h = hub(&hub_db, 8 * 1024 * 1024).await;
+    let tenants: Vec<Tenant> = dbs
+        .iter()
+        .zip(&names)
+        .map(|(db, n)| Tenant::start(&h, db, n, None, false))
+        .collect();
+    until("both tenants read from the hub's stream", || async {
+        h.stats().attached.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    let before = produce(&[&dbs[0], &dbs[1]], 5, "hub.before").await;
+    for (t, w) in tenants.iter().zip(&before) {
+        assert_eq!(&t.confirmed(w.len()).await, w);
+    }
+
+    // The server ends the hub's dump thread: the tenants read on their own, then join again.
+    let id = hub_db.dump_thread().await.expect("the hub's dump thread");
+    let mut admin = my_connect(None).await;
+    crate::common::my_exec(&mut admin, &format!("KILL {id}")).await;
+    let during = produce(&[&dbs[0], &dbs[1]], 5, "hub.during").await;
+    until(
+        "the hub detached its tenants and opened its stream again",
+        || async {
+            h.stats().detaches.load(Ordering::Relaxed) >= 2
+                && h.stats().dumps_opened.load(Ordering::Relaxed) >= 2
+                && h.stats().attached.load(Ordering::Relaxed) == 2
+        },
+    )
+    .await;
+    let after = produce(&[&dbs[0], &dbs[1]], 5, "hub.after").await;
+    for (i, t) in tenants.into_iter().enumerate() {
+        let want: Vec<_> = before[i]
+            .iter()
+            .chain(&during[i])
+            .chain(&after[i])
+            .copied()
+            .collect();
+        assert_eq!(t.confirmed(want.len()).await, want);
+        assert_eq!(
+            ids(&t.stop().await.confirmed()),
+            want,
+            "nothing lost or twice across the break"
+        );
+    }
+}
