@@ -512,6 +512,9 @@ impl Hub {
         let mut copies = VecDeque::<(u8, u32)>::new();
         let mut boundary: Option<Mark> = None;
         let read_timeout = cfg.read_timeout;
+        // One deadline for the next event or heartbeat, kept across joins (a timeout made anew
+        // at each wake-up would never run out while tenants keep asking).
+        let mut read_by = tokio::time::Instant::now() + read_timeout;
         loop {
             let item = tokio::select! {
                 biased;
@@ -522,11 +525,12 @@ impl Hub {
                     }
                     continue;
                 }
-                r = tokio::time::timeout(
-                    read_timeout,
+                r = tokio::time::timeout_at(
+                    read_by,
                     futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(stream.next())),
                 ) => r,
             };
+            read_by = tokio::time::Instant::now() + read_timeout;
             let ev = match item {
                 Ok(Ok(Some(Ok(ev)))) => Arc::new(ev),
                 Ok(Ok(Some(Err(e)))) => return Err(super::classify(e)),
