@@ -9,6 +9,7 @@ mod laravel;
 mod mysql_failover;
 mod mysql_faults;
 mod mysql_file;
+mod mysql_hub;
 mod mysql_inprocess;
 mod mysql_offset_file;
 mod mysql_payload;

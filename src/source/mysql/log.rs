@@ -193,6 +193,27 @@ pub struct MyLog {
     pub options: MySqlOptions,
 }
 
+impl MyLog {
+    /// The stream's settings, for a server that writes MariaDB GTIDs or not (`mariadb`).
+    pub(super) fn config(self, mariadb: bool) -> MySqlSourceConfig {
+        let o = self.options;
+        MySqlSourceConfig {
+            server_id: super::server_id_for(&self.name),
+            dsn: self.dsn,
+            name: self.name,
+            tables: self.tables,
+            heartbeat: o.heartbeat,
+            read_timeout: o.heartbeat * 3 + Duration::from_secs(2),
+            txn_buffer_bytes: o.txn_buffer_bytes,
+            max_payload_bytes: o.max_payload_bytes,
+            mariadb,
+            xa_prepare_limit: o.xa_prepare_limit,
+            xa_prepare_expired: o.xa_prepare_expired,
+            sync_replicas: o.sync_replicas,
+        }
+    }
+}
+
 impl LogSource for MyLog {
     type Position = BinlogCoord;
     type Start = Stream;
@@ -246,21 +267,7 @@ impl LogSource for MyLog {
         returns: Checkpointer,
         shutdown: CancellationToken,
     ) -> Result<(), Error> {
-        let o = self.options;
-        let cfg = MySqlSourceConfig {
-            server_id: super::server_id_for(&self.name),
-            dsn: self.dsn,
-            name: self.name,
-            tables: self.tables,
-            heartbeat: o.heartbeat,
-            read_timeout: o.heartbeat * 3 + Duration::from_secs(2),
-            txn_buffer_bytes: o.txn_buffer_bytes,
-            max_payload_bytes: o.max_payload_bytes,
-            mariadb: start.mariadb,
-            xa_prepare_limit: o.xa_prepare_limit,
-            xa_prepare_expired: o.xa_prepare_expired,
-            sync_replicas: o.sync_replicas,
-        };
+        let cfg = self.config(start.mariadb);
         super::run(cfg, link, at.resume, start.first, returns, shutdown).await
     }
 }

@@ -26,6 +26,7 @@ pub mod decode;
 pub mod diagnostics;
 pub mod file;
 pub mod gtid;
+pub mod hub;
 pub mod identity;
 pub mod log;
 pub mod poll;
@@ -327,9 +328,22 @@ pub async fn run(
     checkpoints: Checkpointer,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    run_with(cfg, link, start, first, checkpoints, shutdown, None).await
+}
+
+/// [`run`], reading through a shared binlog stream where `feed` is one ([`hub`]).
+async fn run_with(
+    cfg: MySqlSourceConfig,
+    link: SourceLink,
+    start: Resume,
+    first: FirstStart,
+    checkpoints: Checkpointer,
+    shutdown: CancellationToken,
+    feed: Option<hub::Feed>,
+) -> Result<(), Error> {
     let SourceLink { outlet, .. } = link;
     if cfg.sync_replicas.is_empty() {
-        return stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+        return stream(cfg, outlet, start, first, checkpoints, shutdown, feed).await;
     }
     let start_gtid = match start.checkpoint() {
         Checkpoint::Binlog { gtid_state, .. } => gtid_state,
@@ -342,7 +356,7 @@ pub async fn run(
         outlet,
         shutdown.clone(),
     );
-    let streamed = stream(cfg, outlet, start, first, checkpoints, shutdown).await;
+    let streamed = stream(cfg, outlet, start, first, checkpoints, shutdown, feed).await;
     // The gate's own failure (a replica refusing, no GTIDs) is why the source's sends failed.
     match gate.await {
         Ok(Err(e)) => Err(e),
@@ -358,6 +372,7 @@ async fn stream(
     first: FirstStart,
     checkpoints: Checkpointer,
     shutdown: CancellationToken,
+    mut feed: Option<hub::Feed>,
 ) -> Result<(), Error> {
     match first {
         FirstStart::No => {}
@@ -438,6 +453,26 @@ async fn stream(
                 verify = false;
                 continue 'connect;
             }
+            // A tenant of a shared stream goes on with the hub's events once its own stream
+            // reached (or passed) the boundary the hub queues them from.
+            let Some(f) = feed.as_mut() else { continue };
+            if !copies.is_empty() || asm.in_txn() || !f.ready(asm.resume(), Instant::now()) {
+                continue;
+            }
+            drop(stream);
+            let mut on = Shared {
+                feed: f,
+                asm: &mut asm,
+                copies: &mut copies,
+                sent: &mut sent,
+                outlet: &outlet,
+                checkpoints: &checkpoints,
+            };
+            if on.run(&cfg, &mut xa_tick, &shutdown).await? {
+                break 'connect;
+            }
+            // Left the hub: reopens its own stream at its last boundary.
+            continue 'connect;
         }
     }
     if let Some(o) = asm.finish(Instant::now()) {
@@ -448,6 +483,71 @@ async fn stream(
     // Dropping the outlet closes the relay's input: it drains and ends.
     drop(outlet);
     Ok(())
+}
+
+/// A tenant reading the shared stream's events (see [`hub`]).
+struct Shared<'a> {
+    feed: &'a mut hub::Feed,
+    asm: &'a mut Assembler,
+    copies: &'a mut std::collections::VecDeque<(u8, u32)>,
+    sent: &'a mut Option<Resume>,
+    outlet: &'a Outlet,
+    checkpoints: &'a Checkpointer,
+}
+
+impl Shared<'_> {
+    /// Reads the hub's events until `shutdown` (true) or until the tenant leaves the hub
+    /// (false: it reads on its own from its last boundary). The same loop as the tenant's own
+    /// stream, without the read timeout: the hub keeps that of its connection, and a hub that
+    /// stops ends the queue.
+    async fn run(
+        &mut self,
+        cfg: &MySqlSourceConfig,
+        xa_tick: &mut tokio::time::Interval,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, Error> {
+        loop {
+            let flush_at = self.asm.flush_at().map(tokio::time::Instant::from_std);
+            let here = hub::Mark::of(self.asm.resume());
+            let in_txn = self.asm.in_txn();
+            let ev = tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if !in_txn => return Ok(true),
+                _ = xa_tick.tick() => {
+                    let out = self.asm.xa_check(cfg.xa_prepare_limit, cfg.xa_prepare_expired, Instant::now())?;
+                    if let Some(o) = out {
+                        send(o, self.sent, self.outlet, self.checkpoints).await?;
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep_until(flush_at.unwrap_or_else(tokio::time::Instant::now)), if flush_at.is_some() => {
+                    if let Some(o) = self.asm.flush(Instant::now()) {
+                        send(o, self.sent, self.outlet, self.checkpoints).await?;
+                    }
+                    continue;
+                }
+                ev = self.feed.recv(&here) => match ev {
+                    Some(ev) => ev,
+                    None => return Ok(false),
+                },
+            };
+            let next = handle(
+                &ev,
+                self.asm,
+                self.copies,
+                self.sent,
+                self.outlet,
+                self.checkpoints,
+            )
+            .await?;
+            if next == Next::Reread {
+                // A transaction larger than the buffer is read twice: on the tenant's own
+                // stream.
+                self.feed.leave(Instant::now());
+                return Ok(false);
+            }
+        }
+    }
 }
 
 /// Opens the stream at `from`, retrying what can be retried; `None` when `shutdown` came

@@ -69,6 +69,8 @@ use xa::{xa_too_large, PreparedXa};
 const QUERY: u8 = 2;
 const STOP: u8 = 3;
 const ROTATE: u8 = 4;
+/// The Rotate event's type code.
+pub const ROTATE_EVENT: u8 = ROTATE;
 const FORMAT_DESCRIPTION: u8 = 15;
 const XID: u8 = 16;
 const EXECUTE_LOAD_QUERY: u8 = 18;
@@ -209,6 +211,16 @@ impl Decoder {
     /// `gtid` (`None` where the server has no MariaDB GTIDs).
     pub fn new(outbox: Vec<OutboxTable>, file: &str, gtid: Option<GtidState>) -> Decoder {
         assert!(!outbox.is_empty(), "at least one outbox table");
+        Decoder::build(outbox, file, gtid)
+    }
+
+    /// A decoder that only follows transaction boundaries and GTIDs (the shared binlog
+    /// stream's, [`super::hub`]): it is never fed table maps or rows events.
+    pub fn boundaries(file: &str, gtid: Option<GtidState>) -> Decoder {
+        Decoder::build(Vec::new(), file, gtid)
+    }
+
+    fn build(outbox: Vec<OutboxTable>, file: &str, gtid: Option<GtidState>) -> Decoder {
         Decoder {
             outbox,
             file: file.to_string(),
@@ -244,7 +256,7 @@ impl Decoder {
     ) {
         let prepared = std::mem::take(&mut self.prepared);
         let outbox = std::mem::take(&mut self.outbox);
-        *self = Decoder::new(outbox, file, gtid)
+        *self = Decoder::build(outbox, file, gtid)
             .with_mysql_gtids(mysql_gtids)
             .with_limits(self.xa_limit, self.payload_limit);
         self.prepared = prepared;
@@ -582,7 +594,10 @@ impl Decoder {
                 table: i,
                 raw: ev.data().to_vec(),
             }))
-        } else if tme.database_name_raw() == self.outbox[0].database.as_bytes()
+        } else if self
+            .outbox
+            .first()
+            .is_some_and(|o| tme.database_name_raw() == o.database.as_bytes())
             && tme.table_name_raw() == STATE_TABLE.as_bytes()
         {
             TableKind::State
@@ -770,6 +785,46 @@ impl Decoder {
 
     fn decode_err(&self, what: &str, pos: u64, e: impl std::fmt::Display) -> Error {
         Error::Decode(format!("{what} at {}:{pos}: {e}", self.file))
+    }
+}
+
+/// Which table an event is about, read from as little of it as possible: what the shared
+/// binlog stream ([`super::hub`]) routes by, before any row is decoded.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TableRef {
+    /// A table map: `id` names the table `schema`.`table` until the next file.
+    Map { id: u64, schema: Vec<u8> },
+    /// A rows event (plain or MariaDB-compressed) of table `id`.
+    Rows { id: u64 },
+    /// Any other event.
+    None,
+}
+
+/// See [`TableRef`]. A table map that does not parse is `None` (every tenant gets it, and its
+/// decoder names the problem).
+pub fn table_ref(ev: &Event) -> TableRef {
+    match ev.header().event_type_raw() {
+        TABLE_MAP => match ev.read_event::<TableMapEvent<'_>>() {
+            Ok(t) => TableRef::Map {
+                id: t.table_id(),
+                schema: t.database_name_raw().to_vec(),
+            },
+            Err(_) => TableRef::None,
+        },
+        WRITE_ROWS_V1 | WRITE_ROWS | UPDATE_ROWS_V1 | UPDATE_ROWS | DELETE_ROWS_V1
+        | DELETE_ROWS | PARTIAL_UPDATE_ROWS => {
+            rows_table_id(ev).map_or(TableRef::None, |id| TableRef::Rows { id })
+        }
+        k if (MARIA_ROWS_COMPRESSED_FIRST..=MARIA_ROWS_COMPRESSED_LAST).contains(&k) => {
+            ev.data().get(..6).map_or(TableRef::None, |b| {
+                let mut a = [0u8; 8];
+                a[..6].copy_from_slice(b);
+                TableRef::Rows {
+                    id: u64::from_le_bytes(a),
+                }
+            })
+        }
+        _ => TableRef::None,
     }
 }
 
