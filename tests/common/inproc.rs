@@ -13,7 +13,7 @@ use outboxd::source::mysql::log::{outbox_tables, MyLog, MySqlOptions};
 use outboxd::source::postgres::log::{PgLog, PgOptions};
 use outboxd::source::snapshot::SnapshotMode;
 use outboxd::state::mysql::MyStateStore;
-use outboxd::{MemoryHandle, MemorySink};
+use outboxd::{MemoryHandle, MemorySink, OutboxEvent};
 use std::future::Future;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -363,32 +363,59 @@ impl InProc {
     /// Waits until every one of `expected` is confirmed, woken by each confirmation. Fails
     /// when the run ends first (with its error and logs) or after [`DEADLINE`].
     pub async fn wait_published(&self, what: &str, expected: &[uuid::Uuid]) {
-        let wait = async {
-            loop {
-                let ids = self.ids();
-                let got: std::collections::HashSet<&uuid::Uuid> = ids.iter().collect();
-                if expected.iter().all(|i| got.contains(i)) {
+        // Only the ids confirmed since the last look are checked off: a test may wait for
+        // tens of thousands.
+        let mut missing: std::collections::HashSet<uuid::Uuid> = expected.iter().copied().collect();
+        let mut seen = 0;
+        self.wait_until(what, || {
+            let ids = self.ids();
+            for id in &ids[seen.min(ids.len())..] {
+                missing.remove(id);
+            }
+            seen = ids.len();
+            (missing.is_empty(), seen)
+        })
+        .await
+    }
+
+    /// Waits until `cond` holds of the confirmed events (in confirmation order, duplicates
+    /// included; each look copies them all, so for runs of a few thousand events), looking
+    /// again at each confirmation. Fails when the run ends first (with its error and logs) or
+    /// after [`DEADLINE`].
+    pub async fn wait_events(&self, what: &str, mut cond: impl FnMut(&[OutboxEvent]) -> bool) {
+        self.wait_until(what, || {
+            let events = self.sink.confirmed();
+            (cond(&events), events.len())
+        })
+        .await
+    }
+
+    /// Looks at `check` (whether it holds, and how many events were confirmed when it looked)
+    /// again at each confirmation past that count, until it holds.
+    async fn wait_until(&self, what: &str, mut check: impl FnMut() -> (bool, usize)) {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let (done, confirmed) = check();
+            if done {
+                return;
+            }
+            tokio::select! {
+                _ = self.sink.wait_confirmed(confirmed + 1) => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    panic!("timed out after {DEADLINE:?} waiting for {what}\n{}", self.logs());
+                }
+                _ = self.ended.cancelled() => {
+                    if !check().0 {
+                        panic!(
+                            "the run ended before {what}: {:?}\n{}",
+                            self.outcome.lock().unwrap(),
+                            self.logs()
+                        );
+                    }
                     return;
                 }
-                self.sink.wait_confirmed(ids.len() + 1).await;
             }
-        };
-        tokio::select! {
-            _ = tokio::time::timeout(DEADLINE, wait) => {}
-            _ = self.ended.cancelled() => {}
         }
-        if self.ended.is_cancelled() && !self.all_in(expected) {
-            panic!(
-                "the run ended before {what}: {:?}\n{}",
-                self.outcome.lock().unwrap(),
-                self.logs()
-            );
-        }
-        assert!(
-            self.all_in(expected),
-            "timed out after {DEADLINE:?} waiting for {what}\n{}",
-            self.logs()
-        );
     }
 
     /// Waits until at least `n` events are confirmed (duplicates included), woken by each
@@ -410,11 +437,6 @@ impl InProc {
                 }
             }
         }
-    }
-
-    fn all_in(&self, expected: &[uuid::Uuid]) -> bool {
-        let got: std::collections::HashSet<uuid::Uuid> = self.ids().into_iter().collect();
-        expected.iter().all(|i| got.contains(i))
     }
 
     /// Polls `cond` (every 50 ms) until it holds; fails when the run ends first or after
