@@ -90,6 +90,10 @@ pub struct Settings {
     pub position_lost_poll: bool,
     /// `--window`.
     pub window: usize,
+    /// `--confirm-timeout`.
+    pub confirm_timeout: Duration,
+    /// `--max-message-bytes`.
+    pub max_message_bytes: usize,
 }
 
 impl Settings {
@@ -100,6 +104,9 @@ impl Settings {
             snapshot: "auto".into(),
             position_lost_poll: false,
             window: outboxd::relay::DEFAULT_WINDOW,
+            confirm_timeout: Duration::from_secs(30),
+            // 16MiB, the flag's default (it also bounds the Postgres source's wire messages).
+            max_message_bytes: 16 * 1024 * 1024,
         }
     }
 
@@ -120,6 +127,16 @@ impl Settings {
 
     pub fn window(mut self, window: usize) -> Settings {
         self.window = window;
+        self
+    }
+
+    pub fn confirm_timeout(mut self, timeout: Duration) -> Settings {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    pub fn max_message_bytes(mut self, bytes: usize) -> Settings {
+        self.max_message_bytes = bytes;
         self
     }
 
@@ -147,6 +164,7 @@ impl Settings {
             max_inflight_bytes: 64 * 1024 * 1024,
             relay: RelayOptions {
                 window: self.window,
+                confirm_timeout: self.confirm_timeout,
                 stop: Some(stop.clone()),
                 ..RelayOptions::default()
             },
@@ -161,9 +179,7 @@ impl Settings {
             ha: false,
             sink_options: SinkOptions {
                 message,
-                // `--max-message-bytes`'s default, 16MiB (it also bounds the Postgres source's
-                // wire messages).
-                max_message_bytes: 16 * 1024 * 1024,
+                max_message_bytes: self.max_message_bytes,
                 ..SinkOptions::default()
             },
             accept_new_source: false,
