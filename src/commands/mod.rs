@@ -439,6 +439,23 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// `--table a,b` is `--table a --table b` (the relay's multi-table tests run the relay
+    /// in-process, past the command line).
+    #[test]
+    fn a_comma_separated_table_flag_is_the_flag_repeated() {
+        use clap::Parser;
+        let tables = |flags: &[&str]| {
+            let argv = [&["outboxd", "run"][..], flags].concat();
+            match Cli::try_parse_from(argv).expect("parses").command {
+                Command::Run(args) => args.source.tables,
+                _ => unreachable!("a run"),
+            }
+        };
+        let comma = tables(&["--table", "outbox,outbox_b"]);
+        assert_eq!(comma, ["outbox", "outbox_b"]);
+        assert_eq!(comma, tables(&["--table", "outbox", "--table", "outbox_b"]));
+    }
+
     #[test]
     fn durations_and_names() {
         assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));

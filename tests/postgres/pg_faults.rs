@@ -6,6 +6,7 @@
 
 use crate::common;
 
+use common::inproc::{end_lease, InProc, Settings};
 use common::proxy::FaultProxy;
 use common::*;
 use std::collections::HashSet;
@@ -23,29 +24,24 @@ async fn cut_and_stalled_connections_lose_nothing() {
         .await
         .unwrap();
     let dsn = db.dsn_via(proxy.port());
-    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let relay = InProc::postgres(&dsn, &Settings::new(&name));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let mut client = db.client().await;
 
     let mut expected = write_events(&mut client, 20, 100, "before.cut").await;
-    wait_for("first batch", T, || {
-        let n = relay.line_count();
-        async move { n >= 1000 }
-    })
-    .await;
+    relay.wait_count("first batch", 1000).await;
     // Cut every connection while more events are written: the relay reconnects and resumes.
     proxy.cut();
     expected.extend(write_events(&mut client, 20, 100, "during.cut").await);
     proxy.cut();
     expected.extend(write_events(&mut client, 20, 100, "after.cut").await);
-    wait_for("everything after the cuts", T, || {
-        let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    relay
+        .wait_published("everything after the cuts", &expected)
+        .await;
     // The relay itself saw both cuts and resumed (its log, not only the proxy's count).
-    let reconnects = relay.stderr().matches("replication stream broke").count();
+    let reconnects = relay.logs().matches("replication stream broke").count();
     assert!(
         reconnects >= 2 && proxy.accepted() > 2,
         "the relay reconnected after each cut: {reconnects} reconnects logged, {} connections",
@@ -76,7 +72,7 @@ async fn cut_and_stalled_connections_lose_nothing() {
         }
     })
     .await;
-    let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
+    let got: HashSet<Uuid> = relay.sink.published_ids().into_iter().collect();
     assert!(
         stalled.iter().all(|i| !got.contains(i)),
         "sent by the server, held by the stall: none reached the relay yet"
@@ -84,20 +80,16 @@ async fn cut_and_stalled_connections_lose_nothing() {
     let accepted_at_stall = proxy.accepted();
     proxy.resume();
     expected.extend(stalled);
-    wait_for("everything after the stall", T, || {
-        let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
-        let all = expected.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    relay
+        .wait_published("everything after the stall", &expected)
+        .await;
     assert_eq!(
         proxy.accepted(),
         accepted_at_stall,
         "a stall shorter than the timeouts needs no reconnect"
     );
-    assert_none_lost(&expected, &ids_of(&relay.lines()));
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    assert_none_lost(&expected, &relay.ids());
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,17 +98,16 @@ async fn slot_dropped_while_stopped_is_a_lost_position() {
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
-    let args = ["run", "--source", &dsn, "--name", &name, "--commit-offsets"];
-    let mut relay = Relay::start(&args);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    let relay = InProc::postgres(&dsn, &Settings::new(&name));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
+    relay.stop().await;
     db.drop_released_slot(&slot).await;
 
-    let mut again = Relay::start(&args);
-    let code = again.wait_exit(T).await;
-    let err = again.stderr();
-    assert_eq!(code, 3, "exit 3 = stored position lost; stderr:\n{err}");
+    let again = InProc::postgres(&dsn, &Settings::new(&name));
+    let (code, err) = again.exit().await;
+    assert_eq!(code, 3, "exit 3 = stored position lost; error:\n{err}");
     assert!(
         err.contains("does not exist") && err.contains("fix:"),
         "{err}"
@@ -134,8 +125,10 @@ async fn an_idle_outbox_beside_busy_tables_keeps_the_slot_near_the_head() {
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
-    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let relay = InProc::postgres(&dsn, &Settings::new(&name));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let client = db.client().await;
     client
         .batch_execute("CREATE TABLE busy (id bigserial primary key, v text)")
@@ -179,9 +172,12 @@ async fn an_idle_outbox_beside_busy_tables_keeps_the_slot_near_the_head() {
     .await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     busy.await.unwrap();
-    assert_eq!(relay.line_count(), 0, "no outbox events were written");
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0);
+    assert_eq!(
+        relay.sink.published_ids().len(),
+        0,
+        "no outbox events were written"
+    );
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -274,18 +270,10 @@ async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
         .await
         .unwrap();
     let dsn = db.dsn_via(proxy.port());
-    let window = WINDOW.to_string();
-    let mut relay = Relay::start(&[
-        "run",
-        "--source",
-        &dsn,
-        "--name",
-        &name,
-        "--commit-offsets",
-        "--window",
-        &window,
-    ]);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let relay = InProc::postgres(&dsn, &Settings::new(&name).window(WINDOW));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let client = db.client().await;
     client
         .execute(
@@ -303,54 +291,43 @@ async fn cuts_inside_a_large_transaction_resend_nothing_already_forwarded() {
     let mut cut_at = Vec::new();
     for k in 1..=CUTS {
         let threshold = ROWS * k / (CUTS + 1);
-        wait_for("progress inside the transaction", T, || {
-            let n = relay.line_count();
-            async move { n >= threshold }
-        })
-        .await;
-        let printed = relay.line_count();
+        relay
+            .wait_count("progress inside the transaction", threshold)
+            .await;
+        let printed = relay.sink.published_ids().len();
         proxy.cut();
         cut_at.push(printed);
         eprintln!("cut {k} at {printed} lines after {:?}", started.elapsed());
         // The next cut only once the stream is back.
         let breaks = k;
-        wait_for("the stream broke and resumed", T, || {
-            let seen = relay
-                .stderr_plain()
-                .matches("replication stream broke")
-                .count();
-            let active = db.slot_active(&slot);
-            async move { seen >= breaks && active.await }
-        })
-        .await;
+        relay
+            .wait_running("the stream broke and resumed", || {
+                let seen = relay.logs().matches("replication stream broke").count();
+                let active = db.slot_active(&slot);
+                async move { seen >= breaks && active.await }
+            })
+            .await;
     }
-    wait_for("the whole transaction", T, || {
-        // Parsed only once enough lines are there: parsing them all on every poll is slow.
-        let done = relay.line_count() >= ROWS
-            && ids_of(&relay.lines())
-                .into_iter()
-                .collect::<HashSet<_>>()
-                .len()
-                >= ROWS;
-        async move { done }
-    })
-    .await;
+    let all: Vec<Uuid> = client
+        .query("SELECT id FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    relay.wait_published("the whole transaction", &all).await;
     eprintln!("streamed in {:?}", started.elapsed());
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    relay.stop().await;
+    let (logs, ids) = (relay.logs(), relay.ids());
 
     // Every cut landed inside the transaction and broke the replication stream.
     assert!(
         cut_at.iter().all(|&c| c > 0 && c < ROWS),
         "cuts inside the transaction: {cut_at:?}"
     );
-    let breaks = relay
-        .stderr_plain()
-        .matches("replication stream broke")
-        .count();
+    let breaks = logs.matches("replication stream broke").count();
     assert!(breaks >= CUTS, "{breaks} stream breaks for {CUTS} cuts");
     assert!(proxy.accepted() > CUTS as u64, "the relay reconnected");
-    let ids = ids_of(&relay.lines());
     let distinct = ids.iter().collect::<HashSet<_>>().len();
     assert_eq!(distinct, ROWS, "every row of the transaction, once");
     let dups = ids.len() - distinct;
@@ -413,12 +390,11 @@ async fn a_slot_created_again_while_stopped_is_a_lost_position() {
     let skipped = write_events(&mut client, 2, 10, "skipped").await;
     let new_slot = recreate_slot(&db, &slot).await;
 
-    let mut again = Relay::start(&args);
-    let code = again.wait_exit(T).await;
-    let err = again.stderr();
+    let again = InProc::postgres(&dsn, &Settings::new(&name));
+    let (code, err) = again.exit().await;
     assert_eq!(
         code, 3,
-        "exit 3 = position lost (old slot at {old_slot}, new at {new_slot}); stderr:\n{err}"
+        "exit 3 = position lost (old slot at {old_slot}, new at {new_slot}); error:\n{err}"
     );
     assert!(
         err.contains("dropped and created again") && err.contains("fix:"),
@@ -426,9 +402,9 @@ async fn a_slot_created_again_while_stopped_is_a_lost_position() {
     );
     assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
     assert!(
-        again.lines().is_empty(),
+        again.sink.published_ids().is_empty(),
         "nothing streamed: {:?}",
-        again.lines()
+        again.sink.published_ids()
     );
     assert_eq!(
         db.slot_confirmed(&slot).await.as_deref(),
@@ -437,24 +413,12 @@ async fn a_slot_created_again_while_stopped_is_a_lost_position() {
     );
 
     // The recovery policy publishes the skipped rows again from the table.
-    let mut recover = Relay::start(&[
-        "run",
-        "--source",
-        &dsn,
-        "--name",
-        &name,
-        "--commit-offsets",
-        "--on-position-lost",
-        "poll",
-    ]);
-    wait_for("the skipped rows, replayed", T, || {
-        let got: HashSet<Uuid> = ids_of(&recover.lines()).into_iter().collect();
-        let all = skipped.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
-    recover.signal("TERM");
-    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    end_lease(&db, &name).await;
+    let recover = InProc::postgres(&dsn, &Settings::new(&name).position_lost_poll());
+    recover
+        .wait_published("the skipped rows, replayed", &skipped)
+        .await;
+    recover.stop().await;
 }
 
 /// A slot dropped and created again while the relay's connection is down: the reconnect
@@ -469,11 +433,15 @@ async fn a_slot_created_again_during_a_reconnect_is_a_lost_position() {
         .await
         .unwrap();
     let dsn = db.dsn_via(proxy.port());
-    let mut relay = Relay::start(&["run", "--source", &dsn, "--name", &name, "--commit-offsets"]);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let relay = InProc::postgres(&dsn, &Settings::new(&name));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let mut client = db.client().await;
     let before = write_events(&mut client, 3, 10, "before").await;
-    wait_lines("the events before the cut", &relay, before.len(), T).await;
+    relay
+        .wait_published("the events before the cut", &before)
+        .await;
 
     proxy.block();
     proxy.cut();
@@ -486,18 +454,18 @@ async fn a_slot_created_again_during_a_reconnect_is_a_lost_position() {
     .await;
     proxy.unblock();
 
-    let code = relay.wait_exit(T).await;
-    let err = relay.stderr();
+    let (code, err) = relay.exit().await;
+    let logs = relay.logs();
     assert!(
-        err.contains("replication stream broke") || err.contains("reconnect"),
-        "the stream was cut: {err}"
+        logs.contains("replication stream broke") || logs.contains("reconnect"),
+        "the stream was cut: {logs}"
     );
-    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    assert_eq!(code, 3, "exit 3 = position lost; error:\n{err}");
     assert!(
         err.contains("dropped and created again") && err.contains("fix:"),
         "{err}"
     );
-    let got: HashSet<Uuid> = ids_of(&relay.lines()).into_iter().collect();
+    let got: HashSet<Uuid> = relay.sink.published_ids().into_iter().collect();
     assert!(
         skipped.iter().all(|i| !got.contains(i)),
         "the new slot never had them"

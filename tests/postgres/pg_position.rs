@@ -10,8 +10,8 @@
 use crate::common;
 use crate::pg_faults::recreate_slot;
 
+use common::inproc::{end_lease, InProc, Settings};
 use common::*;
-use std::collections::HashSet;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -20,26 +20,28 @@ const T: Duration = Duration::from_secs(60);
 /// Far beyond any WAL a test server writes.
 const BOGUS: &str = "FFFF/0";
 
-fn args<'a>(dsn: &'a str, name: &'a str, poll: bool) -> Vec<&'a str> {
-    let mut a = vec!["run", "--source", dsn, "--name", name, "--commit-offsets"];
+/// `outboxd run --source … --name NAME --commit-offsets [--on-position-lost poll]`, in-process.
+fn settings(name: &str, poll: bool) -> Settings {
+    let s = Settings::new(name);
     if poll {
-        a.extend(["--on-position-lost", "poll"]);
+        s.position_lost_poll()
+    } else {
+        s
     }
-    a
 }
 
 /// A relay that ran once and stopped cleanly, whose state row then got an LSN from "another
 /// cluster": `BOGUS` as its stored position.
 async fn carried_over(db: &PgDb, name: &str) {
-    let dsn = db.dsn();
     let slot = format!("outboxd_{name}");
-    let mut relay = Relay::start(&args(&dsn, name, false));
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    let relay = InProc::postgres(&db.dsn(), &settings(name, false));
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let mut client = db.client().await;
     let first = write_events(&mut client, 2, 5, "first").await;
-    wait_lines("the first events", &relay, first.len(), T).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    relay.wait_published("the first events", &first).await;
+    relay.stop().await;
     let n = client
         .execute(
             "UPDATE outboxd_state SET position_lsn = $2::text::pg_lsn, position = $2 WHERE name = $1",
@@ -63,17 +65,6 @@ async fn below_bogus(db: &PgDb, lsn: &str) -> bool {
         .get(0)
 }
 
-async fn wait_published(relay: &mut Relay, what: &str, expected: &[Uuid]) {
-    let lines = relay.lines.clone();
-    relay
-        .wait_running(what, T, || {
-            let got: HashSet<Uuid> = ids_of(&lines.lock().unwrap()).into_iter().collect();
-            let all = expected.iter().all(|i| got.contains(i));
-            async move { all }
-        })
-        .await;
-}
-
 /// The slot re-created by hand on the "new" server (the documented fix for a missing slot):
 /// the stored position is still ahead of the server's WAL, so the start stops with exit 3
 /// instead of resuming from it (which published 0 of 5 and pushed the slot to the bogus LSN);
@@ -90,28 +81,29 @@ async fn a_stored_position_ahead_of_the_servers_wal_is_a_lost_position() {
     let mut client = db.client().await;
     let committed = write_events(&mut client, 5, 1, "committed").await;
 
-    let mut plain = Relay::start(&args(&dsn, &name, false));
-    let code = plain.wait_exit(T).await;
-    let err = plain.stderr();
-    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    let plain = InProc::postgres(&dsn, &settings(&name, false));
+    let (code, err) = plain.exit().await;
+    assert_eq!(code, 3, "exit 3 = position lost; error:\n{err}");
     assert!(
         err.contains("ahead of this server's WAL") && err.contains("fix:"),
         "{err}"
     );
     assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
-    assert!(plain.lines().is_empty(), "nothing streamed");
+    assert!(plain.sink.published_ids().is_empty(), "nothing streamed");
     assert_eq!(
         db.slot_confirmed(&slot).await.as_deref(),
         Some(new_slot.as_str()),
         "the slot is left as it was"
     );
 
-    let mut recover = Relay::start(&args(&dsn, &name, true));
-    wait_published(&mut recover, "every committed event, replayed", &committed).await;
-    let err = recover.stderr();
-    assert!(err.contains("POSITION LOST"), "said loudly: {err}");
-    recover.signal("TERM");
-    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    end_lease(&db, &name).await;
+    let recover = InProc::postgres(&dsn, &settings(&name, true));
+    recover
+        .wait_published("every committed event, replayed", &committed)
+        .await;
+    let logs = recover.logs();
+    assert!(logs.contains("POSITION LOST"), "said loudly: {logs}");
+    recover.stop().await;
     let confirmed = db.slot_confirmed(&slot).await.expect("a slot");
     assert!(
         below_bogus(&db, &confirmed).await,
@@ -120,10 +112,11 @@ async fn a_stored_position_ahead_of_the_servers_wal_is_a_lost_position() {
 
     // Recovery forgot the foreign position: the next plain start streams what follows.
     let after = write_events(&mut client, 3, 1, "after").await;
-    let mut again = Relay::start(&args(&dsn, &name, false));
-    wait_published(&mut again, "the events after recovery", &after).await;
-    again.signal("TERM");
-    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+    let again = InProc::postgres(&dsn, &settings(&name, false));
+    again
+        .wait_published("the events after recovery", &after)
+        .await;
+    again.stop().await;
 }
 
 /// The slot missing on the "new" server and `--on-position-lost poll` (the other documented
@@ -141,10 +134,11 @@ async fn recovery_forgets_a_stored_position_ahead_of_the_servers_wal() {
     let mut client = db.client().await;
     let committed = write_events(&mut client, 5, 1, "committed").await;
 
-    let mut recover = Relay::start(&args(&dsn, &name, true));
-    wait_published(&mut recover, "every committed event, replayed", &committed).await;
-    recover.signal("TERM");
-    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    let recover = InProc::postgres(&dsn, &settings(&name, true));
+    recover
+        .wait_published("every committed event, replayed", &committed)
+        .await;
+    recover.stop().await;
     let stored: Option<String> = client
         .query_one(
             "SELECT position_lsn::text FROM outboxd_state WHERE name = $1",
@@ -160,10 +154,11 @@ async fn recovery_forgets_a_stored_position_ahead_of_the_servers_wal() {
     );
 
     let after = write_events(&mut client, 5, 1, "after").await;
-    let mut again = Relay::start(&args(&dsn, &name, false));
-    wait_published(&mut again, "the events after recovery", &after).await;
-    again.signal("TERM");
-    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
+    let again = InProc::postgres(&dsn, &settings(&name, false));
+    again
+        .wait_published("the events after recovery", &after)
+        .await;
+    again.stop().await;
     let confirmed = db.slot_confirmed(&slot).await.expect("a slot");
     assert!(
         below_bogus(&db, &confirmed).await,
@@ -201,11 +196,11 @@ async fn a_transaction_in_flight_at_the_first_start_is_published() {
         .await
         .unwrap();
 
-    let mut relay = Relay::start(&args(&dsn, &name, false));
+    let relay = InProc::postgres(&dsn, &settings(&name, false));
     // The slot's creation waits for every transaction running when it began: ours.
     let app = format!("outboxd_{name}");
     relay
-        .wait_running("the slot's creation waiting for the producer", T, || {
+        .wait_running("the slot's creation waiting for the producer", || {
             let (db, app) = (&db, &app);
             async move {
                 db.client()
@@ -222,26 +217,23 @@ async fn a_transaction_in_flight_at_the_first_start_is_published() {
         })
         .await;
     tx.commit().await.unwrap();
-    wait_published(
-        &mut relay,
-        "the row of the transaction in flight",
-        &[inflight],
-    )
-    .await;
+    relay
+        .wait_published("the row of the transaction in flight", &[inflight])
+        .await;
     let later = write_events(&mut client, 2, 1, "later").await;
-    wait_published(&mut relay, "the rows after it", &later).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    relay.wait_published("the rows after it", &later).await;
+    relay.stop().await;
     assert!(db.slot_confirmed(&slot).await.is_some(), "the slot stays");
 
     // And a restart streams on from the first start's position: nothing published again
     // but what follows.
     let next = write_events(&mut client, 1, 1, "next").await;
-    let mut again = Relay::start(&args(&dsn, &name, false));
-    wait_published(&mut again, "the row after the restart", &next).await;
-    again.signal("TERM");
-    assert_eq!(again.wait_exit(T).await, 0, "{}", again.stderr());
-    assert_eq!(ids_of(&again.lines()), next, "only what followed the stop");
+    let again = InProc::postgres(&dsn, &settings(&name, false));
+    again
+        .wait_published("the row after the restart", &next)
+        .await;
+    again.stop().await;
+    assert_eq!(again.ids(), next, "only what followed the stop");
 }
 
 /// A first start's snapshot (`--snapshot all`) interrupted (SIGKILL) after some rows were
@@ -249,7 +241,8 @@ async fn a_transaction_in_flight_at_the_first_start_is_published() {
 /// the stored one (an early `created_at`: a long producer transaction's row). The next life
 /// used to create a slot silently and go on after the stored key: those rows were in neither.
 /// Now it is a lost position (exit 3 with the fix); `--on-position-lost poll` starts the first
-/// start over and publishes every row.
+/// start over and publishes every row. The first life is the binary (it is killed); the next
+/// ones run in-process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
     let db = PgDb::create("interrupted").await;
@@ -328,34 +321,28 @@ async fn a_slot_dropped_during_an_interrupted_first_start_is_a_lost_position() {
         early.push(id);
     }
 
-    let mut plain = Relay::start(&args(&dsn, &name, false));
-    let code = plain.wait_exit(T).await;
-    let err = plain.stderr();
-    assert_eq!(code, 3, "exit 3 = position lost; stderr:\n{err}");
+    let plain = InProc::postgres(&dsn, &settings(&name, false));
+    let (code, err) = plain.exit().await;
+    assert_eq!(code, 3, "exit 3 = position lost; error:\n{err}");
     assert!(
         err.contains("interrupted first start") && err.contains("fix:"),
         "{err}"
     );
     assert!(err.contains("--on-position-lost poll"), "the fix: {err}");
-    assert!(plain.lines().is_empty(), "nothing published");
+    assert!(plain.sink.published_ids().is_empty(), "nothing published");
     assert!(
         db.slot_confirmed(&slot).await.is_none(),
         "no slot silently created"
     );
 
-    let mut poll = args(&dsn, &name, true);
-    poll.extend(["--snapshot", "all"]);
-    let mut recover = Relay::start(&poll);
+    end_lease(&db, &name).await;
+    let recover = InProc::postgres(&dsn, &settings(&name, true).snapshot("all"));
     let mut expected = existing.clone();
     expected.extend(&early);
-    wait_published(
-        &mut recover,
-        "every row, the early ones included",
-        &expected,
-    )
-    .await;
-    recover.signal("TERM");
-    assert_eq!(recover.wait_exit(T).await, 0, "{}", recover.stderr());
+    recover
+        .wait_published("every row, the early ones included", &expected)
+        .await;
+    recover.stop().await;
 }
 
 /// Which rows count as written by another server: a stored position or a recorded slot start

@@ -1,10 +1,13 @@
 //! Postgres source → RabbitMQ sink, end to end against the real servers (docs/message-format.md): what
 //! arrives and exactly how, what never arrives, where poison goes, and that broker faults
-//! (stall, cut) and relay kills lose nothing.
+//! (stall, cut) and relay kills lose nothing. Poison and broker faults run the relay
+//! in-process with the RabbitMQ sink built as the binary builds it; the contract's ten
+//! thousand events, kills, signals, TLS and the command line's refusals are the binary's.
 
 use crate::common;
 
 use common::amqp::{self, header, header_str, message_id, Topology};
+use common::inproc::{InProc, Settings};
 use common::proxy::FaultProxy;
 use common::*;
 use lapin::message::Delivery;
@@ -32,6 +35,12 @@ fn start_relay(db: &PgDb, name: &str, exchange: &str, sink: &str, extra: &[&str]
     ];
     args.extend_from_slice(extra);
     Relay::start_with_env(&args, &[("OUTBOXD_SINK", sink)])
+}
+
+/// The same relay in the test's process: `run --exchange EXCHANGE` with the RabbitMQ sink `sink`
+/// and `settings`' flags, built through the sink registry as the binary builds it.
+fn start_inproc(db: &PgDb, exchange: &str, sink: &str, settings: &Settings) -> InProc {
+    InProc::with_sink(&db.dsn(), settings, sink, exchange)
 }
 
 fn ids(ds: &[Delivery]) -> Vec<Uuid> {
@@ -336,14 +345,15 @@ async fn poison_events_go_to_dead_and_the_stream_goes_on() {
     let mut topo = Topology::new("xp").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start_relay(
+    let relay = start_inproc(
         &db,
-        &name,
         &topo.exchange,
         &amqp::url(),
-        &["--max-message-bytes", "4KiB"],
+        &Settings::new(&name).max_message_bytes(4096),
     );
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    relay
+        .wait_running("the relay's slot to be active", || db.slot_active(&slot))
+        .await;
     topo.wait_declared(T).await;
     let all = topo.bind_queue("all", "#").await;
 
@@ -444,8 +454,7 @@ async fn poison_events_go_to_dead_and_the_stream_goes_on() {
     }
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end, T).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    relay.stop().await;
 
     let msgs = topo.take_all(&all).await;
     assert_same_ids(
@@ -504,8 +513,10 @@ async fn poison_rows_without_an_id_get_dead_records_with_distinct_ids() {
     let mut topo = Topology::new("xn").await;
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start_relay(&db, &name, &topo.exchange, &amqp::url(), &[]);
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    let relay = start_inproc(&db, &topo.exchange, &amqp::url(), &Settings::new(&name));
+    relay
+        .wait_running("the relay's slot to be active", || db.slot_active(&slot))
+        .await;
     topo.wait_declared(T).await;
     let all = topo.bind_queue("all", "#").await;
     let good = Uuid::now_v7().to_string();
@@ -524,8 +535,7 @@ async fn poison_rows_without_an_id_get_dead_records_with_distinct_ids() {
     }
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end, T).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
+    relay.stop().await;
 
     let msgs = topo.take_all(&all).await;
     assert_eq!(ids(&msgs), [good.parse::<Uuid>().unwrap()]);
@@ -577,14 +587,15 @@ async fn stalled_broker_times_out_reconnects_and_republishes() {
         .unwrap();
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start_relay(
+    let relay = start_inproc(
         &db,
-        &name,
         &topo.exchange,
         &amqp::url_via(proxy.port()),
-        &["--confirm-timeout", "2s"],
+        &Settings::new(&name).confirm_timeout(Duration::from_secs(2)),
     );
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    relay
+        .wait_running("the relay's slot to be active", || db.slot_active(&slot))
+        .await;
     topo.wait_declared(T).await;
     let all = topo.bind_queue("all", "#").await;
     let mut client = db.client().await;
@@ -599,7 +610,7 @@ async fn stalled_broker_times_out_reconnects_and_republishes() {
     expected.extend(write_events(&mut client, 10, 100, "during.stall").await);
     // The unconfirmed events time out, and a reconnect through the stalled proxy times out too.
     wait_for("a confirm timeout, then a failed reconnect", T, || {
-        let err = relay.stderr();
+        let err = relay.logs();
         let accepted = proxy.accepted();
         async move {
             err.contains("no confirmation within 2s")
@@ -618,13 +629,8 @@ async fn stalled_broker_times_out_reconnects_and_republishes() {
     expected.extend(write_events(&mut client, 10, 100, "after.stall").await);
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end, T).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
-    assert!(
-        relay.stderr().contains("sink recovered"),
-        "{}",
-        relay.stderr()
-    );
+    relay.stop().await;
+    assert!(relay.logs().contains("sink recovered"), "{}", relay.logs());
 
     let got = ids(&topo.take_all(&all).await);
     assert_none_lost(&got, &expected);
@@ -639,14 +645,15 @@ async fn cut_broker_connections_lose_nothing() {
         .unwrap();
     let name = unique("r");
     let slot = format!("outboxd_{name}");
-    let mut relay = start_relay(
+    let relay = start_inproc(
         &db,
-        &name,
         &topo.exchange,
         &amqp::url_via(proxy.port()),
-        &["--confirm-timeout", "5s"],
+        &Settings::new(&name).confirm_timeout(Duration::from_secs(5)),
     );
-    wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
+    relay
+        .wait_running("the relay's slot to be active", || db.slot_active(&slot))
+        .await;
     topo.wait_declared(T).await;
     let all = topo.bind_queue("all", "#").await;
 
@@ -670,9 +677,8 @@ async fn cut_broker_connections_lose_nothing() {
     let client = db.client().await;
     let end = wal_end(&client).await;
     wait_confirmed_past(&db, &slot, end, T).await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "stderr:\n{}", relay.stderr());
-    assert!(relay.stderr().contains("sink recovered"));
+    relay.stop().await;
+    assert!(relay.logs().contains("sink recovered"), "{}", relay.logs());
 
     let got = ids(&topo.take_all(&all).await);
     assert_none_lost(&got, &expected);

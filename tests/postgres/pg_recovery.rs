@@ -1,23 +1,17 @@
 //! Recovery through the table (`--on-position-lost poll`): when the slot is gone, the rows are
 //! usually still in the table. The relay opens a fresh slot, publishes again every row that
 //! may have been committed after the last confirmed one — with a margin covering long producer
-//! transactions — and streams on. Duplicates are allowed; loss is not.
+//! transactions — and streams on. Duplicates are allowed; loss is not. The relay runs
+//! in-process (its flags and exit codes are not what is tested here).
 
 use crate::common;
 
+use common::inproc::{InProc, Settings};
 use common::*;
-use std::collections::HashSet;
 use std::time::Duration;
 use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(60);
-
-fn ids(relay: &Relay) -> HashSet<Uuid> {
-    parse_lines(&relay.lines())
-        .iter()
-        .map(|l| l["id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_recovered_through_the_table() {
@@ -30,18 +24,12 @@ pub(crate) async fn a_dropped_slot_is_recovered_through_the_table_on(port: u16) 
     let name = unique("r");
     let slot = format!("outboxd_{name}");
     let dsn = db.dsn();
-    let args = [
-        "run",
-        "--source",
-        &dsn,
-        "--name",
-        &name,
-        "--commit-offsets",
-        "--on-position-lost",
-        "poll",
-    ];
-    let mut relay = Relay::start(&args);
-    wait_for("slot active", T, || db.slot_active(&slot)).await;
+    // `run --commit-offsets --on-position-lost poll`, in-process.
+    let settings = Settings::new(&name).position_lost_poll();
+    let relay = InProc::postgres(&dsn, &settings);
+    relay
+        .wait_running("slot active", || db.slot_active(&slot))
+        .await;
     let outbox = outboxd::Outbox::new("outbox").unwrap();
 
     // A producer transaction that stays open 1.5 s commits while the relay runs: its gap is
@@ -71,12 +59,9 @@ pub(crate) async fn a_dropped_slot_is_recovered_through_the_table_on(port: u16) 
 
     let mut client = db.client().await;
     let before = write_events(&mut client, 5, 10, "before").await;
-    wait_for("the events before the stop", T, || {
-        let got = ids(&relay);
-        let all = before.iter().all(|i| got.contains(i));
-        async move { all }
-    })
-    .await;
+    relay
+        .wait_published("the events before the stop", &before)
+        .await;
     wait_for("the gap and commit time stored", T, || async {
         let row = db
             .client()
@@ -87,34 +72,32 @@ pub(crate) async fn a_dropped_slot_is_recovered_through_the_table_on(port: u16) 
         row.get::<_, i64>(0) >= 1500 && row.get::<_, bool>(1)
     })
     .await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0, "{}", relay.stderr());
+    relay.stop().await;
 
     db.drop_released_slot(&slot).await;
     let while_lost = write_events(&mut client, 3, 10, "while.lost").await;
     long_tx.commit().await.unwrap();
 
-    let again = Relay::start(&args);
-    wait_for("the slot again", T, || db.slot_active(&slot)).await;
+    let again = InProc::postgres(&dsn, &settings);
+    again
+        .wait_running("the slot again", || db.slot_active(&slot))
+        .await;
     let after = write_events(&mut client, 2, 10, "after").await;
     let mut expected: Vec<Uuid> = while_lost.clone();
     expected.push(long_id);
     expected.extend(&after);
-    wait_for(
-        "every row committed while the position was lost, and after",
-        T,
-        || {
-            let got = ids(&again);
-            let all = expected.iter().all(|i| got.contains(i));
-            async move { all }
-        },
-    )
-    .await;
-    let err = again.stderr();
+    again
+        .wait_published(
+            "every row committed while the position was lost, and after",
+            &expected,
+        )
+        .await;
+    let logs = again.logs();
     assert!(
-        err.contains("POSITION LOST") && err.contains("replay_since"),
-        "said loudly: {err}"
+        logs.contains("POSITION LOST") && logs.contains("replay_since"),
+        "said loudly: {logs}"
     );
+    again.stop().await;
 }
 
 #[test]

@@ -2,9 +2,11 @@
 //! durable one, including rows whose key columns are NULL. Such a row has no key of its own, so
 //! it must come before every key in the snapshot's order (then it was durable before any key
 //! was stored), never after the last one (then a resume's `key >` filter drops it for good).
+//! The killed first life is the binary; the life that resumes runs in-process.
 
 use crate::common;
 
+use common::inproc::{InProc, Settings};
 use common::*;
 use std::collections::HashSet;
 use std::time::Duration;
@@ -79,18 +81,15 @@ async fn an_interrupted_snapshot_loses_no_row_whose_created_at_is_null() {
         expected.len()
     );
 
-    // The second life finishes the snapshot from the key.
-    let mut second = Relay::start(&run(&dsn, &name));
-    wait_for("the first start marked done", T, || async {
-        progress(&client, &name).await.1
-    })
-    .await;
-    second.signal("TERM");
-    assert_eq!(second.wait_exit(T).await, 0, "{}", second.stderr());
-    let got: HashSet<Uuid> = first_ids
-        .into_iter()
-        .chain(ids_of(&second.lines()))
-        .collect();
+    // The second life (in-process) finishes the snapshot from the key.
+    let second = InProc::postgres(&dsn, &Settings::new(&name).snapshot("all"));
+    second
+        .wait_running("the first start marked done", || async {
+            progress(&client, &name).await.1
+        })
+        .await;
+    second.stop().await;
+    let got: HashSet<Uuid> = first_ids.into_iter().chain(second.ids()).collect();
     let missing: Vec<&Uuid> = expected.iter().filter(|i| !got.contains(i)).collect();
     assert!(
         missing.is_empty(),

@@ -1,12 +1,14 @@
 //! Fault scenarios written once and run on both sources (`<scenario>::postgres`,
 //! `<scenario>::mariadb`): a relay SIGKILLed mid-stream and restarted loses nothing and
 //! repeats only what was in flight; a second relay under a running one's name is refused,
-//! naming the holder, and the first is unaffected. What only one source has (slots dropped
+//! naming the holder, and the first is unaffected; the stored position's cadence (an
+//! in-process run: no signal or exit code involved). What only one source has (slots dropped
 //! or created again, binlog rotation, GTID resume, memory under huge transactions) is in
 //! `tests/postgres/pg_faults.rs` and `tests/mariadb/mysql_faults.rs`.
 
 use crate::common;
 
+use common::inproc::{InProc, Settings};
 use common::source_db::{on_both_sources, Pos, SourceDb};
 use common::*;
 use std::collections::HashSet;
@@ -184,8 +186,7 @@ async fn the_stored_position_follows_confirms_promptly_never_backwards_and_rests
 >() {
     let db = D::create("cadence").await;
     let name = unique("r");
-    let dsn = db.dsn();
-    let mut relay = Relay::start(&args(&dsn, &name));
+    let relay = InProc::start(&db.dsn(), &Settings::new(&name));
     db.wait_streaming(&name).await;
     let writer = db.write_in_background(150, 2, Duration::from_millis(20), "cadence.test");
     let mut samples = Vec::new();
@@ -214,15 +215,12 @@ async fn the_stored_position_follows_confirms_promptly_never_backwards_and_rests
         distinct.len(),
         samples.len()
     );
-    let total = expected.len();
-    wait_for("every event relayed", T, || {
-        let n = relay.line_count();
-        async move { n >= total }
-    })
-    .await;
-    let last = parse_lines(&relay.lines())
+    relay.wait_published("every event relayed", &expected).await;
+    let last = relay
+        .sink
+        .confirmed()
         .last()
-        .and_then(|l| l["position"].as_str().and_then(Pos::of_event))
+        .and_then(|e| Pos::of_event(&e.position.to_string()))
         .expect("the last event's position");
     wait_for("the stored position to cover the last event", T, || async {
         db.stored_pos(&name)
@@ -239,8 +237,7 @@ async fn the_stored_position_follows_confirms_promptly_never_backwards_and_rests
         // every 5 s): forward only. The tests beside this one write all along.
         assert!(now >= rested, "idle: {now:?} is behind {rested:?}");
     }
-    relay.signal("TERM");
-    assert_eq!(relay.wait_exit(T).await, 0);
+    relay.stop().await;
 }
 
 /// Ctrl-C (SIGINT) is a clean stop like SIGTERM: mid-stream, under a producer, the relay

@@ -2,11 +2,13 @@
 //! on Postgres, one binlog stream on MariaDB; every event arrives once, in commit order, with
 //! `x-outbox-table`; one stored position. And Postgres partitioned outbox tables
 //! (`publish_via_partition_root`): rows in every partition, one attached later, all arrive
-//! under the parent's name.
+//! under the parent's name. The two-table relays run in-process with the RabbitMQ sink;
+//! `setup`, `check` and their messages are the binary's.
 
 use crate::common;
 
 use common::amqp::{header_str, message_id, Topology};
+use common::inproc::{InProc, Settings};
 use common::*;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -71,14 +73,11 @@ fn transactions(numeric: bool) -> Vec<Vec<(&'static str, String, u64)>> {
         .collect()
 }
 
-/// `outboxd run` over both tables into RabbitMQ (the sink URL through the environment).
-fn start_two_table_relay(dsn: &str, name: &str, tables: &[&str], exchange: &str) -> Relay {
-    let mut args = vec!["run", "--source", dsn, "--name", name];
-    for t in tables {
-        args.extend(["--table", t]);
-    }
-    args.extend(["--exchange", exchange, "--log-level", "info,lapin=warn"]);
-    Relay::start_with_env(&args, &[("OUTBOXD_SINK", &amqp::url())])
+/// `outboxd run --table outbox --table outbox_b --exchange EXCHANGE --sink amqp://…`, in-process
+/// (the comma-separated `--table` is `commands::tests::a_comma_separated_table_flag_is_the_flag_repeated`).
+fn start_two_table_relay(dsn: &str, name: &str, exchange: &str) -> InProc {
+    let settings = Settings::new(name).tables(&["outbox", "outbox_b"]);
+    InProc::with_sink(dsn, &settings, &amqp::url(), exchange)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +116,7 @@ async fn postgres_two_tables_one_slot_one_publication_one_position() {
         .get(0);
     assert_eq!(published, 2, "one publication covers both tables");
 
-    let relay = start_two_table_relay(&dsn, name, &["outbox", "outbox_b"], &topo.exchange);
+    let relay = start_two_table_relay(&dsn, name, &topo.exchange);
     topo.wait_declared(T).await;
     let queue = topo.bind_queue("all", "#").await;
     wait_for("the relay's slot to be active", T, || db.slot_active(&slot)).await;
@@ -159,8 +158,7 @@ async fn postgres_two_tables_one_slot_one_publication_one_position() {
         .unwrap()
         .get(0);
     assert_eq!(states, 1, "one stored position for both tables");
-    relay.signal("TERM");
-    drop(relay);
+    relay.stop().await;
     drop(topo);
 }
 
@@ -177,8 +175,7 @@ async fn mariadb_two_tables_one_binlog_stream_one_position() {
         "setup", "--source", &dsn, "--name", name, "--table", "outbox", "--table", "outbox_b",
     ]);
     assert_eq!(setup.wait_exit(T).await, 0, "{}", setup.stderr());
-    // One flag, comma separated: the same as repeating it.
-    let relay = start_two_table_relay(&dsn, name, &["outbox,outbox_b"], &topo.exchange);
+    let relay = start_two_table_relay(&dsn, name, &topo.exchange);
     topo.wait_declared(T).await;
     let queue = topo.bind_queue("all", "#").await;
     wait_for("the relay to stream the binlog", T, || db.streaming()).await;
@@ -211,8 +208,7 @@ async fn mariadb_two_tables_one_binlog_stream_one_position() {
         .await
         .unwrap();
     assert_eq!(states, Some(1), "one stored position for both tables");
-    relay.signal("TERM");
-    drop(relay);
+    relay.stop().await;
     drop(topo);
 }
 
