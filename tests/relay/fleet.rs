@@ -1,0 +1,287 @@
+//! `outboxd fleet` in the test's own process (`outboxd::fleet::Fleet`): one fleet runs sources
+//! on Postgres and MariaDB, each its own database, from a directory of source files that the
+//! test edits while the fleet runs — a file added starts its source, a changed file restarts
+//! that source only, a removed file stops it (its lease released) — and a source that cannot
+//! start (its database is missing) fails alone, retried with backoff, while the others publish,
+//! and starts publishing once its database exists. The test's loader reads each file as a
+//! source DSN and runs the pipeline into a `MemorySink` per source, kept across its restarts.
+
+use crate::common::source_db::SourceDb;
+use crate::common::{unique, wait_for, MyDb, PgDb};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outboxd::dsn::SourceDsn;
+use outboxd::fleet::{Fleet, FleetOptions, Loader, Tenant};
+use outboxd::names::{ColumnMap, TableName};
+use outboxd::pipeline;
+use outboxd::sink::options::SinkOptions;
+use outboxd::source::mysql::log::{outbox_tables, MyLog, MySqlOptions};
+use outboxd::source::postgres::log::{PgLog, PgOptions};
+use outboxd::{MemoryHandle, MemorySink};
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(60);
+
+/// A source of the test's fleet: the pipeline over the file's DSN into its own memory sink.
+struct TestTenant {
+    name: String,
+    dsn: SourceDsn,
+    sink: MemoryHandle,
+}
+
+impl Tenant for TestTenant {
+    fn run(&self, stop: CancellationToken) -> BoxFuture<'static, Result<(), outboxd::Error>> {
+        let (name, dsn, sink) = (self.name.clone(), self.dsn.clone(), self.sink.clone());
+        async move {
+            let mut cfg = crate::common::inproc::run_config(&name, &stop);
+            cfg.ha = true;
+            let table = TableName::parse("outbox").unwrap();
+            match dsn {
+                SourceDsn::Postgres(dsn) => {
+                    let source = PgLog {
+                        dsn,
+                        name: name.clone(),
+                        options: PgOptions {
+                            slot: format!("outboxd_{name}"),
+                            publication: format!("outboxd_{name}"),
+                        },
+                        tables: vec![table],
+                        columns: ColumnMap::default(),
+                        max_wire_message_bytes: outboxd::source::postgres::wire_message_limit(
+                            SinkOptions::default().max_message_bytes,
+                        ),
+                    };
+                    let store = source.state_store();
+                    pipeline::run(source, store, move || Ok(sink.sink()), &cfg, stop).await?;
+                }
+                SourceDsn::Mysql(dsn) => {
+                    let options = MySqlOptions::default();
+                    let tables =
+                        outbox_tables(&dsn, &[table], &ColumnMap::default(), options.time_zone)?;
+                    let store = outboxd::state::mysql::MyStateStore::new(dsn.clone());
+                    let source = MyLog {
+                        dsn,
+                        name: name.clone(),
+                        tables,
+                        options,
+                    };
+                    pipeline::run(source, store, move || Ok(sink.sink()), &cfg, stop).await?;
+                }
+                SourceDsn::File(_) => unreachable!("the test writes database DSNs"),
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+/// The fleet's directory, and each source's sink by name (kept across the source's runs).
+struct Harness {
+    dir: tempfile::TempDir,
+    sinks: Arc<Mutex<BTreeMap<String, MemoryHandle>>>,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Harness {
+            dir: tempfile::tempdir().unwrap(),
+            sinks: Arc::default(),
+        }
+    }
+
+    fn loader(&self) -> Loader {
+        let sinks = self.sinks.clone();
+        Arc::new(move |name: &str, path: &Path| {
+            let text = std::fs::read_to_string(path).unwrap();
+            let dsn = SourceDsn::parse(text.trim())?;
+            let sink = sinks
+                .lock()
+                .unwrap()
+                .entry(name.to_string())
+                .or_insert_with(|| MemorySink::new().1)
+                .clone();
+            Ok(Arc::new(TestTenant {
+                name: name.to_string(),
+                dsn,
+                sink,
+            }) as Arc<dyn Tenant>)
+        })
+    }
+
+    fn fleet(&self) -> Fleet {
+        let mut opts = FleetOptions::new(self.dir.path());
+        opts.rescan = Duration::from_millis(200);
+        opts.retry = (Duration::from_millis(100), Duration::from_millis(800));
+        Fleet::new(opts, self.loader())
+    }
+
+    fn write(&self, name: &str, dsn: &str) {
+        std::fs::write(self.dir.path().join(format!("{name}.toml")), dsn).unwrap();
+    }
+
+    fn sink(&self, name: &str) -> MemoryHandle {
+        self.sinks.lock().unwrap()[name].clone()
+    }
+
+    /// Waits until source `name`'s sink has confirmed every one of `ids`.
+    async fn wait_published(&self, name: &str, ids: &[Uuid]) {
+        wait_for(&format!("{name}'s {} events", ids.len()), T, || async {
+            let have: HashSet<Uuid> = self
+                .sinks
+                .lock()
+                .unwrap()
+                .get(name)
+                .map(|h| h.confirmed_ids().into_iter().collect())
+                .unwrap_or_default();
+            ids.iter().all(|id| have.contains(id))
+        })
+        .await;
+    }
+}
+
+async fn state_is(fleet: &Arc<outboxd::fleet::status::Status>, name: &str, state: &str) -> bool {
+    fleet.state_of(name).is_some_and(|r| r.state == state)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_fleet_runs_sources_on_both_databases_and_follows_its_directory() {
+    let (pg_a, pg_b, my_a, my_b) = tokio::join!(
+        PgDb::create("fleet_pa"),
+        PgDb::create("fleet_pb"),
+        MyDb::create("fleet_ma"),
+        MyDb::create("fleet_mb")
+    );
+    let h = Harness::new();
+    let names: Vec<String> = ["pa", "pb", "ma", "mb"]
+        .iter()
+        .map(|p| unique(&format!("fl{p}")))
+        .collect();
+    h.write(&names[0], &pg_a.dsn());
+    h.write(&names[1], &pg_b.dsn());
+    h.write(&names[2], &my_a.dsn());
+    // A database that does not exist yet: this source fails alone until it does.
+    let missing = unique("fleet_missing");
+    let missing_dsn = {
+        let d = my_b.dsn();
+        format!("{}/{missing}", &d[..d.rfind('/').unwrap()])
+    };
+    h.write(&names[3], &missing_dsn);
+    let fleet = h.fleet();
+    let status = fleet.status();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn(fleet.run(stop.clone()));
+
+    pg_a.wait_streaming(&names[0]).await;
+    pg_b.wait_streaming(&names[1]).await;
+    my_a.wait_streaming(&names[2]).await;
+    let (a, b, c) = tokio::join!(
+        pg_a.write(3, 2, "fleet.pa"),
+        pg_b.write(2, 2, "fleet.pb"),
+        my_a.write(3, 2, "fleet.ma")
+    );
+    h.wait_published(&names[0], &a).await;
+    h.wait_published(&names[1], &b).await;
+    h.wait_published(&names[2], &c).await;
+    // Each source published its own events only.
+    let pa: HashSet<Uuid> = h.sink(&names[0]).confirmed_ids().into_iter().collect();
+    assert!(
+        b.iter().chain(&c).all(|id| !pa.contains(id)),
+        "a source published another's events"
+    );
+
+    // The source whose database is missing fails alone, named, and is retried.
+    wait_for(
+        "the missing database's source to fail and be retried",
+        T,
+        || async {
+            status
+                .state_of(&names[3])
+                .is_some_and(|r| r.runs >= 2 && (r.state == "failing" || r.state == "starting"))
+        },
+    )
+    .await;
+    let failing = status.state_of(&names[3]).unwrap();
+    for n in &names[..3] {
+        assert!(
+            state_is(&status, n, "running").await,
+            "{n}: {:?}",
+            status.state_of(n)
+        );
+    }
+    // The database appears (with its outbox): the next retry starts the source.
+    my_b.exec(&format!("CREATE DATABASE {missing}")).await;
+    let moved = MyDb {
+        name: missing.clone(),
+    };
+    moved.exec(crate::common::MY_OUTBOX_DDL).await;
+    wait_for("the retried source to run", T, || {
+        state_is(&status, &names[3], "running")
+    })
+    .await;
+    moved.wait_streaming(&names[3]).await;
+    let d = moved.write(2, 1, "fleet.mb").await;
+    h.wait_published(&names[3], &d).await;
+    assert!(status.state_of(&names[3]).unwrap().runs > failing.runs);
+
+    // A source added mid-run starts.
+    let added = unique("fladd");
+    h.write(&added, &pg_b.dsn());
+    // (same database, its own slot and state: a second relay over pg_b)
+    wait_for("the added source to run", T, || {
+        state_is(&status, &added, "running")
+    })
+    .await;
+    pg_b.wait_streaming(&added).await;
+    let e = pg_b.write(2, 1, "fleet.added").await;
+    h.wait_published(&added, &e).await;
+    h.wait_published(&names[1], &e).await;
+
+    // A changed file restarts that source only.
+    let runs_before: Vec<u64> = names
+        .iter()
+        .map(|n| status.state_of(n).unwrap().runs)
+        .collect();
+    h.write(&names[0], &format!("{}\n", pg_a.dsn()));
+    wait_for("the changed source to run again", T, || async {
+        status
+            .state_of(&names[0])
+            .is_some_and(|r| r.runs == runs_before[0] + 1 && r.state == "running")
+    })
+    .await;
+    for (i, n) in names.iter().enumerate().skip(1) {
+        assert_eq!(
+            status.state_of(n).unwrap().runs,
+            runs_before[i],
+            "{n} restarted with another's file"
+        );
+    }
+    pg_a.wait_streaming(&names[0]).await;
+    let f = pg_a.write(2, 1, "fleet.changed").await;
+    h.wait_published(&names[0], &f).await;
+
+    // A removed file stops its source: gone from the status, its lease released.
+    std::fs::remove_file(h.dir.path().join(format!("{added}.toml"))).unwrap();
+    wait_for("the removed source to leave the status", T, || async {
+        status.state_of(&added).is_none()
+    })
+    .await;
+    wait_for("the removed source's lease to be released", T, || async {
+        pg_b.lease_holder(&added).await.is_none()
+    })
+    .await;
+
+    stop.cancel();
+    tokio::time::timeout(T, run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    // Every source stopped gracefully: its lease released.
+    assert!(pg_a.lease_holder(&names[0]).await.is_none());
+    assert!(my_a.lease_holder(&names[2]).await.is_none());
+}
