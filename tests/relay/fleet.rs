@@ -285,3 +285,196 @@ async fn one_fleet_runs_sources_on_both_databases_and_follows_its_directory() {
     assert!(pg_a.lease_holder(&names[0]).await.is_none());
     assert!(my_a.lease_holder(&names[2]).await.is_none());
 }
+
+/// `outboxd fleet status --addr ADDR`: each source's (name, state), or nothing while the
+/// fleet does not answer.
+fn fleet_status(addr: &str) -> Vec<(String, String)> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outboxd"))
+        .args(["fleet", "status", "--addr", addr])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Vec::new();
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            Some((w.next()?.to_string(), w.next()?.to_string()))
+        })
+        .collect()
+}
+
+fn running(addr: &str) -> Vec<String> {
+    fleet_status(addr)
+        .into_iter()
+        .filter(|(_, s)| s == "running")
+        .map(|(n, _)| n)
+        .collect()
+}
+
+/// The event ids a fleet process printed (stdout sink).
+fn printed(relay: &crate::common::Relay) -> HashSet<Uuid> {
+    relay
+        .lines()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["id"].as_str()?.parse().ok())
+        .collect()
+}
+
+/// Two `outboxd fleet` processes on one directory of real source files (`run`'s keys): they
+/// split the sources between them through the membership table; one is SIGKILLed and the other
+/// takes its sources over; every event of every source is printed at least once, and no
+/// source ever runs in both at once (each source's lease holder is one process at a time, the
+/// lease epoch moves on at the takeover). A file that does not load is reported once, by name,
+/// while the others run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_over() {
+    use crate::common::{free_local_port, Relay};
+    let prefixes: Vec<String> = (0..4).map(|i| format!("fleet2_{i}")).collect();
+    let dbs = futures::future::join_all(prefixes.iter().map(|p| PgDb::create(p))).await;
+    let coord = PgDb::create("fleet2_coord").await;
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..4).map(|i| unique(&format!("f2s{i}"))).collect();
+    for (db, name) in dbs.iter().zip(&names) {
+        std::fs::write(
+            dir.path().join(format!("{name}.toml")),
+            format!(
+                "source = \"{}\"\nsink = \"stdout\"\ncommit_offsets = true\n",
+                db.dsn()
+            ),
+        )
+        .unwrap();
+    }
+    // A file with a misspelt key: reported with the fix, the others unaffected.
+    std::fs::write(
+        dir.path().join("broken.toml"),
+        "sourse = \"postgres://x@h/db\"\n",
+    )
+    .unwrap();
+    let fleet_name = unique("fl");
+    let (addr_a, addr_b) = (
+        format!("127.0.0.1:{}", free_local_port()),
+        format!("127.0.0.1:{}", free_local_port()),
+    );
+    let start = |addr: &str| {
+        Relay::start(&[
+            "fleet",
+            "--sources",
+            dir.path().to_str().unwrap(),
+            "--members",
+            &coord.dsn(),
+            "--fleet-name",
+            &fleet_name,
+            "--member-ttl",
+            "2s",
+            "--rescan-interval",
+            "300ms",
+            "--metrics-addr",
+            addr,
+        ])
+    };
+    let mut a = start(&addr_a);
+    wait_for("fleet A to run all four sources", T, || async {
+        running(&addr_a).len() == 4
+    })
+    .await;
+    a.wait_for_stderr(
+        &["broken", "unknown key \"sourse\"", "fix: did you mean"],
+        T,
+    )
+    .await;
+    let mut b = start(&addr_b);
+    wait_for("the two processes to split the sources", T, || async {
+        let (ra, rb) = (running(&addr_a), running(&addr_b));
+        !ra.is_empty()
+            && !rb.is_empty()
+            && ra.len() + rb.len() == 4
+            && ra.iter().all(|n| !rb.contains(n))
+    })
+    .await;
+    let on_b = running(&addr_b);
+    // Read again at every rescan meanwhile, the broken file was reported once.
+    assert_eq!(
+        a.stderr().matches("unknown key \"sourse\"").count(),
+        1,
+        "{}",
+        a.stderr()
+    );
+    assert!(fleet_status(&addr_a).contains(&("broken".to_string(), "invalid".to_string())));
+    let mut written: Vec<Vec<Uuid>> = Vec::new();
+    for db in &dbs {
+        written.push(db.write(3, 2, "fleet2.before").await);
+    }
+    let all_printed = |a: &Relay, b: &Relay| {
+        let mut have = printed(a);
+        have.extend(printed(b));
+        have
+    };
+    wait_for(
+        "every event printed by one process or the other",
+        T,
+        || async {
+            let have = all_printed(&a, &b);
+            written.iter().flatten().all(|id| have.contains(id))
+        },
+    )
+    .await;
+    let epochs_before: Vec<i64> =
+        futures::future::join_all(dbs.iter().zip(&names).map(|(db, n)| lease_epoch(db, n))).await;
+
+    b.sigkill();
+    wait_for(
+        "fleet A to take the killed process's sources over",
+        T,
+        || async { running(&addr_a).len() == 4 },
+    )
+    .await;
+    for db in &dbs {
+        written.push(db.write(2, 2, "fleet2.after").await);
+    }
+    wait_for(
+        "every event, before and after the kill, printed",
+        T,
+        || async {
+            let have = all_printed(&a, &b);
+            written.iter().flatten().all(|id| have.contains(id))
+        },
+    )
+    .await;
+    for (i, name) in names.iter().enumerate() {
+        let holder = dbs[i].lease_holder(name).await.expect("a lease holder");
+        assert!(
+            holder.contains(&format!(":{}:", a.child.id())),
+            "{name} held by {holder}, not fleet A"
+        );
+        let epoch = lease_epoch(&dbs[i], name).await;
+        if on_b.contains(name) {
+            assert!(
+                epoch > epochs_before[i],
+                "{name}: taken over without a new lease epoch"
+            );
+        }
+    }
+    a.signal("TERM");
+    assert_eq!(a.wait_exit(T).await, 0, "{}", a.stderr());
+    // Stopped gracefully: every lease released.
+    for (db, name) in dbs.iter().zip(&names) {
+        assert_eq!(
+            db.lease_holder(name).await,
+            None,
+            "{name}'s lease kept after the stop"
+        );
+    }
+}
+
+async fn lease_epoch(db: &PgDb, name: &str) -> i64 {
+    db.client()
+        .await
+        .query_one("SELECT epoch FROM outboxd_state WHERE name = $1", &[&name])
+        .await
+        .unwrap()
+        .get(0)
+}
