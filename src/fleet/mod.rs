@@ -245,7 +245,7 @@ impl Fleet {
                         let _ = tx.send(None);
                     }
                 }
-                (None, false, _) => self.status.stopped(&name, State::Elsewhere),
+                (None, false, Some(_)) => self.status.stopped(&name, State::Elsewhere),
                 _ => {}
             }
         }

@@ -376,7 +376,7 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
             addr,
         ])
     };
-    let mut a = start(&addr_a);
+    let a = start(&addr_a);
     wait_for("fleet A to run all four sources", T, || async {
         running(&addr_a).len() == 4
     })
@@ -386,16 +386,23 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
         T,
     )
     .await;
-    let mut b = start(&addr_b);
+    let b = start(&addr_b);
+    // Each source runs in exactly one process and stands by ("elsewhere") in the other. Which
+    // process gets how many is the hash's choice (the members' ids are random): the one that
+    // runs more is killed below, so sources always move.
+    let states =
+        |addr: &str| -> BTreeMap<String, String> { fleet_status(addr).into_iter().collect() };
     wait_for("the two processes to split the sources", T, || async {
-        let (ra, rb) = (running(&addr_a), running(&addr_b));
-        !ra.is_empty()
-            && !rb.is_empty()
-            && ra.len() + rb.len() == 4
-            && ra.iter().all(|n| !rb.contains(n))
+        let (sa, sb) = (states(&addr_a), states(&addr_b));
+        names.iter().all(|n| {
+            let (x, y) = (sa.get(n).map(String::as_str), sb.get(n).map(String::as_str));
+            matches!(
+                (x, y),
+                (Some("running"), Some("elsewhere")) | (Some("elsewhere"), Some("running"))
+            )
+        })
     })
     .await;
-    let on_b = running(&addr_b);
     // Read again at every rescan meanwhile, the broken file was reported once.
     assert_eq!(
         a.stderr().matches("unknown key \"sourse\"").count(),
@@ -403,7 +410,16 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
         "{}",
         a.stderr()
     );
-    assert!(fleet_status(&addr_a).contains(&("broken".to_string(), "invalid".to_string())));
+    assert_eq!(
+        states(&addr_a).get("broken").map(String::as_str),
+        Some("invalid")
+    );
+    let (on_a, on_b) = (running(&addr_a), running(&addr_b));
+    let (mut victim, mut survivor, survivor_addr, moved) = if on_b.len() >= on_a.len() {
+        (b, a, addr_a.clone(), on_b)
+    } else {
+        (a, b, addr_b.clone(), on_a)
+    };
     let mut written: Vec<Vec<Uuid>> = Vec::new();
     for db in &dbs {
         written.push(db.write(3, 2, "fleet2.before").await);
@@ -413,11 +429,12 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
         have.extend(printed(b));
         have
     };
+    let (a, b) = (&mut survivor, &mut victim);
     wait_for(
         "every event printed by one process or the other",
         T,
         || async {
-            let have = all_printed(&a, &b);
+            let have = all_printed(a, b);
             written.iter().flatten().all(|id| have.contains(id))
         },
     )
@@ -427,9 +444,9 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
 
     b.sigkill();
     wait_for(
-        "fleet A to take the killed process's sources over",
+        "the other process to take the killed process's sources over",
         T,
-        || async { running(&addr_a).len() == 4 },
+        || async { running(&survivor_addr).len() == 4 },
     )
     .await;
     for db in &dbs {
@@ -439,7 +456,7 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
         "every event, before and after the kill, printed",
         T,
         || async {
-            let have = all_printed(&a, &b);
+            let have = all_printed(a, b);
             written.iter().flatten().all(|id| have.contains(id))
         },
     )
@@ -448,10 +465,10 @@ async fn two_fleet_processes_share_the_sources_and_one_killed_hands_its_sources_
         let holder = dbs[i].lease_holder(name).await.expect("a lease holder");
         assert!(
             holder.contains(&format!(":{}:", a.child.id())),
-            "{name} held by {holder}, not fleet A"
+            "{name} held by {holder}, not the surviving process"
         );
         let epoch = lease_epoch(&dbs[i], name).await;
-        if on_b.contains(name) {
+        if moved.contains(name) {
             assert!(
                 epoch > epochs_before[i],
                 "{name}: taken over without a new lease epoch"
