@@ -60,7 +60,7 @@ pub enum FleetCommand {
 #[derive(Debug, Clone, Args)]
 pub struct FleetStatusArgs {
     /// The fleet's --metrics-addr.
-    #[arg(long, env = "OUTBOXD_HEALTH_ADDR", default_value = "127.0.0.1:9187")]
+    #[arg(long, env = "OUTBOXD_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub addr: String,
 }
 
