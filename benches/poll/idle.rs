@@ -523,8 +523,8 @@ pub async fn fleet_process_report(seconds: u64) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(5432);
     println!("\nIdle Postgres sources (empty outboxes, streaming), stdout sink, over {seconds} s; server on port {port}:\n");
-    println!("| how | sources | start (wall s, until all stream) | CPU ms/min, all | CPU ms/min per source | RSS MiB, all | RSS MiB per source | processes |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| how | sources | start (wall s, until all stream) | CPU ms/min, all | CPU ms/min per source | RSS MiB, all | RSS MiB per source | processes | one busy source among them, events/s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let bin = env!("CARGO_BIN_EXE_outboxd");
     for (how, k) in [
         ("one fleet process", big),
@@ -585,12 +585,25 @@ pub async fn fleet_process_report(seconds: u64) {
                             "--log-level",
                             "warn",
                         ])
-                        .stdout(Stdio::null())
+                        .stdout(Stdio::piped())
                         .stderr(Stdio::null())
                         .spawn()
                         .unwrap(),
                 );
             }
+        }
+        // Lines printed by the process of the first source (the busy one below).
+        let printed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut readers = Vec::new();
+        for c in children.iter_mut() {
+            let out = c.stdout.take().unwrap();
+            let p = printed.clone();
+            readers.push(std::thread::spawn(move || {
+                use std::io::BufRead;
+                for _ in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                    p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }));
         }
         // Started when every source's slot is active (its walsender streams).
         let client = pg(&admin).await;
@@ -631,14 +644,48 @@ pub async fn fleet_process_report(seconds: u64) {
             .iter()
             .map(|c| support::rss_kib(c.id()).unwrap_or(0) as f64 / 1024.0)
             .sum();
+        // One source gets busy among the idle: `busy` events written into the first database,
+        // 100 per transaction; the time from the first insert until the last is printed.
+        let busy = std::env::var("OUTBOXD_BENCH_FLEET_BUSY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000u64);
+        let producer = pg(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname={}",
+            dbs[0]
+        ))
+        .await;
+        let t0 = Instant::now();
+        for _ in 0..busy / 100 {
+            producer
+                .batch_execute(
+                    "INSERT INTO outbox (id, aggregate_id, topic, payload)
+                     SELECT gen_random_uuid(), 'a' || g, 'bench.busy', '{\"n\":1}'::json FROM generate_series(1, 100) g",
+                )
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while printed.load(std::sync::atomic::Ordering::Relaxed) < busy / 100 * 100 {
+            assert!(
+                Instant::now() < deadline,
+                "{how}: the busy source did not drain in 600 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let drain_s = t0.elapsed().as_secs_f64();
         println!(
-            "| {how} | {k} | {start_s:.1} | {cpu_min:.0} | {:.1} | {rss:.0} | {:.2} | {} |",
+            "| {how} | {k} | {start_s:.1} | {cpu_min:.0} | {:.1} | {rss:.0} | {:.2} | {} | {:.0} |",
             cpu_min / k as f64,
             rss / k as f64,
-            children.len()
+            children.len(),
+            (busy / 100 * 100) as f64 / drain_s
         );
         for c in children {
             stop(c);
+        }
+        for r in readers {
+            let _ = r.join();
         }
         for db in &dbs {
             let _ = client

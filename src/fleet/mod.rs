@@ -226,6 +226,10 @@ impl Fleet {
                     }
                 }
             }
+            // Each source runs on its own connections, one task each. Sources of one server
+            // are the ones `Tenant::server` names alike: a log stream shared by them (one
+            // binlog dump connection routing rows to its sources by schema) would be started
+            // here, once per server, with each source's task reading its share of it.
             let owned = self.owns(&name);
             match (&entry.spec, owned, &entry.tenant) {
                 (None, true, Some(t)) => {
