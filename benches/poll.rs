@@ -657,6 +657,7 @@ async fn main() {
             println!("| {name} | {server:.0} | {relay:.0} |");
         }
         idle::report(idle).await;
+        idle::fleet_process_report(idle).await;
     }
     let three = |l: &str| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     println!(

@@ -106,6 +106,9 @@ pub mod debezium;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
 pub mod diagnostics;
+#[cfg(feature = "relay")]
+#[doc(hidden)]
+pub mod fleet;
 #[cfg(all(feature = "relay", feature = "test-util"))]
 #[doc(hidden)]
 pub mod fuzzing;

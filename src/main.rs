@@ -7,8 +7,8 @@
 // modules they use at this crate's root, so those paths read the same as they did inside the
 // library.
 use outboxd::{
-    consumer, crypto, db, debezium, diagnostics, dsn, event, outbox, pipeline, progress, relay,
-    secret_file, sink, source, state, telemetry, tls, Error,
+    consumer, crypto, db, debezium, diagnostics, dsn, event, fleet, outbox, pipeline, progress,
+    relay, secret_file, sink, source, state, telemetry, tls, Error,
 };
 
 mod commands;
@@ -61,6 +61,7 @@ fn try_main() -> anyhow::Result<()> {
     outboxd::progress::configure(cli.progress_interval, bars);
     let shutdown_timeout = match &cli.command {
         commands::Command::Run(a) => a.shutdown_timeout,
+        commands::Command::Fleet(a) => a.shutdown_timeout,
         _ => std::time::Duration::from_secs(30),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

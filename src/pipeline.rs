@@ -335,6 +335,7 @@ where
     }
     let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
+    running(&stats, &link.acks);
     PipelineStarted.emit();
     // Poll mode has no stream: it is "streaming" while it can poll.
     SourceRunning.emit();
@@ -395,6 +396,7 @@ pub async fn run_file(
     sink.set_origin(&origin(&cfg, SourceIdentity::default()));
     let (link, ev_rx, ack_tx) = source_link(cfg.max_inflight_bytes);
     let stats = Arc::new(RelayStats::default());
+    running(&stats, &link.acks);
     PipelineStarted.emit();
     SourceRunning.emit();
     let limits = file::Limits {
@@ -404,6 +406,36 @@ pub async fn run_file(
     let source = file::run(paths, tables, limits, link, shutdown);
     relay_and_source(&mut sink, ev_rx, ack_tx, &cfg.relay, &stats, source).await?;
     Ok(stats)
+}
+
+/// What a watcher of this run (`telemetry::live`, a fleet's status) reads while it publishes.
+struct LiveCounts {
+    stats: Arc<RelayStats>,
+    acks: watch::Receiver<Option<Checkpoint>>,
+}
+
+impl crate::telemetry::live::Counts for LiveCounts {
+    fn published(&self) -> u64 {
+        self.stats
+            .published
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn confirmed(&self) -> u64 {
+        self.stats
+            .confirmed
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn position(&self) -> Option<String> {
+        self.acks.borrow().as_ref().map(|c| c.to_string())
+    }
+}
+
+/// The run publishes from now on (for whoever watches it: `telemetry::live`).
+fn running(stats: &Arc<RelayStats>, acks: &watch::Receiver<Option<Checkpoint>>) {
+    crate::telemetry::live::running(Arc::new(LiveCounts {
+        stats: stats.clone(),
+        acks: acks.clone(),
+    }));
 }
 
 /// What [`drive`] takes of a run's settings.
@@ -463,8 +495,9 @@ where
         fence,
         lease_stop.clone(),
     ));
-    let source = source(link);
     let stats = Arc::new(RelayStats::default());
+    running(&stats, &link.acks);
+    let source = source(link);
     PipelineStarted.emit();
     let work = relay_and_source(&mut sink, ev_rx, ack_tx, &relay_opts, &stats, source);
     let result = tokio::select! {
@@ -482,6 +515,9 @@ where
     lease_result?;
     Ok(stats)
 }
+
+pub mod plan;
+pub use plan::RunPlan;
 
 #[cfg(test)]
 mod tests;

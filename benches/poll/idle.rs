@@ -498,3 +498,238 @@ pub async fn report(seconds: u64) {
         }
     }
 }
+
+/// `OUTBOXD_BENCH_IDLE_FLEET_PROCESS=K[,k]`: K idle Postgres sources in one `outboxd fleet`
+/// process, beside k (default 10) of them as one `outboxd run` process each — both on the
+/// server at `OUTBOXD_BENCH_FLEET_PG_PORT` (default 5432; it needs K + k replication slots and
+/// walsenders and twice as many connections, which the shared test server does not give: see
+/// docs/benchmarks.md for the private server the figures were taken on), each source its own
+/// database, stdout sink with `--commit-offsets` (no broker, so the figures are the relays' own).
+/// For each: the start (wall time until every source streams: the fleet's `/status` says
+/// running, the relays' slots are active), then over the window the processes' CPU per minute
+/// and resident memory, in total and per source.
+pub async fn fleet_process_report(seconds: u64) {
+    let Ok(spec) = std::env::var("OUTBOXD_BENCH_IDLE_FLEET_PROCESS") else {
+        return;
+    };
+    let mut parts = spec.split(',').map(|v| v.trim().parse::<usize>().ok());
+    let big = parts.next().flatten().unwrap_or(0);
+    let small = parts.next().flatten().unwrap_or(10);
+    if big == 0 {
+        return;
+    }
+    let port: u16 = std::env::var("OUTBOXD_BENCH_FLEET_PG_PORT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5432);
+    println!("\nIdle Postgres sources (empty outboxes, streaming), stdout sink, over {seconds} s; server on port {port}:\n");
+    println!("| how | sources | start (wall s, until all stream) | CPU ms/min, all | CPU ms/min per source | RSS MiB, all | RSS MiB per source | processes | one busy source among them, events/s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let bin = env!("CARGO_BIN_EXE_outboxd");
+    for (how, k) in [
+        ("one fleet process", big),
+        ("one relay process each", small),
+    ] {
+        let dbs = fleet_dbs(
+            port,
+            k,
+            if how.starts_with("one fleet") {
+                "f"
+            } else {
+                "r"
+            },
+        )
+        .await;
+        let dir = std::env::temp_dir().join(format!("outboxd_bench_fleet_{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let admin = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres");
+        let started = Instant::now();
+        let mut children: Vec<Child> = Vec::new();
+        let addr = format!("127.0.0.1:{}", free_port());
+        if how.starts_with("one fleet") {
+            for db in &dbs {
+                std::fs::write(
+                    dir.join(format!("{db}.toml")),
+                    format!("source = \"postgres://postgres@127.0.0.1:{port}/{db}?sslmode=disable\"\nsink = \"stdout\"\ncommit_offsets = true\n"),
+                )
+                .unwrap();
+            }
+            children.push(
+                Command::new(bin)
+                    .args([
+                        "fleet",
+                        "--sources",
+                        dir.to_str().unwrap(),
+                        "--metrics-addr",
+                        &addr,
+                        "--log-level",
+                        "warn",
+                    ])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            );
+        } else {
+            for db in &dbs {
+                children.push(
+                    Command::new(bin)
+                        .args([
+                            "run",
+                            "--source",
+                            &format!("postgres://postgres@127.0.0.1:{port}/{db}?sslmode=disable"),
+                            "--name",
+                            db,
+                            "--commit-offsets",
+                            "--log-level",
+                            "warn",
+                        ])
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .unwrap(),
+                );
+            }
+        }
+        // Lines printed by the process of the first source (the busy one below).
+        let printed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut readers = Vec::new();
+        for c in children.iter_mut() {
+            let out = c.stdout.take().unwrap();
+            let p = printed.clone();
+            readers.push(std::thread::spawn(move || {
+                use std::io::BufRead;
+                for _ in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                    p.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }));
+        }
+        // Started when every source's slot is active (its walsender streams).
+        let client = pg(&admin).await;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let n: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name LIKE 'outboxd_bfl%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n as usize >= k {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{how}: only {n} of {k} sources streaming after 600 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let start_s = started.elapsed().as_secs_f64();
+        // Past the start's own work before the window opens.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let cpu = |c: &[Child]| {
+            c.iter()
+                .map(|c| cpu_ticks(&format!("/proc/{}/stat", c.id())))
+                .sum::<u64>()
+        };
+        let before = cpu(&children);
+        let window = Instant::now();
+        tokio::time::sleep(Duration::from_secs(seconds)).await;
+        let secs = window.elapsed().as_secs_f64();
+        let cpu_min =
+            cpu(&children).saturating_sub(before) as f64 / clk_tck() * 1000.0 * 60.0 / secs;
+        let rss: f64 = children
+            .iter()
+            .map(|c| support::rss_kib(c.id()).unwrap_or(0) as f64 / 1024.0)
+            .sum();
+        // One source gets busy among the idle: `busy` events written into the first database,
+        // 100 per transaction; the time from the first insert until the last is printed.
+        let busy = std::env::var("OUTBOXD_BENCH_FLEET_BUSY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000u64);
+        let producer = pg(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname={}",
+            dbs[0]
+        ))
+        .await;
+        let t0 = Instant::now();
+        for _ in 0..busy / 100 {
+            producer
+                .batch_execute(
+                    "INSERT INTO outbox (id, aggregate_id, topic, payload)
+                     SELECT gen_random_uuid(), 'a' || g, 'bench.busy', '{\"n\":1}'::json FROM generate_series(1, 100) g",
+                )
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while printed.load(std::sync::atomic::Ordering::Relaxed) < busy / 100 * 100 {
+            assert!(
+                Instant::now() < deadline,
+                "{how}: the busy source did not drain in 600 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let drain_s = t0.elapsed().as_secs_f64();
+        println!(
+            "| {how} | {k} | {start_s:.1} | {cpu_min:.0} | {:.1} | {rss:.0} | {:.2} | {} | {:.0} |",
+            cpu_min / k as f64,
+            rss / k as f64,
+            children.len(),
+            (busy / 100 * 100) as f64 / drain_s
+        );
+        for c in children {
+            stop(c);
+        }
+        for r in readers {
+            let _ = r.join();
+        }
+        for db in &dbs {
+            let _ = client
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                .await;
+        }
+        for db in &dbs {
+            let _ = client
+                .execute("SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1", &[&format!("outboxd_{db}")])
+                .await;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// `k` fresh databases with the outbox table on the server at `port`, named `bfl<tag><i>_<pid>`.
+async fn fleet_dbs(port: u16, k: usize, tag: &str) -> Vec<String> {
+    let admin = pg(&format!(
+        "host=127.0.0.1 port={port} user=postgres dbname=postgres"
+    ))
+    .await;
+    let mut out = Vec::new();
+    for i in 0..k {
+        let db = format!("bfl{tag}{i}_{}", std::process::id());
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+        pg(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname={db}"
+        ))
+        .await
+        .batch_execute(include_str!("../../migrations/postgres/001_outbox.sql"))
+        .await
+        .unwrap();
+        out.push(db);
+    }
+    out
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -19,10 +19,17 @@ PG_RESTARTED=no
 PG_TLS_CHANGED=no
 
 # name | value for ALTER SYSTEM | pg_settings.setting when applied (wal_sender_timeout is in ms)
+# Slots, senders and connections leave room for the idle bench's 200-source fleet
+# (`OUTBOXD_BENCH_IDLE_FLEET_PROCESS`; each source holds one slot, one walsender and one more
+# session for its lease). What they cost while unused: shared memory sized by them at start
+# (a connection slot's share of the lock table and its process entry, some tens of KiB, about
+# 10 MB for 500; a replication slot or sender much less) and nothing else until one is used;
+# changing them restarts the cluster once.
 PG_WANTED=(
     "wal_level|logical|logical"
-    "max_replication_slots|20|20"
-    "max_wal_senders|20|20"
+    "max_replication_slots|220|220"
+    "max_wal_senders|220|220"
+    "max_connections|500|500"
     "wal_sender_timeout|60s|60000"
     "ssl|on|on"
     "ssl_cert_file|$PG_TLS_DIR/server.crt|$PG_TLS_DIR/server.crt"

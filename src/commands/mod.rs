@@ -20,6 +20,7 @@ mod check;
 pub mod config_file;
 pub mod consumer;
 pub mod crypto;
+pub mod fleet;
 mod health;
 mod offset;
 mod run;
@@ -124,6 +125,9 @@ pub enum LogFormat {
 pub enum Command {
     /// Relay outbox events from the source to the sink until SIGINT/SIGTERM.
     Run(RunArgs),
+    /// Run many sources in one process (one <name>.toml each in --sources DIR), each its own
+    /// relay with its own lease; `fleet status` lists them.
+    Fleet(fleet::FleetArgs),
     /// Idempotently create what the relay needs: state table, publication and slot.
     Setup(SetupArgs),
     /// Drop the relay's slot, publication and state (an abandoned slot fills the disk).
@@ -358,6 +362,7 @@ pub async fn execute(
     let sub = matches.subcommand().map(|(_, m)| m).unwrap_or(matches);
     match cli.command {
         Command::Run(args) => run(args, sub, shutdown).await,
+        Command::Fleet(args) => fleet::fleet(args, sub, shutdown).await,
         Command::Setup(args) => setup(args, sub).await,
         Command::Teardown(args) => teardown(args, sub).await,
         Command::Check(args) => check(args, sub).await,

@@ -6,7 +6,7 @@ use super::sink::{sink_columns, SinkArgs};
 use super::{parse_bytes, parse_duration, resolve_dsn, resolve_source, SourceArgs};
 use crate::dsn::SourceDsn;
 use crate::outbox::Mode;
-use crate::pipeline::{self, RunConfig};
+use crate::pipeline::{self, RunConfig, RunPlan};
 use crate::relay::RelayOptions;
 use crate::sink::SinkDsn;
 use crate::Error;
@@ -155,11 +155,24 @@ pub(super) async fn run(
     m: &ArgMatches,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let r = resolve_source(&args.source, m)?;
-    crate::tls::warn_if_unverified_source(&r.source);
     if let Some(addr) = &args.metrics_addr {
         crate::telemetry::serve(addr).await?;
     }
+    let plan = plan(&args, m)?;
+    let stats = plan.run(shutdown).await?;
+    tracing::info!(
+        published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
+        confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
+        "stopped"
+    );
+    Ok(())
+}
+
+/// `run`'s flags as a validated plan (the sink built once to check its settings; nothing
+/// connects). `outboxd fleet` makes each source's plan through here.
+pub(super) fn plan(args: &RunArgs, m: &ArgMatches) -> Result<RunPlan, Error> {
+    let r = resolve_source(&args.source, m)?;
+    crate::tls::warn_if_unverified_source(&r.source);
     let sink_from_argv = m.value_source("sink") == Some(ValueSource::CommandLine);
     let sink = resolve_dsn(
         Some(&args.sink),
@@ -196,7 +209,6 @@ pub(super) async fn run(
         relay: RelayOptions {
             window: args.window,
             confirm_timeout: args.confirm_timeout,
-            stop: Some(shutdown.clone()),
             ..RelayOptions::default()
         },
         snapshot: crate::source::postgres::snapshot::SnapshotMode::parse(&args.snapshot)?,
@@ -251,33 +263,19 @@ pub(super) async fn run(
         interval: args.poll_interval,
         notify: args.notify,
     };
+    if matches!(r.source, SourceDsn::File(_)) && args.mode == Mode::Poll {
+        return Err(Error::config(
+            "poll mode queries a database table; a binlog-file source has none",
+            "drop --mode poll to replay the files, or poll the database: --source mysql://…",
+        ));
+    }
     pipeline::check_sink(&cfg)?;
-    let stats =
-        match (r.source, args.mode) {
-            (SourceDsn::Postgres(dsn), Mode::Cdc) => {
-                pipeline::run_postgres(dsn, postgres, cfg, shutdown).await?
-            }
-            (SourceDsn::Postgres(dsn), Mode::Poll) => {
-                pipeline::run_poll_postgres(dsn, cfg, poll, shutdown).await?
-            }
-            (SourceDsn::Mysql(dsn), Mode::Cdc) => {
-                pipeline::run_mysql(dsn, mysql, cfg, shutdown).await?
-            }
-            (SourceDsn::Mysql(dsn), Mode::Poll) => {
-                pipeline::run_poll_mysql(dsn, mysql, cfg, poll, shutdown).await?
-            }
-            (SourceDsn::File(files), Mode::Cdc) => {
-                pipeline::run_file(files, mysql, cfg, shutdown).await?
-            }
-            (SourceDsn::File(_), Mode::Poll) => return Err(Error::config(
-                "poll mode queries a database table; a binlog-file source has none",
-                "drop --mode poll to replay the files, or poll the database: --source mysql://…",
-            )),
-        };
-    tracing::info!(
-        published = stats.published.load(std::sync::atomic::Ordering::Relaxed),
-        confirmed = stats.confirmed.load(std::sync::atomic::Ordering::Relaxed),
-        "stopped"
-    );
-    Ok(())
+    Ok(RunPlan {
+        source: r.source,
+        mode: args.mode,
+        cfg,
+        postgres,
+        mysql,
+        poll,
+    })
 }

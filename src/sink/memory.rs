@@ -94,6 +94,14 @@ impl MemorySink {
 }
 
 impl MemoryHandle {
+    /// Another sink on this handle's state: a run restarted (a fleet's source after a failure)
+    /// publishes where the first one did.
+    pub fn sink(&self) -> MemorySink {
+        MemorySink {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// Refuse (as a retryable rejection) every event `f` gives a reason for, until
     /// [`MemoryHandle::accept_all`].
     pub fn refuse_when(&self, f: impl Fn(&OutboxEvent) -> Option<String> + Send + 'static) {

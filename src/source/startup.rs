@@ -110,6 +110,7 @@ where
 /// False when asked to stop meanwhile.
 async fn standby(held: &str, shutdown: &CancellationToken) -> bool {
     tracing::info!(held = %held, "standby: waiting for the lease");
+    crate::telemetry::live::standby(held);
     tokio::select! {
         _ = shutdown.cancelled() => false,
         _ = tokio::time::sleep(state::RENEW_INTERVAL) => true,

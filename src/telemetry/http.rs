@@ -9,6 +9,18 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// `outboxd health`: one GET of `path` on the relay's metrics address; Ok on 200, otherwise an
 /// error carrying the status line and body (the reason /readyz gives).
 pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
+    let body = fetch(addr, path).await?;
+    println!("ok   {path}: {}", body.trim());
+    Ok(())
+}
+
+/// The most bytes of an answer [`fetch`] reads (a fleet's `/status` of thousands of sources
+/// fits many times over).
+const MAX_ANSWER_BYTES: u64 = 16 << 20;
+
+/// One GET of `path` on `addr`: the body of a 200 answer, otherwise an error carrying the
+/// status line and body.
+pub async fn fetch(addr: &str, path: &str) -> Result<String, crate::Error> {
     let fail = |what: String| crate::Error::Other(format!("{addr}{path}: {what}"));
     let exchange = async {
         let mut sock = tokio::net::TcpStream::connect(addr)
@@ -20,7 +32,9 @@ pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
         .await
         .map_err(|e| fail(e.to_string()))?;
         let mut answer = Vec::new();
-        sock.read_to_end(&mut answer)
+        (&mut sock)
+            .take(MAX_ANSWER_BYTES)
+            .read_to_end(&mut answer)
             .await
             .map_err(|e| fail(e.to_string()))?;
         Ok::<_, crate::Error>(String::from_utf8_lossy(&answer).into_owned())
@@ -29,12 +43,11 @@ pub async fn probe(addr: &str, path: &str) -> Result<(), crate::Error> {
         .await
         .map_err(|_| fail("no answer in 5 s".into()))??;
     let status = answer.lines().next().unwrap_or_default();
-    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
     if status.split_whitespace().nth(1) == Some("200") {
-        println!("ok   {path}: {body}");
-        Ok(())
+        Ok(body.to_string())
     } else {
-        Err(fail(format!("{status}: {body}")))
+        Err(fail(format!("{status}: {}", body.trim())))
     }
 }
 
@@ -199,15 +212,35 @@ async fn answer(
             "/metrics" => (
                 StatusCode::OK,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                t.render(),
+                match super::fleet() {
+                    None => t.render(),
+                    Some(f) => {
+                        // The fleet's families go before the exposition's closing `# EOF`.
+                        let mut text = t.render();
+                        let end = text.rfind("# EOF").unwrap_or(text.len());
+                        text.insert_str(end, &f.metrics());
+                        text
+                    }
+                },
             ),
             "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
-            "/readyz" => match t.not_ready() {
+            "/readyz" => match super::fleet()
+                .map(|f| f.not_ready())
+                .unwrap_or_else(|| t.not_ready().map(str::to_string))
+            {
                 None => (StatusCode::OK, "text/plain", "ready\n".to_string()),
                 Some(why) => (
                     StatusCode::SERVICE_UNAVAILABLE,
                     "text/plain",
                     format!("not ready: {why}\n"),
+                ),
+            },
+            "/status" => match super::fleet() {
+                Some(f) => (StatusCode::OK, "application/json", f.status_json()),
+                None => (
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    "not a fleet: /status lists a fleet's sources (outboxd status reads one relay's state)\n".to_string(),
                 ),
             },
             _ => (

@@ -8,9 +8,10 @@
 
 pub mod events;
 mod http;
+pub mod live;
 mod logging;
 
-pub use http::{probe, serve, HEADER_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE};
+pub use http::{fetch, probe, serve, HEADER_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE};
 pub use logging::{init_logging, loggable};
 
 use prometheus_client::encoding::{text::encode, EncodeLabelSet};
@@ -355,6 +356,29 @@ fn register_progress(registry: &mut Registry) {
         "Estimated seconds left of the running phase at its rate so far (-1: unknown or none running)",
         g.eta_seconds.clone(),
     );
+}
+
+/// What a process that runs several relays (`outboxd fleet`) serves beside the process-wide
+/// instruments: its sources' states on `/status`, per-source series on `/metrics`, and its own
+/// readiness on `/readyz` (the process-wide instruments mix every source's state).
+pub trait FleetView: Send + Sync {
+    /// The body of `/status` (JSON).
+    fn status_json(&self) -> String;
+    /// OpenMetrics lines (families with their `# TYPE`/`# HELP`) for `/metrics`.
+    fn metrics(&self) -> String;
+    /// `None` when ready, else why not.
+    fn not_ready(&self) -> Option<String>;
+}
+
+static FLEET: OnceLock<std::sync::Arc<dyn FleetView>> = OnceLock::new();
+
+/// Makes the endpoint serve `view` (once per process; a second call is ignored).
+pub fn set_fleet(view: std::sync::Arc<dyn FleetView>) {
+    let _ = FLEET.set(view);
+}
+
+fn fleet() -> Option<&'static std::sync::Arc<dyn FleetView>> {
+    FLEET.get()
 }
 
 /// The process's instruments.

@@ -12,6 +12,7 @@ mod debezium_takeover;
 mod exactness;
 mod fault_suite;
 mod faults;
+mod fleet;
 mod ha;
 mod kafka_broker;
 mod kafka_sink;

@@ -36,6 +36,8 @@ fn every_flag_is_documented() {
         .collect();
     let commands: &[&[&str]] = &[
         &["run"],
+        &["fleet"],
+        &["fleet", "status"],
         &["setup"],
         &["check"],
         &["status"],
@@ -66,6 +68,8 @@ fn every_flag_is_documented() {
 /// Every command whose flags the docs describe (`keys` and `offset` by their subcommands).
 const COMMANDS: &[&[&str]] = &[
     &["run"],
+    &["fleet"],
+    &["fleet", "status"],
     &["config"],
     &["setup"],
     &["teardown"],
@@ -96,6 +100,7 @@ const NO_OWN_VARIABLE: &[(&str, &str, Option<&str>)] = &[
     ("offset set", "--binlog-position", None),
     ("offset set", "--offset-file", None),
     ("health", "--addr", Some("OUTBOXD_METRICS_ADDR")),
+    ("fleet status", "--addr", Some("OUTBOXD_METRICS_ADDR")),
     ("health", "--path", None),
 ];
 
