@@ -189,13 +189,6 @@ pub enum ConnectError {
     Other(String),
 }
 
-impl ConnectError {
-    /// Whether connecting again may succeed.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, ConnectError::Other(_))
-    }
-}
-
 /// The TLS client configuration for the broker: `None` for `amqp://` (and then no TLS file
 /// may be given), verified against the CA file (or the public roots) for `amqps://`.
 pub fn tls_config(
@@ -326,7 +319,5 @@ mod tests {
             from_query.to_string().contains("cacertfile"),
             "{from_query}"
         );
-        assert!(ConnectError::Other("x".into()).is_retryable());
-        assert!(!ConnectError::Tls("x".into()).is_retryable());
     }
 }

@@ -148,11 +148,6 @@ impl Held {
             }
         }
     }
-
-    /// Keys read back from the broker.
-    pub fn read_back_len(&self) -> usize {
-        self.read_back.len()
-    }
 }
 
 /// Why a relay does not go on with what a broker holds.

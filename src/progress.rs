@@ -19,9 +19,6 @@ use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How often a line is printed when nothing else makes one due.
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
-
 /// Catch-up starts being reported once the source is this far behind the server's log…
 pub const CATCH_UP_FROM_BYTES: u64 = 16 << 20;
 /// …and is over once it is this close again.
@@ -548,7 +545,8 @@ impl CatchUp {
     }
 
     /// Whether a catch-up is being reported.
-    pub fn running(&self) -> bool {
+    #[cfg(test)]
+    fn running(&self) -> bool {
         self.running.is_some()
     }
 

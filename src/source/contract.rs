@@ -13,31 +13,9 @@ use std::fmt;
 use std::sync::Arc;
 use uuid::Uuid;
 
-/// A logical column of the outbox table, as a poison reason names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Column {
-    Id,
-    AggregateId,
-    Topic,
-    Payload,
-    CreatedAt,
-    Headers,
-    Version,
-}
-
-impl fmt::Display for Column {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Column::Id => "id",
-            Column::AggregateId => "aggregate_id",
-            Column::Topic => "topic",
-            Column::Payload => "payload",
-            Column::CreatedAt => "created_at",
-            Column::Headers => "headers",
-            Column::Version => "version",
-        })
-    }
-}
+/// A poison reason names its column by the contract's column type (its text is the contract
+/// name, `aggregate_id`, whatever `--column` renamed it to).
+pub use crate::names::Column;
 
 /// Why a row cannot be published as a message. The text of each is part of the wire contract
 /// (the dead-letter record's reason; docs/message-format.md).

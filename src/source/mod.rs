@@ -3,14 +3,14 @@
 //! newest checkpoint whose events are all durable; the log sources leave storing it and telling
 //! the server to the run's return path (`state::checkpoint`), poll mode marks its rows.
 
-pub mod assemble;
-pub mod contract;
-pub mod log;
+pub(crate) mod assemble;
+pub(crate) mod contract;
+pub(crate) mod log;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;
 pub mod snapshot;
-pub mod startup;
+pub(crate) mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::telemetry::events::{EventRead, InternalEvent};

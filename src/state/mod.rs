@@ -5,10 +5,10 @@
 
 pub mod checkpoint;
 pub mod file;
-pub mod forward;
+pub(crate) mod forward;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
 #[cfg(any(test, feature = "test-util"))]
-pub mod memory;
+pub(crate) mod memory;
 pub mod mysql;
 pub mod postgres;
 

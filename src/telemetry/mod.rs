@@ -6,7 +6,17 @@
 //! log subscriber every binary installs, with the one filter no `--log-level` can lift
 //! ([`init_logging`], in `logging`).
 
-pub mod events;
+// Some events are the broker sinks': with fewer sinks compiled, they are unused.
+#[cfg_attr(
+    not(all(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "rabbitmq-stream"
+    )),
+    allow(dead_code)
+)]
+pub(crate) mod events;
 mod http;
 mod logging;
 

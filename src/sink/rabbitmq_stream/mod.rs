@@ -21,14 +21,14 @@
 //! connections, reads the producers' state again and so recomputes the ids of the events it
 //! republishes. Everything this sink imports from the stream client stays in this folder.
 
-pub mod check;
-pub mod config;
+pub(crate) mod check;
+pub(crate) mod config;
 mod encode;
 #[cfg(feature = "cli")]
 mod flags;
-pub mod ids;
+pub(crate) mod ids;
 mod read_back;
-pub mod registry;
+pub(crate) mod registry;
 
 pub use config::{StreamEndpoint, StreamSinkConfig};
 #[cfg(feature = "cli")]

@@ -8,7 +8,7 @@ use super::{admin, connect_sql, snapshot};
 use crate::diagnostics::{CheckLine, Level};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint};
-use crate::outbox::my_ident;
+use crate::outbox::{my_ident, Column};
 use crate::Error;
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -79,10 +79,10 @@ async fn check_poll(
     if !check_table(conn, table, out).await? {
         return Ok(());
     }
-    let status = table.columns.get("status");
-    let created = table.columns.get("created_at");
+    let status = table.columns.get(Column::Status);
+    let created = table.columns.get(Column::CreatedAt);
     let infos = snapshot::table_columns(conn, table).await?;
-    let missing: Vec<&str> = [status, table.columns.get("published_at")]
+    let missing: Vec<&str> = [status, table.columns.get(Column::PublishedAt)]
         .into_iter()
         .filter(|c| !infos.iter().any(|i| i.name.eq_ignore_ascii_case(c)))
         .collect();
@@ -98,7 +98,7 @@ async fn check_poll(
     out.push(line(
         Level::Ok,
         "status column",
-        format!("{status} and {}", table.columns.get("published_at")),
+        format!("{status} and {}", table.columns.get(Column::PublishedAt)),
         None,
     ));
     // An index that starts with (status, created_at): the claim reads pending rows in order
@@ -143,7 +143,7 @@ async fn check_poll(
         conn.query_drop("START TRANSACTION").await?;
         conn.query_drop(format!(
             "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {} LIMIT 1 FOR UPDATE SKIP LOCKED",
-            my_ident(table.columns.get("id")),
+            my_ident(table.columns.get(Column::Id)),
             table.quoted(),
             my_ident(status),
             my_ident(created)

@@ -21,18 +21,18 @@
 //! except the transaction that was open.
 
 pub mod admin;
-pub mod assemble;
+pub(crate) mod assemble;
 pub mod decode;
 pub mod diagnostics;
 pub mod file;
 pub mod gtid;
-pub mod identity;
+pub(crate) mod identity;
 pub mod log;
-pub mod poll;
-pub mod replicas;
+pub(crate) mod poll;
+pub(crate) mod replicas;
 pub mod rows;
-pub mod snapshot;
-pub mod startup;
+pub(crate) mod snapshot;
+pub(crate) mod startup;
 pub mod takeover;
 pub mod xa_pin;
 

@@ -13,7 +13,7 @@
 use super::rows::{ColumnInfo, OutboxTable, RowContext};
 use super::{admin, gtid::GtidState, Resume};
 use crate::event::Checkpoint;
-use crate::outbox::my_ident;
+use crate::outbox::{my_ident, Column};
 use crate::progress::Progress;
 use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::Outlet;
@@ -92,12 +92,12 @@ pub async fn plan(
     mode: &SnapshotMode,
 ) -> Result<SnapshotPlan, Error> {
     let cols = table_columns(conn, table).await?;
-    let created = table.columns.get("created_at");
+    let created = table.columns.get(Column::CreatedAt);
     let created_col = cols.iter().find(|c| c.name.eq_ignore_ascii_case(created));
     if created_col.is_none() {
         crate::source::snapshot::require_created_at(mode, &table.quoted(), created)?;
     }
-    let status = table.columns.get("status");
+    let status = table.columns.get(Column::Status);
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
         SnapshotMode::All => SnapshotPlan::Rows {
@@ -333,9 +333,9 @@ impl Snapshot {
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
         let position_of = |name: &str| infos.iter().position(|c| c.name.eq_ignore_ascii_case(name));
         // Debezium's table has no `created_at`: its rows are read in `id` order.
-        let created_column = position_of(table.columns.get("created_at"));
-        let created = created_column.map(|_| my_ident(table.columns.get("created_at")));
-        let id = my_ident(table.columns.get("id"));
+        let created_column = position_of(table.columns.get(Column::CreatedAt));
+        let created = created_column.map(|_| my_ident(table.columns.get(Column::CreatedAt)));
+        let id = my_ident(table.columns.get(Column::Id));
         let mut params = Vec::new();
         let resume = after.and_then(|k| {
             let created_at = match &k.created_at {
@@ -364,7 +364,7 @@ impl Snapshot {
             select.join(", "),
             table.quoted(),
         );
-        let id_column = position_of(table.columns.get("id"));
+        let id_column = position_of(table.columns.get(Column::Id));
         match after {
             Some(k) => {
                 tracing::info!(table = %table.quoted(), what = %what, after_created_at = k.created_at.as_deref().unwrap_or("-"), after_id = %k.id, next_index = k.seq, "first start: publishing existing rows after the last durable one of an interrupted snapshot")

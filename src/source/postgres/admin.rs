@@ -4,7 +4,7 @@
 
 use crate::event::{parse_lsn, SourcePosition};
 use crate::identity::SourceIdentity;
-use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
+use crate::outbox::{pg_ident, pg_literal, Column, ColumnMap, TableName};
 use crate::Error;
 use tokio_postgres::Client;
 
@@ -586,7 +586,7 @@ pub async fn rows_created_since(
             &format!(
                 "SELECT count(*) FROM {} WHERE {} >= $1",
                 table.pg_quoted(),
-                pg_ident(columns.get("created_at"))
+                pg_ident(columns.get(Column::CreatedAt))
             ),
             &[&since],
         )

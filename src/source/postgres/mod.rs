@@ -11,14 +11,14 @@
 //! I/O around it: connect, read, deliver, confirm.
 
 pub mod admin;
-pub mod assemble;
+pub(crate) mod assemble;
 pub mod diagnostics;
 pub mod log;
 pub mod pgoutput;
 pub mod poll;
-pub mod rows;
+pub(crate) mod rows;
 pub mod snapshot;
-pub mod startup;
+pub(crate) mod startup;
 pub mod takeover;
 pub mod tls_bridge;
 pub mod version;

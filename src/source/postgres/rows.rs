@@ -115,7 +115,7 @@ impl RowMapper {
         };
         let label = (self.tables.len() > 1).then(|| std::sync::Arc::from(t.to_string()));
         let table = t.pg_quoted();
-        let find = |logical: &str,
+        let find = |logical: Column,
                     allowed: &[Kind],
                     required: bool|
          -> Result<Option<(usize, Kind)>, Error> {
@@ -139,10 +139,10 @@ impl RowMapper {
                 None => Err(Error::config(
                     format!("column {actual:?} of {table} has type oid {} which cannot hold the {logical} column", col.type_oid),
                     format!("use one of the types docs/message-format.md lists for {logical} (e.g. ALTER TABLE {table} ALTER COLUMN {actual} TYPE {} USING ...)", match logical {
-                        "id" => "uuid",
-                        "payload" | "headers" => "jsonb",
-                        "created_at" => "timestamptz",
-                        "version" => "bigint",
+                        Column::Id => "uuid",
+                        Column::Payload | Column::Headers => "jsonb",
+                        Column::CreatedAt => "timestamptz",
+                        Column::Version => "bigint",
                         _ => "text",
                     }),
                 )),
@@ -168,18 +168,18 @@ impl RowMapper {
             extra.push((e.key.clone(), index));
         }
         let content_type = if self.columns.reads_content_type() {
-            Some(find("content_type", &[Text], true)?.expect("required"))
+            Some(find(Column::ContentType, &[Text], true)?.expect("required"))
         } else {
             None
         };
         let mapping = Mapping {
-            id: find("id", &[Uuid, Text], true)?.expect("required"),
-            aggregate_id: find("aggregate_id", &[Int, Text, Uuid], true)?.expect("required"),
-            topic: find("topic", &[Text], true)?.expect("required"),
-            payload: find("payload", &[Json, Jsonb, Text, Bytea], true)?.expect("required"),
-            created_at: find("created_at", &[Timestamptz, Timestamp], false)?,
-            headers: find("headers", &[Json, Jsonb, Text], false)?,
-            version: find("version", &[Int], false)?,
+            id: find(Column::Id, &[Uuid, Text], true)?.expect("required"),
+            aggregate_id: find(Column::AggregateId, &[Int, Text, Uuid], true)?.expect("required"),
+            topic: find(Column::Topic, &[Text], true)?.expect("required"),
+            payload: find(Column::Payload, &[Json, Jsonb, Text, Bytea], true)?.expect("required"),
+            created_at: find(Column::CreatedAt, &[Timestamptz, Timestamp], false)?,
+            headers: find(Column::Headers, &[Json, Jsonb, Text], false)?,
+            version: find(Column::Version, &[Int], false)?,
             content_type,
             extra,
             opaque: self.columns.opaque_payloads(),

@@ -76,19 +76,19 @@ pub async fn plan(
     mode: &SnapshotMode,
 ) -> Result<SnapshotPlan, Error> {
     let rel = table_relation(client, table).await?;
-    let created = pg_ident(columns.get("created_at"));
+    let created = pg_ident(columns.get(crate::names::Column::CreatedAt));
     if !rel
         .columns
         .iter()
-        .any(|c| c.name == columns.get("created_at"))
+        .any(|c| c.name == columns.get(crate::names::Column::CreatedAt))
     {
         crate::source::snapshot::require_created_at(
             mode,
             &table.pg_quoted(),
-            columns.get("created_at"),
+            columns.get(crate::names::Column::CreatedAt),
         )?;
     }
-    let status = columns.get("status");
+    let status = columns.get(crate::names::Column::Status);
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
         SnapshotMode::All => SnapshotPlan::Rows {
@@ -179,9 +179,9 @@ pub async fn publish(
     let rel = table_relation(client, table).await?;
     let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
     // Debezium's table has no `created_at`: its rows are read in `id` order.
-    let created_column = position_of(columns.get("created_at"));
-    let created = created_column.map(|_| pg_ident(columns.get("created_at")));
-    let id = pg_ident(columns.get("id"));
+    let created_column = position_of(columns.get(crate::names::Column::CreatedAt));
+    let created = created_column.map(|_| pg_ident(columns.get(crate::names::Column::CreatedAt)));
+    let id = pg_ident(columns.get(crate::names::Column::Id));
     // Untyped literals in a row comparison take the columns' types.
     let filter = match (after, &created) {
         (Some(k), Some(created)) => and_where(
@@ -215,7 +215,7 @@ pub async fn publish(
         select.join(", "),
         table.pg_quoted(),
     );
-    let id_column = position_of(columns.get("id"));
+    let id_column = position_of(columns.get(crate::names::Column::Id));
     let mut progress = Progress::table(
         table.pg_quoted(),
         estimate_rows(client, table, &filter).await,

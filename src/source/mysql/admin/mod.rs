@@ -14,8 +14,8 @@ use mysql_async::{Conn, Row};
 
 mod head;
 mod position;
-pub mod relocate;
-pub mod xa;
+pub(crate) mod relocate;
+pub(crate) mod xa;
 
 pub use head::{
     binlog_files, binlog_logs, gtid_at, gtid_at_opt, head, head_status, log_status, BinlogFile,

@@ -286,7 +286,7 @@ fn gtid_of_info(info: &str) -> Option<Gtid> {
 /// `Previous_gtids` is within it, read with `SHOW BINLOG EVENTS` (MySQL prints a GTID event as
 /// `SET @@SESSION.GTID_NEXT= 'uuid[:tag]:n'` and `Previous_gtids` as the set). `None` when no
 /// boundary has exactly that set. Not run against a MySQL server here (none is reachable);
-/// the same walk is proven on MySQL binlog files by [`file_starts`].
+/// the same walk is proven on MySQL binlog files by `file_starts` (its tests).
 pub async fn locate_mysql(
     conn: &mut Conn,
     stored: &MysqlGtidSet,
@@ -367,6 +367,8 @@ pub fn mysql_gtid_of_info(info: &str) -> Option<([u8; 16], String, u64)> {
 /// The start state and transaction starts of one binlog file's events (the file source's
 /// framing): MariaDB's GTID_LIST and GTID events, or MySQL's Previous_gtids and GTID events.
 /// What [`locate_in_file`] walks; the binlog fixtures prove it on real MySQL and MariaDB bytes.
+/// Only its tests call it on whole files.
+#[cfg(test)]
 pub fn file_starts(
     events: &[crate::source::mysql::file::FileEvent],
 ) -> Result<(Option<Tracked>, Vec<Start>, u64), Error> {
