@@ -72,6 +72,11 @@
 //!   crate) is a module of the binary, `main.rs`, which maps its result to exit codes. The
 //!   library never imports it.
 
+// A `pub` item outside the surface above says `pub(crate)`: the compiler flags any other. In
+// builds with the binary's feature only: without it, what `internal` lends the binary is
+// unreachable by design.
+#![cfg_attr(feature = "cli", warn(unreachable_pub))]
+
 // The kits: what services link. Consumers read RabbitMQ deliveries, so their kit needs it.
 #[cfg(feature = "rabbitmq")]
 pub mod consumer;

@@ -267,7 +267,7 @@ pub(crate) async fn probe(conn: &Connection, l: &Layout) -> Result<Probe, lapin:
 
 impl Probe {
     /// A warning when the queues found say a smaller N was declared before.
-    pub fn changed_count(&self, l: &Layout) -> Option<String> {
+    pub(crate) fn changed_count(&self, l: &Layout) -> Option<String> {
         let n = l.partitions;
         (self.first && !self.last).then(|| {
             format!(

@@ -21,7 +21,7 @@ use mysql_async::{Conn, Params, Row, Value};
 use std::time::Duration;
 
 /// The MySQL side of the loop: one session, one transaction per batch.
-pub struct MyPoll {
+pub(crate) struct MyPoll {
     conn: Conn,
     table: OutboxTable,
     mapping: Mapping,
@@ -31,7 +31,7 @@ pub struct MyPoll {
 }
 
 /// The fix for a table without the poll columns.
-pub fn status_fix(table: &OutboxTable) -> String {
+pub(crate) fn status_fix(table: &OutboxTable) -> String {
     format!(
         "ALTER TABLE {} ADD COLUMN status ENUM('pending','published') NOT NULL DEFAULT 'pending', ADD COLUMN published_at DATETIME(6) NULL, ADD KEY idx_dispatch (status, created_at);",
         table.quoted()
@@ -39,7 +39,7 @@ pub fn status_fix(table: &OutboxTable) -> String {
 }
 
 /// The server's `innodb_lock_wait_timeout` (what producers wait for a row lock).
-pub async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
+pub(crate) async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
     let secs: Option<u64> = conn
         .query_first("SELECT @@GLOBAL.innodb_lock_wait_timeout")
         .await?;
@@ -48,7 +48,7 @@ pub async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
 
 /// The batch deadline: the confirm timeout, but always shorter than the server's lock wait
 /// timeout, so a producer that does wait for a claimed row gives up later than the relay.
-pub fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
+pub(crate) fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
     let below_lock_wait = lock_wait.saturating_sub(Duration::from_secs(1));
     confirm_timeout
         .min(below_lock_wait)
@@ -56,7 +56,11 @@ pub fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
 }
 
 impl MyPoll {
-    pub async fn open(dsn: &DbDsn, table: &OutboxTable, run: &LoopConfig) -> Result<MyPoll, Error> {
+    pub(crate) async fn open(
+        dsn: &DbDsn,
+        table: &OutboxTable,
+        run: &LoopConfig,
+    ) -> Result<MyPoll, Error> {
         let mut conn = connect_sql(dsn).await?;
         let infos = snapshot::table_columns(&mut conn, table).await?;
         let mapping = table.map_columns(&infos)?;
@@ -137,7 +141,7 @@ impl MyPoll {
 }
 
 /// The loop's [`SESSIONS`](crate::source::poll::SESSIONS) sessions.
-pub async fn open_sessions(
+pub(crate) async fn open_sessions(
     dsn: &DbDsn,
     table: &OutboxTable,
     run: &LoopConfig,

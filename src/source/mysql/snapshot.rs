@@ -27,7 +27,10 @@ use mysql_async::{Conn, Row, Value};
 type ColumnRow = (String, String, Option<String>, Option<u64>);
 
 /// The table's columns from `information_schema`, in the form a table map gives them.
-pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<ColumnInfo>, Error> {
+pub(crate) async fn table_columns(
+    conn: &mut Conn,
+    table: &OutboxTable,
+) -> Result<Vec<ColumnInfo>, Error> {
     let rows: Vec<ColumnRow> = conn
         .exec(
             "SELECT COLUMN_NAME, DATA_TYPE, CHARACTER_SET_NAME, CHARACTER_OCTET_LENGTH
@@ -72,7 +75,7 @@ pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<C
 
 /// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
 /// table in their order.
-pub async fn plan_tables(
+pub(crate) async fn plan_tables(
     conn: &mut Conn,
     tables: &[OutboxTable],
     mode: &SnapshotMode,
@@ -86,7 +89,7 @@ pub async fn plan_tables(
 
 /// Decides what a first start publishes. `auto` on a table without a status column refuses
 /// (exit 2) when rows exist, saying how many and which options there are.
-pub async fn plan(
+pub(crate) async fn plan(
     conn: &mut Conn,
     table: &OutboxTable,
     mode: &SnapshotMode,
@@ -154,7 +157,7 @@ pub async fn plan(
 /// the start first looked (its plan is `Nothing`), once the stream's position exists: every
 /// row in it then was committed after that look, and may have committed before the position,
 /// so it is read whole (a row also in the stream is a duplicate, never a gap).
-pub fn appeared_since_empty() -> SnapshotPlan {
+pub(crate) fn appeared_since_empty() -> SnapshotPlan {
     SnapshotPlan::Rows {
         filter: String::new(),
         what: "rows committed while the relay started on the empty table".into(),
@@ -164,7 +167,7 @@ pub fn appeared_since_empty() -> SnapshotPlan {
 /// The tables planned `Nothing` by `--snapshot auto` (empty at the first look) looked at again
 /// once the stream's position was read: those holding rows now are planned
 /// [`appeared_since_empty`]. Whether any was.
-pub async fn look_again(
+pub(crate) async fn look_again(
     conn: &mut Conn,
     plans: &mut [(OutboxTable, SnapshotPlan)],
 ) -> Result<bool, Error> {
@@ -215,7 +218,7 @@ fn text(row: &Row, i: usize) -> String {
 }
 
 /// Opens the consistent snapshot on a session of its own and learns its binlog position.
-pub async fn begin(
+pub(crate) async fn begin(
     mut conn: Conn,
     mariadb: bool,
     plans: Vec<(OutboxTable, SnapshotPlan)>,

@@ -66,7 +66,7 @@ struct Mapping {
     label: Option<std::sync::Arc<str>>,
 }
 
-pub struct RowMapper {
+pub(crate) struct RowMapper {
     /// The outbox tables (`--table`, one or more); inserts into other relations are skipped.
     tables: Vec<TableName>,
     columns: ColumnMap,
@@ -88,13 +88,13 @@ fn kind_of(oid: u32) -> Option<Kind> {
 }
 
 impl RowMapper {
-    pub fn new(table: TableName, columns: ColumnMap) -> Self {
+    pub(crate) fn new(table: TableName, columns: ColumnMap) -> Self {
         Self::for_tables(vec![table], columns)
     }
 
     /// A mapper for several outbox tables sharing one column map: their events carry the
     /// table's name (`x-outbox-table`) so consumers can tell them apart.
-    pub fn for_tables(tables: Vec<TableName>, columns: ColumnMap) -> Self {
+    pub(crate) fn for_tables(tables: Vec<TableName>, columns: ColumnMap) -> Self {
         RowMapper {
             tables,
             columns,
@@ -104,7 +104,7 @@ impl RowMapper {
 
     /// Learns (or re-learns after an ALTER TABLE) a relation's columns. A partitioned table
     /// published with `publish_via_partition_root` announces itself as the root: same names.
-    pub fn relation(&mut self, rel: Relation) -> Result<(), Error> {
+    pub(crate) fn relation(&mut self, rel: Relation) -> Result<(), Error> {
         let Some(t) = self
             .tables
             .iter()
@@ -190,7 +190,7 @@ impl RowMapper {
     }
 
     /// The event of an inserted row; `None` when the row is not in the outbox table.
-    pub fn insert(
+    pub(crate) fn insert(
         &self,
         relation_id: u32,
         tuple: &[Value],
@@ -410,7 +410,7 @@ fn decode_bytea(text: &[u8]) -> Option<Bytes> {
 
 /// A row read over SQL with every column cast to text, as the tuple pgoutput would carry: the
 /// snapshot and poll mode then map and validate it exactly as the stream does.
-pub fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
+pub(crate) fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
     (0..row.len())
         .map(|i| match row.get::<_, Option<String>>(i) {
             Some(s) => Value::Text(Bytes::from(s)),
@@ -420,14 +420,14 @@ pub fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
 }
 
 /// A pgoutput timestamp (microseconds since 2000-01-01) as UTC.
-pub fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
+pub(crate) fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
     Utc.timestamp_micros(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
         .single()
 }
 
 /// Parses Postgres' ISO timestamp text. With `with_offset`, the offset in the text is used
 /// (`+00`, `+05:30`, `-03:00:00`); without, the value is taken as UTC.
-pub fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
+pub(crate) fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
     let s = s.trim();
     if with_offset {
         // chrono wants the offset as +HH:MM; Postgres prints +HH, +HH:MM or +HH:MM:SS.
