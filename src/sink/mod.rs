@@ -175,7 +175,7 @@ impl FlowControl {
         self.blocked.store(false, Ordering::Relaxed);
     }
 
-    pub fn is_blocked(&self) -> bool {
+    pub(crate) fn is_blocked(&self) -> bool {
         self.blocked.load(Ordering::Relaxed)
     }
 

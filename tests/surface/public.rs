@@ -121,7 +121,7 @@ const REACHABLE: &[&str] = &[
 /// The most `pub` items (lines starting `pub ` in the reachable modules' files: functions,
 /// types, fields, constants, re-exports) the surface may have. Lower it when the surface
 /// shrinks; raising it is a choice to make in review.
-const PUB_ITEMS: usize = 1500;
+const PUB_ITEMS: usize = 1281;
 
 fn strip_comments(text: &str) -> String {
     text.lines()

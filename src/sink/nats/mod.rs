@@ -88,11 +88,6 @@ impl NatsSink {
         })
     }
 
-    /// `<prefix>.dead`, where poison records go.
-    pub fn dead_subject(&self) -> String {
-        format!("{}.dead", self.prefix)
-    }
-
     async fn open(&self) -> Result<Link, SinkError> {
         let (tx, rx) = watch::channel(false);
         let broken = tx.clone();

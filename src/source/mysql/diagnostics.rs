@@ -546,18 +546,18 @@ pub struct MyStatus {
     pub stored_position: Option<String>,
     pub stored_gtid: Option<String>,
     pub server_head: String,
-    pub server_gtid: Option<String>,
+    pub(crate) server_gtid: Option<String>,
     /// Binlog bytes between the stored position and the head (every file in between counted).
     pub lag_bytes: Option<u64>,
     /// Binlog files the stored position still needs.
-    pub retained_files: Option<usize>,
+    pub(crate) retained_files: Option<usize>,
     pub streaming: bool,
     pub lease_holder: Option<String>,
     pub lease_live: bool,
     pub epoch: Option<i64>,
     /// A prepared XA transaction the stored position is held before (it starts there), and
     /// when the server prepared it.
-    pub xa_prepare: Option<XaHold>,
+    pub(crate) xa_prepare: Option<XaHold>,
     /// What the lease holder's running snapshot or replay has got to, as it last stored it
     /// (`crate::progress::summary`).
     pub progress: Option<serde_json::Value>,
@@ -570,10 +570,10 @@ pub struct MyStatus {
 
 /// A prepared XA transaction that holds a relay's stored position back.
 #[derive(Debug, Clone, Serialize)]
-pub struct XaHold {
+pub(crate) struct XaHold {
     pub xid: String,
-    pub prepared_at: Option<String>,
-    pub age_seconds: Option<i64>,
+    pub(crate) prepared_at: Option<String>,
+    pub(crate) age_seconds: Option<i64>,
 }
 
 pub async fn status_mysql(dsn: &DbDsn, name: &str, replicas: &[DbDsn]) -> Result<MyStatus, Error> {

@@ -158,7 +158,7 @@ where
 
 /// The Postgres side of the loop: one session, the table's columns read as text and mapped
 /// exactly as the stream maps them.
-pub struct PgPoll {
+pub(crate) struct PgPoll {
     client: tokio_postgres::Client,
     mapper: RowMapper,
     /// The claim and the mark, prepared once per session: a statement given as text is parsed,
@@ -172,7 +172,7 @@ pub struct PgPoll {
 }
 
 impl PgPoll {
-    pub async fn open(cfg: &PollConfig) -> Result<PgPoll, Error> {
+    pub(crate) async fn open(cfg: &PollConfig) -> Result<PgPoll, Error> {
         let client = connect_sql(&cfg.dsn, &format!("outboxd_{}_poll", cfg.name)).await?;
         let rel = snapshot::table_relation(&client, &cfg.table).await?;
         let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());

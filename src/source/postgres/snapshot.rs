@@ -14,7 +14,8 @@ use crate::source::Outlet;
 use crate::Error;
 // The snapshot types both databases share live in `source::snapshot`; named here too, where
 // they were first defined.
-pub use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
+pub use crate::source::snapshot::SnapshotMode;
+pub(crate) use crate::source::snapshot::{and_where, SnapshotKey, SnapshotPlan};
 use futures::{pin_mut, TryStreamExt};
 use tokio_postgres::Client;
 
@@ -25,7 +26,7 @@ fn pg_literal(s: &str) -> String {
 
 /// The table's columns as a pgoutput Relation would announce them, so the snapshot maps and
 /// validates rows exactly as the stream does.
-pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relation, Error> {
+pub(crate) async fn table_relation(client: &Client, table: &TableName) -> Result<Relation, Error> {
     let rows = client
         .query(
             "SELECT a.attname::text, a.atttypid::int8, a.atttypmod
@@ -54,7 +55,7 @@ pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relati
 
 /// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
 /// table in their order.
-pub async fn plan_tables(
+pub(crate) async fn plan_tables(
     client: &Client,
     tables: &[TableName],
     columns: &ColumnMap,
@@ -132,7 +133,7 @@ pub async fn plan(
 /// not carry their rows. Every row there now was committed after the first look, so each is
 /// new: a table no longer empty is published whole (a row also in the stream, committed after
 /// the slot's point, is a duplicate, never a gap).
-pub async fn look_again(
+pub(crate) async fn look_again(
     client: &Client,
     plans: &mut [(TableName, SnapshotPlan)],
 ) -> Result<(), Error> {

@@ -57,7 +57,7 @@ struct Col {
 /// One column of the table as the relay sees it: from a table map (binlog) or from
 /// `information_schema.COLUMNS` (the first-start snapshot).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ColumnInfo {
+pub(crate) struct ColumnInfo {
     pub name: String,
     /// `None`: a type the relay has no use for.
     pub ty: Option<ColumnType>,
@@ -184,7 +184,7 @@ impl OutboxTable {
 
     /// Maps the logical columns onto the table's columns, by name (case-insensitive, as MySQL
     /// compares column names).
-    pub fn map_columns(&self, infos: &[ColumnInfo]) -> Result<Mapping, Error> {
+    pub(crate) fn map_columns(&self, infos: &[ColumnInfo]) -> Result<Mapping, Error> {
         let table = self.quoted();
         let find = |logical: Column,
                     allowed: &[Kind],
