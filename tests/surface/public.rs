@@ -121,7 +121,7 @@ const REACHABLE: &[&str] = &[
 /// The most `pub` items (lines starting `pub ` in the reachable modules' files: functions,
 /// types, fields, constants, re-exports) the surface may have. Lower it when the surface
 /// shrinks; raising it is a choice to make in review.
-const PUB_ITEMS: usize = 1281;
+const PUB_ITEMS: usize = 1265;
 
 fn strip_comments(text: &str) -> String {
     text.lines()
@@ -202,9 +202,21 @@ fn count_pub(text: &str) -> usize {
         .count()
 }
 
+/// The `pub` items of `text` outside its inline `pub mod` bodies (each counted as its own
+/// module).
+fn count_own_pub(text: &str) -> usize {
+    let mut own = text.to_string();
+    for (_, inline) in pub_mods(text) {
+        if let Some(body) = inline {
+            own = own.replacen(&body, "", 1);
+        }
+    }
+    count_pub(&own)
+}
+
 /// Walks the public module tree below `path`, whose text is `text`.
 fn walk(path: &str, text: &str, found: &mut BTreeSet<String>, items: &mut usize) {
-    *items += count_pub(text);
+    *items += count_own_pub(text);
     for (name, inline) in pub_mods(text) {
         let child = format!("{path}::{name}");
         found.insert(child.clone());
@@ -254,7 +266,7 @@ fn public_root_modules_and_reexports_are_the_curated_lists() {
 fn public_modules_below_the_root_are_the_curated_list() {
     let lib = lib();
     let mut found = BTreeSet::new();
-    let mut items = count_pub(&lib);
+    let mut items = count_own_pub(&lib);
     for (name, inline) in pub_mods(&lib) {
         let body = match inline {
             Some(body) => body,
@@ -298,4 +310,6 @@ fn public_module_parser_reads_inline_and_nested_modules() {
     assert_eq!(inner.len(), 1);
     assert_eq!(inner[0].0, "c");
     assert_eq!(count_pub(inner[0].1.as_deref().unwrap()), 1);
+    // `pub mod a;`, `pub mod b` and `pub mod c`; the `pub use` belongs to `c`.
+    assert_eq!(count_own_pub(text), 2);
 }
