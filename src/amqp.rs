@@ -6,7 +6,7 @@
 //! a [`ConnectError`] into its own error type with the fix that fits its flags.
 
 use crate::dsn::redact;
-pub use crate::wire::WireSocket;
+pub(crate) use crate::wire::WireSocket;
 use crate::Error;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, RustlsConnector, TLSConfig};
@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 /// PEM files for TLS to the broker: the CA to trust, and a client certificate and its key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TlsFiles {
+pub(crate) struct TlsFiles {
     pub ca_file: Option<PathBuf>,
     pub cert_file: Option<PathBuf>,
     pub key_file: Option<PathBuf>,
@@ -49,7 +49,7 @@ impl TlsFiles {
 /// A broker to connect to: its URI as lapin wants it, the URL with the password redacted
 /// (for every message), and the TLS configuration of an `amqps://` URL.
 #[derive(Clone)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     pub uri: AMQPUri,
     pub redacted: String,
     pub tls: Option<Arc<rustls::ClientConfig>>,
@@ -69,7 +69,12 @@ impl Endpoint {
     /// Parses `url` (`what` names it in errors: "the sink", "the broker URL") and loads the TLS
     /// files, `files` first, then the URL's query parameters; `flags` names the TLS options as
     /// the user gives them, for the errors. Connects nothing.
-    pub fn parse(url: &str, what: &str, files: TlsFiles, flags: &str) -> Result<Endpoint, Error> {
+    pub(crate) fn parse(
+        url: &str,
+        what: &str,
+        files: TlsFiles,
+        flags: &str,
+    ) -> Result<Endpoint, Error> {
         let redacted = redact(url);
         let fix = "use amqp://user@host:5672/vhost (amqps:// for TLS)";
         let parsed = url::Url::parse(url)
@@ -100,13 +105,13 @@ impl Endpoint {
     }
 
     /// Opens one connection, named `name` in the broker's connection list.
-    pub async fn connect(&self, name: &str) -> Result<Connection, ConnectError> {
+    pub(crate) async fn connect(&self, name: &str) -> Result<Connection, ConnectError> {
         self.connect_with_socket(name).await.map(|(conn, _)| conn)
     }
 
     /// [`connect`](Self::connect), and a handle on the connection's TCP socket that can reset
     /// it from outside lapin (see [`WireSocket`]).
-    pub async fn connect_with_socket(
+    pub(crate) async fn connect_with_socket(
         &self,
         name: &str,
     ) -> Result<(Connection, WireSocket), ConnectError> {
@@ -173,7 +178,7 @@ impl Endpoint {
 
 /// Why a connection failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConnectError {
+pub(crate) enum ConnectError {
     /// The broker refused the login (user, password or vhost): not retryable.
     #[error("RabbitMQ refused the login of user {user:?} to vhost {vhost:?}: {message}")]
     Login {
@@ -189,16 +194,9 @@ pub enum ConnectError {
     Other(String),
 }
 
-impl ConnectError {
-    /// Whether connecting again may succeed.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, ConnectError::Other(_))
-    }
-}
-
 /// The TLS client configuration for the broker: `None` for `amqp://` (and then no TLS file
 /// may be given), verified against the CA file (or the public roots) for `amqps://`.
-pub fn tls_config(
+pub(crate) fn tls_config(
     files: &TlsFiles,
     amqps: bool,
     flags: &str,
@@ -326,7 +324,5 @@ mod tests {
             from_query.to_string().contains("cacertfile"),
             "{from_query}"
         );
-        assert!(ConnectError::Other("x".into()).is_retryable());
-        assert!(!ConnectError::Tls("x".into()).is_retryable());
     }
 }

@@ -6,14 +6,14 @@ use rand::Rng;
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
     min: Duration,
     max: Duration,
 }
 
 impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Self {
+    pub(crate) fn new(min: Duration, max: Duration) -> Self {
         Backoff {
             next: min,
             min,
@@ -22,12 +22,12 @@ impl Backoff {
     }
 
     /// The broker and database default: 100 ms doubling to 30 s.
-    pub fn standard() -> Self {
+    pub(crate) fn standard() -> Self {
         Self::new(Duration::from_millis(100), Duration::from_secs(30))
     }
 
     /// The next delay: uniformly jittered between half and all of the current step.
-    pub fn next_delay(&mut self) -> Duration {
+    pub(crate) fn next_delay(&mut self) -> Duration {
         let step = self.next;
         self.next = (self.next * 2).min(self.max);
         let half = step / 2;
@@ -35,7 +35,7 @@ impl Backoff {
         half + Duration::from_micros(jitter)
     }
 
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = self.min;
     }
 }

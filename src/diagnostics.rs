@@ -58,7 +58,7 @@ pub fn line(
 /// `status`'s progress line (after the lease line): what the lease holder's running snapshot,
 /// replay or catch-up last stored (see `crate::progress::summary`), or `-` when none runs.
 /// Without a live lease the report is a stopped relay's last word.
-pub fn write_progress(
+pub(crate) fn write_progress(
     f: &mut std::fmt::Formatter<'_>,
     progress: Option<&serde_json::Value>,
     live: bool,
@@ -78,7 +78,7 @@ pub fn write_progress(
     }
 }
 
-pub fn write_lease(
+pub(crate) fn write_lease(
     f: &mut std::fmt::Formatter<'_>,
     holder: Option<&str>,
     live: bool,

@@ -366,7 +366,7 @@ fn is_token_scheme(scheme: &str) -> bool {
 /// (`passfile`), a token, a secret, a credential or key material given inline (`jwt`, `nkey`,
 /// `seed`, `api_key`). Compared without case, `-` read as `_`. Names that merely mention
 /// authentication (`auth_mechanism`) are not secrets.
-pub fn is_secret_key(key: &str) -> bool {
+pub(crate) fn is_secret_key(key: &str) -> bool {
     let k = key.to_ascii_lowercase().replace('-', "_");
     [
         "password",
@@ -512,7 +512,7 @@ pub fn with_password(dsn: &str, password: &str) -> Result<String, Error> {
 /// `verify-ca` needs the CA to verify against: without one libpq refuses rather than trust
 /// every public root with no host name check (which any public CA's customer passes). `key`
 /// is the DSN's name for the CA file (`sslrootcert`, `ssl-ca`).
-pub fn check_verify_ca(settings: &TlsSettings, key: &str) -> Result<(), Error> {
+pub(crate) fn check_verify_ca(settings: &TlsSettings, key: &str) -> Result<(), Error> {
     if settings.mode == TlsMode::VerifyCa && settings.ca_file.is_none() {
         return Err(Error::config(
             format!("sslmode verify-ca is given without a CA file ({key}): it would accept any certificate a public CA signed, for any host"),

@@ -409,12 +409,12 @@ pub fn gtid(data: &[u8]) -> Result<(), Error> {
 }
 
 /// Key material, event and field of the known-answer vector in docs/encryption.md.
-pub const ENVELOPE_MATERIAL: [u8; 32] = [
+pub(crate) const ENVELOPE_MATERIAL: [u8; 32] = [
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
     26, 27, 28, 29, 30, 31,
 ];
-pub const ENVELOPE_EVENT: &str = "0192f3a4-5b6c-7d8e-9f00-112233445566";
-pub const ENVELOPE_POINTER: &str = "/customer/tax_id";
+pub(crate) const ENVELOPE_EVENT: &str = "0192f3a4-5b6c-7d8e-9f00-112233445566";
+pub(crate) const ENVELOPE_POINTER: &str = "/customer/tax_id";
 
 /// An `enc:v1:` value (the bytes as text) through the parser and, when it parses, the opener
 /// with the known-answer vector's key; returns the plaintext.

@@ -28,14 +28,14 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 /// The header naming the relay (`--name`) that wrote a message.
-pub const RELAY_HEADER: &str = "x-outbox-relay";
+pub(crate) const RELAY_HEADER: &str = "x-outbox-relay";
 /// The header naming the log a message was read from ([`SourceIdentity::id`]).
-pub const SOURCE_HEADER: &str = "x-outbox-source";
+pub(crate) const SOURCE_HEADER: &str = "x-outbox-source";
 
 /// Which GTIDs a MySQL/MariaDB server holds: a test over one GTID's text (`0-1-57`,
 /// `3e11fa47-71ca-11e1-9e33-c80aa9429562:23`). Supplied by the source, which knows its
 /// server's GTID format.
-pub type GtidHistory = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+pub(crate) type GtidHistory = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 /// The log a relay reads, as far as telling logs apart goes.
 #[derive(Clone, Default)]
@@ -94,16 +94,16 @@ pub struct ReadBack {
 /// position never is. Only a relay's own records are compared (`x-outbox-relay`): another
 /// relay's copy of an event is that relay's, not this one's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct EventKey(Uuid);
+pub(crate) struct EventKey(Uuid);
 
 impl EventKey {
     /// The key of a message about to be published with `message_id`.
-    pub fn of(message_id: Uuid) -> EventKey {
+    pub(crate) fn of(message_id: Uuid) -> EventKey {
         EventKey(message_id)
     }
 
     /// The key of a record read back; `None` when its id is no UUID (not written by outboxd).
-    pub fn of_record(r: &ReadBack) -> Option<EventKey> {
+    pub(crate) fn of_record(r: &ReadBack) -> Option<EventKey> {
         Uuid::parse_str(&r.message_id).ok().map(EventKey)
     }
 }
@@ -112,33 +112,33 @@ impl EventKey {
 /// snapshot published and the stream then carries again (it was committed after the stream's
 /// start position but before the snapshot read it) comes within this many events, unless the
 /// snapshot resumed after a long outage; past it the row is published twice, never lost.
-pub const RECENT: usize = 100_000;
+pub(crate) const RECENT: usize = 100_000;
 
 /// What a sink knows a broker holds of this relay's messages, on one connection: the keys read
 /// back when it connected, and the last [`RECENT`] keys it published since. Memory stays
 /// bounded: the read-back by the sink's scan limit, the rest by [`RECENT`].
 #[derive(Debug, Default)]
-pub struct Held {
+pub(crate) struct Held {
     read_back: HashSet<EventKey>,
     recent: HashSet<EventKey>,
     order: VecDeque<EventKey>,
 }
 
 impl Held {
-    pub fn new(read_back: HashSet<EventKey>) -> Held {
+    pub(crate) fn new(read_back: HashSet<EventKey>) -> Held {
         Held {
             read_back,
             ..Held::default()
         }
     }
 
-    pub fn contains(&self, key: &EventKey) -> bool {
+    pub(crate) fn contains(&self, key: &EventKey) -> bool {
         self.read_back.contains(key) || self.recent.contains(key)
     }
 
     /// A message handed to the broker on this connection (if it fails, the connection is
     /// replaced and with it this record).
-    pub fn published(&mut self, key: EventKey) {
+    pub(crate) fn published(&mut self, key: EventKey) {
         if self.recent.insert(key) {
             self.order.push_back(key);
             if self.order.len() > RECENT {
@@ -147,11 +147,6 @@ impl Held {
                 }
             }
         }
-    }
-
-    /// Keys read back from the broker.
-    pub fn read_back_len(&self) -> usize {
-        self.read_back.len()
     }
 }
 

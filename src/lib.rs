@@ -19,9 +19,14 @@
 //!   [`Delivery`], [`SinkError`]) and [`StateStore`] (with [`Stored`], [`Lease`]); with
 //!   `test-util` also their in-memory doubles [`MemorySink`] and [`MemoryStore`].
 //!
-//! Every other module is `#[doc(hidden)]`: public only because the `outboxd` binary (its
-//! command layer, `src/commands/`) and the repository's own tests, benches and fuzz targets
-//! reach into them. They carry no stability promise.
+//! Nothing else is public by accident. The other modules are private unless code outside the
+//! crate names them: those the repository's tests, benches and fuzz targets reach into (and the
+//! binary's command layer, `src/commands/`, a separate crate root) are `#[doc(hidden)] pub`,
+//! and inside them only the submodules that code names are `pub`; the rest are `pub(crate)`.
+//! Modules only the binary needs (`db`, `debezium`, `diagnostics`, `progress`, `secret_file`)
+//! stay private and lend it the few items it calls through one curated list, `internal`
+//! (src/internal.rs). `tests/surface/public.rs` holds the lists of public modules and fails
+//! when the surface grows past them. None of the hidden modules carries a stability promise.
 //!
 //! # Features
 //!
@@ -58,13 +63,19 @@
 //! - Operations: [`telemetry`] (logs, metrics, health; every metric is written by one of the
 //!   internal events in `telemetry::events`, which also log); `check`, `status` and `offset` of
 //!   each source in `source::postgres::diagnostics` and `source::mysql::diagnostics`.
-//! - Leaves every module may use: [`names`] (the table and its columns), [`db`] (the
-//!   Postgres and MySQL clients), [`amqp`], `wire`, [`dsn`], [`tls`], [`secret_file`], [`backoff`],
-//!   [`diagnostics`] (the `check` line), [`error`].
+//! - Leaves every module may use: [`names`] (the table and its columns, named by the
+//!   [`names::Column`] type), `db` (the Postgres and MySQL clients), `amqp`, `wire`, [`dsn`],
+//!   [`tls`], `secret_file`, `backoff`, `diagnostics` (the `check` line), [`error`].
 //! - The edge: the command layer (`src/commands/`, the only code that knows `clap` besides
-//!   the consumer binaries' flags in `consumer::cli` and each sink's own flags, `sink/*/flags`)
-//!   is a module of the binary, `main.rs`,
-//!   which maps its result to exit codes. The library never imports it.
+//!   the consumer binaries' flags in `consumer::cli`, each sink's own flags, `sink/*/flags`,
+//!   and the `ValueEnum` impls of `commands/values.rs`, which the orphan rule keeps in this
+//!   crate) is a module of the binary, `main.rs`, which maps its result to exit codes. The
+//!   library never imports it.
+
+// A `pub` item outside the surface above says `pub(crate)`: the compiler flags any other. In
+// builds with the binary's feature only: without it, what `internal` lends the binary is
+// unreachable by design.
+#![cfg_attr(feature = "cli", warn(unreachable_pub))]
 
 // The kits: what services link. Consumers read RabbitMQ deliveries, so their kit needs it.
 #[cfg(feature = "rabbitmq")]
@@ -74,38 +85,48 @@ pub mod error;
 pub mod event;
 pub mod outbox;
 
-// Leaves the kits and the relay share.
+// Leaves the kits and the relay share. Private: each serves several parts that sit behind
+// their own features (the kits, the relay, each broker sink, the binary), so a build with
+// fewer features leaves some of their items unused; the `allow(dead_code)`s below hold only
+// for such builds. The default build, which compiles every part and is linted with
+// `-D warnings`, still reports dead code in them.
 #[cfg(feature = "rabbitmq")]
-#[doc(hidden)]
-pub mod amqp;
-#[doc(hidden)]
-pub mod backoff;
-#[doc(hidden)]
-pub mod db;
+mod amqp;
+#[cfg(any(feature = "rabbitmq", feature = "relay"))]
+mod backoff;
+#[cfg_attr(not(all(feature = "relay", feature = "rabbitmq")), allow(dead_code))]
+mod db;
 #[doc(hidden)]
 pub mod dsn;
 #[doc(hidden)]
 pub mod names;
-#[doc(hidden)]
-pub mod progress;
-#[doc(hidden)]
-pub mod secret_file;
+#[cfg_attr(not(feature = "cli"), allow(dead_code))]
+mod progress;
+#[cfg_attr(not(feature = "cli"), allow(dead_code))]
+mod secret_file;
 #[cfg(feature = "rabbitmq-stream")]
 #[doc(hidden)]
 pub mod stream;
 #[doc(hidden)]
 pub mod tls;
 #[cfg(any(feature = "rabbitmq", feature = "relay"))]
-#[doc(hidden)]
-pub mod wire;
+#[cfg_attr(
+    not(all(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "rabbitmq-stream"
+    )),
+    allow(dead_code)
+)]
+mod wire;
 
 // The relay.
+// Only the binary translates a Debezium configuration.
+#[cfg(feature = "cli")]
+mod debezium;
 #[cfg(feature = "relay")]
-#[doc(hidden)]
-pub mod debezium;
-#[cfg(feature = "relay")]
-#[doc(hidden)]
-pub mod diagnostics;
+mod diagnostics;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
 pub mod fleet;
@@ -113,8 +134,16 @@ pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "relay")]
-#[doc(hidden)]
-pub mod identity;
+#[cfg_attr(
+    not(all(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "rabbitmq-stream"
+    )),
+    allow(dead_code)
+)]
+mod identity;
 #[cfg(feature = "relay")]
 #[doc(hidden)]
 pub mod pipeline;
@@ -138,9 +167,13 @@ pub mod telemetry;
 // trait's impls for this crate's types in this crate, so this one file of the command layer
 // (it stays with the others in `src/commands/`) is compiled into the library, under `cli`.
 #[cfg(feature = "cli")]
-#[doc(hidden)]
 #[path = "commands/values.rs"]
-pub mod values;
+mod values;
+
+// The binary's view of the private modules above: one curated list (src/internal.rs).
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod internal;
 
 pub use error::{should_retry, Error, ErrorKind, ExitStatus, Result, ServerCode};
 pub use event::{Checkpoint, OutboxEvent, SourcePosition};

@@ -5,10 +5,12 @@
 
 // The command files name the library's modules as `crate::…` paths: these imports put the
 // modules they use at this crate's root, so those paths read the same as they did inside the
-// library.
+// library. The modules only this binary needs are private to the library; `internal` lends it
+// the items it calls from them, under the same paths.
+use outboxd::internal::{db, debezium, diagnostics, progress, secret_file};
 use outboxd::{
-    consumer, crypto, db, debezium, diagnostics, dsn, event, fleet, outbox, pipeline, progress,
-    relay, secret_file, sink, source, state, telemetry, tls, Error,
+    consumer, crypto, dsn, event, fleet, outbox, pipeline, relay, sink, source, state, telemetry,
+    tls, Error,
 };
 
 mod commands;
@@ -58,7 +60,7 @@ fn try_main() -> anyhow::Result<()> {
     // A one-shot command draws a bar only where someone watches: a terminal, text logs.
     let bars =
         std::io::IsTerminal::is_terminal(&std::io::stderr()) && cli.log_format == LogFormat::Text;
-    outboxd::progress::configure(cli.progress_interval, bars);
+    progress::configure(cli.progress_interval, bars);
     let shutdown_timeout = match &cli.command {
         commands::Command::Run(a) => a.shutdown_timeout,
         commands::Command::Fleet(a) => a.shutdown_timeout,

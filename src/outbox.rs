@@ -179,15 +179,15 @@ impl OutboxBackend for tokio_postgres::Transaction<'_> {
         payload: &serde_json::Value,
     ) -> Result<(), Error> {
         use tokio_postgres::types::{ToSql, Type};
-        let c = |k| pg_ident(outbox.columns.get(k));
+        let c = |k: Column| pg_ident(outbox.columns.get(k));
         let mut cols = outbox.base_columns(pg_ident);
         let mut vals = vec!["$1", "$2", "$3", "$4", "now()"];
         if ev.headers.is_some() {
-            cols.push(c("headers"));
+            cols.push(c(Column::Headers));
             vals.push("$5");
         }
         if ev.version.is_some() {
-            cols.push(c("version"));
+            cols.push(c(Column::Version));
             vals.push(if ev.headers.is_some() { "$6" } else { "$5" });
         }
         let sql = format!(
@@ -259,10 +259,16 @@ impl Outbox {
     /// parameter order, then `created_at` from the database clock. Headers and version follow
     /// when the event has them.
     fn base_columns(&self, quote: fn(&str) -> String) -> Vec<String> {
-        ["id", "aggregate_id", "topic", "payload", "created_at"]
-            .into_iter()
-            .map(|k| quote(self.columns.get(k)))
-            .collect()
+        [
+            Column::Id,
+            Column::AggregateId,
+            Column::Topic,
+            Column::Payload,
+            Column::CreatedAt,
+        ]
+        .into_iter()
+        .map(|k| quote(self.columns.get(k)))
+        .collect()
     }
 
     /// `db`.`table` or `table` (the session's database).
@@ -287,13 +293,13 @@ impl Outbox {
                 (self.table.schema.clone(), self.table.name.clone()),
             )
             .await?;
-        let find = |logical: &str| {
+        let find = |logical: Column| {
             let actual = self.columns.get(logical);
             cols.iter()
                 .find(|(n, _, _)| n.eq_ignore_ascii_case(actual))
                 .map(|(_, dt, ct)| (dt.to_ascii_lowercase(), ct.to_ascii_lowercase()))
         };
-        let (Some(id), Some(agg)) = (find("id"), find("aggregate_id")) else {
+        let (Some(id), Some(agg)) = (find(Column::Id), find(Column::AggregateId)) else {
             return Err(Error::config(
                 format!(
                     "the outbox table {} or its id/aggregate_id column does not exist",
@@ -373,12 +379,12 @@ impl OutboxBackend for mysql_async::Transaction<'_> {
             Value::Bytes(payload_text.into_bytes()),
         ];
         if let Some(h) = ev.headers {
-            cols.push(c("headers"));
+            cols.push(c(Column::Headers));
             vals.push("?");
             params.push(Value::Bytes(h.to_string().into_bytes()));
         }
         if let Some(v) = ev.version {
-            cols.push(c("version"));
+            cols.push(c(Column::Version));
             vals.push("?");
             params.push(Value::Int(v));
         }

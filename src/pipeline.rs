@@ -200,7 +200,7 @@ pub async fn run_mysql(
 
 /// Poll mode reads one table: several are refused with the fix rather than polled in turn
 /// (one claim transaction per table would interleave their batches without a common order).
-pub fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
+pub(crate) fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {
     match cfg.tables.as_slice() {
         [t] => Ok(t),
         ts => Err(Error::config(
@@ -225,7 +225,7 @@ pub fn check_sink(cfg: &RunConfig) -> Result<(), Error> {
 }
 
 /// Builds the sink named by `--sink`.
-pub fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
+pub(crate) fn make_sink(cfg: &RunConfig) -> Result<AnySink, Error> {
     cfg.sink_options.build(
         &cfg.sink,
         &SinkContext {

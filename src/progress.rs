@@ -19,13 +19,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How often a line is printed when nothing else makes one due.
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
-
 /// Catch-up starts being reported once the source is this far behind the server's log…
-pub const CATCH_UP_FROM_BYTES: u64 = 16 << 20;
+pub(crate) const CATCH_UP_FROM_BYTES: u64 = 16 << 20;
 /// …and is over once it is this close again.
-pub const CAUGHT_UP_BYTES: u64 = 1 << 20;
+pub(crate) const CAUGHT_UP_BYTES: u64 = 1 << 20;
 
 /// What a table read of this process is: a first start's snapshot or a replay ([`table_phase`]).
 static TABLE_PHASE_IS_REPLAY: AtomicBool = AtomicBool::new(false);
@@ -45,7 +42,7 @@ pub fn configure(interval: Duration, bars: bool) {
 
 /// Whether the rows this process's relay is about to read from its tables are a first start's
 /// snapshot or a replay (set by the startup that decided it; a process runs one relay).
-pub fn table_phase(phase: Phase) {
+pub(crate) fn table_phase(phase: Phase) {
     TABLE_PHASE_IS_REPLAY.store(phase == Phase::Replay, Ordering::Relaxed);
 }
 
@@ -77,12 +74,12 @@ impl Phase {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PhaseLabel {
+pub(crate) struct PhaseLabel {
     pub phase: String,
 }
 
 /// The gauges the relay's phases keep (registered on the metrics endpoint by `telemetry`).
-pub struct Gauges {
+pub(crate) struct Gauges {
     /// 1 while the phase runs.
     pub phase: Family<PhaseLabel, Gauge>,
     /// Rows published so far by the running (or last) snapshot or replay of a table.
@@ -102,7 +99,7 @@ static TABLE: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
 /// phase, its table, rows done and the estimate, bytes behind while catching up, the time left
 /// and when this was said. The lease keeper stores it with the relay's state, where
 /// `outboxd status` reads it.
-pub fn summary() -> Option<String> {
+pub(crate) fn summary() -> Option<String> {
     let g = gauges();
     let phase = Phase::ALL
         .into_iter()
@@ -124,7 +121,7 @@ pub fn summary() -> Option<String> {
 
 /// A [`summary`] as `status` says it: `snapshot of public.outbox: 120000 of ~400000 rows
 /// (30%), about 21 s left`, `catch-up: 73400320 bytes behind, about 15 s left`.
-pub fn describe(summary: &serde_json::Value) -> String {
+pub(crate) fn describe(summary: &serde_json::Value) -> String {
     let phase = summary["phase"].as_str().unwrap_or("?");
     let left = match summary["eta_s"].as_i64() {
         Some(s) => format!("about {s} s left"),
@@ -146,7 +143,7 @@ pub fn describe(summary: &serde_json::Value) -> String {
 }
 
 /// The process's progress gauges.
-pub fn gauges() -> &'static Gauges {
+pub(crate) fn gauges() -> &'static Gauges {
     static G: OnceLock<Gauges> = OnceLock::new();
     G.get_or_init(|| {
         let g = Gauges {
@@ -508,7 +505,7 @@ impl std::fmt::Display for Eta {
 /// whenever the stream says (each WAL message and keepalive). Reports from the first reading
 /// of [`CATCH_UP_FROM_BYTES`] or more until [`CAUGHT_UP_BYTES`] or less: bytes behind, the
 /// rate at which the distance closes and the time left at that rate.
-pub struct CatchUp {
+pub(crate) struct CatchUp {
     what: &'static str,
     running: Option<Closing>,
     interval: Duration,
@@ -539,7 +536,7 @@ impl Closing {
 
 impl CatchUp {
     /// `what` names the log in the lines (`WAL`, `binlog`).
-    pub fn new(what: &'static str) -> CatchUp {
+    pub(crate) fn new(what: &'static str) -> CatchUp {
         CatchUp {
             what,
             running: None,
@@ -548,12 +545,13 @@ impl CatchUp {
     }
 
     /// Whether a catch-up is being reported.
-    pub fn running(&self) -> bool {
+    #[cfg(test)]
+    fn running(&self) -> bool {
         self.running.is_some()
     }
 
     /// The position read is `behind` bytes before the server's end.
-    pub fn behind(&mut self, behind: u64) {
+    pub(crate) fn behind(&mut self, behind: u64) {
         let now = Instant::now();
         let g = gauges();
         match &mut self.running {
@@ -609,7 +607,7 @@ impl CatchUp {
 
 /// Runs `write` with the command's bar (if one is drawn) hidden, so a log line does not land
 /// in the middle of it.
-pub fn while_hidden<R>(write: impl FnOnce() -> R) -> R {
+pub(crate) fn while_hidden<R>(write: impl FnOnce() -> R) -> R {
     #[cfg(feature = "cli")]
     if let Some(b) = bar::current() {
         return b.suspend(write);

@@ -92,7 +92,7 @@ pub struct RelayStats {
     pub republished: AtomicU64,
     pub recoveries: AtomicU64,
     pub poison: AtomicU64,
-    pub acked_checkpoints: AtomicU64,
+    pub(crate) acked_checkpoints: AtomicU64,
 }
 
 enum Entry {

@@ -12,7 +12,7 @@ use zeroize::Zeroizing;
 
 /// Largest secret file read: keyrings, DSNs and PEM keys are a few KiB; a larger "secret" is a
 /// wrong path, and is refused before anything is allocated for it.
-pub const MAX_LEN: u64 = 1 << 20;
+pub(crate) const MAX_LEN: u64 = 1 << 20;
 
 /// Why a secret file was refused; the message names the path and the exact fix.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +64,7 @@ impl SecretFileError {
 }
 
 /// The decision on an open file's status: `uid`/`mode` from `fstat`, `euid` the process's.
-pub fn check_status(
+pub(crate) fn check_status(
     path: &Path,
     is_file: bool,
     uid: u32,
@@ -102,7 +102,7 @@ fn euid() -> u32 {
 }
 
 /// Opens `path`, checks the open descriptor, and reads the whole file from it.
-pub fn read(path: &Path) -> Result<Zeroizing<Vec<u8>>, SecretFileError> {
+pub(crate) fn read(path: &Path) -> Result<Zeroizing<Vec<u8>>, SecretFileError> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let open_err = |source| SecretFileError::Open {
         path: path.into(),

@@ -16,13 +16,13 @@ use rabbitmq_stream_client::{ClientOptions, Environment, TlsConfiguration};
 use zeroize::Zeroizing;
 
 /// The application property holding a message's publishing id (the sink's deduplication id).
-pub const PUBLISHING_ID_HEADER: &str = "x-outbox-publishing-id";
+pub(crate) const PUBLISHING_ID_HEADER: &str = "x-outbox-publishing-id";
 
 /// The stream port RabbitMQ listens on when the URL names none.
-pub const DEFAULT_PORT: u16 = 5552;
+pub(crate) const DEFAULT_PORT: u16 = 5552;
 /// RabbitMQ's stream TLS port (`stream.listeners.ssl`) when a `rabbitmq-stream+tls://` URL
 /// names none.
-pub const DEFAULT_TLS_PORT: u16 = 5551;
+pub(crate) const DEFAULT_TLS_PORT: u16 = 5551;
 
 /// The broker address and credentials of a `rabbitmq-stream://` URL.
 pub struct StreamEndpoint {
@@ -66,7 +66,7 @@ pub const SINK: Wording = Wording {
 };
 
 /// A consumer's `--broker rabbitmq-stream://…` (TLS files as URL options, as on `amqps://`).
-pub const BROKER: Wording = Wording {
+pub(crate) const BROKER: Wording = Wording {
     what: "the broker URL",
     fix: "use rabbitmq-stream://user@host:5552/vhost, or rabbitmq-stream+tls://user@host:5551/vhost?cacertfile=/path/ca.pem (%2f for the vhost /)",
     ca: "cacertfile",
@@ -82,7 +82,7 @@ impl StreamEndpoint {
     }
 
     /// [`StreamEndpoint::parse`], with errors worded for where the URL was given.
-    pub fn parse_as(url: &str, w: &Wording) -> Result<StreamEndpoint, crate::Error> {
+    pub(crate) fn parse_as(url: &str, w: &Wording) -> Result<StreamEndpoint, crate::Error> {
         let url_err = |problem: String| crate::Error::config(problem, w.fix);
         let what = w.what;
         let redacted = redact(url);
@@ -145,7 +145,7 @@ impl StreamEndpoint {
 /// them itself on each connect and panics on a CA file it cannot read, a key that is not
 /// PKCS#8 or a certificate it cannot use, and it has no system roots to fall back on. `w`
 /// names the files as the user gives them (the sink's flags, the consumer's URL options).
-pub fn tls_configuration(
+pub(crate) fn tls_configuration(
     endpoint: &StreamEndpoint,
     ca: Option<String>,
     cert: Option<String>,
@@ -225,7 +225,7 @@ macro_rules! connect_to {
 }
 
 /// The options of one client connection to `e`.
-pub fn client_options(e: &StreamEndpoint, tls: &TlsConfiguration) -> ClientOptions {
+pub(crate) fn client_options(e: &StreamEndpoint, tls: &TlsConfiguration) -> ClientOptions {
     connect_to!(ClientOptions::builder(), e, tls, user, v_host).build()
 }
 
@@ -300,7 +300,7 @@ fn long(i: i64) -> SimpleValue {
 /// A header value as an application property: AMQP 1.0 application properties hold only
 /// simple values, so an array or a table travels as its JSON text.
 #[cfg(feature = "rabbitmq")]
-pub fn to_simple(v: &AMQPValue) -> SimpleValue {
+pub(crate) fn to_simple(v: &AMQPValue) -> SimpleValue {
     match v {
         AMQPValue::Boolean(b) => SimpleValue::Boolean(*b),
         AMQPValue::LongLongInt(i) => long(*i),
@@ -344,7 +344,7 @@ fn to_json(v: &AMQPValue) -> serde_json::Value {
 /// type, `app-id`, and every other application property as a header, so the consumer kit reads
 /// a stream message with the rules it reads a queue's delivery with (`consumer::Message`).
 #[cfg(feature = "rabbitmq")]
-pub fn from_message(m: &Message) -> (BasicProperties, Vec<u8>) {
+pub(crate) fn from_message(m: &Message) -> (BasicProperties, Vec<u8>) {
     let mut props = BasicProperties::default();
     if let Some(p) = m.properties() {
         // The id's type is not exported by the client: its variants are tried one by one.
@@ -391,7 +391,7 @@ pub fn from_message(m: &Message) -> (BasicProperties, Vec<u8>) {
 /// An application property as a header value, the inverse of [`to_simple`] for the values it
 /// writes (an unsigned 64-bit value above `i64::MAX` and the rarer types become text).
 #[cfg(feature = "rabbitmq")]
-pub fn to_amqp(v: &SimpleValue) -> AMQPValue {
+pub(crate) fn to_amqp(v: &SimpleValue) -> AMQPValue {
     match v {
         SimpleValue::Null => AMQPValue::Void,
         SimpleValue::Boolean(b) => AMQPValue::Boolean(*b),

@@ -30,7 +30,7 @@ fn tls_err(what: impl std::fmt::Display) -> Error {
     )
 }
 
-pub fn load_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
+pub(crate) fn load_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
     let data = std::fs::read(path).map_err(|e| tls_err(format!("cannot read {path}: {e}")))?;
     let certs: Vec<_> = CertificateDer::pem_slice_iter(&data)
         .collect::<Result<_, _>>()
@@ -43,7 +43,7 @@ pub fn load_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, Error> {
 
 /// A PEM private key, read as every secret file is ([`crate::secret_file`]: owner and mode
 /// checked on the open descriptor, as libpq checks `sslkey`).
-pub fn load_key(path: &str) -> Result<PrivateKeyDer<'static>, Error> {
+pub(crate) fn load_key(path: &str) -> Result<PrivateKeyDer<'static>, Error> {
     let data = read_key_file(path)?;
     PrivateKeyDer::from_pem_slice(&data).map_err(|e| match e {
         pem::Error::NoItemsFound => tls_err(format!("{path} holds no PEM private key")),
@@ -52,7 +52,7 @@ pub fn load_key(path: &str) -> Result<PrivateKeyDer<'static>, Error> {
 }
 
 /// The bytes of a private key file, checked as a secret file.
-pub fn read_key_file(path: &str) -> Result<zeroize::Zeroizing<Vec<u8>>, Error> {
+pub(crate) fn read_key_file(path: &str) -> Result<zeroize::Zeroizing<Vec<u8>>, Error> {
     crate::secret_file::read(std::path::Path::new(path)).map_err(|e| {
         let fix = e.fix();
         Error::config(format!("TLS private key: {e}"), fix)
@@ -74,18 +74,18 @@ fn roots(settings: &TlsSettings) -> Result<RootCertStore, Error> {
 
 /// The verification level `settings` amount to: libpq's `require` verifies the chain when a
 /// CA file is given.
-pub fn effective_mode(settings: &TlsSettings) -> TlsMode {
+pub(crate) fn effective_mode(settings: &TlsSettings) -> TlsMode {
     match settings.mode {
         TlsMode::Require if settings.ca_file.is_some() => TlsMode::VerifyCa,
         mode => mode,
     }
 }
 
-pub use crate::dsn::check_verify_ca;
+pub(crate) use crate::dsn::check_verify_ca;
 
 /// Whether `host` is this machine: a Unix socket directory, `localhost`, or a loopback
 /// address. Traffic to it never crosses a network, so an unverified connection is no risk.
-pub fn is_local_host(host: &str) -> bool {
+pub(crate) fn is_local_host(host: &str) -> bool {
     let h = host.trim_start_matches('[').trim_end_matches(']');
     h.starts_with('/')
         || h.eq_ignore_ascii_case("localhost")
@@ -96,7 +96,7 @@ pub fn is_local_host(host: &str) -> bool {
 /// The start-up warning for a database connection whose server is not verified (sslmode
 /// disable, prefer or require without a CA) to a host across a network; `None` when verified
 /// or local. `what` names the connection, e.g. `--source (Postgres)`.
-pub fn unverified_warning(what: &str, host: &str, settings: &TlsSettings) -> Option<String> {
+pub(crate) fn unverified_warning(what: &str, host: &str, settings: &TlsSettings) -> Option<String> {
     if is_local_host(host) {
         return None;
     }
@@ -187,7 +187,9 @@ pub fn client_config(settings: &TlsSettings) -> Result<Option<ClientConfig>, Err
 
 /// The rustls error inside `err` or its causes: TLS handshake failures arrive as an
 /// `io::Error` wrapping it (tokio-rustls), which `source()` alone skips over.
-pub fn rustls_cause<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+pub(crate) fn rustls_cause<'a>(
+    err: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rustls::Error> {
     let mut cur = Some(err);
     while let Some(e) = cur {
         if let Some(r) = e.downcast_ref::<rustls::Error>() {
@@ -209,7 +211,7 @@ pub fn rustls_cause<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'
 /// A TLS handshake that failed on a certificate or a protocol disagreement: the settings are
 /// wrong (exit status 2), retrying cannot help. `what` names the connection, e.g.
 /// `Postgres localhost:5432`.
-pub fn handshake_refused(what: &str, settings: &TlsSettings, err: &rustls::Error) -> Error {
+pub(crate) fn handshake_refused(what: &str, settings: &TlsSettings, err: &rustls::Error) -> Error {
     let mode = match effective_mode(settings) {
         TlsMode::Disable => "disable",
         TlsMode::Prefer => "prefer",

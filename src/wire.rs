@@ -12,7 +12,7 @@ use std::sync::Arc;
 /// itself: the kernel sends a reset and drops whatever is still queued to be sent, and every
 /// later write fails.
 #[derive(Clone, Default)]
-pub struct WireSocket(Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>);
+pub(crate) struct WireSocket(Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>);
 
 impl WireSocket {
     /// Keeps a duplicate of `fd` (the AMQP client's socket, as it connects).
@@ -27,7 +27,7 @@ impl WireSocket {
     /// client that does not hand out its socket (async-nats): each is kept as a duplicate,
     /// checked after duplicating (a descriptor closed or reused meanwhile is skipped or seen
     /// for what it is now).
-    pub fn connected_to(peers: &[std::net::SocketAddr]) -> Vec<(i32, WireSocket)> {
+    pub(crate) fn connected_to(peers: &[std::net::SocketAddr]) -> Vec<(i32, WireSocket)> {
         if peers.is_empty() {
             return Vec::new();
         }
@@ -60,14 +60,14 @@ impl WireSocket {
     }
 
     /// Whether a socket was kept (the connection was made).
-    pub fn is_kept(&self) -> bool {
+    pub(crate) fn is_kept(&self) -> bool {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     /// Makes closing the socket (lapin dropping it, the process exiting) reset the connection
     /// rather than send what is still queued: for a publisher whose every message counts only
     /// once confirmed, a message still queued when it closes is one it gave up on.
-    pub fn abort_on_close(&self) -> std::io::Result<()> {
+    pub(crate) fn abort_on_close(&self) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let Some(fd) = guard.as_ref() else {
@@ -96,7 +96,7 @@ impl WireSocket {
 
     /// Resets the connection: nothing more leaves this socket, and what the kernel still
     /// held for the peer is discarded. Idempotent.
-    pub fn reset(&self) -> std::io::Result<()> {
+    pub(crate) fn reset(&self) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let Some(fd) = guard.as_ref() else {

@@ -209,7 +209,7 @@ pub struct SourceArgs {
 pub use outboxd::consumer::cli::parse_duration;
 
 // The one size parser, shared with the sinks' own flags (compiled into the library).
-pub use outboxd::values::parse_bytes;
+pub use outboxd::internal::values::parse_bytes;
 
 /// Checks `--name` (docs/configuration.md).
 pub fn validate_name(name: &str) -> Result<(), Error> {

@@ -2,6 +2,6 @@
 //! the error classifier (retryable or not, and the words an operator sees).
 
 #[cfg(feature = "mysql")]
-pub mod mysql;
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
-pub mod postgres;
+pub(crate) mod postgres;

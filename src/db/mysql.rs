@@ -10,7 +10,7 @@ use std::time::Duration;
 
 /// Whether a server error with this number is worth a new attempt (see
 /// [`ErrorKind::of_mysql`]).
-pub fn is_retryable_code(code: u16) -> bool {
+pub(crate) fn is_retryable_code(code: u16) -> bool {
     crate::should_retry(ErrorKind::of_mysql(code))
 }
 

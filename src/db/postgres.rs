@@ -22,7 +22,7 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
 /// The kind of a Postgres client error: by its SQLSTATE when the server sent one; a closed
 /// connection, or an I/O error underneath, is a connection failure; anything else (a value
 /// that cannot be serialized, say) is permanent.
-pub fn pg_kind(e: &tokio_postgres::Error) -> ErrorKind {
+pub(crate) fn pg_kind(e: &tokio_postgres::Error) -> ErrorKind {
     if e.is_closed() {
         return ErrorKind::Connection;
     }

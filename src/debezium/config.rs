@@ -7,6 +7,7 @@
 //! silently. A connector that is not a Postgres or MySQL/MariaDB connector, or that does not run
 //! the Outbox Event Router, is refused.
 
+use crate::names::Column;
 use crate::Error;
 use std::collections::BTreeMap;
 
@@ -474,10 +475,10 @@ pub fn translate(input: &str) -> Result<Translation, Error> {
     let get = |k: &str, default: &str| r.get(k).cloned().unwrap_or_else(|| default.to_string());
     let mut columns = vec!["debezium".to_string()];
     for (opt, logical, default) in [
-        ("table.field.event.id", "id", "id"),
-        ("table.field.event.key", "aggregate_id", "aggregateid"),
-        ("table.field.event.type", "topic", "type"),
-        ("table.field.event.payload", "payload", "payload"),
+        ("table.field.event.id", Column::Id, "id"),
+        ("table.field.event.key", Column::AggregateId, "aggregateid"),
+        ("table.field.event.type", Column::Topic, "type"),
+        ("table.field.event.payload", Column::Payload, "payload"),
     ] {
         let v = get(opt, default);
         if v != default {
@@ -485,7 +486,7 @@ pub fn translate(input: &str) -> Result<Translation, Error> {
         }
     }
     if let Some(ts) = r.get("table.field.event.timestamp") {
-        columns.push(format!("created_at={ts}"));
+        columns.push(format!("{}={ts}", Column::CreatedAt));
     }
     key("column", toml_list(&columns), None);
     let route_by = get("route.by.field", "aggregatetype");
@@ -498,7 +499,7 @@ pub fn translate(input: &str) -> Result<Translation, Error> {
         ));
     } else if route_by != "aggregatetype" || replacement != "outbox.event.${routedByValue}" {
         let field = if route_by == "aggregatetype" {
-            "{aggregate_type}".to_string()
+            format!("{{{}}}", Column::AggregateType)
         } else {
             format!("{{{route_by}}}")
         };

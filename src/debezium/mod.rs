@@ -7,5 +7,5 @@
 //! offset against the database (`source::postgres::takeover`, `source::mysql::takeover`) and
 //! the command layer prints the file. See docs/migrating-from-debezium.md.
 
-pub mod config;
-pub mod offset;
+pub(crate) mod config;
+pub(crate) mod offset;

@@ -74,7 +74,7 @@ fn is_offset(v: &Value) -> bool {
 }
 
 /// The offsets in `input` with the key each was stored under (when the input has keys).
-pub fn offsets_in(input: &[u8]) -> Vec<(Option<Value>, Value)> {
+pub(crate) fn offsets_in(input: &[u8]) -> Vec<(Option<Value>, Value)> {
     let values = embedded_json(input);
     let mut out: Vec<(Option<Value>, Value)> = Vec::new();
     let mut key: Option<Value> = None;
@@ -133,7 +133,7 @@ fn number(o: &serde_json::Map<String, Value>, key: &str) -> Result<Option<u64>, 
 }
 
 /// An offset value (the JSON object) as what it says.
-pub fn from_value(v: &Value) -> Result<DebeziumOffset, Error> {
+pub(crate) fn from_value(v: &Value) -> Result<DebeziumOffset, Error> {
     let Some(o) = v.as_object() else {
         return Err(refuse(format!("{v} is not an offset object")));
     };

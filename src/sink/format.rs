@@ -371,7 +371,7 @@ pub struct Body {
 }
 
 /// A template name's value: a field every event has, or an extra column's.
-pub fn lookup<'a>(event: &'a OutboxEvent, name: &str) -> Option<Cow<'a, str>> {
+pub(crate) fn lookup<'a>(event: &'a OutboxEvent, name: &str) -> Option<Cow<'a, str>> {
     event_field(event, name)
 }
 

@@ -167,11 +167,11 @@ pub fn row_headers(
 }
 
 /// Values of dead records are cut here, so a record always fits.
-pub const DEAD_VALUE_MAX: usize = 1024;
+pub(crate) const DEAD_VALUE_MAX: usize = 1024;
 
 /// A value for a dead record's header: line breaks become spaces (no broker's headers take
 /// them all) and it is cut at [`DEAD_VALUE_MAX`] bytes.
-pub fn dead_value(s: &str) -> String {
+pub(crate) fn dead_value(s: &str) -> String {
     let mut out: String = s
         .chars()
         .map(|c| if c == '\r' || c == '\n' { ' ' } else { c })
@@ -207,7 +207,7 @@ pub fn dead_headers(
 
 /// What a dead record carries of the event's identity besides its position and id: the GTID
 /// where the transaction had one, the relay and the source.
-pub fn identity_headers<'a>(
+pub(crate) fn identity_headers<'a>(
     event: &'a OutboxEvent,
     origin: &'a Origin,
 ) -> impl Iterator<Item = (&'static str, String)> + 'a {

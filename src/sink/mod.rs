@@ -3,15 +3,25 @@
 //! advance the stored position. Recovery (reconnect, republish in order) belongs to the relay,
 //! so every sink gets it the same way.
 
-pub mod declare;
+pub(crate) mod declare;
 pub mod format;
 pub mod headers;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
 #[cfg(any(test, feature = "test-util"))]
-pub mod memory;
+pub(crate) mod memory;
 pub mod options;
 pub mod partition;
-pub mod registry;
+// What the broker sinks share: with fewer sinks compiled, some of it is unused.
+#[cfg_attr(
+    not(all(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "rabbitmq-stream"
+    )),
+    allow(dead_code)
+)]
+pub(crate) mod registry;
 pub mod template;
 // RabbitMQ partition layouts: the AMQP sink's and `outboxd topology`'s.
 #[cfg(feature = "rabbitmq")]
@@ -165,7 +175,7 @@ impl FlowControl {
         self.blocked.store(false, Ordering::Relaxed);
     }
 
-    pub fn is_blocked(&self) -> bool {
+    pub(crate) fn is_blocked(&self) -> bool {
         self.blocked.load(Ordering::Relaxed)
     }
 

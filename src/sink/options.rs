@@ -95,7 +95,7 @@ impl SinkOptions {
     }
 
     /// Logs, once before the relay starts, the settings given that the sink ignores.
-    pub fn warn_ignored(&self, dsn: &SinkDsn) {
+    pub(crate) fn warn_ignored(&self, dsn: &SinkDsn) {
         if let Some(w) = (dsn.descriptor().ignored)(self) {
             tracing::warn!("{w}");
         }

@@ -25,7 +25,7 @@ use lapin::types::{AMQPValue, ShortString};
 /// Most partitions a layout may have (queues per layout).
 pub const MAX_PARTITIONS: u32 = 1024;
 /// Most distinct partition counts the relay computes headers for (`--group-partitions`).
-pub const MAX_GROUP_COUNTS: usize = 16;
+pub(crate) const MAX_GROUP_COUNTS: usize = 16;
 /// The relay's own partition header (docs/message-format.md).
 pub const PARTITION_HEADER: &str = "x-partition";
 
@@ -65,7 +65,7 @@ pub fn murmur2(data: &[u8]) -> i32 {
 }
 
 /// Kafka's `Utils.toPositive`: clears the sign bit (so `i32::MIN` becomes 0, unlike `abs`).
-pub fn to_positive(n: i32) -> u32 {
+pub(crate) fn to_positive(n: i32) -> u32 {
     (n & 0x7fff_ffff) as u32
 }
 
@@ -126,7 +126,7 @@ pub struct Partitioning {
     pub partitions: u32,
     /// Counts with an `x-partition-<N>` header: the relay's own N (when on) and
     /// `--group-partitions`, sorted, without duplicates.
-    pub header_counts: Vec<u32>,
+    pub(crate) header_counts: Vec<u32>,
     pub queue_type: QueueType,
     pub routing: PartitionRouting,
 }
@@ -189,7 +189,7 @@ impl PartitionSpec {
 
 impl Partitioning {
     /// Whether the relay computes partition headers at all.
-    pub fn sends_headers(&self) -> bool {
+    pub(crate) fn sends_headers(&self) -> bool {
         !self.header_counts.is_empty()
     }
 

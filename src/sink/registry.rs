@@ -54,7 +54,7 @@ pub struct Descriptor {
 }
 
 /// [`Descriptor::check`] of a sink with nothing to probe.
-pub fn no_check<'a>(
+pub(crate) fn no_check<'a>(
     _: &'a SinkDsn,
     _: &'a SinkOptions,
     _: &'a SinkContext<'a>,
@@ -63,17 +63,17 @@ pub fn no_check<'a>(
 }
 
 /// [`Descriptor::columns`] of a sink that reads no column of its own.
-pub fn no_columns(_: &SinkOptions) -> Result<Vec<String>, Error> {
+pub(crate) fn no_columns(_: &SinkOptions) -> Result<Vec<String>, Error> {
     Ok(Vec::new())
 }
 
 /// [`Descriptor::ignored`] of a sink that reads every setting it is given.
-pub fn ignores_nothing(_: &SinkOptions) -> Option<&'static str> {
+pub(crate) fn ignores_nothing(_: &SinkOptions) -> Option<&'static str> {
     None
 }
 
 /// [`Descriptor::password`] of a sink whose address is a URL.
-pub fn url_password(url: &str) -> Option<String> {
+pub(crate) fn url_password(url: &str) -> Option<String> {
     url::Url::parse(url)
         .ok()
         .and_then(|u| u.password().map(str::to_string))

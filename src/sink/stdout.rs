@@ -31,15 +31,6 @@ impl<W: Write + Send> StdoutSink<W> {
         }
     }
 
-    /// The writer, after writing out what is buffered.
-    pub fn into_inner(mut self) -> W {
-        let out = self.out.take().expect("present until dropped");
-        match out.into_inner() {
-            Ok(w) => w,
-            Err(e) => e.into_inner().into_parts().0,
-        }
-    }
-
     fn out(&mut self) -> &mut std::io::BufWriter<W> {
         self.out.as_mut().expect("present until dropped")
     }
@@ -69,7 +60,7 @@ struct Line<'a> {
 }
 
 /// Renders the stdout line of an event (without the newline).
-pub fn render_line(event: &OutboxEvent) -> Result<Vec<u8>, SinkError> {
+pub(crate) fn render_line(event: &OutboxEvent) -> Result<Vec<u8>, SinkError> {
     let null = RawValue::from_string("null".into()).expect("null is JSON");
     // The payload goes out as a JSON value: it was validated when decoded, and a poison event
     // (invalid JSON) prints `null` with its reason instead of breaking the line format.
@@ -123,7 +114,7 @@ impl<W: Write + Send> Sink for StdoutSink<W> {
 
 /// The stdout sink in the registry: `--sink stdout` (or `-`), no flags of its own
 /// (`--commit-offsets` is the relay's, in [`super::SinkContext`]), nothing to check.
-pub const DESCRIPTOR: super::Descriptor = super::Descriptor {
+pub(crate) const DESCRIPTOR: super::Descriptor = super::Descriptor {
     kind: super::SinkKind::Stdout,
     name: "stdout",
     words: &["stdout", "-"],

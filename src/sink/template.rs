@@ -166,7 +166,10 @@ impl std::str::FromStr for Template {
 /// The fields every event has, by the names templates use: `id`, `topic`, `aggregate_id`,
 /// and `table` (the outbox table, when the relay reads several); any other name is one of the
 /// row's extra columns (see `names::ColumnMap::require_extra`), absent when NULL.
-pub fn event_field<'a>(event: &'a crate::event::OutboxEvent, name: &str) -> Option<Cow<'a, str>> {
+pub(crate) fn event_field<'a>(
+    event: &'a crate::event::OutboxEvent,
+    name: &str,
+) -> Option<Cow<'a, str>> {
     match name {
         "id" => Some(Cow::Owned(event.id.hyphenated().to_string())),
         "topic" => Some(Cow::Borrowed(event.topic.as_str())),

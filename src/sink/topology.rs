@@ -38,9 +38,9 @@ use lapin::{Connection, ExchangeKind};
 
 /// The consistent-hash exchange type (plugin `rabbitmq_consistent_hash_exchange`).
 pub const CONSISTENT_HASH: &str = "x-consistent-hash";
-pub const CONSISTENT_HASH_PLUGIN: &str = "rabbitmq_consistent_hash_exchange";
+pub(crate) const CONSISTENT_HASH_PLUGIN: &str = "rabbitmq_consistent_hash_exchange";
 /// The `x-match` mode that matches `x-…` headers too (RabbitMQ ≥ 3.10).
-pub const MATCH_ALL_WITH_X: &str = "all-with-x";
+pub(crate) const MATCH_ALL_WITH_X: &str = "all-with-x";
 
 /// One partitioned layout: what to declare, and how messages reach its queues.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -267,7 +267,7 @@ pub(crate) async fn probe(conn: &Connection, l: &Layout) -> Result<Probe, lapin:
 
 impl Probe {
     /// A warning when the queues found say a smaller N was declared before.
-    pub fn changed_count(&self, l: &Layout) -> Option<String> {
+    pub(crate) fn changed_count(&self, l: &Layout) -> Option<String> {
         let n = l.partitions;
         (self.first && !self.last).then(|| {
             format!(
@@ -402,7 +402,7 @@ pub fn validate_pattern(p: &str) -> Result<(), Error> {
 }
 
 /// One line of `outboxd check`.
-pub fn check_line(
+pub(crate) fn check_line(
     level: crate::diagnostics::Level,
     check: &str,
     detail: impl Into<String>,
@@ -418,7 +418,7 @@ pub fn check_line(
 
 /// Declares and deletes a scratch exchange of type `x-consistent-hash`: the only way AMQP
 /// tells whether the plugin is enabled.
-pub async fn consistent_hash_plugin(conn: &Connection) -> crate::diagnostics::CheckLine {
+pub(crate) async fn consistent_hash_plugin(conn: &Connection) -> crate::diagnostics::CheckLine {
     use crate::diagnostics::Level;
     let name = format!("outboxd.check.{}", uuid::Uuid::new_v4().simple());
     let r = async {

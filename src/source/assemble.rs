@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 
 /// What an assembler asks its run loop to hand on, in order.
 #[derive(Debug)]
-pub enum Output {
+pub(crate) enum Output {
     /// An event for the relay.
     Event(Box<OutboxEvent>),
     /// A checkpoint for the relay that ends no transaction of ours (an idle position).
@@ -31,7 +31,7 @@ pub enum Output {
 }
 
 /// Hands one output to the relay (and a forwarded transaction's commit to the return path).
-pub async fn deliver(
+pub(crate) async fn deliver(
     out: Output,
     outlet: &Outlet,
     checkpoints: &Checkpointer,
@@ -56,7 +56,7 @@ pub async fn deliver(
 
 /// What of a transaction went out before the stream broke, as the server sends it again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Replay {
+pub(crate) struct Replay {
     /// All of it, its end included: skip every event.
     pub whole: bool,
     /// Its first `sent` events.
@@ -65,7 +65,7 @@ pub struct Replay {
 
 impl Replay {
     /// Whether the event at `index` (from 0, in the transaction's order) already went out.
-    pub fn skips(&self, index: u32) -> bool {
+    pub(crate) fn skips(&self, index: u32) -> bool {
         self.whole || index < self.sent
     }
 }
@@ -79,7 +79,7 @@ impl Replay {
 /// stream resumes past every transaction it forwarded whole (the binlog resumes at the last
 /// boundary read) never calls [`Redelivery::committed`]: only the cut-off one is repeated.
 #[derive(Debug, Clone)]
-pub struct Redelivery<K> {
+pub(crate) struct Redelivery<K> {
     /// The latest transaction forwarded whole.
     committed: Option<K>,
     /// The transaction being forwarded when the stream broke, and how many events went out.
@@ -97,7 +97,7 @@ impl<K> Default for Redelivery<K> {
 
 impl<K: Ord + Clone> Redelivery<K> {
     /// The transaction `txn` begins (again, after a reconnect, or for the first time).
-    pub fn begin(&self, txn: &K) -> Replay {
+    pub(crate) fn begin(&self, txn: &K) -> Replay {
         Replay {
             whole: self.committed.as_ref().is_some_and(|c| txn <= c),
             sent: match &self.partial {
@@ -108,18 +108,18 @@ impl<K: Ord + Clone> Redelivery<K> {
     }
 
     /// The first `count` events of `txn` went out.
-    pub fn sent(&mut self, txn: &K, count: u32) {
+    pub(crate) fn sent(&mut self, txn: &K, count: u32) {
         self.partial = Some((txn.clone(), count));
     }
 
     /// `txn` went out whole, its end included: a repeat of it is skipped whole.
-    pub fn committed(&mut self, txn: K) {
+    pub(crate) fn committed(&mut self, txn: K) {
         self.partial = None;
         self.committed = Some(txn);
     }
 
     /// The open transaction ended (and the stream resumes after it): nothing of it repeats.
-    pub fn finished(&mut self) {
+    pub(crate) fn finished(&mut self) {
         self.partial = None;
     }
 }

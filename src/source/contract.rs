@@ -13,31 +13,9 @@ use std::fmt;
 use std::sync::Arc;
 use uuid::Uuid;
 
-/// A logical column of the outbox table, as a poison reason names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Column {
-    Id,
-    AggregateId,
-    Topic,
-    Payload,
-    CreatedAt,
-    Headers,
-    Version,
-}
-
-impl fmt::Display for Column {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Column::Id => "id",
-            Column::AggregateId => "aggregate_id",
-            Column::Topic => "topic",
-            Column::Payload => "payload",
-            Column::CreatedAt => "created_at",
-            Column::Headers => "headers",
-            Column::Version => "version",
-        })
-    }
-}
+/// A poison reason names its column by the contract's column type (its text is the contract
+/// name, `aggregate_id`, whatever `--column` renamed it to).
+pub(crate) use crate::names::Column;
 
 /// Why a row cannot be published as a message. The text of each is part of the wire contract
 /// (the dead-letter record's reason; docs/message-format.md).
@@ -130,24 +108,24 @@ impl fmt::Display for PoisonReason {
 
 /// The reasons a row cannot be a message, in the order its columns were read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Poison(Vec<PoisonReason>);
+pub(crate) struct Poison(Vec<PoisonReason>);
 
 impl Poison {
-    pub fn push(&mut self, reason: PoisonReason) {
+    pub(crate) fn push(&mut self, reason: PoisonReason) {
         self.0.push(reason);
     }
 
-    pub fn reasons(&self) -> &[PoisonReason] {
+    pub(crate) fn reasons(&self) -> &[PoisonReason] {
         &self.0
     }
 
     /// Whether a reason about `column` was already given.
-    pub fn concerns(&self, column: Column) -> bool {
+    pub(crate) fn concerns(&self, column: Column) -> bool {
         self.0.iter().any(|r| r.column() == column)
     }
 
     /// The event's poison reason: every reason, `; `-separated; `None` for a good row.
-    pub fn into_reason(self) -> Option<String> {
+    pub(crate) fn into_reason(self) -> Option<String> {
         if self.0.is_empty() {
             return None;
         }
@@ -163,7 +141,7 @@ impl Poison {
 
 /// A JSON-bearing value as a database read it (a payload, the headers).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Json {
+pub(crate) enum Json {
     /// Bytes that must parse as JSON where JSON is required (a text column).
     Text(Bytes),
     /// JSON by the column's type (Postgres `json`/`jsonb`, MySQL 8 binary JSON rendered).
@@ -175,7 +153,7 @@ pub enum Json {
 /// What one database reads from one outbox row, column by column. [`event`] calls the readers
 /// in the contract's order (id, aggregate_id, topic, payload, created_at, headers, version),
 /// so the reasons of a poison event come in that order whatever the database.
-pub trait RowValues {
+pub(crate) trait RowValues {
     /// The id; `None` (the nil UUID goes out) with the reason pushed.
     fn id(&self, poison: &mut Poison) -> Option<Uuid>;
     /// The aggregate id as text; empty with the reason pushed when unreadable.
@@ -205,7 +183,7 @@ pub trait RowValues {
 
 /// Where and when a row was read, as its source knows it.
 #[derive(Debug, Clone)]
-pub struct RowMeta {
+pub(crate) struct RowMeta {
     pub position: SourcePosition,
     pub gtid: Option<String>,
     /// The transaction's commit time (a snapshot or poll row has none).
@@ -215,7 +193,7 @@ pub struct RowMeta {
 }
 
 /// Whether a content type is JSON (`application/json`, `…+json`): such payloads must parse.
-pub fn is_json_type(ct: &str) -> bool {
+pub(crate) fn is_json_type(ct: &str) -> bool {
     let base = ct.split(';').next().unwrap_or("").trim();
     base.eq_ignore_ascii_case("application/json") || base.to_ascii_lowercase().ends_with("+json")
 }
@@ -225,7 +203,7 @@ fn is_json(b: &[u8]) -> bool {
 }
 
 /// One outbox row as the message it becomes, or a poison event with every reason.
-pub fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
+pub(crate) fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
     let mut poison = Poison::default();
     let id = row.id(&mut poison).unwrap_or(Uuid::nil());
     let aggregate_id = row.aggregate_id(&mut poison);

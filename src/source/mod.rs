@@ -3,14 +3,14 @@
 //! newest checkpoint whose events are all durable; the log sources leave storing it and telling
 //! the server to the run's return path (`state::checkpoint`), poll mode marks its rows.
 
-pub mod assemble;
-pub mod contract;
-pub mod log;
+pub(crate) mod assemble;
+pub(crate) mod contract;
+pub(crate) mod log;
 pub mod mysql;
 pub mod poll;
 pub mod postgres;
 pub mod snapshot;
-pub mod startup;
+pub(crate) mod startup;
 
 use crate::event::{Checkpoint, OutboxEvent};
 use crate::telemetry::events::{EventRead, InternalEvent};
@@ -51,11 +51,6 @@ impl Budget {
         // The semaphore is never closed, so acquiring only waits.
         BudgetPermit(self.bytes.clone().acquire_many_owned(n).await.ok())
     }
-
-    /// Bytes currently held by events in flight.
-    pub fn in_use(&self) -> usize {
-        self.max - self.bytes.available_permits()
-    }
 }
 
 /// Where a source sends its events: the relay's channel and the byte budget.
@@ -66,7 +61,7 @@ pub struct Outlet {
 
 impl Outlet {
     /// Sends an event after reserving its bytes. Errors when the relay is gone.
-    pub async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
+    pub(crate) async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
         EventRead.emit();
         let permit = self.budget.acquire(event.size()).await;
         self.events
@@ -75,7 +70,7 @@ impl Outlet {
             .map_err(|_| relay_gone())
     }
 
-    pub async fn send_checkpoint(&self, cp: Checkpoint) -> Result<(), crate::Error> {
+    pub(crate) async fn send_checkpoint(&self, cp: Checkpoint) -> Result<(), crate::Error> {
         self.events
             .send(SourceMsg::Checkpoint(cp))
             .await
@@ -89,7 +84,7 @@ fn relay_gone() -> crate::Error {
 
 /// The two ends a source uses: where events go, and where durable checkpoints come back.
 pub struct SourceLink {
-    pub outlet: Outlet,
+    pub(crate) outlet: Outlet,
     /// The newest checkpoint that is durable downstream; `None` until the first.
     pub acks: tokio::sync::watch::Receiver<Option<Checkpoint>>,
 }

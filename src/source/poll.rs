@@ -34,7 +34,7 @@ pub struct PollOptions {
 }
 
 impl PollOptions {
-    pub fn loop_config(&self, deadline: Duration) -> LoopConfig {
+    pub(crate) fn loop_config(&self, deadline: Duration) -> LoopConfig {
         LoopConfig {
             batch: self.batch,
             interval: self.interval,

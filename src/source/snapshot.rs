@@ -92,7 +92,7 @@ impl SnapshotKey {
     }
 
     /// Where the snapshot's numbering goes on: after the last durable row, or from the start.
-    pub fn next_index(key: Option<&SnapshotKey>) -> u64 {
+    pub(crate) fn next_index(key: Option<&SnapshotKey>) -> u64 {
         key.map_or(0, |k| k.seq)
     }
 
@@ -108,7 +108,7 @@ impl SnapshotKey {
 }
 
 /// Adds `extra` (a condition) to `filter` (empty or a `WHERE` clause).
-pub fn and_where(filter: &str, extra: &str) -> String {
+pub(crate) fn and_where(filter: &str, extra: &str) -> String {
     if filter.trim().is_empty() {
         format!("WHERE {extra}")
     } else {
@@ -117,7 +117,11 @@ pub fn and_where(filter: &str, extra: &str) -> String {
 }
 
 /// Refuses `--snapshot since=…` on a table without the `created_at` column it compares.
-pub fn require_created_at(mode: &SnapshotMode, table: &str, column: &str) -> Result<(), Error> {
+pub(crate) fn require_created_at(
+    mode: &SnapshotMode,
+    table: &str,
+    column: &str,
+) -> Result<(), Error> {
     match mode {
         SnapshotMode::Since(_) => Err(Error::config(
             format!("--snapshot since=… reads the rows created since a time, and {table} has no {column} column"),

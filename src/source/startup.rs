@@ -60,7 +60,7 @@ pub struct StartPlan<St, S> {
 /// Takes the lease of relay `opts.name` through `store` for this process (under `--ha` as a
 /// standby while another relay holds it); `None` when asked to stop meanwhile. Returns the
 /// store, the lease and the stored position.
-pub async fn take_lease<St: StateStore>(
+pub(crate) async fn take_lease<St: StateStore>(
     store: St,
     opts: &StartOptions,
     shutdown: &CancellationToken,

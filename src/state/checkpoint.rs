@@ -33,7 +33,7 @@ pub struct Upstream {
     pub confirm: u64,
     /// When a store write last found the server shutting down (see
     /// [`Checkpointer::server_stopping`]).
-    pub server_stopping: Option<Instant>,
+    pub(crate) server_stopping: Option<Instant>,
 }
 
 /// The return path of one run; cheap to clone (every clone is the same path).
@@ -90,7 +90,12 @@ fn log_order(cp: &Checkpoint) -> Option<LogOrder> {
 /// own positions only grow from there), and confirming the slot on the word of that value would
 /// let the next start resume from a position nobody delivered up to. Nothing past the relay's
 /// acknowledgement is confirmed either, and the slot never moves back.
-pub fn slot_confirm(confirmed: u64, acked: u64, wrote: u64, row_holds: Option<u64>) -> Option<u64> {
+pub(crate) fn slot_confirm(
+    confirmed: u64,
+    acked: u64,
+    wrote: u64,
+    row_holds: Option<u64>,
+) -> Option<u64> {
     if row_holds != Some(wrote) {
         return None;
     }
@@ -118,7 +123,7 @@ impl Checkpointer {
     }
 
     /// Source: a row created at `created` was committed at `committed`.
-    pub fn observe(&self, committed: DateTime<Utc>, created: DateTime<Utc>) {
+    pub(crate) fn observe(&self, committed: DateTime<Utc>, created: DateTime<Utc>) {
         let gap = (committed - created).num_milliseconds().max(0);
         let mut inner = self.inner();
         inner.max_gap_ms = Some(inner.max_gap_ms.map_or(gap, |g| g.max(gap)));
@@ -134,7 +139,7 @@ impl Checkpointer {
     /// Lease keeper: `position` (when given) is the relay's newest acknowledgement, about to be
     /// stored. Returns what is known of the commit of the newest transaction up to it, to be
     /// stored with it.
-    pub fn to_store(&self, position: Option<&Checkpoint>) -> DurableCommit {
+    pub(crate) fn to_store(&self, position: Option<&Checkpoint>) -> DurableCommit {
         let mut inner = self.inner();
         if let Some(pos) = position {
             if let Checkpoint::Lsn(l) = pos {
@@ -177,7 +182,7 @@ impl Checkpointer {
     /// Postgres store: a write found the server shutting down. Its walsender keeps it from
     /// stopping until the slot is confirmed up to its shutdown checkpoint, which can no longer
     /// be stored and so is never confirmed: the source closes its stream instead.
-    pub fn server_stopping(&self) {
+    pub(crate) fn server_stopping(&self) {
         self.0
             .upstream
             .send_modify(|u| u.server_stopping = Some(Instant::now()));

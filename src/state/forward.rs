@@ -11,7 +11,7 @@ use crate::telemetry::events::{InternalEvent, PositionBackwardsRefused};
 use crate::Error;
 
 /// Wraps a store; see the module doc.
-pub struct ForwardOnly<S> {
+pub(crate) struct ForwardOnly<S> {
     inner: S,
     stored: Option<Checkpoint>,
 }
@@ -19,7 +19,7 @@ pub struct ForwardOnly<S> {
 impl<S> ForwardOnly<S> {
     /// `resumed_from` is the position this run started at, when the store had one: nothing
     /// older may be stored by this run either.
-    pub fn new(inner: S, resumed_from: Option<Checkpoint>) -> ForwardOnly<S> {
+    pub(crate) fn new(inner: S, resumed_from: Option<Checkpoint>) -> ForwardOnly<S> {
         ForwardOnly {
             inner,
             stored: resumed_from,

@@ -5,10 +5,10 @@
 
 pub mod checkpoint;
 pub mod file;
-pub mod forward;
+pub(crate) mod forward;
 // The in-memory double: for tests only (the `test-util` feature), never in a release build.
 #[cfg(any(test, feature = "test-util"))]
-pub mod memory;
+pub(crate) mod memory;
 pub mod mysql;
 pub mod postgres;
 
@@ -36,24 +36,24 @@ pub enum Gap {
 }
 
 /// How long a lease lasts without renewal; a relay renews it about every second.
-pub const LEASE_TTL: Duration = Duration::from_secs(5);
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(5);
 /// A relay whose last successful renewal is older than this publishes nothing (see [`Fence`]):
 /// its lease may be about to expire and another relay take over, so two relays never publish
 /// at once. With `--ha`, a leader that cannot renew for this long also stops (exit 4).
-pub const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
+pub(crate) const SELF_FENCE_AFTER: Duration = Duration::from_millis(3500);
 /// One renewal may take this long; a stalled connection must not stall the lease keeper.
-pub const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
+pub(crate) const RENEW_TIMEOUT: Duration = Duration::from_millis(900);
 /// The final position's write at a graceful stop may take this long. The relay has stopped
 /// publishing by then, so no fence waits on it, and a server whose commits queue behind a
 /// large transaction (seconds on a busy MariaDB) must not cost the next start a replay of
 /// everything since the last stored position. The binary's `--shutdown-timeout` bounds the
 /// whole stop.
-pub const FINAL_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-pub const RENEW_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const FINAL_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const RENEW_INTERVAL: Duration = Duration::from_secs(1);
 /// A newer durable position is stored this soon after the sink confirmed it, and the store is
 /// written at most this often: a relay killed at any moment resumes at most this much traffic
 /// (plus the relay's window) behind what it had confirmed. Idle, nothing is written.
-pub const STORE_INTERVAL: Duration = Duration::from_millis(100);
+pub(crate) const STORE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The gate between the lease and publishing: when the lease was last renewed, shared by the
 /// lease keeper (which opens it with every successful renewal) and the relay (which checks it
@@ -116,7 +116,7 @@ impl Fence {
     }
 
     /// Whether publishing is allowed now.
-    pub fn is_open(&self) -> bool {
+    pub(crate) fn is_open(&self) -> bool {
         self.age().is_some_and(|a| a < self.0.limit)
     }
 
@@ -130,7 +130,7 @@ impl Fence {
     /// Returns once publishing is allowed: at once while the lease is fresh, otherwise after
     /// the next successful renewal. Waits forever when none comes: then the lease keeper ends
     /// the relay (with `--ha`, or when the lease was lost), or it never was the holder.
-    pub async fn wait_open(&self) {
+    pub(crate) async fn wait_open(&self) {
         // When it closed, and whether after a renewal (not merely before the first one).
         let mut closed: Option<(Instant, bool)> = None;
         loop {
@@ -337,7 +337,12 @@ pub(crate) fn lost(lease: &Lease) -> Error {
 /// is still `live`, holds it and is not provably dead on this machine
 /// ([`holder_is_dead_locally`]). Refused with `Error::LeaseHeld`, naming the holder; a
 /// takeover is logged.
-pub fn take_over(name: &str, current: Option<&str>, live: bool, holder: &str) -> Result<(), Error> {
+pub(crate) fn take_over(
+    name: &str,
+    current: Option<&str>,
+    live: bool,
+    holder: &str,
+) -> Result<(), Error> {
     let Some(h) = current else {
         return Ok(());
     };
@@ -483,7 +488,7 @@ enum Wake {
 /// renewal opens `fence` (the relay publishes only while it is open). Ends early only when the
 /// lease was lost, or with `self_fence` (`--ha`) when it could not be renewed for
 /// [`SELF_FENCE_AFTER`].
-pub async fn keep_lease<S: StateStore>(
+pub(crate) async fn keep_lease<S: StateStore>(
     mut store: S,
     lease: Lease,
     mut acks: watch::Receiver<Option<Checkpoint>>,

@@ -123,7 +123,7 @@ fn denied(e: &mysql_async::Error) -> bool {
 }
 
 /// The session's account as a `GRANT` names it: `'relay'@'%'`.
-pub async fn current_account(conn: &mut Conn) -> Result<String, Error> {
+pub(crate) async fn current_account(conn: &mut Conn) -> Result<String, Error> {
     let who: Option<String> = conn.query_first("SELECT CURRENT_USER()").await?;
     let who = who.unwrap_or_default();
     Ok(match who.rsplit_once('@') {
@@ -179,7 +179,7 @@ async fn refused(conn: &mut Conn, e: mysql_async::Error, gap: &super::Gap) -> Er
 /// Which of SELECT, INSERT and UPDATE on `outboxd_state` the session's user lacks, found by
 /// running each statement on no row inside a transaction that is rolled back (so roles and
 /// every grant level count, and nothing is written or logged).
-pub async fn missing_state_privileges(conn: &mut Conn) -> Result<Vec<&'static str>, Error> {
+pub(crate) async fn missing_state_privileges(conn: &mut Conn) -> Result<Vec<&'static str>, Error> {
     conn.query_drop("START TRANSACTION").await?;
     let mut missing = Vec::new();
     for (privilege, probe) in [
@@ -205,7 +205,7 @@ pub async fn missing_state_privileges(conn: &mut Conn) -> Result<Vec<&'static st
 
 /// An error of a statement on `outboxd_state`: a missing privilege becomes the `GRANT` that
 /// fixes it (probed, so it names exactly what is missing).
-pub async fn state_refused(conn: &mut Conn, e: Error) -> Error {
+pub(crate) async fn state_refused(conn: &mut Conn, e: Error) -> Error {
     // The client's classifier makes every privilege refusal a configuration error; anything
     // else (a lease held by another relay, which a standby meets every second) is as it is.
     if !matches!(e, Error::Config { .. }) {
@@ -248,7 +248,10 @@ async fn insert_row(conn: &mut Conn, name: &str) -> Result<(), Error> {
 
 /// The commit time of the last durable transaction and the largest commit-vs-`created_at` gap
 /// seen (ms), as stored for relay `name`.
-pub async fn load_commit(conn: &mut Conn, name: &str) -> Result<super::DurableCommit, Error> {
+pub(crate) async fn load_commit(
+    conn: &mut Conn,
+    name: &str,
+) -> Result<super::DurableCommit, Error> {
     let row: Option<(Option<String>, Option<i64>)> = conn
         .exec_first(
             "SELECT DATE_FORMAT(position_commit_at, '%Y-%m-%d %H:%i:%s.%f'), commit_gap_ms
@@ -410,7 +413,10 @@ fn parts(cp: &Checkpoint) -> Result<(String, u64, Option<String>), Error> {
 
 /// How far an unfinished first start's snapshot got (the last row whose publication is
 /// durable), as stored for relay `name`.
-pub async fn load_snapshot_key(conn: &mut Conn, name: &str) -> Result<Option<String>, Error> {
+pub(crate) async fn load_snapshot_key(
+    conn: &mut Conn,
+    name: &str,
+) -> Result<Option<String>, Error> {
     let key: Option<Option<String>> = conn
         .exec_first(
             "SELECT snapshot_key FROM outboxd_state WHERE name = ?",
@@ -462,7 +468,7 @@ pub async fn store_start(
 
 /// Marks the first start as done: its snapshot (if any) is durable and a position is stored.
 /// Stores what the running phase has got to (see `crate::progress::summary`).
-pub async fn report_progress(
+pub(crate) async fn report_progress(
     conn: &mut Conn,
     lease: &Lease,
     progress: Option<&str>,
@@ -477,7 +483,7 @@ pub async fn report_progress(
 
 /// What the lease holder of relay `name` last said of its running phase; `None` when nothing
 /// runs, or before the column exists.
-pub async fn load_progress(conn: &mut Conn, name: &str) -> Option<String> {
+pub(crate) async fn load_progress(conn: &mut Conn, name: &str) -> Option<String> {
     conn.exec_first::<Option<String>, _, _>(
         "SELECT progress FROM outboxd_state WHERE name = ?",
         (name,),
@@ -629,7 +635,11 @@ pub async fn set_position(
 /// Replaces the stored position by `marker` (see `source::mysql::admin::lost_marker`)
 /// while this lease holds: a recovery whose new positions sort before the lost one, which the
 /// forward-only rule would otherwise never let replace it.
-pub async fn mark_lost(conn: &mut Conn, lease: &Lease, marker: &Checkpoint) -> Result<(), Error> {
+pub(crate) async fn mark_lost(
+    conn: &mut Conn,
+    lease: &Lease,
+    marker: &Checkpoint,
+) -> Result<(), Error> {
     let (file, pos, gtid) = parts(marker)?;
     conn.exec_drop(
         "UPDATE outboxd_state SET binlog_file = ?, binlog_pos = ?, gtid_state = ?, position = ?,

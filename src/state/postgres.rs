@@ -419,11 +419,11 @@ pub fn gap_refused(gap: &Gap, user: &str, why: &str) -> Error {
 
 /// The privileges a relay's role needs on `outboxd_state`: reading its row, inserting it on
 /// the first start, and updating the lease and position.
-pub const STATE_PRIVILEGES: [&str; 3] = ["SELECT", "INSERT", "UPDATE"];
+pub(crate) const STATE_PRIVILEGES: [&str; 3] = ["SELECT", "INSERT", "UPDATE"];
 
 /// An error of a statement on `outboxd_state`: a missing privilege becomes the `GRANT` that
 /// fixes it (checked against the catalog, so it names exactly what is missing).
-pub async fn state_refused(client: &Client, e: Error) -> Error {
+pub(crate) async fn state_refused(client: &Client, e: Error) -> Error {
     if e.sqlstate() != Some("42501") {
         return e;
     }
@@ -450,7 +450,7 @@ pub async fn state_refused(client: &Client, e: Error) -> Error {
 }
 
 /// Which of [`STATE_PRIVILEGES`] the session's role lacks on an existing `outboxd_state`.
-pub async fn missing_state_privileges(client: &Client) -> Result<Vec<&'static str>, Error> {
+pub(crate) async fn missing_state_privileges(client: &Client) -> Result<Vec<&'static str>, Error> {
     let mut missing = Vec::new();
     for p in STATE_PRIVILEGES {
         let has: bool = client
@@ -520,7 +520,7 @@ pub async fn load(client: &Client, name: &str) -> Result<Option<StateRow>, Error
 
 /// What the lease holder of relay `name` last said of its running phase (see
 /// `crate::progress::summary`); `None` when nothing runs, or before the column exists.
-pub async fn load_progress(client: &Client, name: &str) -> Option<String> {
+pub(crate) async fn load_progress(client: &Client, name: &str) -> Option<String> {
     client
         .query_opt(
             "SELECT progress FROM outboxd_state WHERE name = $1",
@@ -538,7 +538,7 @@ pub async fn load_progress(client: &Client, name: &str) -> Option<String> {
 /// max(stored position, where the slot started); a slot created anew is, because it starts at
 /// the WAL's head, past every position stored before. `None` also when the row predates
 /// [`StateRow::slot_created_lsn`] (nothing to compare with yet).
-pub fn slot_replaced(
+pub(crate) fn slot_replaced(
     name: &str,
     slot: &str,
     stored: &Stored,
@@ -590,7 +590,7 @@ pub fn foreign_position(name: &str, stored: &Stored, flush: u64) -> Option<Strin
 /// Records where the slot this relay follows starts: always when this relay just created it
 /// (`created`), otherwise only when nothing was recorded yet (a slot made by `outboxd setup`,
 /// or a state row from before this was recorded).
-pub async fn record_slot_start(
+pub(crate) async fn record_slot_start(
     client: &Client,
     lease: &Lease,
     at: u64,
@@ -707,7 +707,11 @@ pub async fn mark_initialized(client: &Client, lease: &Lease) -> Result<(), Erro
 
 /// Records how far the first start's snapshot (or a replay) is durable: a crash goes on after
 /// this row instead of reading the table again from the start.
-pub async fn store_snapshot_key(client: &Client, lease: &Lease, key: &str) -> Result<(), Error> {
+pub(crate) async fn store_snapshot_key(
+    client: &Client,
+    lease: &Lease,
+    key: &str,
+) -> Result<(), Error> {
     let n = client
         .execute(
             "UPDATE outboxd_state SET snapshot_key = $3 WHERE name = $1 AND epoch = $2",
@@ -724,7 +728,7 @@ use super::lost;
 
 /// The renewal ([`renew`]): prepared once per session, as it is the one statement an idle relay
 /// sends every second.
-pub const RENEW: &str = "UPDATE outboxd_state
+pub(crate) const RENEW: &str = "UPDATE outboxd_state
                 SET lease_renewed_at = now(),
                     lease_expires_at = now() + make_interval(secs => $4),
                     position_lsn = CASE WHEN $3::text IS NOT NULL
@@ -777,7 +781,7 @@ pub use super::DurableCommit;
 /// replace it. A stored position is never lowered by a renewal, so one kept here (a foreign
 /// one past everything the fresh slot will reach) would be what the next start resumes from.
 /// The commit time and gap stay: a replay cut off before it is durable starts from them again.
-pub async fn set_replay(
+pub(crate) async fn set_replay(
     client: &Client,
     lease: &Lease,
     since: chrono::DateTime<chrono::Utc>,
@@ -799,7 +803,7 @@ pub async fn set_replay(
 /// Starts an interrupted first start over after its position was lost (recovery): its
 /// snapshot's progress, stored position and slot start are forgotten, so the next slot and
 /// snapshot begin afresh.
-pub async fn restart_first_start(client: &Client, lease: &Lease) -> Result<(), Error> {
+pub(crate) async fn restart_first_start(client: &Client, lease: &Lease) -> Result<(), Error> {
     let n = client
         .execute(
             "UPDATE outboxd_state SET snapshot_key = NULL, position_lsn = NULL, position = NULL, slot_created_lsn = NULL,

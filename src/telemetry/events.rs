@@ -20,13 +20,13 @@ pub enum SourceKind {
 
 /// Something that happened inside the relay: `emit` logs it (when it is worth a line) and
 /// counts or sets what the metrics endpoint shows of it.
-pub trait InternalEvent {
+pub(crate) trait InternalEvent {
     fn emit(self);
 }
 
 /// A pipeline (source, relay, sink) runs: from now on `/readyz` reports its parts instead of
 /// "starting".
-pub struct PipelineStarted;
+pub(crate) struct PipelineStarted;
 
 impl InternalEvent for PipelineStarted {
     fn emit(self) {
@@ -35,7 +35,7 @@ impl InternalEvent for PipelineStarted {
 }
 
 /// The source decoded an outbox row and hands it to the relay.
-pub struct EventRead;
+pub(crate) struct EventRead;
 
 impl InternalEvent for EventRead {
     fn emit(self) {
@@ -44,7 +44,7 @@ impl InternalEvent for EventRead {
 }
 
 /// The Postgres replication stream is open from `from`.
-pub struct PgStreaming<'a> {
+pub(crate) struct PgStreaming<'a> {
     pub slot: &'a str,
     pub from: &'a str,
 }
@@ -57,7 +57,7 @@ impl InternalEvent for PgStreaming<'_> {
 }
 
 /// The binlog dump stream is open at `file:pos` (and `gtid`), resumed `by` GTID or position.
-pub struct BinlogStreaming<'a> {
+pub(crate) struct BinlogStreaming<'a> {
     pub file: &'a str,
     pub pos: u64,
     pub gtid: &'a str,
@@ -78,7 +78,7 @@ impl InternalEvent for BinlogStreaming<'_> {
 
 /// A source without a stream (poll mode, binlog files) runs: it counts as streaming while it
 /// can read.
-pub struct SourceRunning;
+pub(crate) struct SourceRunning;
 
 impl InternalEvent for SourceRunning {
     fn emit(self) {
@@ -89,7 +89,7 @@ impl InternalEvent for SourceRunning {
 /// The source's stream is gone and the source connects again: `message` says why and from
 /// where it resumes; `error` is the cause when there is one, `timeout` the read timeout that
 /// expired, `retry_in` the pause before the next attempt.
-pub struct SourceReconnecting<'a> {
+pub(crate) struct SourceReconnecting<'a> {
     pub source: SourceKind,
     pub message: &'static str,
     pub error: Option<&'a dyn Display>,
@@ -124,7 +124,7 @@ impl InternalEvent for SourceReconnecting<'_> {
 }
 
 /// The log bytes between the server's position and the acknowledged one.
-pub struct SourceLag {
+pub(crate) struct SourceLag {
     pub bytes: u64,
 }
 
@@ -137,7 +137,7 @@ impl InternalEvent for SourceLag {
 }
 
 /// The WAL the replication slot keeps on the server.
-pub struct SlotRetainedWal {
+pub(crate) struct SlotRetainedWal {
     pub bytes: i64,
 }
 
@@ -150,7 +150,7 @@ impl InternalEvent for SlotRetainedWal {
 /// What holds a MySQL/MariaDB relay's stored position back, checked every second: the oldest
 /// prepared XA transaction with outbox rows (`xid` `None`: none, the gauge goes to 0), how
 /// long ago it was prepared and where the position stays for it. `warn` when its line is due.
-pub struct XaPreparePinning<'a> {
+pub(crate) struct XaPreparePinning<'a> {
     pub xid: Option<&'a dyn Display>,
     pub age: Duration,
     pub held_at: &'a dyn Display,
@@ -186,7 +186,7 @@ impl InternalEvent for XaPreparePinning<'_> {
 /// `--xa-prepare-expired release`: the relay stopped holding its position back for a prepared
 /// XA transaction older than `--xa-prepare-limit`. Its rows are published only if its XA
 /// COMMIT comes before this process ends; after a restart, never.
-pub struct XaPrepareReleased<'a> {
+pub(crate) struct XaPrepareReleased<'a> {
     pub xid: &'a dyn Display,
     pub age: Duration,
     pub rows: usize,
@@ -209,7 +209,7 @@ impl InternalEvent for XaPrepareReleased<'_> {
 }
 
 /// The relay hands `event` to the sink for the first time.
-pub struct EventPublishing<'a> {
+pub(crate) struct EventPublishing<'a> {
     pub event: &'a OutboxEvent,
 }
 
@@ -229,7 +229,7 @@ impl InternalEvent for EventPublishing<'_> {
 }
 
 /// The sink made `event` durable, `sent_ago` after it was (last) handed over.
-pub struct EventConfirmed<'a> {
+pub(crate) struct EventConfirmed<'a> {
     pub event: &'a OutboxEvent,
     pub sent_ago: Duration,
 }
@@ -255,7 +255,7 @@ impl InternalEvent for EventConfirmed<'_> {
 }
 
 /// An unconfirmed event was published again after a sink failure.
-pub struct EventRepublished;
+pub(crate) struct EventRepublished;
 
 impl InternalEvent for EventRepublished {
     fn emit(self) {
@@ -265,7 +265,7 @@ impl InternalEvent for EventRepublished {
 
 /// The sink reported a published event as already stored and did not store it again (NATS
 /// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
-pub struct EventDeduplicated;
+pub(crate) struct EventDeduplicated;
 
 impl InternalEvent for EventDeduplicated {
     fn emit(self) {
@@ -277,7 +277,7 @@ impl InternalEvent for EventDeduplicated {
 /// The stream acknowledged an event's first publish as a duplicate of a message that is not
 /// this event (another source position, or a copy that could not be read): two events share
 /// `id` (a producer reusing ids), and this one was not stored. Unlike a republish, suspicious.
-pub struct DuplicateOfAnotherEvent<'a> {
+pub(crate) struct DuplicateOfAnotherEvent<'a> {
     pub id: &'a uuid::Uuid,
     pub position: &'a str,
     pub held_position: Option<&'a str>,
@@ -300,7 +300,7 @@ impl InternalEvent for DuplicateOfAnotherEvent<'_> {
 
 /// A row's `headers` object set `name`, which the relay reserves: dropped. Logged once per
 /// name and process (`first_time`; a producer bug repeats on every row), counted every time.
-pub struct RowHeaderDropped<'a> {
+pub(crate) struct RowHeaderDropped<'a> {
     pub name: &'a str,
     pub event_id: &'a uuid::Uuid,
     pub first_time: bool,
@@ -316,7 +316,7 @@ impl InternalEvent for RowHeaderDropped<'_> {
 }
 
 /// The sink connected (the first time, or again after a failure).
-pub struct SinkConnected;
+pub(crate) struct SinkConnected;
 
 impl InternalEvent for SinkConnected {
     fn emit(self) {
@@ -325,7 +325,7 @@ impl InternalEvent for SinkConnected {
 }
 
 /// The sink recovered: connected again and `republished` events sent again.
-pub struct SinkRecovered<'a> {
+pub(crate) struct SinkRecovered<'a> {
     pub sink: &'a str,
     pub republished: usize,
 }
@@ -345,7 +345,7 @@ impl InternalEvent for SinkRecovered<'_> {
 /// The sink failed to confirm the oldest unconfirmed event (`event`: its id and position; none
 /// when nothing was in flight) for `reason`, for the `attempt`-th time in a row; the relay
 /// reconnects and republishes it after `retry_in`.
-pub struct SinkRetry<'a> {
+pub(crate) struct SinkRetry<'a> {
     pub cause: &'static str,
     pub event: Option<(&'a uuid::Uuid, &'a SourcePosition)>,
     pub reason: &'a dyn Display,
@@ -393,7 +393,7 @@ impl InternalEvent for SinkRetry<'_> {
 /// while `behind` later events were already handed to it. Those cannot be recalled, so their
 /// first delivery may come before the refused event's: the per-aggregate order guarantee does
 /// not hold for them. Logged as an error with the fix, and counted.
-pub struct OrderAtRisk<'a> {
+pub(crate) struct OrderAtRisk<'a> {
     pub event: Option<(&'a uuid::Uuid, &'a SourcePosition)>,
     pub behind: usize,
 }
@@ -411,7 +411,7 @@ impl InternalEvent for OrderAtRisk<'_> {
 }
 
 /// The broker blocked the connection (a resource alarm) for `reason`.
-pub struct SinkBlocked<'a> {
+pub(crate) struct SinkBlocked<'a> {
     pub reason: &'a dyn Display,
 }
 
@@ -423,7 +423,7 @@ impl InternalEvent for SinkBlocked<'_> {
 }
 
 /// The broker unblocked the connection.
-pub struct SinkUnblocked;
+pub(crate) struct SinkUnblocked;
 
 impl InternalEvent for SinkUnblocked {
     fn emit(self) {
@@ -433,7 +433,7 @@ impl InternalEvent for SinkUnblocked {
 }
 
 /// The broker connection or a channel failed with `error`: neither blocked nor connected.
-pub struct SinkConnectionFailed<'a> {
+pub(crate) struct SinkConnectionFailed<'a> {
     pub error: &'a dyn Display,
 }
 
@@ -448,7 +448,7 @@ impl InternalEvent for SinkConnectionFailed<'_> {
 
 /// The relay stopped publishing: the lease was last renewed `age` ago (never: `None`), not
 /// less than `limit`.
-pub struct FenceClosed {
+pub(crate) struct FenceClosed {
     pub age: Option<Duration>,
     pub limit: Duration,
 }
@@ -475,7 +475,7 @@ impl InternalEvent for FenceClosed {
 }
 
 /// Publishing resumes after the fence was closed for `closed`.
-pub struct FenceOpened {
+pub(crate) struct FenceOpened {
     pub closed: Duration,
 }
 
@@ -487,7 +487,7 @@ impl InternalEvent for FenceOpened {
 }
 
 /// The lease was renewed; `stored` when the renewal also stored a newer position.
-pub struct LeaseRenewed {
+pub(crate) struct LeaseRenewed {
     pub stored: bool,
 }
 
@@ -503,7 +503,7 @@ impl InternalEvent for LeaseRenewed {
 
 /// This process no longer holds the lease (released, lost, or given up before it could
 /// expire); the reason is the error or log line of whoever ends the run.
-pub struct LeaseEnded;
+pub(crate) struct LeaseEnded;
 
 impl InternalEvent for LeaseEnded {
     fn emit(self) {
@@ -512,7 +512,7 @@ impl InternalEvent for LeaseEnded {
 }
 
 /// A position older than the stored one was about to be stored, and was refused.
-pub struct PositionBackwardsRefused<'a> {
+pub(crate) struct PositionBackwardsRefused<'a> {
     pub stored: &'a dyn Display,
     pub attempted: &'a dyn Display,
 }
@@ -526,7 +526,7 @@ impl InternalEvent for PositionBackwardsRefused<'_> {
 
 /// A connection to the metrics endpoint was closed unserved, over its connection limit: the
 /// oldest one that had sent no request yet, or the new one when every connection was answering.
-pub struct HttpConnectionRefused;
+pub(crate) struct HttpConnectionRefused;
 
 impl InternalEvent for HttpConnectionRefused {
     fn emit(self) {

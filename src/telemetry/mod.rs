@@ -6,7 +6,17 @@
 //! log subscriber every binary installs, with the one filter no `--log-level` can lift
 //! ([`init_logging`], in `logging`).
 
-pub mod events;
+// Some events are the broker sinks': with fewer sinks compiled, they are unused.
+#[cfg_attr(
+    not(all(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "rabbitmq-stream"
+    )),
+    allow(dead_code)
+)]
+pub(crate) mod events;
 mod http;
 pub mod live;
 mod logging;
@@ -32,45 +42,45 @@ pub struct Cause {
 /// Every instrument the relay keeps.
 pub struct Telemetry {
     registry: Registry,
-    pub events_read: Counter,
-    pub events_published: Counter,
-    pub events_confirmed: Counter,
-    pub events_dead_lettered: Counter,
-    pub events_republished: Counter,
+    pub(crate) events_read: Counter,
+    pub(crate) events_published: Counter,
+    pub(crate) events_confirmed: Counter,
+    pub(crate) events_dead_lettered: Counter,
+    pub(crate) events_republished: Counter,
     /// Published events the sink reported as already stored, so not stored again (NATS
     /// JetStream: the same `Nats-Msg-Id` within the stream's duplicate window).
-    pub events_deduplicated: Counter,
+    pub(crate) events_deduplicated: Counter,
     /// First publishes acknowledged as duplicates of another event (the same id at another
     /// source position): that event was not stored.
-    pub events_suspicious_duplicates: Counter,
+    pub(crate) events_suspicious_duplicates: Counter,
     /// Attempts to store a position older than the stored one (a relay bug; refused).
-    pub position_backwards_refused: Counter,
+    pub(crate) position_backwards_refused: Counter,
     /// Reserved header names a row's `headers` object tried to set (dropped).
-    pub row_headers_dropped: Counter,
+    pub(crate) row_headers_dropped: Counter,
     /// Connections to the metrics endpoint closed unserved (over its connection limit).
-    pub http_connections_refused: Counter,
+    pub(crate) http_connections_refused: Counter,
     pub reconnects: Family<Cause, Counter>,
     /// Failed attempts to get the oldest unconfirmed event confirmed, by cause (see
     /// [`events::SinkRetry`]).
-    pub sink_retries: Family<Cause, Counter>,
+    pub(crate) sink_retries: Family<Cause, Counter>,
     /// Events already handed to the sink behind one it refused in place (see
     /// [`events::OrderAtRisk`]).
-    pub order_at_risk: Counter,
-    pub publish_confirm_seconds: Histogram,
-    pub commit_confirm_seconds: Histogram,
-    pub source_lag_bytes: Gauge,
-    pub source_lag_seconds: Gauge<f64, AtomicU64>,
-    pub slot_retained_wal_bytes: Gauge,
+    pub(crate) order_at_risk: Counter,
+    pub(crate) publish_confirm_seconds: Histogram,
+    pub(crate) commit_confirm_seconds: Histogram,
+    pub(crate) source_lag_bytes: Gauge,
+    pub(crate) source_lag_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) slot_retained_wal_bytes: Gauge,
     /// Age of the oldest prepared XA transaction holding the stored position back (0: none).
-    pub xa_prepared_oldest_age_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) xa_prepared_oldest_age_seconds: Gauge<f64, AtomicU64>,
     /// Prepared XA transactions given up under `--xa-prepare-expired release`.
-    pub xa_prepares_released: Counter,
+    pub(crate) xa_prepares_released: Counter,
     pub leader: Gauge,
-    pub source_streaming: Gauge,
-    pub sink_connected: Gauge,
-    pub sink_blocked: Gauge,
+    pub(crate) source_streaming: Gauge,
+    pub(crate) sink_connected: Gauge,
+    pub(crate) sink_blocked: Gauge,
     /// 1 while publishing waits for a lease renewal (the self-fence is closed).
-    pub publishing_fenced: Gauge,
+    pub(crate) publishing_fenced: Gauge,
     /// Unix time (s) of the last stored position; the age is computed at scrape time.
     position_stored_at: AtomicI64,
     position_age_seconds: Gauge<f64, AtomicU64>,
@@ -311,7 +321,7 @@ impl Telemetry {
     }
 
     /// `None` when ready, else why not.
-    pub fn not_ready(&self) -> Option<&'static str> {
+    pub(crate) fn not_ready(&self) -> Option<&'static str> {
         if !self.started.load(Ordering::Relaxed) {
             return Some("starting");
         }

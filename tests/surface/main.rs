@@ -1,6 +1,6 @@
 //! The user-facing surface that needs little or no service: the docs against `--help`,
-//! packaging, the fuzz corpus replay, the config file, the quickstart, docker-compose, and no
-//! secret in any command's output.
+//! packaging, the library's public surface, the fuzz corpus replay, the config file, the
+//! quickstart, docker-compose, and no secret in any command's output.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,6 +11,7 @@ mod docs;
 mod fuzz_corpus;
 mod layout;
 mod packaging;
+mod public;
 mod quickstart;
 mod secrets;
 mod tour;

@@ -72,7 +72,7 @@ fn metadata(cfg: &KafkaConfig) -> Result<(Metadata, (bool, Option<String>)), Str
 }
 
 /// `outboxd check` for a Kafka sink (`cfg` validated).
-pub async fn check(cfg: &KafkaConfig) -> Vec<CheckLine> {
+pub(crate) async fn check(cfg: &KafkaConfig) -> Vec<CheckLine> {
     let c = cfg.clone();
     let (meta, features) = match tokio::task::spawn_blocking(move || metadata(&c)).await {
         Ok(Ok(m)) => m,

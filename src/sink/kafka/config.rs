@@ -12,17 +12,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default `--kafka-dead-topic`.
-pub const DEFAULT_DEAD_TOPIC: &str = "outbox.dead";
+pub(crate) const DEFAULT_DEAD_TOPIC: &str = "outbox.dead";
 /// Default `--kafka-max-message-bytes`: Kafka's default `message.max.bytes` (1,048,588) less
 /// room for the record batch around one record.
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
+pub(crate) const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 /// Default `--kafka-linger` (librdkafka's `linger.ms`): how long the producer waits for more
 /// records to fill a batch.
-pub const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+pub(crate) const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 /// Default `--kafka-scan-limit`.
-pub const DEFAULT_SCAN_LIMIT: i64 = 100_000;
+pub(crate) const DEFAULT_SCAN_LIMIT: i64 = 100_000;
 /// Kafka's limit on a topic name.
-pub const MAX_TOPIC_BYTES: usize = 249;
+pub(crate) const MAX_TOPIC_BYTES: usize = 249;
 
 /// The Kafka settings of `run` (the URL is the sink; `--declare`, `--format`, `--header`, the
 /// topic template (`--routing-key`) and the TLS files are shared with the other sinks).
@@ -100,7 +100,7 @@ impl std::fmt::Debug for KafkaConfig {
 
 /// The brokers and credentials of `--sink`.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     /// `host:port,host:port`, as librdkafka's `bootstrap.servers`.
     pub brokers: String,
     pub tls: bool,
@@ -130,7 +130,7 @@ const URL_FIX: &str = "use kafka://host:9092[,host:9092…] (kafkas:// for TLS; 
 
 /// Splits `kafka://[user[:password]@]host:port[,host:port…][?sasl=MECHANISM]` (`kafkas://`
 /// for TLS). Several brokers are not a URL `url` can parse, so the parts are split by hand.
-pub fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
+pub(crate) fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
     let shown = redact(url);
     let s = url.trim();
     let (tls, rest) = if let Some(r) = s.strip_prefix("kafka://") {
@@ -216,7 +216,7 @@ pub fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
 }
 
 /// Whether `name` can be a Kafka topic: 1 to 249 of `[A-Za-z0-9._-]`, not `.` or `..`.
-pub fn valid_topic(name: &str) -> Result<(), String> {
+pub(crate) fn valid_topic(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > MAX_TOPIC_BYTES {
         return Err(format!(
             "topic {name:?} is {} bytes: a Kafka topic has 1 to {MAX_TOPIC_BYTES}",

@@ -11,7 +11,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::types::RDKafkaErrorCode;
 
-pub type Admin = AdminClient<super::logs::Quiet>;
+pub(crate) type Admin = AdminClient<super::logs::Quiet>;
 
 /// The fix for a missing topic: the command that creates it as `auto` would (with
 /// `--kafka-partitions` and `--kafka-replication`).
@@ -24,7 +24,7 @@ pub(super) fn create_fix(cfg: &KafkaConfig, name: &str) -> String {
 
 /// The number of partitions of `topic` (0: it does not exist, or the broker reports an error
 /// for it). Blocking (a metadata request): run it on a blocking thread.
-pub fn partition_count(cfg: &KafkaConfig, topic: &str) -> Result<usize, SinkError> {
+pub(crate) fn partition_count(cfg: &KafkaConfig, topic: &str) -> Result<usize, SinkError> {
     let c: BaseConsumer<super::logs::Quiet> = cfg
         .client()?
         .set("allow.auto.create.topics", "false")
@@ -41,7 +41,7 @@ pub fn partition_count(cfg: &KafkaConfig, topic: &str) -> Result<usize, SinkErro
 }
 
 /// Whether `topic` exists. Blocking.
-pub fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
+pub(crate) fn exists(cfg: &KafkaConfig, topic: &str) -> Result<bool, SinkError> {
     Ok(partition_count(cfg, topic)? > 0)
 }
 
@@ -79,7 +79,7 @@ async fn create(admin: &Admin, cfg: &KafkaConfig, name: &str) -> Result<(), Sink
 }
 
 /// Makes sure `topic` exists as `--declare` asks.
-pub async fn ensure(admin: &Admin, cfg: &KafkaConfig, topic: &str) -> Result<(), SinkError> {
+pub(crate) async fn ensure(admin: &Admin, cfg: &KafkaConfig, topic: &str) -> Result<(), SinkError> {
     match cfg.declare {
         DeclareMode::Off => Ok(()),
         DeclareMode::Passive => {

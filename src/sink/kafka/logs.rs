@@ -14,7 +14,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How long repeats of a line are held back after it was logged.
-pub const REPEAT_WINDOW: Duration = Duration::from_secs(60);
+pub(crate) const REPEAT_WINDOW: Duration = Duration::from_secs(60);
 /// Most distinct lines remembered (then the memory starts again: a line with ever new words
 /// cannot grow it without bound).
 const MAX_KEYS: usize = 1024;
@@ -50,7 +50,7 @@ fn key(text: &str) -> String {
 
 /// Whether to log `text` now: `Some(held back since it was last logged)`, or `None` to hold
 /// it back.
-pub fn admit(text: &str, now: Instant) -> Option<u64> {
+pub(crate) fn admit(text: &str, now: Instant) -> Option<u64> {
     let Ok(mut map) = seen().lock() else {
         return Some(0);
     };
@@ -118,12 +118,12 @@ fn emit(level: RDKafkaLogLevel, text: &str) {
 }
 
 /// librdkafka's log line `message` of facility `fac`.
-pub fn log(level: RDKafkaLogLevel, fac: &str, message: &str) {
+pub(crate) fn log(level: RDKafkaLogLevel, fac: &str, message: &str) {
     emit(level, &format!("librdkafka: {fac} {message}"));
 }
 
 /// A global error of a client (all brokers down, a transport failure).
-pub fn error(error: &KafkaError, reason: &str) {
+pub(crate) fn error(error: &KafkaError, reason: &str) {
     emit(
         RDKafkaLogLevel::Error,
         &format!("librdkafka: {error}: {reason}"),
@@ -133,7 +133,7 @@ pub fn error(error: &KafkaError, reason: &str) {
 /// The context of every client the sink creates: librdkafka's lines through [`log`] and
 /// [`error`].
 #[derive(Clone, Copy, Default)]
-pub struct Quiet;
+pub(crate) struct Quiet;
 
 impl ClientContext for Quiet {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {

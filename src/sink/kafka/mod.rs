@@ -12,15 +12,15 @@
 //! settings), `record` (one event as a record), `declare` (topics), `check` (`outboxd check`), `logs` (librdkafka's lines, without a storm),
 //! `tail` (the partitioner and what is already written).
 
-pub mod check;
-pub mod config;
-pub mod declare;
+pub(crate) mod check;
+pub(crate) mod config;
+pub(crate) mod declare;
 #[cfg(feature = "cli")]
 mod flags;
-pub mod logs;
-pub mod record;
-pub mod registry;
-pub mod tail;
+pub(crate) mod logs;
+pub(crate) mod record;
+pub(crate) mod registry;
+pub(crate) mod tail;
 
 pub use config::{KafkaConfig, KafkaOptions};
 #[cfg(feature = "cli")]

@@ -18,7 +18,7 @@ const HEADER_OVERHEAD: usize = 10;
 
 /// A record ready to go out.
 #[derive(Debug, Clone)]
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     pub topic: String,
     pub key: String,
     pub value: Bytes,
@@ -37,7 +37,7 @@ pub struct Outgoing {
 
 impl Outgoing {
     /// What the record weighs against `--kafka-max-message-bytes`.
-    pub fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         self.key.len()
             + self.value.len()
             + self
@@ -65,7 +65,7 @@ fn kafka_header_name(name: &str) -> String {
 }
 
 /// The topic of an event, or why it has none.
-pub fn topic(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<String, String> {
+pub(crate) fn topic(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<String, String> {
     let t = cfg.message.routing_key(event)?;
     valid_topic(&t)?;
     if t == cfg.options.dead_topic {
@@ -104,7 +104,7 @@ fn named_partition(cfg: &KafkaConfig, event: &OutboxEvent) -> Result<Option<i32>
 /// The partition of `out` in a topic of `partitions`: the one its row names, or Kafka's default
 /// partitioner over the key. A named partition the topic does not have is the reason the event
 /// cannot be a record.
-pub fn partition(out: &Outgoing, partitions: i32) -> Result<i32, String> {
+pub(crate) fn partition(out: &Outgoing, partitions: i32) -> Result<i32, String> {
     match out.partition {
         None => Ok(crate::sink::partition::partition_of(&out.key, partitions as u32) as i32),
         Some(p) if p < partitions => Ok(p),
@@ -174,7 +174,7 @@ fn normal(cfg: &KafkaConfig, event: &OutboxEvent, origin: &Origin) -> Result<Out
 
 /// The event as it goes out: the record, or its dead record. `refused` is the broker's reason
 /// when it already refused this event's record as too large.
-pub fn render(
+pub(crate) fn render(
     cfg: &KafkaConfig,
     event: &OutboxEvent,
     refused: Option<&str>,

@@ -39,7 +39,7 @@ pub const DESCRIPTOR: Descriptor = Descriptor {
 pub type Options = KafkaOptions;
 
 /// The Kafka sink's settings.
-pub fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> KafkaConfig {
+pub(crate) fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> KafkaConfig {
     KafkaConfig {
         url: url.to_string(),
         name: ctx.name.to_string(),

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 const FIRST_STEP: i64 = 256;
 
 /// The number of partitions of `topic`. Blocking.
-pub fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
+pub(crate) fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
     let n = super::declare::partition_count(cfg, topic)? as i32;
     if n == 0 {
         return Err(SinkError::Rejected(format!(
@@ -40,7 +40,7 @@ pub fn partitions(cfg: &KafkaConfig, topic: &str) -> Result<i32, SinkError> {
 
 /// This relay's records in the tail of a partition: their identities, and the newest of them.
 #[derive(Debug, Default)]
-pub struct Written {
+pub(crate) struct Written {
     pub keys: HashSet<EventKey>,
     /// The relay's last record in the partition, with its offset.
     pub newest: Option<(i64, ReadBack)>,
@@ -58,7 +58,7 @@ impl Written {
 /// This relay's records in the tail of `topic`/`partition`, read back from the end to the
 /// first of its records older than `before` (or the partition's start, or `limit` records).
 /// Blocking.
-pub fn written(
+pub(crate) fn written(
     cfg: &KafkaConfig,
     topic: &str,
     partition: i32,

@@ -9,13 +9,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default `--subject`.
-pub const DEFAULT_SUBJECT: &str = "outbox.{topic}";
+pub(crate) const DEFAULT_SUBJECT: &str = "outbox.{topic}";
 /// The duplicate window a declared stream gets, and the least `check` accepts: a relay that
 /// restarts within it republishes nothing the stream keeps twice.
-pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+pub(crate) const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// A rendered subject longer than this is a poison event (NATS has no hard limit; a bound
 /// keeps a runaway column value out of every consumer's subject filter).
-pub const MAX_SUBJECT_BYTES: usize = 1024;
+pub(crate) const MAX_SUBJECT_BYTES: usize = 1024;
 
 /// Everything the sink needs, validated by [`NatsConfig::new`].
 #[derive(Clone)]
@@ -61,7 +61,7 @@ impl std::fmt::Debug for NatsConfig {
 
 /// The server address split from its credentials.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     /// `nats://host:port` or `tls://host:port`, without credentials.
     pub address: String,
     pub tls: bool,
@@ -91,7 +91,7 @@ fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> crate::Erro
 }
 
 /// Splits `nats://[user[:password]@]host[:port][?creds=PATH]` (or `tls://`).
-pub fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
+pub(crate) fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
     let shown = redact(url);
     let u = url::Url::parse(url.trim()).map_err(|e| {
         config_err(
@@ -149,7 +149,7 @@ pub fn endpoint(url: &str) -> Result<Endpoint, crate::Error> {
 }
 
 /// Checks a stream name: JetStream refuses spaces, `.`, `*`, `>` and path separators.
-pub fn validate_stream(name: &str) -> Result<(), crate::Error> {
+pub(crate) fn validate_stream(name: &str) -> Result<(), crate::Error> {
     let ok = !name.is_empty()
         && name.len() <= 255
         && name
@@ -167,7 +167,7 @@ pub fn validate_stream(name: &str) -> Result<(), crate::Error> {
 /// The literal tokens a subject template starts with (`outbox` of `outbox.{topic}`): the
 /// stream captures `<prefix>.>`, the dead subject is `<prefix>.dead` and partitions insert
 /// `p<k>` after it. A template without one would make the stream capture every subject.
-pub fn subject_prefix(subject: &Template) -> Result<String, crate::Error> {
+pub(crate) fn subject_prefix(subject: &Template) -> Result<String, crate::Error> {
     // Rendering with a marker no literal contains finds where the first placeholder starts.
     const MARK: char = '\u{0}';
     let rendered = subject
@@ -239,7 +239,7 @@ impl NatsConfig {
 
 /// Whether `subject` is one a message can be published to: dot-separated, non-empty tokens,
 /// no wildcards, no whitespace or control characters.
-pub fn publishable(subject: &str) -> Result<(), String> {
+pub(crate) fn publishable(subject: &str) -> Result<(), String> {
     if subject.len() > MAX_SUBJECT_BYTES {
         return Err(format!(
             "subject is {} bytes, more than the {MAX_SUBJECT_BYTES} allowed",

@@ -29,14 +29,17 @@ fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
 }
 
 /// Connects once, bounded by the operation timeout (for `outboxd check` and tools).
-pub async fn connect(cfg: &NatsConfig) -> Result<Client, SinkError> {
+pub(crate) async fn connect(cfg: &NatsConfig) -> Result<Client, SinkError> {
     connect_with_events(cfg, |_| async {}).await
 }
 
 /// Connects once, bounded by the operation timeout, with `on_event` told of every connection
 /// event. The client reconnects at most once on its own; the relay learns of the loss through
 /// `on_event` and replaces the client anyway.
-pub async fn connect_with_events<F, Fut>(cfg: &NatsConfig, on_event: F) -> Result<Client, SinkError>
+pub(crate) async fn connect_with_events<F, Fut>(
+    cfg: &NatsConfig,
+    on_event: F,
+) -> Result<Client, SinkError>
 where
     F: Fn(async_nats::Event) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + Sync + 'static,

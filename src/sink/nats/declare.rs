@@ -20,7 +20,7 @@ fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
 
 /// The subject filter the stream must cover: every subject the relay publishes to
 /// (events, partitions, dead records) starts with the template's prefix.
-pub fn stream_filter(cfg: &NatsConfig) -> Result<String, SinkError> {
+pub(crate) fn stream_filter(cfg: &NatsConfig) -> Result<String, SinkError> {
     let prefix = config::subject_prefix(&cfg.subject)
         .map_err(|e| config_err(e.to_string(), "fix --subject"))?;
     Ok(format!("{prefix}.>"))
@@ -28,7 +28,7 @@ pub fn stream_filter(cfg: &NatsConfig) -> Result<String, SinkError> {
 
 /// Whether subject filter `filter` matches every subject `pattern` matches (both may hold
 /// `*` and a final `>`).
-pub fn covers(filter: &str, pattern: &str) -> bool {
+pub(crate) fn covers(filter: &str, pattern: &str) -> bool {
     let f: Vec<&str> = filter.split('.').collect();
     let p: Vec<&str> = pattern.split('.').collect();
     for (i, ft) in f.iter().enumerate() {
@@ -47,7 +47,7 @@ pub fn covers(filter: &str, pattern: &str) -> bool {
 }
 
 /// The configuration a declared stream gets.
-pub fn desired(cfg: &NatsConfig) -> Result<stream::Config, SinkError> {
+pub(crate) fn desired(cfg: &NatsConfig) -> Result<stream::Config, SinkError> {
     Ok(stream::Config {
         name: cfg.stream.clone(),
         subjects: vec![stream_filter(cfg)?],
@@ -59,7 +59,7 @@ pub fn desired(cfg: &NatsConfig) -> Result<stream::Config, SinkError> {
 }
 
 /// The stream as it is, or `None` when it does not exist.
-pub async fn lookup(js: &Context, name: &str) -> Result<Option<stream::Info>, SinkError> {
+pub(crate) async fn lookup(js: &Context, name: &str) -> Result<Option<stream::Info>, SinkError> {
     match js.get_stream(name).await {
         Ok(s) => Ok(Some(s.cached_info().clone())),
         Err(e) => match e.kind() {
@@ -97,7 +97,7 @@ fn no_jetstream(text: &str) -> SinkError {
 }
 
 /// What is wrong with an existing stream for this relay (a failure), if anything, and the fix.
-pub fn mismatch(
+pub(crate) fn mismatch(
     cfg: &NatsConfig,
     info: &stream::Info,
 ) -> Result<Option<(String, String)>, SinkError> {
@@ -143,7 +143,7 @@ fn short(d: std::time::Duration) -> String {
 }
 
 /// Settings that weaken a guarantee without stopping the relay: warnings with fixes.
-pub fn weaknesses(cfg: &NatsConfig, info: &stream::Info) -> Vec<(String, String)> {
+pub(crate) fn weaknesses(cfg: &NatsConfig, info: &stream::Info) -> Vec<(String, String)> {
     let s = &cfg.stream;
     let mut out = Vec::new();
     if info.config.duplicate_window < DUPLICATE_WINDOW {
@@ -207,7 +207,10 @@ pub fn weaknesses(cfg: &NatsConfig, info: &stream::Info) -> Vec<(String, String)
 /// Makes sure the stream exists as `--declare` says, logs a warning for each weak setting, and
 /// returns the stream as it is (under `--declare off`, when it can be read), whose limits the
 /// sink applies to each message.
-pub async fn ensure(js: &Context, cfg: &NatsConfig) -> Result<Option<stream::Info>, SinkError> {
+pub(crate) async fn ensure(
+    js: &Context,
+    cfg: &NatsConfig,
+) -> Result<Option<stream::Info>, SinkError> {
     if cfg.declare == DeclareMode::Off {
         // Neither created nor checked; its limits still make an event it can never take a
         // dead record rather than a refusal retried forever.
@@ -267,7 +270,7 @@ fn line(level: Level, check: &str, detail: impl Into<String>, fix: Option<String
 }
 
 /// One line describing the stream's settings.
-pub fn describe(info: &stream::Info) -> String {
+pub(crate) fn describe(info: &stream::Info) -> String {
     let c = &info.config;
     let limit = |v: i64| {
         if v <= 0 {
@@ -297,7 +300,7 @@ pub fn describe(info: &stream::Info) -> String {
 }
 
 /// `outboxd check` for a NATS sink: the connection, JetStream, and the stream's settings.
-pub async fn check(cfg: &NatsConfig) -> Vec<CheckLine> {
+pub(crate) async fn check(cfg: &NatsConfig) -> Vec<CheckLine> {
     let mut out = Vec::new();
     let client = match super::connect::connect(cfg).await {
         Ok(c) => {

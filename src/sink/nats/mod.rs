@@ -13,13 +13,13 @@
 //! `connect` (the client), `declare` (the stream, and `outboxd check`), `publish` (one event
 //! as a message).
 
-pub mod config;
-pub mod connect;
-pub mod declare;
+pub(crate) mod config;
+pub(crate) mod connect;
+pub(crate) mod declare;
 #[cfg(feature = "cli")]
 mod flags;
-pub mod publish;
-pub mod registry;
+pub(crate) mod publish;
+pub(crate) mod registry;
 
 pub use config::NatsConfig;
 #[cfg(feature = "cli")]
@@ -86,11 +86,6 @@ impl NatsSink {
             fence: None,
             origin: Default::default(),
         })
-    }
-
-    /// `<prefix>.dead`, where poison records go.
-    pub fn dead_subject(&self) -> String {
-        format!("{}.dead", self.prefix)
     }
 
     async fn open(&self) -> Result<Link, SinkError> {

@@ -14,12 +14,12 @@ use async_nats::header::{HeaderMap, HeaderName};
 use bytes::Bytes;
 
 /// The header JetStream deduplicates by.
-pub const MSG_ID: &str = "Nats-Msg-Id";
+pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
 /// `NATS/1.0\r\n` and the blank line that end a header block.
 const HEADER_FRAMING: usize = 12;
 
 /// A message ready to go out.
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     pub subject: String,
     pub headers: HeaderMap,
     pub payload: Bytes,
@@ -28,7 +28,11 @@ pub struct Outgoing {
 }
 
 /// The subject the event goes to, or why it has none.
-pub fn subject(cfg: &NatsConfig, prefix: &str, event: &OutboxEvent) -> Result<String, String> {
+pub(crate) fn subject(
+    cfg: &NatsConfig,
+    prefix: &str,
+    event: &OutboxEvent,
+) -> Result<String, String> {
     let rendered = cfg.subject.render(|n| event_field(event, n))?;
     let subject = if cfg.partitions > 0 {
         let k = partition::partition_of(&event.aggregate_id, cfg.partitions);
@@ -111,7 +115,7 @@ fn event_headers(
 /// server's `max_payload` and the stream's `max_msg_size`, and which of the two it is. A
 /// message over it would be refused again at every attempt, so it is dead-lettered instead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SizeLimit {
+pub(crate) struct SizeLimit {
     /// 0: no limit known.
     pub bytes: usize,
     pub what: &'static str,
@@ -120,7 +124,7 @@ pub struct SizeLimit {
 impl SizeLimit {
     /// From the server's `max_payload` and the stream's `max_msg_size` (≤ 0: unlimited, or the
     /// stream could not be read).
-    pub fn of(max_payload: usize, stream_max_msg_size: Option<i32>) -> SizeLimit {
+    pub(crate) fn of(max_payload: usize, stream_max_msg_size: Option<i32>) -> SizeLimit {
         match stream_max_msg_size.and_then(|m| usize::try_from(m).ok()) {
             Some(m) if m > 0 && (max_payload == 0 || m < max_payload) => SizeLimit {
                 bytes: m,
@@ -141,7 +145,7 @@ impl std::fmt::Display for SizeLimit {
 }
 
 /// The event as it goes out: the message, or its dead record.
-pub fn render(
+pub(crate) fn render(
     cfg: &NatsConfig,
     prefix: &str,
     event: &OutboxEvent,

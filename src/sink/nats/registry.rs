@@ -50,7 +50,7 @@ impl Default for Options {
 }
 
 /// The NATS sink's settings.
-pub fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> NatsConfig {
+pub(crate) fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> NatsConfig {
     NatsConfig {
         url: url.to_string(),
         subject: o.sinks.nats.subject.clone(),

@@ -44,7 +44,7 @@ mod encode;
 #[cfg(feature = "cli")]
 mod flags;
 mod link;
-pub mod registry;
+pub(crate) mod registry;
 #[cfg(test)]
 mod tests;
 

@@ -40,7 +40,7 @@ pub struct Options {
 }
 
 /// The AMQP sink's settings; the RabbitMQ stream sink renders its messages with the same ones.
-pub fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> RabbitConfig {
+pub(crate) fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> RabbitConfig {
     RabbitConfig {
         url: url.to_string(),
         exchange: o.exchange.clone(),
@@ -154,7 +154,7 @@ async fn check_rabbitmq(dsn: &SinkDsn, o: &SinkOptions, ctx: &SinkContext<'_>) -
 }
 
 /// A sink error as a check line's detail and fix.
-pub fn split_fix(e: &SinkError) -> (String, Option<String>) {
+pub(crate) fn split_fix(e: &SinkError) -> (String, Option<String>) {
     match e {
         SinkError::Config { problem, fix } => (problem.clone(), Some(fix.clone())),
         other => (other.to_string(), None),

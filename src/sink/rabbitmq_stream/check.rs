@@ -15,11 +15,11 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The management API's port when `--stream-management-url` names none.
-pub const MANAGEMENT_PORT: u16 = 15672;
+pub(crate) const MANAGEMENT_PORT: u16 = 15672;
 
 /// One stream's retention as the broker holds it.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Retention {
+pub(crate) struct Retention {
     /// `x-max-length-bytes` / `x-max-age` from the stream's arguments.
     pub max_bytes: Option<u64>,
     pub max_age: Option<String>,
@@ -31,7 +31,7 @@ pub struct Retention {
 
 impl Retention {
     /// From the management API's queue object.
-    pub fn from_json(v: &serde_json::Value) -> Retention {
+    pub(crate) fn from_json(v: &serde_json::Value) -> Retention {
         let args = &v["arguments"];
         let policy = &v["effective_policy_definition"];
         let age = |v: &serde_json::Value| v.as_str().map(String::from);

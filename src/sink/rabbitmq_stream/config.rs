@@ -8,7 +8,7 @@ use crate::sink::rabbitmq::RabbitConfig;
 use crate::sink::DeclareMode;
 use std::time::Duration;
 
-pub use crate::stream::{StreamEndpoint, DEFAULT_PORT, DEFAULT_TLS_PORT};
+pub(crate) use crate::stream::StreamEndpoint;
 
 /// Everything the sink needs, already validated by the command line.
 #[derive(Clone)]

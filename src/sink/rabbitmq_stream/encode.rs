@@ -8,7 +8,7 @@ use crate::sink::rabbitmq::Outgoing;
 use rabbitmq_stream_client::types::Message;
 
 /// The stream message of a rendered event, with its publishing id.
-pub fn to_message(out: &Outgoing, publishing_id: u64) -> Message {
+pub(super) fn to_message(out: &Outgoing, publishing_id: u64) -> Message {
     crate::stream::to_message(&out.props, &out.body, publishing_id)
 }
 

@@ -18,11 +18,11 @@
 use crate::identity::{EventKey, Held};
 use std::collections::HashSet;
 
-pub use crate::stream::PUBLISHING_ID_HEADER;
+pub(crate) use crate::stream::PUBLISHING_ID_HEADER;
 
 /// What to do with an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Assign {
+pub(crate) enum Assign {
     /// The stream already holds it: confirm it without sending.
     Held,
     /// Send it with this publishing id.
@@ -31,7 +31,7 @@ pub enum Assign {
 
 /// One stream's publishing ids and what the stream was found to hold.
 #[derive(Debug)]
-pub struct PublishingIds {
+pub(crate) struct PublishingIds {
     /// The last id given out (or, before the first, the broker's last stored id).
     last: u64,
     /// The identities of this relay's messages read back from the stream, and of those sent
@@ -41,7 +41,7 @@ pub struct PublishingIds {
 
 impl PublishingIds {
     /// `last`: the broker's last stored id for the producer (0: none).
-    pub fn new(last: u64) -> PublishingIds {
+    pub(crate) fn new(last: u64) -> PublishingIds {
         PublishingIds {
             last,
             // A producer that stored nothing has nothing to read back.
@@ -50,24 +50,24 @@ impl PublishingIds {
     }
 
     /// The last id given out so far.
-    pub fn last(&self) -> u64 {
+    pub(crate) fn last(&self) -> u64 {
         self.last
     }
 
     /// Whether the stream still has to be read back before the next decision: the producer
     /// stored something, and nothing was read since the connect.
-    pub fn needs_read_back(&self) -> bool {
+    pub(crate) fn needs_read_back(&self) -> bool {
         self.held.is_none()
     }
 
     /// What the read-back found.
-    pub fn set_held(&mut self, read_back: HashSet<EventKey>) {
+    pub(crate) fn set_held(&mut self, read_back: HashSet<EventKey>) {
         self.held = Some(Held::new(read_back));
     }
 
     /// The decision for the next event in the relay's order, by the key of the message it
     /// goes out as.
-    pub fn assign(&mut self, key: &EventKey) -> Assign {
+    pub(crate) fn assign(&mut self, key: &EventKey) -> Assign {
         let held = self.held.get_or_insert_with(Held::default);
         if held.contains(key) {
             return Assign::Held;

@@ -21,16 +21,17 @@
 //! connections, reads the producers' state again and so recomputes the ids of the events it
 //! republishes. Everything this sink imports from the stream client stays in this folder.
 
-pub mod check;
-pub mod config;
+pub(crate) mod check;
+pub(crate) mod config;
 mod encode;
 #[cfg(feature = "cli")]
 mod flags;
-pub mod ids;
+pub(crate) mod ids;
 mod read_back;
-pub mod registry;
+pub(crate) mod registry;
 
-pub use config::{StreamEndpoint, StreamSinkConfig};
+pub(crate) use config::StreamEndpoint;
+pub use config::StreamSinkConfig;
 #[cfg(feature = "cli")]
 pub use flags::RabbitStreamFlags as Flags;
 pub use registry::{Options, DESCRIPTOR};
@@ -49,9 +50,9 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// The broker's default `stream.frame_max`: one publish frame holds at most this.
-pub const FRAME_MAX: usize = 1024 * 1024;
+pub(crate) const FRAME_MAX: usize = 1024 * 1024;
 /// Encoded headers above this are a poison event.
-pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Room in a frame for the message's properties and the frame's own fields.
 const FRAME_RESERVE: usize = 4096;
 /// A publish frame's own bytes around one message: its size, key, version, publisher id and
@@ -97,7 +98,7 @@ fn config_err(problem: impl Into<String>, fix: impl Into<String>) -> SinkError {
 
 /// Checks a stream name: RabbitMQ's queue names are at most 255 bytes, and `--partitions`
 /// appends `-<k>`.
-pub fn validate_stream(name: &str, partitions: u32) -> Result<(), crate::Error> {
+pub(crate) fn validate_stream(name: &str, partitions: u32) -> Result<(), crate::Error> {
     let suffix = if partitions > 0 {
         format!("-{}", partitions - 1).len()
     } else {

@@ -31,7 +31,7 @@ use super::ids::PUBLISHING_ID_HEADER;
 
 /// Messages read back at most, whoever wrote them: past it, what is older is published again
 /// (a duplicate) rather than read for ever.
-pub const SCAN_LIMIT: u64 = 250_000;
+pub(super) const SCAN_LIMIT: u64 = 250_000;
 /// The first backward step, in offsets (then four times as many, and so on).
 const FIRST_STEP: u64 = 256;
 /// How long an empty stream may stay silent before it is taken for empty.
@@ -41,7 +41,7 @@ const QUIET: Duration = Duration::from_millis(100);
 
 /// What the read-back found of this relay's messages.
 #[derive(Debug, Default)]
-pub struct Found {
+pub(super) struct Found {
     pub keys: HashSet<EventKey>,
     /// The relay's newest message read (by publishing id).
     pub newest: Option<(u64, ReadBack)>,
@@ -96,7 +96,7 @@ impl Found {
 
 /// A publishing id as written now (`long`, or `int` for small ones) or by earlier versions
 /// (`ulong`).
-pub fn publishing_id(v: &SimpleValue) -> Option<u64> {
+pub(super) fn publishing_id(v: &SimpleValue) -> Option<u64> {
     match v {
         SimpleValue::Ulong(u) => Some(*u),
         SimpleValue::Long(i) => u64::try_from(*i).ok(),
@@ -107,7 +107,7 @@ pub fn publishing_id(v: &SimpleValue) -> Option<u64> {
 
 /// Reads back `relay`'s messages in `stream` (see the module's documentation); `last` is the
 /// producer's last stored publishing id. `timeout` bounds each subscription's read.
-pub async fn read_back(
+pub(super) async fn read_back(
     env: &Environment,
     stream: &str,
     relay: &str,

@@ -39,7 +39,7 @@ pub struct Options {
 }
 
 /// The stream sink's settings.
-pub fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> StreamSinkConfig {
+pub(crate) fn config(url: &str, o: &SinkOptions, ctx: &SinkContext<'_>) -> StreamSinkConfig {
     StreamSinkConfig {
         url: url.to_string(),
         stream: o.stream.clone(),

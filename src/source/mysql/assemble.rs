@@ -26,12 +26,12 @@ use std::time::{Duration, Instant};
 /// (and checkpoints in turn): at 200 ms two idle relays of one server kept each other storing
 /// five times a second. At this pace a store adds no write beyond the lease's renewal each
 /// second by much, and the position still follows a busy server within seconds.
-pub const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
 
 /// When only the relay's own state writes follow the last checkpoint for this long, one of
 /// them becomes a checkpoint anyway: on a quiet server the stored position would otherwise
 /// stay behind until its binlog file is purged. One write per interval is no loop.
-pub const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
+pub(crate) const OWN_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(300);
 
 /// How the open transaction's rows are handled.
 #[derive(Debug, PartialEq, Eq)]
@@ -66,7 +66,7 @@ struct Open {
 
 /// What the run loop does after a step.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Next {
+pub(crate) enum Next {
     /// Go on reading.
     Read,
     /// The end of a transaction too large to hold was found: open the stream again at its
@@ -75,7 +75,7 @@ pub enum Next {
 }
 
 /// See the module doc.
-pub struct Assembler {
+pub(crate) struct Assembler {
     dec: Decoder,
     resume: Resume,
     mariadb: bool,
@@ -93,7 +93,7 @@ pub struct Assembler {
 
 impl Assembler {
     /// An assembler reading `tables` from `start`, with `cfg`'s limits, at `now`.
-    pub fn new(
+    pub(crate) fn new(
         tables: Vec<OutboxTable>,
         start: Resume,
         cfg: &MySqlSourceConfig,
@@ -115,23 +115,23 @@ impl Assembler {
     }
 
     /// Where the next stream starts: the last transaction boundary read.
-    pub fn resume(&self) -> &Resume {
+    pub(crate) fn resume(&self) -> &Resume {
         &self.resume
     }
 
     /// The decoder, for the events of a compressed transaction (fed one at a time).
-    pub fn decoder(&mut self) -> &mut Decoder {
+    pub(crate) fn decoder(&mut self) -> &mut Decoder {
         &mut self.dec
     }
 
     /// Inside a transaction: a stop waits for its end.
-    pub fn in_txn(&self) -> bool {
+    pub(crate) fn in_txn(&self) -> bool {
         self.dec.in_txn()
     }
 
     /// A new stream at [`Assembler::resume`]: the decoder keeps only the prepared XA
     /// transactions it holds, the open transaction starts again.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         let r = &self.resume;
         self.dec.restart(
             &r.file,
@@ -163,14 +163,14 @@ impl Assembler {
     }
 
     /// When a checkpoint held back by the rate limit is due (none held: `None`).
-    pub fn flush_at(&self) -> Option<Instant> {
+    pub(crate) fn flush_at(&self) -> Option<Instant> {
         self.pending
             .as_ref()
             .map(|_| self.last_sent + IDLE_CHECKPOINT_INTERVAL)
     }
 
     /// The checkpoint held back, now that the stream paused.
-    pub fn flush(&mut self, now: Instant) -> Option<Output> {
+    pub(crate) fn flush(&mut self, now: Instant) -> Option<Output> {
         let cp = self.pending.take()?;
         Some(self.send(cp, now))
     }
@@ -178,7 +178,7 @@ impl Assembler {
     /// One look at the prepared XA transactions (every second): when prepares were given up,
     /// the position read so far goes out now, no longer held before them (on a quiet server
     /// no commit would send it). An error under `--xa-prepare-expired stop`.
-    pub fn xa_check(
+    pub(crate) fn xa_check(
         &mut self,
         limit: Duration,
         policy: XaExpired,
@@ -196,7 +196,7 @@ impl Assembler {
 
     /// The stream stops: the checkpoint still held back, and a warning for each prepared XA
     /// transaction that holds the position back.
-    pub fn finish(&mut self, now: Instant) -> Option<Output> {
+    pub(crate) fn finish(&mut self, now: Instant) -> Option<Output> {
         for p in self.dec.pins() {
             // The next start reads everything since this prepare again: said at the level
             // that gets read.
@@ -206,7 +206,12 @@ impl Assembler {
     }
 
     /// Takes one step of the decoder; what to hand on goes to `out`, in order.
-    pub fn step(&mut self, step: Step, now: Instant, out: &mut Vec<Output>) -> Result<Next, Error> {
+    pub(crate) fn step(
+        &mut self,
+        step: Step,
+        now: Instant,
+        out: &mut Vec<Output>,
+    ) -> Result<Next, Error> {
         match step {
             Step::Nothing => {}
             Step::Begin { file, pos } => self.begin(file, pos),

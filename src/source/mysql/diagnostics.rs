@@ -8,7 +8,7 @@ use super::{admin, connect_sql, snapshot};
 use crate::diagnostics::{CheckLine, Level};
 use crate::dsn::DbDsn;
 use crate::event::{binlog_file_seq, Checkpoint};
-use crate::outbox::my_ident;
+use crate::outbox::{my_ident, Column};
 use crate::Error;
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -79,10 +79,10 @@ async fn check_poll(
     if !check_table(conn, table, out).await? {
         return Ok(());
     }
-    let status = table.columns.get("status");
-    let created = table.columns.get("created_at");
+    let status = table.columns.get(Column::Status);
+    let created = table.columns.get(Column::CreatedAt);
     let infos = snapshot::table_columns(conn, table).await?;
-    let missing: Vec<&str> = [status, table.columns.get("published_at")]
+    let missing: Vec<&str> = [status, table.columns.get(Column::PublishedAt)]
         .into_iter()
         .filter(|c| !infos.iter().any(|i| i.name.eq_ignore_ascii_case(c)))
         .collect();
@@ -98,7 +98,7 @@ async fn check_poll(
     out.push(line(
         Level::Ok,
         "status column",
-        format!("{status} and {}", table.columns.get("published_at")),
+        format!("{status} and {}", table.columns.get(Column::PublishedAt)),
         None,
     ));
     // An index that starts with (status, created_at): the claim reads pending rows in order
@@ -143,7 +143,7 @@ async fn check_poll(
         conn.query_drop("START TRANSACTION").await?;
         conn.query_drop(format!(
             "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {} LIMIT 1 FOR UPDATE SKIP LOCKED",
-            my_ident(table.columns.get("id")),
+            my_ident(table.columns.get(Column::Id)),
             table.quoted(),
             my_ident(status),
             my_ident(created)
@@ -546,18 +546,18 @@ pub struct MyStatus {
     pub stored_position: Option<String>,
     pub stored_gtid: Option<String>,
     pub server_head: String,
-    pub server_gtid: Option<String>,
+    pub(crate) server_gtid: Option<String>,
     /// Binlog bytes between the stored position and the head (every file in between counted).
     pub lag_bytes: Option<u64>,
     /// Binlog files the stored position still needs.
-    pub retained_files: Option<usize>,
+    pub(crate) retained_files: Option<usize>,
     pub streaming: bool,
     pub lease_holder: Option<String>,
     pub lease_live: bool,
     pub epoch: Option<i64>,
     /// A prepared XA transaction the stored position is held before (it starts there), and
     /// when the server prepared it.
-    pub xa_prepare: Option<XaHold>,
+    pub(crate) xa_prepare: Option<XaHold>,
     /// What the lease holder's running snapshot or replay has got to, as it last stored it
     /// (`crate::progress::summary`).
     pub progress: Option<serde_json::Value>,
@@ -570,10 +570,10 @@ pub struct MyStatus {
 
 /// A prepared XA transaction that holds a relay's stored position back.
 #[derive(Debug, Clone, Serialize)]
-pub struct XaHold {
+pub(crate) struct XaHold {
     pub xid: String,
-    pub prepared_at: Option<String>,
-    pub age_seconds: Option<i64>,
+    pub(crate) prepared_at: Option<String>,
+    pub(crate) age_seconds: Option<i64>,
 }
 
 pub async fn status_mysql(dsn: &DbDsn, name: &str, replicas: &[DbDsn]) -> Result<MyStatus, Error> {

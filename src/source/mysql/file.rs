@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use tokio_util::sync::CancellationToken;
 
 /// The first four bytes of every binlog file.
-pub const MAGIC: [u8; 4] = [0xfe, b'b', b'i', b'n'];
+pub(crate) const MAGIC: [u8; 4] = [0xfe, b'b', b'i', b'n'];
 
 const HEADER_LEN: usize = BinlogEventHeader::LEN;
 const CHECKSUM_LEN: usize = 4;
@@ -286,7 +286,7 @@ fn at_offset_err(name: &str, at: usize, e: Error) -> Error {
 /// the binlog magic bytes (so `mysql-bin.index`, relay logs' info files and the like are left
 /// out), sorted by name — the servers number them with zero-padded suffixes, so that is log
 /// order — limited to `from..=to`.
-pub fn binlog_files(sel: &FileDsn) -> Result<Vec<PathBuf>, Error> {
+pub(crate) fn binlog_files(sel: &FileDsn) -> Result<Vec<PathBuf>, Error> {
     let io_err = |p: &Path, e: std::io::Error| {
         Error::config(
             format!("cannot read {}: {e}", p.display()),

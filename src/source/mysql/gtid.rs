@@ -37,21 +37,20 @@ impl Gtid {
 }
 
 /// GTID event flags (MariaDB `Gtid_log_event::flags2`).
-pub const FL_STANDALONE: u8 = 1;
-pub const FL_GROUP_COMMIT_ID: u8 = 2;
+pub(crate) const FL_STANDALONE: u8 = 1;
 
 /// A MariaDB GTID event (type 162): starts an event group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GtidEvent {
+pub(crate) struct GtidEvent {
     pub gtid: Gtid,
     /// The group is one statement without BEGIN/COMMIT (DDL): it ends after its next event.
-    pub standalone: bool,
+    pub(crate) standalone: bool,
 }
 
 /// Parses the body of a MariaDB GTID event (after the common header, without checksum):
 /// `seq_no` u64 LE, `domain_id` u32 LE, `flags2` u8, then optional fields we do not need.
 /// The server id comes from the event header.
-pub fn parse_gtid_event(data: &[u8], server_id: u32) -> Option<GtidEvent> {
+pub(crate) fn parse_gtid_event(data: &[u8], server_id: u32) -> Option<GtidEvent> {
     if data.len() < 13 {
         return None;
     }
@@ -70,7 +69,7 @@ pub fn parse_gtid_event(data: &[u8], server_id: u32) -> Option<GtidEvent> {
 
 /// Parses the body of a MariaDB GTID_LIST event (type 163): a count (low 28 bits) and that many
 /// `domain` u32, `server` u32, `seq` u64, all little endian.
-pub fn parse_gtid_list(data: &[u8]) -> Option<Vec<Gtid>> {
+pub(crate) fn parse_gtid_list(data: &[u8]) -> Option<Vec<Gtid>> {
     if data.len() < 4 {
         return None;
     }
@@ -120,7 +119,7 @@ impl GtidState {
 
     /// The state from a GTID_LIST event (a binlog file's starting state). The list may name
     /// several servers per domain; the highest sequence number is the domain's position.
-    pub fn from_list(list: &[Gtid]) -> GtidState {
+    pub(crate) fn from_list(list: &[Gtid]) -> GtidState {
         let mut state = GtidState::default();
         for g in list {
             match state.domains.get(&g.domain) {
@@ -138,7 +137,7 @@ impl GtidState {
     }
 
     /// The last GTID of every domain, by domain.
-    pub fn domains(&self) -> impl Iterator<Item = Gtid> + '_ {
+    pub(crate) fn domains(&self) -> impl Iterator<Item = Gtid> + '_ {
         self.domains.values().copied()
     }
 }
@@ -173,7 +172,7 @@ impl MysqlGtidSet {
     }
 
     /// Adds the interval `[start, end)` (merging with its neighbours).
-    pub fn add_interval(&mut self, uuid: [u8; 16], tag: &str, start: u64, end: u64) {
+    pub(crate) fn add_interval(&mut self, uuid: [u8; 16], tag: &str, start: u64, end: u64) {
         if start >= end {
             return;
         }
@@ -203,7 +202,7 @@ impl MysqlGtidSet {
     }
 
     /// Adds every transaction of `other`.
-    pub fn union(&mut self, other: &MysqlGtidSet) {
+    pub(crate) fn union(&mut self, other: &MysqlGtidSet) {
         for ((uuid, tag), v) in &other.sids {
             for &(s, e) in v {
                 self.add_interval(*uuid, tag, s, e);
@@ -221,7 +220,7 @@ impl MysqlGtidSet {
 
     /// The set as `COM_BINLOG_DUMP_GTID` sends it (tagged entries switch the request to the
     /// 8.4 tagged format).
-    pub fn to_sids(&self) -> Vec<mysql_common::packets::Sid<'static>> {
+    pub(crate) fn to_sids(&self) -> Vec<mysql_common::packets::Sid<'static>> {
         use mysql_common::packets::{GnoInterval, Sid, Tag};
         self.entries()
             .map(|(uuid, tag, intervals)| {
@@ -364,7 +363,7 @@ impl fmt::Display for MysqlGtidSet {
 }
 
 /// The GTID text of one MySQL transaction: `uuid:gno` or `uuid:tag:gno`.
-pub fn mysql_gtid_text(uuid: [u8; 16], tag: &str, gno: u64) -> String {
+pub(crate) fn mysql_gtid_text(uuid: [u8; 16], tag: &str, gno: u64) -> String {
     let u = uuid::Uuid::from_bytes(uuid);
     if tag.is_empty() {
         format!("{}:{gno}", u.as_hyphenated())

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 /// The identity of the server `conn` is connected to, or unknown when it would not say (logged:
 /// that costs duplicates a deduplicating sink would have recognised, never events).
-pub async fn identity_or_unknown(conn: &mut Conn, mariadb: bool) -> Option<SourceIdentity> {
+pub(crate) async fn identity_or_unknown(conn: &mut Conn, mariadb: bool) -> Option<SourceIdentity> {
     match source_identity(conn, mariadb).await {
         Ok(id) => Some(id),
         Err(e) => {
@@ -27,7 +27,10 @@ pub async fn identity_or_unknown(conn: &mut Conn, mariadb: bool) -> Option<Sourc
 }
 
 /// The identity of the server `conn` is connected to.
-pub async fn source_identity(conn: &mut Conn, mariadb: bool) -> Result<SourceIdentity, Error> {
+pub(crate) async fn source_identity(
+    conn: &mut Conn,
+    mariadb: bool,
+) -> Result<SourceIdentity, Error> {
     // No head without a binary log (poll mode needs none): the head check is then not made.
     let head = admin::head(conn)
         .await

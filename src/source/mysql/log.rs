@@ -114,7 +114,7 @@ pub fn outbox_table(
 
 /// The outbox tables of a binlog-file source (`--source file://…`): each `--table` names its
 /// database, since the files hold every database's tables.
-pub fn file_tables(
+pub(crate) fn file_tables(
     tables: &[TableName],
     columns: &ColumnMap,
     tz: SourceTz,

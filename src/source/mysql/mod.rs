@@ -21,19 +21,19 @@
 //! except the transaction that was open.
 
 pub mod admin;
-pub mod assemble;
+pub(crate) mod assemble;
 pub mod decode;
 pub mod diagnostics;
 pub mod file;
 pub mod gtid;
 pub mod hub;
-pub mod identity;
+pub(crate) mod identity;
 pub mod log;
-pub mod poll;
-pub mod replicas;
+pub(crate) mod poll;
+pub(crate) mod replicas;
 pub mod rows;
-pub mod snapshot;
-pub mod startup;
+pub(crate) mod snapshot;
+pub(crate) mod startup;
 pub mod takeover;
 pub mod xa_pin;
 
@@ -70,7 +70,7 @@ pub struct MySqlSourceConfig {
     /// How often the server sends a heartbeat while it has nothing else to send.
     pub heartbeat: Duration,
     /// No event and no heartbeat for this long: the connection is dead, reconnect.
-    pub read_timeout: Duration,
+    pub(crate) read_timeout: Duration,
     /// Largest transaction (bytes of outbox events) held until its commit; a larger one is
     /// scanned to its end first, then re-read and streamed.
     pub txn_buffer_bytes: usize,
@@ -117,7 +117,7 @@ pub struct Resume {
 }
 
 impl Resume {
-    pub fn from_checkpoint(cp: &Checkpoint) -> Option<Resume> {
+    pub(crate) fn from_checkpoint(cp: &Checkpoint) -> Option<Resume> {
         match cp {
             Checkpoint::Binlog {
                 file,
@@ -139,7 +139,7 @@ impl Resume {
 
     /// Whether the stream opens by GTID: with a known state (MariaDB) or executed set
     /// (MySQL), unless told otherwise.
-    pub fn by_gtid(&self, mariadb: bool) -> bool {
+    pub(crate) fn by_gtid(&self, mariadb: bool) -> bool {
         !self.by_position
             && if mariadb {
                 self.gtid.as_ref().is_some_and(|g| !g.is_empty())
@@ -167,7 +167,7 @@ impl Resume {
     }
 
     /// A start at a MySQL binlog head (file, position and the executed GTID set there).
-    pub fn from_mysql_head(head: admin::Head) -> Resume {
+    pub(crate) fn from_mysql_head(head: admin::Head) -> Resume {
         Resume {
             mysql_gtids: MysqlGtidSet::parse(&head.gtid_executed).filter(|s| !s.is_empty()),
             file: head.file,
@@ -180,7 +180,7 @@ impl Resume {
 
 /// The server's current position as a place to start streaming (first start): the head of the
 /// binlog and, on MariaDB, the GTID state exactly there.
-pub async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, Error> {
+pub(crate) async fn current_position(conn: &mut Conn, mariadb: bool) -> Result<Resume, Error> {
     if !mariadb {
         // MySQL: the new statement name first (8.2+), the old one where it is unknown.
         let flavour = admin::Flavour::MySql { major: 8, minor: 4 };

@@ -11,7 +11,7 @@ use super::rows::{Mapping, OutboxTable, RowContext};
 use super::{connect_sql, snapshot};
 use crate::dsn::DbDsn;
 use crate::event::OutboxEvent;
-use crate::outbox::my_ident;
+use crate::outbox::{my_ident, Column};
 use crate::source::poll::{LoopConfig, PollTable};
 use crate::telemetry::events::SourceKind;
 use crate::Error;
@@ -21,7 +21,7 @@ use mysql_async::{Conn, Params, Row, Value};
 use std::time::Duration;
 
 /// The MySQL side of the loop: one session, one transaction per batch.
-pub struct MyPoll {
+pub(crate) struct MyPoll {
     conn: Conn,
     table: OutboxTable,
     mapping: Mapping,
@@ -31,7 +31,7 @@ pub struct MyPoll {
 }
 
 /// The fix for a table without the poll columns.
-pub fn status_fix(table: &OutboxTable) -> String {
+pub(crate) fn status_fix(table: &OutboxTable) -> String {
     format!(
         "ALTER TABLE {} ADD COLUMN status ENUM('pending','published') NOT NULL DEFAULT 'pending', ADD COLUMN published_at DATETIME(6) NULL, ADD KEY idx_dispatch (status, created_at);",
         table.quoted()
@@ -39,7 +39,7 @@ pub fn status_fix(table: &OutboxTable) -> String {
 }
 
 /// The server's `innodb_lock_wait_timeout` (what producers wait for a row lock).
-pub async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
+pub(crate) async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
     let secs: Option<u64> = conn
         .query_first("SELECT @@GLOBAL.innodb_lock_wait_timeout")
         .await?;
@@ -48,7 +48,7 @@ pub async fn lock_wait_timeout(conn: &mut Conn) -> Result<Duration, Error> {
 
 /// The batch deadline: the confirm timeout, but always shorter than the server's lock wait
 /// timeout, so a producer that does wait for a claimed row gives up later than the relay.
-pub fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
+pub(crate) fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
     let below_lock_wait = lock_wait.saturating_sub(Duration::from_secs(1));
     confirm_timeout
         .min(below_lock_wait)
@@ -56,28 +56,32 @@ pub fn deadline(confirm_timeout: Duration, lock_wait: Duration) -> Duration {
 }
 
 impl MyPoll {
-    pub async fn open(dsn: &DbDsn, table: &OutboxTable, run: &LoopConfig) -> Result<MyPoll, Error> {
+    pub(crate) async fn open(
+        dsn: &DbDsn,
+        table: &OutboxTable,
+        run: &LoopConfig,
+    ) -> Result<MyPoll, Error> {
         let mut conn = connect_sql(dsn).await?;
         let infos = snapshot::table_columns(&mut conn, table).await?;
         let mapping = table.map_columns(&infos)?;
-        let has = |logical: &str| {
+        let has = |logical: Column| {
             let actual = table.columns.get(logical);
             infos
                 .iter()
                 .position(|c| c.name.eq_ignore_ascii_case(actual))
         };
-        if has("status").is_none() || has("published_at").is_none() {
+        if has(Column::Status).is_none() || has(Column::PublishedAt).is_none() {
             return Err(Error::config(
                 format!(
                     "poll mode needs the columns {} and {} on {}",
-                    table.columns.get("status"),
-                    table.columns.get("published_at"),
+                    table.columns.get(Column::Status),
+                    table.columns.get(Column::PublishedAt),
                     table.quoted()
                 ),
                 status_fix(table),
             ));
         }
-        let id_index = has("id").expect("mapped above");
+        let id_index = has(Column::Id).expect("mapped above");
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
         // Rows with one `created_at` (a multi-row INSERT shares one `NOW(6)`; a clock's
         // microsecond can hold two statements) need a tie-break that rises with insert order,
@@ -86,21 +90,25 @@ impl MyPoll {
         // a UUID v7 rising within the producer process. The id costs nothing: InnoDB's
         // `idx_dispatch (status, created_at)` ends with the primary key, so the index walk
         // already yields that order.
-        let tie_break = if has("seq").is_some() { "seq" } else { "id" };
+        let tie_break = if has(Column::Seq).is_some() {
+            Column::Seq
+        } else {
+            Column::Id
+        };
         let claim = format!(
             "SELECT {} FROM {} WHERE {} = 'pending' ORDER BY {}, {} LIMIT ? FOR UPDATE SKIP LOCKED",
             select.join(", "),
             table.quoted(),
-            my_ident(table.columns.get("status")),
-            my_ident(table.columns.get("created_at")),
+            my_ident(table.columns.get(Column::Status)),
+            my_ident(table.columns.get(Column::CreatedAt)),
             my_ident(table.columns.get(tie_break)),
         );
         let mark_prefix = format!(
             "UPDATE {} SET {} = 'published', {} = ? WHERE {} IN ",
             table.quoted(),
-            my_ident(table.columns.get("status")),
-            my_ident(table.columns.get("published_at")),
-            my_ident(table.columns.get("id")),
+            my_ident(table.columns.get(Column::Status)),
+            my_ident(table.columns.get(Column::PublishedAt)),
+            my_ident(table.columns.get(Column::Id)),
         );
         let secs = run.deadline.as_secs().max(1);
         conn.query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
@@ -133,7 +141,7 @@ impl MyPoll {
 }
 
 /// The loop's [`SESSIONS`](crate::source::poll::SESSIONS) sessions.
-pub async fn open_sessions(
+pub(crate) async fn open_sessions(
     dsn: &DbDsn,
     table: &OutboxTable,
     run: &LoopConfig,

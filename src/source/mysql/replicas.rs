@@ -89,7 +89,7 @@ impl Replica {
 /// replicas hold. `start_gtid` is the GTID state of the stream's start (what a first start's
 /// snapshot rows, read before it, need on the replicas). The task ends when the source's
 /// outlet is dropped (forwarding what the replicas already hold) or at `shutdown`.
-pub fn gate(
+pub(crate) fn gate(
     replicas: &[DbDsn],
     mariadb: bool,
     start_gtid: Option<String>,
@@ -274,7 +274,7 @@ pub struct ReplicaState {
 }
 
 /// Reads one replica's state; a problem is reported in it, not returned.
-pub async fn replica_state(dsn: &DbDsn, mariadb: bool) -> ReplicaState {
+pub(crate) async fn replica_state(dsn: &DbDsn, mariadb: bool) -> ReplicaState {
     let at = format!("{}:{}", dsn.host, dsn.port);
     let read = async {
         let mut c = super::connect_sql(dsn).await?;
@@ -329,7 +329,7 @@ pub async fn replica_state(dsn: &DbDsn, mariadb: bool) -> ReplicaState {
 /// failover could promote (`connected`, from `SHOW SLAVE HOSTS`; `None` when unknown); each
 /// named one reachable, replicating by GTID with `log_slave_updates`, and how far it applied
 /// against the primary's `primary_gtid`.
-pub fn replica_lines(
+pub(crate) fn replica_lines(
     named: &[ReplicaState],
     connected: Option<usize>,
     primary_gtid: &str,
@@ -399,7 +399,7 @@ pub fn replica_lines(
 /// How many replicas registered with the server (`SHOW SLAVE HOSTS`, MySQL 8.4 `SHOW
 /// REPLICAS`), outboxd relays not counted (they register with server ids from 2^30, see
 /// [`super::server_id_for`]); `None` when it cannot be read.
-pub async fn registered_replicas(conn: &mut mysql_async::Conn) -> Option<usize> {
+pub(crate) async fn registered_replicas(conn: &mut mysql_async::Conn) -> Option<usize> {
     let rows = match conn.query::<mysql_async::Row, _>("SHOW SLAVE HOSTS").await {
         Ok(rows) => rows,
         Err(e) if super::server_code(&e) == Some(1064) => conn
@@ -420,7 +420,7 @@ pub async fn registered_replicas(conn: &mut mysql_async::Conn) -> Option<usize> 
 }
 
 /// Whether a registered replica's server id is one an outboxd relay uses.
-pub fn is_relay_server_id(id: u64) -> bool {
+pub(crate) fn is_relay_server_id(id: u64) -> bool {
     id & 0x4000_0000 != 0 && id <= u32::MAX as u64
 }
 

@@ -13,7 +13,7 @@
 use super::rows::{ColumnInfo, OutboxTable, RowContext};
 use super::{admin, gtid::GtidState, Resume};
 use crate::event::Checkpoint;
-use crate::outbox::my_ident;
+use crate::outbox::{my_ident, Column};
 use crate::progress::Progress;
 use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
 use crate::source::Outlet;
@@ -27,7 +27,10 @@ use mysql_async::{Conn, Row, Value};
 type ColumnRow = (String, String, Option<String>, Option<u64>);
 
 /// The table's columns from `information_schema`, in the form a table map gives them.
-pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<ColumnInfo>, Error> {
+pub(crate) async fn table_columns(
+    conn: &mut Conn,
+    table: &OutboxTable,
+) -> Result<Vec<ColumnInfo>, Error> {
     let rows: Vec<ColumnRow> = conn
         .exec(
             "SELECT COLUMN_NAME, DATA_TYPE, CHARACTER_SET_NAME, CHARACTER_OCTET_LENGTH
@@ -72,7 +75,7 @@ pub async fn table_columns(conn: &mut Conn, table: &OutboxTable) -> Result<Vec<C
 
 /// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
 /// table in their order.
-pub async fn plan_tables(
+pub(crate) async fn plan_tables(
     conn: &mut Conn,
     tables: &[OutboxTable],
     mode: &SnapshotMode,
@@ -86,18 +89,18 @@ pub async fn plan_tables(
 
 /// Decides what a first start publishes. `auto` on a table without a status column refuses
 /// (exit 2) when rows exist, saying how many and which options there are.
-pub async fn plan(
+pub(crate) async fn plan(
     conn: &mut Conn,
     table: &OutboxTable,
     mode: &SnapshotMode,
 ) -> Result<SnapshotPlan, Error> {
     let cols = table_columns(conn, table).await?;
-    let created = table.columns.get("created_at");
+    let created = table.columns.get(Column::CreatedAt);
     let created_col = cols.iter().find(|c| c.name.eq_ignore_ascii_case(created));
     if created_col.is_none() {
         crate::source::snapshot::require_created_at(mode, &table.quoted(), created)?;
     }
-    let status = table.columns.get("status");
+    let status = table.columns.get(Column::Status);
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
         SnapshotMode::All => SnapshotPlan::Rows {
@@ -154,7 +157,7 @@ pub async fn plan(
 /// the start first looked (its plan is `Nothing`), once the stream's position exists: every
 /// row in it then was committed after that look, and may have committed before the position,
 /// so it is read whole (a row also in the stream is a duplicate, never a gap).
-pub fn appeared_since_empty() -> SnapshotPlan {
+pub(crate) fn appeared_since_empty() -> SnapshotPlan {
     SnapshotPlan::Rows {
         filter: String::new(),
         what: "rows committed while the relay started on the empty table".into(),
@@ -164,7 +167,7 @@ pub fn appeared_since_empty() -> SnapshotPlan {
 /// The tables planned `Nothing` by `--snapshot auto` (empty at the first look) looked at again
 /// once the stream's position was read: those holding rows now are planned
 /// [`appeared_since_empty`]. Whether any was.
-pub async fn look_again(
+pub(crate) async fn look_again(
     conn: &mut Conn,
     plans: &mut [(OutboxTable, SnapshotPlan)],
 ) -> Result<bool, Error> {
@@ -215,7 +218,7 @@ fn text(row: &Row, i: usize) -> String {
 }
 
 /// Opens the consistent snapshot on a session of its own and learns its binlog position.
-pub async fn begin(
+pub(crate) async fn begin(
     mut conn: Conn,
     mariadb: bool,
     plans: Vec<(OutboxTable, SnapshotPlan)>,
@@ -333,9 +336,9 @@ impl Snapshot {
         let select: Vec<String> = infos.iter().map(|c| my_ident(&c.name)).collect();
         let position_of = |name: &str| infos.iter().position(|c| c.name.eq_ignore_ascii_case(name));
         // Debezium's table has no `created_at`: its rows are read in `id` order.
-        let created_column = position_of(table.columns.get("created_at"));
-        let created = created_column.map(|_| my_ident(table.columns.get("created_at")));
-        let id = my_ident(table.columns.get("id"));
+        let created_column = position_of(table.columns.get(Column::CreatedAt));
+        let created = created_column.map(|_| my_ident(table.columns.get(Column::CreatedAt)));
+        let id = my_ident(table.columns.get(Column::Id));
         let mut params = Vec::new();
         let resume = after.and_then(|k| {
             let created_at = match &k.created_at {
@@ -364,7 +367,7 @@ impl Snapshot {
             select.join(", "),
             table.quoted(),
         );
-        let id_column = position_of(table.columns.get("id"));
+        let id_column = position_of(table.columns.get(Column::Id));
         match after {
             Some(k) => {
                 tracing::info!(table = %table.quoted(), what = %what, after_created_at = k.created_at.as_deref().unwrap_or("-"), after_id = %k.id, next_index = k.seq, "first start: publishing existing rows after the last durable one of an interrupted snapshot")

@@ -25,14 +25,14 @@ use tokio_util::sync::CancellationToken;
 
 /// What a MySQL/MariaDB relay's start works on.
 #[derive(Debug, Clone, Copy)]
-pub struct Source<'a> {
+pub(crate) struct Source<'a> {
     pub dsn: &'a DbDsn,
     /// The outbox tables (`--table`), all in the DSN's database.
     pub tables: &'a [OutboxTable],
 }
 
 /// Where a MySQL/MariaDB source begins, as its start decided.
-pub struct MyStart {
+pub(crate) struct MyStart {
     /// Whether the server writes MariaDB GTIDs.
     pub mariadb: bool,
     /// Where the stream starts.
@@ -44,11 +44,11 @@ pub struct MyStart {
 }
 
 /// How a MySQL/MariaDB relay streams (see [`startup::StartPlan`]).
-pub type StartPlan<St> = startup::StartPlan<St, MyStart>;
+pub(crate) type StartPlan<St> = startup::StartPlan<St, MyStart>;
 
 /// Prepares the start of a MySQL/MariaDB relay on `store` (see the module's documentation);
 /// `None` when a standby was asked to stop before it got the lease.
-pub async fn start_plan<St: StateStore>(
+pub(crate) async fn start_plan<St: StateStore>(
     src: Source<'_>,
     store: St,
     opts: &StartOptions,

@@ -32,7 +32,7 @@ pub struct Takeover {
 /// How the rows of the offset's transaction split between emitted and not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Split {
-    pub emitted: usize,
+    pub(crate) emitted: usize,
     pub total: usize,
 }
 

@@ -19,11 +19,11 @@ use chrono::Utc;
 use std::time::{Duration, Instant};
 
 /// A prepare older than this (or than half the limit, when that is shorter) is logged.
-pub const WARN_AFTER: Duration = Duration::from_secs(10);
+pub(crate) const WARN_AFTER: Duration = Duration::from_secs(10);
 /// How often the WARN repeats while the same prepare holds the position.
-pub const WARN_EVERY: Duration = Duration::from_secs(60);
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(60);
 /// The default of `--xa-prepare-limit`.
-pub const DEFAULT_LIMIT: Duration = Duration::from_secs(3600);
+pub(crate) const DEFAULT_LIMIT: Duration = Duration::from_secs(3600);
 
 /// `--xa-prepare-expired`: what the relay does with a prepared XA transaction that has held
 /// its position back longer than `--xa-prepare-limit`.
@@ -39,7 +39,7 @@ pub enum XaExpired {
 
 /// The watch's memory: which prepare was last reported, and when.
 #[derive(Debug, Default)]
-pub struct XaWatch {
+pub(crate) struct XaWatch {
     /// The XID last warned about, and when.
     warned: Option<(String, Instant)>,
     /// Whether the gauge shows a prepare (so it is set back to 0 once none holds).
@@ -49,7 +49,7 @@ pub struct XaWatch {
 impl XaWatch {
     /// One look at what holds the position back. `Ok(true)` when prepares were given up (the
     /// caller sends its position at once); an error under the `stop` policy.
-    pub fn check(
+    pub(crate) fn check(
         &mut self,
         dec: &mut Decoder,
         limit: Duration,

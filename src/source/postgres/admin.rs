@@ -4,7 +4,7 @@
 
 use crate::event::{parse_lsn, SourcePosition};
 use crate::identity::SourceIdentity;
-use crate::outbox::{pg_ident, pg_literal, ColumnMap, TableName};
+use crate::outbox::{pg_ident, pg_literal, Column, ColumnMap, TableName};
 use crate::Error;
 use tokio_postgres::Client;
 
@@ -16,7 +16,7 @@ pub struct SlotInfo {
     pub active: bool,
     pub active_pid: Option<i32>,
     pub confirmed_flush_lsn: Option<u64>,
-    pub restart_lsn: Option<u64>,
+    pub(crate) restart_lsn: Option<u64>,
     pub wal_status: Option<String>,
 }
 
@@ -43,7 +43,7 @@ pub async fn slot(client: &Client, slot: &str) -> Result<Option<SlotInfo>, Error
 /// How far this server's WAL is durable (on a standby: replayed). Every position a relay
 /// stores came through a walsender, which sends only flushed WAL, so a stored position past
 /// this one was written by another server.
-pub async fn flush_lsn(client: &Client) -> Result<u64, Error> {
+pub(crate) async fn flush_lsn(client: &Client) -> Result<u64, Error> {
     let lsn: String = client
         .query_one(
             "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
@@ -57,7 +57,7 @@ pub async fn flush_lsn(client: &Client) -> Result<u64, Error> {
 
 /// The identity of the log `client` reads, or unknown when the server will not tell (an old
 /// version, a revoked function): that costs duplicates, never events.
-pub async fn identity_or_unknown(client: &Client) -> Option<SourceIdentity> {
+pub(crate) async fn identity_or_unknown(client: &Client) -> Option<SourceIdentity> {
     match source_identity(client).await {
         Ok(id) => Some(id),
         Err(e) => {
@@ -70,7 +70,7 @@ pub async fn identity_or_unknown(client: &Client) -> Option<SourceIdentity> {
 /// The identity of the log `client` reads (`crate::identity`): the cluster's system
 /// identifier (a physical standby has the primary's; a dump restored into another cluster
 /// does not) with the database, and the WAL head now.
-pub async fn source_identity(client: &Client) -> Result<SourceIdentity, Error> {
+pub(crate) async fn source_identity(client: &Client) -> Result<SourceIdentity, Error> {
     let row = client
         .query_one(
             "SELECT (SELECT system_identifier FROM pg_control_system())::text, current_database()",
@@ -126,7 +126,7 @@ pub async fn require_table(client: &Client, table: &TableName) -> Result<(), Err
 /// contract needs missing (`--column aggregate_id=nope`), one of a type it cannot hold, or a
 /// column a template, `--header` or `--envelope-field` names missing. Checked at start, before
 /// the lease and the slot, rather than at the first row.
-pub async fn require_columns(
+pub(crate) async fn require_columns(
     client: &Client,
     tables: &[TableName],
     columns: &ColumnMap,
@@ -142,7 +142,7 @@ pub use crate::db::postgres::SETUP_LOCK;
 
 /// Runs `body` holding [`SETUP_LOCK`] (a session lock: DDL and checks between them see each
 /// other's committed work); the lock is released whatever `body` returns.
-pub async fn with_setup_lock<T, F>(client: &Client, body: F) -> Result<T, Error>
+pub(crate) async fn with_setup_lock<T, F>(client: &Client, body: F) -> Result<T, Error>
 where
     F: std::future::Future<Output = Result<T, Error>>,
 {
@@ -296,7 +296,7 @@ async fn ensure_publication_locked(
 }
 
 /// `CREATE PUBLICATION` as outboxd creates it: inserts only, partitions under their root's name.
-pub fn create_publication_sql(publication: &str, tables: &[TableName]) -> String {
+pub(crate) fn create_publication_sql(publication: &str, tables: &[TableName]) -> String {
     format!(
         "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true)",
         pg_ident(publication),
@@ -317,11 +317,11 @@ pub struct PublicationRefusal {
     pub user: String,
     pub database: String,
     /// Tables the role does not own, with their owners.
-    pub not_owned: Vec<(String, String)>,
+    pub(crate) not_owned: Vec<(String, String)>,
     /// The publication's owner, when it exists and the role is not (a member of) it.
-    pub publication_owner: Option<String>,
+    pub(crate) publication_owner: Option<String>,
     /// Creating: the role lacks `CREATE` on the database.
-    pub no_create: bool,
+    pub(crate) no_create: bool,
     /// Whether it is created (else tables are added to it).
     pub creating: bool,
 }
@@ -398,7 +398,7 @@ impl PublicationRefusal {
 
 /// The refusal the server would give to creating the publication on `tables` (or, `exists`,
 /// adding them to it), found in the catalog before anything runs; `None` when the role may.
-pub async fn publication_refusal(
+pub(crate) async fn publication_refusal(
     client: &Client,
     publication: &str,
     tables: &[TableName],
@@ -510,7 +510,7 @@ pub async fn publication_foreign_owner(
 }
 
 /// Whether the table is a partitioned (parent) table.
-pub async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, Error> {
+pub(crate) async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, Error> {
     Ok(client
         .query_one(
             "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
@@ -523,7 +523,7 @@ pub async fn is_partitioned(client: &Client, table: &TableName) -> Result<bool, 
 /// Creates the logical slot; returns its consistent point. A slot of that name created by
 /// someone else a moment earlier (`outboxd setup` beside a first start) is taken as it is:
 /// its confirmed position, which is where a new slot would have started too.
-pub async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
+pub(crate) async fn create_slot(client: &Client, slot: &str) -> Result<u64, Error> {
     create_slot_as(client, slot, false).await
 }
 
@@ -564,7 +564,7 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<bool, Error> {
 
 /// Ends the walsender of another session that still holds `slot` (a paused old leader's), so
 /// that this relay can stream from it; how many sessions it ended. Never this session.
-pub async fn end_other_slot_holder(client: &Client, slot: &str) -> Result<u64, Error> {
+pub(crate) async fn end_other_slot_holder(client: &Client, slot: &str) -> Result<u64, Error> {
     Ok(client
         .execute(
             "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active AND active_pid <> pg_backend_pid()",
@@ -575,7 +575,7 @@ pub async fn end_other_slot_holder(client: &Client, slot: &str) -> Result<u64, E
 
 /// How many rows of `table` were created at or after `since` (its `created_at` column as
 /// `columns` maps it): what a replay through the table publishes again, for its log line.
-pub async fn rows_created_since(
+pub(crate) async fn rows_created_since(
     client: &Client,
     table: &TableName,
     columns: &ColumnMap,
@@ -586,7 +586,7 @@ pub async fn rows_created_since(
             &format!(
                 "SELECT count(*) FROM {} WHERE {} >= $1",
                 table.pg_quoted(),
-                pg_ident(columns.get("created_at"))
+                pg_ident(columns.get(Column::CreatedAt))
             ),
             &[&since],
         )
@@ -629,7 +629,7 @@ pub fn lost_slot_fix(name: &str, slot: &str) -> String {
 
 /// The fix text for a state row whose positions this server never wrote (see
 /// `state::postgres::foreign_position`).
-pub fn foreign_position_fix(name: &str) -> String {
+pub(crate) fn foreign_position_fix(name: &str) -> String {
     format!(
         "the events since this relay's last delivered one were never relayed from this server. Either publish them \
          again from the table (`outboxd run --on-position-lost poll ...` replays every row created since the last \
@@ -640,7 +640,7 @@ pub fn foreign_position_fix(name: &str) -> String {
 }
 
 /// The fix text for a first start whose slot was dropped or replaced before it finished.
-pub fn interrupted_first_start_fix(name: &str) -> String {
+pub(crate) fn interrupted_first_start_fix(name: &str) -> String {
     format!(
         "the first start must publish its snapshot again from the beginning: `outboxd run --on-position-lost poll ...` \
          starts it over from a fresh slot (expect duplicates of the rows it already published), or start over by hand: \
@@ -649,7 +649,7 @@ pub fn interrupted_first_start_fix(name: &str) -> String {
 }
 
 /// The fix text for a slot that was dropped and created again under the relay's slot name.
-pub fn replaced_slot_fix(name: &str, slot: &str) -> String {
+pub(crate) fn replaced_slot_fix(name: &str, slot: &str) -> String {
     format!(
         "events committed between the old slot's last position and the new slot's creation were not relayed. \
          Either publish them again from the table (`outboxd run --on-position-lost poll ...` replays every row created since \

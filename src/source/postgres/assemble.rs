@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 /// At this pace the slot stays within a few seconds of the head beside busy tables, and the
 /// store adds no write of its own: a stored position renews the lease, which is written every
 /// second anyway.
-pub const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(5);
 
 /// One message of the replication stream, as the assembler takes it.
 #[derive(Debug)]
-pub enum Input {
+pub(crate) enum Input {
     /// A transaction that commits at `final_lsn` begins.
     Begin {
         final_lsn: u64,
@@ -47,7 +47,7 @@ struct Txn {
 }
 
 /// See the module doc.
-pub struct Assembler {
+pub(crate) struct Assembler {
     mapper: RowMapper,
     redelivery: Redelivery<u64>,
     txn: Option<Txn>,
@@ -58,7 +58,7 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    pub fn new(mapper: RowMapper) -> Assembler {
+    pub(crate) fn new(mapper: RowMapper) -> Assembler {
         Assembler {
             mapper,
             redelivery: Redelivery::default(),
@@ -69,19 +69,19 @@ impl Assembler {
     }
 
     /// Inside a transaction: a stop waits for its end.
-    pub fn in_txn(&self) -> bool {
+    pub(crate) fn in_txn(&self) -> bool {
         self.txn.is_some()
     }
 
     /// A new stream (a reconnect): it starts at a transaction boundary.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.txn = None;
         self.last_idle_checkpoint = 0;
     }
 
     /// Takes one message; `acked` is the newest position the relay acknowledged (an idle
     /// keepalive behind it is no news).
-    pub fn feed(&mut self, input: Input, acked: u64) -> Result<Option<Output>, Error> {
+    pub(crate) fn feed(&mut self, input: Input, acked: u64) -> Result<Option<Output>, Error> {
         match input {
             Input::Begin {
                 final_lsn,

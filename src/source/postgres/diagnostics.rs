@@ -30,7 +30,7 @@ pub struct PgTarget<'a> {
 /// `rds_replication` (or `rds_superuser`, the master user's role) grants it on Amazon RDS and
 /// Aurora; `cloudsqlsuperuser` members on Cloud
 /// SQL may give themselves the REPLICATION attribute (which is what the walsender checks).
-pub const MANAGED_ROLES: &[(&str, &str)] = &[
+pub(crate) const MANAGED_ROLES: &[(&str, &str)] = &[
     ("rds_replication", "Amazon RDS / Aurora"),
     ("rds_superuser", "Amazon RDS / Aurora"),
     ("cloudsqlsuperuser", "Google Cloud SQL"),
@@ -44,7 +44,7 @@ pub struct ReplicationGrant {
     /// The REPLICATION attribute (self-hosted, Cloud SQL, Azure, Supabase, Crunchy, …).
     pub replication: bool,
     /// The [`MANAGED_ROLES`] the role is a member of (directly or through other roles).
-    pub memberships: Vec<String>,
+    pub(crate) memberships: Vec<String>,
 }
 
 impl ReplicationGrant {
@@ -104,7 +104,7 @@ impl ReplicationGrant {
 }
 
 /// How to get `wal_level = logical`, given which managed-service settings the server has.
-pub fn wal_level_fix(managed_settings: &[String]) -> String {
+pub(crate) fn wal_level_fix(managed_settings: &[String]) -> String {
     if managed_settings
         .iter()
         .any(|s| s == "rds.logical_replication")
@@ -598,24 +598,24 @@ async fn check_slot(
 pub struct Status {
     pub name: String,
     /// `PostgreSQL 17.10`.
-    pub server_version: String,
+    pub(crate) server_version: String,
     pub slot: String,
     pub stored_position: Option<String>,
     pub slot_confirmed: Option<String>,
     pub server_head: String,
     pub lag_bytes: Option<i64>,
-    pub lag_seconds: Option<f64>,
+    pub(crate) lag_seconds: Option<f64>,
     pub slot_active: Option<bool>,
     pub wal_status: Option<String>,
-    pub retained_wal_bytes: Option<i64>,
+    pub(crate) retained_wal_bytes: Option<i64>,
     pub lease_holder: Option<String>,
     pub lease_live: bool,
     pub epoch: Option<i64>,
-    pub replay_requested_since: Option<String>,
+    pub(crate) replay_requested_since: Option<String>,
     /// 17+: why the slot was invalidated, since when it is unused, whether it is a failover
     /// slot and whether it is a standby's synchronised copy (`None` below 17).
-    pub invalidation_reason: Option<String>,
-    pub inactive_since: Option<String>,
+    pub(crate) invalidation_reason: Option<String>,
+    pub(crate) inactive_since: Option<String>,
     pub failover: Option<bool>,
     pub synced: Option<bool>,
     /// What the lease holder's running snapshot, replay or catch-up has got to, as it last

@@ -61,7 +61,7 @@ pub struct Before {
     /// The rows of each table to publish.
     pub snapshot: Vec<(TableName, SnapshotPlan)>,
     /// How far an interrupted run got through that snapshot.
-    pub snapshot_after: Option<SnapshotKey>,
+    pub(crate) snapshot_after: Option<SnapshotKey>,
 }
 
 /// A Postgres relay's source: one slot and one publication serving its outbox tables.

@@ -11,14 +11,14 @@
 //! I/O around it: connect, read, deliver, confirm.
 
 pub mod admin;
-pub mod assemble;
+pub(crate) mod assemble;
 pub mod diagnostics;
 pub mod log;
 pub mod pgoutput;
 pub mod poll;
-pub mod rows;
+pub(crate) mod rows;
 pub mod snapshot;
-pub mod startup;
+pub(crate) mod startup;
 pub mod takeover;
 pub mod tls_bridge;
 pub mod version;
@@ -59,12 +59,12 @@ pub struct PgSourceConfig {
     pub slot: String,
     pub publication: String,
     /// How often the applied position is reported to the server at most.
-    pub status_interval: Duration,
+    pub(crate) status_interval: Duration,
     /// Existing rows to publish before streaming (first start, or a requested replay), per
     /// table.
     pub snapshot: Vec<(TableName, snapshot::SnapshotPlan)>,
     /// How far an interrupted run got through that snapshot.
-    pub snapshot_after: Option<snapshot::SnapshotKey>,
+    pub(crate) snapshot_after: Option<snapshot::SnapshotKey>,
     /// Largest replication message accepted ([`wire_message_limit`] of `--max-message-bytes`).
     pub max_wire_message_bytes: usize,
 }
@@ -104,11 +104,11 @@ async fn connect_replication(
 
 /// How long the replication stream may be silent before the relay sends a status update
 /// anyway (see [`replication_config`]).
-pub const IDLE_WAKEUP: Duration = Duration::from_secs(10);
+pub(crate) const IDLE_WAKEUP: Duration = Duration::from_secs(10);
 
 /// Replication messages the library may hold decoded before the relay takes them: memory is
 /// bounded by `--max-inflight-bytes` plus this many rows.
-pub const REPLICATION_BUFFER_EVENTS: usize = 32;
+pub(crate) const REPLICATION_BUFFER_EVENTS: usize = 32;
 
 /// The pgwire-replication settings: stream from `start`, confirming `confirmed` until told
 /// more; `via` is the socket directory of a TLS bridge, which then replaces the host

@@ -8,8 +8,8 @@ use bytes::Bytes;
 pub struct Column {
     pub flags: u8,
     pub name: String,
-    pub type_oid: u32,
-    pub type_modifier: i32,
+    pub(crate) type_oid: u32,
+    pub(crate) type_modifier: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub struct Relation {
     pub id: u32,
     pub namespace: String,
     pub name: String,
-    pub replica_identity: u8,
+    pub(crate) replica_identity: u8,
     pub columns: Vec<Column>,
 }
 

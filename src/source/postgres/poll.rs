@@ -10,7 +10,7 @@
 use crate::backoff::Backoff;
 use crate::dsn::DbDsn;
 use crate::event::OutboxEvent;
-use crate::outbox::{pg_ident, ColumnMap, TableName};
+use crate::outbox::{pg_ident, Column, ColumnMap, TableName};
 use crate::source::poll::{run, LoopConfig, PollTable, SESSIONS};
 use crate::source::postgres::pgoutput::Value;
 use crate::source::postgres::rows::RowMapper;
@@ -158,7 +158,7 @@ where
 
 /// The Postgres side of the loop: one session, the table's columns read as text and mapped
 /// exactly as the stream maps them.
-pub struct PgPoll {
+pub(crate) struct PgPoll {
     client: tokio_postgres::Client,
     mapper: RowMapper,
     /// The claim and the mark, prepared once per session: a statement given as text is parsed,
@@ -168,22 +168,22 @@ pub struct PgPoll {
     id_index: usize,
     begin: String,
     /// The logical column that orders rows with one `created_at` (see [`tie_break`]).
-    tie_break: &'static str,
+    tie_break: Column,
 }
 
 impl PgPoll {
-    pub async fn open(cfg: &PollConfig) -> Result<PgPoll, Error> {
+    pub(crate) async fn open(cfg: &PollConfig) -> Result<PgPoll, Error> {
         let client = connect_sql(&cfg.dsn, &format!("outboxd_{}_poll", cfg.name)).await?;
         let rel = snapshot::table_relation(&client, &cfg.table).await?;
         let mut mapper = RowMapper::new(cfg.table.clone(), cfg.columns.clone());
         mapper.relation(rel.clone())?;
-        let status = pg_ident(cfg.columns.get("status"));
-        let published_at = pg_ident(cfg.columns.get("published_at"));
-        let id = pg_ident(cfg.columns.get("id"));
+        let status = pg_ident(cfg.columns.get(Column::Status));
+        let published_at = pg_ident(cfg.columns.get(Column::PublishedAt));
+        let id = pg_ident(cfg.columns.get(Column::Id));
         if !rel
             .columns
             .iter()
-            .any(|c| c.name == cfg.columns.get("status"))
+            .any(|c| c.name == cfg.columns.get(Column::Status))
         {
             return Err(Error::config(
                 format!("poll mode needs a status column on {}", cfg.table.pg_quoted()),
@@ -215,7 +215,7 @@ impl PgPoll {
             "SELECT {} FROM {} AS o WHERE {status}::text = 'pending' ORDER BY o.{}, o.{} LIMIT $1 FOR UPDATE SKIP LOCKED",
             select_cols.join(", "),
             cfg.table.pg_quoted(),
-            pg_ident(cfg.columns.get("created_at")),
+            pg_ident(cfg.columns.get(Column::CreatedAt)),
             pg_ident(cfg.columns.get(tie_break)),
         );
         let mark = format!(
@@ -225,7 +225,7 @@ impl PgPoll {
         let id_index = rel
             .columns
             .iter()
-            .position(|c| c.name == cfg.columns.get("id"))
+            .position(|c| c.name == cfg.columns.get(Column::Id))
             .expect("mapped above");
         let deadline_ms = cfg.run.deadline.as_millis().max(1000);
         // If this process stalls, the server ends the transaction and frees the rows.
@@ -251,14 +251,15 @@ impl PgPoll {
 
 /// The logical column that orders rows with one `created_at`: `seq` when the table has it,
 /// otherwise `id`.
-fn tie_break(
-    rel: &crate::source::postgres::pgoutput::Relation,
-    columns: &ColumnMap,
-) -> &'static str {
-    if rel.columns.iter().any(|c| c.name == columns.get("seq")) {
-        "seq"
+fn tie_break(rel: &crate::source::postgres::pgoutput::Relation, columns: &ColumnMap) -> Column {
+    if rel
+        .columns
+        .iter()
+        .any(|c| c.name == columns.get(Column::Seq))
+    {
+        Column::Seq
     } else {
-        "id"
+        Column::Id
     }
 }
 
@@ -283,9 +284,9 @@ pub async fn ensure_seq(
 ) -> Result<SeqChange, Error> {
     let quoted = table.pg_quoted();
     let (created_at, seq, status) = (
-        columns.get("created_at"),
-        columns.get("seq"),
-        columns.get("status"),
+        columns.get(Column::CreatedAt),
+        columns.get(Column::Seq),
+        columns.get(Column::Status),
     );
     let has = |col: &str| {
         let (quoted, col) = (quoted.clone(), col.to_string());
@@ -454,10 +455,10 @@ pub async fn run_postgres(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let dbs = open_sessions(&cfg).await?;
-    if dbs[0].tie_break != "seq" {
+    if dbs[0].tie_break != Column::Seq {
         tracing::warn!(
             table = %cfg.table.pg_quoted(),
-            column = cfg.columns.get("seq"),
+            column = cfg.columns.get(Column::Seq),
             fix = "outboxd setup --mode poll (adds the column and its index)",
             "no seq column: rows with one created_at are claimed in id order, which is insert order only for ids that rise with it (Outbox::write's UUID v7)"
         );

@@ -66,7 +66,7 @@ struct Mapping {
     label: Option<std::sync::Arc<str>>,
 }
 
-pub struct RowMapper {
+pub(crate) struct RowMapper {
     /// The outbox tables (`--table`, one or more); inserts into other relations are skipped.
     tables: Vec<TableName>,
     columns: ColumnMap,
@@ -88,13 +88,13 @@ fn kind_of(oid: u32) -> Option<Kind> {
 }
 
 impl RowMapper {
-    pub fn new(table: TableName, columns: ColumnMap) -> Self {
+    pub(crate) fn new(table: TableName, columns: ColumnMap) -> Self {
         Self::for_tables(vec![table], columns)
     }
 
     /// A mapper for several outbox tables sharing one column map: their events carry the
     /// table's name (`x-outbox-table`) so consumers can tell them apart.
-    pub fn for_tables(tables: Vec<TableName>, columns: ColumnMap) -> Self {
+    pub(crate) fn for_tables(tables: Vec<TableName>, columns: ColumnMap) -> Self {
         RowMapper {
             tables,
             columns,
@@ -104,7 +104,7 @@ impl RowMapper {
 
     /// Learns (or re-learns after an ALTER TABLE) a relation's columns. A partitioned table
     /// published with `publish_via_partition_root` announces itself as the root: same names.
-    pub fn relation(&mut self, rel: Relation) -> Result<(), Error> {
+    pub(crate) fn relation(&mut self, rel: Relation) -> Result<(), Error> {
         let Some(t) = self
             .tables
             .iter()
@@ -115,7 +115,7 @@ impl RowMapper {
         };
         let label = (self.tables.len() > 1).then(|| std::sync::Arc::from(t.to_string()));
         let table = t.pg_quoted();
-        let find = |logical: &str,
+        let find = |logical: Column,
                     allowed: &[Kind],
                     required: bool|
          -> Result<Option<(usize, Kind)>, Error> {
@@ -139,10 +139,10 @@ impl RowMapper {
                 None => Err(Error::config(
                     format!("column {actual:?} of {table} has type oid {} which cannot hold the {logical} column", col.type_oid),
                     format!("use one of the types docs/message-format.md lists for {logical} (e.g. ALTER TABLE {table} ALTER COLUMN {actual} TYPE {} USING ...)", match logical {
-                        "id" => "uuid",
-                        "payload" | "headers" => "jsonb",
-                        "created_at" => "timestamptz",
-                        "version" => "bigint",
+                        Column::Id => "uuid",
+                        Column::Payload | Column::Headers => "jsonb",
+                        Column::CreatedAt => "timestamptz",
+                        Column::Version => "bigint",
                         _ => "text",
                     }),
                 )),
@@ -168,18 +168,18 @@ impl RowMapper {
             extra.push((e.key.clone(), index));
         }
         let content_type = if self.columns.reads_content_type() {
-            Some(find("content_type", &[Text], true)?.expect("required"))
+            Some(find(Column::ContentType, &[Text], true)?.expect("required"))
         } else {
             None
         };
         let mapping = Mapping {
-            id: find("id", &[Uuid, Text], true)?.expect("required"),
-            aggregate_id: find("aggregate_id", &[Int, Text, Uuid], true)?.expect("required"),
-            topic: find("topic", &[Text], true)?.expect("required"),
-            payload: find("payload", &[Json, Jsonb, Text, Bytea], true)?.expect("required"),
-            created_at: find("created_at", &[Timestamptz, Timestamp], false)?,
-            headers: find("headers", &[Json, Jsonb, Text], false)?,
-            version: find("version", &[Int], false)?,
+            id: find(Column::Id, &[Uuid, Text], true)?.expect("required"),
+            aggregate_id: find(Column::AggregateId, &[Int, Text, Uuid], true)?.expect("required"),
+            topic: find(Column::Topic, &[Text], true)?.expect("required"),
+            payload: find(Column::Payload, &[Json, Jsonb, Text, Bytea], true)?.expect("required"),
+            created_at: find(Column::CreatedAt, &[Timestamptz, Timestamp], false)?,
+            headers: find(Column::Headers, &[Json, Jsonb, Text], false)?,
+            version: find(Column::Version, &[Int], false)?,
             content_type,
             extra,
             opaque: self.columns.opaque_payloads(),
@@ -190,7 +190,7 @@ impl RowMapper {
     }
 
     /// The event of an inserted row; `None` when the row is not in the outbox table.
-    pub fn insert(
+    pub(crate) fn insert(
         &self,
         relation_id: u32,
         tuple: &[Value],
@@ -410,7 +410,7 @@ fn decode_bytea(text: &[u8]) -> Option<Bytes> {
 
 /// A row read over SQL with every column cast to text, as the tuple pgoutput would carry: the
 /// snapshot and poll mode then map and validate it exactly as the stream does.
-pub fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
+pub(crate) fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
     (0..row.len())
         .map(|i| match row.get::<_, Option<String>>(i) {
             Some(s) => Value::Text(Bytes::from(s)),
@@ -420,14 +420,14 @@ pub fn text_tuple(row: &tokio_postgres::Row) -> Vec<Value> {
 }
 
 /// A pgoutput timestamp (microseconds since 2000-01-01) as UTC.
-pub fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
+pub(crate) fn pg_time(micros: i64) -> Option<DateTime<Utc>> {
     Utc.timestamp_micros(micros.saturating_add(PG_EPOCH_OFFSET_MICROS))
         .single()
 }
 
 /// Parses Postgres' ISO timestamp text. With `with_offset`, the offset in the text is used
 /// (`+00`, `+05:30`, `-03:00:00`); without, the value is taken as UTC.
-pub fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
+pub(crate) fn parse_timestamp(s: &str, with_offset: bool) -> Option<DateTime<Utc>> {
     let s = s.trim();
     if with_offset {
         // chrono wants the offset as +HH:MM; Postgres prints +HH, +HH:MM or +HH:MM:SS.

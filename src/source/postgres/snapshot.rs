@@ -14,7 +14,8 @@ use crate::source::Outlet;
 use crate::Error;
 // The snapshot types both databases share live in `source::snapshot`; named here too, where
 // they were first defined.
-pub use crate::source::snapshot::{and_where, SnapshotKey, SnapshotMode, SnapshotPlan};
+pub use crate::source::snapshot::SnapshotMode;
+pub(crate) use crate::source::snapshot::{and_where, SnapshotKey, SnapshotPlan};
 use futures::{pin_mut, TryStreamExt};
 use tokio_postgres::Client;
 
@@ -25,7 +26,7 @@ fn pg_literal(s: &str) -> String {
 
 /// The table's columns as a pgoutput Relation would announce them, so the snapshot maps and
 /// validates rows exactly as the stream does.
-pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relation, Error> {
+pub(crate) async fn table_relation(client: &Client, table: &TableName) -> Result<Relation, Error> {
     let rows = client
         .query(
             "SELECT a.attname::text, a.atttypid::int8, a.atttypmod
@@ -54,7 +55,7 @@ pub async fn table_relation(client: &Client, table: &TableName) -> Result<Relati
 
 /// What a first start (or a replay) publishes of each table's existing rows, [`plan`] per
 /// table in their order.
-pub async fn plan_tables(
+pub(crate) async fn plan_tables(
     client: &Client,
     tables: &[TableName],
     columns: &ColumnMap,
@@ -76,19 +77,19 @@ pub async fn plan(
     mode: &SnapshotMode,
 ) -> Result<SnapshotPlan, Error> {
     let rel = table_relation(client, table).await?;
-    let created = pg_ident(columns.get("created_at"));
+    let created = pg_ident(columns.get(crate::names::Column::CreatedAt));
     if !rel
         .columns
         .iter()
-        .any(|c| c.name == columns.get("created_at"))
+        .any(|c| c.name == columns.get(crate::names::Column::CreatedAt))
     {
         crate::source::snapshot::require_created_at(
             mode,
             &table.pg_quoted(),
-            columns.get("created_at"),
+            columns.get(crate::names::Column::CreatedAt),
         )?;
     }
-    let status = columns.get("status");
+    let status = columns.get(crate::names::Column::Status);
     Ok(match mode {
         SnapshotMode::Never => SnapshotPlan::Nothing,
         SnapshotMode::All => SnapshotPlan::Rows {
@@ -132,7 +133,7 @@ pub async fn plan(
 /// not carry their rows. Every row there now was committed after the first look, so each is
 /// new: a table no longer empty is published whole (a row also in the stream, committed after
 /// the slot's point, is a duplicate, never a gap).
-pub async fn look_again(
+pub(crate) async fn look_again(
     client: &Client,
     plans: &mut [(TableName, SnapshotPlan)],
 ) -> Result<(), Error> {
@@ -179,9 +180,9 @@ pub async fn publish(
     let rel = table_relation(client, table).await?;
     let position_of = |name: &str| rel.columns.iter().position(|c| c.name == name);
     // Debezium's table has no `created_at`: its rows are read in `id` order.
-    let created_column = position_of(columns.get("created_at"));
-    let created = created_column.map(|_| pg_ident(columns.get("created_at")));
-    let id = pg_ident(columns.get("id"));
+    let created_column = position_of(columns.get(crate::names::Column::CreatedAt));
+    let created = created_column.map(|_| pg_ident(columns.get(crate::names::Column::CreatedAt)));
+    let id = pg_ident(columns.get(crate::names::Column::Id));
     // Untyped literals in a row comparison take the columns' types.
     let filter = match (after, &created) {
         (Some(k), Some(created)) => and_where(
@@ -215,7 +216,7 @@ pub async fn publish(
         select.join(", "),
         table.pg_quoted(),
     );
-    let id_column = position_of(columns.get("id"));
+    let id_column = position_of(columns.get(crate::names::Column::Id));
     let mut progress = Progress::table(
         table.pg_quoted(),
         estimate_rows(client, table, &filter).await,

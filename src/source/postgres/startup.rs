@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 /// What a Postgres relay's start works on.
 #[derive(Debug, Clone, Copy)]
-pub struct Source<'a> {
+pub(crate) struct Source<'a> {
     pub dsn: &'a DbDsn,
     /// The `application_name` of the start's SQL session.
     pub app: &'a str,
@@ -36,7 +36,7 @@ pub struct Source<'a> {
 }
 
 /// Where a Postgres source begins, as its start decided.
-pub struct PgStart {
+pub(crate) struct PgStart {
     /// The SQL session the start ran on. The relay holds it until it stops, so the sessions
     /// the server lists for it are the same from its start to its stop.
     pub session: Client,
@@ -49,11 +49,11 @@ pub struct PgStart {
 }
 
 /// How a Postgres relay streams (see [`startup::StartPlan`]).
-pub type StartPlan<St> = startup::StartPlan<St, PgStart>;
+pub(crate) type StartPlan<St> = startup::StartPlan<St, PgStart>;
 
 /// Prepares the start of a Postgres relay on `store` (see the module's documentation); `None`
 /// when a standby was asked to stop before it got the lease.
-pub async fn start_plan<St: StateStore>(
+pub(crate) async fn start_plan<St: StateStore>(
     src: Source<'_>,
     store: St,
     opts: &StartOptions,

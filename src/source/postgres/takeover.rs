@@ -25,14 +25,14 @@ const PEEK_LIMIT: i32 = 1_000_000;
 
 /// One transaction the slot still holds: its end and the LSNs of its outbox inserts.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PendingTx {
+pub(crate) struct PendingTx {
     pub end_lsn: u64,
     pub outbox: Vec<u64>,
 }
 
 /// What the connector's offset says about the transactions the slot holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Move the slot to this LSN (its current position when nothing was published past it).
     At(u64),
     /// The connector stopped inside a transaction.
@@ -46,7 +46,7 @@ pub enum Decision {
 
 /// Where the slot goes, from the transactions it holds in commit order, its current position
 /// and the connector's offset (`lsn_commit`, `lsn`).
-pub fn decide(
+pub(crate) fn decide(
     txs: &[PendingTx],
     confirmed: u64,
     lsn_commit: Option<u64>,

@@ -12,9 +12,9 @@ use crate::Error;
 use tokio_postgres::Client;
 
 /// The oldest major version the version suite runs against.
-pub const OLDEST_TESTED: u32 = 14;
+pub(crate) const OLDEST_TESTED: u32 = 14;
 /// The newest major version the version suite runs against.
-pub const NEWEST_TESTED: u32 = 18;
+pub(crate) const NEWEST_TESTED: u32 = 18;
 
 /// The server's `server_version_num` (170010 for 17.10).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -44,13 +44,13 @@ impl ServerVersion {
 
     /// `invalidation_reason` and `inactive_since` in `pg_replication_slots`: 17 and later
     /// (16 has only `conflicting`).
-    pub fn has_invalidation_reason(self) -> bool {
+    pub(crate) fn has_invalidation_reason(self) -> bool {
         self.major() >= 17
     }
 
     /// `idle_replication_slot_timeout` (a slot unused that long is invalidated,
     /// `invalidation_reason = 'idle_timeout'`): 18 and later.
-    pub fn has_idle_slot_timeout(self) -> bool {
+    pub(crate) fn has_idle_slot_timeout(self) -> bool {
         self.major() >= 18
     }
 }
@@ -62,7 +62,7 @@ impl std::fmt::Display for ServerVersion {
 }
 
 /// The check line of the server's version against the tested range.
-pub fn version_line(v: ServerVersion) -> CheckLine {
+pub(crate) fn version_line(v: ServerVersion) -> CheckLine {
     let major = v.major();
     if major < OLDEST_TESTED {
         line(
@@ -95,9 +95,9 @@ pub fn version_line(v: ServerVersion) -> CheckLine {
 pub struct SlotDetails {
     /// Why the slot was invalidated (`wal_removed`, `rows_removed`,
     /// `wal_level_insufficient`, 18's `idle_timeout`); `None` while it is usable.
-    pub invalidation_reason: Option<String>,
+    pub(crate) invalidation_reason: Option<String>,
     /// Since when no one has streamed from it.
-    pub inactive_since: Option<String>,
+    pub(crate) inactive_since: Option<String>,
     /// Created (or altered) to be synchronised to standbys.
     pub failover: bool,
     /// A standby's copy, synchronised from the primary (not usable until promotion).
@@ -133,7 +133,7 @@ pub async fn slot_details(
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VersionSettings {
     /// `idle_replication_slot_timeout` in minutes (18+).
-    pub idle_slot_timeout_min: Option<i64>,
+    pub(crate) idle_slot_timeout_min: Option<i64>,
     /// `synchronized_standby_slots` (17+).
     pub synchronized_standby_slots: Option<String>,
 }
@@ -165,7 +165,7 @@ pub async fn settings(client: &Client, v: ServerVersion) -> Result<VersionSettin
 
 /// The check lines of the settings that exist only on some versions: 18's idle-slot
 /// invalidation, and on 17+ a failover slot's need for `synchronized_standby_slots`.
-pub fn settings_lines(
+pub(crate) fn settings_lines(
     v: ServerVersion,
     s: &VersionSettings,
     slot: &str,
@@ -223,7 +223,7 @@ pub fn settings_lines(
 /// `check --standby DSN`: the lines that say whether a failover to that physical standby keeps
 /// the relay's slot (17+), reading the primary's settings on `primary` and the standby's on a
 /// connection of its own.
-pub async fn standby_lines(
+pub(crate) async fn standby_lines(
     primary: &Client,
     standby: &crate::dsn::DbDsn,
     slot: &str,
@@ -372,7 +372,7 @@ pub struct StandbyCopy {
     /// copy.
     pub temporary: bool,
     /// Why the copy was invalidated; `None` while it is usable.
-    pub invalidation_reason: Option<String>,
+    pub(crate) invalidation_reason: Option<String>,
 }
 
 impl StandbyCopy {
@@ -395,7 +395,7 @@ impl StandbyCopy {
 }
 
 /// The standby's copy of `slot`; `None` when the standby has no slot of that name.
-pub async fn standby_copy(sb: &Client, slot: &str) -> Result<Option<StandbyCopy>, Error> {
+pub(crate) async fn standby_copy(sb: &Client, slot: &str) -> Result<Option<StandbyCopy>, Error> {
     let row = sb
         .query_opt(
             "SELECT synced, temporary, invalidation_reason FROM pg_replication_slots WHERE slot_name = $1",
@@ -412,7 +412,7 @@ pub async fn standby_copy(sb: &Client, slot: &str) -> Result<Option<StandbyCopy>
 /// The `standby slot` line: ready only by PostgreSQL's own test (`synced AND NOT temporary AND
 /// invalidation_reason IS NULL`). A copy that is synchronised but still temporary is dropped
 /// by a promotion: the relay would then find no slot on the new primary.
-pub fn standby_slot_line(slot: &str, copy: Option<&StandbyCopy>) -> CheckLine {
+pub(crate) fn standby_slot_line(slot: &str, copy: Option<&StandbyCopy>) -> CheckLine {
     const WAIT: &str = "keep the relay streaming and run `outboxd check --standby` again until this line says ready (the standby's log says \"could not synchronize replication slot\" until then); do not promote the standby before";
     match copy {
         Some(c) if c.ready() => line(
@@ -460,7 +460,7 @@ async fn setting(c: &Client, name: &str) -> Result<String, Error> {
 
 /// The SQL that creates the relay's slot: with `failover` (17+) a standby with
 /// `sync_replication_slots = on` keeps a copy that the relay resumes from after a failover.
-pub fn create_slot_sql(failover: bool) -> &'static str {
+pub(crate) fn create_slot_sql(failover: bool) -> &'static str {
     if failover {
         "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
     } else {

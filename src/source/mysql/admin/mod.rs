@@ -14,8 +14,8 @@ use mysql_async::{Conn, Row};
 
 mod head;
 mod position;
-pub mod relocate;
-pub mod xa;
+pub(crate) mod relocate;
+pub(crate) mod xa;
 
 pub use head::{
     binlog_files, binlog_logs, gtid_at, gtid_at_opt, head, head_status, log_status, BinlogFile,
@@ -30,20 +30,20 @@ pub use position::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BinlogSettings {
     pub version: String,
-    pub flavour: Flavour,
+    pub(crate) flavour: Flavour,
     pub mariadb: bool,
     pub log_bin: bool,
     pub format: String,
     pub row_image: String,
     /// `None` when the server has no `binlog_row_metadata` (MariaDB < 10.5, MySQL < 8.0.1).
-    pub row_metadata: Option<String>,
+    pub(crate) row_metadata: Option<String>,
     pub server_id: u64,
     /// Binlog retention in seconds (0 = kept forever).
-    pub expire_seconds: u64,
+    pub(crate) expire_seconds: u64,
 }
 
 /// Column `i` of a row as text (empty for NULL).
-pub fn text_of(row: &Row, i: usize) -> String {
+pub(crate) fn text_of(row: &Row, i: usize) -> String {
     text(row, i)
 }
 
@@ -125,7 +125,7 @@ fn section(s: &BinlogSettings) -> &'static str {
 }
 
 /// Every binlog setting CDC needs, each failure with its fix.
-pub fn problems(s: &BinlogSettings) -> Vec<(String, String)> {
+pub(crate) fn problems(s: &BinlogSettings) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let sec = section(s);
     if !s.log_bin {
@@ -236,7 +236,7 @@ pub async fn require_table(conn: &mut Conn, table: &OutboxTable) -> Result<(), E
 
 /// The fix for an outbox table the catalog does not show: MySQL hides a table from a user
 /// without any privilege on it, so "missing" may mean "not granted".
-pub fn not_visible_fix(table: &OutboxTable) -> String {
+pub(crate) fn not_visible_fix(table: &OutboxTable) -> String {
     format!(
         "create it (migrations/mysql/001_outbox.sql) in database {:?}, or name it with --table; if it exists: GRANT SELECT ON {} TO the relay's user",
         table.database,

@@ -13,7 +13,7 @@ use mysql_async::{Conn, Row};
 
 /// Whether a server's binlog holds a stored GTID state and everything after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Holding {
+pub(crate) enum Holding {
     Held,
     /// It does not: why, and whether the reason is retention (purged).
     Missing {
@@ -24,7 +24,7 @@ pub enum Holding {
 
 /// The identity a MariaDB server's GTIDs carry: its `@@server_id` (every GTID it writes names
 /// it). One function so that whatever else compares servers uses the same rule.
-pub fn mariadb_server_identity(server_id: u32) -> u32 {
+pub(crate) fn mariadb_server_identity(server_id: u32) -> u32 {
     server_id
 }
 
@@ -41,7 +41,7 @@ pub fn mariadb_server_identity(server_id: u32) -> u32 {
 ///   and may have written other transactions under the same numbers since.
 /// - the oldest binlog file must start at or before it in every domain (nothing that follows
 ///   was purged).
-pub fn holds(
+pub(crate) fn holds(
     stored: &GtidState,
     binlog_state: &[Gtid],
     first_state: Option<&GtidState>,
@@ -109,7 +109,7 @@ pub fn holds(
 /// `purged` holds the stored executed set: every stored transaction is executed there
 /// (otherwise the server's history is older than the relay's) and every purged one is in the
 /// stored set (otherwise the server can no longer send what the relay has not read).
-pub fn holds_mysql(
+pub(crate) fn holds_mysql(
     stored: &MysqlGtidSet,
     executed: &MysqlGtidSet,
     purged: &MysqlGtidSet,
@@ -165,14 +165,14 @@ fn next_gap(set: &MysqlGtidSet, uuid: &[u8; 16], tag: &str, n: u64) -> Option<u6
 /// One transaction start in a binlog file: the offset of its GTID event (a boundary) and the
 /// GTID it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Start {
+pub(crate) enum Start {
     MariaDb(u64, Gtid),
     MySql(u64, [u8; 16], String, u64),
 }
 
 /// A binlog state that can be compared with a stored one and moved by a transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Tracked {
+pub(crate) enum Tracked {
     MariaDb(GtidState),
     MySql(MysqlGtidSet),
 }
@@ -203,7 +203,12 @@ impl Tracked {
 /// GTID_LIST / Previous_gtids), `starts` are its transactions in order and `end` is where the
 /// file ends. The first boundary whose state is the stored one (the start of the transaction
 /// after the stored state, or the file's end); `None` when the file never passes through it.
-pub fn locate_in_file(start: Tracked, starts: &[Start], end: u64, stored: &Tracked) -> Option<u64> {
+pub(crate) fn locate_in_file(
+    start: Tracked,
+    starts: &[Start],
+    end: u64,
+    stored: &Tracked,
+) -> Option<u64> {
     let mut state = start;
     for s in starts {
         if state.is(stored) {
@@ -219,7 +224,7 @@ pub fn locate_in_file(start: Tracked, starts: &[Start], end: u64, stored: &Track
 /// MariaDB: where the server's binlog holds the state `stored` — the file whose GTID_LIST is
 /// the newest at or before it, read with `SHOW BINLOG EVENTS` (in pages) up to the boundary.
 /// `None` when no boundary has exactly that state (several domains interleaved otherwise).
-pub async fn locate_mariadb(
+pub(crate) async fn locate_mariadb(
     conn: &mut Conn,
     stored: &GtidState,
 ) -> Result<Option<(String, u64)>, Error> {
@@ -286,8 +291,8 @@ fn gtid_of_info(info: &str) -> Option<Gtid> {
 /// `Previous_gtids` is within it, read with `SHOW BINLOG EVENTS` (MySQL prints a GTID event as
 /// `SET @@SESSION.GTID_NEXT= 'uuid[:tag]:n'` and `Previous_gtids` as the set). `None` when no
 /// boundary has exactly that set. Not run against a MySQL server here (none is reachable);
-/// the same walk is proven on MySQL binlog files by [`file_starts`].
-pub async fn locate_mysql(
+/// the same walk is proven on MySQL binlog files by `file_starts` (its tests).
+pub(crate) async fn locate_mysql(
     conn: &mut Conn,
     stored: &MysqlGtidSet,
 ) -> Result<Option<(String, u64)>, Error> {
@@ -349,7 +354,7 @@ fn within(a: &MysqlGtidSet, b: &MysqlGtidSet) -> bool {
 
 /// The GTID of a MySQL `Gtid` event as `SHOW BINLOG EVENTS` prints it:
 /// `SET @@SESSION.GTID_NEXT= '3e11fa47-…:7'` (8.4 tagged: `'3e11fa47-…:blue:7'`).
-pub fn mysql_gtid_of_info(info: &str) -> Option<([u8; 16], String, u64)> {
+pub(crate) fn mysql_gtid_of_info(info: &str) -> Option<([u8; 16], String, u64)> {
     let quoted = info.split('\'').nth(1)?;
     let mut parts = quoted.split(':');
     let uuid = uuid::Uuid::parse_str(parts.next()?.trim())
@@ -367,7 +372,9 @@ pub fn mysql_gtid_of_info(info: &str) -> Option<([u8; 16], String, u64)> {
 /// The start state and transaction starts of one binlog file's events (the file source's
 /// framing): MariaDB's GTID_LIST and GTID events, or MySQL's Previous_gtids and GTID events.
 /// What [`locate_in_file`] walks; the binlog fixtures prove it on real MySQL and MariaDB bytes.
-pub fn file_starts(
+/// Only its tests call it on whole files.
+#[cfg(test)]
+pub(crate) fn file_starts(
     events: &[crate::source::mysql::file::FileEvent],
 ) -> Result<(Option<Tracked>, Vec<Start>, u64), Error> {
     use crate::source::mysql::gtid::{parse_gtid_event, parse_gtid_list};

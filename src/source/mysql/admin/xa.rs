@@ -26,7 +26,7 @@ const PAGE: usize = 5_000;
 const BACKWARD_BYTES: u64 = 1 << 30;
 
 /// The XA transactions prepared on the server and not yet committed or rolled back.
-pub async fn recover(conn: &mut Conn) -> Result<Vec<Xid>, Error> {
+pub(crate) async fn recover(conn: &mut Conn) -> Result<Vec<Xid>, Error> {
     let rows: Vec<Row> = match conn.query("XA RECOVER").await {
         Ok(rows) => rows,
         // MySQL 8.0.14+ lists them only to holders of XA_RECOVER_ADMIN (MariaDB to anyone):
@@ -59,7 +59,7 @@ pub async fn recover(conn: &mut Conn) -> Result<Vec<Xid>, Error> {
 
 /// A prepared XA transaction whose `XA PREPARE` is before a start position.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreparedBefore {
+pub(crate) struct PreparedBefore {
     pub xid: Xid,
     /// Where its group (`XA START`) starts, when the server still has it.
     pub start: Option<(String, u64)>,
@@ -69,7 +69,7 @@ pub struct PreparedBefore {
 
 impl PreparedBefore {
     /// The statements that end it: either one, on the server.
-    pub fn end_statements(&self) -> String {
+    pub(crate) fn end_statements(&self) -> String {
         format!("XA COMMIT {0}; or XA ROLLBACK {0};", self.xid)
     }
 }
@@ -101,7 +101,7 @@ impl std::fmt::Display for PreparedBefore {
 /// [`BACKWARD_BYTES`] of binlog back: it may have): a stream from `file:pos` would never
 /// publish their rows. Those that wrote only other tables
 /// are logged and left alone.
-pub async fn prepared_before(
+pub(crate) async fn prepared_before(
     conn: &mut Conn,
     file: &str,
     pos: u64,
@@ -209,7 +209,7 @@ pub async fn prepared_before(
 /// and the fix: end them (a first start then takes its snapshot after their outcome, so a
 /// committed one's rows are in it) or, for a position set by hand (`offset_set`), a
 /// position at or before their XA START.
-pub fn prepared_before_error(at: &str, list: &[PreparedBefore], offset_set: bool) -> Error {
+pub(crate) fn prepared_before_error(at: &str, list: &[PreparedBefore], offset_set: bool) -> Error {
     let names = list
         .iter()
         .map(|p| p.to_string())
@@ -242,7 +242,7 @@ pub fn prepared_before_error(at: &str, list: &[PreparedBefore], offset_set: bool
 
 /// The prepared XA transaction whose group starts at `file:pos` (a stored position held
 /// before its prepare), if one of `open` does.
-pub async fn starting_at(
+pub(crate) async fn starting_at(
     conn: &mut Conn,
     file: &str,
     pos: u64,
@@ -262,7 +262,7 @@ pub async fn starting_at(
 
 /// When the server wrote the event that starts at `file:pos`, from its header (`SHOW BINLOG
 /// EVENTS` shows no times): a short non-blocking binlog dump as replica `server_id`.
-pub async fn event_time(
+pub(crate) async fn event_time(
     dsn: &DbDsn,
     server_id: u32,
     file: &str,

@@ -95,7 +95,7 @@ const MARIA_FL_PREPARED_XA: u8 = 0x40;
 /// The default of `--max-txn-payload-bytes`.
 pub const DEFAULT_PAYLOAD_LIMIT: u64 = 256 * 1024 * 1024;
 /// The default of `--txn-buffer`.
-pub const DEFAULT_TXN_BUFFER: usize = 16 * 1024 * 1024;
+pub(crate) const DEFAULT_TXN_BUFFER: usize = 16 * 1024 * 1024;
 const PARTIAL_UPDATE_ROWS: u8 = 39;
 const HEARTBEAT_V2: u8 = 41;
 const MYSQL_GTID_TAGGED: u8 = 42;
@@ -107,7 +107,7 @@ const MARIA_ROWS_COMPRESSED_LAST: u8 = 171;
 
 /// The relay's own state table: transactions that write only to it (lease renewals, position
 /// writes) never move the position, or each write would cause the next.
-pub const STATE_TABLE: &str = "outboxd_state";
+pub(crate) const STATE_TABLE: &str = "outboxd_state";
 
 /// What one binlog event meant.
 #[derive(Debug)]
@@ -265,11 +265,11 @@ impl Decoder {
     /// While an XA transaction is prepared and its outcome not read, the position before its
     /// prepare (the oldest one's): a stored position must not pass it, or a restart would
     /// never see those rows again.
-    pub fn held_checkpoint(&self) -> Option<&Checkpoint> {
+    pub(crate) fn held_checkpoint(&self) -> Option<&Checkpoint> {
         self.prepared.iter().find(|p| p.pins()).map(|p| &p.floor)
     }
 
-    pub fn in_txn(&self) -> bool {
+    pub(crate) fn in_txn(&self) -> bool {
         self.txn.is_some()
     }
 
@@ -279,7 +279,7 @@ impl Decoder {
 
     /// The next events come from the start of binlog file `name` (the file source): table
     /// ids are only valid within one file.
-    pub fn set_file(&mut self, name: &str) {
+    pub(crate) fn set_file(&mut self, name: &str) {
         if name != self.file {
             self.tables.clear();
         }
@@ -293,7 +293,7 @@ impl Decoder {
     }
 
     /// Starts from a known MySQL executed GTID set (a resume by GTID).
-    pub fn with_mysql_gtids(mut self, set: Option<MysqlGtidSet>) -> Decoder {
+    pub(crate) fn with_mysql_gtids(mut self, set: Option<MysqlGtidSet>) -> Decoder {
         self.mysql_gtids = set;
         self
     }

@@ -28,19 +28,19 @@ impl Mapping {
         table: &OutboxTable,
     ) -> Result<(), Error> {
         let mut mapped = vec![
-            ("id", self.id),
-            ("aggregate_id", self.aggregate_id),
-            ("topic", self.topic),
-            ("payload", self.payload),
+            (Column::Id, self.id),
+            (Column::AggregateId, self.aggregate_id),
+            (Column::Topic, self.topic),
+            (Column::Payload, self.payload),
         ];
         if let Some(c) = self.created_at {
-            mapped.push(("created_at", c));
+            mapped.push((Column::CreatedAt, c));
         }
         if let Some(h) = self.headers {
-            mapped.push(("headers", h));
+            mapped.push((Column::Headers, h));
         }
         if let Some(v) = self.version {
-            mapped.push(("version", v));
+            mapped.push((Column::Version, v));
         }
         for (logical, col) in mapped {
             if !present.get(col.index).map(|b| *b).unwrap_or(false) {

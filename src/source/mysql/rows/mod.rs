@@ -8,7 +8,7 @@
 //! by column from the table map in `image`, the values of a row become an event in `event`,
 //! and DATETIME values are read in the zone of `tz`.
 
-use crate::outbox::ColumnMap;
+use crate::outbox::{Column, ColumnMap};
 use crate::Error;
 use mysql_common::binlog::events::{OptionalMetaExtractor, TableMapEvent};
 use mysql_common::constants::ColumnType;
@@ -57,7 +57,7 @@ struct Col {
 /// One column of the table as the relay sees it: from a table map (binlog) or from
 /// `information_schema.COLUMNS` (the first-start snapshot).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ColumnInfo {
+pub(crate) struct ColumnInfo {
     pub name: String,
     /// `None`: a type the relay has no use for.
     pub ty: Option<ColumnType>,
@@ -184,9 +184,9 @@ impl OutboxTable {
 
     /// Maps the logical columns onto the table's columns, by name (case-insensitive, as MySQL
     /// compares column names).
-    pub fn map_columns(&self, infos: &[ColumnInfo]) -> Result<Mapping, Error> {
+    pub(crate) fn map_columns(&self, infos: &[ColumnInfo]) -> Result<Mapping, Error> {
         let table = self.quoted();
-        let find = |logical: &str,
+        let find = |logical: Column,
                     allowed: &[Kind],
                     required: bool|
          -> Result<Option<Col>, Error> {
@@ -221,12 +221,12 @@ impl OutboxTable {
                     format!(
                         "use one of the types docs/message-format.md lists for {logical} (e.g. ALTER TABLE {table} MODIFY {actual} {})",
                         match logical {
-                            "id" => "BINARY(16) NOT NULL",
-                            "aggregate_id" => "BIGINT NOT NULL",
-                            "payload" => "JSON NOT NULL",
-                            "headers" => "JSON NULL",
-                            "created_at" => "DATETIME(6) NOT NULL",
-                            "version" => "BIGINT NULL",
+                            Column::Id => "BINARY(16) NOT NULL",
+                            Column::AggregateId => "BIGINT NOT NULL",
+                            Column::Payload => "JSON NOT NULL",
+                            Column::Headers => "JSON NULL",
+                            Column::CreatedAt => "DATETIME(6) NOT NULL",
+                            Column::Version => "BIGINT NULL",
                             _ => "VARCHAR(120) NOT NULL",
                         }
                     ),
@@ -234,15 +234,15 @@ impl OutboxTable {
             }
         };
         use Kind::*;
-        let id = find("id", &[Fixed, Var], true)?.expect("required");
-        let aggregate_id = find("aggregate_id", &[Int, Fixed, Var], true)?.expect("required");
-        let topic = find("topic", &[Fixed, Var, Blob], true)?.expect("required");
-        let payload = find("payload", &[Json, Blob, Var], true)?.expect("required");
-        let created_at = find("created_at", &[DateTime, Timestamp], false)?;
-        let headers = find("headers", &[Json, Blob, Var], false)?;
-        let version = find("version", &[Int], false)?;
+        let id = find(Column::Id, &[Fixed, Var], true)?.expect("required");
+        let aggregate_id = find(Column::AggregateId, &[Int, Fixed, Var], true)?.expect("required");
+        let topic = find(Column::Topic, &[Fixed, Var, Blob], true)?.expect("required");
+        let payload = find(Column::Payload, &[Json, Blob, Var], true)?.expect("required");
+        let created_at = find(Column::CreatedAt, &[DateTime, Timestamp], false)?;
+        let headers = find(Column::Headers, &[Json, Blob, Var], false)?;
+        let version = find(Column::Version, &[Int], false)?;
         let content_type = if self.columns.reads_content_type() {
-            find("content_type", &[Fixed, Var, Blob], true)?
+            find(Column::ContentType, &[Fixed, Var, Blob], true)?
         } else {
             None
         };
