@@ -277,6 +277,7 @@ pub fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
         table: meta.table,
         extra: row.extra(),
         content_type,
+        read_at: None,
     }
 }
 
