@@ -42,6 +42,9 @@
 //! → confirm, by the means); and the relay's context switches (all threads) and CPU time per
 //! event over the schedule, which do not move with the host's load as the times do.
 //!
+//! `OUTBOXD_BENCH_RELAY_THREADS=N` runs each relay with N tokio worker threads (default: one per
+//! CPU).
+//!
 //! `OUTBOXD_BENCH_PIN=1` (root, cgroup v1 cpuset controller) runs every row with the database
 //! servers and this process on CPU 0 and the broker and the relay on CPU 1 (see
 //! `support::Pinning`), so host contention and the relay's own latency can be told apart; the
@@ -501,6 +504,13 @@ async fn relay_run(
             "warn",
         ])
         .args(broker.relay_args(&db))
+        // `OUTBOXD_BENCH_RELAY_THREADS=N`: the relay's runtime with N worker threads (tokio's
+        // `TOKIO_WORKER_THREADS`), this process's own runtime as it is.
+        .envs(
+            std::env::var("OUTBOXD_BENCH_RELAY_THREADS")
+                .ok()
+                .map(|n| ("TOKIO_WORKER_THREADS", n)),
+        )
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
