@@ -34,9 +34,16 @@
 //! never arrived within 120 s after the last send fails the bench (after the table is printed).
 //!
 //! A second table breaks each relay row down by stage from the relay's own histograms
-//! (`--metrics-addr`, scraped before it stops): commit → handed to the broker (the source's
-//! read and decode, the relay's queue), handed → confirmed, and confirmed → consumed (the
-//! bench's commit → consume minus the relay's commit → confirm).
+//! (`--metrics-addr`, scraped before it stops), mean, p50 and p99 each: commit → sent by the
+//! server (Postgres: the walsender's timestamp on the message), sent → read by the source (the
+//! socket, the replication client's buffer), read → taken by the relay (decoding, the byte
+//! budget, the relay's queue), taken → published (the sink's publish call), published →
+//! confirmed, then confirmed → consumed (the bench's commit → consume minus the relay's commit
+//! → confirm, by the means); and the relay's context switches (all threads) and CPU time per
+//! event over the schedule, which do not move with the host's load as the times do.
+//!
+//! `OUTBOXD_BENCH_RELAY_THREADS=N` runs each relay with N tokio worker threads (default: one per
+//! CPU).
 //!
 //! `OUTBOXD_BENCH_PIN=1` (root, cgroup v1 cpuset controller) runs every row with the database
 //! servers and this process on CPU 0 and the broker and the relay on CPU 1 (see
@@ -405,9 +412,67 @@ async fn arrived(
     latencies_ms(sent, &arr)
 }
 
-/// A relay row's stages from the relay's own histograms: (count, mean ms, p99 bucket bound ms)
-/// of commit → confirm and of handed to the broker → confirm.
-type Stages = Option<((u64, f64, f64), (u64, f64, f64))>;
+/// One stage of a relay row from the relay's own histogram: events, mean, and the upper bounds
+/// of the buckets that hold the p50 and the p99 (ms).
+#[derive(Clone, Copy)]
+struct Stage {
+    n: u64,
+    mean: f64,
+    p50: f64,
+    p99: f64,
+}
+
+fn stage(text: &str, name: &str) -> Option<Stage> {
+    let (n, mean, p50) = support::histogram(text, name, 0.5)?;
+    let (_, _, p99) = support::histogram(text, name, 0.99)?;
+    Some(Stage {
+        n,
+        mean: mean * 1000.0,
+        p50: p50 * 1000.0,
+        p99: p99 * 1000.0,
+    })
+}
+
+/// The relay's stages in path order and their histograms. The first two are measured on
+/// Postgres only (the walsender stamps each message with its send time; a binlog event has
+/// whole-second timestamps and no send time).
+const STAGES: [(&str, &str); 5] = [
+    ("commit → sent", "outboxd_stage_commit_sent_seconds"),
+    ("sent → read", "outboxd_stage_sent_read_seconds"),
+    ("read → taken", "outboxd_stage_read_taken_seconds"),
+    ("taken → published", "outboxd_stage_taken_published_seconds"),
+    ("published → confirmed", "outboxd_publish_confirm_seconds"),
+];
+
+/// What a relay row measured of the relay itself: its stage histograms (`None`: /metrics did not
+/// answer), its commit → confirmed histogram, and its context switches and CPU time (ms) per
+/// event over the schedule (load-independent where the stage times are not).
+struct Stages {
+    stages: Option<Vec<Option<Stage>>>,
+    commit_confirm: Option<Stage>,
+    switches_per_event: Option<f64>,
+    cpu_us_per_event: Option<f64>,
+}
+
+/// Voluntary and involuntary context switches of every thread of `pid`, and its CPU time in
+/// clock ticks (user + system).
+fn proc_counts(pid: u32) -> Option<(u64, u64)> {
+    let mut switches = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let status = std::fs::read_to_string(task.ok()?.path().join("status")).ok()?;
+        switches += status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some((switches, ticks))
+}
 
 async fn relay_run(
     source: &str,
@@ -439,6 +504,13 @@ async fn relay_run(
             "warn",
         ])
         .args(broker.relay_args(&db))
+        // `OUTBOXD_BENCH_RELAY_THREADS=N`: the relay's runtime with N worker threads (tokio's
+        // `TOKIO_WORKER_THREADS`), this process's own runtime as it is.
+        .envs(
+            std::env::var("OUTBOXD_BENCH_RELAY_THREADS")
+                .ok()
+                .map(|n| ("TOKIO_WORKER_THREADS", n)),
+        )
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -469,17 +541,27 @@ async fn relay_run(
     arrivals.lock().unwrap().clear();
 
     let n = (rate * seconds) as usize;
+    let before = proc_counts(relay.id());
     let (committed, achieved) = produce(&producer, &db, rate, n, None).await;
     let lat = arrived(&committed, &arrivals).await;
+    let after = proc_counts(relay.id());
     let text = support::scrape_metrics(metrics);
-    let ms = |(n, mean, p99): (u64, f64, f64)| (n, mean * 1000.0, p99 * 1000.0);
-    let stages = support::histogram(&text, "outboxd_commit_confirm_seconds", 0.99)
-        .zip(support::histogram(
-            &text,
-            "outboxd_publish_confirm_seconds",
-            0.99,
-        ))
-        .map(|(c, p)| (ms(c), ms(p)));
+    // Clock ticks are 10 ms here (USER_HZ 100).
+    let per_event = |(s0, t0): (u64, u64), (s1, t1): (u64, u64)| {
+        (
+            (s1 - s0) as f64 / n as f64,
+            (t1 - t0) as f64 * 10_000.0 / n as f64,
+        )
+    };
+    let counts = before.zip(after).map(|(b, a)| per_event(b, a));
+    let stages = Stages {
+        stages: text
+            .contains("# TYPE")
+            .then(|| STAGES.iter().map(|(_, name)| stage(&text, name)).collect()),
+        commit_confirm: stage(&text, "outboxd_commit_confirm_seconds"),
+        switches_per_event: counts.map(|c| c.0),
+        cpu_us_per_event: counts.map(|c| c.1),
+    };
     let _ = Command::new("kill")
         .args(["-TERM", &relay.id().to_string()])
         .status();
@@ -505,28 +587,51 @@ async fn relay_run(
     )
 }
 
-/// A row of the stage table: where a relay row's commit → consume went, by the means (exact
-/// per stage, so they add up) and the p99 bucket bounds of the relay's histograms.
-fn stage_row(label: &str, rate: u64, relay: &Run, stages: Stages) -> String {
+/// A row of the stage table: where a relay row's commit → consume went, stage by stage (mean,
+/// p50 and p99 bucket bounds of the relay's histograms), what is left after the confirmation
+/// (the bench's commit → consume minus the relay's commit → confirm, by the means), and the
+/// relay's context switches and CPU per event.
+fn stage_row(label: &str, rate: u64, relay: &Run, stages: &Stages) -> String {
     let mean = relay.latencies_ms.iter().sum::<f64>() / relay.latencies_ms.len().max(1) as f64;
-    let p99 = relay
-        .quantile(0.99)
-        .map_or_else(|| "n/a".into(), |v| format!("{v:.2}"));
-    match stages {
-        // A binlog event's timestamp has whole seconds: commit → anything in the relay is off
-        // by up to a second there, so only the relay's own publish → confirm is shown.
-        Some(((n, _, _), (_, publish_confirm, pc99))) if label.starts_with("MariaDB") => format!(
-            "| {label} | {rate}/s | {n} | n/a (binlog timestamps are whole seconds) | {publish_confirm:.2} | ≤ {pc99:.1} | n/a | n/a | n/a | {mean:.2} | {p99} |"
-        ),
-        Some(((n, commit_confirm, cc99), (_, publish_confirm, pc99))) => format!(
-            "| {label} | {rate}/s | {n} | {:.2} | {publish_confirm:.2} | ≤ {pc99:.1} | {commit_confirm:.2} | ≤ {cc99:.1} | {:.2} | {mean:.2} | {p99} |",
-            commit_confirm - publish_confirm,
-            mean - commit_confirm,
-        ),
-        None => format!(
-            "| {label} | {rate}/s | the relay's /metrics did not answer | | | | | | | {mean:.2} | {p99} |"
-        ),
-    }
+    let at = |q: f64| {
+        relay
+            .quantile(q)
+            .map_or_else(|| "n/a".into(), |v| format!("{v:.2}"))
+    };
+    let mariadb = label.starts_with("MariaDB");
+    let Some(parts) = &stages.stages else {
+        return format!(
+            "| {label} | {rate}/s | the relay's /metrics did not answer | | | | | | {mean:.2} / {} / {} | |",
+            at(0.5),
+            at(0.99)
+        );
+    };
+    let cells: Vec<String> = parts
+        .iter()
+        .map(|s| match s {
+            Some(s) => format!("{:.2} / ≤ {:.2} / ≤ {:.1}", s.mean, s.p50, s.p99),
+            // The binlog source has no server send time; its commit time has whole seconds.
+            None if mariadb => "n/a".into(),
+            None => "none".into(),
+        })
+        .collect();
+    // A binlog event's timestamp has whole seconds: commit → confirmed is off by up to a second
+    // there, so what follows the confirmation is not shown either.
+    let after_confirm = match stages.commit_confirm {
+        Some(c) if !mariadb => format!("{:.2}", mean - c.mean),
+        _ => "n/a".into(),
+    };
+    let counts = match (stages.switches_per_event, stages.cpu_us_per_event) {
+        (Some(s), Some(c)) => format!("{s:.2} / {c:.0} µs"),
+        _ => "n/a".into(),
+    };
+    let events = parts.iter().flatten().map(|s| s.n).max().unwrap_or(0);
+    format!(
+        "| {label} | {rate}/s | {events} | {} | {after_confirm} | {mean:.2} / {} / {} | {counts} |",
+        cells.join(" | "),
+        at(0.5),
+        at(0.99)
+    )
 }
 
 /// The naive dual write on `source`: the relay run's producer commits each row and then
@@ -652,7 +757,7 @@ async fn main() {
                 let (label, relay, warm_up, stages) =
                     relay_run(source, rate, seconds, broker, pinning.as_ref()).await;
                 let label_b = format!("{label} → {b}");
-                stage_rows.push(stage_row(&label_b, rate, &relay, stages));
+                stage_rows.push(stage_row(&label_b, rate, &relay, &stages));
                 starts.push(format!(
                     "{label_b} at {rate}/s {:.0} ms",
                     warm_up.as_secs_f64() * 1000.0
@@ -672,7 +777,7 @@ async fn main() {
         starts.join(", ")
     );
     println!(
-        "\nThe relay rows by stage (ms; means add up, p99s are the bounds of the relay's doubling histogram buckets; the commit time is the server's commit timestamp in the relay, COMMIT's return in the bench):\n\n| source | rate | events | commit → handed to the broker, mean | handed → confirmed, mean | its p99 | commit → confirmed, mean | its p99 | confirmed → consumed, mean | commit → consumed, mean | its p99 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\nThe relay rows by stage (ms, from the relay's own histograms: mean / p50 / p99, the percentiles as the upper bounds of buckets 1.5× apart; commit and sent are the server's timestamps, the rest this host's clock; MariaDB's binlog has no send time and whole-second commit times, so its first two stages are n/a):\n\n| source | rate | events | commit → sent (walsender) | sent → read (socket, replication client) | read → taken (decode, budget, relay queue) | taken → published (publish call) | published → confirmed | confirmed → consumed, mean | commit → consumed (bench): mean / p50 / p99 | relay context switches / CPU per event |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for row in &stage_rows {
         println!("{row}");

@@ -276,6 +276,9 @@ pub struct OutboxEvent {
     /// any poison on every sink, but a tombstone on Kafka with `--kafka-tombstones` (Debezium's
     /// `route.tombstone.on.empty.payload`).
     pub empty_payload: bool,
+    /// When the source read the row from the server (`None` until it is handed to the
+    /// relay, which stamps it then): the relay's stage metrics measure from it.
+    pub read_at: Option<std::time::Instant>,
 }
 
 impl OutboxEvent {
@@ -472,6 +475,7 @@ mod tests {
                 extra: Vec::new(),
                 content_type: None,
                 empty_payload: false,
+                read_at: None,
             };
             e.position = SourcePosition::Pg { commit_lsn, index };
             e

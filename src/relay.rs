@@ -22,8 +22,8 @@ use crate::sink::{Delivery, FlowControl, Sink, SinkError};
 use crate::source::{BudgetPermit, SourceMsg};
 use crate::state::Fence;
 use crate::telemetry::events::{
-    EventConfirmed, EventPublishing, EventRepublished, InternalEvent, OrderAtRisk, SinkConnected,
-    SinkRecovered, SinkRetry,
+    EventConfirmed, EventHandedOver, EventPublishing, EventRepublished, EventTaken, InternalEvent,
+    OrderAtRisk, SinkConnected, SinkRecovered, SinkRetry,
 };
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
@@ -182,12 +182,15 @@ pub async fn run<S: Sink>(
                         }
                     }
                     Some(SourceMsg::Event(event, permit)) => {
+                        let taken = Instant::now();
+                        EventTaken { event: &event }.emit();
                         if event.poison.is_some() {
                             stats.poison.fetch_add(1, Ordering::Relaxed);
                         }
                         gate(opts).await;
                         EventPublishing { event: &event }.emit();
                         let published = publish_one(sink, &event, opts.confirm_timeout).await;
+                        EventHandedOver { took: taken.elapsed() }.emit();
                         queue.push_back(Entry::Event { event, _permit: permit, sent: Instant::now() });
                         stats.published.fetch_add(1, Ordering::Relaxed);
                         match published {

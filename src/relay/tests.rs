@@ -627,3 +627,45 @@ async fn a_graceful_stop_stores_the_final_position_on_a_server_slower_than_a_ren
     assert_eq!(sh.releases(), 1, "and the lease released");
     h.relay.abort();
 }
+
+/// The sum and count of one of the process's histograms, from what `/metrics` serves.
+fn histogram_totals(name: &str) -> (f64, f64) {
+    let text = telemetry::get().render();
+    let value = |suffix: &str| {
+        let key = format!("outboxd_{name}_{suffix} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{key} in {text}"))
+    };
+    (value("sum"), value("count"))
+}
+
+/// The stage histograms measure from the moment the source read the row: an event read 30 s
+/// before the relay takes it adds those 30 s to read → taken, and every event handed to the
+/// sink counts in taken → published. (The histograms are the process's, shared with the tests
+/// running beside this one: the 30 s are what no other test's events carry.)
+#[tokio::test]
+async fn the_stage_histograms_measure_from_the_read_to_the_hand_over() {
+    let (taken_sum, taken_n) = histogram_totals("stage_read_taken_seconds");
+    let (_, published_n) = histogram_totals("stage_taken_published_seconds");
+    let mut h = start(RelayOptions::default());
+    let mut old = event(1);
+    old.read_at = std::time::Instant::now().checked_sub(Duration::from_secs(30));
+    assert!(old.read_at.is_some(), "the host's clock goes back 30 s");
+    h.send(&old).await;
+    h.send(&event(2)).await;
+    h.wait_acked(0x1002).await;
+    let (taken_sum_after, taken_n_after) = histogram_totals("stage_read_taken_seconds");
+    let (_, published_n_after) = histogram_totals("stage_taken_published_seconds");
+    assert!(
+        taken_sum_after - taken_sum >= 30.0,
+        "read → taken grew by {} s",
+        taken_sum_after - taken_sum
+    );
+    assert!(taken_n_after > taken_n, "the event read counted");
+    assert!(
+        published_n_after >= published_n + 2.0,
+        "both hand-overs counted: {published_n} → {published_n_after}"
+    );
+}

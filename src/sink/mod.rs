@@ -227,5 +227,6 @@ pub(crate) fn test_event() -> OutboxEvent {
         extra: Vec::new(),
         content_type: None,
         empty_payload: false,
+        read_at: None,
     }
 }

@@ -255,6 +255,7 @@ pub(crate) fn event(row: &impl RowValues, meta: RowMeta) -> OutboxEvent {
         table: meta.table,
         extra: row.extra(),
         content_type,
+        read_at: None,
     }
 }
 

@@ -61,8 +61,10 @@ pub struct Outlet {
 
 impl Outlet {
     /// Sends an event after reserving its bytes. Errors when the relay is gone.
-    pub(crate) async fn send_event(&self, event: OutboxEvent) -> Result<(), crate::Error> {
+    pub(crate) async fn send_event(&self, mut event: OutboxEvent) -> Result<(), crate::Error> {
         EventRead.emit();
+        // A source that did not note when it read the row read it just now.
+        event.read_at.get_or_insert_with(std::time::Instant::now);
         let permit = self.budget.acquire(event.size()).await;
         self.events
             .send(SourceMsg::Event(Box::new(event), permit))

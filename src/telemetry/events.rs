@@ -8,6 +8,7 @@
 
 use super::get;
 use crate::event::{OutboxEvent, SourcePosition};
+use chrono::{DateTime, Utc};
 use std::fmt::Display;
 use std::time::Duration;
 
@@ -205,6 +206,58 @@ impl InternalEvent for XaPrepareReleased<'_> {
             "XA PREPARE GIVEN UP (--xa-prepare-expired release): the stored position moves past this prepared XA transaction; its {} outbox row(s) are published only if its XA COMMIT is read before this relay stops, never after a restart",
             self.rows
         );
+    }
+}
+
+/// The Postgres source read a row's message: the transaction `committed` and the server `sent`
+/// the message at those times (its clocks), the source read it `read` (this process's). Both
+/// stages are wall-clock differences, exact on one host, shifted by the clocks' skew otherwise.
+pub(crate) struct RowRead {
+    pub committed: Option<DateTime<Utc>>,
+    pub sent: Option<DateTime<Utc>>,
+    pub read: DateTime<Utc>,
+}
+
+impl InternalEvent for RowRead {
+    fn emit(self) {
+        let t = get();
+        let secs = |from: DateTime<Utc>, to: DateTime<Utc>| {
+            (to - from).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6
+        };
+        if let (Some(c), Some(s)) = (self.committed, self.sent) {
+            t.stage_commit_sent_seconds.observe(secs(c, s));
+        }
+        if let Some(s) = self.sent {
+            t.stage_sent_read_seconds.observe(secs(s, self.read));
+        }
+    }
+}
+
+/// The relay took `event` from its queue: how long since the source read it.
+pub(crate) struct EventTaken<'a> {
+    pub event: &'a OutboxEvent,
+}
+
+impl InternalEvent for EventTaken<'_> {
+    fn emit(self) {
+        if let Some(read) = self.event.read_at {
+            get()
+                .stage_read_taken_seconds
+                .observe(read.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// The sink accepted an event for publishing, `took` after the relay took it from its queue.
+pub(crate) struct EventHandedOver {
+    pub took: Duration,
+}
+
+impl InternalEvent for EventHandedOver {
+    fn emit(self) {
+        get()
+            .stage_taken_published_seconds
+            .observe(self.took.as_secs_f64());
     }
 }
 

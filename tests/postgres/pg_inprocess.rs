@@ -127,3 +127,59 @@ async fn pipeline_run_publishes_snapshot_then_stream_and_resumes_where_the_state
         "the row and the slot moved past the new events: row {stored_again:X}, slot {slot_again:X}"
     );
 }
+
+/// The count of one of the process's histograms, from what `/metrics` serves.
+fn histogram_count(name: &str) -> u64 {
+    let text = outboxd::telemetry::get().render();
+    let key = format!("outboxd_{name}_count ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{key} in {text}"))
+}
+
+/// Each streamed row is timed from the server's commit and send times to the hand-over: the
+/// stage histograms count it, and the event carries the moment the source read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_rows_are_timed_stage_by_stage() {
+    let db = PgDb::create("stages").await;
+    let name = unique("stages");
+    let mut client = db.client().await;
+    let stages = [
+        "stage_commit_sent_seconds",
+        "stage_sent_read_seconds",
+        "stage_read_taken_seconds",
+        "stage_taken_published_seconds",
+    ];
+    let before: Vec<u64> = stages.iter().map(|s| histogram_count(s)).collect();
+    let (sink, handle) = MemorySink::new();
+    let stop = CancellationToken::new();
+    let cfg = run_config(&name, &stop);
+    let src = source(&db, &name);
+    let store = src.state_store();
+    let run = pipeline::run(src, store, move || Ok(sink), &cfg, stop.clone());
+    let (written, got) = beside(run, async {
+        // Once one row went through, the slot exists: every row committed from now on is
+        // streamed, none is read by the snapshot.
+        let first = write_events(&mut client, 1, 1, "stages.first").await;
+        handle.wait_confirmed(first.len()).await;
+        let written = write_events(&mut client, 3, 2, "stages").await;
+        let got = handle.wait_confirmed(first.len() + written.len()).await;
+        stop.cancel();
+        (written, got[first.len()..].to_vec())
+    })
+    .await;
+    assert_eq!(ids(&got), written);
+    assert!(
+        got.iter().all(|e| e.read_at.is_some()),
+        "every streamed event carries its read time"
+    );
+    for (stage, before) in stages.iter().zip(before) {
+        let after = histogram_count(stage);
+        assert!(
+            after >= before + written.len() as u64,
+            "{stage}: {before} → {after} for {} rows",
+            written.len()
+        );
+    }
+}

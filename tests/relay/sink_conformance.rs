@@ -65,6 +65,7 @@ fn events(tag: &str, n: u32) -> Vec<OutboxEvent> {
             extra: Vec::new(),
             content_type: None,
             empty_payload: false,
+            read_at: None,
         })
         .collect()
 }

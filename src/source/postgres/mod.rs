@@ -33,11 +33,11 @@ pub(crate) use crate::db::postgres::{sql_config, tls_connect_error};
 use crate::dsn::{DbDsn, TlsMode};
 use crate::event::{format_lsn, Checkpoint};
 use crate::outbox::{ColumnMap, TableName};
-use crate::source::assemble::deliver;
+use crate::source::assemble::{deliver, Output};
 use crate::source::{Outlet, SourceLink};
 use crate::state::checkpoint::{Checkpointer, Upstream};
 use crate::telemetry::events::{
-    InternalEvent, PgStreaming, SourceKind, SourceLag, SourceReconnecting,
+    InternalEvent, PgStreaming, RowRead, SourceKind, SourceLag, SourceReconnecting,
 };
 use crate::{Error, ErrorKind, ServerCode};
 use assemble::{Assembler, Input};
@@ -302,8 +302,17 @@ pub async fn run(
                         }
                     };
                     backoff.reset();
+                    let read = (Instant::now(), chrono::Utc::now());
+                    let sent = match &ev {
+                        ReplicationEvent::XLogData { server_time_micros, .. } => rows::pg_time(*server_time_micros),
+                        _ => None,
+                    };
                     let Some(input) = input_of(ev, acked, &mut catch_up)? else { continue };
-                    if let Some(out) = asm.feed(input, acked)? {
+                    if let Some(mut out) = asm.feed(input, acked)? {
+                        if let Output::Event(event) = &mut out {
+                            event.read_at = Some(read.0);
+                            RowRead { committed: event.committed_at, sent, read: read.1 }.emit();
+                        }
                         deliver(out, &outlet, &checkpoints).await?;
                     }
                 }
