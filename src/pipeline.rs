@@ -516,7 +516,7 @@ where
     Ok(stats)
 }
 
-pub mod plan;
+pub(crate) mod plan;
 pub use plan::RunPlan;
 
 #[cfg(test)]

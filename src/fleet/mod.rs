@@ -11,7 +11,7 @@
 //! process still holds is waited for, never published twice.
 
 pub mod members;
-pub mod share;
+pub(crate) mod share;
 pub mod status;
 
 use crate::backoff::Backoff;

@@ -19,7 +19,7 @@ pub trait Share: Send + Sync {
 /// The member of `members` that owns `source`: the highest hash of (member, source). Every
 /// process computes the same owner from the same members; removing a member moves only its
 /// own sources, each to the member that scored next.
-pub fn owner<'m>(source: &str, members: &'m [String]) -> Option<&'m str> {
+pub(crate) fn owner<'m>(source: &str, members: &'m [String]) -> Option<&'m str> {
     members
         .iter()
         .max_by_key(|m| (score(m, source), m.as_str()))

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 /// Where a run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// Connecting, checking, taking the lease.
     Starting,
     /// Another relay holds the lease; this one waits for it.
@@ -23,7 +23,7 @@ pub enum Phase {
 }
 
 /// What a publishing run can be asked while it runs.
-pub trait Counts: Send + Sync {
+pub(crate) trait Counts: Send + Sync {
     /// Events handed to the sink (republishes included).
     fn published(&self) -> u64;
     /// Events the sink confirmed.
@@ -34,7 +34,7 @@ pub trait Counts: Send + Sync {
 
 /// One run's state, shared between the run and whoever watches it.
 #[derive(Default)]
-pub struct Live {
+pub(crate) struct Live {
     phase: AtomicU8,
     holder: Mutex<Option<String>>,
     counts: Mutex<Option<Arc<dyn Counts>>>,
@@ -49,7 +49,7 @@ impl std::fmt::Debug for Live {
 }
 
 impl Live {
-    pub fn phase(&self) -> Phase {
+    pub(crate) fn phase(&self) -> Phase {
         match self.phase.load(Ordering::Relaxed) {
             1 => Phase::Standby,
             2 => Phase::Running,
@@ -58,12 +58,12 @@ impl Live {
     }
 
     /// The lease holder a standby waits for.
-    pub fn holder(&self) -> Option<String> {
+    pub(crate) fn holder(&self) -> Option<String> {
         lock(&self.holder).clone()
     }
 
     /// The running relay's counts (none before it runs).
-    pub fn counts(&self) -> Option<Arc<dyn Counts>> {
+    pub(crate) fn counts(&self) -> Option<Arc<dyn Counts>> {
         lock(&self.counts).clone()
     }
 }
@@ -78,12 +78,12 @@ tokio::task_local! {
 }
 
 /// Runs `run` with `live` as the place it reports to.
-pub async fn scope<F: Future>(live: Arc<Live>, run: F) -> F::Output {
+pub(crate) async fn scope<F: Future>(live: Arc<Live>, run: F) -> F::Output {
     CURRENT.scope(live, run).await
 }
 
 /// The run waits as a standby for the lease `holder` holds.
-pub fn standby(holder: &str) {
+pub(crate) fn standby(holder: &str) {
     let _ = CURRENT.try_with(|l| {
         l.phase.store(1, Ordering::Relaxed);
         *lock(&l.holder) = Some(holder.to_string());
@@ -91,7 +91,7 @@ pub fn standby(holder: &str) {
 }
 
 /// The run publishes; `counts` answers for it from now on.
-pub fn running(counts: Arc<dyn Counts>) {
+pub(crate) fn running(counts: Arc<dyn Counts>) {
     let _ = CURRENT.try_with(|l| {
         l.phase.store(2, Ordering::Relaxed);
         *lock(&l.holder) = None;

@@ -18,7 +18,7 @@
 )]
 pub(crate) mod events;
 mod http;
-pub mod live;
+pub(crate) mod live;
 mod logging;
 
 pub use http::{fetch, probe, serve, HEADER_TIMEOUT, MAX_CONNECTIONS, REQUEST_DEADLINE};

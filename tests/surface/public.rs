@@ -24,6 +24,7 @@ const ROOT_MODULES: &[&str] = &[
     "outbox",
     // Hidden: named by the binary and by tests, benches or fuzz targets.
     "dsn",
+    "fleet",
     "fuzzing",
     "internal",
     "names",
@@ -69,6 +70,8 @@ const REACHABLE: &[&str] = &[
     "crypto::reencrypt",
     "crypto::schema",
     "crypto::shred",
+    "fleet::members",
+    "fleet::status",
     "internal::db",
     "internal::db::mysql",
     "internal::db::postgres",
@@ -96,6 +99,7 @@ const REACHABLE: &[&str] = &[
     "source::mysql::diagnostics",
     "source::mysql::file",
     "source::mysql::gtid",
+    "source::mysql::hub",
     "source::mysql::log",
     "source::mysql::rows",
     "source::mysql::takeover",
@@ -121,7 +125,10 @@ const REACHABLE: &[&str] = &[
 /// The most `pub` items (lines starting `pub ` in the reachable modules' files: functions,
 /// types, fields, constants, re-exports) the surface may have. Lower it when the surface
 /// shrinks; raising it is a choice to make in review.
-const PUB_ITEMS: usize = 1265;
+// 1,265 when the list was made; 1,327 with the fleet (`fleet`, `fleet::members`,
+// `fleet::status`: the binary and the fleet tests) and the shared binlog stream
+// (`source::mysql::hub`: its tests and bench).
+const PUB_ITEMS: usize = 1327;
 
 fn strip_comments(text: &str) -> String {
     text.lines()
