@@ -21,7 +21,9 @@ impl Backoff {
         }
     }
 
-    /// The broker and database default: 100 ms doubling to 30 s.
+    /// The broker and database default: 100 ms doubling to 30 s. (The relay's loops use it;
+    /// the consumer kit paces itself with its own bounds.)
+    #[cfg(feature = "relay")]
     pub(crate) fn standard() -> Self {
         Self::new(Duration::from_millis(100), Duration::from_secs(30))
     }

@@ -210,7 +210,9 @@ pub(crate) fn rustls_cause<'a>(
 
 /// A TLS handshake that failed on a certificate or a protocol disagreement: the settings are
 /// wrong (exit status 2), retrying cannot help. `what` names the connection, e.g.
-/// `Postgres localhost:5432`.
+/// `Postgres localhost:5432`. (Only the Postgres clients need it: mysql_async reports its own
+/// handshake errors.)
+#[cfg(any(feature = "postgres", test))]
 pub(crate) fn handshake_refused(what: &str, settings: &TlsSettings, err: &rustls::Error) -> Error {
     let mode = match effective_mode(settings) {
         TlsMode::Disable => "disable",
