@@ -198,6 +198,33 @@ pub async fn run_mysql(
     }
 }
 
+/// Runs a MySQL/MariaDB relay whose binlog is read through `hub`, the shared stream of its
+/// server (`source::mysql::hub`): the tenant's own start, state row, lease and position, as
+/// [`run_mysql`] with `outboxd_state`. An offset file keeps a relay on its own stream
+/// ([`RunPlan`](plan::RunPlan) decides).
+pub(crate) async fn run_mysql_shared(
+    dsn: DbDsn,
+    options: MySqlOptions,
+    cfg: RunConfig,
+    hub: crate::source::mysql::hub::MysqlHub,
+    shutdown: CancellationToken,
+) -> Result<Arc<RelayStats>, Error> {
+    let tables = crate::source::mysql::log::outbox_tables(
+        &dsn,
+        &cfg.tables,
+        &cfg.columns,
+        options.time_zone,
+    )?;
+    let store = state::mysql::MyStateStore::new(dsn.clone());
+    let source = hub.subscribe(MyLog {
+        dsn,
+        name: cfg.name.clone(),
+        tables,
+        options,
+    });
+    run(source, store, || make_sink(&cfg), &cfg, shutdown).await
+}
+
 /// Poll mode reads one table: several are refused with the fix rather than polled in turn
 /// (one claim transaction per table would interleave their batches without a common order).
 pub(crate) fn single_table(cfg: &RunConfig) -> Result<&TableName, Error> {

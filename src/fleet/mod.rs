@@ -15,14 +15,16 @@ pub(crate) mod share;
 pub mod status;
 
 use crate::backoff::Backoff;
+use crate::dsn::DbDsn;
 use crate::pipeline::RunPlan;
+use crate::source::mysql::hub::{HubOptions, MysqlHub};
 use crate::telemetry::live::{self, Live};
 use crate::Error;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use share::Share;
 use status::{State, Status};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -35,8 +37,17 @@ use tracing::Instrument;
 /// graceful stop) or fails; run again after a failure.
 pub trait Tenant: Send + Sync + 'static {
     fn run(&self, shutdown: CancellationToken) -> BoxFuture<'static, Result<(), Error>>;
-    /// The database server it reads (`host:port`), where sources of one server could share a
-    /// connection.
+    /// [`Tenant::run`] in a fleet, whose sources of one MySQL/MariaDB server can read its
+    /// binlog through one shared stream (`hubs`); a source that cannot just runs.
+    fn run_in(
+        &self,
+        shutdown: CancellationToken,
+        hubs: &Hubs,
+    ) -> BoxFuture<'static, Result<(), Error>> {
+        let _ = hubs;
+        self.run(shutdown)
+    }
+    /// The database server it reads (`host:port`), for the status.
     fn server(&self) -> Option<String> {
         None
     }
@@ -46,8 +57,48 @@ impl Tenant for RunPlan {
     fn run(&self, shutdown: CancellationToken) -> BoxFuture<'static, Result<(), Error>> {
         self.clone().run(shutdown).map(|r| r.map(drop)).boxed()
     }
+    fn run_in(
+        &self,
+        shutdown: CancellationToken,
+        hubs: &Hubs,
+    ) -> BoxFuture<'static, Result<(), Error>> {
+        let Some(dsn) = self.shared_binlog().cloned() else {
+            return self.run(shutdown);
+        };
+        let (plan, hubs) = (self.clone(), hubs.clone());
+        async move {
+            let hub = hubs.get(&dsn).await?;
+            plan.run_shared(shutdown, hub).await.map(drop)
+        }
+        .boxed()
+    }
     fn server(&self) -> Option<String> {
         RunPlan::server(self)
+    }
+}
+
+/// The fleet's shared binlog streams (`source::mysql::hub`), one per MySQL/MariaDB server and
+/// user its sources read: one dump connection serves every source of that server in this
+/// process, instead of one each reading the whole binlog. Opened by the first source of a
+/// server that runs, kept for the fleet's life (a hub without tenants holds no connection).
+#[derive(Clone, Default)]
+pub struct Hubs(Arc<tokio::sync::Mutex<HashMap<String, MysqlHub>>>);
+
+impl Hubs {
+    /// The shared stream of `dsn`'s server, opened through `dsn` if none is yet.
+    async fn get(&self, dsn: &DbDsn) -> Result<MysqlHub, Error> {
+        let key = format!("{}@{}:{}", dsn.user, dsn.host, dsn.port);
+        let mut hubs = self.0.lock().await;
+        if let Some(hub) = hubs.get(&key) {
+            return Ok(hub.clone());
+        }
+        // The hub's name derives its replica server id: one per process and server, apart
+        // from every other fleet process's hub on the same server (a second dump connection
+        // with the same server id makes the server end the first).
+        let name = format!("fleet {} {key}", crate::state::holder_id());
+        let hub = MysqlHub::connect(dsn.clone(), HubOptions::new(&name)).await?;
+        hubs.insert(key, hub.clone());
+        Ok(hub)
     }
 }
 
@@ -89,6 +140,7 @@ pub struct Fleet {
     status: Arc<Status>,
     rescan: Arc<Notify>,
     share: Option<Arc<dyn Share>>,
+    hubs: Hubs,
 }
 
 /// What the supervisor keeps of one file.
@@ -109,6 +161,7 @@ impl Fleet {
             status: Arc::new(Status::default()),
             rescan: Arc::new(Notify::new()),
             share: None,
+            hubs: Hubs::default(),
         }
     }
 
@@ -226,10 +279,9 @@ impl Fleet {
                     }
                 }
             }
-            // Each source runs on its own connections, one task each. Sources of one server
-            // are the ones `Tenant::server` names alike: a log stream shared by them (one
-            // binlog dump connection routing rows to its sources by schema) would be started
-            // here, once per server, with each source's task reading its share of it.
+            // Each source runs in its own task, on its own connections but one: sources of
+            // one MySQL/MariaDB server read its binlog through the fleet's one shared stream
+            // of that server (`Hubs`, opened by the first of them to run).
             let owned = self.owns(&name);
             match (&entry.spec, owned, &entry.tenant) {
                 (None, true, Some(t)) => {
@@ -238,6 +290,7 @@ impl Fleet {
                     tasks.spawn(tenant_task(
                         name.clone(),
                         rx,
+                        self.hubs.clone(),
                         self.status.clone(),
                         self.opts.clone(),
                         shutdown.clone(),
@@ -307,6 +360,7 @@ fn files(dir: &Path) -> std::io::Result<BTreeMap<String, (PathBuf, Stamp)>> {
 async fn tenant_task(
     name: String,
     mut spec: watch::Receiver<Option<Arc<dyn Tenant>>>,
+    hubs: Hubs,
     status: Arc<Status>,
     opts: FleetOptions,
     shutdown: CancellationToken,
@@ -321,8 +375,9 @@ async fn tenant_task(
         status.run_started(&name, live.clone(), tenant.server());
         let stop = shutdown.child_token();
         let began = Instant::now();
-        let mut run =
-            std::pin::pin!(live::scope(live, tenant.run(stop.clone())).instrument(span.clone()));
+        let mut run = std::pin::pin!(
+            live::scope(live, tenant.run_in(stop.clone(), &hubs)).instrument(span.clone())
+        );
         let result = tokio::select! {
             r = &mut run => r,
             changed = spec.changed() => {

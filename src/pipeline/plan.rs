@@ -4,8 +4,9 @@
 //! plan (`commands::run`), and so does `outboxd fleet` from each source's file.
 
 use super::{RelayStats, RunConfig};
-use crate::dsn::SourceDsn;
+use crate::dsn::{DbDsn, SourceDsn};
 use crate::outbox::Mode;
+use crate::source::mysql::hub::MysqlHub;
 use crate::source::mysql::log::MySqlOptions;
 use crate::source::poll::PollOptions;
 use crate::source::postgres::log::PgOptions;
@@ -32,6 +33,39 @@ impl RunPlan {
             SourceDsn::Postgres(d) | SourceDsn::Mysql(d) => Some(format!("{}:{}", d.host, d.port)),
             SourceDsn::File(_) => None,
         }
+    }
+
+    /// Where this plan can read its binlog through its server's shared stream: a MySQL/MariaDB
+    /// CDC source keeping its position in `outboxd_state` (an offset file, a binlog-file source,
+    /// poll mode and Postgres read on their own). The DSN opens the shared stream.
+    pub fn shared_binlog(&self) -> Option<&DbDsn> {
+        match (&self.source, self.mode) {
+            (SourceDsn::Mysql(dsn), Mode::Cdc) if self.mysql.offset_file.is_none() => Some(dsn),
+            _ => None,
+        }
+    }
+
+    /// [`RunPlan::run`], the binlog read through `hub` (its server's shared stream) where
+    /// [`RunPlan::shared_binlog`] allows it.
+    pub async fn run_shared(
+        self,
+        shutdown: CancellationToken,
+        hub: MysqlHub,
+    ) -> Result<Arc<RelayStats>, Error> {
+        if self.shared_binlog().is_none() {
+            return self.run(shutdown).await;
+        }
+        let RunPlan {
+            source,
+            mut cfg,
+            mysql,
+            ..
+        } = self;
+        let SourceDsn::Mysql(dsn) = source else {
+            unreachable!("shared_binlog is a MySQL source's")
+        };
+        cfg.relay.stop = Some(shutdown.clone());
+        super::run_mysql_shared(dsn, mysql, cfg, hub, shutdown).await
     }
 
     /// Runs the plan until `shutdown` is cancelled (then stops gracefully) or an error. The

@@ -495,3 +495,95 @@ async fn lease_epoch(db: &PgDb, name: &str) -> i64 {
         .unwrap()
         .get(0)
 }
+
+/// Binlog dump threads the server runs for connections to these databases.
+async fn dump_threads(dbs: &[MyDb]) -> usize {
+    let names: Vec<String> = dbs.iter().map(|d| format!("'{}'", d.name)).collect();
+    let mut c = crate::common::my_connect(None).await;
+    crate::common::my_value(
+        &mut c,
+        &format!(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND LIKE 'Binlog Dump%' AND DB IN ({})",
+            names.join(",")
+        ),
+    )
+    .await
+    .and_then(|s| s.parse().ok())
+    .unwrap_or(0)
+}
+
+/// MariaDB sources of one server in one `outboxd fleet` process read its binlog through one
+/// dump connection (the shared stream): every event of every source is printed, written
+/// before and after the sources joined the shared stream, the server runs one `Binlog Dump`
+/// for the three databases, and a graceful stop releases every lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_sources_of_one_server_share_one_dump_connection_in_a_fleet() {
+    use crate::common::{free_local_port, my_write_events, Relay};
+    let prefixes: Vec<String> = (0..3).map(|i| format!("fleet_hub{i}")).collect();
+    let dbs = futures::future::join_all(prefixes.iter().map(|p| MyDb::create(p))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..3).map(|i| unique(&format!("fh{i}"))).collect();
+    for (db, name) in dbs.iter().zip(&names) {
+        std::fs::write(
+            dir.path().join(format!("{name}.toml")),
+            format!(
+                "source = \"{}\"\nsink = \"stdout\"\ncommit_offsets = true\n",
+                db.dsn()
+            ),
+        )
+        .unwrap();
+    }
+    let addr = format!("127.0.0.1:{}", free_local_port());
+    let mut fleet = Relay::start(&[
+        "fleet",
+        "--sources",
+        dir.path().to_str().unwrap(),
+        "--rescan-interval",
+        "300ms",
+        "--metrics-addr",
+        &addr,
+    ]);
+    wait_for("the fleet to run its three sources", T, || async {
+        running(&addr).len() == 3
+    })
+    .await;
+    let mut written = Vec::new();
+    for db in &dbs {
+        let mut c = db.conn().await;
+        written.extend(my_write_events(&mut c, 2, 2, "fleet.hub.first").await);
+    }
+    wait_for("every first event printed", T, || async {
+        let have = printed(&fleet);
+        written.iter().all(|id| have.contains(id))
+    })
+    .await;
+    wait_for(
+        "the three sources reading through one dump connection",
+        T,
+        || async { dump_threads(&dbs).await == 1 },
+    )
+    .await;
+    for db in &dbs {
+        let mut c = db.conn().await;
+        written.extend(my_write_events(&mut c, 2, 2, "fleet.hub.shared").await);
+    }
+    wait_for("every event written while shared printed", T, || async {
+        let have = printed(&fleet);
+        written.iter().all(|id| have.contains(id))
+    })
+    .await;
+    assert_eq!(
+        dump_threads(&dbs).await,
+        1,
+        "still one dump connection after the shared events"
+    );
+    fleet.signal("TERM");
+    assert_eq!(fleet.wait_exit(T).await, 0, "{}", fleet.stderr());
+    for (db, name) in dbs.iter().zip(&names) {
+        assert_eq!(
+            db.lease_holder(name).await,
+            None,
+            "{name}'s lease kept after the stop"
+        );
+    }
+}

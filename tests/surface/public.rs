@@ -127,8 +127,9 @@ const REACHABLE: &[&str] = &[
 /// shrinks; raising it is a choice to make in review.
 // 1,265 when the list was made; 1,327 with the fleet (`fleet`, `fleet::members`,
 // `fleet::status`: the binary and the fleet tests) and the shared binlog stream
-// (`source::mysql::hub`: its tests and bench).
-const PUB_ITEMS: usize = 1327;
+// (`source::mysql::hub`: its tests and bench); 1,328 with `fleet::Hubs` (named by the
+// `Tenant` trait a fleet's tests implement).
+const PUB_ITEMS: usize = 1328;
 
 fn strip_comments(text: &str) -> String {
     text.lines()
