@@ -548,23 +548,25 @@ async fn drain_large_events(budget: usize, events: usize) -> u64 {
 
 /// `--max-inflight-bytes` bounds the relay's memory with large payloads: a backlog of 256 KiB
 /// events behind a stalled, then slow, broker, drained with a 1 MiB budget, once with 12 MiB
-/// of events and once with 24 MiB. The source stops reading while the sink is behind, so the
-/// peak RSS does not grow with the backlog (unbounded, the second run would hold 12 MiB more,
-/// at least once over).
+/// of events and once with 36 MiB. The source stops reading while the sink is behind, so the
+/// peak RSS does not grow with the backlog (unbounded, the second run would hold 24 MiB more,
+/// at least once over). The bound allows 12 MiB: the peaks of two bounded runs differ by up to
+/// about 6 MiB (the allocator's and the clients' buffers at the moment of the peak; 74.4
+/// against 80.5 MiB was seen with 12 and 24 MiB of events, which a 6 MiB bound refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_inflight_bytes_bounds_memory_with_large_payloads() {
     let budget = 1024 * 1024;
     let small = drain_large_events(budget, 48).await;
-    let large = drain_large_events(budget, 96).await;
+    let large = drain_large_events(budget, 144).await;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     eprintln!(
-        "peak RSS with --max-inflight-bytes 1MiB: {:.1} MiB draining 12 MiB of events, {:.1} MiB draining 24 MiB",
+        "peak RSS with --max-inflight-bytes 1MiB: {:.1} MiB draining 12 MiB of events, {:.1} MiB draining 36 MiB",
         mib(small),
         mib(large)
     );
     assert!(
-        large < small + 6 * 1024 * 1024,
-        "the peak RSS grew with the backlog: {:.1} MiB for 12 MiB of events, {:.1} MiB for 24 MiB",
+        large < small + 12 * 1024 * 1024,
+        "the peak RSS grew with the backlog: {:.1} MiB for 12 MiB of events, {:.1} MiB for 36 MiB",
         mib(small),
         mib(large)
     );
