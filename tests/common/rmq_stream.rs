@@ -84,15 +84,23 @@ impl TestStream {
     /// copies past the expected count are read too.
     pub async fn read_stream(stream: &str, at_least: usize, patience: Duration) -> Vec<Msg> {
         let env = env().await;
-        let Ok(mut consumer) = env
-            .consumer()
-            .offset(OffsetSpecification::First)
-            .build(stream)
-            .await
-        else {
-            return Vec::new();
-        };
         let give_up = Instant::now() + patience;
+        // The relay declares its stream when its sink connects, which may come after the test
+        // saw the source streaming: a stream not there yet is waited for, within `patience`.
+        let mut consumer = loop {
+            match env
+                .consumer()
+                .offset(OffsetSpecification::First)
+                .build(stream)
+                .await
+            {
+                Ok(c) => break c,
+                Err(_) if Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(_) => return Vec::new(),
+            }
+        };
         let mut out = Vec::new();
         loop {
             // The end of a stream is silence: a short wait once enough arrived, a long one
